@@ -1,0 +1,247 @@
+"""The ``strop`` command line: run the services, drive training jobs, export adapters.
+
+``strop serve trainer|export`` dispatches lazily to the service packages, so the SDK side of the CLI
+(``strop train``, ``strop jobs``) needs only grpcio and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+
+from strop.client.errors import StropClientError
+
+DEFAULT_TRAINER = os.environ.get("STROP_TRAINER", "127.0.0.1:50051")
+
+
+def _print_json(obj) -> None:
+    from strop.common.serde import to_dict
+
+    print(json.dumps(to_dict(obj) if dataclasses.is_dataclass(obj) else obj, indent=2, default=str))
+
+
+def _serve(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("trainer", "export"):
+        print(
+            "usage: strop serve {trainer|export} [options]  (--help after the name for options)",
+            file=sys.stderr,
+        )
+        return 2
+    if argv[0] == "trainer":
+        from strop.trainer_svc.server import main
+    else:
+        from strop.export_svc.server import main
+    main(argv[1:])
+    return 0
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="load a model, attach LoRA, upload a dataset and run SFT or DPO")
+    p.add_argument("--target", default=DEFAULT_TRAINER, help="trainer service host:port")
+    p.add_argument("--model", required=True, help="model path under the service's model root")
+    p.add_argument("--dataset", required=True, help="local JSONL file to upload")
+    p.add_argument("--method", choices=("sft", "dpo"), default="sft")
+    p.add_argument("--quantization", choices=("auto", "nf4", "none"), default="auto")
+    p.add_argument("--r", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=16.0)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--target-modules", default="", help="comma-separated; default all seven projections")
+    p.add_argument("--rslora", action="store_true")
+    p.add_argument("--lr", type=float, default=0.0)
+    p.add_argument("--scheduler", default="")
+    p.add_argument("--warmup-ratio", type=float, default=0.0)
+    p.add_argument("--max-steps", type=int, default=0)
+    p.add_argument("--epochs", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=0)
+    p.add_argument("--grad-accum", type=int, default=0)
+    p.add_argument("--max-length", type=int, default=0)
+    p.add_argument("--packing", action="store_true")
+    p.add_argument("--completion-only", action="store_true")
+    p.add_argument("--optimizer", default="")
+    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--dpo-loss", default="")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-adapter", default="", help="also save the adapter under this artifact id")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(a) -> int:
+    from strop.client.trainer import TrainerClient
+    from strop.common.trainer_types import LoraConfig, Quantization, TrainConfig, TrainMethod
+
+    quant = {"auto": Quantization.UNSPECIFIED, "nf4": Quantization.NF4, "none": Quantization.NONE}[
+        a.quantization
+    ]
+    targets = [t for t in a.target_modules.split(",") if t]
+    config = TrainConfig(
+        method=TrainMethod.SFT if a.method == "sft" else TrainMethod.DPO,
+        learning_rate=a.lr,
+        lr_scheduler=a.scheduler,
+        warmup_ratio=a.warmup_ratio,
+        max_steps=a.max_steps,
+        num_epochs=a.epochs,
+        batch_size=a.batch_size,
+        gradient_accumulation_steps=a.grad_accum,
+        max_length=a.max_length,
+        packing=a.packing,
+        completion_only_loss=a.completion_only,
+        optimizer=a.optimizer,
+        dpo_beta=a.beta,
+        dpo_loss_type=a.dpo_loss,
+        checkpoint_every_steps=a.checkpoint_every,
+        seed=a.seed,
+        gradient_checkpointing=a.gradient_checkpointing,
+    )
+    with TrainerClient(a.target) as tc:
+        session = tc.load_model(a.model, quantization=quant)
+        print(
+            f"session {session.session_id}: {session.facts.architecture} {session.facts.quantization} "
+            f"on {session.facts.device} ({session.facts.kernels_reason})",
+            file=sys.stderr,
+        )
+        lora = LoraConfig(r=a.r, alpha=a.alpha, dropout=a.dropout, use_rslora=a.rslora, seed=a.seed)
+        if targets:
+            lora.target_modules = targets
+        tc.attach_lora(session.session_id, lora)
+        ds = tc.upload_dataset(a.dataset)
+        print(f"dataset {ds.dataset_id}: {ds.num_rows} {ds.format.value.lower()} rows", file=sys.stderr)
+        job = tc.get_job(follow(tc.train(session.session_id, ds.dataset_id, config)))
+        if a.save_adapter:
+            tc.save_adapter(session.session_id, a.save_adapter)
+        _print_json(job)
+        return 0 if job.state.value == "SUCCEEDED" else 1
+
+
+def follow(events, on_event: Callable | None = None):
+    """Show a job's events with a progress bar (live loss) until the stream ends; return the job id."""
+    from tqdm import tqdm
+
+    bar = None
+    job_id = ""
+    for ev in events:
+        job_id = ev.job_id
+        if on_event:
+            on_event(ev)
+        if ev.step is not None:
+            s = ev.step
+            if bar is None:
+                bar = tqdm(
+                    total=s.total_steps or None, desc=job_id, unit="step", file=sys.stderr, mininterval=0.5
+                )
+            bar.update(s.step - bar.n)
+            post = {
+                "loss": f"{s.loss:.4f}",
+                "lr": f"{s.learning_rate:.2e}",
+                "tok/s": f"{s.tokens_per_second:.0f}",
+            }
+            if s.dpo is not None:
+                post["margin"] = f"{s.dpo.reward_margin:.3f}"
+            bar.set_postfix(post)
+        elif ev.state is not None:
+            tqdm.write(f"[{job_id}] {ev.state.state.value}: {ev.state.message}", file=sys.stderr)
+        elif ev.checkpoint is not None:
+            tqdm.write(
+                f"[{job_id}] checkpoint at step {ev.checkpoint.step}: {ev.checkpoint.artifact.artifact_id}",
+                file=sys.stderr,
+            )
+        elif ev.adapter is not None:
+            tqdm.write(f"[{job_id}] adapter {ev.adapter.artifact_id}", file=sys.stderr)
+        elif ev.log is not None:
+            tqdm.write(f"[{job_id}] {ev.log.message}", file=sys.stderr)
+    if bar is not None:
+        bar.close()
+    return job_id
+
+
+def _add_jobs(sub) -> None:
+    p = sub.add_parser("jobs", help="list, inspect, follow or cancel training jobs")
+    p.add_argument("--target", default=DEFAULT_TRAINER)
+    jsub = p.add_subparsers(dest="jobs_cmd", required=True)
+    jsub.add_parser("list").add_argument("--session", default="")
+    for name in ("get", "watch", "cancel"):
+        q = jsub.add_parser(name)
+        q.add_argument("job_id")
+        if name == "watch":
+            q.add_argument("--after-seq", type=int, default=0)
+    p.set_defaults(func=_cmd_jobs)
+
+
+def _cmd_jobs(a) -> int:
+    from strop.client.trainer import TrainerClient
+
+    with TrainerClient(a.target) as tc:
+        if a.jobs_cmd == "list":
+            for j in tc.list_jobs(a.session):
+                print(
+                    f"{j.job_id}\t{j.state.value}\t{j.config.method.value}\tstep {j.step}/{j.total_steps}"
+                    f"\tloss {j.last_loss:.4f}\t{j.name}"
+                )
+        elif a.jobs_cmd == "get":
+            _print_json(tc.get_job(a.job_id))
+        elif a.jobs_cmd == "watch":
+            follow(tc.watch_job(a.job_id, a.after_seq))
+        else:
+            _print_json(tc.cancel_job(a.job_id))
+    return 0
+
+
+def _add_sessions(sub) -> None:
+    p = sub.add_parser("sessions", help="list or close trainer sessions")
+    p.add_argument("--target", default=DEFAULT_TRAINER)
+    ssub = p.add_subparsers(dest="sessions_cmd", required=True)
+    ssub.add_parser("list").add_argument("--all", action="store_true")
+    ssub.add_parser("close").add_argument("session_id")
+    p.set_defaults(func=_cmd_sessions)
+
+
+def _cmd_sessions(a) -> int:
+    from strop.client.trainer import TrainerClient
+
+    with TrainerClient(a.target) as tc:
+        if a.sessions_cmd == "list":
+            for s in tc.list_sessions(include_closed=a.all):
+                print(
+                    f"{s.session_id}\t{s.state.value}\t{s.facts.model_path}\t{s.facts.quantization}"
+                    f"\tkernels={s.facts.kernels_enabled}\t{s.busy_job_id}"
+                )
+        else:
+            _print_json(tc.close_session(a.session_id))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strop", description="strop: LoRA/QLoRA fine-tuning as a service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run a service: strop serve {trainer|export} [options]", add_help=False)
+    _add_train(sub)
+    _add_jobs(sub)
+    _add_sessions(sub)
+    try:
+        from strop.client import cli_export
+    except ImportError:
+        cli_export = None
+    if cli_export is not None:
+        cli_export.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return _serve(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except StropClientError as exc:
+        print(f"error ({exc.code}): {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""gRPC plumbing shared by the services: error mapping, health, reflection, limits, graceful drain.
+
+Only the services' thin gRPC layers import this module; their ``core/`` packages never import grpc.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from strop.common.errors import StropError, Unavailable
+
+log = logging.getLogger("strop.grpc")
+
+MAX_MESSAGE_BYTES = 64 << 20
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Long-lived event streams through load balancers: keep the connection alive.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, StropError):
+        code = getattr(grpc.StatusCode, exc.grpc_code, grpc.StatusCode.INTERNAL)
+        if code is grpc.StatusCode.INTERNAL:
+            ref = uuid.uuid4().hex[:12]
+            log.error("internal error in %s (ref %s)", method, ref, exc_info=exc)
+            context.abort(code, f"internal error (ref {ref})")
+        context.abort(code, str(exc))
+    ref = uuid.uuid4().hex[:12]
+    log.error("unhandled error in %s (ref %s)", method, ref, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error (ref {ref})")
+
+
+def _already_aborted(context: grpc.ServicerContext) -> bool:
+    try:
+        return context.code() is not None and context.code() != grpc.StatusCode.OK
+    except (AttributeError, NotImplementedError):
+        return False
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps domain exceptions to status codes; anything else becomes INTERNAL with a logged traceback."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def unary(fn):
+            def call(request, context):
+                try:
+                    return fn(request, context)
+                except Exception as exc:
+                    if _already_aborted(context):
+                        raise
+                    _abort(context, exc, method)
+
+            return call
+
+        def streaming(fn):
+            def call(request, context):
+                try:
+                    yield from fn(request, context)
+                except Exception as exc:
+                    if _already_aborted(context):
+                        raise
+                    _abort(context, exc, method)
+
+            return call
+
+        kw = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+
+
+class Drain:
+    """The draining flag: once set, requests that would start new work get UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    @property
+    def draining(self) -> bool:
+        return self._event.is_set()
+
+    def start(self) -> None:
+        self._event.set()
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise Unavailable("the service is shutting down; retry against another replica or later")
+
+
+@dataclass
+class ServiceBinding:
+    """A servicer and how to register it: ``add_fn(servicer, server)`` and its full proto name."""
+
+    add_fn: Callable[[object, grpc.Server], None]
+    servicer: object
+    full_name: str
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    health: health.HealthServicer
+    port: int
+    drain: Drain
+    service_names: list[str]
+
+    def stop(self, grace: float | None = 5.0, on_drain: Callable[[], None] | None = None) -> None:
+        """Graceful stop: NOT_SERVING for health probes, refuse new work, let calls finish, stop."""
+        self.drain.start()
+        self.health.enter_graceful_shutdown()
+        if on_drain is not None:
+            on_drain()
+        self.server.stop(grace).wait()
+
+
+def build_server(
+    bindings: Iterable[ServiceBinding],
+    *,
+    address: str = "127.0.0.1:0",
+    max_workers: int = 32,
+    drain: Drain | None = None,
+) -> RunningServer:
+    """Create and start a server with error mapping, health (per service and overall) and reflection.
+
+    ``address`` with port 0 binds a free port; the bound port is returned.
+    """
+    bindings = list(bindings)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="strop-rpc"),
+        interceptors=[ErrorInterceptor()],
+        options=SERVER_OPTIONS,
+        # Each event stream holds a worker thread; refuse (RESOURCE_EXHAUSTED) rather than queue forever.
+        maximum_concurrent_rpcs=max_workers * 4,
+    )
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = []
+    for b in bindings:
+        b.add_fn(b.servicer, server)
+        names.append(b.full_name)
+        health_servicer.set(b.full_name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    server.start()
+    return RunningServer(server, health_servicer, port, drain or Drain(), names)
+
+
+def serve_forever(
+    running: RunningServer, *, grace: float, on_drain: Callable[[], None] | None = None
+) -> None:
+    """Block until SIGTERM/SIGINT, then drain gracefully (for the services' ``main``)."""
+    stop = threading.Event()
+
+    def handle(signum, _frame):
+        log.info("signal %s: draining (grace %.0fs)", signum, grace)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    log.info("serving %s on port %d", ", ".join(running.service_names), running.port)
+    stop.wait()
+    running.stop(grace, on_drain=on_drain)
+    log.info("stopped")

@@ -1,0 +1,269 @@
+"""The trainer API's dataclasses, shared by the core and the SDK (torch-free, grpc-free).
+
+The gRPC layer converts them to and from protobuf by field name (``strop.common.serde``); the SDK
+returns them to callers, so pipelines never handle protobuf types.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Quantization(enum.StrEnum):
+    UNSPECIFIED = "UNSPECIFIED"
+    NF4 = "NF4"
+    NONE = "NONE"
+
+
+class KernelMode(enum.StrEnum):
+    UNSPECIFIED = "UNSPECIFIED"
+    ON = "ON"
+    OFF = "OFF"
+
+
+class SessionState(enum.StrEnum):
+    LOADED = "LOADED"
+    READY = "READY"
+    CLOSED = "CLOSED"
+    LOST = "LOST"
+
+
+class DatasetFormat(enum.StrEnum):
+    UNSPECIFIED = "UNSPECIFIED"
+    TEXT = "TEXT"
+    MESSAGES = "MESSAGES"
+    PROMPT_COMPLETION = "PROMPT_COMPLETION"
+    PREFERENCE = "PREFERENCE"
+
+
+class TrainMethod(enum.StrEnum):
+    UNSPECIFIED = "UNSPECIFIED"
+    SFT = "SFT"
+    DPO = "DPO"
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    INTERRUPTED = "INTERRUPTED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.INTERRUPTED})
+# Guarded transitions: anything else is a bug and raises.
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.INTERRUPTED}),
+    JobState.RUNNING: frozenset(
+        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.INTERRUPTED}
+    ),
+}
+RESUMABLE_STATES = frozenset({JobState.CANCELLED, JobState.INTERRUPTED, JobState.FAILED, JobState.SUCCEEDED})
+
+
+@dataclass
+class ArtifactFile:
+    name: str = ""
+    size_bytes: int = 0
+    sha256: str = ""
+
+
+@dataclass
+class Artifact:
+    artifact_id: str = ""
+    kind: str = ""
+    path: str = ""
+    sha256: str = ""
+    size_bytes: int = 0
+    files: list[ArtifactFile] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+    created_at: float = 0.0
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    use_rslora: bool = False
+    seed: int = 0
+
+
+@dataclass
+class ModelFacts:
+    model_path: str = ""
+    architecture: str = ""
+    model_type: str = ""
+    num_parameters: int = 0
+    num_trainable_parameters: int = 0
+    quantization: str = ""
+    compute_dtype: str = ""
+    device: str = ""
+    device_memory_bytes: int = 0
+    kernels_enabled: bool = False
+    kernels_reason: str = ""
+    max_seq_length: int = 0
+    vocab_size: int = 0
+    hidden_size: int = 0
+    num_layers: int = 0
+    has_chat_template: bool = False
+
+
+@dataclass
+class LoadModelRequest:
+    model_path: str = ""
+    quantization: Quantization = Quantization.UNSPECIFIED
+    dtype: str = ""
+    max_seq_length: int = 0
+    kernels: KernelMode = KernelMode.UNSPECIFIED
+    name: str = ""
+
+
+@dataclass
+class SessionInfo:
+    session_id: str = ""
+    name: str = ""
+    state: SessionState = SessionState.LOADED
+    facts: ModelFacts = field(default_factory=ModelFacts)
+    lora: LoraConfig | None = None
+    created_at: float = 0.0
+    busy_job_id: str = ""
+
+
+@dataclass
+class DatasetHeader:
+    name: str = ""
+    format: DatasetFormat = DatasetFormat.UNSPECIFIED
+
+
+@dataclass
+class DatasetInfo:
+    dataset_id: str = ""
+    name: str = ""
+    format: DatasetFormat = DatasetFormat.UNSPECIFIED
+    num_rows: int = 0
+    size_bytes: int = 0
+    sha256: str = ""
+    created_at: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters. Zero/empty fields take the documented defaults (see ``with_defaults``)."""
+
+    method: TrainMethod = TrainMethod.UNSPECIFIED
+    learning_rate: float = 0.0
+    lr_scheduler: str = ""
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    max_steps: int = 0
+    num_epochs: float = 0.0
+    batch_size: int = 0
+    gradient_accumulation_steps: int = 0
+    max_length: int = 0
+    packing: bool = False
+    completion_only_loss: bool = False
+    optimizer: str = ""
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
+    dpo_beta: float = 0.0
+    dpo_loss_type: str = ""
+    checkpoint_every_steps: int = 0
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    max_prompt_length: int = 0
+    dpo_reference: str = ""
+
+
+@dataclass
+class Checkpoint:
+    step: int = 0
+    artifact: Artifact | None = None
+
+
+@dataclass
+class JobInfo:
+    job_id: str = ""
+    session_id: str = ""
+    dataset_id: str = ""
+    name: str = ""
+    state: JobState = JobState.QUEUED
+    config: TrainConfig = field(default_factory=TrainConfig)
+    step: int = 0
+    total_steps: int = 0
+    error: str = ""
+    adapter: Artifact | None = None
+    last_checkpoint: Checkpoint | None = None
+    resumed_from_job_id: str = ""
+    created_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    last_seq: int = 0
+    last_loss: float = 0.0
+
+
+@dataclass
+class DpoMetrics:
+    rewards_chosen: float = 0.0
+    rewards_rejected: float = 0.0
+    reward_margin: float = 0.0
+    reward_accuracy: float = 0.0
+    logps_chosen: float = 0.0
+    logps_rejected: float = 0.0
+
+
+@dataclass
+class StepMetrics:
+    step: int = 0
+    total_steps: int = 0
+    epoch: float = 0.0
+    loss: float = 0.0
+    learning_rate: float = 0.0
+    grad_norm: float = 0.0
+    tokens_per_second: float = 0.0
+    tokens_seen: int = 0
+    peak_memory_bytes: int = 0
+    step_seconds: float = 0.0
+    dpo: DpoMetrics | None = None
+
+
+@dataclass
+class StateChange:
+    state: JobState = JobState.QUEUED
+    message: str = ""
+
+
+@dataclass
+class LogMessage:
+    level: str = "info"
+    message: str = ""
+
+
+@dataclass
+class JobEvent:
+    """One numbered record of a job. Exactly one of the payload fields is set."""
+
+    job_id: str = ""
+    seq: int = 0
+    time: float = 0.0
+    state: StateChange | None = None
+    step: StepMetrics | None = None
+    checkpoint: Checkpoint | None = None
+    adapter: Artifact | None = None
+    log: LogMessage | None = None
+
+    @property
+    def kind(self) -> str:
+        for name in ("state", "step", "checkpoint", "adapter", "log"):
+            if getattr(self, name) is not None:
+                return name
+        return ""

@@ -1,0 +1,485 @@
+from strop.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Quantization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUANTIZATION_UNSPECIFIED: _ClassVar[Quantization]
+    QUANTIZATION_NF4: _ClassVar[Quantization]
+    QUANTIZATION_NONE: _ClassVar[Quantization]
+
+class KernelMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KERNEL_MODE_UNSPECIFIED: _ClassVar[KernelMode]
+    KERNEL_MODE_ON: _ClassVar[KernelMode]
+    KERNEL_MODE_OFF: _ClassVar[KernelMode]
+
+class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
+    SESSION_STATE_LOADED: _ClassVar[SessionState]
+    SESSION_STATE_READY: _ClassVar[SessionState]
+    SESSION_STATE_CLOSED: _ClassVar[SessionState]
+    SESSION_STATE_LOST: _ClassVar[SessionState]
+
+class DatasetFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATASET_FORMAT_UNSPECIFIED: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_TEXT: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_MESSAGES: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_PROMPT_COMPLETION: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_PREFERENCE: _ClassVar[DatasetFormat]
+
+class TrainMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRAIN_METHOD_UNSPECIFIED: _ClassVar[TrainMethod]
+    TRAIN_METHOD_SFT: _ClassVar[TrainMethod]
+    TRAIN_METHOD_DPO: _ClassVar[TrainMethod]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_INTERRUPTED: _ClassVar[JobState]
+QUANTIZATION_UNSPECIFIED: Quantization
+QUANTIZATION_NF4: Quantization
+QUANTIZATION_NONE: Quantization
+KERNEL_MODE_UNSPECIFIED: KernelMode
+KERNEL_MODE_ON: KernelMode
+KERNEL_MODE_OFF: KernelMode
+SESSION_STATE_UNSPECIFIED: SessionState
+SESSION_STATE_LOADED: SessionState
+SESSION_STATE_READY: SessionState
+SESSION_STATE_CLOSED: SessionState
+SESSION_STATE_LOST: SessionState
+DATASET_FORMAT_UNSPECIFIED: DatasetFormat
+DATASET_FORMAT_TEXT: DatasetFormat
+DATASET_FORMAT_MESSAGES: DatasetFormat
+DATASET_FORMAT_PROMPT_COMPLETION: DatasetFormat
+DATASET_FORMAT_PREFERENCE: DatasetFormat
+TRAIN_METHOD_UNSPECIFIED: TrainMethod
+TRAIN_METHOD_SFT: TrainMethod
+TRAIN_METHOD_DPO: TrainMethod
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+JOB_STATE_INTERRUPTED: JobState
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model_path", "quantization", "dtype", "max_seq_length", "kernels", "name")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    quantization: Quantization
+    dtype: str
+    max_seq_length: int
+    kernels: KernelMode
+    name: str
+    def __init__(self, model_path: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., dtype: _Optional[str] = ..., max_seq_length: _Optional[int] = ..., kernels: _Optional[_Union[KernelMode, str]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ModelFacts(_message.Message):
+    __slots__ = ("model_path", "architecture", "model_type", "num_parameters", "num_trainable_parameters", "quantization", "compute_dtype", "device", "device_memory_bytes", "kernels_enabled", "kernels_reason", "max_seq_length", "vocab_size", "hidden_size", "num_layers", "has_chat_template")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRAINABLE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_REASON_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    architecture: str
+    model_type: str
+    num_parameters: int
+    num_trainable_parameters: int
+    quantization: str
+    compute_dtype: str
+    device: str
+    device_memory_bytes: int
+    kernels_enabled: bool
+    kernels_reason: str
+    max_seq_length: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    has_chat_template: bool
+    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_trainable_parameters: _Optional[int] = ..., quantization: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., kernels_enabled: _Optional[bool] = ..., kernels_reason: _Optional[str] = ..., max_seq_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("session_id", "name", "state", "facts", "lora", "created_at", "busy_job_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FACTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    BUSY_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    name: str
+    state: SessionState
+    facts: ModelFacts
+    lora: _common_pb2.LoraConfig
+    created_at: float
+    busy_job_id: str
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., facts: _Optional[_Union[ModelFacts, _Mapping]] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., busy_job_id: _Optional[str] = ...) -> None: ...
+
+class AttachLoraRequest(_message.Message):
+    __slots__ = ("session_id", "lora")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lora: _common_pb2.LoraConfig
+    def __init__(self, session_id: _Optional[str] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("include_closed",)
+    INCLUDE_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    include_closed: bool
+    def __init__(self, include_closed: _Optional[bool] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("session_id", "prompts", "max_new_tokens", "disable_adapter", "apply_chat_template")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompts: _containers.RepeatedScalarFieldContainer[str]
+    max_new_tokens: int
+    disable_adapter: bool
+    apply_chat_template: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., max_new_tokens: _Optional[int] = ..., disable_adapter: _Optional[bool] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("completions",)
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, completions: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SaveAdapterRequest(_message.Message):
+    __slots__ = ("session_id", "name")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    name: str
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class DatasetHeader(_message.Message):
+    __slots__ = ("name", "format")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    format: DatasetFormat
+    def __init__(self, name: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ...) -> None: ...
+
+class UploadDatasetRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: DatasetHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[DatasetHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RegisterDatasetRequest(_message.Message):
+    __slots__ = ("path", "header")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    header: DatasetHeader
+    def __init__(self, path: _Optional[str] = ..., header: _Optional[_Union[DatasetHeader, _Mapping]] = ...) -> None: ...
+
+class Dataset(_message.Message):
+    __slots__ = ("dataset_id", "name", "format", "num_rows", "size_bytes", "sha256", "created_at")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    name: str
+    format: DatasetFormat
+    num_rows: int
+    size_bytes: int
+    sha256: str
+    created_at: float
+    def __init__(self, dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class GetDatasetRequest(_message.Message):
+    __slots__ = ("dataset_id",)
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    def __init__(self, dataset_id: _Optional[str] = ...) -> None: ...
+
+class ListDatasetsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDatasetsResponse(_message.Message):
+    __slots__ = ("datasets",)
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    datasets: _containers.RepeatedCompositeFieldContainer[Dataset]
+    def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
+
+class TrainConfig(_message.Message):
+    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_ACCUMULATION_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PACKING_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_ONLY_LOSS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    DPO_BETA_FIELD_NUMBER: _ClassVar[int]
+    DPO_LOSS_TYPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    method: TrainMethod
+    learning_rate: float
+    lr_scheduler: str
+    warmup_ratio: float
+    warmup_steps: int
+    max_steps: int
+    num_epochs: float
+    batch_size: int
+    gradient_accumulation_steps: int
+    max_length: int
+    packing: bool
+    completion_only_loss: bool
+    optimizer: str
+    weight_decay: float
+    max_grad_norm: float
+    dpo_beta: float
+    dpo_loss_type: str
+    checkpoint_every_steps: int
+    seed: int
+    gradient_checkpointing: bool
+    max_prompt_length: int
+    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ...) -> None: ...
+
+class TrainRequest(_message.Message):
+    __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    dataset_id: str
+    config: TrainConfig
+    resume_from_job_id: str
+    name: str
+    def __init__(self, session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., resume_from_job_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("step", "artifact")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    artifact: _common_pb2.Artifact
+    def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    session_id: str
+    dataset_id: str
+    name: str
+    state: JobState
+    config: TrainConfig
+    step: int
+    total_steps: int
+    error: str
+    adapter: _common_pb2.Artifact
+    last_checkpoint: Checkpoint
+    resumed_from_job_id: str
+    created_at: float
+    started_at: float
+    finished_at: float
+    last_seq: int
+    last_loss: float
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ...) -> None: ...
+
+class StateChange(_message.Message):
+    __slots__ = ("state", "message")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    message: str
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DpoMetrics(_message.Message):
+    __slots__ = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected")
+    REWARDS_CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    LOGPS_CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    rewards_chosen: float
+    rewards_rejected: float
+    reward_margin: float
+    reward_accuracy: float
+    logps_chosen: float
+    logps_rejected: float
+    def __init__(self, rewards_chosen: _Optional[float] = ..., rewards_rejected: _Optional[float] = ..., reward_margin: _Optional[float] = ..., reward_accuracy: _Optional[float] = ..., logps_chosen: _Optional[float] = ..., logps_rejected: _Optional[float] = ...) -> None: ...
+
+class StepMetrics(_message.Message):
+    __slots__ = ("step", "total_steps", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_seen", "peak_memory_bytes", "step_seconds", "dpo")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DPO_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total_steps: int
+    epoch: float
+    loss: float
+    learning_rate: float
+    grad_norm: float
+    tokens_per_second: float
+    tokens_seen: int
+    peak_memory_bytes: int
+    step_seconds: float
+    dpo: DpoMetrics
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., epoch: _Optional[float] = ..., loss: _Optional[float] = ..., learning_rate: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_seen: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., dpo: _Optional[_Union[DpoMetrics, _Mapping]] = ...) -> None: ...
+
+class LogMessage(_message.Message):
+    __slots__ = ("level", "message")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    level: str
+    message: str
+    def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("job_id", "seq", "time", "state", "step", "checkpoint", "adapter", "log")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LOG_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    seq: int
+    time: float
+    state: StateChange
+    step: StepMetrics
+    checkpoint: Checkpoint
+    adapter: _common_pb2.Artifact
+    log: LogMessage
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[StateChange, _Mapping]] = ..., step: _Optional[_Union[StepMetrics, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., log: _Optional[_Union[LogMessage, _Mapping]] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("job_id", "after_seq")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after_seq: int
+    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("session_id", "states")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    states: _containers.RepeatedScalarFieldContainer[JobState]
+    def __init__(self, session_id: _Optional[str] = ..., states: _Optional[_Iterable[_Union[JobState, str]]] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,51 @@
+"""Shared test setup.
+
+The CPU tier runs Triton kernels in the interpreter: TRITON_INTERPRET=1 must be set before any
+kernel module (or triton itself) is imported, so it is set here, at the top of the root conftest,
+whenever no CUDA device is present. Tests marked ``gpu`` are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at test time
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # the SDK-only environment
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory) -> Path:
+    """A model root holding a tiny Llama (bf16, BPE tokenizer) and its bnb-4bit prequantized copy.
+
+    hidden 256 / intermediate 512 are multiples of 256 so GGUF K-quants apply to the same fixture.
+    """
+    from strop.fixtures import make_tiny_model, quantize_4bit
+
+    root = tmp_path_factory.mktemp("models")
+    make_tiny_model(root / "tiny-llama", arch="llama", tokenizer="bpe", seed=0)
+    quantize_4bit(root / "tiny-llama", root / "tiny-llama-4bit")
+    return root

@@ -1,0 +1,3 @@
+from strop.trainer_svc.server import main
+
+main()

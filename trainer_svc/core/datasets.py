@@ -1,0 +1,175 @@
+"""Dataset validation: JSONL rows in one of TRL's formats, checked before anything trains on them.
+
+Formats (as TRL names them): ``text``; ``messages`` (a conversation rendered with the chat
+template); ``prompt``/``completion``; ``prompt``/``chosen``/``rejected`` (preference, for DPO).
+Prompt, completion, chosen and rejected may be strings or message lists (conversational form).
+Every bad row is reported with its 1-based line number; nothing is stored unless all rows are good.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from strop.common.trainer_types import DatasetFormat
+from strop.trainer_svc.core.errors import InvalidArgument, ResourceExhausted
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+MAX_REPORTED_ERRORS = 20
+
+
+@dataclass
+class Limits:
+    max_bytes: int = 1 << 30
+    max_row_bytes: int = 4 << 20
+    max_rows: int = 10_000_000
+
+
+@dataclass
+class ValidatedDataset:
+    format: DatasetFormat
+    rows: list[dict]
+    size_bytes: int
+    sha256: str
+
+
+def _check_messages(value, field: str) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"'{field}' must be a non-empty list of messages"
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            return f"'{field}[{i}]' is not an object"
+        if m.get("role") not in ROLES:
+            return f"'{field}[{i}].role' must be one of {sorted(ROLES)}, got {m.get('role')!r}"
+        if not isinstance(m.get("content"), str):
+            return f"'{field}[{i}].content' must be a string"
+    return None
+
+
+def _check_text_or_messages(row: dict, field: str) -> str | None:
+    if field not in row:
+        return f"missing '{field}'"
+    value = row[field]
+    if isinstance(value, str):
+        return None if value.strip() or field == "prompt" else f"'{field}' is empty"
+    if isinstance(value, list):
+        return _check_messages(value, field)
+    return f"'{field}' must be a string or a list of messages, got {type(value).__name__}"
+
+
+def detect_format(row: dict) -> DatasetFormat | None:
+    keys = set(row)
+    if {"chosen", "rejected"} & keys or ({"prompt", "chosen"} <= keys):
+        return DatasetFormat.PREFERENCE
+    if "messages" in keys:
+        return DatasetFormat.MESSAGES
+    if "completion" in keys:
+        return DatasetFormat.PROMPT_COMPLETION
+    if "text" in keys:
+        return DatasetFormat.TEXT
+    return None
+
+
+def check_row(row: dict, fmt: DatasetFormat) -> str | None:
+    """The problem with ``row`` under ``fmt``, or None when it is valid."""
+    if fmt is DatasetFormat.TEXT:
+        if not isinstance(row.get("text"), str):
+            return "missing 'text'" if "text" not in row else "'text' must be a string"
+        return None if row["text"].strip() else "'text' is empty"
+    if fmt is DatasetFormat.MESSAGES:
+        if "messages" not in row:
+            return "missing 'messages'"
+        problem = _check_messages(row["messages"], "messages")
+        if problem:
+            return problem
+        if row["messages"][-1]["role"] != "assistant":
+            return "the last message must come from the assistant (it is what the model learns to say)"
+        return None
+    fields = (
+        ("prompt", "completion")
+        if fmt is DatasetFormat.PROMPT_COMPLETION
+        else ("prompt", "chosen", "rejected")
+    )
+    for f in fields:
+        problem = _check_text_or_messages(row, f)
+        if problem:
+            return problem
+    kinds = {isinstance(row[f], str) for f in fields}
+    if len(kinds) > 1:
+        return f"fields {list(fields)} mix strings and message lists"
+    return None
+
+
+def validate_jsonl(chunks: Iterable[bytes], fmt: DatasetFormat, limits: Limits) -> ValidatedDataset:
+    """Parse and validate JSONL bytes (rows may span chunks).
+
+    Raises:
+        ResourceExhausted: the data or one row exceeds the limits.
+        InvalidArgument: no rows, an undetectable format, or bad rows (each listed with its line number).
+    """
+    digest = hashlib.sha256()
+    buf = bytearray()
+    size = 0
+    rows: list[dict] = []
+    errors: list[str] = []
+    n_errors = 0
+    line_no = 0
+
+    def take(line: bytes) -> None:
+        nonlocal fmt, n_errors, line_no
+        line_no += 1
+        if not line.strip():
+            return
+        if len(line) > limits.max_row_bytes:
+            raise ResourceExhausted(
+                f"line {line_no} is {len(line)} bytes; the limit is {limits.max_row_bytes}"
+            )
+        problem = None
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            row, problem = None, f"not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})"
+        if problem is None and not isinstance(row, dict):
+            problem = f"a row must be a JSON object, got {type(row).__name__}"
+        if problem is None and fmt is DatasetFormat.UNSPECIFIED:
+            detected = detect_format(row)
+            if detected is None:
+                problem = (
+                    f"cannot tell the format from keys {sorted(row)}: expected 'text', 'messages', "
+                    "'prompt'+'completion' or 'prompt'+'chosen'+'rejected'"
+                )
+            else:
+                fmt = detected
+        if problem is None:
+            problem = check_row(row, fmt)
+        if problem is not None:
+            n_errors += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append(f"line {line_no}: {problem}")
+            return
+        rows.append(row)
+        if len(rows) > limits.max_rows:
+            raise ResourceExhausted(f"more than {limits.max_rows} rows")
+
+    for chunk in chunks:
+        size += len(chunk)
+        if size > limits.max_bytes:
+            raise ResourceExhausted(f"dataset exceeds the size limit of {limits.max_bytes} bytes")
+        digest.update(chunk)
+        buf += chunk
+        if len(buf) > limits.max_row_bytes and b"\n" not in buf:
+            raise ResourceExhausted(f"line {line_no + 1} exceeds {limits.max_row_bytes} bytes")
+        *lines, rest = bytes(buf).split(b"\n")
+        buf = bytearray(rest)
+        for line in lines:
+            take(line)
+    if buf:
+        take(bytes(buf))
+    if n_errors:
+        more = f" (and {n_errors - len(errors)} more)" if n_errors > len(errors) else ""
+        raise InvalidArgument(f"dataset has {n_errors} bad row(s): " + "; ".join(errors) + more)
+    if not rows:
+        raise InvalidArgument("dataset has no rows")
+    return ValidatedDataset(fmt, rows, size, digest.hexdigest())

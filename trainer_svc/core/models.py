@@ -1,0 +1,393 @@
+"""Loading base models, attaching LoRA, generating and saving adapters (torch, transformers, PEFT).
+
+A prequantized bitsandbytes 4-bit checkpoint is detected from its config and loaded as is; a 16-bit
+checkpoint is quantized to NF4 with double quant on load, or kept 16-bit for plain LoRA. Only
+safetensors are read and remote code is never run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from strop.common.paths import confine
+from strop.common.trainer_types import (
+    DEFAULT_TARGET_MODULES,
+    KernelMode,
+    LoadModelRequest,
+    LoraConfig,
+    ModelFacts,
+    Quantization,
+)
+from strop.trainer_svc.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger("strop.trainer")
+
+KERNEL_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class LoadedModel:
+    """A base model in memory, with its tokenizer, and (once attached) its PEFT adapter."""
+
+    model: Any
+    tokenizer: Any
+    facts: ModelFacts
+    model_dir: Path
+    model_rel: str
+    device: str
+    lora: LoraConfig | None = None
+    kernel_report: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+def pick_device(requested: str = "auto") -> str:
+    import torch
+
+    if requested and requested != "auto":
+        return requested
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _memory_in_use(device: str) -> int:
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def read_config(model_dir: Path) -> dict:
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise InvalidArgument(f"{model_dir.name!r} is not a Hugging Face model directory (no config.json)")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{model_dir.name}/config.json is not valid JSON: {exc}") from None
+
+
+def detect_quantization(config: dict) -> str:
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") == "bitsandbytes" and q.get("load_in_4bit"):
+        return "bnb-4bit"
+    if q:
+        return str(q.get("quant_method", "unknown"))
+    return "none"
+
+
+def load_model(req: LoadModelRequest, *, model_root: Path, device: str) -> LoadedModel:
+    """Load ``req.model_path`` (confined under ``model_root``) onto ``device``.
+
+    Raises:
+        InvalidArgument: path outside the root, not a model dir, only pickle weights, bad dtype, or a
+            quantization request that contradicts the checkpoint.
+        NotFound: nothing at the path.
+        ResourceExhausted: the device ran out of memory while loading.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    model_dir = confine(model_root, req.model_path, what="model path")
+    if not model_dir.is_dir():
+        raise InvalidArgument(f"model path {req.model_path!r} is not a directory")
+    config = read_config(model_dir)
+    if not any(model_dir.glob("*.safetensors")):
+        if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+            raise InvalidArgument(
+                f"model {req.model_path!r} has only pickle weights; strop loads safetensors only"
+            )
+        raise InvalidArgument(f"model {req.model_path!r} has no .safetensors weights")
+    dtype_name = req.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if dtype_name not in DTYPES:
+        raise InvalidArgument(f"dtype {req.dtype!r} is not one of {DTYPES}")
+    dtype = getattr(torch, dtype_name)
+    existing = detect_quantization(config)
+    if existing not in ("none", "bnb-4bit"):
+        raise InvalidArgument(
+            f"model {req.model_path!r} is quantized with {existing!r}; strop loads bnb-4bit or 16-bit"
+        )
+    if existing == "bnb-4bit" and req.quantization is Quantization.NONE:
+        raise InvalidArgument(
+            f"model {req.model_path!r} is a prequantized 4-bit checkpoint; it cannot be loaded as 16-bit "
+            "(use quantization NF4 or unspecified)"
+        )
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FailedPrecondition(f"device {device} requested but CUDA is not available")
+
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype, device_map={"": device}, trust_remote_code=False, use_safetensors=True
+    )
+    if existing == "bnb-4bit":
+        quant_label = "bnb-nf4-prequantized"
+        qc = config["quantization_config"]
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=qc.get("bnb_4bit_quant_type", "nf4"),
+            bnb_4bit_use_double_quant=qc.get("bnb_4bit_use_double_quant", True),
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=getattr(torch, qc.get("bnb_4bit_quant_storage", "uint8")),
+        )
+    elif req.quantization is Quantization.NONE:
+        quant_label = "none"
+    else:
+        quant_label = "bnb-nf4-on-load"
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+
+    before = _memory_in_use(device)
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except torch.OutOfMemoryError as exc:
+        gc.collect()
+        torch.cuda.empty_cache()
+        raise ResourceExhausted(f"out of device memory loading {req.model_path!r}: {exc}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise InvalidArgument(f"cannot load model {req.model_path!r}: {exc}") from None
+    model.config.use_cache = False
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    max_len = req.max_seq_length or max_pos or 2048
+    if max_pos and req.max_seq_length > max_pos:
+        raise InvalidArgument(f"max_seq_length {req.max_seq_length} exceeds the model's {max_pos} positions")
+    facts = ModelFacts(
+        model_path=str(model_dir.relative_to(model_root.resolve())),
+        architecture=(hf_config.architectures or [type(model).__name__])[0],
+        model_type=hf_config.model_type,
+        num_parameters=count_parameters(model),
+        num_trainable_parameters=0,
+        quantization=quant_label,
+        compute_dtype=dtype_name,
+        device=device,
+        device_memory_bytes=max(0, _memory_in_use(device) - before),
+        max_seq_length=max_len,
+        vocab_size=int(hf_config.vocab_size),
+        hidden_size=int(hf_config.hidden_size),
+        num_layers=int(hf_config.num_hidden_layers),
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+    )
+    facts.kernels_enabled, facts.kernels_reason = decide_kernels(req.kernels, device, hf_config.model_type)
+    return LoadedModel(model, tokenizer, facts, model_dir, facts.model_path, device)
+
+
+def decide_kernels(mode: KernelMode, device: str, model_type: str) -> tuple[bool, str]:
+    """Whether strop's Triton kernels will be patched in, and why (shown in the session's facts)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if mode is KernelMode.OFF:
+        return False, "kernels off by request: unpatched HF + PEFT"
+    if model_type not in KERNEL_ARCHS:
+        if mode is KernelMode.ON:
+            raise InvalidArgument(
+                f"kernels requested but arch {model_type!r} has no fast path ({sorted(KERNEL_ARCHS)})"
+            )
+        return False, f"arch {model_type!r} has no fast path: unpatched HF + PEFT"
+    if not device.startswith("cuda"):
+        if mode is KernelMode.ON and interpreted:
+            return True, "kernels on by request, run by the Triton interpreter (TRITON_INTERPRET=1)"
+        if mode is KernelMode.ON:
+            raise FailedPrecondition("kernels need a CUDA device (or TRITON_INTERPRET=1 for testing)")
+        return False, "no CUDA device: unpatched HF + PEFT"
+    return True, "CUDA device: strop Triton kernels"
+
+
+def count_parameters(model) -> int:
+    """Logical parameter count (a packed 4-bit tensor holds two parameters per byte)."""
+    total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.dtype.is_floating_point is False and hasattr(p, "quant_state"):
+            n *= 2
+        total += n
+    return total
+
+
+def linear_module_names(model) -> set[str]:
+    """Leaf names of the model's linear layers (16-bit or bnb 4-bit), excluding the LM head."""
+    import torch
+
+    names = set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "lm_head":
+            continue
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            names.add(leaf)
+    return names
+
+
+def validate_lora(cfg: LoraConfig, model) -> LoraConfig:
+    if cfg.r <= 0:
+        raise InvalidArgument(f"LoRA rank r must be positive, got {cfg.r}")
+    if cfg.r > 1024:
+        raise InvalidArgument(f"LoRA rank r={cfg.r} is above the limit of 1024")
+    if cfg.alpha <= 0:
+        raise InvalidArgument(f"LoRA alpha must be positive, got {cfg.alpha}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise InvalidArgument(f"LoRA dropout must be in [0, 1), got {cfg.dropout}")
+    targets = list(cfg.target_modules) or list(DEFAULT_TARGET_MODULES)
+    available = linear_module_names(model)
+    unknown = sorted(set(targets) - available)
+    if unknown:
+        raise InvalidArgument(f"unknown target module(s) {unknown}; this model has {sorted(available)}")
+    return LoraConfig(cfg.r, cfg.alpha, cfg.dropout, targets, cfg.use_rslora, cfg.seed)
+
+
+def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
+    """Wrap the model with a PEFT LoRA adapter (weights fp32) and, on the fast path, patch the kernels."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    if loaded.lora is not None:
+        raise FailedPrecondition("this session already has a LoRA adapter")
+    cfg = validate_lora(cfg, loaded.model)
+    torch.manual_seed(cfg.seed)
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        use_rslora=cfg.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    # autocast_adapter_dtype keeps LoRA weights (and so optimizer state) in fp32 over a 16/4-bit base.
+    model = get_peft_model(loaded.model, peft_cfg, autocast_adapter_dtype=True)
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+            log.debug("upcast %s to fp32", name)
+    loaded.model = model
+    loaded.lora = cfg
+    loaded.facts.num_trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if loaded.facts.kernels_enabled:
+        loaded.kernel_report = apply_kernels(loaded)
+
+
+def apply_kernels(loaded: LoadedModel):
+    """Patch strop's kernels into the PEFT model; the report's summary goes into the session facts."""
+    from strop.kernels import patch_model
+
+    report = patch_model(loaded.model)
+    summary = getattr(report, "summary", None)
+    text = summary() if callable(summary) else str(report)
+    loaded.facts.kernels_reason = f"{loaded.facts.kernels_reason}; {text}"
+    return report
+
+
+def generate(
+    loaded: LoadedModel,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    disable_adapter: bool,
+    apply_chat_template: bool,
+) -> list[str]:
+    """Greedy completions of ``prompts`` (new text only, special tokens removed)."""
+    import contextlib
+
+    import torch
+
+    if not prompts:
+        raise InvalidArgument("no prompts given")
+    if not 0 < max_new_tokens <= 4096:
+        raise InvalidArgument(f"max_new_tokens must be in 1..4096, got {max_new_tokens}")
+    tok = loaded.tokenizer
+    if apply_chat_template:
+        if not getattr(tok, "chat_template", None):
+            raise FailedPrecondition("the model's tokenizer has no chat template")
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
+    else:
+        texts = list(prompts)
+    model = loaded.model
+    outs = []
+    ctx = (
+        model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        with ctx, torch.no_grad():
+            for text in texts:  # one at a time: no padding, so results do not depend on batch makeup
+                enc = tok(text, return_tensors="pt", add_special_tokens=not apply_chat_template).to(
+                    loaded.device
+                )
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    pad_token_id=tok.pad_token_id,
+                    use_cache=True,
+                )
+                outs.append(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return outs
+
+
+def write_adapter(loaded: LoadedModel, out_dir: Path) -> None:
+    """PEFT adapter files (+ the base's tokenizer files, so exports have what they need)."""
+    loaded.model.save_pretrained(out_dir, safe_serialization=True)
+    copy_tokenizer_files(loaded.model_dir, out_dir)
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def adapter_metadata(loaded: LoadedModel) -> dict[str, str]:
+    return {
+        "base_model": loaded.model_rel,
+        "base_quantization": loaded.facts.quantization,
+        "base_architecture": loaded.facts.architecture,
+        "r": str(loaded.lora.r if loaded.lora else 0),
+    }
+
+
+def release(loaded: LoadedModel) -> None:
+    """Drop the model and return its device memory."""
+    import torch
+
+    loaded.model = None
+    loaded.tokenizer = None
+    gc.collect()
+    if loaded.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def ensure_exists(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise NotFound(f"{what} {str(path)!r} not found")
+    return path
