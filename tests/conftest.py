@@ -49,3 +49,32 @@ def model_root(tmp_path_factory) -> Path:
     make_tiny_model(root / "tiny-llama", arch="llama", tokenizer="bpe", seed=0)
     quantize_4bit(root / "tiny-llama", root / "tiny-llama-4bit")
     return root
+
+
+@pytest.fixture(scope="module")
+def trainer(model_root, tmp_path_factory):
+    """A trainer service over real gRPC on 127.0.0.1 with a free port; stopped after the module."""
+    from strop.trainer_svc.core.trainer import TrainerConfig
+    from strop.trainer_svc.server import start
+
+    work = tmp_path_factory.mktemp("trainer")
+    config = TrainerConfig(
+        model_root=model_root,
+        artifact_root=work / "artifacts",
+        state_dir=work / "state",
+        data_root=work / "data",
+    )
+    (work / "data").mkdir()
+    running, core = start(config)
+    yield running, core, config
+    running.stop(grace=1.0, on_drain=lambda: core.drain(10.0))
+    core.close()
+
+
+@pytest.fixture
+def client(trainer):
+    from strop.client import TrainerClient
+
+    running, _, _ = trainer
+    with TrainerClient(f"127.0.0.1:{running.port}") as c:
+        yield c

@@ -280,6 +280,7 @@ def build_trainer(
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer = _build_trl_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
+    keep_adapter_fp32(loaded.model)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     return trainer
@@ -335,6 +336,19 @@ def _build_trl_trainer(
         peft_model.delete_adapter("ref")
         peft_model.set_adapter("default")
     return trainer
+
+
+def keep_adapter_fp32(model) -> None:
+    """Undo TRL's bf16 cast of LoRA weights on quantized bases (before the optimizer exists).
+
+    TRL follows the QLoRA paper and casts adapters to bf16; at small learning rates bf16 swallows
+    the updates (the DPO margin then does not move), so strop keeps adapters and optimizer state fp32.
+    """
+    import torch
+
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
 
 
 def cleanup_reference_adapter(loaded: LoadedModel) -> None:

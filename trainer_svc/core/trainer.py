@@ -291,7 +291,7 @@ class TrainerCore:
             raise InvalidArgument("config is required (method SFT or DPO)")
         if not dataset_id:
             raise InvalidArgument("dataset_id is required")
-        sess = self._idle_session(session_id)
+        sess = self._open_session(session_id)  # busy is checked last, under the lock
         if sess.loaded.lora is None:
             raise FailedPrecondition(f"session {session_id} has no adapter; call AttachLora first")
         ds_info, rows = self._dataset_rows(dataset_id)

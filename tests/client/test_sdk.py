@@ -1,0 +1,90 @@
+"""The SDK: torch-free import, status codes mapped to exceptions, and the CLI driving a real service."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from strop.client import errors
+from strop.client.cli import main as cli_main
+from strop.demo.data import sft_rows
+
+
+def test_importing_the_sdk_never_imports_torch():
+    code = "import sys, strop.client, strop.client.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "pipelines must not pay for torch"
+
+
+class _FakeRpcError(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgumentError),
+        (grpc.StatusCode.NOT_FOUND, errors.NotFoundError),
+        (grpc.StatusCode.FAILED_PRECONDITION, errors.FailedPreconditionError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError),
+        (grpc.StatusCode.UNAVAILABLE, errors.UnavailableError),
+        (grpc.StatusCode.ALREADY_EXISTS, errors.AlreadyExistsError),
+        (grpc.StatusCode.DATA_LOSS, errors.DataLossError),
+        (grpc.StatusCode.INTERNAL, errors.InternalError),
+    ],
+)
+def test_each_status_code_maps_to_its_exception(code, cls):
+    exc = errors.from_rpc_error(_FakeRpcError(code, "the details"), "Method")
+    assert type(exc) is cls and exc.details == "the details" and exc.code == code.name
+
+
+def test_cli_trains_through_the_service_and_lists_the_job(trainer, tmp_path, capsys):
+    running, _, _ = trainer
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in sft_rows()))
+    target = f"127.0.0.1:{running.port}"
+    rc = cli_main(
+        [
+            "train",
+            "--target",
+            target,
+            "--model",
+            "tiny-llama-4bit",
+            "--dataset",
+            str(data),
+            "--max-steps",
+            "3",
+            "--r",
+            "4",
+            "--lr",
+            "1e-3",
+        ]
+    )
+    out = capsys.readouterr()
+    assert rc == 0
+    job = json.loads(out.out)
+    assert job["state"] == "SUCCEEDED" and job["step"] == 3
+    assert "loss=" in out.err, "the progress bar shows the live loss"
+    assert cli_main(["jobs", "--target", target, "list"]) == 0
+    assert job["job_id"] in capsys.readouterr().out
+
+
+def test_cli_reports_errors_with_their_code(trainer, tmp_path, capsys):
+    running, _, _ = trainer
+    data = tmp_path / "x.jsonl"
+    data.write_text('{"text": "a"}\n')
+    rc = cli_main(
+        ["train", "--target", f"127.0.0.1:{running.port}", "--model", "missing", "--dataset", str(data)]
+    )
+    assert rc == 1
+    assert "error (NOT_FOUND)" in capsys.readouterr().err

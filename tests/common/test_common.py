@@ -1,0 +1,115 @@
+"""Shared pieces: the artifact store's atomicity and digests, path confinement, dataclass <-> proto."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from strop.common.artifacts import ArtifactStore
+from strop.common.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
+from strop.common.paths import confine
+from strop.common.serde import from_dict, from_proto, to_dict, to_proto
+from strop.common.trainer_types import (
+    Artifact,
+    ArtifactFile,
+    Checkpoint,
+    DpoMetrics,
+    JobEvent,
+    JobInfo,
+    JobState,
+    StepMetrics,
+    TrainConfig,
+    TrainMethod,
+)
+from strop.v1 import trainer_pb2
+
+
+def test_artifact_is_published_atomically_with_digests(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.create("adapter", artifact_id="a1", metadata={"step": 3}) as p:
+        (p.dir / "w.bin").write_bytes(b"weights")
+        (p.dir / "sub").mkdir()
+        (p.dir / "sub" / "c.json").write_text("{}")
+        assert not store.exists("a1"), "nothing is visible before the block ends"
+    info = store.verify("a1")
+    assert {f.name for f in info.files} == {"w.bin", "sub/c.json"}
+    assert next(f for f in info.files if f.name == "w.bin").sha256 == hashlib.sha256(b"weights").hexdigest()
+    assert info.metadata == {"step": "3"} and info.kind == "adapter"
+
+
+def test_failed_writer_leaves_nothing_and_existing_ids_are_not_overwritten(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(RuntimeError), store.create("x", artifact_id="a2") as p:
+        (p.dir / "half").write_bytes(b"partial")
+        raise RuntimeError("writer died")
+    assert not store.exists("a2") and os.listdir(tmp_path / ".tmp") == []
+    with store.create("x", artifact_id="a2") as p:
+        (p.dir / "f").write_bytes(b"one")
+    with pytest.raises(AlreadyExists), store.create("x", artifact_id="a2") as p:
+        (p.dir / "f").write_bytes(b"two")
+    assert (tmp_path / "a2" / "f").read_bytes() == b"one"
+    with store.create("x", artifact_id="a2", overwrite=True) as p:
+        (p.dir / "f").write_bytes(b"two")
+    assert (tmp_path / "a2" / "f").read_bytes() == b"two"
+
+
+def test_corruption_is_detected_and_bad_ids_refused(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.create("x", artifact_id="a3") as p:
+        (p.dir / "f").write_bytes(b"data")
+    (tmp_path / "a3" / "f").write_bytes(b"dat")
+    with pytest.raises(DataLoss, match="'f'"):
+        store.verify("a3")
+    for bad in ("../a3", "a/b", "", ".hidden"):
+        with pytest.raises(InvalidArgument):
+            store.path_of(bad)
+    with pytest.raises(NotFound):
+        store.get("nope")
+
+
+def test_upload_round_trip_checks_offsets_and_digests(tmp_path):
+    src, dst = ArtifactStore(tmp_path / "src"), ArtifactStore(tmp_path / "dst")
+    with src.create("x", artifact_id="a4") as p:
+        (p.dir / "big").write_bytes(os.urandom(5000))
+        (p.dir / "small").write_bytes(b"s")
+    got = dst.receive("x", src.iter_chunks("a4", chunk_bytes=1024), artifact_id="a4")
+    assert got.sha256 == src.get("a4").sha256
+    chunks = list(src.iter_chunks("a4", chunk_bytes=1024))
+    name, off, data, _sha, last = chunks[-1]
+    chunks[-1] = (name, off, data, "0" * 64, last)
+    with pytest.raises(InvalidArgument, match="sha256 mismatch"):
+        dst.receive("x", iter(chunks), artifact_id="a5")
+    assert not dst.exists("a5")
+    with pytest.raises(InvalidArgument, match="not a plain relative path"):
+        dst.receive("x", iter([("../evil", 0, b"x", "", True)]), artifact_id="a6")
+
+
+def test_paths_are_confined_under_their_root(tmp_path):
+    (tmp_path / "root" / "m").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", tmp_path / "root" / "link")
+    assert confine(tmp_path / "root", "m") == (tmp_path / "root" / "m").resolve()
+    for bad in ("../outside", str(tmp_path / "outside"), "link"):
+        with pytest.raises(InvalidArgument, match="outside the allowed root"):
+            confine(tmp_path / "root", bad)
+    with pytest.raises(NotFound):
+        confine(tmp_path / "root", "missing")
+
+
+def test_dataclasses_round_trip_through_protobuf_and_json():
+    job = JobInfo(
+        job_id="j",
+        state=JobState.CANCELLED,
+        config=TrainConfig(method=TrainMethod.DPO, dpo_beta=0.2),
+        last_checkpoint=Checkpoint(7, Artifact("c", files=[ArtifactFile("f", 1, "ab")], metadata={"k": "v"})),
+    )
+    msg = to_proto(trainer_pb2.Job, job)
+    assert msg.state == trainer_pb2.JOB_STATE_CANCELLED and msg.config.method == trainer_pb2.TRAIN_METHOD_DPO
+    assert from_proto(JobInfo, msg) == job
+    assert from_dict(JobInfo, to_dict(job)) == job
+    ev = JobEvent(job_id="j", seq=4, step=StepMetrics(step=2, loss=1.5, dpo=DpoMetrics(reward_margin=0.3)))
+    msg = to_proto(trainer_pb2.JobEvent, ev)
+    assert msg.WhichOneof("event") == "step"
+    assert from_proto(JobEvent, msg) == ev
