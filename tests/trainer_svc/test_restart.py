@@ -67,5 +67,23 @@ def test_killed_service_restarts_with_history_and_resumes_the_interrupted_job(mo
             assert time.monotonic() - t0 < 120
             assert [e.step.step for e in resumed if e.step] == [start + 1, start + 2, start + 3]
             assert resumed[-1].state.state is JobState.SUCCEEDED
+
+            # SIGTERM while a job runs: the drain checkpoints it at the step reached and marks it INTERRUPTED.
+            events = tc.train(s2.session_id, ds.dataset_id, sft_config(5000, checkpoint_every_steps=1000))
+            drained_id = next(e for e in events if e.step is not None and e.step.step >= 3).job_id
+            events.close()
     finally:
         assert svc.stop() == 0, "SIGTERM drains and exits cleanly"
+
+    svc = start_service("trainer", args, tmp_path / "logs")
+    try:
+        with TrainerClient(svc.target) as tc:
+            drained = tc.get_job(drained_id)
+            assert drained.state is JobState.INTERRUPTED
+            assert drained.last_checkpoint is not None and drained.last_checkpoint.step == drained.step >= 3
+            assert (
+                "shutting down"
+                in tc.watch_job(drained_id, after_seq=drained.last_seq - 1).__next__().state.message
+            )
+    finally:
+        svc.stop()

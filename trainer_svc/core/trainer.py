@@ -381,33 +381,28 @@ class TrainerCore:
                 )
             self.store.append_event(JobEvent(job_id=job_id, adapter=adapter), adapter=adapter)
             if control.stop is None:
-                self.store.transition(job_id, JobState.SUCCEEDED, f"finished at step {step}")
+                outcome = JobState.SUCCEEDED, f"finished at step {step}"
             elif control.stop.reason == "cancel":
-                self.store.transition(job_id, JobState.CANCELLED, f"cancelled at step {step}")
+                outcome = JobState.CANCELLED, f"cancelled at step {step}"
             else:
-                self.store.transition(
-                    job_id, JobState.INTERRUPTED, f"service shutting down; stopped at step {step}"
-                )
+                outcome = JobState.INTERRUPTED, f"service shutting down; stopped at step {step}"
         except torch.OutOfMemoryError as exc:
             log.warning("job %s: out of device memory", job_id)
-            self._fail(job_id, f"out of device memory: {str(exc).splitlines()[0]}")
+            outcome = JobState.FAILED, f"out of device memory: {str(exc).splitlines()[0]}"
         except Exception as exc:
             log.exception("job %s failed", job_id)
-            self._fail(job_id, f"{type(exc).__name__}: {exc}")
+            outcome = JobState.FAILED, f"{type(exc).__name__}: {exc}"
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
+            if sess.loaded.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            # The session is free before the terminal event, so a client that saw the job end can reuse it.
             with self._lock:
                 sess.info.busy_job_id = ""
                 if sess.info.state is not SessionState.CLOSED:
                     self.store.put_session(sess.info)
                 self._jobs.pop(job_id, None)
-            if sess.loaded.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-
-    def _fail(self, job_id: str, message: str) -> None:
-        job = self.store.get_job(job_id)
-        if not job.state.terminal:
-            self.store.transition(job_id, JobState.FAILED, message)
+        self.store.transition(job_id, *outcome)
 
     def _on_step(self, job_id: str, m: StepMetrics) -> None:
         self.store.append_event(

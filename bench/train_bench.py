@@ -1,0 +1,317 @@
+"""Training benchmark on the standard workload of DESIGN.md: HF + PEFT baseline vs strop, each in its own process.
+
+Workload: Llama-3.1-8B shape (hidden 4096, inter 14336, 32 layers, 32/8 heads, vocab 128256), random
+weights, LoRA r=16 alpha=16 on all seven projections, gradient checkpointing, seq 2048, batch 8; QLoRA
+(NF4 double quant) and bf16 LoRA. The same random tokens and seed for every system.
+
+Baseline recipe (DESIGN.md): transformers + PEFT as a user writes it — no prepare_model_for_kbit_training,
+LoRA weights fp32, bf16 autocast, SDPA, gradient checkpointing with use_reentrant=False,
+torch.optim.AdamW(lr=1e-4), PYTORCH_ALLOC_CONF=expandable_segments:True. strop's library path is the
+same loop on the same model after ``strop.kernels.patch_model(model)``.
+
+FLOP accounting (stated so MFU can be checked):
+    N      = parameters in matmuls per token (7 projections x 32 layers + lm_head)
+    attn   = causal attention per token, forward: 2 * 2 * layers * seq/2 * hidden (QK^T and PV, half masked)
+    model FLOPs/token    = 2N + 2N (forward, backward dX; the frozen base has no weight gradient)
+                           + 3 * attn (attention forward + backward dQ, dK, dV) + LoRA (negligible, counted)
+    hardware FLOPs/token = model FLOPs + 2N_layers + attn (gradient checkpointing recomputes each layer's forward)
+    MFU = model FLOPs/token * tokens/s / 790 TFLOP/s (the H200's measured bf16 matmul ceiling); HFU likewise
+    with hardware FLOPs.
+
+Usage (on the GPU machine)::
+
+    python bench/train_bench.py --parts qlora,lora --systems baseline,strop --steps 8 --json bench/out/train.json
+    python bench/train_bench.py --parts context --systems baseline,strop --context 16384,32768,65536,131072,262144
+
+Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+PEAK_TFLOPS = 790.0  # measured bf16 matmul ceiling on the H200 (DESIGN.md, KINDS.md)
+SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, head_dim=128)
+
+
+@dataclass
+class Result:
+    part: str
+    system: str
+    seq: int
+    batch: int
+    ok: bool = True
+    error: str = ""
+    steps: int = 0
+    ms_per_step: float = 0.0
+    tokens_per_s: float = 0.0
+    peak_alloc_gib: float = 0.0
+    peak_reserved_gib: float = 0.0
+    host_peak_rss_gib: float = 0.0
+    mfu: float = 0.0
+    hfu: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    build_s: float = 0.0
+    notes: str = ""
+
+
+def flops_per_token(seq: int, r: int = 16) -> tuple[float, float]:
+    h, i, L, v = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"], SHAPE["vocab"]
+    kv = SHAPE["kv_heads"] * SHAPE["head_dim"]
+    n_layer = L * (h * h + 2 * h * kv + h * h + 3 * h * i)
+    n = n_layer + h * v
+    lora = L * r * ((h + h) * 2 + (h + kv) * 2 + 2 * (h + i) + (i + h))
+    attn = 2 * 2 * L * (seq / 2) * h
+    model = 4 * n + 3 * attn + 6 * lora
+    hardware = model + 2 * n_layer + attn + 2 * lora
+    return model, hardware
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def build_model(mode: str, seq: int):
+    """The 8B-shape model with random weights, on the GPU; QLoRA quantizes every decoder linear to NF4."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=SHAPE["vocab"],
+        hidden_size=SHAPE["hidden"],
+        intermediate_size=SHAPE["inter"],
+        num_hidden_layers=SHAPE["layers"],
+        num_attention_heads=SHAPE["heads"],
+        num_key_value_heads=SHAPE["kv_heads"],
+        max_position_embeddings=max(seq, 8192),
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    if mode == "qlora":
+        quantize_nf4_(model)
+    model.config.use_cache = False
+    return model
+
+
+def quantize_nf4_(model) -> None:
+    """Swap each decoder nn.Linear for a bnb Linear4bit (NF4, double quant, bf16 compute), layer by layer.
+
+    The same modules ``from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True, nf4, double quant))``
+    builds (lm_head and embeddings stay bf16), without writing 16 GB of random weights to disk first.
+    """
+    import bitsandbytes as bnb
+    import torch
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if not isinstance(lin, torch.nn.Linear):
+                    continue
+                q = bnb.nn.Linear4bit(
+                    lin.in_features,
+                    lin.out_features,
+                    bias=lin.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    compress_statistics=True,
+                    quant_type="nf4",
+                    device="meta",
+                )
+                q.weight = bnb.nn.Params4bit(
+                    lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
+                ).to("cuda")
+                setattr(parent, name, q)
+                del lin
+        torch.cuda.empty_cache()
+
+
+def attach_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=16,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    return get_peft_model(model, cfg)  # autocast_adapter_dtype=True: LoRA weights fp32
+
+
+def run_worker(a) -> Result:
+    import resource
+
+    import torch
+
+    res = Result(part=a.part, system=a.system, seq=a.seq, batch=a.batch)
+    t0 = time.perf_counter()
+    model = build_model("qlora" if a.part in ("qlora", "context") else "lora", a.seq)
+    model = attach_lora(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if a.system == "strop":
+        from strop.kernels import patch_model
+
+        report = patch_model(model)
+        res.notes = getattr(report, "summary", lambda: str(report))()
+    model.train()
+    res.build_s = time.perf_counter() - t0
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    data = torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device="cuda", generator=g)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(a.warmup + a.steps):
+        torch.cuda.synchronize()
+        ts = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=data, labels=data).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        res.losses.append(round(float(loss.detach()), 5))
+        if step >= a.warmup:
+            times.append(time.perf_counter() - ts)
+    times.sort()
+    med = times[len(times) // 2]
+    tokens = a.batch * a.seq
+    model_f, hw_f = flops_per_token(a.seq)
+    res.steps = len(times)
+    res.ms_per_step = med * 1e3
+    res.tokens_per_s = tokens / med
+    res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
+    res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+    res.host_peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+    res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+    return res
+
+
+# ------------------------------------------------------------------------------------------ orchestrator
+
+
+def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
+    env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--part",
+        part,
+        "--system",
+        system,
+        "--seq",
+        str(seq),
+        "--batch",
+        str(batch),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+    ]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return Result(part, system, seq, batch, ok=False, error=f"timeout after {a.timeout}s")
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return Result(**json.loads(line[7:]))
+    tail = (proc.stderr or proc.stdout)[-1500:]
+    oom = "OutOfMemoryError" in tail or "CUDA out of memory" in tail
+    return Result(
+        part,
+        system,
+        seq,
+        batch,
+        ok=False,
+        error=("OOM" if oom else f"rc={proc.returncode}: {tail}"),
+        build_s=time.perf_counter() - t0,
+    )
+
+
+def table(results: list[Result]) -> str:
+    base = {(r.part, r.seq): r for r in results if r.system == "baseline" and r.ok}
+    rows = [
+        "| part | system | seq x batch | tokens/s | ms/step | peak alloc GiB | peak reserved GiB | host RSS GiB "
+        "| MFU | HFU | speed vs base | mem vs base | first losses |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if not r.ok:
+            rows.append(f"| {r.part} | {r.system} | {r.seq} x {r.batch} | {r.error[:60]} | | | | | | | | | |")
+            continue
+        b = base.get((r.part, r.seq))
+        sp = f"{r.tokens_per_s / b.tokens_per_s:.2f}x" if b else "-"
+        mem = f"{r.peak_alloc_gib / b.peak_alloc_gib:.2f}x" if b else "-"
+        rows.append(
+            f"| {r.part} | {r.system} | {r.seq} x {r.batch} | {r.tokens_per_s:,.0f} | {r.ms_per_step:,.0f} | "
+            f"{r.peak_alloc_gib:.1f} | {r.peak_reserved_gib:.1f} | {r.host_peak_rss_gib:.1f} | {r.mfu:.1%} | "
+            f"{r.hfu:.1%} | {sp} | {mem} | {', '.join(f'{x:.4f}' for x in r.losses[:3])} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--part", default="qlora")
+    p.add_argument("--system", default="baseline")
+    p.add_argument("--parts", default="qlora,lora")
+    p.add_argument("--systems", default="baseline,strop")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", default="16384,32768,65536,131072,262144")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--json")
+    a = p.parse_args()
+    if a.worker:
+        try:
+            res = run_worker(a)
+        except Exception as exc:  # reported, not raised: the orchestrator records it
+            import traceback
+
+            traceback.print_exc()
+            oom = "OutOfMemoryError" in type(exc).__name__ or "out of memory" in str(exc)
+            res = Result(a.part, a.system, a.seq, a.batch, ok=False, error="OOM" if oom else repr(exc)[:300])
+        print("RESULT " + json.dumps(asdict(res)), flush=True)
+        return
+    results: list[Result] = []
+    for part in a.parts.split(","):
+        points = [(int(s), 1) for s in a.context.split(",")] if part == "context" else [(a.seq, a.batch)]
+        for system in a.systems.split(","):
+            for seq, batch in points:
+                r = spawn(part, system, seq, batch, a)
+                results.append(r)
+                print(
+                    f"{part} {system} {seq}x{batch}: "
+                    + (f"{r.tokens_per_s:,.0f} tok/s, {r.peak_alloc_gib:.1f} GiB" if r.ok else r.error[:200]),
+                    flush=True,
+                )
+                if part == "context" and not r.ok:
+                    break  # longer contexts will not fit either
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
