@@ -1,0 +1,140 @@
+"""Small helpers shared by strop's Triton ops: input checks, launch settings and jit math.
+
+Nothing here is an op. The checks raise real exceptions (TypeError for a wrong dtype or type, ValueError
+for a wrong shape, device or layout) whose message names the argument, so a bad call from model code
+fails at the launcher rather than as an illegal memory access inside a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Largest row one program holds in registers. 65,536 fp32 values is 256 KiB per program, past which the
+# compiler spills; every row op in strop has rows far shorter (hidden ≤ 16,384).
+MAX_FUSED_SIZE = 65536
+
+
+def calculate_settings(n: int) -> tuple[int, int]:
+    """Block size and warp count for a kernel that keeps one row of ``n`` elements in registers.
+
+    Args:
+        n: Row length in elements.
+
+    Returns:
+        ``(BLOCK_SIZE, num_warps)``: the next power of two ≥ ``n`` and the warps to spread it over.
+
+    Raises:
+        ValueError: If ``n`` is not positive or exceeds ``MAX_FUSED_SIZE``.
+    """
+    if n < 1:
+        raise ValueError(f"row length must be positive, got {n}")
+    block = triton.next_power_of_2(n)
+    if block > MAX_FUSED_SIZE:
+        raise ValueError(f"row length {n} exceeds the fused limit of {MAX_FUSED_SIZE} elements per row")
+    # untuned: chosen so each thread holds ≤ 16 elements (H=4096 → 8 warps × 32 lanes × 16), which keeps
+    # a bf16 row in two 16-byte vector loads per lane without spilling.
+    if block >= 32768:
+        return block, 32
+    if block >= 8192:
+        return block, 16
+    if block >= 2048:
+        return block, 8
+    return block, 4
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors on ``device``; 4 on the CPU (the Triton interpreter runs programs serially)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _sm_count(index)
+    return 4
+
+
+def check_float_tensor(t: object, name: str, *, ndim: int | None = None, min_ndim: int | None = None) -> None:
+    """Raise unless ``t`` is a floating tensor (fp32/bf16/fp16) of the required rank.
+
+    Raises:
+        TypeError: If ``t`` is not a tensor or has a non-float dtype.
+        ValueError: If its rank is wrong.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """Raise ValueError unless every given (non-None) tensor lives on the same device."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        found = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {found}")
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """View ``t`` as ``[rows, t.shape[-1]]`` with unit column stride, or None when no such view exists.
+
+    Any row stride is allowed, so a column slice of a wider buffer (e.g. the gate half of a fused
+    gate/up projection) is viewed without a copy.
+    """
+    # A last dim of size 1 has an arbitrary stride, but the kernels only ever address column 0 there.
+    if t.dim() == 0 or (t.stride(-1) != 1 and t.shape[-1] != 1):
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def is_writable_in_place(t: torch.Tensor) -> bool:
+    """True when no two elements of ``t`` share memory, so a kernel may overwrite it element by element.
+
+    Expanded tensors (stride 0, e.g. the gradient of ``.sum()``) and other self-overlapping views fail.
+    """
+    dims = sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            return False
+        span = stride * size
+    return True
+
+
+# Triton 3.6's interpreter casts fp32 → bf16 by truncating the mantissa (round toward zero), where the
+# compiled cast rounds to nearest even; `cast_to` rounds explicitly under the interpreter only.
+_INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def cast_to(x, dtype: tl.constexpr):
+    """Cast fp32 ``x`` to ``dtype`` rounding to nearest even, on the GPU and in the interpreter alike."""
+    if _INTERPRETER:  # noqa: SIM102 (nested: the compiled path never evaluates the dtype test)
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def tanh(x):
+    """fp32 tanh from exp(−2|x|) ≤ 1, which never overflows; libdevice's tanh has no interpreter version."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)

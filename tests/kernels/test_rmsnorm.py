@@ -1,0 +1,209 @@
+"""RMSNorm: the derived backward against autograd, then the Triton op against HF's LlamaRMSNorm.
+
+CPU tier: Triton interpreter (TRITON_INTERPRET=1), small odd shapes. GPU tier: 16,384 × 4,096 bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from strop.kernels.rmsnorm import (
+    rms_norm,
+    rms_norm_bwd,
+    rms_norm_bwd_reference,
+    rms_norm_fwd,
+    rms_norm_reference,
+)
+
+cpu_tier = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier runs the kernels under TRITON_INTERPRET=1"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Odd hidden sizes (not powers of two), one row, several batch dims, enough rows (37) that the dW
+# reduction runs several rows per program with a partial last program, and H spanning 8 warps.
+SHAPES = [(1, 67), (3, 5, 96), (37, 200), (2, 3, 2500)]
+
+
+def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """fp32 agreement to ≈1e-5 relative to the tensor's scale (DESIGN's fp32 tolerance)."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(
+        actual,
+        expected,
+        rtol=1e-5,
+        atol=1e-5 * scale,
+        msg=lambda m: f"{what} differs beyond fp32 rounding: {m}",
+    )
+
+
+def assert_bf16_within_torch_bound(
+    ours: torch.Tensor, torch_bf16: torch.Tensor, truth: torch.Tensor, what: str
+):
+    """Our error against the fp32 truth may be at most 2× torch's own bf16 path's (DESIGN's bf16 rule)."""
+    err_ours = (ours.float() - truth).abs().max().item()
+    err_torch = (torch_bf16.float() - truth).abs().max().item()
+    floor = 1e-6 * truth.abs().max().item()
+    assert err_ours <= 2 * err_torch + floor, (
+        f"{what}: max error {err_ours:.4g} vs fp32 should be ≤ 2 × torch bf16's {err_torch:.4g}"
+    )
+
+
+def _inputs(shape, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device=device, dtype=dtype)
+    dy = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    return x, w, dy
+
+
+@cpu_tier
+def test_derived_backward_matches_autograd_of_reference():
+    x, w, dy = _inputs((3, 5, 67), torch.float32)
+    x.requires_grad_(), w.requires_grad_()
+    dx_auto, dw_auto = torch.autograd.grad(rms_norm_reference(x, w, 1e-6), (x, w), dy)
+    dx, dw = rms_norm_bwd_reference(dy, x.detach(), w.detach(), 1e-6)
+    assert_close_fp32(dx, dx_auto, "derived dx")
+    assert_close_fp32(dw, dw_auto, "derived dW")
+
+
+@cpu_tier
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_both_gradients_match_hf_llama_rmsnorm_in_fp32(shape):
+    x, w, dy = _inputs(shape, torch.float32)
+    hf = LlamaRMSNorm(shape[-1], eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    x_ref = x.clone().requires_grad_()
+    y_ref = hf(x_ref)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, hf.weight), dy)
+
+    x.requires_grad_(), w.requires_grad_()
+    y = rms_norm(x, w, 1e-5)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert_close_fp32(y, y_ref, "forward")
+    assert_close_fp32(dx, dx_ref, "dx")
+    assert_close_fp32(dw, dw_ref, "dW (weight is trainable, so it must be returned)")
+
+
+@cpu_tier
+@pytest.mark.parametrize("shape", [(3, 5, 96), (37, 200)], ids=str)
+def test_bf16_error_is_within_twice_torch_bf16_error(shape):
+    x, w, dy = _inputs(shape, torch.bfloat16)
+    truth_x, truth_w = x.float().requires_grad_(), w.float().requires_grad_()
+    y_truth = rms_norm_reference(truth_x, truth_w)
+    dx_truth, dw_truth = torch.autograd.grad(y_truth, (truth_x, truth_w), dy.float())
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_torch = rms_norm_reference(tx, tw)
+    dx_torch, dw_torch = torch.autograd.grad(y_torch, (tx, tw), dy)
+    ox, ow = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = rms_norm(ox, ow)
+    dx, dw = torch.autograd.grad(y, (ox, ow), dy)
+    assert y.dtype == torch.bfloat16, "bf16 x and bf16 weight give a bf16 output, as in HF"
+    assert_bf16_within_torch_bound(y, y_torch, y_truth.detach(), "forward")
+    assert_bf16_within_torch_bound(dx, dx_torch, dx_truth, "dx")
+    assert_bf16_within_torch_bound(dw, dw_torch, dw_truth, "dW")
+
+
+@cpu_tier
+def test_bf16_forward_rounds_like_hf_cast_then_weight_multiply():
+    x, w, _ = _inputs((64, 200), torch.bfloat16)
+    y, _ = rms_norm_fwd(x, w)
+    same = (y == rms_norm_reference(x, w)).float().mean().item()
+    # HF casts the normalised row to bf16 and then multiplies by the weight (two roundings); doing the
+    # same leaves only elements whose fp32 value sits on a rounding boundary to differ.
+    assert same >= 0.99, f"only {same:.1%} of bf16 outputs equal HF's; expected ≥ 99%"
+
+
+@cpu_tier
+def test_fp32_weight_with_bf16_input_promotes_output_to_fp32_like_hf():
+    x, w, _ = _inputs((4, 67), torch.bfloat16)
+    w32 = w.float()
+    y = rms_norm(x, w32)
+    y_ref = rms_norm_reference(x, w32)
+    assert y.dtype == torch.float32, "HF multiplies an fp32 weight by the bf16-cast row, promoting to fp32"
+    truth = rms_norm_reference(x.float(), w32)
+    assert_bf16_within_torch_bound(y, y_ref, truth, "forward with fp32 weight")
+
+
+@cpu_tier
+def test_frozen_weight_gets_no_gradient_and_dx_is_unchanged():
+    x, w, dy = _inputs((5, 96), torch.float32)
+    x.requires_grad_()
+    y = rms_norm(x, w)
+    (dx,) = torch.autograd.grad(y, (x,), dy)
+    dx_ref, _ = rms_norm_bwd_reference(dy, x.detach(), w)
+    assert w.grad is None, "a frozen weight must not receive a gradient"
+    assert_close_fp32(dx, dx_ref, "dx with a frozen weight")
+
+
+@cpu_tier
+def test_inplace_backward_writes_dx_into_dy_storage():
+    x, w, dy = _inputs((6, 67), torch.float32)
+    _, rstd = rms_norm_fwd(x, w)
+    dx_expected, dw_expected = rms_norm_bwd_reference(dy, x, w)
+    dx, dw = rms_norm_bwd(dy, x, w, rstd, compute_dw=True, inplace=True)
+    assert dx.data_ptr() == dy.data_ptr(), "inplace=True must reuse dy's memory for dx"
+    assert_close_fp32(dx, dx_expected, "in-place dx")
+    assert_close_fp32(dw, dw_expected, "dW alongside in-place dx")
+
+
+@cpu_tier
+def test_inplace_backward_through_autograd_gives_the_same_gradients():
+    x, w, dy = _inputs((2, 3, 67), torch.float32)
+    x.requires_grad_(), w.requires_grad_()
+    grads_inplace = torch.autograd.grad(rms_norm(x, w, inplace_backward=True), (x, w), dy.clone())
+    grads_fresh = torch.autograd.grad(rms_norm(x, w), (x, w), dy.clone())
+    assert_close_fp32(grads_inplace[0], grads_fresh[0], "dx (in-place vs fresh buffer)")
+    assert_close_fp32(grads_inplace[1], grads_fresh[1], "dW (in-place vs fresh buffer)")
+
+
+@cpu_tier
+def test_strided_rows_are_normalised_where_they_lie():
+    wide, w, _ = _inputs((7, 150), torch.float32)
+    x = wide[:, :67]  # row stride 150: a column slice, as from a fused projection
+    y = rms_norm(x, w[:67])
+    assert_close_fp32(y, rms_norm_reference(x, w[:67]), "forward on strided rows")
+
+
+@cpu_tier
+def test_expanded_gradient_is_not_written_in_place():
+    x, w, _ = _inputs((4, 67), torch.float32)
+    x.requires_grad_()
+    y = rms_norm(x, w, inplace_backward=True)
+    (dx,) = torch.autograd.grad(y.sum(), (x,))  # the incoming gradient is an expanded (stride-0) tensor
+    dx_ref, _ = rms_norm_bwd_reference(torch.ones(4, 67), x.detach(), w)
+    assert_close_fp32(dx, dx_ref, "dx from an expanded incoming gradient")
+
+
+@cpu_tier
+def test_bad_inputs_raise_named_errors():
+    x, w, _ = _inputs((3, 67), torch.float32)
+    with pytest.raises(ValueError, match="weight has 66 elements"):
+        rms_norm(x, w[:66])
+    with pytest.raises(TypeError, match="x must be float32"):
+        rms_norm(x.to(torch.int32), w)
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        rms_norm(x, w[None])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bf16_llama_shape_fwd_and_bwd_within_twice_torch_error():
+    x, w, dy = _inputs((16384, 4096), torch.bfloat16, device="cuda")
+    truth_x, truth_w = x.float().requires_grad_(), w.float().requires_grad_()
+    y_truth = rms_norm_reference(truth_x, truth_w)
+    dx_truth, dw_truth = torch.autograd.grad(y_truth, (truth_x, truth_w), dy.float())
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_torch = rms_norm_reference(tx, tw)
+    dx_torch, dw_torch = torch.autograd.grad(y_torch, (tx, tw), dy)
+    ox, ow = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = rms_norm(ox, ow)
+    dx, dw = torch.autograd.grad(y, (ox, ow), dy)
+    assert_bf16_within_torch_bound(y, y_torch, y_truth.detach(), "forward")
+    assert_bf16_within_torch_bound(dx, dx_torch, dx_truth, "dx")
+    assert_bf16_within_torch_bound(dw, dw_torch, dw_truth, "dW")
