@@ -90,6 +90,10 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + row, rstd)
 
 
+# Programs per SM for the backward with dW (see rms_norm_bwd); bench/rmsnorm_dw_sweep.py sweeps it.
+DW_PROGRAMS_PER_SM = 4
+
+
 @triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr,
@@ -222,7 +226,7 @@ def rms_norm_bwd(
         # untuned: 4 programs per SM so each SM has loads in flight from several rows while keeping the
         # fp32 partials (programs × H × 4 B, 17 MB at H=4096 on 132 SMs) small next to the 400 MB of row I/O.
         # Rows per program is rounded up to a power of two so varying token counts compile few variants.
-        rows_per_program = triton.next_power_of_2(triton.cdiv(n_rows, 4 * num_sms(x.device)))
+        rows_per_program = triton.next_power_of_2(triton.cdiv(n_rows, DW_PROGRAMS_PER_SM * num_sms(x.device)))
         n_programs = triton.cdiv(n_rows, rows_per_program)
         partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
     else:

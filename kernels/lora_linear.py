@@ -1,0 +1,396 @@
+"""LoRA linear and fused LoRA Q/K/V over a frozen base weight (dense or NF4), with hand-written backward.
+
+One projection, in PEFT's layout (A = ``lora_A.weight``, B = ``lora_B.weight``, s = ``scaling``):
+
+    y = x Wᵀ + b + s · (x Aᵀ) Bᵀ           x [N, in], W [out, in], b [out], A [r, in], B [out, r]
+
+Leading dims of x are flattened to N. W and b are frozen: W is a dense fp32/bf16/fp16 tensor or a
+bitsandbytes NF4 ``Params4bit``, dequantized just in time into a shared per-device buffer
+(:func:`strop.kernels.nf4.dequantize_shared`) in the forward and again in the backward, never kept.
+A projection without an adapter (A = B = None) is the base alone.
+
+Forward:  y = addmm(b, x, Wᵀ);  u = x Aᵀ  [N, r];  y += s · u Bᵀ  (one addmm, alpha = s)
+
+Saved for backward: x and u (N·r values, small). Never y, never the dequantized W.
+
+Backward, derived from the forward (checked against autograd in tests/kernels/test_lora.py):
+
+    g  = s · dy B        [N, r]
+    dA = gᵀ x            [r, in]     LoRA grads contract the [N, r] factors first, so no [N, in] or
+    dB = s · dyᵀ u       [out, r]    [N, out] temporary is ever formed for them
+    dx = dy W + g A      [N, in]     (skipped when x needs no grad)
+
+Fused QKV: three projections of one x. x is saved once; the three u come from one GEMM against the
+stacked [A_q; A_k; A_v], and the backward forms dx = dq W_q + dk W_k + dv W_v + [g_q g_k g_v][A_q; A_k; A_v]
+(one GEMM for all LoRA terms) and dA for the three from one GEMM [g_q g_k g_v]ᵀ x.
+
+dx in x's storage (``inplace_dx=True``): dx is written over x once every use of x (the dA GEMM) is
+done. The caller must guarantee nothing reads x afterwards; strop's patch uses it only on the output of
+a decoder layer's RMSNorm, which HF drops right after the projections and which no other autograd node
+saves (HF's and strop's RMSNorm save their input, not their output). The writes bump x's version
+counter, so a second backward or any other saved use of x raises instead of reading garbage.
+
+Dtype contract. The compute dtype c is the autocast dtype when autocast is on for x's device, else
+x.dtype. x is cast to c outside the autograd Function (so dx comes back in x's dtype through the cast);
+W (dequantized: rounded to ``quant_state.dtype`` first, as bitsandbytes does), b, A and B are cast to c
+per call; every GEMM runs in c (fp32 accumulation on GPUs), y is in c. This is what HF + PEFT compute
+under bf16 autocast with fp32 adapters (F.linear casts weight and input to bf16), except that the LoRA
+term is added inside one addmm (one rounding instead of PEFT's three), which is closer to the fp32
+result. dA/dB are formed in c and returned in the adapters' own dtype (fp32 in strop), as autocast's cast
+backward returns them. Without autocast, an fp32 x runs everything in fp32 (the CPU test tier).
+
+No Triton kernel lives here: the GEMMs are cuBLAS's, the NF4 dequant is ``kernels/nf4.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .nf4 import dequantize_shared, dequantize_weight, is_nf4
+
+__all__ = [
+    "LoRALinearFunction",
+    "LoRAProj",
+    "LoRAQKVFunction",
+    "compute_dtype",
+    "lora_linear",
+    "lora_linear_reference",
+    "lora_qkv",
+    "lora_qkv_reference",
+]
+
+
+class LoRAProj(NamedTuple):
+    """One projection: frozen base (dense [out, in] or NF4 Params4bit) plus optional LoRA factors.
+
+    Attributes:
+        base: Frozen weight ``[out, in]``, dense or NF4.
+        lora_A: ``[r, in]`` or None (no adapter).
+        lora_B: ``[out, r]`` or None.
+        scaling: The adapter's ``s`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
+        bias: Frozen ``[out]`` bias of the base layer, or None.
+    """
+
+    base: torch.Tensor
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
+    scaling: float = 1.0
+    bias: torch.Tensor | None = None
+
+
+def lora_linear_reference(
+    x: torch.Tensor,
+    base: torch.Tensor,
+    lora_A: torch.Tensor | None = None,
+    lora_B: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x Wᵀ + b + s (x Aᵀ) Bᵀ`` in plain torch, fp32 math (fp64 for fp64 x); NF4 bases dequantized first."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dt)
+    y = xf @ dequantize_weight(base).to(dt).t()
+    if bias is not None:
+        y = y + bias.to(dt)
+    if lora_A is not None:
+        y = y + scaling * ((xf @ lora_A.to(dt).t()) @ lora_B.to(dt).t())
+    return y
+
+
+def lora_qkv_reference(x: torch.Tensor, *projs: Sequence) -> tuple[torch.Tensor, ...]:
+    """:func:`lora_linear_reference` for each of q, k, v (each a ``LoRAProj`` or 5-tuple)."""
+    return tuple(lora_linear_reference(x, *LoRAProj(*p)) for p in projs)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype LoRA ops compute in: autocast's when it is on for x's device, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def out_features(base: torch.Tensor) -> int:
+    """Rows of a dense or NF4 base weight."""
+    return int(base.quant_state.shape[0]) if is_nf4(base) else int(base.shape[0])
+
+
+def in_features(base: torch.Tensor) -> int:
+    """Columns of a dense or NF4 base weight."""
+    return int(base.quant_state.shape[1]) if is_nf4(base) else int(base.shape[-1])
+
+
+def check_proj(p: LoRAProj, name: str, width: int, device: torch.device) -> None:
+    """Validate one projection against its input width and device (raises TypeError/ValueError)."""
+    if not isinstance(p.base, torch.Tensor):
+        raise TypeError(f"{name}.base must be a tensor or NF4 Params4bit, got {type(p.base).__name__}")
+    if not is_nf4(p.base):
+        if getattr(p.base, "quant_state", None) is not None:
+            raise TypeError(f"{name}.base: only NF4 quantized weights are supported, got {p.base.quant_state.quant_type!r}")  # fmt: skip
+        if p.base.dim() != 2 or not p.base.is_floating_point():
+            raise ValueError(f"{name}.base must be a 2-D float weight [out, in], got {p.base.dtype} {tuple(p.base.shape)}")  # fmt: skip
+    if p.base.requires_grad or (p.bias is not None and p.bias.requires_grad):
+        raise ValueError(
+            f"{name}: the base weight and bias must be frozen (their gradients are not computed)"
+        )
+    out_f, in_f = out_features(p.base), in_features(p.base)
+    if in_f != width:
+        raise ValueError(f"{name}.base has in_features {in_f}, the input has {width}")
+    if p.bias is not None and tuple(p.bias.shape) != (out_f,):
+        raise ValueError(f"{name}.bias must be [{out_f}], got {tuple(p.bias.shape)}")
+    if (p.lora_A is None) != (p.lora_B is None):
+        raise ValueError(f"{name}: lora_A and lora_B must both be given or both be None")
+    if p.lora_A is not None:
+        r = p.lora_A.shape[0]
+        if p.lora_A.dim() != 2 or p.lora_A.shape[1] != in_f:
+            raise ValueError(f"{name}.lora_A must be [r, {in_f}], got {tuple(p.lora_A.shape)}")
+        if tuple(p.lora_B.shape) != (out_f, r):
+            raise ValueError(f"{name}.lora_B must be [{out_f}, {r}], got {tuple(p.lora_B.shape)}")
+    for t_name, t in (("base", p.base), ("bias", p.bias), ("lora_A", p.lora_A), ("lora_B", p.lora_B)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}.{t_name} is on {t.device}, the input on {device}")
+
+
+def weight(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The base weight in ``dtype`` for one GEMM: NF4 into the shared scratch buffer, dense cast if needed."""
+    if is_nf4(base):
+        return dequantize_shared(base, dtype)
+    return base if base.dtype == dtype else base.to(dtype)
+
+
+def mm_scaled(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale · (a @ b)`` rounded once: the scale is applied to the fp32 accumulator (addmm's alpha)."""
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
+
+
+def _adapters(projs: Sequence[LoRAProj]) -> list[tuple[int, int, int]]:
+    """(projection index, first column, end column) of each adapter in the stacked [N, Σr] factor."""
+    spans, col = [], 0
+    for i, p in enumerate(projs):
+        if p.lora_A is not None:
+            spans.append((i, col, col + p.lora_A.shape[0]))
+            col += p.lora_A.shape[0]
+    return spans
+
+
+def _stacked_A(projs: Sequence[LoRAProj], spans, dtype: torch.dtype) -> torch.Tensor:
+    mats = [projs[i].lora_A.to(dtype) for i, _, _ in spans]
+    return mats[0] if len(mats) == 1 else torch.cat(mats)
+
+
+def forward_projections(
+    x: torch.Tensor, projs: Sequence[LoRAProj], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Forward of several projections of one 2-D ``x`` (in ``dtype``): returns ([y_i], stacked u or None)."""
+    ys = []
+    for p in projs:
+        w = weight(p.base, dtype)  # consumed by the next GEMM before the scratch buffer is reused
+        ys.append(x @ w.t() if p.bias is None else torch.addmm(p.bias.to(dtype), x, w.t()))
+    spans = _adapters(projs)
+    if not spans:
+        return ys, None
+    u = x @ _stacked_A(projs, spans, dtype).t()  # one read of x for every adapter
+    for i, lo, hi in spans:
+        ys[i].addmm_(u[:, lo:hi], projs[i].lora_B.to(dtype).t(), alpha=projs[i].scaling)
+    return ys, u
+
+
+def backward_projections(
+    x: torch.Tensor,
+    u: torch.Tensor | None,
+    dys: Sequence[torch.Tensor],
+    projs: Sequence[LoRAProj],
+    dtype: torch.dtype,
+    need_dx: bool,
+    dx_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Backward of :func:`forward_projections`: (dx, [dA_i], [dB_i]); dx written into ``dx_out`` if given.
+
+    ``dx_out`` may alias ``x``: x's last read (the dA GEMM) happens before the first write to dx.
+    """
+    spans = _adapters(projs)
+    d_a: list[torch.Tensor | None] = [None] * len(projs)
+    d_b: list[torch.Tensor | None] = [None] * len(projs)
+    g = a_stack = None
+    if spans:
+        gs = [mm_scaled(dys[i], projs[i].lora_B.to(dtype), projs[i].scaling) for i, _, _ in spans]
+        g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)  # [N, Σr]
+        d_a_stack = g.t() @ x  # [Σr, in]: the only read of x in the backward
+        for i, lo, hi in spans:
+            p = projs[i]
+            d_a[i] = d_a_stack[lo:hi].to(p.lora_A.dtype)
+            d_b[i] = mm_scaled(dys[i].t(), u[:, lo:hi], p.scaling).to(p.lora_B.dtype)
+        a_stack = _stacked_A(projs, spans, dtype)
+    if not need_dx:
+        return None, d_a, d_b
+    dx = None
+    for dy, p in zip(dys, projs, strict=True):
+        w = weight(p.base, dtype)
+        if dx is None:
+            dx = torch.mm(dy, w, out=dx_out) if dx_out is not None else dy @ w
+        else:
+            dx.addmm_(dy, w)
+    if g is not None:
+        dx.addmm_(g, a_stack)
+    return dx, d_a, d_b
+
+
+def no_autocast(device_type: str) -> torch.autocast:
+    """Autocast off: the LoRA functions pick every dtype explicitly (see the dtype contract)."""
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+class _Frozen:
+    """Non-tensor carrier of the frozen parts, so autograd neither tracks nor saves them."""
+
+    def __init__(self, projs: Sequence[LoRAProj], dtype: torch.dtype, inplace_dx: bool) -> None:
+        self.projs, self.dtype, self.inplace_dx = tuple(projs), dtype, inplace_dx
+
+
+def _with_factors(frozen: _Frozen, factors: Sequence[torch.Tensor | None]) -> list[LoRAProj]:
+    return [p._replace(lora_A=factors[2 * i], lora_B=factors[2 * i + 1]) for i, p in enumerate(frozen.projs)]
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """y = x Wᵀ + b + s (x Aᵀ) Bᵀ over 2-D x in the compute dtype; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lora_A, lora_B, frozen: _Frozen) -> torch.Tensor:
+        projs = _with_factors(frozen, (lora_A, lora_B))
+        (y,), u = forward_projections(x, projs, frozen.dtype)
+        ctx.save_for_backward(x, u, lora_A, lora_B)
+        ctx.frozen = frozen
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, u, lora_A, lora_B = ctx.saved_tensors
+        frozen = ctx.frozen
+        projs = _with_factors(frozen, (lora_A, lora_B))
+        with no_autocast(x.device.type):
+            dx, (d_a,), (d_b,) = backward_projections(
+                x, u, [dy.to(frozen.dtype)], projs, frozen.dtype, ctx.needs_input_grad[0],
+                dx_out=x if frozen.inplace_dx else None,
+            )  # fmt: skip
+        return dx, d_a, d_b, None
+
+
+class LoRAQKVFunction(torch.autograd.Function):
+    """Three projections of one 2-D x (q, k, v), x saved once; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, qa, qb, ka, kb, va, vb, frozen: _Frozen):
+        projs = _with_factors(frozen, (qa, qb, ka, kb, va, vb))
+        ys, u = forward_projections(x, projs, frozen.dtype)
+        ctx.save_for_backward(x, u, qa, qb, ka, kb, va, vb)
+        ctx.frozen = frozen
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+        x, u, *factors = ctx.saved_tensors
+        frozen = ctx.frozen
+        projs = _with_factors(frozen, factors)
+        # An output nobody used gets a None gradient: it contributes nothing.
+        dys = [
+            torch.zeros(x.shape[0], out_features(p.base), dtype=frozen.dtype, device=x.device)
+            if d is None
+            else d.to(frozen.dtype)
+            for d, p in zip((dq, dk, dv), projs, strict=True)
+        ]
+        with no_autocast(x.device.type):
+            dx, d_a, d_b = backward_projections(
+                x,
+                u,
+                dys,
+                projs,
+                frozen.dtype,
+                ctx.needs_input_grad[0],
+                dx_out=x if frozen.inplace_dx else None,
+            )
+        return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a[2], d_b[2], None
+
+
+def as_rows_for(x: torch.Tensor, dtype: torch.dtype, inplace_dx: bool) -> tuple[torch.Tensor, bool]:
+    """x cast to ``dtype`` and viewed as [N, in] (differentiably), and whether dx may overwrite it.
+
+    In place is allowed only where the caller asked for it, the rows are contiguous, and the storage is
+    either a private cast/copy made here or x's own as an intermediate result that is not a view (a
+    leaf is a user's tensor; a view would write through to its base). For x's own storage the caller
+    vouches that nothing reads x after the backward (see the module docstring).
+    """
+    x2 = x.to(dtype).reshape(-1, x.shape[-1])
+    private = x2.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    owned = x.grad_fn is not None and not x._is_view()
+    return x2, bool(inplace_dx and x2.is_contiguous() and (private or owned))
+
+
+def lora_linear(
+    x: torch.Tensor,
+    base: torch.Tensor,
+    lora_A: torch.Tensor | None = None,
+    lora_B: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    bias: torch.Tensor | None = None,
+    *,
+    inplace_dx: bool = False,
+) -> torch.Tensor:
+    """LoRA linear over a frozen dense or NF4 base: ``x Wᵀ + b + s (x Aᵀ) Bᵀ``.
+
+    Args:
+        x: ``[..., in]`` activations.
+        base: Frozen ``[out, in]`` weight, dense or an NF4 ``Params4bit``.
+        lora_A: ``[r, in]`` adapter factor, or None for the base alone.
+        lora_B: ``[out, r]`` adapter factor, or None.
+        scaling: The adapter's scale s.
+        bias: Frozen ``[out]`` bias, or None.
+        inplace_dx: Let the backward write dx into x's storage (see the module docstring for when that
+            is safe; off by default).
+
+    Returns:
+        ``[..., out]`` in the compute dtype (autocast's, else x's).
+
+    Raises:
+        TypeError: On unsupported tensor types (e.g. an FP4 base).
+        ValueError: On mismatched shapes or devices, or a trainable base weight/bias.
+    """
+    proj = LoRAProj(base, lora_A, lora_B, float(scaling), bias)
+    check_proj(proj, "base", x.shape[-1], x.device)
+    dtype = compute_dtype(x)
+    x2, inplace = as_rows_for(x, dtype, inplace_dx)
+    with no_autocast(x.device.type):
+        y = LoRALinearFunction.apply(x2, lora_A, lora_B, _Frozen([proj], dtype, inplace))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def lora_qkv(
+    x: torch.Tensor, q: Sequence, k: Sequence, v: Sequence, *, inplace_dx: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K and V LoRA projections of one input, fused so x is saved once and read once per pass.
+
+    Args:
+        x: ``[..., in]`` activations.
+        q: ``LoRAProj`` or tuple ``(base, lora_A, lora_B, scaling, bias)``; A/B/bias may be None.
+        k: Same for k.
+        v: Same for v.
+        inplace_dx: As in :func:`lora_linear`.
+
+    Returns:
+        ``(q, k, v)``, each ``[..., out_i]`` in the compute dtype; separate tensors (not views of one),
+        so a caller may rotate q and k in place.
+
+    Raises:
+        TypeError, ValueError: As :func:`lora_linear`, naming the offending projection.
+    """
+    projs = [LoRAProj(*p) for p in (q, k, v)]
+    projs = [p._replace(scaling=float(p.scaling)) for p in projs]
+    for name, p in zip("qkv", projs, strict=True):
+        check_proj(p, name, x.shape[-1], x.device)
+    dtype = compute_dtype(x)
+    x2, inplace = as_rows_for(x, dtype, inplace_dx)
+    factors = [t for p in projs for t in (p.lora_A, p.lora_B)]
+    with no_autocast(x.device.type):
+        ys = LoRAQKVFunction.apply(x2, *factors, _Frozen(projs, dtype, inplace))
+    return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)

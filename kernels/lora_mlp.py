@@ -1,0 +1,181 @@
+"""Fused LoRA gated MLP (SwiGLU / GeGLU) over frozen dense or NF4 bases, with hand-written backward.
+
+Forward, x [N, H] (leading dims flattened), each projection as in ``kernels/lora_linear.py``
+(frozen W, optional frozen bias, optional adapter A/B with scale s):
+
+    e   = x W_gᵀ + b_g + s_g (x A_gᵀ) B_gᵀ        [N, I]   gate
+    g   = x W_uᵀ + b_u + s_u (x A_uᵀ) B_uᵀ        [N, I]   up
+    h   = act(e) · g                              [N, I]   act = silu (SwiGLU) or gelu / gelu-tanh (GeGLU)
+    out = h W_dᵀ + b_d + s_d (h A_dᵀ) B_dᵀ        [N, H]   down
+
+The gate and up adapters share one GEMM, u_gu = x [A_g; A_u]ᵀ. The activation is
+``kernels/swiglu.py``'s fused kernel.
+
+Saved for backward: x, e, g and the small LoRA factors u_gu = x[A_g; A_u]ᵀ and u_d = h A_dᵀ. Never h:
+the backward recomputes it. Every base weight is dequantized again in the backward (NF4), never kept.
+
+Backward, dout [N, H]:
+
+    dh   = dout W_d + g_d A_d,           g_d = s_d · dout B_d        [N, r_d]
+    dB_d = s_d · doutᵀ u_d
+    de, dg, h = act_bwd(dh, e, g)        one kernel, written over e, g and dh (see below)
+    dA_d = g_dᵀ h
+    then the gate/up pair exactly as the fused QKV of lora_linear.py, with dy = (de, dg):
+    dx   = de W_g + dg W_u + [g_g g_u][A_g; A_u],   dA = [g_g g_u]ᵀ x,   dB_i = s_i dy_iᵀ u_i
+
+In-place writes, and why each is safe: e, g and dh are private to this Function (created in its
+forward/backward, never returned), and after the activation backward nothing needs e, g or dh again, so
+the kernel writes de over e, dg over g and the recomputed h over dh (peak backward memory: three
+[N, I] buffers). Their version counters are bumped, so a second backward through the same graph raises
+rather than reading gradients as activations. dx goes into x's storage only with ``inplace_dx=True``,
+under the conditions documented in ``kernels/lora_linear.py`` (last read of x is the dA GEMM).
+
+Dtype contract: as ``kernels/lora_linear.py`` (compute dtype = autocast's, else x's; e, g, h in it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .lora_linear import (
+    LoRAProj,
+    _Frozen,
+    _with_factors,
+    as_rows_for,
+    backward_projections,
+    check_proj,
+    compute_dtype,
+    forward_projections,
+    lora_linear_reference,
+    mm_scaled,
+    no_autocast,
+    out_features,
+    weight,
+)
+from .swiglu import geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
+
+__all__ = ["ACTIVATIONS", "LoRAMLPFunction", "lora_mlp", "lora_mlp_reference"]
+
+ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+
+
+def lora_mlp_reference(
+    x: torch.Tensor, gate: Sequence, up: Sequence, down: Sequence, activation: str = "swiglu"
+) -> torch.Tensor:
+    """The module docstring's forward in plain torch, fp32 math (fp64 for fp64 x); projections as 5-tuples."""
+    e = lora_linear_reference(x, *LoRAProj(*gate))
+    g = lora_linear_reference(x, *LoRAProj(*up))
+    if activation == "swiglu":
+        a = torch.nn.functional.silu(e)
+    else:
+        a = torch.nn.functional.gelu(e, approximate="tanh" if activation == "geglu_tanh" else "none")
+    return lora_linear_reference(a * g, *LoRAProj(*down))
+
+
+def _act_fwd(e: torch.Tensor, g: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        return swiglu_fwd(e, g)
+    return geglu_fwd(e, g, approximate="tanh" if activation == "geglu_tanh" else "none")
+
+
+def _act_bwd(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, activation: str) -> None:
+    # de over e, dg over g, recomputed h over dh.
+    if activation == "swiglu":
+        swiglu_bwd(dh, e, g, inplace=True, h_out=dh)
+    else:
+        approximate = "tanh" if activation == "geglu_tanh" else "none"
+        geglu_bwd(dh, e, g, approximate=approximate, inplace=True, h_out=dh)
+
+
+class _MLPFrozen(_Frozen):
+    def __init__(
+        self, projs: Sequence[LoRAProj], dtype: torch.dtype, inplace_dx: bool, activation: str
+    ) -> None:
+        super().__init__(projs, dtype, inplace_dx)
+        self.activation = activation
+
+
+class LoRAMLPFunction(torch.autograd.Function):
+    """The fused gated MLP of the module docstring over 2-D x in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ga, gb, ua, ub, da, db, frozen: _MLPFrozen) -> torch.Tensor:
+        gate, up, down = _with_factors(frozen, (ga, gb, ua, ub, da, db))
+        (e, g), u_gu = forward_projections(x, (gate, up), frozen.dtype)
+        h = _act_fwd(e, g, frozen.activation)
+        (out,), u_d = forward_projections(h, (down,), frozen.dtype)
+        ctx.save_for_backward(x, e, g, u_gu, u_d, ga, gb, ua, ub, da, db)
+        ctx.frozen = frozen
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        x, e, g, u_gu, u_d, *factors = ctx.saved_tensors
+        frozen = ctx.frozen
+        dtype = frozen.dtype
+        gate, up, down = _with_factors(frozen, factors)
+        with no_autocast(x.device.type):
+            dout = dout.to(dtype)
+            dh = dout @ weight(down.base, dtype)
+            d_a_down = d_b_down = None
+            if down.lora_A is not None:
+                g_d = mm_scaled(dout, down.lora_B.to(dtype), down.scaling)
+                dh.addmm_(g_d, down.lora_A.to(dtype))
+                d_b_down = mm_scaled(dout.t(), u_d, down.scaling).to(down.lora_B.dtype)
+            _act_bwd(dh, e, g, frozen.activation)
+            for t in (e, g):
+                torch.autograd.graph.increment_version(t)
+            de, dg, h = e, g, dh
+            if down.lora_A is not None:
+                d_a_down = (g_d.t() @ h).to(down.lora_A.dtype)
+            del h, dh
+            dx, d_a, d_b = backward_projections(
+                x, u_gu, (de, dg), (gate, up), dtype, ctx.needs_input_grad[0],
+                dx_out=x if frozen.inplace_dx else None,
+            )  # fmt: skip
+        return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a_down, d_b_down, None
+
+
+def lora_mlp(
+    x: torch.Tensor,
+    gate: Sequence,
+    up: Sequence,
+    down: Sequence,
+    activation: str = "swiglu",
+    *,
+    inplace_dx: bool = False,
+) -> torch.Tensor:
+    """Gated MLP ``down(act(gate(x)) · up(x))`` with LoRA on any of the three projections.
+
+    Args:
+        x: ``[..., H]`` activations.
+        gate: ``LoRAProj`` or tuple ``(base, lora_A, lora_B, scaling, bias)`` of the gate projection.
+        up: Same for up.
+        down: Same for down (input width I).
+        activation: ``"swiglu"`` (silu), ``"geglu"`` (erf gelu) or ``"geglu_tanh"``.
+        inplace_dx: Let the backward write dx into x's storage (see ``kernels/lora_linear.py``).
+
+    Returns:
+        ``[..., H]`` in the compute dtype (autocast's, else x's).
+
+    Raises:
+        TypeError, ValueError: On unsupported weights, mismatched shapes/devices, a trainable base, or
+            an unknown activation.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    projs = [LoRAProj(*p) for p in (gate, up, down)]
+    projs = [p._replace(scaling=float(p.scaling)) for p in projs]
+    check_proj(projs[0], "gate", x.shape[-1], x.device)
+    check_proj(projs[1], "up", x.shape[-1], x.device)
+    if out_features(projs[1].base) != out_features(projs[0].base):
+        raise ValueError(f"up has {out_features(projs[1].base)} outputs, gate {out_features(projs[0].base)}")
+    check_proj(projs[2], "down", out_features(projs[0].base), x.device)
+    dtype = compute_dtype(x)
+    x2, inplace = as_rows_for(x, dtype, inplace_dx)
+    factors = [t for p in projs for t in (p.lora_A, p.lora_B)]
+    with no_autocast(x.device.type):
+        out = LoRAMLPFunction.apply(x2, *factors, _MLPFrozen(projs, dtype, inplace, activation))
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,662 @@
+"""Offloaded activation checkpointing: decoder-layer inputs live in pinned host memory between forward and backward.
+
+What. Plain gradient checkpointing keeps one tensor per decoder layer alive from forward to backward: the
+layer's input hidden states ``[B, T, H]``, from which backward recomputes the layer. This module keeps
+that tensor in host memory instead:
+
+    forward(layer i)    copy x_i → pinned host buffer on a side stream, then run the layer under no_grad;
+                        x_i's GPU memory is released once the copy is done (``record_stream``)
+    backward(layer i)   wait for x_i's reload, start reloading x_{i-1} on the side stream (double
+                        buffering: at most two reloaded inputs exist), restore the forward's RNG and
+                        autocast state, recompute the layer with grad from x_i, backpropagate
+
+Why. At long context the checkpointed inputs are what grows with the sequence: L · B · T · H · 2 bytes,
+e.g. 32 layers × 256K tokens × 4096 × bf16 = 64 GiB on an 8B Llama. Offloaded, the GPU holds at most two
+of them (≈2 GiB there) and the host holds the rest. The copies run on their own stream, overlapped with the
+layer compute (a layer's forward at 8K tokens on an 8B shape takes ~10× its input's PCIe copy time).
+
+Memory accounting, per training step with L checkpointed layers and input size S = B·T·H·itemsize:
+
+    GPU, plain checkpointing      L · S  (all inputs, held until their layer's backward)
+    GPU, offloaded                ≤ 2 · S (the last layer's input, kept; one reload in flight) + one layer's
+                                  recompute activations (as plain checkpointing)
+    host (pinned)                 (L − 1) · S at the end of forward, falling as backward reloads them
+                                  (``ActivationOffloader.stats.peak_host_bytes``)
+
+What is saved per layer: the host copy of its first positional input (or, where offload does not apply,
+the input itself on its device), the other positional tensor inputs, the RNG state (CPU and the input's
+CUDA device) and the autocast state at forward time. Keyword arguments (attention mask, position
+embeddings, position ids) stay bound in the layer call HF hands over, shared by all layers.
+
+Where offload does not apply the same function recomputes from the input kept on its device (plain
+checkpointing), and the reason is logged once: the last checkpointed layer (its input is the first one
+backward needs, so a round trip would only add latency), inputs under ``min_offload_bytes`` (4 MiB by
+default: 512 tokens of a 4096-wide bf16 state; Unsloth measured plain checkpointing 2.8 % faster at 256
+tokens and offload 5.9 % faster at 1024 on a B200), and inputs already on the CPU. A layer whose keyword
+arguments hold a tensor that requires grad runs ``torch.utils.checkpoint`` (non-reentrant) instead,
+because this function returns gradients for positional inputs only.
+
+Gradients reach the layer's parameters the way reentrant checkpointing delivers them: the recompute's
+``torch.autograd.backward`` accumulates into ``param.grad`` during the outer backward. So train with
+``loss.backward()`` (every trainer does); ``torch.autograd.grad(loss, params)`` does not see them. A
+zero-size "anchor" input that requires grad makes every layer output require grad, so LoRA parameters
+get gradients even when the embedding output does not require grad (no ``enable_input_require_grads``
+needed).
+
+HF integration (transformers 5.17 – 5.24): every decoder layer derives from ``GradientCheckpointingLayer``,
+which calls ``self._gradient_checkpointing_func(layer_call, *args)`` with the keyword arguments bound in
+``layer_call`` (``partial(forward, self, **kwargs)`` in 5.24's forward wrapper, ``partial(super().__call__,
+**kwargs)`` in older ``__call__`` wrappers) when ``self.gradient_checkpointing`` is set and the module
+trains. Either form is an opaque callable here; without grad it is simply called. ``enable_offloaded_checkpointing``
+sets that attribute per layer instance to this module's checkpoint function and wraps the model's
+``_set_gradient_checkpointing`` (what ``gradient_checkpointing_enable``/``_disable`` and TRL's
+``disable_gradient_checkpointing`` call), so a later re-enable by a trainer keeps the offloaded function.
+``disable_offloaded_checkpointing`` restores HF's function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "DEFAULT_MIN_OFFLOAD_BYTES",
+    "ActivationOffloader",
+    "OffloadStats",
+    "OffloadedCheckpointFunction",
+    "ReplayState",
+    "checkpoint_reference",
+    "disable_offloaded_checkpointing",
+    "enable_offloaded_checkpointing",
+    "offloaded_checkpoint",
+]
+
+logger = logging.getLogger("strop.kernels")
+
+# 512 tokens of a 4096-wide bf16 hidden state. Below it the copy latency is not hidden by the layer's compute
+# (Unsloth PR #3867, B200, Llama-3.2-1B: plain checkpointing 2.8 % faster at 256 tokens, offload 5.9 % at 1024).
+DEFAULT_MIN_OFFLOAD_BYTES = 4 << 20
+
+
+# ---- replay of the forward's RNG and autocast state (shared with tiled_mlp) ---------------------------
+
+
+@dataclass
+class ReplayState:
+    """What a recompute needs so it computes exactly what the forward did: RNG and autocast state."""
+
+    device: torch.device
+    cpu_rng: torch.Tensor | None
+    cuda_rng: torch.Tensor | None
+    autocast: tuple[tuple[str, bool, torch.dtype, bool], ...]
+
+    @classmethod
+    def capture(cls, device: torch.device, preserve_rng: bool = True) -> ReplayState:
+        """Snapshot the current RNG (CPU and ``device``'s CUDA generator) and autocast state."""
+        types = ("cpu",) if device.type == "cpu" else (device.type, "cpu")
+        autocast = tuple(
+            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
+            for t in types
+        )
+        cpu_rng = torch.get_rng_state() if preserve_rng else None
+        cuda_rng = torch.cuda.get_rng_state(device) if preserve_rng and device.type == "cuda" else None
+        return cls(device, cpu_rng, cuda_rng, autocast)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the block under the captured state; the caller's RNG state is restored afterwards."""
+        cuda = self.device.type == "cuda"
+        devices = (
+            [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+            if cuda
+            else []
+        )
+        with contextlib.ExitStack() as stack:
+            if self.cpu_rng is not None:
+                stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda"))
+                torch.set_rng_state(self.cpu_rng)
+                if self.cuda_rng is not None:
+                    torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            for device_type, enabled, dtype, cache in self.autocast:
+                stack.enter_context(
+                    torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
+                )
+            yield
+
+
+# ---- reference -------------------------------------------------------------------------------------------
+
+
+def checkpoint_reference(function: Callable[..., Any], *args: Any) -> Any:
+    """What offloaded checkpointing must compute: torch's own non-reentrant checkpoint of ``function(*args)``."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
+# ---- the offloader: side stream, saved inputs, reload schedule -------------------------------------------
+
+
+@dataclass
+class OffloadStats:
+    """Counters of an :class:`ActivationOffloader` (host memory in bytes of the saved copies).
+
+    Attributes:
+        offloaded: Layer calls whose input went to host memory.
+        kept: Layer calls whose input stayed on its device, by reason.
+        torch_checkpoint: Layer calls handed to ``torch.utils.checkpoint``, by reason.
+        host_bytes: Host memory held now by offloaded inputs.
+        peak_host_bytes: The most host memory offloaded inputs held at once.
+        offloaded_bytes: Bytes copied to the host in total.
+        prefetch_hits: Backward reloads that had been started ahead of need.
+        prefetch_misses: Backward reloads started only when needed (first one of a chain, unusual orders).
+        trace: ``(event, layer)`` pairs in order, when tracing is on (tests): ``save:offload``,
+            ``save:keep``, ``prefetch``, ``fetch:hit``, ``fetch:miss``, ``fetch:kept``.
+    """
+
+    offloaded: int = 0
+    kept: dict[str, int] = field(default_factory=dict)
+    torch_checkpoint: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
+    peak_host_bytes: int = 0
+    offloaded_bytes: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    trace: list[tuple[str, int | None]] | None = None
+
+
+class _Record:
+    """One checkpointed call's saved input: on the host, being reloaded, or kept on its device."""
+
+    __slots__ = (
+        "__weakref__",
+        "device",
+        "device_tensor",
+        "dtype",
+        "host",
+        "layer",
+        "nbytes",
+        "offloaded",
+        "offloader",
+        "prev",
+        "ready",
+        "shape",
+    )
+
+    def __init__(self, offloader: ActivationOffloader, x: torch.Tensor, layer: int | None) -> None:
+        self.offloader = offloader
+        self.layer = layer
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.nbytes = x.numel() * x.element_size()
+        self.offloaded = False
+        self.device_tensor: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+        # The call checkpointed just before this one: the next one backward will most likely need.
+        self.prev: weakref.ref[_Record] | None = None
+
+    def drop_host(self) -> None:
+        if self.host is not None:
+            self.host = None
+            self.offloader.stats.host_bytes -= self.nbytes
+
+    def __del__(
+        self,
+    ) -> None:  # a graph freed without backward (e.g. eval with grad on) returns its host memory
+        with contextlib.suppress(Exception):
+            self.drop_host()
+
+
+class ActivationOffloader:
+    """Offloaded checkpointing state for one model: side streams, the reload chain, statistics.
+
+    Its :meth:`checkpoint` has the signature of ``torch.utils.checkpoint.checkpoint`` as HF calls it
+    (``function, *args``), plus the keywords ``layer`` and ``offload`` that the installer binds per layer.
+
+    Args:
+        min_offload_bytes: Inputs smaller than this stay on their device (plain recompute).
+        offload_cpu_tensors: Copy CPU inputs to a separate host buffer and run the reload schedule as on
+            CUDA (tests the machinery on a CPU host). Off by default: a CPU input is already in host memory.
+        preserve_rng_state: Replay the forward's RNG state in the recompute (needed for dropout).
+        trace: Record the schedule in ``stats.trace``.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+        offload_cpu_tensors: bool = False,
+        preserve_rng_state: bool = True,
+        trace: bool = False,
+    ) -> None:
+        if min_offload_bytes < 0:
+            raise ValueError(f"min_offload_bytes must be ≥ 0, got {min_offload_bytes}")
+        self.min_offload_bytes = min_offload_bytes
+        self.offload_cpu_tensors = offload_cpu_tensors
+        self.preserve_rng_state = preserve_rng_state
+        self.stats = OffloadStats(trace=[] if trace else None)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._last: weakref.ref[_Record] | None = None
+        self._logged: set[str] = set()
+        # Zero-size leaves that require grad, one per device: passed to every call so the layer output
+        # requires grad (and backward reaches the layer's LoRA parameters) even when its input does not.
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (
+            f"ActivationOffloader(offloaded={s.offloaded}, kept={s.kept}, host_bytes={s.host_bytes}, "
+            f"peak_host_bytes={s.peak_host_bytes}, prefetch_hits={s.prefetch_hits}, "
+            f"prefetch_misses={s.prefetch_misses})"
+        )
+
+    # -- bookkeeping
+
+    def _event(self, name: str, layer: int | None) -> None:
+        if self.stats.trace is not None:
+            self.stats.trace.append((name, layer))
+
+    def _log_once(self, reason: str, level: int = logging.INFO) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.log(level, "strop.kernels offload: %s", reason)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def keep_reason(self, x: torch.Tensor, offload: bool) -> str | None:
+        """Why ``x`` stays on its device (plain recompute), or None when it goes to host memory."""
+        if not offload:
+            return "last checkpointed layer keeps its input on the device (backward needs it first)"
+        if x.device.type == "cpu" and not self.offload_cpu_tensors:
+            return "input on the CPU (already in host memory): plain recompute"
+        if x.device.type not in ("cpu", "cuda"):
+            return f"input on {x.device.type}: offload supports CUDA only; plain recompute"
+        nbytes = x.numel() * x.element_size()
+        if nbytes < self.min_offload_bytes:
+            return f"input of {nbytes} bytes < min_offload_bytes={self.min_offload_bytes}: plain recompute"
+        return None
+
+    # -- forward: save
+
+    def save(self, x: torch.Tensor, layer: int | None, offload: bool) -> _Record:
+        """Start saving ``x`` (before the layer runs, so a device-to-host copy overlaps its compute)."""
+        rec = _Record(self, x, layer)
+        last = self._last() if self._last is not None else None
+        rec.prev = weakref.ref(last) if last is not None else None
+        self._last = weakref.ref(rec)
+        reason = self.keep_reason(x, offload)
+        if reason is not None:
+            self.stats.kept[reason] = self.stats.kept.get(reason, 0) + 1
+            self._log_once(reason)
+            rec.device_tensor = x.detach()
+            self._event("save:keep", layer)
+            return rec
+        if x.is_cuda:
+            compute = torch.cuda.current_stream(x.device)
+            side = self._side_stream(x.device)
+            side.wait_stream(compute)  # x is produced by work queued on the compute stream
+            with torch.cuda.stream(side):
+                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                host.copy_(x.detach(), non_blocking=True)
+            # x's block is not reused before the copy is done, even once the caller drops x
+            x.record_stream(side)
+        else:  # CPU under offload_cpu_tensors: the "host copy" is a separate buffer, copied at once
+            host = x.detach().clone(memory_format=torch.contiguous_format)
+        rec.host, rec.offloaded = host, True
+        s = self.stats
+        s.offloaded += 1
+        s.offloaded_bytes += rec.nbytes
+        s.host_bytes += rec.nbytes
+        s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
+        self._event("save:offload", layer)
+        return rec
+
+    # -- backward: reload
+
+    def _start_reload(self, rec: _Record) -> None:
+        host = rec.host
+        if host is None:
+            return
+        if host.is_pinned() and rec.device.type == "cuda":
+            compute = torch.cuda.current_stream(rec.device)
+            side = self._side_stream(rec.device)
+            # Allocated on the compute stream: its block may still be read by queued compute work, so the
+            # side stream waits for that work before writing into it.
+            buf = torch.empty(rec.shape, dtype=rec.dtype, device=rec.device)
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                buf.copy_(host, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            buf.record_stream(side)  # safe to free even if the record dies before anyone waits on `ready`
+            rec.device_tensor, rec.ready = buf, ready
+        else:
+            rec.device_tensor = host.to(rec.device)
+        # The pinned block is recycled only after the copy completes (torch's host allocator records the
+        # copy's stream), so the host copy can go now.
+        rec.drop_host()
+
+    def prefetch(self, rec: _Record) -> None:
+        """Start reloading ``rec``'s input on the side stream, if it is on the host and not yet reloading."""
+        if rec.host is not None and rec.device_tensor is None:
+            self._event("prefetch", rec.layer)
+            self._start_reload(rec)
+
+    def fetch(self, rec: _Record) -> torch.Tensor:
+        """The saved input on its device, ready for the compute stream; prefetches the previous call's."""
+        if not rec.offloaded:
+            self._event("fetch:kept", rec.layer)
+        elif rec.device_tensor is not None:
+            self.stats.prefetch_hits += 1
+            self._event("fetch:hit", rec.layer)
+        else:
+            self.stats.prefetch_misses += 1
+            self._event("fetch:miss", rec.layer)
+            self._start_reload(rec)
+        x, ready = rec.device_tensor, rec.ready
+        rec.device_tensor, rec.ready = None, None
+        if x is None:
+            raise RuntimeError(
+                "offloaded checkpoint: the saved layer input was already consumed (backward twice?)"
+            )
+        # Issue the next reload before this layer's recompute is queued, so the two overlap.
+        prev = rec.prev() if rec.prev is not None else None
+        if prev is not None:
+            self.prefetch(prev)
+        if ready is not None:
+            torch.cuda.current_stream(rec.device).wait_event(ready)
+        return x
+
+    # -- the checkpoint function HF calls
+
+    def torch_checkpoint_reason(self, function: Callable[..., Any], args: tuple) -> str | None:
+        """Why this call must go to ``torch.utils.checkpoint`` instead, or None."""
+        if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+            return "first positional argument is not a floating tensor"
+        bound = function.keywords if isinstance(function, functools.partial) else {}
+        for name, value in bound.items():
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+                return f"keyword argument {name!r} requires grad (only positional inputs get gradients here)"
+        return None
+
+    def checkpoint(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        layer: int | None = None,
+        offload: bool = True,
+        **_: Any,
+    ) -> Any:
+        """Checkpoint ``function(*args)`` with its first positional input offloaded to host memory.
+
+        Args:
+            function: The layer call (HF passes ``partial(forward, layer, **kwargs)``).
+            *args: Positional inputs; ``args[0]`` (the hidden states) is the one offloaded.
+            layer: Index used in logs and the trace.
+            offload: False keeps the input on its device (the last checkpointed layer).
+            **_: ``torch.utils.checkpoint`` options (``use_reentrant``, …) are accepted and ignored.
+
+        Returns:
+            What ``function(*args)`` returns.
+        """
+        if not torch.is_grad_enabled():
+            return function(*args)
+        reason = self.torch_checkpoint_reason(function, args)
+        if reason is not None:
+            self.stats.torch_checkpoint[reason] = self.stats.torch_checkpoint.get(reason, 0) + 1
+            self._log_once(f"torch.utils.checkpoint for this call: {reason}", logging.WARNING)
+            return checkpoint_reference(function, *args)
+        meta: dict[str, Any] = {}
+        device = args[0].device
+        if device not in self._anchors:
+            self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
+        anchor = self._anchors[device]
+        outputs = OffloadedCheckpointFunction.apply(function, self, (layer, offload, meta), anchor, *args)
+        return _unflatten(outputs, meta["template"])
+
+
+# ---- autograd ------------------------------------------------------------------------------------------
+
+_SLOT = object()
+
+
+def _flatten(out: Any) -> tuple[list[torch.Tensor], Any]:
+    if isinstance(out, torch.Tensor):
+        return [out], None
+    if isinstance(out, (tuple, list)):
+        tensors = [o for o in out if isinstance(o, torch.Tensor)]
+        return tensors, (type(out), [_SLOT if isinstance(o, torch.Tensor) else o for o in out])
+    raise TypeError(f"offloaded checkpoint: the layer returned {type(out).__name__}; expected tensors")
+
+
+def _unflatten(tensors: tuple[torch.Tensor, ...], template: Any) -> Any:
+    if template is None:
+        return tensors[0]
+    kind, items = template
+    it = iter(tensors)
+    return kind(next(it) if item is _SLOT else item for item in items)
+
+
+class OffloadedCheckpointFunction(torch.autograd.Function):
+    """Reentrant-style checkpoint whose saved input lives in host memory (see the module docstring).
+
+    ``apply(function, offloader, (layer, offload, meta), anchor, *args)`` returns the tensors of
+    ``function(*args)``; ``meta["template"]`` says how to rebuild its structure.
+    """
+
+    @staticmethod
+    def forward(ctx, function, offloader, spec, anchor, *args):
+        layer, offload, meta = spec
+        x = args[0]
+        ctx.function, ctx.offloader, ctx.layer = function, offloader, layer
+        ctx.replay = ReplayState.capture(x.device, offloader.preserve_rng_state)
+        ctx.record = offloader.save(x, layer, offload)  # before the compute, so the copy overlaps it
+        # Other positional tensors (HF passes none for Llama-family layers) are kept as they are.
+        ctx.tensor_slots = [i for i, a in enumerate(args) if i > 0 and isinstance(a, torch.Tensor)]
+        ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_slots))
+        with torch.no_grad():
+            out = function(*args)
+        tensors, meta["template"] = _flatten(out)
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        offloader: ActivationOffloader = ctx.offloader
+        x = offloader.fetch(ctx.record)
+        ctx.record = None
+        args = list(ctx.constants)
+        args[0] = x.detach().requires_grad_(ctx.needs_input_grad[4])
+        for slot, t in zip(ctx.tensor_slots, ctx.saved_tensors, strict=True):
+            args[slot] = t.detach().requires_grad_(ctx.needs_input_grad[4 + slot])
+        with ctx.replay.replay(), torch.enable_grad():
+            out = ctx.function(*args)
+        tensors, _ = _flatten(out)
+        pairs = [(o, g) for o, g in zip(tensors, grads, strict=True) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = tuple(a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args)
+        return (None, None, None, None, *input_grads)
+
+
+def offloaded_checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    offloader: ActivationOffloader | None = None,
+    layer: int | None = None,
+    offload: bool = True,
+) -> Any:
+    """Checkpoint ``function(*args)`` keeping ``args[0]`` in host memory until backward.
+
+    Args:
+        function: The computation to checkpoint (e.g. a decoder layer with its keyword arguments bound).
+        *args: Positional inputs; gradients flow to the tensors among them.
+        offloader: Shared state across the layers of one model (a fresh one when None: no prefetch chain).
+        layer: Index for logs and traces.
+        offload: False keeps ``args[0]`` on its device (plain recompute).
+
+    Returns:
+        ``function(*args)``, computed under no_grad and recomputed in backward.
+    """
+    return (offloader or ActivationOffloader()).checkpoint(function, *args, layer=layer, offload=offload)
+
+
+# ---- HF install ----------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers PreTrainedModel inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _checkpoint_layers(hf: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in hf.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@dataclass
+class _Install:
+    offloader: ActivationOffloader
+    layers: list[nn.Module]
+    keep_last: int
+    hf_funcs: list[Any]  # what HF last set as each layer's _gradient_checkpointing_func (or _MISSING)
+    flags_before: list[bool]
+    enabled_by_us: bool
+    hf_touched: bool = False
+    wrapper: Any = None
+    set_gc_before: Any = _MISSING
+
+    def apply(self) -> None:
+        """Point every layer that HF checkpoints at the offloaded function; the last ones keep their input."""
+        on = [i for i, layer in enumerate(self.layers) if layer.gradient_checkpointing]
+        keep = set(on[len(on) - self.keep_last :]) if self.keep_last else set()
+        for i in on:
+            self.layers[i]._gradient_checkpointing_func = functools.partial(
+                self.offloader.checkpoint, layer=i, offload=i not in keep
+            )
+
+
+def enable_offloaded_checkpointing(
+    model: nn.Module,
+    *,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    keep_last: int = 1,
+    offload_cpu_tensors: bool = False,
+    preserve_rng_state: bool = True,
+    trace: bool = False,
+) -> ActivationOffloader:
+    """Make an HF (or PEFT-wrapped HF) model checkpoint its decoder layers with offloaded inputs.
+
+    Layers that already have gradient checkpointing on (e.g. HF's ``every_n_layers``) keep exactly that
+    set; when none has, all are turned on. Reversible with :func:`disable_offloaded_checkpointing`;
+    calling it again on an installed model returns the installed offloader.
+
+    Args:
+        model: A transformers model whose decoder layers are ``GradientCheckpointingLayer``s, or a PEFT
+            model around one.
+        min_offload_bytes: Inputs smaller than this stay on their device.
+        keep_last: How many of the last checkpointed layers keep their input on the device.
+        offload_cpu_tensors: Exercise the offload path with CPU tensors (tests).
+        preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
+        trace: Record the schedule in ``offloader.stats.trace``.
+
+    Returns:
+        The :class:`ActivationOffloader`; its ``stats`` report host memory and the schedule.
+
+    Raises:
+        ValueError: If the model has no ``GradientCheckpointingLayer`` or ``keep_last`` is negative.
+    """
+    hf = _hf_model(model)
+    existing = hf.__dict__.get("_strop_offload")
+    if existing is not None:
+        return existing.offloader
+    if keep_last < 0:
+        raise ValueError(f"keep_last must be ≥ 0, got {keep_last}")
+    layers = _checkpoint_layers(hf)
+    if not layers:
+        raise ValueError(
+            f"{type(hf).__name__} has no transformers GradientCheckpointingLayer: offloaded checkpointing "
+            "hooks HF's per-layer checkpoint function and cannot apply"
+        )
+    offloader = ActivationOffloader(
+        min_offload_bytes=min_offload_bytes,
+        offload_cpu_tensors=offload_cpu_tensors,
+        preserve_rng_state=preserve_rng_state,
+        trace=trace,
+    )
+    flags = [bool(layer.gradient_checkpointing) for layer in layers]
+    state = _Install(
+        offloader=offloader,
+        layers=layers,
+        keep_last=keep_last,
+        hf_funcs=[layer.__dict__.get("_gradient_checkpointing_func", _MISSING) for layer in layers],
+        flags_before=flags,
+        enabled_by_us=not any(flags),
+        set_gc_before=hf.__dict__.get("_set_gradient_checkpointing", _MISSING),
+    )
+    if state.enabled_by_us:
+        for layer in layers:
+            layer.gradient_checkpointing = True
+    original_set = hf._set_gradient_checkpointing
+
+    def _set_gradient_checkpointing(*args: Any, **kwargs: Any) -> Any:
+        # gradient_checkpointing_enable/disable (and TRL's disable_gradient_checkpointing) land here: let HF
+        # set its flags and function, remember the function, then put the offloaded one back.
+        result = original_set(*args, **kwargs)
+        state.hf_touched = True
+        state.hf_funcs = [layer.__dict__.get("_gradient_checkpointing_func", _MISSING) for layer in layers]
+        state.apply()
+        return result
+
+    state.wrapper = _set_gradient_checkpointing
+    hf._set_gradient_checkpointing = _set_gradient_checkpointing
+    hf._strop_offload = state
+    state.apply()
+    on = sum(bool(layer.gradient_checkpointing) for layer in layers)
+    logger.info(
+        "strop.kernels offload: %d/%d decoder layers checkpointed with offloaded inputs (last %d kept on device)",
+        on,
+        len(layers),
+        min(keep_last, on),
+    )
+    return offloader
+
+
+def disable_offloaded_checkpointing(model: nn.Module) -> bool:
+    """Undo :func:`enable_offloaded_checkpointing`: HF's checkpoint function (and flags we set) come back.
+
+    Returns:
+        True if the model had offloaded checkpointing installed.
+    """
+    hf = _hf_model(model)
+    state: _Install | None = hf.__dict__.get("_strop_offload")
+    if state is None:
+        return False
+    for layer, func, flag in zip(state.layers, state.hf_funcs, state.flags_before, strict=True):
+        if func is _MISSING:
+            layer.__dict__.pop("_gradient_checkpointing_func", None)
+        else:
+            layer._gradient_checkpointing_func = func
+        if state.enabled_by_us and not state.hf_touched:
+            layer.gradient_checkpointing = flag
+    if hf.__dict__.get("_set_gradient_checkpointing") is state.wrapper:
+        if state.set_gc_before is _MISSING:
+            del hf._set_gradient_checkpointing
+        else:
+            hf._set_gradient_checkpointing = state.set_gc_before
+    del hf._strop_offload
+    return True

@@ -1,0 +1,555 @@
+"""Patch a Llama-family HF model (plain or PEFT-wrapped) onto strop's kernels, per instance and reversibly.
+
+``patch_model`` swaps the ``forward`` of individual module instances (``types.MethodType``), never a
+class and never HF source, for model_type llama, mistral, qwen2 (q/k/v bias) and qwen3 (per-head q/k
+RMSNorm before RoPE), transformers 5.17 – 5.24:
+
+    rms_norm             every decoder RMSNorm (and Qwen3's q_norm/k_norm) → ``rms_norm``
+    rope, lora_qkv       the attention forward: fused LoRA Q/K/V (``lora_qkv``), RoPE in place
+                         (``rope_qk``), then HF's own attention interface (eager/SDPA/flash/flex, with
+                         Mistral's and Qwen's sliding window) and o_proj
+    lora_o               o_proj → ``lora_linear``
+    lora_mlp             the MLP → ``lora_mlp`` (SwiGLU; GeGLU for gelu configs)
+    fused_cross_entropy  the *ForCausalLM forward, only when called with ``labels``: the loss comes from
+                         ``fused_linear_cross_entropy`` (labels shifted as HF's ForCausalLMLoss does,
+                         ``num_items_in_batch`` as HF's denominator) and ``logits`` is None. Without labels
+                         (generation, DPO's logits) or with ``logits_to_keep``/``return_dict=False`` the
+                         original forward runs and returns logits as usual. Code that needs logits *and*
+                         a loss from one call (HF ``Trainer`` with ``compute_metrics``) should patch with
+                         ``fused_cross_entropy=False``.
+
+Fallbacks, never silently wrong. A part whose fast path does not apply keeps the reference (HF/PEFT)
+path and says why: in the returned :class:`PatchReport` and on ``logging.getLogger("strop.kernels")``.
+Checked when patching: unknown model_type, an attention/MLP/norm class or forward that is not HF's,
+lora_dropout > 0, DoRA or another LoRA variant, PEFT ``lora_bias``, more than one active adapter, a
+trainable base weight or bias (PEFT ``bias != "none"``), a base layer that is neither ``nn.Linear`` nor
+NF4 ``Linear4bit``, a non-SwiGLU/GeGLU activation, a wrapped or custom LM head or loss. Checked again on
+every call (adapters can be switched, disabled or merged after patching): the same conditions, plus
+dtypes PEFT would treat differently (no autocast and adapter/base dtypes other than the input's, where
+PEFT computes the LoRA term in fp32), extra call arguments (PEFT ``adapter_names``), and a KV cache (the
+attention then runs HF's forward). A runtime fallback is logged once per module and reason.
+
+TRL. TRL 1.16's SFTTrainer and DPOTrainer install their own chunked "fused LM head" on the model
+(``trl.trainer.utils.add_fused_lm_head``) and call ``model(..., fused_lm_head=True)``, reading per-token
+``log_probs``/``entropy``/``is_top1`` from it, never ``outputs.logits``. Both orders compose: patched
+first, TRL's head wraps this forward and runs the (patched) backbone itself; patched after, calls with
+``fused_lm_head`` are handed to TRL's forward. So under those trainers the loss is TRL's chunked kernel
+over strop's backbone, ``logits=None`` is never seen by them, and this module's fused CE serves plain
+``labels=`` calls (HF ``Trainer``, custom loops).
+
+In-place dx: the fused QKV and MLP write dx over their input (the RMSNorm output that HF drops after
+the projections and no autograd node saves; see ``kernels/lora_linear.py``). ``inplace_dx=False`` turns
+that off. o_proj never does it (its input is the attention output, which SDPA/flash save).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .lora_linear import LoRAProj, lora_linear, lora_qkv
+from .lora_mlp import lora_mlp
+
+__all__ = ["COMPONENTS", "SUPPORTED_MODEL_TYPES", "PatchReport", "patch_model", "unpatch_model"]
+
+logger = logging.getLogger("strop.kernels")
+
+COMPONENTS = ("rms_norm", "rope", "lora_qkv", "lora_o", "lora_mlp", "fused_cross_entropy")
+# model_type → (sliding window passed to the attention interface, per-head q/k norm), as in HF's modeling files.
+_ARCHS: dict[str, tuple[Callable[[nn.Module], int | None] | None, bool]] = {
+    "llama": (None, False),
+    "mistral": (lambda attn: getattr(attn.config, "sliding_window", None), False),
+    "qwen2": (lambda attn: attn.sliding_window, False),
+    "qwen3": (lambda attn: attn.sliding_window, True),
+}
+SUPPORTED_MODEL_TYPES = tuple(_ARCHS)
+_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh"}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class PatchReport:
+    """What ``patch_model`` patched, per component, and why anything was left on the reference path.
+
+    Attributes:
+        model_type: The HF ``config.model_type``.
+        patched: component → names of the modules whose forward now runs strop's kernels.
+        skipped: component → {module name (or "model"): reason it kept the reference path}.
+        notes: Facts worth showing beside the report (e.g. how the CE patch composes with TRL).
+    """
+
+    model_type: str | None = None
+    patched: dict[str, list[str]] = field(default_factory=lambda: {c: [] for c in COMPONENTS})
+    skipped: dict[str, dict[str, str]] = field(default_factory=lambda: {c: {} for c in COMPONENTS})
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, str]:
+        """One line per component, e.g. ``{"lora_mlp": "patched 32/32", "rope": "off: ..."}``."""
+        out = {}
+        for c in COMPONENTS:
+            done, skip = len(self.patched[c]), self.skipped[c]
+            line = f"patched {done}/{done + len(skip)}"
+            if skip:
+                reasons = sorted(set(skip.values()))
+                line += "; reference path: " + "; ".join(reasons)
+            out[c] = line
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"strop kernels on {self.model_type}:"] + [f"  {k}: {v}" for k, v in self.summary().items()]
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+@dataclass
+class _State:
+    """Per patched model: the swaps to undo, the switch every patched forward checks, logged reasons."""
+
+    swaps: list[tuple[nn.Module, object, object]] = field(default_factory=list)  # (module, old attr, ours)
+    active: bool = True
+    logged: set = field(default_factory=set)
+    report: PatchReport = field(default_factory=PatchReport)
+
+    def fallback(self, module: nn.Module, reason: str) -> None:
+        key = (id(module), reason)
+        if key not in self.logged:
+            self.logged.add(key)
+            logger.warning("strop.kernels: reference path for %s: %s", type(module).__name__, reason)
+
+
+def _swap(state: _State, module: nn.Module, new: Callable) -> None:
+    """Bind ``new`` as the instance's forward, keeping what is needed to undo it.
+
+    The previous forward and the patch state live on the module itself (``_strop_prev``,
+    ``_strop_state``), not in closures: a ``copy.deepcopy`` of a patched model (TRL copies models for
+    reference policies) then carries forwards bound to the copy, never to the original's modules.
+    """
+    prev = module.forward
+    # Name, docstring and __wrapped__ (so inspect.signature shows the original, which HF's Trainer and
+    # generate read); not the wrapped function's __dict__, whose markers belong to whoever set them.
+    functools.update_wrapper(new, getattr(prev, "__func__", prev), updated=())
+    bound = types.MethodType(new, module)
+    state.swaps.append((module, module.__dict__.get("forward"), bound))
+    module.__dict__["_strop_prev"] = prev
+    module.__dict__["_strop_state"] = state
+    module.forward = bound
+
+
+def _ours(module: nn.Module) -> tuple[_State, Callable]:
+    return module.__dict__["_strop_state"], module.__dict__["_strop_prev"]
+
+
+# ---- projections: which fast-path spec a (PEFT) linear layer has right now, or why not ----------------
+
+
+def _is_lora(m: nn.Module) -> bool:
+    return hasattr(m, "lora_A") and hasattr(m, "base_layer") and hasattr(m, "scaling")
+
+
+def _base_reason(base: nn.Module) -> str | None:
+    w = getattr(base, "weight", None)
+    qs = getattr(w, "quant_state", None)
+    if qs is not None:
+        if qs.quant_type != "nf4":
+            return f"4-bit quant_type {qs.quant_type!r} (only NF4 has a fast path)"
+    elif type(base) is not nn.Linear or w.dtype not in _FLOATS:
+        return f"base layer {type(base).__name__} is neither nn.Linear nor an NF4 Linear4bit"
+    if w.requires_grad:
+        return "trainable base weight (the fast path computes no base-weight gradient)"
+    if base.bias is not None and base.bias.requires_grad:
+        return "trainable base bias (PEFT bias != 'none')"
+    return None
+
+
+def _adapter_reason(layer: nn.Module, adapter: str) -> str | None:
+    drop = layer.lora_dropout[adapter]
+    if isinstance(drop, nn.Dropout) and drop.p > 0:
+        return f"lora_dropout={drop.p} > 0"
+    if getattr(layer, "use_dora", {}).get(adapter, False):
+        return "DoRA (use_dora=True)"
+    if adapter in getattr(layer, "lora_variant", {}):
+        return f"LoRA variant {type(layer.lora_variant[adapter]).__name__}"
+    if getattr(layer, "lora_bias", {}).get(adapter, False):
+        return "PEFT lora_bias=True"
+    if type(layer.lora_A[adapter]) is not nn.Linear or type(layer.lora_B[adapter]) is not nn.Linear:
+        return "adapter factors are not nn.Linear"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out"
+    return None
+
+
+def _spec(layer: nn.Module, x: torch.Tensor | None = None) -> LoRAProj | str:
+    """The layer's projection as a ``LoRAProj`` for this call, or the reason PEFT/HF must run it."""
+    base = layer.get_base_layer() if _is_lora(layer) else layer
+    reason = _base_reason(base)
+    if reason:
+        return reason
+    proj = LoRAProj(base.weight, None, None, 1.0, base.bias)
+    if _is_lora(layer) and not layer.merged and not layer.disable_adapters:
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if len(active) > 1:
+            return f"{len(active)} active adapters"
+        if active:
+            reason = _adapter_reason(layer, active[0])
+            if reason:
+                return reason
+            a = active[0]
+            proj = proj._replace(
+                lora_A=layer.lora_A[a].weight, lora_B=layer.lora_B[a].weight, scaling=float(layer.scaling[a])
+            )
+    elif _is_lora(layer) and layer.merged and layer.disable_adapters:
+        return "adapters disabled while merged (PEFT unmerges in its forward)"
+    if x is not None and not torch.is_autocast_enabled(x.device.type):
+        reason = _dtype_reason(base, proj, x.dtype)
+        if reason:
+            return reason
+    return proj
+
+
+def _dtype_reason(base: nn.Module, proj: LoRAProj, dtype: torch.dtype) -> str | None:
+    if getattr(base.weight, "quant_state", None) is not None:
+        # bitsandbytes' Linear4bit computes in compute_dtype, which it sets to x's dtype on its first
+        # fp32/bf16 call (Linear4bit.set_compute_type).
+        cdt = base.compute_dtype if getattr(base, "compute_type_is_set", False) else None
+        if cdt is None:
+            cdt = dtype if dtype in (torch.float32, torch.bfloat16) else base.compute_dtype
+        if (cdt or dtype) != dtype:
+            return f"without autocast Linear4bit computes in {cdt}, the input is {dtype}"
+    elif base.weight.dtype != dtype:
+        return f"without autocast the base weight is {base.weight.dtype}, the input {dtype}"
+    if proj.lora_A is not None and (proj.lora_A.dtype != dtype or proj.lora_B.dtype != dtype):
+        return f"without autocast PEFT computes the LoRA term in {proj.lora_A.dtype}, the input is {dtype}"
+    return None
+
+
+def _specs(state: _State, owner: nn.Module, layers, x) -> list[LoRAProj] | None:
+    specs = [_spec(m, x) for m in layers]
+    bad = next((s for s in specs if isinstance(s, str)), None)
+    if bad is not None:
+        state.fallback(owner, bad)
+        return None
+    return specs
+
+
+# ---- forwards --------------------------------------------------------------------------------------
+
+
+def _norm_forward(inplace_backward: bool) -> Callable:
+    from .rmsnorm import rms_norm
+
+    def forward(self, hidden_states, *args, **kwargs):
+        state, prev = _ours(self)
+        if not state.active or args or kwargs:
+            return prev(hidden_states, *args, **kwargs)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, inplace_backward=inplace_backward)
+
+    return forward
+
+
+def _linear_forward() -> Callable:
+    def forward(self, x, *args, **kwargs):
+        state, prev = _ours(self)
+        if not state.active or args or kwargs:
+            return prev(x, *args, **kwargs)
+        specs = _specs(state, self, (self,), x)
+        return prev(x) if specs is None else lora_linear(x, *specs[0])
+
+    return forward
+
+
+def _mlp_forward(activation: str, inplace: bool) -> Callable:
+    def forward(self, x, *args, **kwargs):
+        state, prev = _ours(self)
+        if not state.active or args or kwargs:
+            return prev(x, *args, **kwargs)
+        specs = _specs(state, self, (self.gate_proj, self.up_proj, self.down_proj), x)
+        if specs is None:
+            return prev(x)
+        return lora_mlp(x, *specs, activation=activation, inplace_dx=inplace)
+
+    return forward
+
+
+def _attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> Callable:
+    from .rope import rope_qk
+
+    sliding, qk_norm = _ARCHS[model_type]
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+        state, prev = _ours(self)
+        cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+        if not state.active or args or cached or position_embeddings is None:
+            return prev(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        kwargs.pop("cache", None)
+        kwargs.pop("past_key_values", None)
+        hf = sys.modules[type(self).__module__]
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        specs = _specs(state, self, (self.q_proj, self.k_proj, self.v_proj), hidden_states) if qkv else None
+        if specs is not None:
+            q, k, v = lora_qkv(hidden_states, *specs, inplace_dx=inplace)
+        else:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+        if qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = rope_qk(q, k, cos, sin) if rope else hf.apply_rotary_pos_emb(q, k, cos, sin)
+        interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, hf.eager_attention_forward
+        )
+        if sliding is not None:
+            kwargs["sliding_window"] = sliding(self)
+        out, weights = interface(
+            self, q, k, v, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+        )  # fmt: skip
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+    return forward
+
+
+def _ce_reason(hf: nn.Module) -> str | None:
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if head is None:
+        return "the model has no LM head"
+    if type(head) is not nn.Linear:
+        return f"LM head is {type(head).__name__} (PEFT-wrapped or custom), not nn.Linear"
+    if "_loss_function" in hf.__dict__ or getattr(hf, "loss_type", None) not in (None, "ForCausalLM"):
+        return "custom loss function"
+    cfg = hf.config
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier"):
+        if getattr(cfg, attr, None) not in (None, 1.0):
+            return f"config.{attr} is set"
+    return None
+
+
+def _causal_lm_forward() -> Callable:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from .fused_linear_ce import fused_linear_cross_entropy
+
+    cache_fields = [f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in ("cache", "past_key_values")]  # fmt: skip
+
+    def forward(self, *args, **kwargs):
+        state, prev = _ours(self)
+        if (
+            not state.active
+            or args
+            or kwargs.get("labels") is None
+            or kwargs.get("fused_lm_head")  # TRL's chunked head: its forward handles it
+            or kwargs.get("return_dict") is False
+            or not (isinstance(kwargs.get("logits_to_keep", 0), int) and kwargs.get("logits_to_keep", 0) == 0)
+        ):
+            return prev(*args, **kwargs)
+        reason = _ce_reason(self)
+        if reason:
+            state.fallback(self, reason)
+            return prev(*args, **kwargs)
+        labels = kwargs.pop("labels")
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        for k in ("logits_to_keep", "return_dict", "fused_lm_head"):
+            kwargs.pop(k, None)
+        outputs = getattr(self, self.base_model_prefix)(**kwargs)
+        hidden = outputs[0]
+        if shift_labels is None:  # as HF's ForCausalLMLoss: token t predicts labels[t + 1]
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        head = self.get_output_embeddings()
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype  # fmt: skip
+        bias = None if head.bias is None else head.bias.to(dtype)
+        loss = fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]).to(dtype), head.weight.to(dtype),
+            shift_labels.reshape(-1).to(hidden.device), bias,
+            ignore_index=ignore_index, reduction="mean", num_items_in_batch=num_items,
+        )  # fmt: skip
+        extra = {name: getattr(outputs, name, None) for name in cache_fields}
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            **extra,
+        )
+
+    return forward
+
+
+# ---- patching ---------------------------------------------------------------------------------------
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The HF model inside a PEFT wrapper (or the model itself)."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def _is_hf_forward(module: nn.Module, class_suffix: str) -> bool:
+    return type(module).__name__.endswith(class_suffix) and "forward" not in module.__dict__
+
+
+def _kernels_can_run(model: nn.Module) -> str | None:
+    p = next(model.parameters(), None)
+    if p is None or p.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"parameters on {p.device.type}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 in tests)"
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    lora_mlp: bool = True,
+    lora_qkv: bool = True,
+    lora_o: bool = True,
+    fused_cross_entropy: bool = True,
+    inplace_dx: bool = True,
+) -> PatchReport:
+    """Swap module forwards of a Llama-family model (plain HF or PEFT-wrapped) for strop's kernels.
+
+    Patching a patched model first undoes the earlier patch. See the module docstring for what each
+    component covers and when a part keeps the reference path.
+
+    Args:
+        model: A ``*ForCausalLM`` (or its backbone) of model_type llama/mistral/qwen2/qwen3, or a PEFT
+            model wrapping one.
+        rms_norm: Patch the RMSNorms.
+        rope: Apply RoPE with the in-place kernel (replaces the attention forward).
+        lora_mlp: Fused LoRA MLP.
+        lora_qkv: Fused LoRA Q/K/V (replaces the attention forward).
+        lora_o: LoRA o_proj.
+        fused_cross_entropy: Fused linear cross-entropy for calls with ``labels``.
+        inplace_dx: Let the fused QKV/MLP write dx over their input (safe here; see module docstring).
+
+    Returns:
+        A :class:`PatchReport`.
+    """
+    hf = _unwrap(model)
+    if getattr(hf, "_strop_patch", None) is not None:
+        unpatch_model(model)
+    state = _State()
+    report = state.report
+    report.model_type = model_type = getattr(getattr(hf, "config", None), "model_type", None)
+    wanted = dict(
+        rms_norm=rms_norm, rope=rope, lora_qkv=lora_qkv, lora_o=lora_o, lora_mlp=lora_mlp,
+        fused_cross_entropy=fused_cross_entropy,
+    )  # fmt: skip
+
+    def skip(component: str, name: str, reason: str) -> None:
+        report.skipped[component][name] = reason
+        logger.warning("strop.kernels: %s not patched on %s: %s", component, name, reason)
+
+    backbone = getattr(hf, getattr(hf, "base_model_prefix", "model"), hf)
+    blocker = None
+    if model_type not in _ARCHS:
+        blocker = f"model_type {model_type!r} is not supported (supported: {', '.join(_ARCHS)})"
+    elif not hasattr(backbone, "layers"):
+        blocker = "no decoder layers found"
+    else:
+        blocker = _kernels_can_run(hf)
+    if blocker:
+        for c in COMPONENTS:
+            if wanted[c]:
+                skip(c, "model", blocker)
+        return report
+
+    hf._strop_patch = state
+    names = {m: n for n, m in hf.named_modules()}
+    activation = _ACTIVATIONS.get(getattr(hf.config, "hidden_act", None))
+    for layer in backbone.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if rms_norm:
+            norms = [(layer.input_layernorm, True), (layer.post_attention_layernorm, True)]
+            if _ARCHS[model_type][1]:
+                norms += [(attn.q_norm, False), (attn.k_norm, False)]
+            for norm, inplace in norms:
+                if _is_hf_forward(norm, "RMSNorm") and hasattr(norm, "variance_epsilon"):
+                    _swap(state, norm, _norm_forward(inplace))
+                    report.patched["rms_norm"].append(names[norm])
+                else:
+                    skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
+        projections = {"lora_qkv": (attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                       "lora_o": (attn.o_proj, (attn.o_proj,)),
+                       "lora_mlp": (mlp, (mlp.gate_proj, mlp.up_proj, mlp.down_proj))}  # fmt: skip
+        ok = {}
+        for c, (owner, mods) in projections.items():
+            reasons = [s for s in (_spec(m) for m in mods) if isinstance(s, str)]
+            ok[c] = wanted[c] and not reasons
+            if wanted[c] and reasons:
+                skip(c, names[owner], reasons[0])
+        if ok["lora_mlp"] and (activation is None or not _is_hf_forward(mlp, "MLP")):
+            ok["lora_mlp"] = False
+            why = f"activation {hf.config.hidden_act!r}" if activation is None else "MLP forward is not HF's"
+            skip("lora_mlp", names[mlp], why)
+        if ok["lora_mlp"]:
+            _swap(state, mlp, _mlp_forward(activation, inplace_dx))
+            report.patched["lora_mlp"].append(names[mlp])
+        if ok["lora_o"]:
+            _swap(state, attn.o_proj, _linear_forward())
+            report.patched["lora_o"].append(names[attn.o_proj])
+        if rope or ok["lora_qkv"]:
+            if _is_hf_forward(attn, "Attention"):
+                qkv = ok["lora_qkv"]
+                _swap(state, attn, _attention_forward(model_type, rope, qkv, inplace_dx))
+                if rope:
+                    report.patched["rope"].append(names[attn])
+                if qkv:
+                    report.patched["lora_qkv"].append(names[attn])
+            else:
+                for c in ("rope", "lora_qkv"):
+                    if wanted[c]:
+                        skip(c, names[attn], f"{type(attn).__name__}'s forward is not HF's")
+    if rms_norm:
+        norm = getattr(backbone, "norm", None)
+        if norm is not None and _is_hf_forward(norm, "RMSNorm"):
+            _swap(state, norm, _norm_forward(False))
+            report.patched["rms_norm"].append(names[norm])
+    if fused_cross_entropy:
+        reason = "the model is a bare backbone" if backbone is hf else _ce_reason(hf)
+        if reason:
+            skip("fused_cross_entropy", names[hf] or "model", reason)
+        else:
+            _swap(state, hf, _causal_lm_forward())
+            report.patched["fused_cross_entropy"].append(names[hf] or type(hf).__name__)
+            report.notes.append(
+                "fused CE serves calls with labels; TRL's fused_lm_head=True calls (SFT/DPO trainers) keep "
+                "TRL's chunked LM head over the patched backbone"
+            )
+    logger.info("%s", report)
+    return report
+
+
+def unpatch_model(model: nn.Module) -> None:
+    """Undo :func:`patch_model`: every swapped forward is restored (a no-op on an unpatched model).
+
+    A forward that something else wrapped after patching (e.g. TRL's fused LM head, which captured the
+    patched one) is left in place; the patched forward it calls is switched off and runs the original.
+    """
+    hf = _unwrap(model)
+    state = hf.__dict__.get("_strop_patch")
+    if state is None:
+        return
+    state.active = False
+    for module, previous, ours in reversed(state.swaps):
+        if module.__dict__.get("forward") is not ours:
+            continue  # wrapped again after patching: left in place, and ours now runs the original
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+        module.__dict__.pop("_strop_prev", None)
+        module.__dict__.pop("_strop_state", None)
+    del hf._strop_patch

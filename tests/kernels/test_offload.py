@@ -1,0 +1,369 @@
+"""Offloaded activation checkpointing: same gradients as plain checkpointing, the reload schedule, fallbacks,
+installation into HF/PEFT models and its undo; on the GPU, the memory it saves and the time it costs.
+
+CPU tier: a tiny Llama built from a config in code (hidden 64, 3 layers, 4 heads / 2 KV heads, vocab 300),
+fp32. With ``offload_cpu_tensors=True`` the offload path runs with a host copy standing in for the pinned
+buffer, so the schedule (save, prefetch, fetch) is the one CUDA runs; gradients must equal both plain
+checkpointing and no checkpointing *exactly*: the recompute runs the same fp32 ops on a bit-identical copy
+of the input, and each parameter gets one gradient contribution per step either way.
+
+GPU tier: a ~1B Llama shape (hidden 2048, 16 layers) in bf16 with LoRA at 16K tokens: offload must cut
+peak memory by most of the checkpointed inputs and cost at most 15 % step time over plain checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from strop.kernels.memory import disable_memory_features, enable_memory_features  # noqa: E402
+from strop.kernels.offload import (  # noqa: E402
+    ActivationOffloader,
+    disable_offloaded_checkpointing,
+    enable_offloaded_checkpointing,
+    offloaded_checkpoint,
+)
+
+B, T, H, LAYERS, VOCAB = 2, 37, 64, 3, 300
+
+
+def _tiny_llama(layers: int = LAYERS, seed: int = 0, **overrides) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=160, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False, **overrides,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).float().train()
+
+
+def _lora(model: torch.nn.Module, dropout: float = 0.0) -> torch.nn.Module:
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )  # fmt: skip
+    model = peft.get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # non-zero B, so the LoRA path changes the output and its A gets a gradient
+            p.data.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.train()
+
+
+def _ids(seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(
+    model: torch.nn.Module, ids: torch.Tensor, seed: int = 3
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of one training step (fixed RNG seed, so dropout masks repeat across runs)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_step(actual, expected, what: str) -> None:
+    loss, grads = actual
+    loss_ref, grads_ref = expected
+    assert torch.equal(loss, loss_ref), f"{what}: loss {loss.item()} != {loss_ref.item()}"
+    assert grads.keys() == grads_ref.keys(), f"{what}: different parameters got gradients"
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), (
+            f"{what}: {name} gradient differs by {(g - grads_ref[name]).abs().max().item():.3g} "
+            "(same fp32 ops on a bit-identical input must give identical gradients)"
+        )
+
+
+def _layers(model) -> list[torch.nn.Module]:
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(hf.model.layers)
+
+
+def _checkpoint_funcs(model) -> list:
+    return [layer.__dict__.get("_gradient_checkpointing_func") for layer in _layers(model)]
+
+
+# ---- gradients -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora_dropout", [None, 0.0, 0.1], ids=["full", "lora", "lora-dropout"])
+def test_offloaded_gradients_equal_plain_and_no_checkpointing(lora_dropout):
+    model = _tiny_llama()
+    if lora_dropout is not None:
+        model = _lora(model, lora_dropout)
+    ids = _ids()
+    no_ckpt = _step(model, ids)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain = _step(model, ids)
+    offloader = enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0)
+    offloaded = _step(model, ids)
+    # 2 of 3 layers offload (the last keeps its input); dropout masks replay from the saved RNG state
+    assert offloader.stats.offloaded == LAYERS - 1
+    _assert_same_step(offloaded, plain, "offloaded vs plain checkpointing")
+    _assert_same_step(offloaded, no_ckpt, "offloaded vs no checkpointing")
+
+
+def test_lora_params_get_gradients_without_input_require_grads():
+    # Checkpointing turned on by the offloader itself: HF's enable_input_require_grads never ran, so the
+    # embedding output does not require grad; the anchor input must still route gradients to LoRA.
+    model = _lora(_tiny_llama())
+    ids = _ids()
+    expected = _step(model, ids)
+    offloader = enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0)
+    got = _step(model, ids)
+    assert offloader.stats.offloaded == LAYERS - 1
+    assert any("lora_A" in n for n in got[1]), "LoRA parameters received no gradient"
+    _assert_same_step(got, expected, "offloaded (no input grads) vs no checkpointing")
+
+
+# ---- schedule --------------------------------------------------------------------------------------------
+
+
+def test_reload_of_previous_layer_is_issued_before_current_layer_recomputes():
+    model = _tiny_llama()
+    offloader = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, trace=True
+    )
+    trace = offloader.stats.trace
+    for i, layer in enumerate(model.model.layers):  # runs inside the checkpointed forward and its recompute
+        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: trace.append(("compute", i)))
+    _step(model, _ids())
+    expected = [
+        ("save:offload", 0), ("compute", 0), ("save:offload", 1), ("compute", 1),
+        ("save:keep", 2), ("compute", 2),
+        # backward: the last layer's input never left; layer 1's reload starts before layer 2 recomputes
+        ("fetch:kept", 2), ("prefetch", 1), ("compute", 2),
+        ("fetch:hit", 1), ("prefetch", 0), ("compute", 1),
+        ("fetch:hit", 0), ("compute", 0),
+    ]  # fmt: skip
+    assert trace == expected
+    s = offloader.stats
+    layer_input_bytes = B * T * H * 4
+    assert (s.prefetch_hits, s.prefetch_misses) == (2, 0), "both offloaded inputs should be prefetched"
+    assert s.peak_host_bytes == 2 * layer_input_bytes, (
+        "two layer inputs live in host memory at the end of forward"
+    )
+    assert s.host_bytes == 0, "every host copy is released once reloaded"
+
+
+def test_host_memory_is_released_when_the_graph_is_dropped_without_backward():
+    model = _tiny_llama()
+    offloader = enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0)
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    assert offloader.stats.host_bytes == 2 * B * T * H * 4
+    del loss
+    assert offloader.stats.host_bytes == 0, "dropping the graph must free the host copies it owned"
+
+
+def test_gradient_accumulation_over_two_micro_batches_equals_no_checkpointing():
+    model = _lora(_tiny_llama())
+    ids_a, ids_b = _ids(5), _ids(6)
+
+    def two_steps():
+        model.zero_grad(set_to_none=True)
+        for ids in (ids_a, ids_b):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    expected = two_steps()
+    offloader = enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0)
+    got = two_steps()
+    assert offloader.stats.prefetch_misses == 0, "each micro-batch's chain must prefetch its own inputs"
+    for name, g in got.items():
+        assert torch.equal(g, expected[name]), f"{name}: accumulated gradient differs"
+
+
+# ---- fallbacks -------------------------------------------------------------------------------------------
+
+
+def test_cpu_inputs_fall_back_to_plain_recompute_with_logged_reason(caplog):
+    model = _lora(_tiny_llama())
+    ids = _ids()
+    expected = _step(model, ids)
+    with caplog.at_level(logging.INFO, logger="strop.kernels"):
+        offloader = enable_offloaded_checkpointing(model)  # defaults: CPU tensors are not copied
+        got = _step(model, ids)
+    assert offloader.stats.offloaded == 0
+    reasons = offloader.stats.kept
+    assert sum(reasons.values()) == LAYERS
+    assert any("input on the CPU" in r for r in reasons), reasons
+    assert "input on the CPU" in caplog.text, "the fallback reason must be logged"
+    _assert_same_step(got, expected, "plain-recompute fallback vs no checkpointing")
+
+
+def test_small_inputs_stay_on_device_below_min_offload_bytes():
+    model = _tiny_llama()
+    offloader = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=B * T * H * 4 + 1
+    )
+    _step(model, _ids())
+    assert offloader.stats.offloaded == 0
+    assert any("min_offload_bytes" in r for r in offloader.stats.kept), offloader.stats.kept
+
+
+def test_keyword_tensor_requiring_grad_runs_torch_checkpoint(caplog):
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def layer(h, *, weight):
+        return torch.tanh(h @ weight)
+
+    expected = torch.autograd.grad(layer(x, weight=w).sum(), (x, w))
+    offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="strop.kernels"):
+        out = offloaded_checkpoint(functools.partial(layer, weight=w), x, offloader=offloader)
+    got = torch.autograd.grad(out.sum(), (x, w))
+    assert offloader.stats.offloaded == 0 and offloader.stats.torch_checkpoint, offloader.stats
+    assert "requires grad" in caplog.text
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_tuple_outputs_and_extra_positional_inputs_keep_structure_and_gradients():
+    x = torch.randn(4, 6, requires_grad=True)
+    y = torch.randn(4, 6, requires_grad=True)
+
+    def fn(a, b):
+        return (a * b, None, a.sum(-1))
+
+    offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=0)
+    out = offloaded_checkpoint(fn, x, y, offloader=offloader)
+    assert isinstance(out, tuple) and out[1] is None and out[0].shape == (4, 6) and out[2].shape == (4,)
+    gx, gy = torch.autograd.grad((out[0].sum() + 2 * out[2].sum()), (x, y))
+    torch.testing.assert_close(gx, y.detach() + 2, rtol=0, atol=0)  # d/da (a·b + 2·Σa) = b + 2
+    torch.testing.assert_close(gy, x.detach(), rtol=0, atol=0)
+    assert offloader.stats.offloaded == 1
+
+
+# ---- installation ----------------------------------------------------------------------------------------
+
+
+def test_trainer_style_disable_enable_cycle_keeps_offloaded_function():
+    # HF Trainer calls gradient_checkpointing_enable at train start; TRL's disable_gradient_checkpointing
+    # disables and re-enables around reference forwards. Both go through _set_gradient_checkpointing.
+    model = _lora(_tiny_llama())
+    offloader = enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0)
+    model.gradient_checkpointing_disable()
+    assert not any(layer.gradient_checkpointing for layer in _layers(model))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    funcs = _checkpoint_funcs(model)
+    assert all(getattr(f, "func", None) == offloader.checkpoint for f in funcs), funcs
+    _step(model, _ids())
+    assert offloader.stats.offloaded == LAYERS - 1
+
+
+def test_disable_restores_hf_function_and_flags():
+    model = _tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    before = _checkpoint_funcs(model)
+    enable_offloaded_checkpointing(model)
+    assert _checkpoint_funcs(model) != before
+    assert disable_offloaded_checkpointing(model) is True
+    assert _checkpoint_funcs(model) == before, "HF's checkpoint function must come back"
+    assert "_set_gradient_checkpointing" not in model.__dict__
+    assert disable_offloaded_checkpointing(model) is False, "second disable is a no-op"
+
+    fresh = _tiny_llama()
+    enable_offloaded_checkpointing(fresh)
+    assert all(layer.gradient_checkpointing for layer in fresh.model.layers), "offload turns checkpointing on"
+    disable_offloaded_checkpointing(fresh)
+    assert not any(layer.gradient_checkpointing for layer in fresh.model.layers), "and off again on disable"
+    assert _checkpoint_funcs(fresh) == [None] * LAYERS
+
+
+def test_only_layers_hf_checkpoints_are_offloaded_and_the_last_of_them_keeps_its_input():
+    model = _tiny_llama(layers=4)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.model.layers[3].gradient_checkpointing = False  # as every_n_layers leaves some layers unchecked
+    offloader = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, trace=True
+    )
+    _step(model, _ids())
+    saves = [e for e in offloader.stats.trace if e[0].startswith("save")]
+    assert saves == [("save:offload", 0), ("save:offload", 1), ("save:keep", 2)]
+
+
+def test_enable_memory_features_installs_both_and_gradients_stay_equal():
+    model = _lora(_tiny_llama())
+    ids = _ids()
+    expected = _step(model, ids)
+    report = enable_memory_features(model, tiled_mlp_chunks=3, offload_cpu_tensors=True, min_offload_bytes=0)
+    got = _step(model, ids)
+    assert report.offloader.stats.offloaded == LAYERS - 1
+    assert len(report.tiled_mlp.tiled) == LAYERS
+    assert report.host_memory()["peak_host_bytes"] == (LAYERS - 1) * B * T * H * 4
+    assert "on:" in report.summary()["tiled_mlp"] and "on:" in report.summary()["offload_activations"]
+    loss, grads = got
+    # The tiled MLP regroups the token sums of its weight gradients: fp32 rounding, not bit equality.
+    torch.testing.assert_close(loss, expected[0], rtol=1e-6, atol=0)
+    for name, g in grads.items():
+        ref = expected[1][name]
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+    disable_memory_features(model)
+    mlp = model.base_model.model.model.layers[0].mlp
+    assert (
+        "forward" not in mlp.__dict__ and "_set_gradient_checkpointing" not in model.get_base_model().__dict__
+    )
+
+
+# ---- GPU tier --------------------------------------------------------------------------------------------
+
+
+def _gpu_model_1b(seq: int):
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=seq,
+        tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return _lora(model)
+
+
+def _gpu_step_stats(model, ids, steps: int = 3) -> tuple[float, float, float]:
+    """Median step seconds, peak allocated bytes over the steps, and the last loss."""
+    times, loss = [], None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2], torch.cuda.max_memory_allocated(), float(loss)
+
+
+@pytest.mark.gpu
+def test_gpu_offload_cuts_peak_memory_and_overlaps_copies():
+    seq = 16384
+    model = _gpu_model_1b(seq)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    plain_t, plain_peak, plain_loss = _gpu_step_stats(model, ids)
+    offloader = enable_offloaded_checkpointing(model)
+    off_t, off_peak, off_loss = _gpu_step_stats(model, ids)
+    layer_input = seq * 2048 * 2
+    assert offloader.stats.offloaded == 4 * 15, "15 of 16 layers offload in each of the 4 steps"
+    assert offloader.stats.prefetch_misses == 0, "every reload after the kept last layer is prefetched"
+    # Plain checkpointing holds 16 layer inputs, offload about two. Expect at least 12 inputs' worth saved.
+    assert plain_peak - off_peak >= 12 * layer_input, (plain_peak / 2**30, off_peak / 2**30)
+    assert off_t <= 1.15 * plain_t, (
+        f"offload step {off_t:.3f}s vs plain {plain_t:.3f}s: copies not overlapped"
+    )
+    assert abs(off_loss - plain_loss) <= 1e-3 * abs(plain_loss), "forward must be unchanged by offloading"
+    assert offloader.stats.peak_host_bytes >= 15 * layer_input
