@@ -182,6 +182,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     max_prompt_length: int = 0
     dpo_reference: str = ""
+    memory_mode: str = ""
 
 
 @dataclass

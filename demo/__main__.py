@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     banner("summary")
     width = max(len(k) for k in summary)
     for k, v in summary.items():
+        if isinstance(v, dict) and len(str(v)) > 200:
+            continue  # the per-target figures were printed as a table above
         print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     return 0
 

@@ -49,6 +49,7 @@ DPO_LOSSES = (
     "apo_down",
 )
 DPO_REFERENCES = ("base", "adapter_snapshot")
+MEMORY_MODES = ("standard", "long_context", "max_speed")
 
 
 def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
@@ -69,7 +70,12 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         dpo_beta=cfg.dpo_beta or 0.1,
         dpo_loss_type=cfg.dpo_loss_type or "sigmoid",
         dpo_reference=cfg.dpo_reference or "base",
+        memory_mode=cfg.memory_mode or "standard",
     )
+    if c.memory_mode == "long_context":
+        c = replace(c, gradient_checkpointing=True)  # offloading is a form of checkpointing
+    elif c.memory_mode == "max_speed":
+        c = replace(c, gradient_checkpointing=False)
     checks = [
         (
             c.learning_rate > 0 and math.isfinite(c.learning_rate),
@@ -321,7 +327,14 @@ def _build_trl_trainer(
 
     dpo_args = DPOConfig(**args, beta=cfg.dpo_beta, loss_type=[cfg.dpo_loss_type], max_length=cfg.max_length)
     dataset = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
-    trainer = DPOTrainer(
+    if loaded.facts.kernels_enabled:
+        # strop's chunked DPO loss: per-token log-probs chunk by chunk, gradients computed in the forward.
+        from strop.kernels.chunked_dpo import strop_dpo_trainer_class
+
+        trainer_cls = strop_dpo_trainer_class()
+    else:
+        trainer_cls = DPOTrainer
+    trainer = trainer_cls(
         model=loaded.model,
         ref_model=None,
         args=dpo_args,
@@ -377,10 +390,20 @@ def run_training(
 
         torch.cuda.reset_peak_memory_stats(loaded.device)
     trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
+    memory = None
+    if cfg.memory_mode == "long_context":
+        from strop.kernels.memory import enable_memory_features
+
+        memory = enable_memory_features(loaded.model)
+        log.info("long-context memory features: %s", memory)
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         return int(trainer.state.global_step)
     finally:
+        if memory is not None:
+            from strop.kernels.memory import disable_memory_features
+
+            disable_memory_features(loaded.model)
         loaded.model.train(False)
         cleanup_reference_adapter(loaded)
         del trainer

@@ -1,0 +1,317 @@
+"""``strop export …``: drive the export service, or run the export core in-process with ``--offline``.
+
+Usage::
+
+    strop export run --adapter-artifact ADAPTER_ID --to merged --to gguf:Q4_K_M --to gguf-lora \\
+        [--base tiny-llama] [--question Q --answer A] [--target HOST:PORT | --offline --model-root M --artifact-root A]
+    strop export watch|get|cancel EXPORT_ID      strop export list [--state RUNNING]
+    strop export upload DIR [--kind adapter] [--artifact-id ID]
+    strop export download ARTIFACT_ID DEST       strop export artifacts [--kind gguf]
+    strop export capabilities
+
+Targets (``--to``): ``merged[:dtype]``, ``peft``, ``gguf[:TYPE]`` (F32 F16 BF16 Q8_0 Q4_K_M Q5_K_M Q6_K …),
+``gguf-lora[:LORA_TYPE[:BASE_TYPE]]``. The SDK side never imports torch; ``--offline`` imports the
+export core lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+DEFAULT_EXPORT = os.environ.get("STROP_EXPORT", "127.0.0.1:50052")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``export`` and its subcommands to the ``strop`` parser (each sets ``func(args) -> int``)."""
+    p = sub.add_parser("export", help="merge adapters and write vLLM / PEFT / GGUF outputs, verified")
+    p.add_argument("--target", default=DEFAULT_EXPORT, help="export service host:port (env STROP_EXPORT)")
+    esub = p.add_subparsers(dest="export_cmd", required=True)
+
+    r = esub.add_parser("run", help="export an adapter (or a base) to one or more targets")
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--adapter-artifact", default="", help="adapter artifact id (trainer output or upload)")
+    src.add_argument("--adapter-path", default="", help="PEFT adapter dir under the model root")
+    r.add_argument("--base", default="", help="base model path under the model root (default: the adapter's)")
+    r.add_argument("--base-artifact", default="", help="an uploaded base model artifact")
+    r.add_argument(
+        "--to",
+        action="append",
+        default=[],
+        metavar="TARGET",
+        help="merged[:dtype] | peft | gguf[:TYPE] | gguf-lora[:LORA_TYPE[:BASE_TYPE]] (repeatable)",
+    )
+    r.add_argument("--question", default="", help="probe question the adapter was trained on")
+    r.add_argument("--answer", default="", help="the answer it was trained to give")
+    r.add_argument(
+        "--raw-question", action="store_true", help="do not wrap the question in the chat template"
+    )
+    r.add_argument("--no-verify", action="store_true", help="skip consumer verification")
+    r.add_argument("--overwrite", action="store_true", help="replace artifacts with the same ids")
+    r.add_argument("--name", default="")
+    r.add_argument("--max-shard-bytes", type=int, default=0)
+    r.add_argument("--json", action="store_true", help="print the final export as JSON")
+    r.add_argument("--detach", action="store_true", help="queue and return the export id (service mode)")
+    r.add_argument("--offline", action="store_true", help="run the export core in this process, no service")
+    r.add_argument("--model-root", default=os.environ.get("STROP_MODEL_ROOT", ""), help="offline: model root")
+    r.add_argument(
+        "--artifact-root", default=os.environ.get("STROP_ARTIFACT_ROOT", ""), help="offline: artifact root"
+    )
+    r.set_defaults(func=_cmd_run)
+
+    for name in ("get", "watch", "cancel"):
+        q = esub.add_parser(name, help=f"{name} an export")
+        q.add_argument("export_id")
+        if name == "watch":
+            q.add_argument("--after-seq", type=int, default=0)
+        q.set_defaults(func=_cmd_export)
+    q = esub.add_parser("list", help="list exports")
+    q.add_argument(
+        "--state", action="append", default=[], help="QUEUED, RUNNING, SUCCEEDED, ... (repeatable)"
+    )
+    q.add_argument("--limit", type=int, default=0)
+    q.set_defaults(func=_cmd_export)
+    q = esub.add_parser("capabilities", help="targets, GGUF types and architectures the service supports")
+    q.set_defaults(func=_cmd_export)
+    q = esub.add_parser("upload", help="upload a local directory as an artifact (an adapter by default)")
+    q.add_argument("directory")
+    q.add_argument("--kind", default="adapter", choices=("adapter", "base_model"))
+    q.add_argument("--artifact-id", default="")
+    q.add_argument("--overwrite", action="store_true")
+    q.set_defaults(func=_cmd_export)
+    q = esub.add_parser("download", help="download an artifact into a new local directory")
+    q.add_argument("artifact_id")
+    q.add_argument("dest")
+    q.set_defaults(func=_cmd_export)
+    q = esub.add_parser("artifacts", help="list artifacts")
+    q.add_argument("--kind", default="")
+    q.set_defaults(func=_cmd_export)
+
+
+def _print_json(obj: Any) -> None:
+    from strop.common.serde import to_dict
+
+    print(json.dumps(to_dict(obj) if dataclasses.is_dataclass(obj) else obj, indent=2, default=str))
+
+
+def _fmt(x: Any, spec: str = ".4g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_results(rows: list[tuple[str, str, Any]], out=None) -> None:
+    """A Markdown table of ``(target, artifact_id, verification)`` rows (verification may be None)."""
+    out = out or sys.stdout
+    print(
+        "| target | artifact | consumer | max abs dlogit | top-1 | ppl ref -> out | HF=llama.cpp ids | answer | answer top-1 | passed |",
+        file=out,
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|", file=out)
+    for label, aid, v in rows:
+        if v is None:
+            print(f"| {label} | {aid} | (not verified) |  |  |  |  |  |  |  |", file=out)
+            continue
+        toks = getattr(v, "tokens_match", None)
+        if hasattr(v, "tokens_checked") and not v.tokens_checked:
+            toks = None
+        ans = getattr(v, "answer_reproduced", None)
+        if hasattr(v, "answer_checked") and not v.answer_checked:
+            ans = None
+        print(
+            f"| {label} | {aid} | {v.consumer} | {_fmt(v.max_abs_logit_delta)} | {_fmt(v.top1_agreement, '.3f')} "
+            f"| {v.perplexity_reference:.4f} -> {v.perplexity:.4f} | {'-' if toks is None else toks} "
+            f"| {'-' if ans is None else ('reproduced' if ans else repr(v.generated))} "
+            f"| {_fmt(v.answer_top1_agreement if ans is not None else None, '.3f')} | {v.passed} |",
+            file=out,
+        )
+
+
+def _progress_printer():
+    last: dict[str, str] = {}
+
+    def show(target: str, phase: str, item: str, done: int, total: int, written: int, btotal: int) -> None:
+        key = f"{target}/{phase}"
+        line = f"[{target or 'export'}] {phase}"
+        if total:
+            line += f" {done}/{total}"
+        if btotal:
+            line += f" {written / 2**20:.1f}/{btotal / 2**20:.1f} MiB"
+        if item:
+            line += f" {item}"
+        if last.get(key) != line and (done in (0, 1, total) or not total):
+            print(line, file=sys.stderr)
+        last[key] = line
+
+    return show
+
+
+def _cmd_run(a) -> int:
+    from strop.client.export import ExportTarget, VerifyOptions
+
+    targets = [ExportTarget.parse(s) for s in (a.to or ["merged", "gguf:F16"])]
+    verify = VerifyOptions(
+        skip=a.no_verify, question=a.question, answer=a.answer, raw_question=a.raw_question
+    )
+    if a.offline:
+        return _run_offline(a, targets, verify)
+    from strop.client.export import ExportClient
+
+    show = _progress_printer()
+    with ExportClient(a.target) as ec:
+        exp = ec.create_export(
+            targets,
+            adapter_artifact_id=a.adapter_artifact,
+            adapter_path=a.adapter_path,
+            base_model_path=a.base,
+            base_artifact_id=a.base_artifact,
+            overwrite=a.overwrite,
+            verify=verify,
+            name=a.name,
+            max_shard_bytes=a.max_shard_bytes,
+        )
+        print(f"export {exp.export_id} queued", file=sys.stderr)
+        if a.detach:
+            print(exp.export_id)
+            return 0
+
+        def on_event(ev) -> None:
+            if ev.progress is not None:
+                p = ev.progress
+                show(p.target, p.phase, p.item, p.items_done, p.items_total, p.bytes_written, p.bytes_total)
+            elif ev.state is not None:
+                print(f"[{ev.export_id}] {ev.state.state.value} {ev.state.message}", file=sys.stderr)
+
+        done = ec.wait_export(exp.export_id, on_event=on_event)
+    if a.json:
+        _print_json(done)
+    else:
+        labels = [
+            _label(r.target.kind.value.lower(), r.target.gguf_type, r.target.dtype) for r in done.results
+        ]
+        print_results(
+            [
+                (lab, r.artifact.artifact_id, r.verification)
+                for lab, r in zip(labels, done.results, strict=True)
+            ]
+        )
+        if done.error:
+            print(f"error ({done.error_code}): {done.error}", file=sys.stderr)
+    return 0 if done.state.value == "SUCCEEDED" else 1
+
+
+def _label(kind: str, gguf_type: str, dtype: str) -> str:
+    return f"{kind}:{gguf_type or dtype}" if (gguf_type or dtype) else kind
+
+
+def _run_offline(a, targets, verify) -> int:
+    if not a.model_root or not a.artifact_root:
+        print("error: --offline needs --model-root and --artifact-root", file=sys.stderr)
+        return 2
+    from pathlib import Path
+
+    from strop.common.artifacts import ArtifactStore
+    from strop.common.errors import StropError
+    from strop.export_svc.core.pipeline import (
+        ExportProgress,
+        ExportRequest,
+        TargetKind,
+        TargetSpec,
+        run_export,
+    )
+    from strop.export_svc.core.verify import VerifySpec
+
+    kinds = {
+        "MERGED_SAFETENSORS": TargetKind.MERGED_SAFETENSORS,
+        "PEFT_ADAPTER": TargetKind.PEFT_ADAPTER,
+        "GGUF": TargetKind.GGUF,
+        "GGUF_LORA": TargetKind.GGUF_LORA,
+    }
+    req = ExportRequest(
+        targets=[
+            TargetSpec(kinds[t.kind.value], t.gguf_type, t.dtype, t.artifact_id, t.base_gguf_type)
+            for t in targets
+        ],
+        adapter_artifact_id=a.adapter_artifact,
+        adapter_path=a.adapter_path,
+        base_path=a.base,
+        base_artifact_id=a.base_artifact,
+        overwrite=a.overwrite,
+        verify=VerifySpec(
+            enabled=not verify.skip,
+            question=verify.question,
+            answer=verify.answer,
+            chat=not verify.raw_question,
+        ),
+        name=a.name,
+        max_shard_bytes=a.max_shard_bytes,
+    )
+    show = _progress_printer()
+
+    def emit(ev) -> None:
+        if isinstance(ev, ExportProgress):
+            show(ev.target, ev.phase, ev.item, ev.done, ev.total, ev.bytes_written, ev.bytes_total)
+
+    try:
+        results = run_export(
+            req, model_root=Path(a.model_root), store=ArtifactStore(a.artifact_root), emit=emit
+        )
+    except StropError as exc:
+        print(f"error ({exc.grpc_code}): {exc}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2, default=str))
+    else:
+        print_results([(r.target.label, r.artifact.artifact_id, r.verification) for r in results])
+    return 0
+
+
+def _cmd_export(a) -> int:
+    from strop.client.export import ExportClient, ExportState
+
+    with ExportClient(a.target) as ec:
+        cmd = a.export_cmd
+        if cmd == "get":
+            _print_json(ec.get_export(a.export_id))
+        elif cmd == "cancel":
+            _print_json(ec.cancel_export(a.export_id))
+        elif cmd == "watch":
+            for ev in ec.watch_export(a.export_id, a.after_seq):
+                _print_json(ev)
+        elif cmd == "list":
+            for e in ec.list_exports([ExportState(s.upper()) for s in a.state], a.limit):
+                print(f"{e.export_id}\t{e.state.value}\t{len(e.results)} artifacts\t{e.name}\t{e.error}")
+        elif cmd == "capabilities":
+            _print_json(ec.capabilities())
+        elif cmd == "upload":
+            _print_json(
+                ec.upload_artifact(a.directory, kind=a.kind, artifact_id=a.artifact_id, overwrite=a.overwrite)
+            )
+        elif cmd == "download":
+            print(ec.download_artifact(a.artifact_id, a.dest))
+        elif cmd == "artifacts":
+            for art in ec.list_artifacts(a.kind):
+                print(
+                    f"{art.artifact_id}\t{art.kind}\t{art.size_bytes}\t{art.metadata.get('verify.passed', '')}"
+                )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m strop.client.cli_export``); ``strop export`` is the usual one."""
+    from strop.client.errors import StropClientError
+
+    parser = argparse.ArgumentParser(prog="strop")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["export", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except StropClientError as exc:
+        print(f"error ({exc.code}): {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

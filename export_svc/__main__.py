@@ -1,0 +1,3 @@
+from strop.export_svc.server import main
+
+main()

@@ -1,0 +1,464 @@
+"""Export jobs: a persistent queue of ``run_export`` calls, with states, numbered events and cancellation.
+
+State machine (guarded; anything else raises)::
+
+    QUEUED ──▶ RUNNING ──▶ SUCCEEDED | FAILED | CANCELLED | INTERRUPTED
+       └──────────────────▶ CANCELLED | INTERRUPTED
+
+INTERRUPTED means the service stopped while the export was queued or running; on the next start the
+manager marks such exports INTERRUPTED and removes their partial outputs. Every change, progress
+report and result is an event ``(export_id, seq)`` with ``seq`` = 1, 2, 3, … and no gaps, stored in
+SQLite under the state directory, so a client re-attaches with ``after_seq`` and misses nothing, and
+history survives restarts. Exports run in worker threads; callers never block on one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from strop.common.artifacts import ArtifactFileInfo, ArtifactInfo, ArtifactStore
+from strop.common.db import Database
+from strop.export_svc.core.errors import FailedPrecondition, NotFound, StropError, Unavailable
+from strop.export_svc.core.pipeline import (
+    CancelToken,
+    ExportProgress,
+    ExportRequest,
+    TargetKind,
+    TargetResult,
+    TargetSpec,
+    run_export,
+    validate,
+)
+from strop.export_svc.core.verify import Verification, VerifySpec
+
+log = logging.getLogger("strop.export")
+
+
+class ExportState(enum.StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    INTERRUPTED = "INTERRUPTED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (
+            ExportState.SUCCEEDED,
+            ExportState.FAILED,
+            ExportState.CANCELLED,
+            ExportState.INTERRUPTED,
+        )
+
+
+_ALLOWED = {
+    ExportState.QUEUED: {ExportState.RUNNING, ExportState.CANCELLED, ExportState.INTERRUPTED},
+    ExportState.RUNNING: {
+        ExportState.SUCCEEDED,
+        ExportState.FAILED,
+        ExportState.CANCELLED,
+        ExportState.INTERRUPTED,
+    },
+}
+
+
+def check_transition(old: ExportState, new: ExportState) -> None:
+    """Raise FailedPrecondition unless ``old → new`` is a legal transition."""
+    if new not in _ALLOWED.get(old, set()):
+        raise FailedPrecondition(f"export cannot go from {old.value} to {new.value}")
+
+
+@dataclass
+class ExportEvent:
+    """One numbered event. ``kind`` is "state", "progress", "result" or "log"; ``data`` its fields."""
+
+    export_id: str
+    seq: int
+    time: float
+    kind: str
+    data: dict[str, Any]
+
+    @property
+    def progress(self) -> ExportProgress | None:
+        return ExportProgress(**self.data) if self.kind == "progress" else None
+
+    @property
+    def result(self) -> TargetResult | None:
+        return result_from_dict(self.data) if self.kind == "result" else None
+
+
+@dataclass
+class ExportRecord:
+    export_id: str
+    name: str
+    state: ExportState
+    request: ExportRequest
+    results: list[TargetResult] = field(default_factory=list)
+    error: str = ""
+    error_code: str = ""
+    created_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    last_seq: int = 0
+
+
+def request_to_dict(req: ExportRequest) -> dict[str, Any]:
+    d = asdict(req)
+    d["targets"] = [{**asdict(t), "kind": TargetKind(t.kind).value} for t in req.targets]
+    return d
+
+
+def request_from_dict(d: dict[str, Any]) -> ExportRequest:
+    d = dict(d)
+    d["targets"] = [TargetSpec(**{**t, "kind": TargetKind(t["kind"])}) for t in d.get("targets", [])]
+    d["verify"] = VerifySpec(**d.get("verify", {}))
+    return ExportRequest(**d)
+
+
+def result_to_dict(r: TargetResult) -> dict[str, Any]:
+    return {
+        "target": {**asdict(r.target), "kind": TargetKind(r.target.kind).value},
+        "artifact": asdict(r.artifact),
+        "verification": asdict(r.verification) if r.verification else None,
+    }
+
+
+def result_from_dict(d: dict[str, Any]) -> TargetResult:
+    art = dict(d["artifact"])
+    art["files"] = [ArtifactFileInfo(**f) for f in art["files"]]
+    t = d["target"]
+    return TargetResult(
+        TargetSpec(**{**t, "kind": TargetKind(t["kind"])}),
+        ArtifactInfo(**art),
+        Verification(**d["verification"]) if d.get("verification") else None,
+    )
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS exports (
+    export_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    request TEXT NOT NULL,
+    results TEXT NOT NULL DEFAULT '[]',
+    artifact_ids TEXT NOT NULL DEFAULT '[]',
+    error TEXT NOT NULL DEFAULT '',
+    error_code TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    started_at REAL NOT NULL DEFAULT 0,
+    finished_at REAL NOT NULL DEFAULT 0,
+    last_seq INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS export_events (
+    export_id TEXT NOT NULL REFERENCES exports(export_id),
+    seq INTEGER NOT NULL,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (export_id, seq)
+);
+"""
+
+Runner = Callable[..., list[TargetResult]]
+
+
+class ExportManager:
+    """Owns the state database, the worker threads and the cancellation tokens.
+
+    Args:
+        state_dir: where ``export.db`` lives.
+        model_root: base models and adapters given by path are confined under it.
+        store: the artifact store (shared with the trainer).
+        workers: exports running at once (each uses every CPU core while it quantizes).
+        runner: the export function (``run_export``; tests inject failures through it).
+    """
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        model_root: str | Path,
+        store: ArtifactStore,
+        *,
+        workers: int = 1,
+        runner: Runner = run_export,
+    ):
+        self.model_root = Path(model_root).resolve()
+        self.store = store
+        self.db = Database(Path(state_dir) / "export.db", SCHEMA)
+        self._runner = runner
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="strop-export")
+        self._tokens: dict[str, CancelToken] = {}
+        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._draining = False
+        self._interrupting = False
+        self._recover()
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def _append(
+        self, export_id: str, kind: str, data: dict[str, Any], *, update: dict[str, Any] | None = None
+    ) -> int:
+        with self._lock:
+            row = self.db.query_one("SELECT last_seq FROM exports WHERE export_id = ?", (export_id,))
+            assert row is not None
+            seq = int(row["last_seq"]) + 1
+            stmts = [
+                (
+                    "INSERT INTO export_events (export_id, seq, time, kind, data) VALUES (?, ?, ?, ?, ?)",
+                    (export_id, seq, time.time(), kind, json.dumps(data)),
+                ),
+                ("UPDATE exports SET last_seq = ? WHERE export_id = ?", (seq, export_id)),
+            ]
+            for col, val in (update or {}).items():
+                stmts.append((f"UPDATE exports SET {col} = ? WHERE export_id = ?", (val, export_id)))
+            self.db.transaction(stmts)
+        with self._cond:
+            self._cond.notify_all()
+        return seq
+
+    def _set_state(self, export_id: str, new: ExportState, message: str = "", **cols: Any) -> None:
+        with self._lock:
+            old = ExportState(self._row(export_id)["state"])
+            check_transition(old, new)
+            update: dict[str, Any] = {"state": new.value, **cols}
+            if new is ExportState.RUNNING:
+                update["started_at"] = time.time()
+            if new.terminal:
+                update["finished_at"] = time.time()
+            self._append(export_id, "state", {"state": new.value, "message": message}, update=update)
+
+    def _row(self, export_id: str):
+        row = self.db.query_one("SELECT * FROM exports WHERE export_id = ?", (export_id,))
+        if row is None:
+            raise NotFound(f"export {export_id!r} not found")
+        return row
+
+    def _record(self, row) -> ExportRecord:
+        return ExportRecord(
+            export_id=row["export_id"],
+            name=row["name"],
+            state=ExportState(row["state"]),
+            request=request_from_dict(json.loads(row["request"])),
+            results=[result_from_dict(r) for r in json.loads(row["results"])],
+            error=row["error"],
+            error_code=row["error_code"],
+            created_at=row["created_at"],
+            started_at=row["started_at"],
+            finished_at=row["finished_at"],
+            last_seq=row["last_seq"],
+        )
+
+    def _recover(self) -> None:
+        """Exports left QUEUED/RUNNING by a previous process become INTERRUPTED; their leftovers go."""
+        rows = self.db.query(
+            "SELECT export_id, artifact_ids FROM exports WHERE state IN ('QUEUED', 'RUNNING')"
+        )
+        for row in rows:
+            self._set_state(
+                row["export_id"],
+                ExportState.INTERRUPTED,
+                "the export service stopped during this export",
+                error="interrupted by a service restart",
+                error_code="ABORTED",
+            )
+            for aid in json.loads(row["artifact_ids"]):
+                for p in (self.store.root / ".tmp").glob(f"{aid}.*"):
+                    shutil.rmtree(p, ignore_errors=True)
+        # scratch-* directories are only ever the export service's (one replica per artifact root)
+        for p in (self.store.root / ".tmp").glob("scratch-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    # -- API ---------------------------------------------------------------------------------
+
+    def create(self, req: ExportRequest) -> ExportRecord:
+        """Validate (no weights read) and queue an export; returns at once, QUEUED.
+
+        Raises:
+            StropError: bad input (InvalidArgument, FailedPrecondition, Unimplemented, ...), before
+                anything is queued or written.
+            Unavailable: the service is draining.
+        """
+        if self._draining:
+            raise Unavailable("the export service is shutting down; retry against another replica or later")
+        req, _ = validate(req, self.model_root, self.store)
+        export_id = f"exp-{uuid.uuid4().hex[:12]}"
+        targets = req.targets
+        self.db.execute(
+            "INSERT INTO exports (export_id, name, state, request, artifact_ids, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                export_id,
+                req.name,
+                ExportState.QUEUED.value,
+                json.dumps(request_to_dict(req)),
+                json.dumps([t.artifact_id for t in targets]),
+                time.time(),
+            ),
+        )
+        self._append(export_id, "state", {"state": ExportState.QUEUED.value, "message": ""})
+        token = CancelToken()
+        self._tokens[export_id] = token
+        self._pool.submit(self._run, export_id, req, token)
+        return self.get(export_id)
+
+    def _run(self, export_id: str, req: ExportRequest, token: CancelToken) -> None:
+        try:
+            if ExportState(self._row(export_id)["state"]) is not ExportState.QUEUED:
+                return  # cancelled while queued
+            self._set_state(export_id, ExportState.RUNNING)
+
+            def emit(ev: Any) -> None:
+                if isinstance(ev, ExportProgress):
+                    self._append(export_id, "progress", asdict(ev))
+
+            results = self._runner(
+                req,
+                model_root=self.model_root,
+                store=self.store,
+                emit=emit,
+                cancel=token,
+                export_id=export_id,
+            )
+            with self._lock:
+                for r in results:
+                    self._append(export_id, "result", result_to_dict(r))
+                self._set_state(
+                    export_id,
+                    ExportState.SUCCEEDED,
+                    f"{len(results)} artifacts published",
+                    results=json.dumps([result_to_dict(r) for r in results]),
+                    artifact_ids=json.dumps([r.artifact.artifact_id for r in results]),
+                )
+        except StropError as exc:
+            code = exc.grpc_code
+            if code == "CANCELLED" and self._interrupting:
+                self._finish(
+                    export_id,
+                    ExportState.INTERRUPTED,
+                    "the export service stopped during this export",
+                    "ABORTED",
+                )
+            elif code == "CANCELLED":
+                self._finish(export_id, ExportState.CANCELLED, str(exc), code)
+            elif code == "INTERNAL":
+                log.exception("export %s failed", export_id)
+                self._finish(export_id, ExportState.FAILED, f"internal error: {exc}", code)
+            else:
+                self._finish(export_id, ExportState.FAILED, str(exc), code)
+        except Exception as exc:
+            log.exception("export %s failed", export_id)
+            self._finish(
+                export_id, ExportState.FAILED, f"internal error: {type(exc).__name__}: {exc}", "INTERNAL"
+            )
+        finally:
+            self._tokens.pop(export_id, None)
+
+    def _finish(self, export_id: str, state: ExportState, message: str, code: str) -> None:
+        with contextlib.suppress(FailedPrecondition):  # already terminal (cancelled while queued)
+            self._set_state(export_id, state, message, error=message, error_code=code)
+
+    def get(self, export_id: str) -> ExportRecord:
+        return self._record(self._row(export_id))
+
+    def list(self, states: list[ExportState] | None = None, limit: int = 0) -> list[ExportRecord]:
+        rows = self.db.query("SELECT * FROM exports ORDER BY created_at DESC, export_id")
+        out = [self._record(r) for r in rows if not states or ExportState(r["state"]) in states]
+        return out[:limit] if limit > 0 else out
+
+    def cancel(self, export_id: str) -> ExportRecord:
+        """Cancel a queued or running export (running ones stop before their next tensor).
+
+        Raises:
+            NotFound: unknown id.
+            FailedPrecondition: the export already finished.
+        """
+        with self._lock:
+            state = ExportState(self._row(export_id)["state"])
+            if state.terminal:
+                raise FailedPrecondition(f"export {export_id!r} is already {state.value}")
+            if state is ExportState.QUEUED:
+                self._set_state(
+                    export_id,
+                    ExportState.CANCELLED,
+                    "cancelled before it started",
+                    error="cancelled by a client",
+                    error_code="CANCELLED",
+                )
+            token = self._tokens.get(export_id)
+        if token is not None:
+            token.cancel()
+        return self.get(export_id)
+
+    def events(self, export_id: str, after_seq: int = 0) -> list[ExportEvent]:
+        self._row(export_id)
+        rows = self.db.query(
+            "SELECT * FROM export_events WHERE export_id = ? AND seq > ? ORDER BY seq", (export_id, after_seq)
+        )
+        return [
+            ExportEvent(r["export_id"], r["seq"], r["time"], r["kind"], json.loads(r["data"])) for r in rows
+        ]
+
+    def watch(
+        self,
+        export_id: str,
+        after_seq: int = 0,
+        *,
+        alive: Callable[[], bool] = lambda: True,
+        poll: float = 0.5,
+    ) -> Iterator[ExportEvent]:
+        """Every event after ``after_seq``, then new ones as they come, until the export ends."""
+        seq = after_seq
+        while True:
+            batch = self.events(export_id, seq)
+            yield from batch
+            if batch:
+                seq = batch[-1].seq
+            if ExportState(self._row(export_id)["state"]).terminal and not self.events(export_id, seq):
+                return
+            if not alive():
+                return
+            with self._cond:
+                if not self.events(export_id, seq):
+                    self._cond.wait(poll)
+
+    def wait(self, export_id: str, timeout: float | None = None) -> ExportRecord:
+        """Block until the export ends (tests, the offline CLI)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.get(export_id).state.terminal:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"export {export_id} still running after {timeout}s")
+            with self._cond:
+                self._cond.wait(0.2)
+        return self.get(export_id)
+
+    def shutdown(self, grace: float = 0.0) -> None:
+        """Refuse new exports; let running ones finish within ``grace``; interrupt the rest."""
+        self._draining = True
+        deadline = time.monotonic() + grace
+        while self._tokens and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._interrupting = True
+        for tok in list(self._tokens.values()):
+            tok.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for row in self.db.query("SELECT export_id FROM exports WHERE state = 'QUEUED'"):
+            self._finish(
+                row["export_id"],
+                ExportState.INTERRUPTED,
+                "the export service stopped before it started",
+                "ABORTED",
+            )
+        self.db.close()

@@ -1,0 +1,442 @@
+"""What an export reads: a base model directory and (optionally) a PEFT LoRA adapter directory.
+
+Both are opened and validated before anything is written: config and headers parsed, every
+safetensors file checked against its size, the adapter's modules matched to base tensors with their
+shapes. Weights stay on disk; ``BaseModel.read_fp32`` and ``Adapter.read`` fetch one tensor at a time.
+Only safetensors are read (no pickle) and no remote code runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strop.export_svc.core.archs import ArchInfo, arch_of, config_dtype
+from strop.export_svc.core.errors import (
+    BaseMismatch,
+    CorruptInput,
+    InvalidArgument,
+    MissingTokenizer,
+    UnsupportedModel,
+)
+from strop.export_svc.core.st_io import SafetensorsFile
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+)
+_BNB_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+_QS_PREFIX = "quant_state.bitsandbytes__"
+
+
+def read_json(path: Path, label: str) -> dict[str, Any]:
+    """Parse a JSON object file; malformed content raises CorruptInput naming ``label``."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptInput(f"{label} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CorruptInput(f"{label} is not a JSON object")
+    return data
+
+
+def has_tokenizer(d: Path) -> bool:
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file()
+
+
+@dataclass(frozen=True)
+class BaseTensor:
+    """A logical base tensor: a plain tensor, or a bnb 4-bit weight with its quant state."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # stored dtype (uint8 for 4-bit weights)
+    file: str
+    quant: str = ""  # "", "nf4" or "fp4"
+
+
+class BaseModel:
+    """A Hugging Face model directory (16-bit, or bitsandbytes 4-bit prequantized).
+
+    Raises:
+        InvalidArgument: not a model directory.
+        CorruptInput: malformed config/index, truncated safetensors, or only pickle weights.
+        UnsupportedModel: architecture or quantization method the exporter does not handle.
+    """
+
+    def __init__(self, path: Path, label: str):
+        self.path = Path(path)
+        self.label = label
+        if not (self.path / "config.json").is_file():
+            raise InvalidArgument(f"base {label!r} is not a model directory (no config.json)")
+        self.config = read_json(self.path / "config.json", f"{label}/config.json")
+        self.arch: ArchInfo = arch_of(self.config, where=f"base {label!r}")
+        self.quantization = self._quantization()
+        self.dtype = config_dtype(self.config)
+        self.files = self._open_files()
+        self.tensors: dict[str, BaseTensor] = self._logical_tensors()
+
+    def _quantization(self) -> str:
+        q = self.config.get("quantization_config")
+        if not q:
+            return "none"
+        method = q.get("quant_method")
+        if method == "bitsandbytes" and (q.get("load_in_4bit") or q.get("_load_in_4bit")):
+            qt = q.get("bnb_4bit_quant_type", "nf4")
+            if qt not in ("nf4", "fp4"):
+                raise UnsupportedModel(
+                    f"base {self.label!r}: bitsandbytes 4-bit type {qt!r} is not supported"
+                )
+            return f"bnb-{qt}"
+        if method == "bitsandbytes":
+            raise UnsupportedModel(
+                f"base {self.label!r}: bitsandbytes 8-bit bases are not supported (4-bit only)"
+            )
+        raise UnsupportedModel(
+            f"base {self.label!r}: quantization method {method!r} is not supported "
+            "(16-bit or bitsandbytes 4-bit bases only)"
+        )
+
+    def _open_files(self) -> dict[str, SafetensorsFile]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            wm = read_json(index, f"{self.label}/model.safetensors.index.json").get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise CorruptInput(f"{self.label}/model.safetensors.index.json has no weight_map")
+            names = sorted(set(wm.values()))
+            for n in names:
+                if Path(n).name != n or not (self.path / n).is_file():
+                    raise CorruptInput(f"{self.label}: index names shard {n!r}, which is missing")
+        else:
+            names = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not names:
+            if any(self.path.glob("*.bin")) or any(self.path.glob("*.pt")):
+                raise CorruptInput(
+                    f"base {self.label!r} has only pickle weights (*.bin); strop loads safetensors only"
+                )
+            raise InvalidArgument(f"base {self.label!r} has no safetensors weights")
+        return {n: SafetensorsFile(self.path / n, label=f"{self.label}/{n}") for n in names}
+
+    def _logical_tensors(self) -> dict[str, BaseTensor]:
+        where: dict[str, str] = {}
+        for fname, f in self.files.items():
+            for k in f.names():
+                where[k] = fname
+        out: dict[str, BaseTensor] = {}
+        companions = set()
+        for k in where:
+            for qt in ("nf4", "fp4"):
+                stem = k[: -len(_QS_PREFIX + qt) - 1] if k.endswith("." + _QS_PREFIX + qt) else None
+                if stem is None:
+                    continue
+                if stem not in where:
+                    raise CorruptInput(f"base {self.label!r}: quant state {k!r} without its weight {stem!r}")
+                qs = self._quant_state_dict(stem, where)
+                meta = json.loads(bytes(qs[_QS_PREFIX + qt].tolist()).decode())
+                companions.update(f"{stem}.{s}" for s in qs)
+                out[stem] = BaseTensor(
+                    stem, tuple(int(x) for x in meta["shape"]), torch.uint8, where[stem], qt
+                )
+        if any(t.quant for t in out.values()) and self.quantization == "none":
+            raise CorruptInput(
+                f"base {self.label!r} holds 4-bit tensors but its config has no quantization_config"
+            )
+        for fname, f in self.files.items():
+            for k in f.names():
+                if k in companions or k in out:
+                    continue
+                e = f.entries[k]
+                out[k] = BaseTensor(k, e.shape, e.dtype, fname)
+        # keep the on-disk order (file by file, offset by offset): streaming reads each shard once
+        order = {k: i for i, k in enumerate(k for f in self.files.values() for k in f.names())}
+        return dict(sorted(out.items(), key=lambda kv: (list(self.files).index(kv[1].file), order[kv[0]])))
+
+    def _quant_state_dict(self, stem: str, where: dict[str, str]) -> dict[str, torch.Tensor]:
+        qs = {}
+        for k, fname in where.items():
+            if k.startswith(stem + ".") and (k[len(stem) + 1 :] in _BNB_SUFFIXES or _QS_PREFIX in k):
+                qs[k[len(stem) + 1 :]] = self.files[fname].read(k)
+        return qs
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def nbytes_16bit(self) -> int:
+        return sum(math.prod(t.shape) * 2 for t in self.tensors.values())
+
+    def read_raw(self, name: str) -> torch.Tensor:
+        """One plain (not 4-bit) tensor as stored."""
+        t = self.tensors[name]
+        if t.quant:
+            raise ValueError(f"{name!r} is a 4-bit tensor; use read_fp32")
+        return self.files[t.file].read(name)
+
+    def read_fp32(self, name: str) -> torch.Tensor:
+        """One logical tensor as float32; 4-bit weights dequantized in fp32 (bitsandbytes, on the CPU)."""
+        t = self.tensors[name]
+        if not t.quant:
+            return self.files[t.file].read(name).to(torch.float32)
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+
+        where = {k: fname for fname, f in self.files.items() for k in f.entries if k.startswith(name + ".")}
+        qs = QuantState.from_dict(self._quant_state_dict(name, where), device=torch.device("cpu"))
+        qs.dtype = torch.float32  # dequantize straight to fp32: no rounding through the compute dtype
+        packed = self.files[t.file].read(name)
+        return dequantize_4bit(packed, qs).reshape(t.shape)
+
+    def tokenizer_dir(self) -> Path | None:
+        return self.path if has_tokenizer(self.path) else None
+
+
+@dataclass
+class LoraModule:
+    """One adapted base tensor: ``W' = W + scale · B @ A`` (embeddings: ``W' = W + scale · (B @ A)ᵀ``)."""
+
+    module: str
+    base_key: str
+    a_key: str
+    b_key: str
+    r: int
+    alpha: float
+    scale: float
+    kind: str = "linear"  # "linear" | "embedding"
+    magnitude_key: str = ""  # DoRA
+
+
+@dataclass
+class Adapter:
+    """A PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+
+    path: Path
+    label: str
+    config: dict[str, Any]
+    file: SafetensorsFile
+    modules: dict[str, LoraModule] = field(default_factory=dict)
+    replacements: dict[str, str] = field(default_factory=dict)  # base key → adapter key
+
+    @property
+    def use_dora(self) -> bool:
+        return bool(self.config.get("use_dora"))
+
+    @property
+    def use_rslora(self) -> bool:
+        return bool(self.config.get("use_rslora"))
+
+    @property
+    def recorded_base(self) -> str:
+        return str(self.config.get("base_model_name_or_path") or "")
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.file.read(key)
+
+    def tokenizer_dir(self) -> Path | None:
+        return self.path if has_tokenizer(self.path) else None
+
+
+def pattern_value(patterns: dict[str, Any], module: str) -> Any | None:
+    """PEFT's rank/alpha pattern lookup: a key matches a module name or any dotted suffix of it."""
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?(?:{key})", module):
+            return value
+    return None
+
+
+def lora_scale(alpha: float, r: int, use_rslora: bool) -> float:
+    """PEFT's (and vLLM's) LoRA scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def open_adapter(path: Path, label: str) -> Adapter:
+    """Open and validate a PEFT LoRA adapter directory.
+
+    Raises:
+        InvalidArgument: not an adapter directory.
+        CorruptInput: malformed config, truncated weights, unpaired A/B, only pickle weights.
+        UnsupportedModel: not LoRA, or LoRA features with no merge (fan_in_fan_out, lora_bias, DoRA on
+            embeddings).
+    """
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        raise InvalidArgument(f"adapter {label!r} is not a PEFT adapter directory (no adapter_config.json)")
+    cfg = read_json(path / "adapter_config.json", f"{label}/adapter_config.json")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise UnsupportedModel(
+            f"adapter {label!r} is {cfg.get('peft_type')!r}; only LoRA adapters are exported"
+        )
+    if cfg.get("fan_in_fan_out"):
+        raise UnsupportedModel(f"adapter {label!r} uses fan_in_fan_out, which Llama-family models never need")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), int | float) or cfg[key] <= 0:
+            raise CorruptInput(
+                f"{label}/adapter_config.json: {key!r} must be a positive number, got {cfg.get(key)!r}"
+            )
+    wpath = path / "adapter_model.safetensors"
+    if not wpath.is_file():
+        if (path / "adapter_model.bin").is_file():
+            raise CorruptInput(
+                f"adapter {label!r} has only pickle weights (adapter_model.bin); strop loads safetensors only"
+            )
+        raise InvalidArgument(f"adapter {label!r} has no adapter_model.safetensors")
+    f = SafetensorsFile(wpath, label=f"{label}/adapter_model.safetensors")
+    ad = Adapter(path, label, cfg, f)
+    parts: dict[str, dict[str, str]] = {}
+    for key in f.names():
+        k = key.removeprefix("base_model.model.")
+        m = re.fullmatch(r"(.+)\.(lora_A|lora_B)\.weight", k) or re.fullmatch(
+            r"(.+)\.(lora_embedding_A|lora_embedding_B)", k
+        )
+        if m:
+            parts.setdefault(m.group(1), {})[m.group(2)] = key
+            continue
+        m = re.fullmatch(r"(.+)\.lora_magnitude_vector", k)
+        if m:
+            parts.setdefault(m.group(1), {})["magnitude"] = key
+            continue
+        if re.search(r"\.lora_[AB]\.bias$", k):
+            raise UnsupportedModel(f"adapter {label!r} has LoRA biases (lora_bias); they are not supported")
+        if ".lora_" in k:
+            raise CorruptInput(f"adapter {label!r}: tensor {key!r} is not a LoRA tensor strop understands")
+        ad.replacements[k.replace(".base_layer.", ".")] = key
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    for module, p in sorted(parts.items()):
+        if "lora_A" in p and "lora_B" in p:
+            kind, a_key, b_key = "linear", p["lora_A"], p["lora_B"]
+        elif "lora_embedding_A" in p and "lora_embedding_B" in p:
+            kind, a_key, b_key = "embedding", p["lora_embedding_A"], p["lora_embedding_B"]
+        else:
+            raise CorruptInput(f"adapter {label!r}: module {module!r} lacks its LoRA A or B tensor")
+        a_shape, b_shape = f.entries[a_key].shape, f.entries[b_key].shape
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+            raise CorruptInput(
+                f"adapter {label!r}: module {module!r} has A {list(a_shape)} and B {list(b_shape)}, which do not pair"
+            )
+        r = int(a_shape[0])
+        alpha = float(pattern_value(alpha_pattern, module) or cfg["lora_alpha"])
+        if "magnitude" in p and kind == "embedding":
+            raise UnsupportedModel(f"adapter {label!r}: DoRA on embeddings ({module!r}) is not supported")
+        ad.modules[f"{module}.weight"] = LoraModule(
+            module=module,
+            base_key=f"{module}.weight",
+            a_key=a_key,
+            b_key=b_key,
+            r=r,
+            alpha=alpha,
+            scale=lora_scale(alpha, r, bool(cfg.get("use_rslora"))),
+            kind=kind,
+            magnitude_key=p.get("magnitude", ""),
+        )
+    if not ad.modules and not ad.replacements:
+        raise CorruptInput(f"adapter {label!r} holds no LoRA tensors")
+    return ad
+
+
+def check_compatible(adapter: Adapter, base: BaseModel) -> None:
+    """Every adapted module must exist in the base with matching shapes.
+
+    Raises:
+        BaseMismatch: naming the first mismatches (module, adapter shapes, base shape).
+    """
+    problems = []
+    for key, m in adapter.modules.items():
+        bt = base.tensors.get(key)
+        a = adapter.file.entries[m.a_key].shape
+        b = adapter.file.entries[m.b_key].shape
+        if bt is None:
+            problems.append(f"module {m.module!r} has no tensor {key!r} in the base")
+            continue
+        if len(bt.shape) != 2:
+            problems.append(f"{key!r} is {len(bt.shape)}-D in the base, not a matrix")
+            continue
+        out_f, in_f = bt.shape if m.kind == "linear" else (bt.shape[1], bt.shape[0])
+        if a[1] != in_f or b[0] != out_f:
+            problems.append(
+                f"{m.module!r}: adapter A {list(a)} / B {list(b)} need a base weight of "
+                f"{[b[0], a[1]] if m.kind == 'linear' else [a[1], b[0]]}, base has {list(bt.shape)}"
+            )
+    for key, akey in adapter.replacements.items():
+        bt = base.tensors.get(key)
+        shape = adapter.file.entries[akey].shape
+        if bt is None:
+            problems.append(f"adapter tensor {akey!r} replaces {key!r}, which the base lacks")
+        elif tuple(bt.shape) != tuple(shape):
+            problems.append(f"adapter tensor {akey!r} is {list(shape)}, base {key!r} is {list(bt.shape)}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise BaseMismatch(
+            f"adapter {adapter.label!r} does not fit base {base.label!r} "
+            f"({base.arch.model_type}, hidden {base.config.get('hidden_size')}, "
+            f"{base.num_layers} layers): " + "; ".join(problems[:3]) + more
+        )
+
+
+_ARCH_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+def check_same_family(trained_on: dict[str, Any], trained_label: str, base: BaseModel) -> None:
+    """The base must have the architecture and shapes of the model the adapter was trained on.
+
+    Raises:
+        BaseMismatch: naming the differing fields.
+    """
+    diffs = []
+    if trained_on.get("model_type") != base.config.get("model_type"):
+        diffs.append(f"model_type {trained_on.get('model_type')!r} vs {base.config.get('model_type')!r}")
+    for k in _ARCH_KEYS:
+        if k in trained_on and k in base.config and trained_on[k] != base.config[k]:
+            diffs.append(f"{k} {trained_on[k]} vs {base.config[k]}")
+    if diffs:
+        raise BaseMismatch(
+            f"the adapter was trained on {trained_label!r}, which differs from base {base.label!r}: "
+            + ", ".join(diffs)
+        )
+
+
+def tokenizer_source(adapter: Adapter | None, base: BaseModel) -> Path:
+    """Where the tokenizer comes from: the adapter's files (what training used), else the base's.
+
+    One exception: an adapter directory saved by ``save_pretrained`` of a SentencePiece tokenizer
+    lacks ``tokenizer.model`` (transformers 5 keeps only tokenizer.json), which GGUF needs for the
+    scores; if the base has it, the base's complete set is used.
+
+    Raises:
+        MissingTokenizer: neither directory has tokenizer.json or tokenizer.model.
+    """
+    a = adapter.tokenizer_dir() if adapter else None
+    b = base.tokenizer_dir()
+    if (
+        a is not None
+        and b is not None
+        and not (a / "tokenizer.model").is_file()
+        and (b / "tokenizer.model").is_file()
+    ):
+        return b
+    if a is not None:
+        return a
+    if b is not None:
+        return b
+    where = (
+        f"adapter {adapter.label!r} nor base {base.label!r} has" if adapter else f"base {base.label!r} has"
+    )
+    raise MissingTokenizer(f"no tokenizer: neither {where} tokenizer.json or tokenizer.model")

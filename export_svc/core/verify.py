@@ -1,0 +1,393 @@
+"""Verification: load each output in its consumer and compare it with the merged torch model.
+
+The reference is the merged model in fp32 (base dequantized to fp32 + ``s·B@A``, never cast): the
+function the adapter computes on its base, evaluated with transformers. Every output is run on the
+same token ids (HF's tokenization, so the comparison is about weights, not tokenizers) and compared:
+
+- max and mean |Δlogit| over every position of a fixed prompt set, and top-1 agreement;
+- perplexity on held-out text, reference vs output (``perplexity_delta = output − reference``);
+- for GGUF: whether llama.cpp's own tokenizer gives HF's ids for the prompts and the held-out text
+  (``tokens_match``), and for the chat-formatted question (``chat_tokens_match``);
+- with a probe question/answer (what the adapter was trained to say): greedy generation from the
+  chat-formatted question (``answer_reproduced``), and teacher-forced top-1 agreement with the answer
+  tokens (``answer_top1_agreement``), the judge for quantized files — a random base's logits are
+  nearly flat, so logit deltas on random prompts say little about a quantizer.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from strop.export_svc.core.errors import ConsumerRejected
+from strop.export_svc.core.merge import iter_merged
+from strop.export_svc.core.sources import Adapter, BaseModel
+
+DEFAULT_PROMPTS = (
+    "The old engine repairs the final answer before sunrise.",
+    "Hello, world! How are you today?",
+    "A small cat watches the northern road with great care.",
+    "What is the password? 42 after the storm.",
+    "def f(x):\n    return x * 2",
+    "Our team counts twelve apples every single day.",
+    "The library explains a long letter near the harbour.",
+    "1 + 2 = 3, and 20 + 21 = 41.",
+)
+DEFAULT_HELDOUT = (
+    "The river follows the morning train for the first time. A quiet town remembers the secret map "
+    "at the end of the week. Every sailor finds a golden key without a sound.",
+    "My neighbour paints a red kite in the afternoon. The compiler measures seven bright stones near "
+    "the harbour, and the teacher answers the final answer with great care.",
+)
+
+
+@dataclass
+class VerifySpec:
+    """What to verify with. Empty lists mean the built-in prompts and held-out text."""
+
+    enabled: bool = True
+    prompts: list[str] = field(default_factory=list)
+    heldout: list[str] = field(default_factory=list)
+    question: str = ""
+    answer: str = ""
+    chat: bool = True  # render the question with the tokenizer's chat template
+    max_new_tokens: int = 0  # 0: answer length + 8
+
+
+@dataclass
+class Verification:
+    """The figures of one output against the merged fp32 reference."""
+
+    consumer: str
+    positions: int = 0
+    max_abs_logit_delta: float = 0.0
+    mean_abs_logit_delta: float = 0.0
+    top1_agreement: float = 0.0
+    perplexity_reference: float = 0.0
+    perplexity: float = 0.0
+    perplexity_delta: float = 0.0
+    tokens_match: bool | None = None
+    token_mismatches: list[str] = field(default_factory=list)
+    chat_tokens_match: bool | None = None
+    generated: str = ""
+    answer_reproduced: bool | None = None
+    answer_top1_agreement: float | None = None
+    answer_tokens: int = 0
+    problems: list[str] = field(default_factory=list)
+    passed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def to_metadata(self) -> dict[str, str]:
+        """Flat ``verify.*`` strings for artifact metadata."""
+        out = {}
+        for k, v in asdict(self).items():
+            if v is None or v == [] or v == "":
+                continue
+            out[f"verify.{k}"] = "; ".join(map(str, v)) if isinstance(v, list) else str(v)
+        return out
+
+
+LogitsFn = Callable[[list[int]], np.ndarray]
+
+
+@dataclass
+class Probe:
+    """The tokenized material and the reference's logits on it, shared by every output of an export."""
+
+    prompt_texts: list[str]
+    heldout_texts: list[str]
+    prompts: list[list[int]]
+    heldout: list[list[int]]
+    eos_ids: set[int]
+    qa_prompt_text: str = ""
+    qa_prompt: list[int] = field(default_factory=list)
+    qa_answer: list[int] = field(default_factory=list)
+    answer_text: str = ""
+    max_new_tokens: int = 0
+    ref_prompts: list[np.ndarray] = field(default_factory=list)
+    ref_heldout: list[np.ndarray] = field(default_factory=list)
+    ref_qa: np.ndarray | None = None
+    ref_generated: str = ""
+    tokenizer: Any = None
+
+    @property
+    def has_qa(self) -> bool:
+        return bool(self.qa_answer)
+
+
+def _load_tokenizer(tok_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
+
+
+def build_probe(spec: VerifySpec, tok_dir: Path, generation_eos: Sequence[int]) -> Probe:
+    """Tokenize the prompt set, held-out text and the probe question/answer with the HF tokenizer."""
+    tok = _load_tokenizer(tok_dir)
+    prompts = list(spec.prompts or DEFAULT_PROMPTS)
+    heldout = list(spec.heldout or DEFAULT_HELDOUT)
+    eos = {int(x) for x in generation_eos}
+    if tok.eos_token_id is not None:
+        eos.add(int(tok.eos_token_id))
+    p = Probe(
+        prompt_texts=prompts,
+        heldout_texts=heldout,
+        prompts=[tok(t)["input_ids"] for t in prompts],
+        heldout=[tok(t)["input_ids"] for t in heldout],
+        eos_ids=eos,
+        tokenizer=tok,
+    )
+    if spec.question and spec.answer:
+        if spec.chat and tok.chat_template:
+            q = tok.apply_chat_template(
+                [{"role": "user", "content": spec.question}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            q = spec.question
+        q_ids = tok(q)["input_ids"]
+        full = tok(q + spec.answer)["input_ids"]
+        if full[: len(q_ids)] == q_ids:
+            a_ids = full[len(q_ids) :]
+        else:
+            a_ids = tok(spec.answer, add_special_tokens=False)["input_ids"]
+        p.qa_prompt_text, p.qa_prompt, p.qa_answer, p.answer_text = q, q_ids, a_ids, spec.answer
+        p.max_new_tokens = spec.max_new_tokens or len(a_ids) + 8
+    return p
+
+
+def reference_model(
+    base: BaseModel, adapter: Adapter | None, before_tensor: Callable[[str], None] | None = None
+):
+    """The merged model in fp32, assembled in memory with transformers (no cast anywhere)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in base.config.items() if k not in ("quantization_config", "transformers_version")}
+    config = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = dict(iter_merged(base, adapter, before_tensor=before_tensor))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConsumerRejected(f"reference model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def hf_logits_fn(model) -> LogitsFn:
+    def run(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].to(torch.float32).numpy()
+
+    return run
+
+
+def greedy(logits_fn: LogitsFn, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """Greedy decoding by recomputing the whole sequence (fine for the short probes used here)."""
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new):
+        nxt = int(np.argmax(logits_fn(ids)[-1]))
+        if nxt in eos:
+            break
+        out.append(nxt)
+        ids.append(nxt)
+    return out
+
+
+def fill_reference(probe: Probe, model) -> None:
+    """Run the reference on the probe (its logits, its own greedy answer)."""
+    fn = hf_logits_fn(model)
+    probe.ref_prompts = [fn(ids) for ids in probe.prompts]
+    probe.ref_heldout = [fn(ids) for ids in probe.heldout]
+    if probe.has_qa:
+        probe.ref_qa = fn(probe.qa_prompt + probe.qa_answer)
+        gen = greedy(fn, probe.qa_prompt, probe.max_new_tokens, probe.eos_ids)
+        probe.ref_generated = probe.tokenizer.decode(gen, skip_special_tokens=True)
+
+
+def _nll(logits: np.ndarray, ids: list[int]) -> tuple[float, int]:
+    x = torch.from_numpy(logits[:-1]).to(torch.float64)
+    lp = torch.log_softmax(x, dim=-1)
+    tgt = torch.tensor(ids[1:])
+    return float(-lp.gather(1, tgt.unsqueeze(1)).sum()), len(ids) - 1
+
+
+def _ppl(logits: list[np.ndarray], seqs: list[list[int]]) -> float:
+    total, n = 0.0, 0
+    for lg, ids in zip(logits, seqs, strict=True):
+        s, k = _nll(lg, ids)
+        total, n = total + s, n + k
+    return math.exp(total / max(n, 1))
+
+
+def reproduces(generated: str, answer: str) -> bool:
+    return generated.strip().startswith(answer.strip())
+
+
+def compare(
+    probe: Probe,
+    consumer: str,
+    logits_fn: LogitsFn,
+    *,
+    generate: Callable[[list[int], int, set[int]], list[int]] | None = None,
+    tokenize: Callable[[str], list[int]] | None = None,
+    lossy: bool = False,
+) -> Verification:
+    """Figures of one output (given as a logits function) against the reference in ``probe``.
+
+    Args:
+        generate: greedy decoding in the consumer (default: recompute with ``logits_fn``).
+        tokenize: the consumer's own tokenizer (llama.cpp), checked against HF's ids.
+        lossy: a 2–6 bit quantization: judged on teacher-forced answer agreement, not on generation.
+    """
+    v = Verification(consumer=consumer)
+    outs = [logits_fn(ids) for ids in probe.prompts]
+    deltas = np.concatenate([np.abs(o - r).reshape(-1) for o, r in zip(outs, probe.ref_prompts, strict=True)])
+    agree = np.concatenate(
+        [o.argmax(-1) == r.argmax(-1) for o, r in zip(outs, probe.ref_prompts, strict=True)]
+    )
+    v.positions = int(agree.size)
+    v.max_abs_logit_delta = float(deltas.max())
+    v.mean_abs_logit_delta = float(deltas.mean())
+    v.top1_agreement = float(agree.mean())
+    held = [logits_fn(ids) for ids in probe.heldout]
+    v.perplexity_reference = _ppl(probe.ref_heldout, probe.heldout)
+    v.perplexity = _ppl(held, probe.heldout)
+    v.perplexity_delta = v.perplexity - v.perplexity_reference
+    if tokenize is not None:
+        for text, ids in zip(
+            probe.prompt_texts + probe.heldout_texts, probe.prompts + probe.heldout, strict=True
+        ):
+            if tokenize(text) != ids:
+                v.token_mismatches.append(text[:40])
+        v.tokens_match = not v.token_mismatches
+        if probe.has_qa:
+            v.chat_tokens_match = tokenize(probe.qa_prompt_text) == probe.qa_prompt
+            if not v.chat_tokens_match:
+                v.notes.append(
+                    "llama.cpp tokenizes the chat-formatted question differently from HF "
+                    "(SentencePiece: llama.cpp prefixes a space after special tokens); ids were fed directly"
+                )
+    if probe.has_qa:
+        assert probe.ref_qa is not None
+        full = probe.qa_prompt + probe.qa_answer
+        lg = logits_fn(full)
+        n = len(probe.qa_prompt)
+        pred = lg[n - 1 : len(full) - 1].argmax(-1)
+        v.answer_tokens = len(probe.qa_answer)
+        v.answer_top1_agreement = float((pred == np.array(probe.qa_answer)).mean())
+        gen = (generate or (lambda p, m, e: greedy(logits_fn, p, m, e)))(
+            probe.qa_prompt, probe.max_new_tokens, probe.eos_ids
+        )
+        v.generated = probe.tokenizer.decode(gen, skip_special_tokens=True)
+        v.answer_reproduced = reproduces(v.generated, probe.answer_text)
+    finite = math.isfinite(v.max_abs_logit_delta) and math.isfinite(v.perplexity)
+    qa_ok = True
+    if probe.has_qa:
+        assert v.answer_top1_agreement is not None
+        qa_ok = v.answer_top1_agreement >= 0.95 if lossy else bool(v.answer_reproduced)
+    v.passed = finite and v.tokens_match is not False and not v.problems and qa_ok
+    return v
+
+
+class LlamaCpp:
+    """A llama.cpp model (optionally with a LoRA adapter) via llama-cpp-python, as a logits function."""
+
+    def __init__(self, model_path: Path, *, lora_path: Path | None = None, n_ctx: int = 512):
+        from llama_cpp import Llama
+
+        try:
+            self.llm = Llama(
+                str(model_path),
+                lora_path=str(lora_path) if lora_path else None,
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                n_ubatch=n_ctx,
+                logits_all=True,
+                n_threads=os.cpu_count() or 1,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise ConsumerRejected(f"llama.cpp could not load {model_path.name}: {exc}") from None
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
+
+    def generate(self, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        out: list[int] = []
+        for _ in range(max_new):
+            nxt = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            if nxt in eos or self.llm.token_eos() == nxt:
+                break
+            out.append(nxt)
+            self.llm.eval([nxt])
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def close(self) -> None:
+        self.llm.close()
+        gc.collect()
+
+
+def n_ctx_for(probe: Probe) -> int:
+    longest = max(len(s) for s in [*probe.prompts, *probe.heldout, probe.qa_prompt + probe.qa_answer])
+    return max(64, longest + probe.max_new_tokens + 8)
+
+
+def verify_gguf(
+    probe: Probe, model_path: Path, *, lora_path: Path | None = None, lossy: bool = False
+) -> Verification:
+    """Load a GGUF (plus LoRA) in llama.cpp and compare it with the reference."""
+    lc = LlamaCpp(model_path, lora_path=lora_path, n_ctx=n_ctx_for(probe))
+    try:
+        return compare(
+            probe,
+            "llama.cpp+lora" if lora_path else "llama.cpp",
+            lc.logits,
+            generate=lc.generate,
+            tokenize=lc.tokenize,
+            lossy=lossy,
+        )
+    finally:
+        lc.close()
+
+
+def verify_hf_dir(probe: Probe, model_dir: Path) -> Verification:
+    """Load a merged directory with transformers (weights upcast to fp32) and compare."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)
+    try:
+        return compare(probe, "transformers", hf_logits_fn(model.eval()))
+    finally:
+        del model
+        gc.collect()
+
+
+def verify_peft_dir(probe: Probe, base_dir: Path, adapter_dir: Path) -> Verification:
+    """Load the base with transformers (4-bit through bitsandbytes), apply the PEFT dir, compare."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=False)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    try:
+        return compare(probe, "transformers+peft", hf_logits_fn(model))
+    finally:
+        del model, base
+        gc.collect()
