@@ -165,7 +165,7 @@ def run_worker(a) -> Result:
         from strop.kernels import patch_model
 
         report = patch_model(model)
-        res.notes = getattr(report, "summary", lambda: str(report))()
+        res.notes = str(report)
     model.train()
     res.build_s = time.perf_counter() - t0
     g = torch.Generator(device="cuda").manual_seed(1234)

@@ -293,8 +293,7 @@ def apply_kernels(loaded: LoadedModel):
     from strop.kernels import patch_model
 
     report = patch_model(loaded.model)
-    summary = getattr(report, "summary", None)
-    text = summary() if callable(summary) else str(report)
+    text = ", ".join(f"{component} {state}" for component, state in report.summary().items())
     loaded.facts.kernels_reason = f"{loaded.facts.kernels_reason}; {text}"
     return report
 

@@ -1,0 +1,52 @@
+"""GPU tier: on CUDA the trainer patches strop's kernels by default and trains the same thing as HF + PEFT."""
+
+from __future__ import annotations
+
+import pytest
+
+from strop.client import JobState, KernelMode, TrainConfig, TrainMethod
+from strop.demo.data import ANSWER, QUESTION, dpo_rows
+from tests.trainer_svc.conftest import FAST_LORA, sft_config
+
+pytestmark = pytest.mark.gpu
+
+
+def _losses(events):
+    return [e.step.loss for e in events if e.step is not None]
+
+
+def test_cuda_sessions_use_the_kernels_by_default_and_match_unpatched_training(client, sft_dataset):
+    runs = {}
+    for mode in (KernelMode.UNSPECIFIED, KernelMode.OFF):
+        s = client.load_model("tiny-llama-4bit", kernels=mode)
+        assert s.facts.device.startswith("cuda")
+        assert s.facts.kernels_enabled is (mode is KernelMode.UNSPECIFIED), s.facts.kernels_reason
+        s = client.attach_lora(s.session_id, FAST_LORA)
+        if mode is KernelMode.UNSPECIFIED:
+            assert "patched" in s.facts.kernels_reason, s.facts.kernels_reason
+        events = list(client.train(s.session_id, sft_dataset.dataset_id, sft_config(60, batch_size=4)))
+        assert events[-1].state.state is JobState.SUCCEEDED
+        answer = client.generate(s.session_id, QUESTION, max_new_tokens=24, apply_chat_template=True)[0]
+        pref = client.upload_dataset(dpo_rows())
+        dpo = list(
+            client.train(
+                s.session_id,
+                pref.dataset_id,
+                TrainConfig(
+                    method=TrainMethod.DPO,
+                    learning_rate=5e-4,
+                    max_steps=4,
+                    batch_size=6,
+                    lr_scheduler="constant",
+                ),
+            )
+        )
+        assert dpo[-1].state.state is JobState.SUCCEEDED, dpo[-1].state.message
+        runs[mode] = (_losses(events), answer, [e.step.dpo.reward_margin for e in dpo if e.step])
+        client.close_session(s.session_id)
+    patched, reference = runs[KernelMode.UNSPECIFIED], runs[KernelMode.OFF]
+    assert patched[1].strip() == ANSWER and reference[1].strip() == ANSWER
+    # bf16 autocast on both paths: the first steps agree to bf16 noise (DESIGN: ≈1e-2 relative).
+    for a, b in zip(patched[0][:5], reference[0][:5], strict=True):
+        assert abs(a - b) <= 2e-2 * abs(b), (patched[0][:5], reference[0][:5])
+    assert patched[2][-1] > patched[2][0], "DPO on the kernel path raises the margin"
