@@ -21,7 +21,10 @@ FLOP accounting (stated so MFU can be checked):
 Usage (on the GPU machine)::
 
     python bench/train_bench.py --parts qlora,lora --systems baseline,strop --steps 8 --json bench/out/train.json
-    python bench/train_bench.py --parts context --systems baseline,strop --context 16384,32768,65536,131072,262144
+    python bench/train_bench.py --parts context --systems baseline,strop-mem --context 16384,32768,65536,131072,262144
+
+Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``), ``strop-mem`` (``patch_model`` +
+``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode).
 
 Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line.
 """
@@ -161,11 +164,16 @@ def run_worker(a) -> Result:
     model = build_model("qlora" if a.part in ("qlora", "context") else "lora", a.seq)
     model = attach_lora(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if a.system == "strop":
+    if a.system in ("strop", "strop-mem"):
         from strop.kernels import patch_model
 
         report = patch_model(model)
         res.notes = str(report)
+    if a.system == "strop-mem":
+        # long-context memory mode: layer inputs offloaded to pinned host memory + MLP tiled over the sequence
+        from strop.kernels.memory import enable_memory_features
+
+        res.notes += "\n" + str(enable_memory_features(model))
     model.train()
     res.build_s = time.perf_counter() - t0
     g = torch.Generator(device="cuda").manual_seed(1234)

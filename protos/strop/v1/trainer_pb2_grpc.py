@@ -6,7 +6,7 @@ import warnings
 from strop.v1 import common_pb2 as strop_dot_v1_dot_common__pb2
 from strop.v1 import trainer_pb2 as strop_dot_v1_dot_trainer__pb2
 
-GRPC_GENERATED_VERSION = '1.84.2'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
