@@ -239,3 +239,29 @@ def test_bad_input_gets_precise_errors_while_another_job_keeps_running(
     steps = [e.step.step for e in step_events(client.watch_job(job_id))]
     assert steps == list(range(1, 121)), "the running job's results are intact"
     assert (config.artifact_root / job.adapter.artifact_id / "adapter_model.safetensors").is_file()
+
+
+def test_8bit_adamw_keeps_its_optimizer_state_in_8_bits(client, trainer, ready_session, sft_dataset):
+    import torch
+
+    _, _, config = trainer
+    events = list(
+        client.train(
+            ready_session,
+            sft_dataset.dataset_id,
+            sft_config(3, optimizer="adamw_8bit", checkpoint_every_steps=3),
+        )
+    )
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
+    ckpt = next(e.checkpoint for e in events if e.checkpoint is not None)
+    state = torch.load(config.artifact_root / ckpt.artifact.artifact_id / "optimizer.pt", weights_only=False)
+
+    def tensors(obj):
+        if torch.is_tensor(obj):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from tensors(v)
+
+    dtypes = {t.dtype for t in tensors(state["state"])}
+    assert torch.uint8 in dtypes, f"bitsandbytes' 8-bit AdamW stores quantized moments, got {dtypes}"
