@@ -41,6 +41,9 @@ from dataclasses import asdict, dataclass, field
 
 PEAK_TFLOPS = 790.0  # measured bf16 matmul ceiling on the H200 (DESIGN.md, KINDS.md)
 SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, head_dim=128)
+# --smoke: a tiny shape on the CPU, to check the harness itself without a GPU (numbers meaningless)
+SMOKE_SHAPE = dict(hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=640, head_dim=32)
+DEVICE = "cuda"
 
 
 @dataclass
@@ -99,11 +102,11 @@ def build_model(mode: str, seq: int):
         use_cache=False,
     )
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    torch.set_default_dtype(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    with torch.device(DEVICE):
         model = LlamaForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
-    if mode == "qlora":
+    if mode == "qlora" and DEVICE == "cuda":
         quantize_nf4_(model)
     model.config.use_cache = False
     return model
@@ -176,21 +179,25 @@ def run_worker(a) -> Result:
         res.notes += "\n" + str(enable_memory_features(model))
     model.train()
     res.build_s = time.perf_counter() - t0
-    g = torch.Generator(device="cuda").manual_seed(1234)
-    data = torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device="cuda", generator=g)
+    cuda = DEVICE == "cuda"
+    g = torch.Generator(device=DEVICE).manual_seed(1234)
+    data = torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device=DEVICE, generator=g)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for step in range(a.warmup + a.steps):
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         ts = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=cuda):
             loss = model(input_ids=data, labels=data).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         res.losses.append(round(float(loss.detach()), 5))
         if step >= a.warmup:
             times.append(time.perf_counter() - ts)
@@ -201,11 +208,119 @@ def run_worker(a) -> Result:
     res.steps = len(times)
     res.ms_per_step = med * 1e3
     res.tokens_per_s = tokens / med
-    res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
-    res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+    if cuda:
+        res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
+        res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
     res.host_peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
     res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+    return res
+
+
+def dpo_dataset(n_rows: int, prompt_tokens: int, completion_tokens: int):
+    """Preference rows of about ``prompt_tokens`` + ``completion_tokens`` with the tiny BPE tokenizer.
+
+    The 8B-shape model has no tokenizer of its own; the tiny byte-level BPE's ids are a subset of its
+    vocabulary, and every system gets the same rows, so the work per step is identical.
+    """
+    from datasets import Dataset
+
+    from strop.fixtures.corpus import sentences
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+
+    tok = make_bpe_tokenizer()
+    text = " ".join(sentences(40 * n_rows * (prompt_tokens + 2 * completion_tokens) // 64, seed=7))
+    ids = tok(text)["input_ids"]
+    rows, pos = [], 0
+    for _ in range(n_rows):
+        parts = []
+        for n in (prompt_tokens, completion_tokens, completion_tokens):
+            parts.append(tok.decode(ids[pos : pos + n]))
+            pos += n
+        rows.append({"prompt": parts[0], "chosen": parts[1], "rejected": parts[2]})
+    return tok, Dataset.from_list(rows)
+
+
+def run_dpo_worker(a) -> Result:
+    """TRL DPOTrainer on HF + PEFT (baseline, as TRL users run it) vs strop's DPO path, 8B QLoRA.
+
+    4 pairs per step, prompt 512 + completion 512, gradient checkpointing, reference = the adapter's
+    snapshot TRL makes (the same for both systems). strop: ``patch_model`` + the chunked DPO loss
+    (``strop_dpo_trainer_class``) with fp32 adapters, as the trainer service runs it.
+    """
+    import tempfile
+
+    import torch
+    from transformers import TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    res = Result(part="dpo", system=a.system, seq=1024, batch=a.batch)
+    t0 = time.perf_counter()
+    model = attach_lora(build_model("qlora", 2048))
+    half = 512 if DEVICE == "cuda" else 24  # --smoke: tiny sequences (the CPU runs the kernels interpreted)
+    tok, data = dpo_dataset(a.batch * (a.warmup + a.steps), half, half)
+    trainer_cls = DPOTrainer
+    if a.system == "strop":
+        from strop.kernels import patch_model
+        from strop.kernels.chunked_dpo import strop_dpo_trainer_class
+
+        res.notes = str(patch_model(model))
+        trainer_cls = strop_dpo_trainer_class()
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t)
+
+    args = DPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=a.batch,
+        max_steps=a.warmup + a.steps,
+        learning_rate=5e-6,
+        lr_scheduler_type="constant",
+        beta=0.1,
+        max_length=2 * half,
+        logging_steps=1,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=DEVICE == "cuda",
+        use_cpu=DEVICE != "cuda",
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = trainer_cls(
+        model=model, ref_model=None, args=args, train_dataset=data, processing_class=tok, callbacks=[Timer()]
+    )
+    if a.system == "strop":
+        for p in model.parameters():  # strop keeps adapters fp32 (TRL casts them to bf16 on a 4-bit base)
+            if p.requires_grad:
+                p.data = p.data.float()
+    res.build_s = time.perf_counter() - t0
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    res.losses = [round(float(h["loss"]), 5) for h in logs]
+    res.notes += f"\nmargins: {[round(float(h.get('rewards/margins', 0.0)), 5) for h in logs]}"
+    measured = sorted(times[a.warmup :])
+    med = measured[len(measured) // 2]
+    res.steps = len(measured)
+    res.ms_per_step = med * 1e3
+    res.tokens_per_s = a.batch / med  # pairs per second for this part
+    if DEVICE == "cuda":
+        res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
+        res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
     return res
 
 
@@ -230,6 +345,7 @@ def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
         str(a.steps),
         "--warmup",
         str(a.warmup),
+        *(["--smoke"] if a.smoke else []),
     ]
     t0 = time.perf_counter()
     try:
@@ -255,7 +371,7 @@ def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
 def table(results: list[Result]) -> str:
     base = {(r.part, r.seq): r for r in results if r.system == "baseline" and r.ok}
     rows = [
-        "| part | system | seq x batch | tokens/s | ms/step | peak alloc GiB | peak reserved GiB | host RSS GiB "
+        "| part | system | seq x batch | tokens/s (dpo: pairs/s) | ms/step | peak alloc GiB | peak reserved GiB | host RSS GiB "
         "| MFU | HFU | speed vs base | mem vs base | first losses |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -265,7 +381,7 @@ def table(results: list[Result]) -> str:
             continue
         b = base.get((r.part, r.seq))
         sp = f"{r.tokens_per_s / b.tokens_per_s:.2f}x" if b else "-"
-        mem = f"{r.peak_alloc_gib / b.peak_alloc_gib:.2f}x" if b else "-"
+        mem = f"{r.peak_alloc_gib / b.peak_alloc_gib:.2f}x" if b and b.peak_alloc_gib else "-"
         rows.append(
             f"| {r.part} | {r.system} | {r.seq} x {r.batch} | {r.tokens_per_s:,.0f} | {r.ms_per_step:,.0f} | "
             f"{r.peak_alloc_gib:.1f} | {r.peak_reserved_gib:.1f} | {r.host_peak_rss_gib:.1f} | {r.mfu:.1%} | "
@@ -288,10 +404,17 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--json")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
+    )
     a = p.parse_args()
+    if a.smoke:
+        global DEVICE
+        DEVICE = "cpu"
+        SHAPE.update(SMOKE_SHAPE)
     if a.worker:
         try:
-            res = run_worker(a)
+            res = run_dpo_worker(a) if a.part == "dpo" else run_worker(a)
         except Exception as exc:  # reported, not raised: the orchestrator records it
             import traceback
 
@@ -303,6 +426,8 @@ def main() -> None:
     results: list[Result] = []
     for part in a.parts.split(","):
         points = [(int(s), 1) for s in a.context.split(",")] if part == "context" else [(a.seq, a.batch)]
+        if part == "dpo":
+            points = [(1024, 4)]  # 4 pairs of prompt 512 + completion 512 per step
         for system in a.systems.split(","):
             for seq, batch in points:
                 r = spawn(part, system, seq, batch, a)
