@@ -24,7 +24,8 @@ Usage (on the GPU machine)::
     python bench/train_bench.py --parts context --systems baseline,strop-mem --context 16384,32768,65536,131072,262144
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``), ``strop-mem`` (``patch_model`` +
-``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode).
+``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode),
+``strop-fast`` (``patch_model`` without gradient checkpointing: the memory-allowed mode, no recompute).
 
 Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line.
 """
@@ -166,8 +167,9 @@ def run_worker(a) -> Result:
     t0 = time.perf_counter()
     model = build_model("qlora" if a.part in ("qlora", "context") else "lora", a.seq)
     model = attach_lora(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if a.system in ("strop", "strop-mem"):
+    if a.system != "strop-fast":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if a.system in ("strop", "strop-mem", "strop-fast"):
         from strop.kernels import patch_model
 
         report = patch_model(model)
