@@ -1,13 +1,19 @@
-"""Channel and call plumbing shared by the SDK's clients: timeouts, error mapping, stream iteration."""
+"""Plumbing shared by the SDK's clients: timeouts, error mapping, stream iteration, and the artifact
+RPCs of ``common.proto`` that both services serve."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import hashlib
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from strop.client.errors import from_rpc_error
+from strop.client.errors import DataLossError, from_rpc_error
+from strop.common.serde import from_proto
+from strop.common.trainer_types import Artifact
+from strop.v1 import common_pb2
 
 T = TypeVar("T")
 
@@ -68,3 +74,59 @@ class BaseClient:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise UnavailableError(f"no server at {self.target} after {timeout:.0f}s") from None
+
+
+class ArtifactClient(BaseClient):
+    """A client of a service that serves ``common.proto``'s artifact RPCs; subclasses set ``_stub``."""
+
+    _stub: Any
+
+    def get_artifact(self, artifact_id: str) -> Artifact:
+        msg = self._call(
+            self._stub.GetArtifact, common_pb2.GetArtifactRequest(artifact_id=artifact_id), name="GetArtifact"
+        )
+        return from_proto(Artifact, msg)
+
+    def list_artifacts(self, kind: str = "") -> list[Artifact]:
+        out, token = [], ""
+        while True:
+            req = common_pb2.ListArtifactsRequest(kind=kind, page_size=100, page_token=token)
+            resp = self._call(self._stub.ListArtifacts, req, name="ListArtifacts")
+            out += [from_proto(Artifact, a) for a in resp.artifacts]
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    def _download_into(self, artifact_id: str, directory: Path, *, chunk_bytes: int = 0) -> None:
+        """Stream an artifact's files into the existing ``directory`` (see :func:`receive_files`)."""
+        req = common_pb2.DownloadArtifactRequest(artifact_id=artifact_id, chunk_bytes=chunk_bytes)
+        chunks = self._stream(self._stub.DownloadArtifact, req, timeout=LONG_TIMEOUT, name="DownloadArtifact")
+        receive_files(chunks, directory, method="DownloadArtifact")
+
+
+def receive_files(chunks: Iterable[Any], directory: Path, *, method: str) -> None:
+    """Write a stream of ``FileChunk`` messages (each file's chunks in a row) under ``directory``.
+
+    Raises:
+        DataLossError: a file name that would land outside ``directory``, or a file whose sha256 does
+            not match the one sent with its last chunk.
+    """
+    fh, digest = None, None
+    try:
+        for chunk in chunks:
+            if fh is None:
+                rel = Path(chunk.name)
+                if rel.is_absolute() or ".." in rel.parts:
+                    raise DataLossError(f"server sent an unsafe file name {chunk.name!r}", method=method)
+                (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+                fh, digest = open(directory / rel, "wb"), hashlib.sha256()
+            fh.write(chunk.data)
+            digest.update(chunk.data)
+            if chunk.last:
+                fh.close()
+                fh = None
+                if chunk.sha256 != digest.hexdigest():
+                    raise DataLossError(f"{chunk.name}: sha256 mismatch after download", method=method)
+    finally:
+        if fh is not None:
+            fh.close()

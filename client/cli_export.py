@@ -103,7 +103,7 @@ def _fmt(x: Any, spec: str = ".4g") -> str:
 
 
 def print_results(rows: list[tuple[str, str, Any]], out=None) -> None:
-    """A Markdown table of ``(target, artifact_id, verification)`` rows (verification may be None)."""
+    """A Markdown table of ``(target, artifact_id, verification)`` rows (an API ``Verification`` or None)."""
     out = out or sys.stdout
     print(
         "| target | artifact | consumer | max abs dlogit | top-1 | ppl ref -> out | HF=llama.cpp ids | answer | answer top-1 | passed |",
@@ -114,12 +114,8 @@ def print_results(rows: list[tuple[str, str, Any]], out=None) -> None:
         if v is None:
             print(f"| {label} | {aid} | (not verified) |  |  |  |  |  |  |  |", file=out)
             continue
-        toks = getattr(v, "tokens_match", None)
-        if hasattr(v, "tokens_checked") and not v.tokens_checked:
-            toks = None
-        ans = getattr(v, "answer_reproduced", None)
-        if hasattr(v, "answer_checked") and not v.answer_checked:
-            ans = None
+        toks = v.tokens_match if v.tokens_checked else None
+        ans = v.answer_reproduced if v.answer_checked else None
         print(
             f"| {label} | {aid} | {v.consumer} | {_fmt(v.max_abs_logit_delta)} | {_fmt(v.top1_agreement, '.3f')} "
             f"| {v.perplexity_reference:.4f} -> {v.perplexity:.4f} | {'-' if toks is None else toks} "
@@ -132,15 +128,17 @@ def print_results(rows: list[tuple[str, str, Any]], out=None) -> None:
 def _progress_printer():
     last: dict[str, str] = {}
 
-    def show(target: str, phase: str, item: str, done: int, total: int, written: int, btotal: int) -> None:
-        key = f"{target}/{phase}"
-        line = f"[{target or 'export'}] {phase}"
+    def show(p) -> None:
+        """Print an ``ExportProgress`` (the SDK's and the offline core's are the same class)."""
+        done, total = p.items_done, p.items_total
+        key = f"{p.target}/{p.phase}"
+        line = f"[{p.target or 'export'}] {p.phase}"
         if total:
             line += f" {done}/{total}"
-        if btotal:
-            line += f" {written / 2**20:.1f}/{btotal / 2**20:.1f} MiB"
-        if item:
-            line += f" {item}"
+        if p.bytes_total:
+            line += f" {p.bytes_written / 2**20:.1f}/{p.bytes_total / 2**20:.1f} MiB"
+        if p.item:
+            line += f" {p.item}"
         if last.get(key) != line and (done in (0, 1, total) or not total):
             print(line, file=sys.stderr)
         last[key] = line
@@ -179,8 +177,7 @@ def _cmd_run(a) -> int:
 
         def on_event(ev) -> None:
             if ev.progress is not None:
-                p = ev.progress
-                show(p.target, p.phase, p.item, p.items_done, p.items_total, p.bytes_written, p.bytes_total)
+                show(ev.progress)
             elif ev.state is not None:
                 print(f"[{ev.export_id}] {ev.state.state.value} {ev.state.message}", file=sys.stderr)
 
@@ -214,37 +211,17 @@ def _run_offline(a, targets, verify) -> int:
 
     from strop.common.artifacts import ArtifactStore
     from strop.common.errors import StropError
-    from strop.export_svc.core.pipeline import (
-        ExportProgress,
-        ExportRequest,
-        TargetKind,
-        TargetSpec,
-        run_export,
-    )
+    from strop.export_svc.core.pipeline import ExportProgress, ExportRequest, TargetSpec, run_export
     from strop.export_svc.core.verify import VerifySpec
 
-    kinds = {
-        "MERGED_SAFETENSORS": TargetKind.MERGED_SAFETENSORS,
-        "PEFT_ADAPTER": TargetKind.PEFT_ADAPTER,
-        "GGUF": TargetKind.GGUF,
-        "GGUF_LORA": TargetKind.GGUF_LORA,
-    }
     req = ExportRequest(
-        targets=[
-            TargetSpec(kinds[t.kind.value], t.gguf_type, t.dtype, t.artifact_id, t.base_gguf_type)
-            for t in targets
-        ],
+        targets=[TargetSpec.from_api(t) for t in targets],
         adapter_artifact_id=a.adapter_artifact,
         adapter_path=a.adapter_path,
         base_path=a.base,
         base_artifact_id=a.base_artifact,
         overwrite=a.overwrite,
-        verify=VerifySpec(
-            enabled=not verify.skip,
-            question=verify.question,
-            answer=verify.answer,
-            chat=not verify.raw_question,
-        ),
+        verify=VerifySpec.from_api(verify),
         name=a.name,
         max_shard_bytes=a.max_shard_bytes,
     )
@@ -252,7 +229,7 @@ def _run_offline(a, targets, verify) -> int:
 
     def emit(ev) -> None:
         if isinstance(ev, ExportProgress):
-            show(ev.target, ev.phase, ev.item, ev.done, ev.total, ev.bytes_written, ev.bytes_total)
+            show(ev)
 
     try:
         results = run_export(
@@ -264,7 +241,7 @@ def _run_offline(a, targets, verify) -> int:
     if a.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=2, default=str))
     else:
-        print_results([(r.target.label, r.artifact.artifact_id, r.verification) for r in results])
+        print_results([(r.target.label, r.artifact.artifact_id, r.to_api().verification) for r in results])
     return 0
 
 
@@ -301,16 +278,9 @@ def _cmd_export(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry (``python -m strop.client.cli_export``); ``strop export`` is the usual one."""
-    from strop.client.errors import StropClientError
+    from strop.client.cli import main as strop_main
 
-    parser = argparse.ArgumentParser(prog="strop")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["export", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except StropClientError as exc:
-        print(f"error ({exc.code}): {exc}", file=sys.stderr)
-        return 1
+    return strop_main(["export", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

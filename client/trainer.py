@@ -15,13 +15,11 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from strop.client._base import LONG_TIMEOUT, BaseClient
-from strop.client.errors import DataLossError
+from strop.client._base import LONG_TIMEOUT, ArtifactClient
 from strop.common.serde import from_proto, to_proto
 from strop.common.trainer_types import (
     Artifact,
@@ -44,7 +42,7 @@ from strop.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 UPLOAD_CHUNK = 1 << 20
 
 
-class TrainerClient(BaseClient):
+class TrainerClient(ArtifactClient):
     """Client of ``strop.v1.TrainerService``. Every call raises a ``strop.client.errors`` exception on failure."""
 
     def __init__(self, target: str, **kwargs):
@@ -234,45 +232,12 @@ class TrainerClient(BaseClient):
             pass
         return self.get_job(job_id)
 
-    # artifacts
-    def get_artifact(self, artifact_id: str) -> Artifact:
-        return from_proto(
-            Artifact,
-            self._call(
-                self._stub.GetArtifact,
-                common_pb2.GetArtifactRequest(artifact_id=artifact_id),
-                name="GetArtifact",
-            ),
-        )
-
-    def list_artifacts(self, kind: str = "") -> list[Artifact]:
-        resp = self._call(
-            self._stub.ListArtifacts, common_pb2.ListArtifactsRequest(kind=kind), name="ListArtifacts"
-        )
-        return [from_proto(Artifact, a) for a in resp.artifacts]
-
+    # artifacts (get_artifact and list_artifacts: ArtifactClient)
     def download_artifact(self, artifact_id: str, dest: str | os.PathLike) -> Path:
         """Stream an artifact's files into ``dest`` (a directory), checking each file's sha256."""
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        req = common_pb2.DownloadArtifactRequest(artifact_id=artifact_id)
-        fh, digest, current = None, None, None
-        for chunk in self._stream(
-            self._stub.DownloadArtifact, req, timeout=LONG_TIMEOUT, name="DownloadArtifact"
-        ):
-            if fh is None:
-                current = dest / chunk.name
-                current.parent.mkdir(parents=True, exist_ok=True)
-                fh, digest = open(current, "wb"), hashlib.sha256()
-            fh.write(chunk.data)
-            digest.update(chunk.data)
-            if chunk.last:
-                fh.close()
-                fh = None
-                if chunk.sha256 != digest.hexdigest():
-                    raise DataLossError(
-                        f"{chunk.name}: sha256 mismatch after download", method="DownloadArtifact"
-                    )
+        self._download_into(artifact_id, dest)
         return dest
 
     @staticmethod

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from strop.common.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
+from strop.common.serde import from_dict, to_dict
+from strop.common.trainer_types import Artifact
 
 MANIFEST = "strop-artifact.json"
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -46,6 +48,11 @@ class ArtifactInfo:
     files: list[ArtifactFileInfo]
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: float = 0.0
+
+
+def to_artifact(info: ArtifactInfo) -> Artifact:
+    """The API form of a stored artifact (``common.proto``'s ``Artifact``, which both services return)."""
+    return from_dict(Artifact, to_dict(info))
 
 
 def sha256_file(path: str | os.PathLike) -> str:

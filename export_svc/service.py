@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from strop.common.artifacts import ArtifactStore
 from strop.common.grpc_server import Drain
+from strop.common.serde import to_proto
 from strop.export_svc import convert as C
 from strop.export_svc.core.errors import InvalidArgument
 from strop.export_svc.core.jobs import ExportManager
@@ -40,25 +41,25 @@ class ExportServicer(export_pb2_grpc.ExportServiceServicer):
 
     def CreateExport(self, request, context):
         self.drain.check()
-        return C.export_to_pb(self.manager.create(C.request_from_pb(request)))
+        return to_proto(export_pb2.Export, self.manager.create(C.request_from_pb(request)))
 
     def WatchExport(self, request, context):
         for ev in self.manager.watch(request.export_id, request.after_seq, alive=context.is_active):
-            yield C.event_to_pb(ev)
+            yield to_proto(export_pb2.ExportEvent, ev)
 
     def GetExport(self, request, context):
-        return C.export_to_pb(self.manager.get(request.export_id))
+        return to_proto(export_pb2.Export, self.manager.get(request.export_id))
 
     def ListExports(self, request, context):
         states = [C.PB_TO_STATE[s] for s in request.states if s in C.PB_TO_STATE]
-        records = self.manager.list(states, request.limit)
-        return export_pb2.ListExportsResponse(exports=[C.export_to_pb(r) for r in records])
+        exports = self.manager.list(states, request.limit)
+        return export_pb2.ListExportsResponse(exports=[to_proto(export_pb2.Export, e) for e in exports])
 
     def CancelExport(self, request, context):
-        return C.export_to_pb(self.manager.cancel(request.export_id))
+        return to_proto(export_pb2.Export, self.manager.cancel(request.export_id))
 
     def GetCapabilities(self, request, context):
-        return export_pb2.Capabilities(**capabilities())
+        return to_proto(export_pb2.Capabilities, capabilities())
 
     def UploadArtifact(self, request_iterator, context):
         self.drain.check()

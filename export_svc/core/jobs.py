@@ -15,7 +15,6 @@ history survives restarts. Exports run in worker threads; callers never block on
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import shutil
@@ -24,16 +23,16 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from strop.common.artifacts import ArtifactFileInfo, ArtifactInfo, ArtifactStore
 from strop.common.db import Database
+from strop.common.export_types import Export, ExportEvent, ExportProgress, ExportState, ExportStateChange
 from strop.export_svc.core.errors import FailedPrecondition, NotFound, StropError, Unavailable
 from strop.export_svc.core.pipeline import (
     CancelToken,
-    ExportProgress,
     ExportRequest,
     TargetKind,
     TargetResult,
@@ -44,24 +43,6 @@ from strop.export_svc.core.pipeline import (
 from strop.export_svc.core.verify import Verification, VerifySpec
 
 log = logging.getLogger("strop.export")
-
-
-class ExportState(enum.StrEnum):
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    INTERRUPTED = "INTERRUPTED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (
-            ExportState.SUCCEEDED,
-            ExportState.FAILED,
-            ExportState.CANCELLED,
-            ExportState.INTERRUPTED,
-        )
 
 
 _ALLOWED = {
@@ -79,40 +60,6 @@ def check_transition(old: ExportState, new: ExportState) -> None:
     """Raise FailedPrecondition unless ``old → new`` is a legal transition."""
     if new not in _ALLOWED.get(old, set()):
         raise FailedPrecondition(f"export cannot go from {old.value} to {new.value}")
-
-
-@dataclass
-class ExportEvent:
-    """One numbered event. ``kind`` is "state", "progress", "result" or "log"; ``data`` its fields."""
-
-    export_id: str
-    seq: int
-    time: float
-    kind: str
-    data: dict[str, Any]
-
-    @property
-    def progress(self) -> ExportProgress | None:
-        return ExportProgress(**self.data) if self.kind == "progress" else None
-
-    @property
-    def result(self) -> TargetResult | None:
-        return result_from_dict(self.data) if self.kind == "result" else None
-
-
-@dataclass
-class ExportRecord:
-    export_id: str
-    name: str
-    state: ExportState
-    request: ExportRequest
-    results: list[TargetResult] = field(default_factory=list)
-    error: str = ""
-    error_code: str = ""
-    created_at: float = 0.0
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    last_seq: int = 0
 
 
 def request_to_dict(req: ExportRequest) -> dict[str, Any]:
@@ -145,6 +92,23 @@ def result_from_dict(d: dict[str, Any]) -> TargetResult:
         ArtifactInfo(**art),
         Verification(**d["verification"]) if d.get("verification") else None,
     )
+
+
+# Progress rows stored before the core emitted the API's ExportProgress name two fields the old way.
+_OLD_PROGRESS_KEYS = {"done": "items_done", "total": "items_total"}
+
+
+def _event(row) -> ExportEvent:
+    """A stored event (``kind`` "state", "progress" or "result"; ``data`` its fields) in the API's form."""
+    ev = ExportEvent(row["export_id"], row["seq"], row["time"])
+    kind, data = row["kind"], json.loads(row["data"])
+    if kind == "state":
+        ev.state = ExportStateChange(ExportState(data["state"]), data.get("message", ""))
+    elif kind == "progress":
+        ev.progress = ExportProgress(**{_OLD_PROGRESS_KEYS.get(k, k): v for k, v in data.items()})
+    elif kind == "result":
+        ev.result = result_from_dict(data).to_api()
+    return ev
 
 
 SCHEMA = """
@@ -247,13 +211,13 @@ class ExportManager:
             raise NotFound(f"export {export_id!r} not found")
         return row
 
-    def _record(self, row) -> ExportRecord:
-        return ExportRecord(
+    def _record(self, row) -> Export:
+        return Export(
             export_id=row["export_id"],
             name=row["name"],
             state=ExportState(row["state"]),
-            request=request_from_dict(json.loads(row["request"])),
-            results=[result_from_dict(r) for r in json.loads(row["results"])],
+            request=request_from_dict(json.loads(row["request"])).to_api(),
+            results=[result_from_dict(r).to_api() for r in json.loads(row["results"])],
             error=row["error"],
             error_code=row["error_code"],
             created_at=row["created_at"],
@@ -284,7 +248,7 @@ class ExportManager:
 
     # -- API ---------------------------------------------------------------------------------
 
-    def create(self, req: ExportRequest) -> ExportRecord:
+    def create(self, req: ExportRequest) -> Export:
         """Validate (no weights read) and queue an export; returns at once, QUEUED.
 
         Raises:
@@ -370,15 +334,15 @@ class ExportManager:
         with contextlib.suppress(FailedPrecondition):  # already terminal (cancelled while queued)
             self._set_state(export_id, state, message, error=message, error_code=code)
 
-    def get(self, export_id: str) -> ExportRecord:
+    def get(self, export_id: str) -> Export:
         return self._record(self._row(export_id))
 
-    def list(self, states: list[ExportState] | None = None, limit: int = 0) -> list[ExportRecord]:
+    def list(self, states: list[ExportState] | None = None, limit: int = 0) -> list[Export]:
         rows = self.db.query("SELECT * FROM exports ORDER BY created_at DESC, export_id")
         out = [self._record(r) for r in rows if not states or ExportState(r["state"]) in states]
         return out[:limit] if limit > 0 else out
 
-    def cancel(self, export_id: str) -> ExportRecord:
+    def cancel(self, export_id: str) -> Export:
         """Cancel a queued or running export (running ones stop before their next tensor).
 
         Raises:
@@ -407,9 +371,7 @@ class ExportManager:
         rows = self.db.query(
             "SELECT * FROM export_events WHERE export_id = ? AND seq > ? ORDER BY seq", (export_id, after_seq)
         )
-        return [
-            ExportEvent(r["export_id"], r["seq"], r["time"], r["kind"], json.loads(r["data"])) for r in rows
-        ]
+        return [_event(r) for r in rows]
 
     def watch(
         self,
@@ -434,7 +396,7 @@ class ExportManager:
                 if not self.events(export_id, seq):
                     self._cond.wait(poll)
 
-    def wait(self, export_id: str, timeout: float | None = None) -> ExportRecord:
+    def wait(self, export_id: str, timeout: float | None = None) -> Export:
         """Block until the export ends (tests, the offline CLI)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.get(export_id).state.terminal:

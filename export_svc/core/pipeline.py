@@ -31,7 +31,15 @@ from typing import Any
 
 import torch
 
-from strop.common.artifacts import ArtifactInfo, ArtifactStore, PendingArtifact
+from strop.common.artifacts import ArtifactInfo, ArtifactStore, PendingArtifact, to_artifact
+from strop.common.export_types import (
+    Capabilities,
+    ExportProgress,
+    ExportRequestInfo,
+    ExportResult,
+    ExportTarget,
+    ExportTargetKind,
+)
 from strop.common.paths import confine
 from strop.export_svc.core import verify as V
 from strop.export_svc.core.archs import DTYPES
@@ -72,7 +80,7 @@ from strop.export_svc.core.sources import (
 
 
 class TargetKind(enum.StrEnum):
-    """What an export writes."""
+    """What an export writes. The values are artifact kinds; the API's ``ExportTargetKind`` has the same names."""
 
     MERGED_SAFETENSORS = "merged_safetensors"  # vLLM/transformers-ready merged directory
     PEFT_ADAPTER = "peft_adapter"  # adapter dir for vLLM --enable-lora
@@ -106,6 +114,16 @@ class TargetSpec:
             return f"merged_safetensors:{self.dtype}"
         return "peft_adapter"
 
+    @classmethod
+    def from_api(cls, t: ExportTarget) -> TargetSpec:
+        # a kind without a core counterpart (UNSPECIFIED) passes as a string; normalize_targets refuses it
+        kind = TargetKind.__members__.get(t.kind.name) or f"target kind {t.kind.value}"
+        return cls(kind, t.gguf_type, t.dtype, t.artifact_id, t.base_gguf_type)  # type: ignore[arg-type]
+
+    def to_api(self) -> ExportTarget:
+        kind = ExportTargetKind[TargetKind(self.kind).name]
+        return ExportTarget(kind, self.gguf_type, self.dtype, self.artifact_id, self.base_gguf_type)
+
 
 @dataclass
 class ExportRequest:
@@ -121,18 +139,18 @@ class ExportRequest:
     name: str = ""
     max_shard_bytes: int = 0  # 0: 5 GB
 
-
-@dataclass
-class ExportProgress:
-    """A progress report: one per tensor written, plus phase boundaries."""
-
-    target: str
-    phase: str  # "resolve", "reference", "write", "quantize", "verify", "publish"
-    item: str = ""
-    done: int = 0
-    total: int = 0
-    bytes_written: int = 0
-    bytes_total: int = 0
+    def to_api(self) -> ExportRequestInfo:
+        return ExportRequestInfo(
+            adapter_artifact_id=self.adapter_artifact_id,
+            adapter_path=self.adapter_path,
+            base_model_path=self.base_path,
+            base_artifact_id=self.base_artifact_id,
+            targets=[t.to_api() for t in self.targets],
+            overwrite=self.overwrite,
+            verify=self.verify.to_api(),
+            name=self.name,
+            max_shard_bytes=self.max_shard_bytes,
+        )
 
 
 @dataclass
@@ -140,6 +158,10 @@ class TargetResult:
     target: TargetSpec
     artifact: ArtifactInfo
     verification: V.Verification | None = None
+
+    def to_api(self) -> ExportResult:
+        v = self.verification.to_api() if self.verification is not None else None
+        return ExportResult(self.target.to_api(), to_artifact(self.artifact), v)
 
 
 class CancelToken:
@@ -593,15 +615,15 @@ def run_export(
         ex.close()
 
 
-def capabilities() -> dict[str, list[str]]:
+def capabilities() -> Capabilities:
     """What this build of the exporter writes."""
     from strop.export_svc.core.archs import ARCHS
 
-    return {
-        "targets": [k.value for k in TargetKind],
-        "gguf_types": GGUF_TYPES,
-        "gguf_lora_types": sorted(LORA_TYPES),
-        "dtypes": sorted(DTYPES),
-        "architectures": sorted(ARCHS),
-        "base_quantizations": ["none", "bnb-nf4", "bnb-fp4"],
-    }
+    return Capabilities(
+        targets=[k.value for k in TargetKind],
+        gguf_types=GGUF_TYPES,
+        gguf_lora_types=sorted(LORA_TYPES),
+        dtypes=sorted(DTYPES),
+        architectures=sorted(ARCHS),
+        base_quantizations=["none", "bnb-nf4", "bnb-fp4"],
+    )

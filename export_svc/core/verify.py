@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from strop.common import export_types as api
+from strop.common.serde import from_dict
 from strop.export_svc.core.errors import ConsumerRejected
 from strop.export_svc.core.merge import iter_merged
 from strop.export_svc.core.sources import Adapter, BaseModel
@@ -61,6 +63,29 @@ class VerifySpec:
     chat: bool = True  # render the question with the tokenizer's chat template
     max_new_tokens: int = 0  # 0: answer length + 8
 
+    @classmethod
+    def from_api(cls, o: api.VerifyOptions) -> VerifySpec:
+        return cls(
+            enabled=not o.skip,
+            prompts=list(o.prompts),
+            heldout=list(o.heldout_texts),
+            question=o.question,
+            answer=o.answer,
+            chat=not o.raw_question,
+            max_new_tokens=o.max_new_tokens,
+        )
+
+    def to_api(self) -> api.VerifyOptions:
+        return api.VerifyOptions(
+            skip=not self.enabled,
+            prompts=self.prompts,
+            heldout_texts=self.heldout,
+            question=self.question,
+            answer=self.answer,
+            raw_question=not self.chat,
+            max_new_tokens=self.max_new_tokens,
+        )
+
 
 @dataclass
 class Verification:
@@ -92,6 +117,14 @@ class Verification:
             if v is None or v == [] or v == "":
                 continue
             out[f"verify.{k}"] = "; ".join(map(str, v)) if isinstance(v, list) else str(v)
+        return out
+
+    def to_api(self) -> api.Verification:
+        """The API form, by field name; a check that did not run (None here) is ``*_checked=False`` there."""
+        out = from_dict(api.Verification, {k: v for k, v in asdict(self).items() if v is not None})
+        out.tokens_checked = self.tokens_match is not None
+        out.chat_tokens_checked = self.chat_tokens_match is not None
+        out.answer_checked = self.answer_reproduced is not None
         return out
 
 

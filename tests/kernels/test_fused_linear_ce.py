@@ -7,8 +7,6 @@ CPU tier: Triton interpreter (TRITON_INTERPRET=1), small odd shapes. GPU tier: 8
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,36 +18,9 @@ from strop.kernels.fused_linear_ce import (
     fused_linear_cross_entropy_reference,
 )
 
-cpu_tier = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier runs the kernels under TRITON_INTERPRET=1"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 N, H, V = 37, 67, 300  # odd token count, hidden and vocab
-
-
-def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """fp32 agreement to ≈1e-5 relative to the tensor's scale (DESIGN's fp32 tolerance)."""
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(
-        actual,
-        expected,
-        rtol=1e-5,
-        atol=1e-5 * scale,
-        msg=lambda m: f"{what} differs beyond fp32 rounding: {m}",
-    )
-
-
-def assert_bf16_within_torch_bound(
-    ours: torch.Tensor, torch_bf16: torch.Tensor, truth: torch.Tensor, what: str
-):
-    """Our error against the fp32 truth may be at most 2× torch's own bf16 path's (DESIGN's bf16 rule)."""
-    err_ours = (ours.float() - truth).abs().max().item()
-    err_torch = (torch_bf16.float() - truth).abs().max().item()
-    floor = 1e-6 * truth.abs().max().item()
-    assert err_ours <= 2 * err_torch + floor, (
-        f"{what}: max error {err_ours:.4g} vs fp32 should be ≤ 2 × torch bf16's {err_torch:.4g}"
-    )
 
 
 def _inputs(n=N, h=H, v=V, dtype=torch.float32, device="cpu", seed=0, ignore_every=4):

@@ -5,8 +5,6 @@ CPU tier: Triton interpreter (TRITON_INTERPRET=1), small odd shapes. GPU tier: 1
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -19,38 +17,11 @@ from strop.kernels.rmsnorm import (
     rms_norm_reference,
 )
 
-cpu_tier = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier runs the kernels under TRITON_INTERPRET=1"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 # Odd hidden sizes (not powers of two), one row, several batch dims, enough rows (37) that the dW
 # reduction runs several rows per program with a partial last program, and H spanning 8 warps.
 SHAPES = [(1, 67), (3, 5, 96), (37, 200), (2, 3, 2500)]
-
-
-def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """fp32 agreement to ≈1e-5 relative to the tensor's scale (DESIGN's fp32 tolerance)."""
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(
-        actual,
-        expected,
-        rtol=1e-5,
-        atol=1e-5 * scale,
-        msg=lambda m: f"{what} differs beyond fp32 rounding: {m}",
-    )
-
-
-def assert_bf16_within_torch_bound(
-    ours: torch.Tensor, torch_bf16: torch.Tensor, truth: torch.Tensor, what: str
-):
-    """Our error against the fp32 truth may be at most 2× torch's own bf16 path's (DESIGN's bf16 rule)."""
-    err_ours = (ours.float() - truth).abs().max().item()
-    err_torch = (torch_bf16.float() - truth).abs().max().item()
-    floor = 1e-6 * truth.abs().max().item()
-    assert err_ours <= 2 * err_torch + floor, (
-        f"{what}: max error {err_ours:.4g} vs fp32 should be ≤ 2 × torch bf16's {err_torch:.4g}"
-    )
 
 
 def _inputs(shape, dtype, device="cpu", seed=0):
@@ -59,6 +30,23 @@ def _inputs(shape, dtype, device="cpu", seed=0):
     w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device=device, dtype=dtype)
     dy = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     return x, w, dy
+
+
+def assert_bf16_fwd_bwd_within_torch_bound(x, w, dy) -> torch.Tensor:
+    """y, dx and dW of bf16 inputs: ours within 2× torch's bf16 error against fp32; returns our y."""
+    truth_x, truth_w = x.float().requires_grad_(), w.float().requires_grad_()
+    y_truth = rms_norm_reference(truth_x, truth_w)
+    dx_truth, dw_truth = torch.autograd.grad(y_truth, (truth_x, truth_w), dy.float())
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_torch = rms_norm_reference(tx, tw)
+    dx_torch, dw_torch = torch.autograd.grad(y_torch, (tx, tw), dy)
+    ox, ow = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = rms_norm(ox, ow)
+    dx, dw = torch.autograd.grad(y, (ox, ow), dy)
+    assert_bf16_within_torch_bound(y, y_torch, y_truth.detach(), "forward")
+    assert_bf16_within_torch_bound(dx, dx_torch, dx_truth, "dx")
+    assert_bf16_within_torch_bound(dw, dw_torch, dw_truth, "dW")
+    return y
 
 
 @cpu_tier
@@ -94,19 +82,8 @@ def test_forward_and_both_gradients_match_hf_llama_rmsnorm_in_fp32(shape):
 @pytest.mark.parametrize("shape", [(3, 5, 96), (37, 200)], ids=str)
 def test_bf16_error_is_within_twice_torch_bf16_error(shape):
     x, w, dy = _inputs(shape, torch.bfloat16)
-    truth_x, truth_w = x.float().requires_grad_(), w.float().requires_grad_()
-    y_truth = rms_norm_reference(truth_x, truth_w)
-    dx_truth, dw_truth = torch.autograd.grad(y_truth, (truth_x, truth_w), dy.float())
-    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y_torch = rms_norm_reference(tx, tw)
-    dx_torch, dw_torch = torch.autograd.grad(y_torch, (tx, tw), dy)
-    ox, ow = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = rms_norm(ox, ow)
-    dx, dw = torch.autograd.grad(y, (ox, ow), dy)
+    y = assert_bf16_fwd_bwd_within_torch_bound(x, w, dy)
     assert y.dtype == torch.bfloat16, "bf16 x and bf16 weight give a bf16 output, as in HF"
-    assert_bf16_within_torch_bound(y, y_torch, y_truth.detach(), "forward")
-    assert_bf16_within_torch_bound(dx, dx_torch, dx_truth, "dx")
-    assert_bf16_within_torch_bound(dw, dw_torch, dw_truth, "dW")
 
 
 @cpu_tier
@@ -195,15 +172,4 @@ def test_bad_inputs_raise_named_errors():
 @needs_cuda
 def test_gpu_bf16_llama_shape_fwd_and_bwd_within_twice_torch_error():
     x, w, dy = _inputs((16384, 4096), torch.bfloat16, device="cuda")
-    truth_x, truth_w = x.float().requires_grad_(), w.float().requires_grad_()
-    y_truth = rms_norm_reference(truth_x, truth_w)
-    dx_truth, dw_truth = torch.autograd.grad(y_truth, (truth_x, truth_w), dy.float())
-    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y_torch = rms_norm_reference(tx, tw)
-    dx_torch, dw_torch = torch.autograd.grad(y_torch, (tx, tw), dy)
-    ox, ow = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = rms_norm(ox, ow)
-    dx, dw = torch.autograd.grad(y, (ox, ow), dy)
-    assert_bf16_within_torch_bound(y, y_torch, y_truth.detach(), "forward")
-    assert_bf16_within_torch_bound(dx, dx_torch, dx_truth, "dx")
-    assert_bf16_within_torch_bound(dw, dw_torch, dw_truth, "dW")
+    assert_bf16_fwd_bwd_within_torch_bound(x, w, dy)

@@ -6,8 +6,6 @@ GPU tier: Llama-3-8B attention shape (32 q heads, 8 kv heads, head dim 128) over
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -15,34 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from strop.kernels.rope import rope_qk, rope_qk_bwd, rope_qk_bwd_reference, rope_qk_reference
 
-cpu_tier = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier runs the kernels under TRITON_INTERPRET=1"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """fp32 agreement to ≈1e-5 relative to the tensor's scale (DESIGN's fp32 tolerance)."""
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(
-        actual,
-        expected,
-        rtol=1e-5,
-        atol=1e-5 * scale,
-        msg=lambda m: f"{what} differs beyond fp32 rounding: {m}",
-    )
-
-
-def assert_bf16_within_torch_bound(
-    ours: torch.Tensor, torch_bf16: torch.Tensor, truth: torch.Tensor, what: str
-):
-    """Our error against the fp32 truth may be at most 2× torch's own bf16 path's (DESIGN's bf16 rule)."""
-    err_ours = (ours.float() - truth).abs().max().item()
-    err_torch = (torch_bf16.float() - truth).abs().max().item()
-    floor = 1e-6 * truth.abs().max().item()
-    assert err_ours <= 2 * err_torch + floor, (
-        f"{what}: max error {err_ours:.4g} vs fp32 should be ≤ 2 × torch bf16's {err_torch:.4g}"
-    )
+from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 
 def hf_cos_sin(position_ids: torch.Tensor, head_dim: int, dtype: torch.dtype, device="cpu"):
@@ -67,6 +38,21 @@ def projected_qk(b, t, hq, hk, d, dtype, device="cpu", seed=0):
 
 # Packed rows: positions restart inside each row, differently per row.
 PACKED_POSITIONS = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2]])
+
+
+def assert_bf16_fwd_bwd_within_torch_bound(q_src, k_src, dq, dk, cos, sin) -> None:
+    """Rotated q/k and dq/dk of bf16 leaves: ours within 2× HF's bf16 error against the fp32 reference."""
+    truth_q, truth_k = q_src.detach().float().requires_grad_(), k_src.detach().float().requires_grad_()
+    qt, kt = rope_qk_reference(truth_q.transpose(1, 2), truth_k.transpose(1, 2), cos.float(), sin.float())
+    dq_truth, dk_truth = torch.autograd.grad((qt, kt), (truth_q, truth_k), (dq.float(), dk.float()))
+    q_torch, k_torch = apply_rotary_pos_emb(q_src.transpose(1, 2), k_src.transpose(1, 2), cos, sin)
+    dq_torch, dk_torch = torch.autograd.grad((q_torch, k_torch), (q_src, k_src), (dq, dk))
+    q_out, k_out = rope_qk((q_src * 1).transpose(1, 2), (k_src * 1).transpose(1, 2), cos, sin)
+    dq_ours, dk_ours = torch.autograd.grad((q_out, k_out), (q_src, k_src), (dq.clone(), dk.clone()))
+    assert_bf16_within_torch_bound(q_out, q_torch, qt.detach(), "rotated q")
+    assert_bf16_within_torch_bound(k_out, k_torch, kt.detach(), "rotated k")
+    assert_bf16_within_torch_bound(dq_ours, dq_torch, dq_truth, "dq")
+    assert_bf16_within_torch_bound(dk_ours, dk_torch, dk_truth, "dk")
 
 
 @cpu_tier
@@ -120,17 +106,7 @@ def test_transposed_views_match_hf_apply_rotary_pos_emb_with_packed_positions_fp
 def test_bf16_error_is_within_twice_torch_bf16_error():
     q_src, k_src, dq, dk = projected_qk(2, 9, 4, 2, 18, torch.bfloat16)
     cos, sin = hf_cos_sin(PACKED_POSITIONS, 18, torch.bfloat16)
-    truth_q, truth_k = q_src.detach().float().requires_grad_(), k_src.detach().float().requires_grad_()
-    qt, kt = rope_qk_reference(truth_q.transpose(1, 2), truth_k.transpose(1, 2), cos.float(), sin.float())
-    dq_truth, dk_truth = torch.autograd.grad((qt, kt), (truth_q, truth_k), (dq.float(), dk.float()))
-    q_torch, k_torch = apply_rotary_pos_emb(q_src.transpose(1, 2), k_src.transpose(1, 2), cos, sin)
-    dq_torch, dk_torch = torch.autograd.grad((q_torch, k_torch), (q_src, k_src), (dq, dk))
-    q_out, k_out = rope_qk((q_src * 1).transpose(1, 2), (k_src * 1).transpose(1, 2), cos, sin)
-    dq_ours, dk_ours = torch.autograd.grad((q_out, k_out), (q_src, k_src), (dq.clone(), dk.clone()))
-    assert_bf16_within_torch_bound(q_out, q_torch, qt.detach(), "rotated q")
-    assert_bf16_within_torch_bound(k_out, k_torch, kt.detach(), "rotated k")
-    assert_bf16_within_torch_bound(dq_ours, dq_torch, dq_truth, "dq")
-    assert_bf16_within_torch_bound(dk_ours, dk_torch, dk_truth, "dk")
+    assert_bf16_fwd_bwd_within_torch_bound(q_src, k_src, dq, dk, cos, sin)
 
 
 @cpu_tier
@@ -202,14 +178,4 @@ def test_gpu_bf16_llama3_attention_shape_fwd_and_bwd_within_twice_torch_error():
     positions = torch.arange(t).repeat(b, 1)
     positions[:, t // 2 :] -= t // 2  # two packed sequences per row
     cos, sin = hf_cos_sin(positions, d, torch.bfloat16, device="cuda")
-    truth_q, truth_k = q_src.detach().float().requires_grad_(), k_src.detach().float().requires_grad_()
-    qt, kt = rope_qk_reference(truth_q.transpose(1, 2), truth_k.transpose(1, 2), cos.float(), sin.float())
-    dq_truth, dk_truth = torch.autograd.grad((qt, kt), (truth_q, truth_k), (dq.float(), dk.float()))
-    q_torch, k_torch = apply_rotary_pos_emb(q_src.transpose(1, 2), k_src.transpose(1, 2), cos, sin)
-    dq_torch, dk_torch = torch.autograd.grad((q_torch, k_torch), (q_src, k_src), (dq, dk))
-    q_out, k_out = rope_qk((q_src * 1).transpose(1, 2), (k_src * 1).transpose(1, 2), cos, sin)
-    dq_ours, dk_ours = torch.autograd.grad((q_out, k_out), (q_src, k_src), (dq.clone(), dk.clone()))
-    assert_bf16_within_torch_bound(q_out, q_torch, qt.detach(), "rotated q")
-    assert_bf16_within_torch_bound(k_out, k_torch, kt.detach(), "rotated k")
-    assert_bf16_within_torch_bound(dq_ours, dq_torch, dq_truth, "dq")
-    assert_bf16_within_torch_bound(dk_ours, dk_torch, dk_truth, "dk")
+    assert_bf16_fwd_bwd_within_torch_bound(q_src, k_src, dq, dk, cos, sin)

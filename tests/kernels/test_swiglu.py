@@ -5,8 +5,6 @@ CPU tier: Triton interpreter (TRITON_INTERPRET=1), small odd shapes. GPU tier: 1
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers.activations import ACT2FN
@@ -22,10 +20,7 @@ from strop.kernels.swiglu import (
     swiglu_reference,
 )
 
-cpu_tier = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier runs the kernels under TRITON_INTERPRET=1"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 # (name used by swiglu_bwd_reference, HF ACT2FN key, our op)
 ACTIVATIONS = [
@@ -38,30 +33,6 @@ ACT_IDS = [a[0] for a in ACTIVATIONS]
 SHAPES = [(1, 67), (3, 5, 96), (4, 2500)]
 
 
-def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """fp32 agreement to ≈1e-5 relative to the tensor's scale (DESIGN's fp32 tolerance)."""
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(
-        actual,
-        expected,
-        rtol=1e-5,
-        atol=1e-5 * scale,
-        msg=lambda m: f"{what} differs beyond fp32 rounding: {m}",
-    )
-
-
-def assert_bf16_within_torch_bound(
-    ours: torch.Tensor, torch_bf16: torch.Tensor, truth: torch.Tensor, what: str
-):
-    """Our error against the fp32 truth may be at most 2× torch's own bf16 path's (DESIGN's bf16 rule)."""
-    err_ours = (ours.float() - truth).abs().max().item()
-    err_torch = (torch_bf16.float() - truth).abs().max().item()
-    floor = 1e-6 * truth.abs().max().item()
-    assert err_ours <= 2 * err_torch + floor, (
-        f"{what}: max error {err_ours:.4g} vs fp32 should be ≤ 2 × torch bf16's {err_torch:.4g}"
-    )
-
-
 def _inputs(shape, dtype, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     gate = (3 * torch.randn(shape, generator=gen)).to(device=device, dtype=dtype)  # reach both tails
@@ -72,6 +43,24 @@ def _inputs(shape, dtype, device="cpu", seed=0):
 
 def _hf(act_key: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return ACT2FN[act_key](gate) * up  # LlamaMLP / GemmaMLP: act_fn(gate_proj(x)) * up_proj(x)
+
+
+def assert_bf16_fwd_bwd_within_torch_bound(name, act_key, op, gate, up, dh) -> torch.Tensor:
+    """out, dgate and dup of bf16 inputs: ours within 2× HF's bf16 error against fp32; returns our out."""
+    tg, tu = gate.float().requires_grad_(), up.float().requires_grad_()
+    truth = _hf(act_key, tg, tu)
+    dgate_truth, dup_truth = torch.autograd.grad(truth, (tg, tu), dh.float())
+    del tg, tu  # the fp32 leaves are the size of the GPU tier's largest tensors
+    hg, hu = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out_torch = _hf(act_key, hg, hu)
+    dgate_torch, dup_torch = torch.autograd.grad(out_torch, (hg, hu), dh)
+    og, ou = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out = op(og, ou)
+    dgate, dup = torch.autograd.grad(out, (og, ou), dh)
+    assert_bf16_within_torch_bound(out, out_torch, truth.detach(), f"{name} forward")
+    assert_bf16_within_torch_bound(dgate, dgate_torch, dgate_truth, f"{name} dgate")
+    assert_bf16_within_torch_bound(dup, dup_torch, dup_truth, f"{name} dup")
+    return out
 
 
 @cpu_tier
@@ -104,19 +93,8 @@ def test_forward_and_both_gradients_match_hf_in_fp32(name, act_key, op, shape):
 @pytest.mark.parametrize(("name", "act_key", "op"), ACTIVATIONS, ids=ACT_IDS)
 def test_bf16_error_is_within_twice_torch_bf16_error(name, act_key, op):
     gate, up, dh = _inputs((3, 5, 96), torch.bfloat16)
-    tg, tu = gate.float().requires_grad_(), up.float().requires_grad_()
-    truth = _hf(act_key, tg, tu)
-    dgate_truth, dup_truth = torch.autograd.grad(truth, (tg, tu), dh.float())
-    hg, hu = gate.clone().requires_grad_(), up.clone().requires_grad_()
-    out_torch = _hf(act_key, hg, hu)
-    dgate_torch, dup_torch = torch.autograd.grad(out_torch, (hg, hu), dh)
-    og, ou = gate.clone().requires_grad_(), up.clone().requires_grad_()
-    out = op(og, ou)
-    dgate, dup = torch.autograd.grad(out, (og, ou), dh)
+    out = assert_bf16_fwd_bwd_within_torch_bound(name, act_key, op, gate, up, dh)
     assert out.dtype == torch.bfloat16, "bf16 gate/up give a bf16 output, as in HF"
-    assert_bf16_within_torch_bound(out, out_torch, truth.detach(), f"{name} forward")
-    assert_bf16_within_torch_bound(dgate, dgate_torch, dgate_truth, f"{name} dgate")
-    assert_bf16_within_torch_bound(dup, dup_torch, dup_truth, f"{name} dup")
 
 
 @cpu_tier
@@ -189,16 +167,4 @@ def test_bad_inputs_raise_named_errors():
 @pytest.mark.parametrize(("name", "act_key", "op"), ACTIVATIONS, ids=ACT_IDS)
 def test_gpu_bf16_llama3_mlp_width_fwd_and_bwd_within_twice_torch_error(name, act_key, op):
     gate, up, dh = _inputs((16384, 14336), torch.bfloat16, device="cuda")
-    tg, tu = gate.float().requires_grad_(), up.float().requires_grad_()
-    truth = _hf(act_key, tg, tu)
-    dgate_truth, dup_truth = torch.autograd.grad(truth, (tg, tu), dh.float())
-    del tg, tu
-    hg, hu = gate.clone().requires_grad_(), up.clone().requires_grad_()
-    out_torch = _hf(act_key, hg, hu)
-    dgate_torch, dup_torch = torch.autograd.grad(out_torch, (hg, hu), dh)
-    og, ou = gate.clone().requires_grad_(), up.clone().requires_grad_()
-    out = op(og, ou)
-    dgate, dup = torch.autograd.grad(out, (og, ou), dh)
-    assert_bf16_within_torch_bound(out, out_torch, truth.detach(), f"{name} forward")
-    assert_bf16_within_torch_bound(dgate, dgate_torch, dgate_truth, f"{name} dgate")
-    assert_bf16_within_torch_bound(dup, dup_torch, dup_truth, f"{name} dup")
+    assert_bf16_fwd_bwd_within_torch_bound(name, act_key, op, gate, up, dh)

@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strop.common.artifacts import ArtifactInfo, ArtifactStore
+from strop.common.artifacts import ArtifactStore, to_artifact
 from strop.common.paths import confine
-from strop.common.serde import from_dict, to_dict
 from strop.common.trainer_types import (
     RESUMABLE_STATES,
     Artifact,
@@ -69,10 +68,6 @@ class _RunningJob:
     job_id: str
     control: engine.JobControl
     thread: threading.Thread
-
-
-def to_artifact(info: ArtifactInfo) -> Artifact:
-    return from_dict(Artifact, to_dict(info))
 
 
 class TrainerCore:
