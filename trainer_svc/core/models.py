@@ -25,7 +25,7 @@ from strop.common.trainer_types import (
     ModelFacts,
     Quantization,
 )
-from strop.trainer_svc.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from strop.trainer_svc.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger("strop.trainer")
 
@@ -384,9 +384,3 @@ def release(loaded: LoadedModel) -> None:
     gc.collect()
     if loaded.device.startswith("cuda"):
         torch.cuda.empty_cache()
-
-
-def ensure_exists(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise NotFound(f"{what} {str(path)!r} not found")
-    return path
