@@ -37,6 +37,7 @@ class DatasetFormat(enum.StrEnum):
     MESSAGES = "MESSAGES"
     PROMPT_COMPLETION = "PROMPT_COMPLETION"
     PREFERENCE = "PREFERENCE"
+    TOKENS = "TOKENS"
 
 
 class TrainMethod(enum.StrEnum):

@@ -97,3 +97,17 @@ def test_size_limits_are_enforced():
 def test_empty_dataset_is_rejected():
     with pytest.raises(InvalidArgument, match="no rows"):
         validate_jsonl([b"\n\n"], DatasetFormat.UNSPECIFIED, Limits())
+
+
+def test_pre_tokenized_rows_are_detected_and_checked():
+    good = validate_jsonl(
+        [jsonl({"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]})], DatasetFormat.UNSPECIFIED, Limits()
+    )
+    assert good.format is DatasetFormat.TOKENS
+    bad = jsonl({"input_ids": [1, -2]}, {"input_ids": [1, 2], "completion_mask": [1]}, {"input_ids": []})
+    with pytest.raises(InvalidArgument) as exc:
+        validate_jsonl([bad], DatasetFormat.UNSPECIFIED, Limits())
+    msg = str(exc.value)
+    assert "line 1: 'input_ids' must hold non-negative integers" in msg
+    assert "line 2: 'completion_mask' must be a list of 0/1 as long as 'input_ids'" in msg
+    assert "line 3: 'input_ids' must be a non-empty list" in msg

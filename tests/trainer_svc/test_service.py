@@ -265,3 +265,21 @@ def test_8bit_adamw_keeps_its_optimizer_state_in_8_bits(client, trainer, ready_s
 
     dtypes = {t.dtype for t in tensors(state["state"])}
     assert torch.uint8 in dtypes, f"bitsandbytes' 8-bit AdamW stores quantized moments, got {dtypes}"
+
+
+def test_pre_tokenized_rows_train_and_ids_beyond_the_vocabulary_are_refused(client, ready_session):
+    rows = [
+        {"input_ids": [5 + (i * 7 + j) % 600 for j in range(40)], "completion_mask": [0] * 10 + [1] * 30}
+        for i in range(8)
+    ]
+    ds = client.upload_dataset(rows)
+    assert ds.format is DatasetFormat.TOKENS
+    events = list(client.train(ready_session, ds.dataset_id, sft_config(4)))
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
+    steps = [e.step for e in events if e.step is not None]
+    assert [s.step for s in steps] == [1, 2, 3, 4] and all(s.tokens_seen > 0 for s in steps)
+    too_big = client.upload_dataset([{"input_ids": [1, 2, 640]}])
+    with pytest.raises(
+        InvalidArgumentError, match="row 1: token id 640 is outside the model's vocabulary of 640"
+    ):
+        next(client.train(ready_session, too_big.dataset_id, sft_config(2)))

@@ -1,7 +1,9 @@
 """Dataset validation: JSONL rows in one of TRL's formats, checked before anything trains on them.
 
 Formats (as TRL names them): ``text``; ``messages`` (a conversation rendered with the chat
-template); ``prompt``/``completion``; ``prompt``/``chosen``/``rejected`` (preference, for DPO).
+template); ``prompt``/``completion``; ``prompt``/``chosen``/``rejected`` (preference, for DPO); and
+``input_ids`` (pre-tokenized SFT rows, optionally with a 0/1 ``completion_mask``; ids are checked against
+the model's vocabulary when a job starts).
 Prompt, completion, chosen and rejected may be strings or message lists (conversational form).
 Every bad row is reported with its 1-based line number; nothing is stored unless all rows are good.
 """
@@ -61,6 +63,8 @@ def _check_text_or_messages(row: dict, field: str) -> str | None:
 
 def detect_format(row: dict) -> DatasetFormat | None:
     keys = set(row)
+    if "input_ids" in keys:
+        return DatasetFormat.TOKENS
     if {"chosen", "rejected"} & keys or ({"prompt", "chosen"} <= keys):
         return DatasetFormat.PREFERENCE
     if "messages" in keys:
@@ -78,6 +82,20 @@ def check_row(row: dict, fmt: DatasetFormat) -> str | None:
         if not isinstance(row.get("text"), str):
             return "missing 'text'" if "text" not in row else "'text' must be a string"
         return None if row["text"].strip() else "'text' is empty"
+    if fmt is DatasetFormat.TOKENS:
+        ids = row.get("input_ids")
+        if not isinstance(ids, list) or not ids:
+            return (
+                "missing 'input_ids'" if ids is None else "'input_ids' must be a non-empty list of token ids"
+            )
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            return "'input_ids' must hold non-negative integers"
+        mask = row.get("completion_mask")
+        if mask is not None and (
+            not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask)
+        ):
+            return "'completion_mask' must be a list of 0/1 as long as 'input_ids'"
+        return None
     if fmt is DatasetFormat.MESSAGES:
         if "messages" not in row:
             return "missing 'messages'"
@@ -138,7 +156,7 @@ def validate_jsonl(chunks: Iterable[bytes], fmt: DatasetFormat, limits: Limits) 
             if detected is None:
                 problem = (
                     f"cannot tell the format from keys {sorted(row)}: expected 'text', 'messages', "
-                    "'prompt'+'completion' or 'prompt'+'chosen'+'rejected'"
+                    "'prompt'+'completion', 'prompt'+'chosen'+'rejected' or 'input_ids'"
                 )
             else:
                 fmt = detected

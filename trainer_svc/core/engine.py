@@ -116,7 +116,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
     return c
 
 
-def check_dataset_fits(method: TrainMethod, fmt: DatasetFormat) -> None:
+def check_dataset_fits(method: TrainMethod, fmt: DatasetFormat, rows: list[dict], vocab_size: int) -> None:
     if method is TrainMethod.DPO and fmt is not DatasetFormat.PREFERENCE:
         raise InvalidArgument(
             f"DPO needs a preference dataset (prompt/chosen/rejected); this dataset is {fmt.value.lower()}"
@@ -125,6 +125,12 @@ def check_dataset_fits(method: TrainMethod, fmt: DatasetFormat) -> None:
         raise InvalidArgument(
             "SFT needs text, messages or prompt/completion rows; this dataset is preference data"
         )
+    if fmt is DatasetFormat.TOKENS:
+        for i, row in enumerate(rows, 1):
+            if max(row["input_ids"]) >= vocab_size:
+                raise InvalidArgument(
+                    f"row {i}: token id {max(row['input_ids'])} is outside the model's vocabulary of {vocab_size}"
+                )
 
 
 def sft_rows(rows: list[dict], fmt: DatasetFormat, completion_only: bool) -> list[dict]:
@@ -135,6 +141,8 @@ def sft_rows(rows: list[dict], fmt: DatasetFormat, completion_only: bool) -> lis
     """
     if fmt is DatasetFormat.MESSAGES and completion_only:
         return [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows]
+    if fmt is DatasetFormat.TOKENS:  # TRL skips tokenization for rows that already hold input_ids
+        return [{k: r[k] for k in ("input_ids", "completion_mask") if k in r} for r in rows]
     keys = {
         DatasetFormat.TEXT: ("text",),
         DatasetFormat.MESSAGES: ("messages",),

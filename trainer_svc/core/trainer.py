@@ -291,7 +291,7 @@ class TrainerCore:
             raise FailedPrecondition(f"session {session_id} has no adapter; call AttachLora first")
         ds_info, rows = self._dataset_rows(dataset_id)
         cfg = engine.with_defaults(config, session_max_len=sess.info.facts.max_seq_length)
-        engine.check_dataset_fits(cfg.method, ds_info.format)
+        engine.check_dataset_fits(cfg.method, ds_info.format, rows, sess.info.facts.vocab_size)
         if resume_from_job_id:
             self._check_resume_compatible(sess, resume_dir)
         job = JobInfo(

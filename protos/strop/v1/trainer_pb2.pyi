@@ -35,6 +35,7 @@ class DatasetFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATASET_FORMAT_MESSAGES: _ClassVar[DatasetFormat]
     DATASET_FORMAT_PROMPT_COMPLETION: _ClassVar[DatasetFormat]
     DATASET_FORMAT_PREFERENCE: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_TOKENS: _ClassVar[DatasetFormat]
 
 class TrainMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -67,6 +68,7 @@ DATASET_FORMAT_TEXT: DatasetFormat
 DATASET_FORMAT_MESSAGES: DatasetFormat
 DATASET_FORMAT_PROMPT_COMPLETION: DatasetFormat
 DATASET_FORMAT_PREFERENCE: DatasetFormat
+DATASET_FORMAT_TOKENS: DatasetFormat
 TRAIN_METHOD_UNSPECIFIED: TrainMethod
 TRAIN_METHOD_SFT: TrainMethod
 TRAIN_METHOD_DPO: TrainMethod
