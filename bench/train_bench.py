@@ -25,7 +25,10 @@ Usage (on the GPU machine)::
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``), ``strop-mem`` (``patch_model`` +
 ``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode),
-``strop-fast`` (``patch_model`` without gradient checkpointing: the memory-allowed mode, no recompute).
+``strop-fast`` (``patch_model`` without gradient checkpointing: the memory-allowed mode, no recompute),
+``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
+and ``service`` (the same through the trainer service over gRPC on localhost) — the last two load the model
+from a saved dir, so the first of them to run writes the random 8B-shape weights to /tmp once.
 
 Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line.
 """
@@ -214,6 +217,170 @@ def run_worker(a) -> Result:
         res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
         res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
     res.host_peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+    res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+    return res
+
+
+SAVED_MODEL = "/tmp/strop-bench-models/llama-8b-shape"
+
+
+def saved_model_dir(seq: int) -> str:
+    """The random 8B-shape model as a bf16 HF dir (written once per machine; tiny BPE tokenizer beside it).
+
+    The trainer service loads models from disk, so the service and TRL-library systems start from this
+    directory (NF4 quantized on load for QLoRA) instead of building the model in memory.
+    """
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+
+    if not os.path.isfile(os.path.join(SAVED_MODEL, "config.json")):
+        model = build_model("lora", seq)
+        model.save_pretrained(SAVED_MODEL + ".tmp", safe_serialization=True)
+        make_bpe_tokenizer().save_pretrained(SAVED_MODEL + ".tmp")
+        del model
+        os.replace(SAVED_MODEL + ".tmp", SAVED_MODEL)
+    return SAVED_MODEL
+
+
+def run_trl_worker(a) -> Result:
+    """SFT through TRL on the saved model: ``trl-lib`` in-process (a user's script: from_pretrained, PEFT,
+    ``patch_model``, SFTTrainer) or ``service`` through the trainer service over gRPC on localhost.
+
+    Both train the same pre-tokenized rows (batch x seq random ids) with gradient checkpointing, AdamW
+    lr 1e-4, bf16; the service reports each step's time and peak memory in its events.
+    """
+    import tempfile
+
+    import torch
+
+    res = Result(part=a.part, system=a.system, seq=a.seq, batch=a.batch)
+    t0 = time.perf_counter()
+    model_dir = saved_model_dir(a.seq)
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, 640, (a.batch, a.seq), generator=g)  # ids of the saved tiny tokenizer
+    rows = [{"input_ids": ids[i].tolist()} for i in range(a.batch)] * (a.warmup + a.steps)
+    qlora = a.part == "qlora"
+    times: list[float] = []
+    if a.system == "service":
+        from strop.client import KernelMode, LoraConfig, Quantization, TrainConfig, TrainerClient, TrainMethod
+        from strop.trainer_svc.core.trainer import TrainerConfig
+        from strop.trainer_svc.server import start
+
+        work = tempfile.mkdtemp()
+        running, _core = start(
+            TrainerConfig(
+                model_root=os.path.dirname(model_dir), artifact_root=work + "/a", state_dir=work + "/s"
+            )
+        )
+        with TrainerClient(f"127.0.0.1:{running.port}") as tc:
+            s = tc.load_model(
+                os.path.basename(model_dir),
+                dtype="bfloat16" if DEVICE == "cuda" else "float32",
+                quantization=Quantization.NF4 if qlora else Quantization.NONE,
+                kernels=KernelMode.UNSPECIFIED,
+            )
+            s = tc.attach_lora(s.session_id, LoraConfig(r=16, alpha=16))
+            res.notes = s.facts.kernels_reason
+            ds = tc.upload_dataset(rows)
+            res.build_s = time.perf_counter() - t0
+            cfg = TrainConfig(
+                method=TrainMethod.SFT,
+                learning_rate=1e-4,
+                lr_scheduler="constant",
+                batch_size=a.batch,
+                max_length=a.seq,
+                max_steps=a.warmup + a.steps,
+                gradient_checkpointing=True,
+                optimizer="adamw_torch",
+                seed=0,
+            )
+            for e in tc.train(s.session_id, ds.dataset_id, cfg):
+                if e.step is not None:
+                    res.losses.append(round(e.step.loss, 5))
+                    times.append(e.step.step_seconds)
+                    res.peak_alloc_gib = e.step.peak_memory_bytes / 2**30
+                elif e.state is not None and e.state.state.value == "FAILED":
+                    raise RuntimeError(e.state.message)
+        running.stop(grace=1.0)
+    else:
+        from datasets import Dataset
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+        from trl import SFTConfig, SFTTrainer
+
+        from strop.kernels import patch_model
+
+        kw = {"dtype": torch.bfloat16, "device_map": {"": 0 if DEVICE == "cuda" else "cpu"}}
+        if qlora and DEVICE == "cuda":
+            kw["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+            )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=16,
+                lora_alpha=16,
+                lora_dropout=0.0,
+                task_type="CAUSAL_LM",
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            ),
+        )
+        res.notes = str(patch_model(model))
+
+        class Timer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                self.t = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - self.t)
+
+        args = SFTConfig(
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=a.batch,
+            max_length=a.seq,
+            max_steps=a.warmup + a.steps,
+            learning_rate=1e-4,
+            lr_scheduler_type="constant",
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            bf16=DEVICE == "cuda",
+            use_cpu=DEVICE != "cuda",
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            data_seed=0,
+            dataloader_num_workers=0,
+        )
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=AutoTokenizer.from_pretrained(model_dir),
+            callbacks=[Timer()],
+        )
+        for p in model.parameters():  # fp32 adapters, as the service keeps them
+            if p.requires_grad:
+                p.data = p.data.float()
+        res.build_s = time.perf_counter() - t0
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        res.losses = [round(float(h["loss"]), 5) for h in trainer.state.log_history if "loss" in h]
+        if DEVICE == "cuda":
+            res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
+            res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+    measured = sorted(times[a.warmup :])
+    med = measured[len(measured) // 2]
+    model_f, hw_f = flops_per_token(a.seq)
+    res.steps, res.ms_per_step, res.tokens_per_s = len(measured), med * 1e3, a.batch * a.seq / med
     res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
     res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
     return res
@@ -416,7 +583,12 @@ def main() -> None:
         SHAPE.update(SMOKE_SHAPE)
     if a.worker:
         try:
-            res = run_dpo_worker(a) if a.part == "dpo" else run_worker(a)
+            if a.part == "dpo":
+                res = run_dpo_worker(a)
+            elif a.system in ("service", "trl-lib"):
+                res = run_trl_worker(a)
+            else:
+                res = run_worker(a)
         except Exception as exc:  # reported, not raised: the orchestrator records it
             import traceback
 
