@@ -222,6 +222,32 @@ def run_worker(a) -> Result:
     return res
 
 
+def step_timer(times: list[float]):
+    """A TrainerCallback appending each optimizer step's wall time (device synchronised) to ``times``."""
+    import torch
+    from transformers import TrainerCallback
+
+    def sync() -> None:
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            times.append(time.perf_counter() - self.t)
+
+    return StepTimer()
+
+
+def median_after_warmup(times: list[float], warmup: int) -> tuple[int, float]:
+    measured = sorted(times[warmup:])
+    return len(measured), measured[len(measured) // 2]
+
+
 SAVED_MODEL = "/tmp/strop-bench-models/llama-8b-shape"
 
 
@@ -305,7 +331,7 @@ def run_trl_worker(a) -> Result:
     else:
         from datasets import Dataset
         from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
         from trl import SFTConfig, SFTTrainer
 
         from strop.kernels import patch_model
@@ -331,15 +357,6 @@ def run_trl_worker(a) -> Result:
         )
         res.notes = str(patch_model(model))
 
-        class Timer(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kw):
-                self.t = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kw):
-                if DEVICE == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - self.t)
-
         args = SFTConfig(
             output_dir=tempfile.mkdtemp(),
             per_device_train_batch_size=a.batch,
@@ -364,7 +381,7 @@ def run_trl_worker(a) -> Result:
             args=args,
             train_dataset=Dataset.from_list(rows),
             processing_class=AutoTokenizer.from_pretrained(model_dir),
-            callbacks=[Timer()],
+            callbacks=[step_timer(times)],
         )
         for p in model.parameters():  # fp32 adapters, as the service keeps them
             if p.requires_grad:
@@ -377,10 +394,9 @@ def run_trl_worker(a) -> Result:
         if DEVICE == "cuda":
             res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
             res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
-    measured = sorted(times[a.warmup :])
-    med = measured[len(measured) // 2]
+    n, med = median_after_warmup(times, a.warmup)
     model_f, hw_f = flops_per_token(a.seq)
-    res.steps, res.ms_per_step, res.tokens_per_s = len(measured), med * 1e3, a.batch * a.seq / med
+    res.steps, res.ms_per_step, res.tokens_per_s = n, med * 1e3, a.batch * a.seq / med
     res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
     res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
     return res
@@ -420,7 +436,6 @@ def run_dpo_worker(a) -> Result:
     import tempfile
 
     import torch
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     res = Result(part="dpo", system=a.system, seq=1024, batch=a.batch)
@@ -436,17 +451,6 @@ def run_dpo_worker(a) -> Result:
         res.notes = str(patch_model(model))
         trainer_cls = strop_dpo_trainer_class()
     times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.t)
 
     args = DPOConfig(
         output_dir=tempfile.mkdtemp(),
@@ -469,7 +473,12 @@ def run_dpo_worker(a) -> Result:
         dataloader_num_workers=0,
     )
     trainer = trainer_cls(
-        model=model, ref_model=None, args=args, train_dataset=data, processing_class=tok, callbacks=[Timer()]
+        model=model,
+        ref_model=None,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[step_timer(times)],
     )
     if a.system == "strop":
         for p in model.parameters():  # strop keeps adapters fp32 (TRL casts them to bf16 on a 4-bit base)
@@ -482,9 +491,7 @@ def run_dpo_worker(a) -> Result:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     res.losses = [round(float(h["loss"]), 5) for h in logs]
     res.notes += f"\nmargins: {[round(float(h.get('rewards/margins', 0.0)), 5) for h in logs]}"
-    measured = sorted(times[a.warmup :])
-    med = measured[len(measured) // 2]
-    res.steps = len(measured)
+    res.steps, med = median_after_warmup(times, a.warmup)
     res.ms_per_step = med * 1e3
     res.tokens_per_s = a.batch / med  # pairs per second for this part
     if DEVICE == "cuda":
