@@ -14,7 +14,8 @@ FLOP accounting (stated so MFU can be checked):
     attn   = causal attention per token, forward: 2 * 2 * layers * seq/2 * hidden (QK^T and PV, half masked)
     model FLOPs/token    = 2N + 2N (forward, backward dX; the frozen base has no weight gradient)
                            + 3 * attn (attention forward + backward dQ, dK, dV) + LoRA (negligible, counted)
-    hardware FLOPs/token = model FLOPs + 2N_layers + attn (gradient checkpointing recomputes each layer's forward)
+    hardware FLOPs/token = model FLOPs + 2N_layers + attn (gradient checkpointing recomputes each layer's forward;
+                           scaled by the fraction of layers that recompute under budgeted recompute)
     MFU = model FLOPs/token * tokens/s / 790 TFLOP/s (the H200's measured bf16 matmul ceiling); HFU likewise
     with hardware FLOPs.
 
@@ -25,7 +26,9 @@ Usage (on the GPU machine)::
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``), ``strop-mem`` (``patch_model`` +
 ``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode),
-``strop-fast`` (``patch_model`` without gradient checkpointing: the memory-allowed mode, no recompute),
+``strop-fast`` (the memory-allowed mode: ``patch_model`` + ``enable_budgeted_recompute`` with an 80 GiB budget,
+enforced on the process with ``torch.cuda.set_per_process_memory_fraction``: only as many layers recompute
+as the budget needs; the first warm-up step calibrates),
 ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
 and ``service`` (the same through the trainer service over gRPC on localhost) — the last two load the model
 from a saved dir, so the first of them to run writes the random 8B-shape weights to /tmp once.
@@ -48,6 +51,7 @@ SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=12
 # --smoke: a tiny shape on the CPU, to check the harness itself without a GPU (numbers meaningless)
 SMOKE_SHAPE = dict(hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=640, head_dim=32)
 DEVICE = "cuda"
+FAST_BUDGET_GIB = 80  # the memory-allowed mode's cap (issue 5)
 
 
 @dataclass
@@ -69,9 +73,11 @@ class Result:
     losses: list[float] = field(default_factory=list)
     build_s: float = 0.0
     notes: str = ""
+    profile: str = ""
 
 
-def flops_per_token(seq: int, r: int = 16) -> tuple[float, float]:
+def flops_per_token(seq: int, r: int = 16, recompute: float = 1.0) -> tuple[float, float]:
+    """(model, hardware) FLOPs per token; ``recompute`` is the fraction of layers whose forward reruns."""
     h, i, L, v = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"], SHAPE["vocab"]
     kv = SHAPE["kv_heads"] * SHAPE["head_dim"]
     n_layer = L * (h * h + 2 * h * kv + h * h + 3 * h * i)
@@ -79,7 +85,7 @@ def flops_per_token(seq: int, r: int = 16) -> tuple[float, float]:
     lora = L * r * ((h + h) * 2 + (h + kv) * 2 + 2 * (h + i) + (i + h))
     attn = 2 * 2 * L * (seq / 2) * h
     model = 4 * n + 3 * attn + 6 * lora
-    hardware = model + 2 * n_layer + attn + 2 * lora
+    hardware = model + recompute * (2 * n_layer + attn + 2 * lora)
     return model, hardware
 
 
@@ -170,21 +176,29 @@ def run_worker(a) -> Result:
     t0 = time.perf_counter()
     model = build_model("qlora" if a.part in ("qlora", "context") else "lora", a.seq)
     model = attach_lora(model)
-    if a.system != "strop-fast":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if a.system in ("strop", "strop-mem", "strop-fast"):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if a.system.startswith("strop"):
         from strop.kernels import patch_model
 
         report = patch_model(model)
         res.notes = str(report)
-    if a.system == "strop-mem":
-        # long-context memory mode: layer inputs offloaded to pinned host memory + MLP tiled over the sequence
+    if a.system in ("strop-mem", "strop-offload"):
+        # strop-mem, the long-context mode: layer inputs offloaded to pinned host memory + MLP tiled over the
+        # sequence; strop-offload: the offload alone (no tiling, so no extra MLP forward)
         from strop.kernels.memory import enable_memory_features
 
-        res.notes += "\n" + str(enable_memory_features(model))
+        chunks = "auto" if a.system == "strop-mem" else None
+        res.notes += "\n" + str(enable_memory_features(model, tiled_mlp_chunks=chunks))
     model.train()
     res.build_s = time.perf_counter() - t0
     cuda = DEVICE == "cuda"
+    planner = None
+    if a.system == "strop-fast" and cuda:
+        from strop.kernels.recompute import enable_budgeted_recompute
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, FAST_BUDGET_GIB * 2**30 / total))
+        planner = enable_budgeted_recompute(model, FAST_BUDGET_GIB * 2**30)
     g = torch.Generator(device=DEVICE).manual_seed(1234)
     data = torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device=DEVICE, generator=g)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -196,20 +210,24 @@ def run_worker(a) -> Result:
         if cuda:
             torch.cuda.synchronize()
         ts = time.perf_counter()
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(input_ids=data, labels=data).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, data)
         if cuda:
             torch.cuda.synchronize()
         res.losses.append(round(float(loss.detach()), 5))
         if step >= a.warmup:
             times.append(time.perf_counter() - ts)
+        if planner is not None and planner.plan is None and planner.step_end() is not None:
+            res.notes += f"\nbudgeted recompute: {planner.plan}"
+            torch.cuda.reset_peak_memory_stats()  # the peak reported is the planned steps'
+    if a.profile and cuda:
+        res.profile = profile_step(lambda: train_step(model, opt, data))
     times.sort()
     med = times[len(times) // 2]
     tokens = a.batch * a.seq
-    model_f, hw_f = flops_per_token(a.seq)
+    recompute = 1.0
+    if planner is not None and planner.plan is not None:
+        recompute = 1 - planner.plan.uncheckpointed / planner.plan.layers
+    model_f, hw_f = flops_per_token(a.seq, recompute=recompute)
     res.steps = len(times)
     res.ms_per_step = med * 1e3
     res.tokens_per_s = tokens / med
@@ -220,6 +238,36 @@ def run_worker(a) -> Result:
     res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
     res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
     return res
+
+
+def train_step(model, opt, data):
+    import torch
+
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
+        loss = model(input_ids=data, labels=data).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def profile_step(step) -> str:
+    """One step under torch.profiler: the top GPU kernels by total time, and the step's GPU busy time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: -e.self_device_time_total)
+    lines = [f"GPU busy {total / 1e3:.0f} ms in {sum(e.count for e in events)} kernels; top 25 by self time:"]
+    for e in events[:25]:
+        share = e.self_device_time_total / total
+        lines.append(f"  {e.self_device_time_total / 1e3:8.1f} ms {share:6.1%} x{e.count:<5d} {e.key[:110]}")
+    return "\n".join(lines)
 
 
 def step_timer(times: list[float]):
@@ -522,6 +570,7 @@ def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
         "--warmup",
         str(a.warmup),
         *(["--smoke"] if a.smoke else []),
+        *(["--profile"] if a.profile else []),
     ]
     t0 = time.perf_counter()
     try:
@@ -580,6 +629,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--json")
+    p.add_argument("--profile", action="store_true", help="also profile one step per system (GPU kernels)")
     p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
@@ -625,6 +675,9 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
     print(table(results))
+    for r in results:
+        if r.notes or r.profile:
+            print(f"\n## {r.part} {r.system} {r.seq}x{r.batch}\n{r.notes}\n{r.profile}")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,10 @@ def _add_train(sub) -> None:
     p.add_argument("--dpo-loss", default="")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--memory-mode", default="", choices=("", "standard", "long_context", "max_speed"))
+    p.add_argument(
+        "--memory-budget-gib", type=float, default=0.0, help="max_speed: device memory the job may use"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-adapter", default="", help="also save the adapter under this artifact id")
     p.set_defaults(func=_cmd_train)
@@ -97,6 +101,8 @@ def _cmd_train(a) -> int:
         checkpoint_every_steps=a.checkpoint_every,
         seed=a.seed,
         gradient_checkpointing=a.gradient_checkpointing,
+        memory_mode=a.memory_mode,
+        memory_budget_gib=a.memory_budget_gib,
     )
     with TrainerClient(a.target) as tc:
         session = tc.load_model(a.model, quantization=quant)

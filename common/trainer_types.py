@@ -184,6 +184,7 @@ class TrainConfig:
     max_prompt_length: int = 0
     dpo_reference: str = ""
     memory_mode: str = ""
+    memory_budget_gib: float = 0.0
 
 
 @dataclass

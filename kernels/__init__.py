@@ -17,7 +17,8 @@ Model patching: ``patch_model(model) -> PatchReport`` swaps module forwards of a
 or Qwen3 model (plain HF or PEFT-wrapped) for these ops, per instance; ``unpatch_model`` undoes it.
 Parts whose fast path does not apply keep the HF/PEFT path and the report says why.
 ``enable_memory_features``/``disable_memory_features`` install the long-context memory machinery the
-same way (see ``kernels/memory.py``).
+same way (see ``kernels/memory.py``); ``enable_budgeted_recompute(model, budget_bytes)`` spends spare
+device memory for speed, recomputing only the layers the budget cannot hold (``kernels/recompute.py``).
 
 The kernels run on CUDA; on a CPU-only host only under ``TRITON_INTERPRET=1`` (set before importing
 this package), which is how the CPU test tier runs them.
@@ -57,19 +58,23 @@ from .memory import MemoryReport, disable_memory_features, enable_memory_feature
 from .nf4 import dequantize_weight, nf4_dequantize
 from .offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing, offloaded_checkpoint
 from .patch import PatchReport, patch_model, unpatch_model
+from .recompute import BudgetedRecompute, RecomputePlan, enable_budgeted_recompute
 from .rmsnorm import rms_norm
 from .rope import rope_qk
 from .swiglu import geglu, swiglu
 from .tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, tiled_mlp
 
 __all__ = [
+    "BudgetedRecompute",
     "LoRAProj",
     "MemoryReport",
     "PatchReport",
+    "RecomputePlan",
     "dequantize_weight",
     "disable_memory_features",
     "disable_offloaded_checkpointing",
     "disable_tiled_mlp",
+    "enable_budgeted_recompute",
     "enable_memory_features",
     "enable_offloaded_checkpointing",
     "enable_tiled_mlp",

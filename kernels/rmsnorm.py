@@ -90,12 +90,43 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + row, rstd)
 
 
-# Programs per SM for the backward with dW (see rms_norm_bwd); bench/rmsnorm_dw_sweep.py sweeps it.
+# Launch shape of the backward with dW (see rms_norm_bwd); bench/rmsnorm_dw_sweep.py sweeps all four.
 DW_PROGRAMS_PER_SM = 4
+DW_ROWS_PER_STEP = 1
+DW_NUM_STAGES = 1
+DW_NUM_WARPS: int | None = None  # None: calculate_settings' choice for the row length
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dy_row_stride,
+    x_row_stride,
+    dx_row_stride,
+    n_cols,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Frozen weight: one row per program, dx only."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    n = x * rstd
+    g = dy * w
+    dx = rstd * (g - n * (tl.sum(g * n, axis=0) / n_cols))
+    # dx may alias dy (in-place backward): this row of dy is already in registers.
+    tl.store(dx_ptr + row * dx_row_stride + cols, cast_to(dx, dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_dw_kernel(
     dy_ptr,
     x_ptr,
     w_ptr,
@@ -109,30 +140,37 @@ def _rms_norm_bwd_kernel(
     n_cols,
     BLOCK_SIZE: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,
-    COMPUTE_DW: tl.constexpr,
+    ROWS_PER_STEP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
+    """Trainable weight: each program walks ROWS_PER_PROGRAM rows, ROWS_PER_STEP at a time as one
+    [rows, cols] tile, loads software-pipelined NUM_STAGES deep, and writes one row of fp32 dW partials."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     col_mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dw_acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
     # A constexpr trip count: triton 3.6's interpreter cannot loop to a runtime bound under numpy ≥ 2.4.
-    for i in range(ROWS_PER_PROGRAM):
-        row = pid * ROWS_PER_PROGRAM + i
+    for i in tl.range(0, ROWS_PER_PROGRAM, ROWS_PER_STEP, num_stages=NUM_STAGES):
+        rows = pid * ROWS_PER_PROGRAM + i + tl.arange(0, ROWS_PER_STEP)
+        row_mask = rows < n_rows
         # The last program's tail rows past n_rows load zeros, store nothing and add nothing to dW.
-        mask = col_mask & (row < n_rows)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
         n = x * rstd
         g = dy * w
-        dx = rstd * (g - n * (tl.sum(g * n, axis=0) / n_cols))
-        # dx may alias dy (in-place backward): this row of dy is already in registers.
-        tl.store(dx_ptr + row * dx_row_stride + cols, cast_to(dx, dx_ptr.dtype.element_ty), mask=mask)
-        if COMPUTE_DW:
-            dw_acc += dy * cast_to(n, x_ptr.dtype.element_ty).to(tl.float32)
-    if COMPUTE_DW:
-        tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=col_mask)
+        dx = rstd * (g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None])
+        tl.store(
+            dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
+            cast_to(dx, dx_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        dw_acc += tl.sum(dy * cast_to(n, x_ptr.dtype.element_ty).to(tl.float32), axis=0)
+    tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
 def _rows_or_copy(t: torch.Tensor) -> torch.Tensor:
@@ -222,16 +260,31 @@ def rms_norm_bwd(
         dw = torch.zeros_like(weight) if compute_dw else None
         return dx, dw
     block, num_warps = calculate_settings(n_cols)
-    if compute_dw:
-        # untuned: 4 programs per SM so each SM has loads in flight from several rows while keeping the
-        # fp32 partials (programs × H × 4 B, 17 MB at H=4096 on 132 SMs) small next to the 400 MB of row I/O.
-        # Rows per program is rounded up to a power of two so varying token counts compile few variants.
-        rows_per_program = triton.next_power_of_2(triton.cdiv(n_rows, DW_PROGRAMS_PER_SM * num_sms(x.device)))
-        n_programs = triton.cdiv(n_rows, rows_per_program)
-        partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
-    else:
-        n_programs, rows_per_program, partial = n_rows, 1, rstd
-    _rms_norm_bwd_kernel[(n_programs,)](
+    if not compute_dw:
+        _rms_norm_bwd_kernel[(n_rows,)](
+            dy2,
+            x2,
+            weight,
+            rstd,
+            dx2,
+            dy2.stride(0),
+            x2.stride(0),
+            dx2.stride(0),
+            n_cols,
+            BLOCK_SIZE=block,
+            num_warps=num_warps,
+        )
+        return dx, None
+    # A few programs per SM, each reducing its rows' dW in registers; the fp32 partials (programs × H × 4 B,
+    # 8.6 MB at H=4096 on 132 SMs) stay small next to the 400 MB of row I/O. Rows per program is a power of
+    # two (≥ the rows per step) so varying token counts compile few variants.
+    rows_per_step = min(DW_ROWS_PER_STEP, triton.next_power_of_2(n_rows))
+    rows_per_program = max(
+        rows_per_step, triton.next_power_of_2(triton.cdiv(n_rows, DW_PROGRAMS_PER_SM * num_sms(x.device)))
+    )
+    n_programs = triton.cdiv(n_rows, rows_per_program)
+    partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_dw_kernel[(n_programs,)](
         dy2,
         x2,
         weight,
@@ -245,11 +298,11 @@ def rms_norm_bwd(
         n_cols,
         BLOCK_SIZE=block,
         ROWS_PER_PROGRAM=rows_per_program,
-        COMPUTE_DW=compute_dw,
-        num_warps=num_warps,
+        ROWS_PER_STEP=rows_per_step,
+        NUM_STAGES=DW_NUM_STAGES,
+        num_warps=DW_NUM_WARPS or num_warps,
     )
-    dw = partial.sum(0).to(weight.dtype) if compute_dw else None
-    return dx, dw
+    return dx, partial.sum(0).to(weight.dtype)
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -50,3 +50,23 @@ def test_cuda_sessions_use_the_kernels_by_default_and_match_unpatched_training(c
     for a, b in zip(patched[0][:5], reference[0][:5], strict=True):
         assert abs(a - b) <= 2e-2 * abs(b), (patched[0][:5], reference[0][:5])
     assert patched[2][-1] > patched[2][0], "DPO on the kernel path raises the margin"
+
+
+@pytest.mark.parametrize("memory_mode", ["max_speed", "long_context"])
+def test_memory_modes_train_the_same_thing_on_cuda(client, sft_dataset, memory_mode):
+    s = client.attach_lora(client.load_model("tiny-llama-4bit").session_id, FAST_LORA)
+    standard = list(client.train(s.session_id, sft_dataset.dataset_id, sft_config(5, batch_size=4)))
+    client.close_session(s.session_id)
+    s = client.attach_lora(client.load_model("tiny-llama-4bit").session_id, FAST_LORA)
+    extra = {"memory_budget_gib": 20.0} if memory_mode == "max_speed" else {}
+    events = list(
+        client.train(
+            s.session_id,
+            sft_dataset.dataset_id,
+            sft_config(5, batch_size=4, memory_mode=memory_mode, **extra),
+        )
+    )
+    client.close_session(s.session_id)
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
+    for a, b in zip(_losses(events), _losses(standard), strict=True):
+        assert abs(a - b) <= 2e-2 * abs(b), (_losses(events), _losses(standard))

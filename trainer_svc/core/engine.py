@@ -75,6 +75,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
     if c.memory_mode == "long_context":
         c = replace(c, gradient_checkpointing=True)  # offloading is a form of checkpointing
     elif c.memory_mode == "max_speed":
+        # on CUDA the budgeted recompute turns checkpointing on for the layers the budget cannot hold
         c = replace(c, gradient_checkpointing=False)
     checks = [
         (
@@ -109,6 +110,15 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         ),
         (c.max_prompt_length >= 0, f"max_prompt_length must be >= 0, got {c.max_prompt_length}"),
         (not (c.packing and dpo), "packing applies to SFT only"),
+        (c.memory_mode in MEMORY_MODES, f"memory_mode {c.memory_mode!r} is not one of {MEMORY_MODES}"),
+        (
+            math.isfinite(c.memory_budget_gib) and c.memory_budget_gib >= 0,
+            f"memory_budget_gib must be >= 0, got {c.memory_budget_gib}",
+        ),
+        (
+            not c.memory_budget_gib or c.memory_mode == "max_speed",
+            "memory_budget_gib applies to memory_mode 'max_speed' only",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -380,6 +390,33 @@ def cleanup_reference_adapter(loaded: LoadedModel) -> None:
         model.set_adapter("default")
 
 
+def _install_budgeted_recompute(loaded: LoadedModel, cfg: TrainConfig, trainer):
+    """max_speed on CUDA: recompute only the layers the budget cannot hold (planned in the first step)."""
+    import torch
+    from transformers import TrainerCallback
+
+    from strop.kernels.recompute import enable_budgeted_recompute
+
+    total = torch.cuda.get_device_properties(torch.device(loaded.device)).total_memory
+    budget = int(cfg.memory_budget_gib * 2**30) if cfg.memory_budget_gib else int(0.9 * total)
+    if budget > total:
+        log.warning(
+            "memory_budget_gib %.1f exceeds the device's %.1f GiB: planning for the device",
+            budget / 2**30,
+            total / 2**30,
+        )
+        budget = total
+    planner = enable_budgeted_recompute(loaded.model, budget)
+
+    class PlanAfterFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control_, **kw):
+            if planner.plan is None and planner.step_end() is not None:
+                log.info("max_speed: %s", planner.plan)
+
+    trainer.add_callback(PlanAfterFirstStep())
+    return planner
+
+
 def run_training(
     loaded: LoadedModel,
     rows: list[dict],
@@ -398,12 +435,14 @@ def run_training(
 
         torch.cuda.reset_peak_memory_stats(loaded.device)
     trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
-    memory = None
+    memory = planner = None
     if cfg.memory_mode == "long_context":
         from strop.kernels.memory import enable_memory_features
 
         memory = enable_memory_features(loaded.model)
         log.info("long-context memory features: %s", memory)
+    elif cfg.memory_mode == "max_speed" and loaded.device.startswith("cuda"):
+        planner = _install_budgeted_recompute(loaded, cfg, trainer)
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         return int(trainer.state.global_step)
@@ -412,6 +451,8 @@ def run_training(
             from strop.kernels.memory import disable_memory_features
 
             disable_memory_features(loaded.model)
+        if planner is not None:
+            planner.remove()
         loaded.model.train(False)
         cleanup_reference_adapter(loaded)
         del trainer
