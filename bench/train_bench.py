@@ -477,8 +477,8 @@ def dpo_dataset(n_rows: int, prompt_tokens: int, completion_tokens: int):
 def run_dpo_worker(a) -> Result:
     """TRL DPOTrainer on HF + PEFT (baseline, as TRL users run it) vs strop's DPO path, 8B QLoRA.
 
-    4 pairs per step, prompt 512 + completion 512, gradient checkpointing, reference = the adapter's
-    snapshot TRL makes (the same for both systems). strop: ``patch_model`` + the chunked DPO loss
+    4 pairs per step, prompt 512 + completion 512, gradient checkpointing, reference = the base with the
+    adapter disabled, TRL's default for a PEFT model (the same for both systems). strop: ``patch_model`` + the chunked DPO loss
     (``strop_dpo_trainer_class``) with fp32 adapters, as the trainer service runs it.
     """
     import tempfile

@@ -90,11 +90,26 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + row, rstd)
 
 
-# Launch shape of the backward with dW (see rms_norm_bwd); bench/rmsnorm_dw_sweep.py sweeps all four.
-DW_PROGRAMS_PER_SM = 4
-DW_ROWS_PER_STEP = 1
-DW_NUM_STAGES = 1
+# Launch shape of the backward with dW (see rms_norm_bwd), from bench/rmsnorm_dw_sweep.py on the H200 at
+# 16,384 × 4,096 bf16 (bench/RESULTS.md): 2 programs per SM, 2-row tiles, loads pipelined 3 deep. The
+# pipeline's shared memory (stages × rows × 2 tensors × H × itemsize) is capped at DW_SMEM_BYTES: wider rows
+# or fp32 inputs get fewer rows per step, then fewer stages.
+DW_PROGRAMS_PER_SM = 2
+DW_ROWS_PER_STEP = 2
+DW_NUM_STAGES = 3
 DW_NUM_WARPS: int | None = None  # None: calculate_settings' choice for the row length
+DW_SMEM_BYTES = 100 * 1024
+
+
+def _dw_pipeline(block: int, itemsize: int, n_rows: int) -> tuple[int, int]:
+    """(rows per step, stages) within DW_SMEM_BYTES of pipelined loads."""
+    rows = min(DW_ROWS_PER_STEP, triton.next_power_of_2(n_rows))
+    stages = DW_NUM_STAGES
+    while rows > 1 and stages * rows * 2 * block * itemsize > DW_SMEM_BYTES:
+        rows //= 2
+    while stages > 1 and stages * rows * 2 * block * itemsize > DW_SMEM_BYTES:
+        stages -= 1
+    return rows, stages
 
 
 @triton.jit
@@ -171,6 +186,29 @@ def _rms_norm_bwd_dw_kernel(
         )
         dw_acc += tl.sum(dy * cast_to(n, x_ptr.dtype.element_ty).to(tl.float32), axis=0)
     tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    partial_ptr,
+    dw_ptr,
+    n_partials,
+    n_cols,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    STEPS: tl.constexpr,
+):
+    """dW = Σ over the programs' fp32 partials, cast to the weight's dtype: one launch for both."""
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
+    for i in range(STEPS):  # constexpr trip count (the interpreter's limit, as above); masked past the end
+        rows = i * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.sum(
+            tl.load(partial_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0), axis=0
+        )
+    tl.store(dw_ptr + cols, cast_to(acc, dw_ptr.dtype.element_ty), mask=col_mask)
 
 
 def _rows_or_copy(t: torch.Tensor) -> torch.Tensor:
@@ -276,9 +314,9 @@ def rms_norm_bwd(
         )
         return dx, None
     # A few programs per SM, each reducing its rows' dW in registers; the fp32 partials (programs × H × 4 B,
-    # 8.6 MB at H=4096 on 132 SMs) stay small next to the 400 MB of row I/O. Rows per program is a power of
+    # 4.3 MB at H=4096 on 132 SMs) stay small next to the 400 MB of row I/O. Rows per program is a power of
     # two (≥ the rows per step) so varying token counts compile few variants.
-    rows_per_step = min(DW_ROWS_PER_STEP, triton.next_power_of_2(n_rows))
+    rows_per_step, stages = _dw_pipeline(block, max(x2.element_size(), dy2.element_size()), n_rows)
     rows_per_program = max(
         rows_per_step, triton.next_power_of_2(triton.cdiv(n_rows, DW_PROGRAMS_PER_SM * num_sms(x.device)))
     )
@@ -299,10 +337,15 @@ def rms_norm_bwd(
         BLOCK_SIZE=block,
         ROWS_PER_PROGRAM=rows_per_program,
         ROWS_PER_STEP=rows_per_step,
-        NUM_STAGES=DW_NUM_STAGES,
+        NUM_STAGES=stages,
         num_warps=DW_NUM_WARPS or num_warps,
     )
-    return dx, partial.sum(0).to(weight.dtype)
+    dw = torch.empty_like(weight)
+    steps = triton.next_power_of_2(triton.cdiv(n_programs, 32))
+    _sum_partials_kernel[(triton.cdiv(n_cols, 64),)](
+        partial, dw, n_programs, n_cols, BLOCK_COLS=64, BLOCK_ROWS=32, STEPS=steps
+    )
+    return dx, dw
 
 
 class RMSNormFunction(torch.autograd.Function):
