@@ -39,7 +39,9 @@ term is added inside one addmm (one rounding instead of PEFT's three), which is 
 result. dA/dB are formed in c and returned in the adapters' own dtype (fp32 in strop), as autocast's cast
 backward returns them. Without autocast, an fp32 x runs everything in fp32 (the CPU test tier).
 
-No Triton kernel lives here: the GEMMs are cuBLAS's, the NF4 dequant is ``kernels/nf4.py``.
+The GEMMs are cuBLAS's, the NF4 dequant is ``kernels/nf4.py``, and the rank-r updates of large outputs
+(y += s·u Bᵀ, dx += g A) are ``kernels/small_k.py``'s memory-bound kernel (cuBLAS's beta=1 GEMM with K = r
+was ~4× slower than one read-modify-write of the output).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from .nf4 import dequantize_shared, dequantize_weight, is_nf4
+from .small_k import addmm_small_k_
 
 __all__ = [
     "LoRALinearFunction",
@@ -193,7 +196,7 @@ def forward_projections(
         return ys, None
     u = x @ _stacked_A(projs, spans, dtype).t()  # one read of x for every adapter
     for i, lo, hi in spans:
-        ys[i].addmm_(u[:, lo:hi], projs[i].lora_B.to(dtype).t(), alpha=projs[i].scaling)
+        addmm_small_k_(ys[i], u[:, lo:hi], projs[i].lora_B.to(dtype).t(), alpha=projs[i].scaling)
     return ys, u
 
 
@@ -233,7 +236,7 @@ def backward_projections(
         else:
             dx.addmm_(dy, w)
     if g is not None:
-        dx.addmm_(g, a_stack)
+        addmm_small_k_(dx, g, a_stack)
     return dx, d_a, d_b
 
 

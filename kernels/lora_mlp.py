@@ -54,6 +54,7 @@ from .lora_linear import (
     out_features,
     weight,
 )
+from .small_k import addmm_small_k_
 from .swiglu import geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
 
 __all__ = ["ACTIVATIONS", "LoRAMLPFunction", "lora_mlp", "lora_mlp_reference"]
@@ -122,7 +123,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             d_a_down = d_b_down = None
             if down.lora_A is not None:
                 g_d = mm_scaled(dout, down.lora_B.to(dtype), down.scaling)
-                dh.addmm_(g_d, down.lora_A.to(dtype))
+                addmm_small_k_(dh, g_d, down.lora_A.to(dtype))
                 d_b_down = mm_scaled(dout.t(), u_d, down.scaling).to(down.lora_B.dtype)
             _act_bwd(dh, e, g, frozen.activation)
             for t in (e, g):
