@@ -188,7 +188,7 @@ def run_worker(a) -> Result:
         from strop.kernels.memory import enable_memory_features
 
         chunks = "auto" if a.system == "strop-mem" else None
-        res.notes += "\n" + str(enable_memory_features(model, tiled_mlp_chunks=chunks))
+        memory = enable_memory_features(model, tiled_mlp_chunks=chunks)
     model.train()
     res.build_s = time.perf_counter() - t0
     cuda = DEVICE == "cuda"
@@ -219,6 +219,8 @@ def run_worker(a) -> Result:
         if planner is not None and planner.plan is None and planner.step_end() is not None:
             res.notes += f"\nbudgeted recompute: {planner.plan}"
             torch.cuda.reset_peak_memory_stats()  # the peak reported is the planned steps'
+    if a.system in ("strop-mem", "strop-offload"):
+        res.notes += "\n" + str(memory)  # after training: what was offloaded
     if a.profile and cuda:
         res.profile = profile_step(lambda: train_step(model, opt, data))
     times.sort()
@@ -492,7 +494,8 @@ def run_dpo_worker(a) -> Result:
     half = 512 if DEVICE == "cuda" else 24  # --smoke: tiny sequences (the CPU runs the kernels interpreted)
     tok, data = dpo_dataset(a.batch * (a.warmup + a.steps), half, half)
     trainer_cls = DPOTrainer
-    if a.system == "strop":
+    strop = a.system.startswith("strop")
+    if strop:
         from strop.kernels import patch_model
         from strop.kernels.chunked_dpo import strop_dpo_trainer_class
 
@@ -528,14 +531,21 @@ def run_dpo_worker(a) -> Result:
         processing_class=tok,
         callbacks=[step_timer(times)],
     )
-    if a.system == "strop":
+    if strop:
         for p in model.parameters():  # strop keeps adapters fp32 (TRL casts them to bf16 on a 4-bit base)
             if p.requires_grad:
                 p.data = p.data.float()
+    if a.system == "strop-offload":  # checkpointed layer inputs in pinned host memory, no MLP tiling
+        from strop.kernels.memory import enable_memory_features
+
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        memory = enable_memory_features(model, tiled_mlp_chunks=None)
     res.build_s = time.perf_counter() - t0
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
+    if a.system == "strop-offload":
+        res.notes += "\n" + str(memory)  # after training: what was offloaded
     logs = [h for h in trainer.state.log_history if "loss" in h]
     res.losses = [round(float(h["loss"]), 5) for h in logs]
     res.notes += f"\nmargins: {[round(float(h.get('rewards/margins', 0.0)), 5) for h in logs]}"

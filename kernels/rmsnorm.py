@@ -91,10 +91,10 @@ def _rms_norm_fwd_kernel(
 
 
 # Launch shape of the backward with dW (see rms_norm_bwd), from bench/rmsnorm_dw_sweep.py on the H200 at
-# 16,384 × 4,096 bf16 (bench/RESULTS.md): 2 programs per SM, 2-row tiles, loads pipelined 3 deep. The
+# 16,384 × 4,096 bf16 (bench/RESULTS.md): 1 program per SM, 2-row tiles, loads pipelined 3 deep. The
 # pipeline's shared memory (stages × rows × 2 tensors × H × itemsize) is capped at DW_SMEM_BYTES: wider rows
 # or fp32 inputs get fewer rows per step, then fewer stages.
-DW_PROGRAMS_PER_SM = 2
+DW_PROGRAMS_PER_SM = 1
 DW_ROWS_PER_STEP = 2
 DW_NUM_STAGES = 3
 DW_NUM_WARPS: int | None = None  # None: calculate_settings' choice for the row length
