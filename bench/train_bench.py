@@ -320,7 +320,8 @@ def saved_model_dir(seq: int) -> str:
 
 def run_trl_worker(a) -> Result:
     """SFT through TRL on the saved model: ``trl-lib`` in-process (a user's script: from_pretrained, PEFT,
-    ``patch_model``, SFTTrainer) or ``service`` through the trainer service over gRPC on localhost.
+    ``patch_model``, offloaded checkpointing, SFTTrainer) or ``service`` through the trainer service over
+    gRPC on localhost (whose standard memory mode on CUDA offloads the checkpointed inputs the same way).
 
     Both train the same pre-tokenized rows (batch x seq random ids) with gradient checkpointing, AdamW
     lr 1e-4, bf16; the service reports each step's time and peak memory in its events.
@@ -406,6 +407,10 @@ def run_trl_worker(a) -> Result:
             ),
         )
         res.notes = str(patch_model(model))
+        # what the service does in its standard mode on CUDA: checkpointed inputs offloaded, no tiling
+        from strop.kernels.memory import enable_memory_features
+
+        memory = enable_memory_features(model, tiled_mlp_chunks=None)
 
         args = SFTConfig(
             output_dir=tempfile.mkdtemp(),
@@ -440,6 +445,7 @@ def run_trl_worker(a) -> Result:
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
+        res.notes += "\n" + str(memory)
         res.losses = [round(float(h["loss"]), 5) for h in trainer.state.log_history if "loss" in h]
         if DEVICE == "cuda":
             res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30

@@ -41,7 +41,7 @@ backward returns them. Without autocast, an fp32 x runs everything in fp32 (the 
 
 The GEMMs are cuBLAS's, the NF4 dequant is ``kernels/nf4.py``, and the rank-r updates of large outputs
 (y += s·u Bᵀ, dx += g A) are ``kernels/small_k.py``'s memory-bound kernel (cuBLAS's beta=1 GEMM with K = r
-was ~4× slower than one read-modify-write of the output).
+runs at ~59% of copy bandwidth, the kernel at ~86–89%).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``y += alpha · a @ b`` for a small inner dimension K (the LoRA rank): a memory-bound Triton kernel.
 
 LoRA adds its low-rank term to a large output, y [M, N] += s · u [M, r] · Bᵀ [r, N], with r = 8–64. cuBLAS
-runs that as a GEMM with beta = 1 and picks compute-bound tiles for it: on the H200 the gate/up term of an
-8B MLP at 16K tokens (y 16,384 × 14,336 bf16) took 0.89 ms in the training profile, ~4× the time of
-reading and writing y once (bench/RESULTS.md, 2026-11-29 profile). The work is one read-modify-write of y;
+runs that as a GEMM with beta = 1 and compute-bound tiles: on the H200 the gate/up term of an 8B MLP at 16K
+tokens (y 16,384 × 14,336 bf16) takes 0.387 ms, 59% of copy bandwidth for its one read and one write of y
+(bench/RESULTS.md). The work is one read-modify-write of y;
 this kernel does exactly that, one [BLOCK_M, BLOCK_N] tile of y per program with the whole K in one
 ``tl.dot`` (K ≤ 128 after padding to a power of two ≥ 16, masked).
 
@@ -29,8 +29,9 @@ from ._utils import _INTERPRETER, cast_to
 __all__ = ["MAX_SMALL_K", "addmm_small_k_"]
 
 MAX_SMALL_K = 128
-# Tile of y per program and warps; bench/small_k.py sweeps them on the GPU.
-BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 4
+# Tile of y per program and warps, from bench/small_k.py on the H200 (bench/RESULTS.md): 64 × 128 with 8 warps
+# ran the gate/up update at 89% of copy bandwidth (cuBLAS addmm_: 59%), q/o at 86% (58%).
+BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 
 
 @triton.jit

@@ -59,3 +59,15 @@ def test_falls_back_to_torch_outside_its_shapes():
     y, a, b_rows = _case(6, 20, 8, torch.float32)
     with pytest.raises(RuntimeError):  # torch's own error for mismatched dtypes, not a kernel fault
         addmm_small_k_(y, a.double(), b_rows.t())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n, k", [(14336, 16), (4096, 48), (1024, 16)])
+def test_gpu_8b_shapes_in_bf16(n, k):
+    y, a, b_rows = _case(16384, n, k, torch.bfloat16)
+    truth = y.double() + 0.5 * (a.double() @ b_rows.double().t())
+    ours = y.clone()
+    addmm_small_k_(ours, a, b_rows.t(), alpha=0.5)
+    torch_path = y.clone().addmm_(a, b_rows.t(), alpha=0.5)
+    assert_bf16_within_torch_bound(ours, torch_path, truth.float(), f"bf16 16384x{n}x{k}")

@@ -222,7 +222,9 @@ def test_bad_input_gets_precise_errors_while_another_job_keeps_running(
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, learning_rate=-1.0)))
     with pytest.raises(InvalidArgumentError, match="memory_mode 'fastest' is not one of"):
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, memory_mode="fastest")))
-    with pytest.raises(InvalidArgumentError, match="memory_budget_gib applies to memory_mode 'max_speed' only"):
+    with pytest.raises(
+        InvalidArgumentError, match="memory_budget_gib applies to memory_mode 'max_speed' only"
+    ):
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, memory_budget_gib=40.0)))
     client.close_session(other.session_id)
     with pytest.raises(FailedPreconditionError, match="is closed"):

