@@ -18,7 +18,9 @@ will read — so their difference ``A`` is what un-checkpointing one more layer 
 The peak with ``k`` free layers is at most ``P + G + (k − 1)·A``: the extra activations are all alive at
 the end of the forward, and the uncheckpointed layers are the last ones, whose backward runs (and frees
 them) before the checkpointed layers' recompute starts. From the second step on, the layers run the plan.
-The plan depends on the tokens per micro-batch; a run whose batches grow later (no packing, longer rows)
+HF's own gradient_checkpointing_enable/disable calls (TRL wraps each DPO reference pass in them) reset the
+flags; the planner puts its layout back before the first layer of every training forward. The plan depends
+on the tokens per micro-batch; a run whose batches grow later (no packing, longer rows)
 should budget for its longest batch or call :meth:`BudgetedRecompute.recalibrate`.
 
 Numerics do not change: a checkpointed and an uncheckpointed layer compute the same gradients (the
@@ -125,12 +127,31 @@ class BudgetedRecompute:
         self.margin = int(margin_bytes if margin_bytes is not None else max(GiB, 0.03 * budget_bytes))
         self.flags_before = [bool(layer.gradient_checkpointing) for layer in self.layers]
         self.enabled_by_us = not any(self.flags_before)
+        self._input_hook_before = getattr(hf, "_require_grads_hook", None)
         if self.enabled_by_us:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.plan: RecomputePlan | None = None
         self._handles: list = []
         self._deltas: dict[str, int] = {}
+        # HF's gradient_checkpointing_enable/disable (TRL wraps every DPO reference pass in them) reset every
+        # layer's flag. The layout (calibration or plan) is put back before the first layer of each training
+        # forward; while checkpointing is off altogether it is left off.
+        self._layout_handle = self.layers[0].register_forward_pre_hook(self._restore_layout)
         self.recalibrate()
+
+    def _layout(self) -> list[bool]:
+        n = len(self.layers)
+        if self.plan is None:
+            return [True] * (n - 1) + [False]
+        return [i < n - self.plan.uncheckpointed for i in range(n)]
+
+    def _restore_layout(self, module: nn.Module, args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if not any(layer.gradient_checkpointing for layer in self.layers):
+            return
+        for layer, flag in zip(self.layers, self._layout(), strict=True):
+            layer.gradient_checkpointing = flag
 
     # ---- calibration ---------------------------------------------------------------------------------
 
@@ -139,9 +160,8 @@ class BudgetedRecompute:
         self._remove_hooks()
         self.plan = None
         self._deltas.clear()
-        for layer in self.layers:
-            layer.gradient_checkpointing = True
-        self.layers[-1].gradient_checkpointing = False
+        for layer, flag in zip(self.layers, self._layout(), strict=True):
+            layer.gradient_checkpointing = flag
         for key, layer in (("free", self.layers[-1]), ("ckpt", self.layers[-2])):
             self._handles.append(layer.register_forward_pre_hook(self._pre_hook(key)))
             self._handles.append(layer.register_forward_hook(self._post_hook(key)))
@@ -192,8 +212,6 @@ class BudgetedRecompute:
             reason = "the budget is below what full recompute needs: every layer checkpoints"
         elif free == n:
             reason = "the whole model fits without recompute"
-        for i, layer in enumerate(self.layers):
-            layer.gradient_checkpointing = i < n - free
         self.plan = RecomputePlan(
             layers=n,
             uncheckpointed=free,
@@ -205,14 +223,20 @@ class BudgetedRecompute:
             predicted_peak_bytes=peak + growth + (free - 1) * per_layer,
             reason=reason,
         )
+        for layer, flag in zip(self.layers, self._layout(), strict=True):
+            layer.gradient_checkpointing = flag
         logger.info("strop.kernels budgeted recompute: %s", self.plan)
         return self.plan
 
     def remove(self) -> None:
         """Restore the checkpointing flags the model had before (and turn it off if we turned it on)."""
         self._remove_hooks()
+        self._layout_handle.remove()
         if self.enabled_by_us:
             self.hf.gradient_checkpointing_disable()
+            # enable() hooked the input embeddings to require grad; disable() leaves that hook on a PEFT model
+            if self._input_hook_before is None and getattr(self.hf, "_require_grads_hook", None) is not None:
+                self.hf.disable_input_require_grads()
         for layer, flag in zip(self.layers, self.flags_before, strict=True):
             layer.gradient_checkpointing = flag
 

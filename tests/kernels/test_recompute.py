@@ -51,7 +51,8 @@ class SimMeter:
 
 def _simulate(model, meter: SimMeter) -> None:
     def hook(layer, args, output):
-        meter.add(OUT if layer.gradient_checkpointing else OUT + ACT)
+        if torch.is_grad_enabled():  # a no-grad forward (a DPO reference pass) keeps nothing
+            meter.add(OUT if layer.gradient_checkpointing else OUT + ACT)
 
     for layer in _layers(model):
         layer.register_forward_hook(hook, prepend=True)  # before the planner's hook reads the meter
@@ -113,12 +114,41 @@ def test_partly_checkpointed_gradients_equal_full_checkpointing():
     assert all(layer.gradient_checkpointing for layer in _layers(model))
 
 
+def test_layout_survives_hf_toggling_checkpointing_as_trl_does_around_dpo_reference_passes():
+    trl_utils = pytest.importorskip("trl.models.utils")
+    model = _lora(_tiny_llama(layers=8))
+    meter = SimMeter(100 * MiB)
+    _simulate(model, meter)
+    planner = enable_budgeted_recompute(model, 131 * MiB, margin_bytes=0, meter=meter)
+    layers = _layers(model)
+    hf = model.get_base_model()
+
+    def reference_pass():  # TRL's DPO: no grad, checkpointing off, then on again (HF resets every flag)
+        with torch.no_grad(), trl_utils.disable_gradient_checkpointing(hf, {"use_reentrant": False}):
+            model(input_ids=_ids())
+        assert all(layer.gradient_checkpointing for layer in layers)
+
+    reference_pass()
+    _sim_step(model, meter, 100 * MiB, 3 * MiB)  # calibration: the layout is back before the policy forward
+    plan = planner.step_end()
+    assert plan.layer_activation_bytes == ACT and plan.uncheckpointed == 2
+    reference_pass()
+    _step(model, _ids())
+    assert [layer.gradient_checkpointing for layer in layers] == [True] * 6 + [False] * 2
+
+
 def test_remove_turns_off_checkpointing_it_turned_on_and_rejects_bad_input():
     model = _lora(_tiny_llama(layers=3))
+    embed = model.get_base_model().get_input_embeddings()
+    hooks_before = len(embed._forward_hooks)
     planner = enable_budgeted_recompute(model, 10 * MiB, meter=SimMeter(0))
     assert _layers(model)[0].gradient_checkpointing
     planner.remove()
     assert not any(layer.gradient_checkpointing for layer in _layers(model))
+    assert len(embed._forward_hooks) == hooks_before, (
+        "the input-require-grads hook is gone with checkpointing"
+    )
+    assert not _layers(model)[0]._forward_pre_hooks, "the layout hook is removed"
     with pytest.raises(ValueError, match="CUDA"):
         enable_budgeted_recompute(model, 10 * MiB)  # CPU model, no meter
     with pytest.raises(ValueError, match="positive"):

@@ -20,11 +20,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    y = torch.randn(m, n + 3, generator=g)[:, :n]  # a row stride wider than the row
-    stacked = torch.randn(m, k + 5, generator=g)
+    y = torch.randn(m, n + 3, generator=g).to(DEVICE, dtype)[:, :n]  # a row stride wider than the row
+    stacked = torch.randn(m, k + 5, generator=g).to(DEVICE, dtype)
     a = stacked[:, 2 : 2 + k]  # a column slice of a stacked factor
-    b_rows = torch.randn(n, k, generator=g)  # PEFT's B [out, r]; the product takes B.t()
-    return [t.to(DEVICE, dtype) for t in (y, a, b_rows)]
+    b_rows = torch.randn(n, k, generator=g).to(DEVICE, dtype)  # PEFT's B [out, r]; the product takes B.t()
+    return y, a, b_rows
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 7, 1), (37, 200, 13), (130, 257, 16), (65, 129, 48), (9, 300, 128)])
@@ -33,9 +33,10 @@ def test_matches_addmm(m, n, k, dtype):
     y, a, b_rows = _case(m, n, k, dtype)
     alpha = 0.37
     truth = y.double() + alpha * (a.double() @ b_rows.double().t())
-    ours = y.clone()
-    addmm_small_k_(ours, a, b_rows.t(), alpha=alpha)
     torch_path = y.clone().addmm_(a, b_rows.t(), alpha=alpha)
+    ours = y  # the strided view itself: the kernel must honour y's row stride
+    assert ours.stride(0) != ours.shape[1]
+    addmm_small_k_(ours, a, b_rows.t(), alpha=alpha)
     if dtype == torch.float32:
         assert_close_fp32(ours.double(), truth, f"fp32 {m}x{n}x{k}")
     else:
@@ -44,10 +45,12 @@ def test_matches_addmm(m, n, k, dtype):
 
 def test_updates_in_place_through_a_strided_view():
     y, a, b_rows = _case(5, 40, 8, torch.float32)
-    base = y._base if y._base is not None else y
+    base = y._base
     before = base.clone()
+    expected = y.clone().addmm_(a, b_rows.t())
     out = addmm_small_k_(y, a, b_rows.t())
     assert out is y
+    assert_close_fp32(base[:, :40], expected, "the view's values")
     assert torch.equal(base[:, 40:], before[:, 40:]), "columns outside the view are untouched"
 
 
@@ -67,7 +70,7 @@ def test_falls_back_to_torch_outside_its_shapes():
 def test_gpu_8b_shapes_in_bf16(n, k):
     y, a, b_rows = _case(16384, n, k, torch.bfloat16)
     truth = y.double() + 0.5 * (a.double() @ b_rows.double().t())
-    ours = y.clone()
-    addmm_small_k_(ours, a, b_rows.t(), alpha=0.5)
     torch_path = y.clone().addmm_(a, b_rows.t(), alpha=0.5)
+    ours = y
+    addmm_small_k_(ours, a, b_rows.t(), alpha=0.5)
     assert_bf16_within_torch_bound(ours, torch_path, truth.float(), f"bf16 16384x{n}x{k}")
