@@ -222,6 +222,11 @@ def test_bad_input_gets_precise_errors_while_another_job_keeps_running(
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, learning_rate=-1.0)))
     with pytest.raises(InvalidArgumentError, match="memory_mode 'fastest' is not one of"):
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, memory_mode="fastest")))
+    budget_too_small = sft_config(2, memory_mode="max_speed", memory_budget_gib=0.5)
+    with pytest.raises(
+        InvalidArgumentError, match=r"memory_budget_gib must be 0 \(90% of the device\) or >= 1"
+    ):
+        next(client.train(other.session_id, sft_dataset.dataset_id, budget_too_small))
     with pytest.raises(
         InvalidArgumentError, match="memory_budget_gib applies to memory_mode 'max_speed' only"
     ):
