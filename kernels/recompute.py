@@ -65,6 +65,9 @@ class CudaMeter:
         return int(torch.cuda.max_memory_reserved(self.device))
 
     def reset_peak(self) -> None:
+        # cached blocks left by earlier work (a previous job in a long-lived service) would count as this
+        # step's reserved peak and make the plan needlessly conservative
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
