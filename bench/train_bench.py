@@ -544,7 +544,6 @@ def run_dpo_worker(a) -> Result:
     if a.system == "strop-offload":  # checkpointed layer inputs in pinned host memory, no MLP tiling
         from strop.kernels.memory import enable_memory_features
 
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         memory = enable_memory_features(model, tiled_mlp_chunks=None)
     res.build_s = time.perf_counter() - t0
     if DEVICE == "cuda":

@@ -142,19 +142,16 @@ class BudgetedRecompute:
         self._layout_handle = self.layers[0].register_forward_pre_hook(self._restore_layout)
         self.recalibrate()
 
-    def _layout(self) -> list[bool]:
+    def _apply_layout(self) -> None:
+        """Calibration (all but the last layer checkpoint) until a plan exists, then the plan."""
         n = len(self.layers)
-        if self.plan is None:
-            return [True] * (n - 1) + [False]
-        return [i < n - self.plan.uncheckpointed for i in range(n)]
+        free = 1 if self.plan is None else self.plan.uncheckpointed
+        for i, layer in enumerate(self.layers):
+            layer.gradient_checkpointing = i < n - free
 
     def _restore_layout(self, module: nn.Module, args) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        if not any(layer.gradient_checkpointing for layer in self.layers):
-            return
-        for layer, flag in zip(self.layers, self._layout(), strict=True):
-            layer.gradient_checkpointing = flag
+        if module.training and torch.is_grad_enabled() and any(x.gradient_checkpointing for x in self.layers):
+            self._apply_layout()
 
     # ---- calibration ---------------------------------------------------------------------------------
 
@@ -163,8 +160,7 @@ class BudgetedRecompute:
         self._remove_hooks()
         self.plan = None
         self._deltas.clear()
-        for layer, flag in zip(self.layers, self._layout(), strict=True):
-            layer.gradient_checkpointing = flag
+        self._apply_layout()
         for key, layer in (("free", self.layers[-1]), ("ckpt", self.layers[-2])):
             self._handles.append(layer.register_forward_pre_hook(self._pre_hook(key)))
             self._handles.append(layer.register_forward_hook(self._post_hook(key)))
@@ -203,7 +199,6 @@ class BudgetedRecompute:
         growth = max(0, self.meter.allocated() - self._start)
         per_layer = self._deltas["free"] - self._deltas["ckpt"]
         headroom = self.budget - self.margin - peak - growth
-        reason = ""
         if per_layer <= 0:
             # Something else decided what the layers keep (another checkpoint wrapper, hooks of a framework):
             # the measurement says nothing, so recompute everywhere rather than guess.
@@ -211,10 +206,11 @@ class BudgetedRecompute:
             reason = "calibration saw no activation difference between the layers: every layer checkpoints"
         else:
             free = min(n, max(0, 1 + math.floor(headroom / per_layer)))
-        if per_layer and free == 0:
-            reason = "the budget is below what full recompute needs: every layer checkpoints"
-        elif free == n:
-            reason = "the whole model fits without recompute"
+            reason = ""
+            if free == 0:
+                reason = "the budget is below what full recompute needs: every layer checkpoints"
+            elif free == n:
+                reason = "the whole model fits without recompute"
         self.plan = RecomputePlan(
             layers=n,
             uncheckpointed=free,
@@ -226,8 +222,7 @@ class BudgetedRecompute:
             predicted_peak_bytes=peak + growth + (free - 1) * per_layer,
             reason=reason,
         )
-        for layer, flag in zip(self.layers, self._layout(), strict=True):
-            layer.gradient_checkpointing = flag
+        self._apply_layout()
         logger.info("strop.kernels budgeted recompute: %s", self.plan)
         return self.plan
 

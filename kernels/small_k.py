@@ -18,8 +18,6 @@ strides (b is typically ``B.t()``), all on one device in one floating dtype. Any
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -84,7 +82,7 @@ def _addmm_small_k_kernel(
 
 
 def _triton_ok(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not (y.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (y.device.type == "cuda" or _INTERPRETER):
         return False
     return (
         y.dim() == 2
@@ -114,20 +112,16 @@ def addmm_small_k_(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: flo
     """
     if not _triton_ok(y, a, b):
         return y.addmm_(a, b, alpha=alpha)
-    m, n = y.shape
-    k = a.shape[1]
-    if m == 0 or n == 0:
-        return y
-    if k == 0:
+    (m, n), k = y.shape, a.shape[1]
+    if m * n * k == 0:
         return y
     block_k = max(16, triton.next_power_of_2(k))
-    block_m, block_n = BLOCK_M, BLOCK_N
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _addmm_small_k_kernel[grid](
         y, a, b, m, n, k,
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         float(alpha),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=y.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, IEEE=y.dtype == torch.float32,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return y
