@@ -5,13 +5,17 @@ Only the services' thin gRPC layers import this module; their ``core/`` packages
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import signal
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +26,7 @@ from strop.common.errors import StropError, Unavailable
 log = logging.getLogger("strop.grpc")
 
 MAX_MESSAGE_BYTES = 64 << 20
+SHUTDOWN_SLACK_S = 15.0  # beyond the two grace periods before the drain watchdog fires
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -178,9 +183,22 @@ def build_server(
 
 
 def serve_forever(
-    running: RunningServer, *, grace: float, on_drain: Callable[[], None] | None = None
-) -> None:
-    """Block until SIGTERM/SIGINT, then drain gracefully (for the services' ``main``)."""
+    running: RunningServer,
+    *,
+    grace: float,
+    on_drain: Callable[[], None] | None = None,
+    on_close: Callable[[], None] | None = None,
+    slack: float = SHUTDOWN_SLACK_S,
+) -> NoReturn:
+    """Block until SIGTERM/SIGINT, drain gracefully, close, and end the process (for the services' ``main``).
+
+    The drain is bounded: the jobs get ``grace`` seconds, the in-flight calls another ``grace``, and if the
+    process is still here ``slack`` seconds after that, a watchdog writes every thread's stack to stderr
+    (the service log) and exits with status 1 — a stuck drain is reported, never silent until SIGKILL.
+    After a clean drain the process ends with ``os._exit(0)``: every job has been checkpointed and recorded
+    by then, and interpreter finalisation with native daemon threads still alive (gRPC pollers, torch's
+    pools) is a known source of hangs at exit that would turn a clean drain into a SIGKILL.
+    """
     stop = threading.Event()
 
     def handle(signum, _frame):
@@ -191,5 +209,14 @@ def serve_forever(
     signal.signal(signal.SIGINT, handle)
     log.info("serving %s on port %d", ", ".join(running.service_names), running.port)
     stop.wait()
-    running.stop(grace, on_drain=on_drain)
+    faulthandler.dump_traceback_later(2 * grace + slack, exit=True)
+    try:
+        running.stop(grace, on_drain=on_drain)
+    finally:
+        if on_close is not None:
+            on_close()
     log.info("stopped")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -22,8 +22,12 @@ class LocalService:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
+    def stop(self, timeout: float = 90.0) -> int:
+        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time.
+
+        The default outlasts the services' own drain watchdog (2 × 30 s grace + 15 s), so a stuck drain
+        shows up as exit status 1 with every thread's stack in the log rather than as a SIGKILL here.
+        """
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -32,6 +36,9 @@ class LocalService:
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
 
     def kill(self) -> None:
         """SIGKILL: the service dies mid-whatever, as on a node failure."""

@@ -68,7 +68,4 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(a.port_file + ".tmp")
         tmp.write_text(str(running.port))
         tmp.replace(a.port_file)
-    try:
-        serve_forever(running, grace=a.grace, on_drain=lambda: core.drain(a.grace))
-    finally:
-        core.close()
+    serve_forever(running, grace=a.grace, on_drain=lambda: core.drain(a.grace), on_close=core.close)

@@ -73,7 +73,8 @@ def test_killed_service_restarts_with_history_and_resumes_the_interrupted_job(mo
             drained_id = next(e for e in events if e.step is not None and e.step.step >= 3).job_id
             events.close()
     finally:
-        assert svc.stop() == 0, "SIGTERM drains and exits cleanly"
+        rc = svc.stop()
+        assert rc == 0, f"SIGTERM drains and exits cleanly (exit {rc}); service log:\n{svc.log_tail()}"
 
     svc = start_service("trainer", args, tmp_path / "logs")
     try:
