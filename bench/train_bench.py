@@ -26,7 +26,9 @@ Usage (on the GPU machine)::
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``), ``strop-mem`` (``patch_model`` +
 ``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode),
-``strop-fast`` (the memory-allowed mode: ``patch_model`` + ``enable_budgeted_recompute`` with an 80 GiB budget,
+``strop-offload`` (``patch_model`` + offloaded checkpointing alone, no tiling), ``strop-offload-sN`` (the same
+with N evenly spaced layers not recomputed: their saved activations go to pinned host memory and come back
+ahead of need; HFU counts the recompute saved), ``strop-fast`` (the memory-allowed mode: ``patch_model`` + ``enable_budgeted_recompute`` with an 80 GiB budget,
 enforced on the process with ``torch.cuda.set_per_process_memory_fraction``: only as many layers recompute
 as the budget needs; the first warm-up step calibrates),
 ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -167,6 +170,21 @@ def attach_lora(model):
     return get_peft_model(model, cfg)  # autocast_adapter_dtype=True: LoRA weights fp32
 
 
+def offload_spec(system: str) -> int | None:
+    """``strop-offload`` → 0, ``strop-offload-s12`` → 12 layers without recompute; None for other systems."""
+    m = re.fullmatch(r"strop-offload(?:-s(\d+))?", system)
+    return None if m is None else int(m.group(1) or 0)
+
+
+def enable_offload(model, system: str):
+    """strop-offload[-sN]: checkpointed layer inputs in pinned host memory, no MLP tiling; with -sN, N evenly
+    spaced layers are not recomputed (their saved activations go to host memory instead)."""
+    from strop.kernels.memory import enable_memory_features
+
+    smoke = {} if DEVICE == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}  # --smoke
+    return enable_memory_features(model, tiled_mlp_chunks=None, save_layers=offload_spec(system), **smoke)
+
+
 def run_worker(a) -> Result:
     import resource
 
@@ -182,13 +200,14 @@ def run_worker(a) -> Result:
 
         report = patch_model(model)
         res.notes = str(report)
-    if a.system in ("strop-mem", "strop-offload"):
-        # strop-mem, the long-context mode: layer inputs offloaded to pinned host memory + MLP tiled over the
-        # sequence; strop-offload: the offload alone (no tiling, so no extra MLP forward)
+    memory = None
+    if a.system == "strop-mem":
+        # the long-context mode: layer inputs offloaded to pinned host memory + MLP tiled over the sequence
         from strop.kernels.memory import enable_memory_features
 
-        chunks = "auto" if a.system == "strop-mem" else None
-        memory = enable_memory_features(model, tiled_mlp_chunks=chunks)
+        memory = enable_memory_features(model, tiled_mlp_chunks="auto")
+    elif offload_spec(a.system) is not None:
+        memory = enable_offload(model, a.system)
     model.train()
     res.build_s = time.perf_counter() - t0
     cuda = DEVICE == "cuda"
@@ -219,8 +238,8 @@ def run_worker(a) -> Result:
         if planner is not None and planner.plan is None and planner.step_end() is not None:
             res.notes += f"\nbudgeted recompute: {planner.plan}"
             torch.cuda.reset_peak_memory_stats()  # the peak reported is the planned steps'
-    if a.system in ("strop-mem", "strop-offload"):
-        res.notes += "\n" + str(memory)  # after training: what was offloaded
+    if memory is not None:
+        res.notes += "\n" + str(memory) + f"\n{memory.offloader!r}"  # after training: what was offloaded
     if a.profile and cuda:
         res.profile = profile_step(lambda: train_step(model, opt, data))
     times.sort()
@@ -229,6 +248,8 @@ def run_worker(a) -> Result:
     recompute = 1.0
     if planner is not None and planner.plan is not None:
         recompute = 1 - planner.plan.uncheckpointed / planner.plan.layers
+    if offload_spec(a.system):
+        recompute = 1 - min(offload_spec(a.system), SHAPE["layers"] - 1) / SHAPE["layers"]
     model_f, hw_f = flops_per_token(a.seq, recompute=recompute)
     res.steps = len(times)
     res.ms_per_step = med * 1e3
@@ -541,16 +562,13 @@ def run_dpo_worker(a) -> Result:
         for p in model.parameters():  # strop keeps adapters fp32 (TRL casts them to bf16 on a 4-bit base)
             if p.requires_grad:
                 p.data = p.data.float()
-    if a.system == "strop-offload":  # checkpointed layer inputs in pinned host memory, no MLP tiling
-        from strop.kernels.memory import enable_memory_features
-
-        memory = enable_memory_features(model, tiled_mlp_chunks=None)
+    memory = enable_offload(model, a.system) if offload_spec(a.system) is not None else None
     res.build_s = time.perf_counter() - t0
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    if a.system == "strop-offload":
-        res.notes += "\n" + str(memory)  # after training: what was offloaded
+    if memory is not None:
+        res.notes += "\n" + str(memory) + f"\n{memory.offloader!r}"  # after training: what was offloaded
     logs = [h for h in trainer.state.log_history if "loss" in h]
     res.losses = [round(float(h["loss"]), 5) for h in logs]
     res.notes += f"\nmargins: {[round(float(h.get('rewards/margins', 0.0)), 5) for h in logs]}"

@@ -73,6 +73,12 @@ class MemoryReport:
             out["offload_activations"] = (
                 f"on: {s.offloaded} inputs offloaded so far, peak host {s.peak_host_bytes / 2**30:.2f} GiB"
                 + (f", kept on device: {s.kept}" if s.kept else "")
+                + (
+                    f", {s.saved_offloaded} activations of layers without recompute offloaded"
+                    f" ({s.saved_prefetched} prefetched, {s.copy_waits} copy waits)"
+                    if s.saved_offloaded
+                    else ""
+                )
                 + (f", torch checkpoint: {s.torch_checkpoint}" if s.torch_checkpoint else "")
             )
         else:

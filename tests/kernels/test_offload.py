@@ -183,6 +183,94 @@ def test_gradient_accumulation_over_two_micro_batches_equals_no_checkpointing():
         assert torch.equal(g, expected[name]), f"{name}: accumulated gradient differs"
 
 
+# ---- layers without recompute: saved activations in host memory ----------------------------------------
+
+
+@pytest.mark.parametrize("lora_dropout", [None, 0.1], ids=["full", "lora-dropout"])
+def test_saved_layers_give_the_gradients_of_no_checkpointing(lora_dropout):
+    model = _tiny_llama()
+    if lora_dropout is not None:
+        model = _lora(model, lora_dropout)
+    ids = _ids()
+    expected = _step(model, ids)
+    offloader = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, save_layers=LAYERS
+    )
+    got = _step(model, ids)
+    s = offloader.stats
+    # layers 0 and 1 run without recompute (the last keeps its input and recomputes)
+    assert s.offloaded == 0 and s.saved_offloaded > 0 and s.saved_kept > 0, s
+    assert s.host_bytes == 0, "every host copy is released once reloaded"
+    assert (s.prefetch_hits, s.prefetch_misses) == (2, 0), s
+    assert s.saved_prefetched == s.saved_offloaded, "every saved activation was reloaded ahead of need"
+    _assert_same_step(got, expected, "saved-activation layers vs no checkpointing")
+
+
+def test_saved_layer_is_not_recomputed_and_its_reload_is_issued_before_the_layer_above_recomputes():
+    model = _tiny_llama()
+    offloader = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, save_layers=1, trace=True
+    )
+    trace = offloader.stats.trace
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: trace.append(("compute", i)))
+    _step(model, _ids())
+    expected = [
+        ("save:offload", 0), ("compute", 0), ("compute", 1), ("save:activations", 1),
+        ("save:keep", 2), ("compute", 2),
+        # backward: layer 1's activations start coming back before layer 2 recomputes; layer 1 itself is
+        # never recomputed, and reaching it starts layer 0's input reload
+        ("fetch:kept", 2), ("prefetch", 1), ("compute", 2),
+        ("fetch:hit", 1), ("prefetch", 0),
+        ("fetch:hit", 0), ("compute", 0),
+    ]  # fmt: skip
+    assert trace == expected
+
+
+def test_a_tensor_saved_by_two_ops_is_copied_once_and_parameters_stay_put():
+    w = torch.nn.Parameter(torch.randn(6, 6))
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def fn(h):
+        a = (h @ w).sin()  # mm saves h and w (a parameter), sin saves h @ w
+        return a * a  # mul saves a twice: one copy
+
+    offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=0)
+    out = offloaded_checkpoint(fn, x, offloader=offloader, save=True)
+    s = offloader.stats
+    assert (s.saved_offloaded, s.saved_kept) == (3, 1), s  # h, h @ w, a; w kept
+    assert s.host_bytes == 3 * 4 * 6 * 4
+    gx, gw = torch.autograd.grad(out.sum(), (x, w))
+    ex, ew = torch.autograd.grad(fn(x).sum(), (x, w))
+    torch.testing.assert_close(gx, ex, rtol=0, atol=0)
+    torch.testing.assert_close(gw, ew, rtol=0, atol=0)
+    assert s.host_bytes == 0
+
+
+def test_saved_layer_host_memory_is_released_when_the_graph_is_dropped():
+    model = _tiny_llama()
+    offloader = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, save_layers=2
+    )
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    assert offloader.stats.host_bytes > 0
+    del loss
+    assert offloader.stats.host_bytes == 0, "dropping the graph must free the host copies it owned"
+
+
+def test_spread_picks_evenly_spaced_layers_and_bad_counts_are_refused():
+    from strop.kernels.offload import spread
+
+    assert spread(list(range(9)), 3) == [1, 4, 7]
+    assert spread(list(range(31)), 31) == list(range(31))
+    assert spread([0, 1], 5) == [0, 1] and spread([0, 1], 0) == []
+    assert len(set(spread(list(range(31)), 16))) == 16
+    with pytest.raises(ValueError, match="save_layers"):
+        enable_offloaded_checkpointing(_tiny_llama(), save_layers=-1)
+    with pytest.raises(ValueError, match="max_inflight_bytes"):
+        ActivationOffloader(max_inflight_bytes=-1)
+
+
 # ---- fallbacks -------------------------------------------------------------------------------------------
 
 
@@ -367,3 +455,32 @@ def test_gpu_offload_cuts_peak_memory_and_overlaps_copies():
     )
     assert abs(off_loss - plain_loss) <= 1e-3 * abs(plain_loss), "forward must be unchanged by offloading"
     assert offloader.stats.peak_host_bytes >= 15 * layer_input
+
+
+@pytest.mark.gpu
+def test_gpu_layers_without_recompute_reload_ahead_of_need_and_train_the_same():
+    # Half of the ~1B shape's layers keep their activations in host memory instead of recomputing: the
+    # forward must be unchanged, every reload prefetched, and GPU memory must grow by at most a couple of
+    # layers' activations (one layer reloaded + one in flight, plus the forward's copy backlog bound).
+    seq = 16384
+    model = _gpu_model_1b(seq)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    offloader = enable_offloaded_checkpointing(model)
+    off_t, off_peak, off_loss = _gpu_step_stats(model, ids)
+    disable_offloaded_checkpointing(model)
+    saver = enable_offloaded_checkpointing(model, save_layers=8, max_inflight_bytes=1 << 30)
+    save_t, save_peak, save_loss = _gpu_step_stats(model, ids)
+    s = saver.stats
+    assert offloader.stats.prefetch_misses == 0 and s.prefetch_misses == 0, (offloader.stats, s)
+    assert s.saved_offloaded > 0 and s.saved_prefetched == s.saved_offloaded, s
+    assert s.host_bytes == 0, "every host copy is released by the end of the step"
+    assert abs(save_loss - off_loss) <= 1e-3 * abs(off_loss), "forward must be unchanged"
+    layer_input = seq * 2048 * 2
+    # one layer's saved activations at this shape ≈ 6 hidden-size tensors + 3 intermediate-size ones
+    layer_activations = layer_input * (6 + 3 * 5632 / 2048)
+    assert save_peak - off_peak <= 2 * layer_activations + (1 << 30), (save_peak / 2**30, off_peak / 2**30)
+    print(
+        f"\n1B shape, {seq} tokens: offload {off_t * 1e3:.0f} ms ({off_peak / 2**30:.2f} GiB), "
+        f"8 of 16 layers without recompute {save_t * 1e3:.0f} ms ({save_peak / 2**30:.2f} GiB), "
+        f"host peak {s.peak_host_bytes / 2**30:.2f} GiB, copy waits {s.copy_waits}"
+    )

@@ -152,6 +152,19 @@ def test_gradient_checkpointing_recomputes_through_the_kernels_like_the_referenc
     _check_parity(model, "llama", steps=4)
 
 
+def test_layers_without_recompute_run_the_kernels_on_reloaded_activations_like_the_reference(tmp_path):
+    # Offloaded checkpointing with save_layers: layer 0 keeps its saved activations in host memory (the
+    # kernels' backward reads, and writes in place into, reloaded copies), layer 1 recomputes.
+    from strop.kernels.offload import enable_offloaded_checkpointing
+
+    model = _peft(_model("llama", True, tmp_path))
+    offloader = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, save_layers=1
+    )
+    _check_parity(model, "llama", steps=4)
+    assert offloader.stats.saved_offloaded > 0 and offloader.stats.prefetch_misses == 0, offloader.stats
+
+
 def _forward_kinds(model):
     return {n: sorted(k for k in m.__dict__ if k == "forward" or k.startswith("_strop")) for n, m in model.named_modules()}  # fmt: skip
 
