@@ -138,13 +138,17 @@ class RunningServer:
     drain: Drain
     service_names: list[str]
 
-    def stop(self, grace: float | None = 5.0, on_drain: Callable[[], None] | None = None) -> None:
-        """Graceful stop: NOT_SERVING for health probes, refuse new work, let calls finish, stop."""
+    def stop(self, grace: float | None = 5.0, on_drain: Callable[[], bool | None] | None = None) -> bool:
+        """Graceful stop: NOT_SERVING for health probes, refuse new work, let calls finish, stop.
+
+        Returns:
+            False when ``on_drain`` reported work it could not stop (it returned False), else True.
+        """
         self.drain.start()
         self.health.enter_graceful_shutdown()
-        if on_drain is not None:
-            on_drain()
+        clean = on_drain() is not False if on_drain is not None else True
         self.server.stop(grace).wait()
+        return clean
 
 
 def build_server(
@@ -186,7 +190,7 @@ def serve_forever(
     running: RunningServer,
     *,
     grace: float,
-    on_drain: Callable[[], None] | None = None,
+    on_drain: Callable[[], bool | None] | None = None,
     on_close: Callable[[], None] | None = None,
     slack: float = SHUTDOWN_SLACK_S,
 ) -> NoReturn:
@@ -195,9 +199,11 @@ def serve_forever(
     The drain is bounded: the jobs get ``grace`` seconds, the in-flight calls another ``grace``, and if the
     process is still here ``slack`` seconds after that, a watchdog writes every thread's stack to stderr
     (the service log) and exits with status 1 — a stuck drain is reported, never silent until SIGKILL.
-    After a clean drain the process ends with ``os._exit(0)``: every job has been checkpointed and recorded
-    by then, and interpreter finalisation with native daemon threads still alive (gRPC pollers, torch's
-    pools) is a known source of hangs at exit that would turn a clean drain into a SIGKILL.
+    ``on_drain`` returning False (work that did not stop within the grace) also ends in status 1, without
+    ``on_close``. After a clean drain the process ends with ``os._exit(0)``: every job has been checkpointed
+    and recorded by then, and interpreter finalisation with native daemon threads still alive (gRPC pollers,
+    torch's pools) is a known source of hangs at exit that would turn a clean drain into a SIGKILL. Under
+    Kubernetes, give the pod a ``terminationGracePeriodSeconds`` above ``2 × grace + slack``.
     """
     stop = threading.Event()
 
@@ -210,13 +216,14 @@ def serve_forever(
     log.info("serving %s on port %d", ", ".join(running.service_names), running.port)
     stop.wait()
     faulthandler.dump_traceback_later(2 * grace + slack, exit=True)
-    try:
-        running.stop(grace, on_drain=on_drain)
-    finally:
+    clean = running.stop(grace, on_drain=on_drain)
+    if clean:
         if on_close is not None:
             on_close()
-    log.info("stopped")
+        log.info("stopped")
+    else:  # work still running: leave the store to the restart's recovery rather than close it under them
+        log.error("stopped with work still running after the %.0fs grace: exiting 1", grace)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if clean else 1)

@@ -174,8 +174,9 @@ class OffloadStats:
         prefetch_hits: Backward reloads (layer inputs, saved-activation layers) started ahead of need.
         prefetch_misses: Backward reloads started only when needed (first one of a chain, unusual orders).
         saved_offloaded: Activations of no-recompute layers (``save_layers``) copied to host memory.
-        saved_kept: Activations of no-recompute layers left where they were (parameters, small,
-            non-contiguous or integer tensors).
+        saved_kept: Activations of no-recompute layers left where they were (parameters, small or integer
+            tensors, the layer's keyword tensors).
+        saved_kept_bytes: Bytes of those, parameters not counted (device memory the saved layers hold).
         saved_prefetched: Of ``saved_offloaded``, those reloaded ahead of need.
         copy_waits: Times the forward waited for a device-to-host copy (backlog over ``max_inflight_bytes``).
         trace: ``(event, layer)`` pairs in order, when tracing is on (tests): ``save:offload``,
@@ -193,6 +194,7 @@ class OffloadStats:
     prefetch_misses: int = 0
     saved_offloaded: int = 0
     saved_kept: int = 0
+    saved_kept_bytes: int = 0
     saved_prefetched: int = 0
     copy_waits: int = 0
     trace: list[tuple[str, int | None]] | None = None
@@ -247,18 +249,20 @@ class _Saved:
         "__weakref__",
         "device",
         "device_tensor",
-        "dtype",
         "group",
         "host",
         "nbytes",
         "ready",
-        "shape",
+        "source",
+        "version",
     )
 
     def __init__(self, group: _SavedGroup, t: torch.Tensor) -> None:
         self.group = group  # strong: the group lives as long as one of its saved tensors does
-        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.device = t.device
         self.nbytes = t.numel() * t.element_size()
+        self.version = t._version
+        self.source = weakref.ref(t)  # to check for in-place writes while the original lives
         self.host: torch.Tensor | None = None
         self.device_tensor: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
@@ -268,65 +272,92 @@ class _Saved:
             self.host = None
             self.group.offloader.stats.host_bytes -= self.nbytes
 
+    def check_version(self) -> None:
+        t = self.source()
+        if t is not None and t._version != self.version:
+            raise _modified(tuple(t.shape), self.version, t._version)
+
     def __del__(self) -> None:  # a graph freed without backward returns its host memory
         with contextlib.suppress(Exception):
             self.drop_host()
+
+
+def _modified(shape: tuple[int, ...], saved: int, now: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"a tensor of shape {list(shape)} saved at version {saved} is now at version {now} (saved by a layer "
+        "without recompute, strop.kernels.offload save_layers; autograd's own check cannot see through the "
+        "saved-tensor hooks, so this one raises instead)"
+    )
 
 
 class _SavedGroup:
     """The saved activations of one decoder layer that runs without recompute (``save_layers``).
 
     The layer's forward runs with grad under ``saved_tensors_hooks(group.pack, group.unpack)``: every
-    contiguous floating activation of at least ``min_offload_bytes`` that is not a parameter is copied to
-    pinned host memory on the side stream (the same tensor saved by several ops is copied once); the rest
-    stay where they are. The first unpack in backward marks the layer reached: its reloads are waited on and
-    the reload of the previous checkpointed call (layer input or saved group) is issued.
+    floating activation of at least ``min_offload_bytes`` is copied to pinned host memory on the side stream
+    (a tensor saved by several ops once; dense tensors keep their strides, others come back contiguous, as
+    with ``torch.autograd.graph.save_on_cpu``). Parameters, small or integer tensors and the tensors the
+    layer's keyword arguments hold (position embeddings, masks: alive for the whole forward anyway) stay
+    where they are. The first unpack in backward marks the layer reached: its reloads are waited on and the
+    reload of the previous checkpointed call (layer input or saved group) is issued.
+
+    In-place writes to a saved tensor raise as autograd's own check would: for kept tensors at unpack, for
+    offloaded ones at the end of the layer's forward (the originals are held until then, which also keeps
+    their blocks from being reused under a copy still in flight) and at unpack while the original lives. ``backward(retain_graph=True)`` keeps the reloaded copies on the device until the graph
+    goes; a second backward through it is not supported by the kernels that write in place.
     """
 
-    __slots__ = ("__weakref__", "index", "items", "layer", "offloader", "prev", "reached")
+    __slots__ = ("__weakref__", "index", "items", "layer", "offloader", "prev", "reached", "shared")
 
-    def __init__(self, offloader: ActivationOffloader, layer: int | None) -> None:
+    def __init__(self, offloader: ActivationOffloader, layer: int | None, shared: set[int]) -> None:
         self.offloader = offloader
         self.layer = layer
+        self.shared = shared  # storage addresses of the layer's keyword tensors: kept, never copied
         self.items: list[weakref.ref[_Saved]] = []
-        # (id, version, data_ptr, shape, stride) -> (the tensor, weakly; its _Saved): dedup within the layer
-        self.index: dict[tuple, tuple[weakref.ref[torch.Tensor], _Saved]] = {}
+        # (id, version, data_ptr, shape, stride) -> (the tensor, its _Saved): dedup within the layer, and the
+        # originals held until the layer's forward ends so that in-place writes to them can be checked
+        self.index: dict[tuple, tuple[torch.Tensor, _Saved]] = {}
         self.prev: weakref.ref[Any] | None = None
         self.reached = False
 
     # forward
-    def pack(self, t: torch.Tensor) -> tuple[_SavedGroup, Any]:
+    def pack(self, t: torch.Tensor) -> tuple[_SavedGroup, Any, int]:
         off = self.offloader
         if (
             isinstance(t, nn.Parameter)
             or not t.is_floating_point()
-            or not t.is_contiguous()
             or t.numel() * t.element_size() < off.min_offload_bytes
             or not (t.is_cuda or (t.device.type == "cpu" and off.offload_cpu_tensors))
+            or t.untyped_storage().data_ptr() in self.shared
         ):
             off.stats.saved_kept += 1
+            off.stats.saved_kept_bytes += t.numel() * t.element_size() * (not isinstance(t, nn.Parameter))
             # Detached: a saved output returned with its grad_fn would make a cycle through the graph
             # (node → packed value → tensor → node) that Python's collector cannot see, leaking the graph.
-            return self, t.detach()
+            # The detached alias shares t's version counter, so in-place writes are still seen at unpack.
+            return self, t.detach(), t._version
         key = (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride())
         hit = self.index.get(key)
-        if hit is not None and hit[0]() is t:
-            return self, hit[1]
+        if hit is not None and hit[0] is t:
+            return self, hit[1], t._version
         item = _Saved(self, t)
         item.host = off.copy_to_host(t)
         self.items.append(weakref.ref(item))
-        with contextlib.suppress(TypeError):  # tensors are weak-referenceable; be safe for subclasses
-            self.index[key] = (weakref.ref(t), item)
+        self.index[key] = (t, item)
         s = off.stats
         s.saved_offloaded += 1
         s.offloaded_bytes += item.nbytes
         s.host_bytes += item.nbytes
         s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
-        return self, item
+        return self, item, t._version
 
     def seal(self) -> None:
-        """End of the layer's forward: the dedup index is not needed any more."""
-        self.index.clear()
+        """End of the layer's forward: check for in-place writes after saving, drop the dedup index."""
+        entries, self.index = list(self.index.values()), {}
+        for t, item in entries:
+            if t._version != item.version:
+                raise _modified(tuple(t.shape), item.version, t._version)
         self.offloader._event("save:activations", self.layer)
 
     # backward
@@ -350,8 +381,8 @@ class _SavedGroup:
                 item.drop_host()
                 self.offloader.stats.saved_prefetched += prefetched
 
-    def unpack(self, handle: tuple[_SavedGroup, Any]) -> torch.Tensor:
-        _, x = handle
+    def unpack(self, handle: tuple[_SavedGroup, Any, int]) -> torch.Tensor:
+        _, x, version = handle
         if not self.reached:
             self.reached = True
             if self.host:
@@ -365,8 +396,11 @@ class _SavedGroup:
             if prev is not None:
                 self.offloader.prefetch(prev)
         if isinstance(x, torch.Tensor):
+            if x._version != version:
+                raise _modified(tuple(x.shape), version, x._version)
             return x
-        if x.device_tensor is None:  # freed early? (never expected) — reload synchronously
+        x.check_version()
+        if x.device_tensor is None:
             if x.host is None:
                 raise RuntimeError("offloaded activation: neither a host nor a device copy is left")
             x.device_tensor, x.ready = self.offloader.copy_to_device(x.host, x.device)
@@ -466,8 +500,9 @@ class ActivationOffloader:
         At most ``max_inflight_bytes`` of copies are left queued: beyond that the caller waits for the
         oldest, so a forward that outruns the link does not hold an unbounded backlog of GPU memory.
         """
+        dense = bool(torch.ops.aten.is_non_overlapping_and_dense(x))
         if not x.is_cuda:  # CPU under offload_cpu_tensors: the "host copy" is a separate buffer
-            return x.detach().clone(memory_format=torch.contiguous_format)
+            return x.detach().clone(memory_format=torch.preserve_format if dense else torch.contiguous_format)
         compute = torch.cuda.current_stream(x.device)
         side = self._side_stream(x.device)
         nbytes = x.numel() * x.element_size()
@@ -482,7 +517,9 @@ class ActivationOffloader:
             self._inflight_bytes -= n
         side.wait_stream(compute)  # x is produced by work queued on the compute stream
         with torch.cuda.stream(side):
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            # a dense tensor keeps its strides (one linear copy); any other comes back contiguous
+            stride = x.stride() if dense else torch.empty(x.shape, device="meta").stride()
+            host = torch.empty_strided(x.shape, stride, dtype=x.dtype, pin_memory=True)
             host.copy_(x.detach(), non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
@@ -501,7 +538,7 @@ class ActivationOffloader:
         side = self._side_stream(device)
         # Allocated on the compute stream: its block may still be read by queued compute work, so the side
         # stream waits for that work before writing into it.
-        buf = torch.empty(host.shape, dtype=host.dtype, device=device)
+        buf = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
         side.wait_stream(compute)
         with torch.cuda.stream(side):
             buf.copy_(host, non_blocking=True)
@@ -520,11 +557,20 @@ class ActivationOffloader:
 
     def run_saved(self, function: Callable[..., Any], args: tuple, layer: int | None) -> Any:
         """Run ``function(*args)`` with grad and no recompute, its saved activations kept in host memory."""
-        group = _SavedGroup(self, layer)
+        bound = function.keywords.values() if isinstance(function, functools.partial) else ()
+        shared = {
+            v.untyped_storage().data_ptr()
+            for value in bound
+            for v in (value if isinstance(value, (tuple, list)) else (value,))
+            if isinstance(v, torch.Tensor)
+        }
+        group = _SavedGroup(self, layer, shared)
         self._link(group)
-        with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
-            out = function(*args)
-        group.seal()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
+                out = function(*args)
+        finally:
+            group.seal()  # also on an exception (e.g. OOM): no index left to hold host copies in a cycle
         return out
 
     def save(self, x: torch.Tensor, layer: int | None, offload: bool) -> _Record:
@@ -566,8 +612,13 @@ class ActivationOffloader:
             self._event("prefetch", item.layer)
             self._start_reload(item)
 
-    def fetch(self, rec: _Record) -> torch.Tensor:
+    def fetch(self, rec: _Record | None) -> torch.Tensor:
         """The saved input on its device, ready for the compute stream; prefetches the previous call's."""
+        if rec is None:
+            raise RuntimeError(
+                "offloaded checkpoint: backward through this layer ran twice (retain_graph); offloaded "
+                "checkpointing frees the saved layer input after the first backward"
+            )
         if not rec.offloaded:
             self._event("fetch:kept", rec.layer)
         elif rec.device_tensor is not None:
@@ -769,8 +820,9 @@ class _Install:
         """Point every layer that HF checkpoints at the offloaded function; the last ones keep their input,
         ``save_layers`` of the others (evenly spaced) skip the recompute."""
         on = [i for i, layer in enumerate(self.layers) if layer.gradient_checkpointing]
-        keep = set(on[len(on) - self.keep_last :]) if self.keep_last else set()
-        saved = set(spread([i for i in on if i not in keep], self.save_layers))
+        keep = set(on[max(0, len(on) - self.keep_last) :]) if self.keep_last else set()
+        # never the last checkpointed layer: backward needs its activations first, no reload could hide
+        saved = set(spread([i for i in on[:-1] if i not in keep], self.save_layers))
         for i in on:
             self.layers[i]._gradient_checkpointing_func = functools.partial(
                 self.offloader.checkpoint, layer=i, offload=i not in keep, save=i in saved
@@ -810,7 +862,7 @@ def enable_offloaded_checkpointing(
             model around one.
         min_offload_bytes: Inputs smaller than this stay on their device.
         keep_last: How many of the last checkpointed layers keep their input on the device.
-        save_layers: How many of the other checkpointed layers (evenly spaced) are not recomputed: their
+        save_layers: How many of the other checkpointed layers (evenly spaced, never the last) are not recomputed: their
             saved activations go to pinned host memory in forward and come back ahead of need in backward.
             Each such layer saves one layer's recompute and moves its activations over the host link twice
             (≈ 1.7 GiB per 8B-shape layer at 16K tokens); how many pay off depends on the link's bandwidth.

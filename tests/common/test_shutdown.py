@@ -1,4 +1,5 @@
-"""serve_forever's drain: a clean drain closes and exits 0; a stuck one is reported with stacks and exits 1."""
+"""serve_forever's drain: a clean drain closes and exits 0; an unfinished one exits 1 without closing; a stuck
+one is reported with every thread's stack and exits 1."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ SCRIPT = textwrap.dedent(
     import sys, threading, time
     from strop.common.grpc_server import build_server, serve_forever
 
-    stuck = sys.argv[1] == "stuck"
+    mode = sys.argv[1]
     closed = sys.argv[2]
     running = build_server([])
 
     def drain():
-        if stuck:
-            threading.Event().wait()  # a job that never reaches a step boundary
+        if mode == "stuck":
+            threading.Event().wait()  # the drain itself hangs
+        return mode != "unfinished"  # a job that did not stop within the grace
 
     def close():
         open(closed, "w").write("closed")
@@ -63,3 +65,10 @@ def test_stuck_drain_dumps_every_thread_and_exits_one(tmp_path):
     assert 3.0 <= time.monotonic() - t0 < 20, "the watchdog fires after 2 x grace + slack"
     assert "Timeout" in done.stderr and "in drain" in done.stderr, "the stuck frame is in the stacks"
     assert not (tmp_path / "closed").exists()
+
+
+def test_drain_that_leaves_work_running_exits_one_without_closing(tmp_path):
+    done = run_and_terminate("unfinished", tmp_path / "closed")
+    assert done.returncode == 1
+    assert "still running" in done.stderr
+    assert not (tmp_path / "closed").exists(), "the store is not closed under a job that is still running"

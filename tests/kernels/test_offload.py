@@ -23,6 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+import strop.kernels.offload as offload_mod  # noqa: E402
 from strop.kernels.memory import disable_memory_features, enable_memory_features  # noqa: E402
 from strop.kernels.offload import (  # noqa: E402
     ActivationOffloader,
@@ -245,6 +246,81 @@ def test_a_tensor_saved_by_two_ops_is_copied_once_and_parameters_stay_put():
     torch.testing.assert_close(gx, ex, rtol=0, atol=0)
     torch.testing.assert_close(gw, ew, rtol=0, atol=0)
     assert s.host_bytes == 0
+
+
+def test_in_place_writes_to_saved_activations_raise_like_autograd():
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def write_after_save(h):
+        a = h.exp()  # exp saves its output a
+        b = a.exp()
+        a.mul_(2)  # in place on a tensor backward needs
+        return b
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        write_after_save(x).sum().backward()  # plain autograd: the behaviour to match
+    for min_bytes in (0, 1 << 20):  # offloaded, then kept on its device
+        offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=min_bytes)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            offloaded_checkpoint(write_after_save, x, offloader=offloader, save=True).sum().backward()
+        assert (offloader.stats.saved_offloaded > 0) == (min_bytes == 0), offloader.stats
+
+
+def test_keyword_tensors_stay_put_and_dense_views_keep_their_strides():
+    shared = torch.randn(8, 6)
+    x = torch.randn(6, 8, requires_grad=True)
+
+    def fn(h, *, table):
+        v = (h + 0).t()  # a transposed view: dense, not contiguous; sin saves it
+        return (v.sin() * table).sum()
+
+    offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=0)
+    seen = []
+    orig = offload_mod._SavedGroup.unpack
+
+    def spy(group, handle):
+        out = orig(group, handle)
+        seen.append((tuple(out.shape), out.stride()))
+        return out
+
+    offload_mod._SavedGroup.unpack = spy
+    try:
+        out = offloaded_checkpoint(functools.partial(fn, table=shared), x, offloader=offloader, save=True)
+        (gx,) = torch.autograd.grad(out, (x,))
+    finally:
+        offload_mod._SavedGroup.unpack = orig
+    (ex,) = torch.autograd.grad(fn(x, table=shared), (x,))
+    torch.testing.assert_close(gx, ex, rtol=0, atol=0)
+    assert ((8, 6), (1, 8)) in seen, "the transposed view comes back with its strides"
+    assert offloader.stats.saved_kept >= 1, "the keyword tensor (alive for the whole forward) is not copied"
+
+
+def test_an_exception_in_a_saved_layer_leaves_no_host_memory_behind():
+    import gc
+
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def boom(h):
+        h.exp().sin()
+        raise MemoryError("simulated OOM")
+
+    offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=0)
+    gc.disable()
+    try:
+        with pytest.raises(MemoryError):
+            offloaded_checkpoint(boom, x, offloader=offloader, save=True)
+        assert offloader.stats.host_bytes == 0, "no cycle keeps the host copies of a failed layer alive"
+    finally:
+        gc.enable()
+
+
+def test_second_backward_through_an_offloaded_layer_says_why():
+    x = torch.randn(4, 6, requires_grad=True)
+    offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=0)
+    out = offloaded_checkpoint(lambda h: h.sin() * 2, x, offloader=offloader)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        out.sum().backward()
 
 
 def test_saved_layer_host_memory_is_released_when_the_graph_is_dropped():

@@ -478,8 +478,13 @@ class TrainerCore:
         return self.artifacts.iter_chunks(artifact_id, chunk_bytes or (1 << 20))
 
     # lifecycle
-    def drain(self, grace_seconds: float) -> None:
-        """Stop running jobs at their next step boundary (checkpointing them as INTERRUPTED)."""
+    def drain(self, grace_seconds: float) -> bool:
+        """Stop running jobs at their next step boundary (checkpointing them as INTERRUPTED).
+
+        Returns:
+            True when every job stopped within ``grace_seconds``; False when some are still running (the
+            caller must not close the store under them; a restart marks them INTERRUPTED).
+        """
         with self._lock:
             running = list(self._jobs.values())
         for r in running:
@@ -487,6 +492,12 @@ class TrainerCore:
         deadline = time.monotonic() + grace_seconds
         for r in running:
             r.thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r.job_id for r in running if r.thread.is_alive()]
+        if stuck:
+            log.error(
+                "drain: jobs %s did not reach a step boundary within %.0fs", ", ".join(stuck), grace_seconds
+            )
+        return not stuck
 
     def close(self) -> None:
         self.store.db.close()
