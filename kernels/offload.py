@@ -297,7 +297,8 @@ class _SavedGroup:
     The layer's forward runs with grad under ``saved_tensors_hooks(group.pack, group.unpack)``: every
     floating activation of at least ``min_offload_bytes`` is copied to pinned host memory on the side stream
     (a tensor saved by several ops once; dense tensors keep their strides, others come back contiguous, as
-    with ``torch.autograd.graph.save_on_cpu``). Parameters, small or integer tensors and the tensors the
+    with ``torch.autograd.graph.save_on_cpu``). Parameters and views of them (a linear's mm saves its
+    frozen weight transposed), the layer's weights and buffers, small or integer tensors and the tensors the
     layer's keyword arguments hold (position embeddings, masks: alive for the whole forward anyway) stay
     where they are. The first unpack in backward marks the layer reached: its reloads are waited on and the
     reload of the previous checkpointed call (layer input or saved group) is issued.
@@ -308,14 +309,29 @@ class _SavedGroup:
     goes; a second backward through it is not supported by the kernels that write in place.
     """
 
-    __slots__ = ("__weakref__", "index", "items", "layer", "offloader", "prev", "reached", "shared")
+    __slots__ = (
+        "__weakref__",
+        "index",
+        "items",
+        "layer",
+        "offloader",
+        "prev",
+        "reached",
+        "shared",
+        "weights",
+    )
 
-    def __init__(self, offloader: ActivationOffloader, layer: int | None, shared: set[int]) -> None:
+    def __init__(
+        self, offloader: ActivationOffloader, layer: int | None, shared: set[int], weights: set[int]
+    ) -> None:
         self.offloader = offloader
         self.layer = layer
-        self.shared = shared  # storage addresses of the layer's keyword tensors: kept, never copied
+        # storage addresses of what outlives the step anyway (the layer's weights, its keyword tensors):
+        # kept where they are, never copied
+        self.weights = weights
+        self.shared = shared | weights
         self.items: list[weakref.ref[_Saved]] = []
-        # (id, version, data_ptr, shape, stride) -> (the tensor, its _Saved): dedup within the layer, and the
+        # (data_ptr, shape, stride, dtype) -> (the tensor, its _Saved): dedup within the layer, and the
         # originals held until the layer's forward ends so that in-place writes to them can be checked
         self.index: dict[tuple, tuple[torch.Tensor, _Saved]] = {}
         self.prev: weakref.ref[Any] | None = None
@@ -326,20 +342,26 @@ class _SavedGroup:
         off = self.offloader
         if (
             isinstance(t, nn.Parameter)
+            or isinstance(t._base, nn.Parameter)  # e.g. the transposed weight a linear's mm saves
             or not t.is_floating_point()
             or t.numel() * t.element_size() < off.min_offload_bytes
             or not (t.is_cuda or (t.device.type == "cpu" and off.offload_cpu_tensors))
             or t.untyped_storage().data_ptr() in self.shared
         ):
             off.stats.saved_kept += 1
-            off.stats.saved_kept_bytes += t.numel() * t.element_size() * (not isinstance(t, nn.Parameter))
+            off.stats.saved_kept_bytes += (
+                t.numel() * t.element_size() * (t.untyped_storage().data_ptr() not in self.weights)
+            )
             # Detached: a saved output returned with its grad_fn would make a cycle through the graph
             # (node → packed value → tensor → node) that Python's collector cannot see, leaking the graph.
             # The detached alias shares t's version counter, so in-place writes are still seen at unpack.
             return self, t.detach(), t._version
-        key = (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride())
+        # The same memory seen again (the same tensor, or another view with the same layout, e.g. each
+        # projection's 2-D view of the normed input): one copy. Every indexed original is held until seal,
+        # so an address cannot be reused for other data in between.
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
         hit = self.index.get(key)
-        if hit is not None and hit[0] is t:
+        if hit is not None and hit[1].version == t._version:
             return self, hit[1], t._version
         item = _Saved(self, t)
         item.host = off.copy_to_host(t)
@@ -555,8 +577,13 @@ class ActivationOffloader:
         item.prev = weakref.ref(last) if last is not None else None
         self._last = weakref.ref(item)
 
-    def run_saved(self, function: Callable[..., Any], args: tuple, layer: int | None) -> Any:
-        """Run ``function(*args)`` with grad and no recompute, its saved activations kept in host memory."""
+    def run_saved(
+        self, function: Callable[..., Any], args: tuple, layer: int | None, module: nn.Module | None = None
+    ) -> Any:
+        """Run ``function(*args)`` with grad and no recompute, its saved activations kept in host memory.
+
+        ``module`` (the decoder layer) names the weights its ops may save as views (kept, not copied).
+        """
         bound = function.keywords.values() if isinstance(function, functools.partial) else ()
         shared = {
             v.untyped_storage().data_ptr()
@@ -564,7 +591,12 @@ class ActivationOffloader:
             for v in (value if isinstance(value, (tuple, list)) else (value,))
             if isinstance(v, torch.Tensor)
         }
-        group = _SavedGroup(self, layer, shared)
+        weights = (
+            {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+            if module is not None
+            else set()
+        )
+        group = _SavedGroup(self, layer, shared, weights)
         self._link(group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
@@ -662,6 +694,7 @@ class ActivationOffloader:
         layer: int | None = None,
         offload: bool = True,
         save: bool = False,
+        module: nn.Module | None = None,
         **_: Any,
     ) -> Any:
         """Checkpoint ``function(*args)`` with its first positional input offloaded to host memory.
@@ -673,6 +706,7 @@ class ActivationOffloader:
             offload: False keeps the input on its device (the last checkpointed layer).
             save: Do not recompute this layer: run it with grad and keep its saved activations in host
                 memory (:meth:`run_saved`), trading link bandwidth and host memory for the recompute.
+            module: The layer, whose weights a saved layer keeps rather than copies.
             **_: ``torch.utils.checkpoint`` options (``use_reentrant``, …) are accepted and ignored.
 
         Returns:
@@ -681,7 +715,7 @@ class ActivationOffloader:
         if not torch.is_grad_enabled():
             return function(*args)
         if save:
-            return self.run_saved(function, args, layer)
+            return self.run_saved(function, args, layer, module)
         reason = self.torch_checkpoint_reason(function, args)
         if reason is not None:
             self.stats.torch_checkpoint[reason] = self.stats.torch_checkpoint.get(reason, 0) + 1
@@ -825,7 +859,11 @@ class _Install:
         saved = set(spread([i for i in on[:-1] if i not in keep], self.save_layers))
         for i in on:
             self.layers[i]._gradient_checkpointing_func = functools.partial(
-                self.offloader.checkpoint, layer=i, offload=i not in keep, save=i in saved
+                self.offloader.checkpoint,
+                layer=i,
+                offload=i not in keep,
+                save=i in saved,
+                module=self.layers[i] if i in saved else None,
             )
 
 

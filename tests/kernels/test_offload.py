@@ -248,6 +248,29 @@ def test_a_tensor_saved_by_two_ops_is_copied_once_and_parameters_stay_put():
     assert s.host_bytes == 0
 
 
+def test_weights_saved_as_views_stay_put_and_views_of_one_activation_are_copied_once():
+    frozen = torch.nn.Parameter(torch.randn(6, 6), requires_grad=False)
+    w1, w2 = torch.nn.Parameter(torch.randn(3, 6)), torch.nn.Parameter(torch.randn(3, 6))
+    x = torch.randn(2, 4, 6, requires_grad=True)
+
+    def fn(h):
+        y = h * 2
+        # each linear reshapes y to its own 2-D view; the trainable ones save that view (for their weight
+        # gradient) and every one saves its weight transposed (for the input gradient)
+        lin = torch.nn.functional.linear
+        return lin(y, w1).sum() + lin(y, w2).sum() + lin(y, frozen).sum()
+
+    offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=0)
+    out = offloaded_checkpoint(fn, x, offloader=offloader, save=True)
+    s = offloader.stats
+    assert (s.saved_offloaded, s.saved_kept) == (1, 3), s  # y's views: one copy; three weight views kept
+    assert s.host_bytes == 8 * 6 * 4, s
+    grads = torch.autograd.grad(out, (x, w1, w2))
+    expected = torch.autograd.grad(fn(x), (x, w1, w2))
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
 def test_in_place_writes_to_saved_activations_raise_like_autograd():
     x = torch.randn(4, 6, requires_grad=True)
 
