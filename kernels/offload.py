@@ -37,7 +37,7 @@ arguments hold a tensor that requires grad runs ``torch.utils.checkpoint`` (non-
 because this function returns gradients for positional inputs only.
 
 Layers without recompute (``save_layers``). Recompute costs a layer's forward again in backward (about a
-third of a QLoRA step's matmul time); keeping the activations on the GPU instead costs ~1.7 GiB per
+third of a QLoRA step's matmul time); keeping the activations on the GPU instead costs ~1.8 GiB per
 8B-shape layer at 16K tokens. A third option uses the host link: ``save_layers`` of the checkpointed layers
 (evenly spaced, never the last) run their forward once, with grad, under ``saved_tensors_hooks`` that copy
 every saved activation (contiguous, floating, ≥ ``min_offload_bytes``, not a parameter; a tensor saved by
@@ -903,7 +903,7 @@ def enable_offloaded_checkpointing(
         save_layers: How many of the other checkpointed layers (evenly spaced, never the last) are not recomputed: their
             saved activations go to pinned host memory in forward and come back ahead of need in backward.
             Each such layer saves one layer's recompute and moves its activations over the host link twice
-            (≈ 1.7 GiB per 8B-shape layer at 16K tokens); how many pay off depends on the link's bandwidth.
+            (≈ 1.8 GiB per 8B-shape layer at 16K tokens with strop's kernels); how many pay off depends on the link's bandwidth.
         offload_cpu_tensors: Exercise the offload path with CPU tensors (tests).
         preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
         max_inflight_bytes: Device-to-host copies queued at once before a save waits for the oldest.
