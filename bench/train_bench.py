@@ -28,8 +28,8 @@ Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``), ``strop-mem`` (`
 ``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode),
 ``strop-offload`` (``patch_model`` + offloaded checkpointing alone, no tiling), ``strop-offload-sN`` (the same
 with N evenly spaced layers not recomputed: their saved activations go to pinned host memory and come back
-ahead of need; HFU counts the recompute saved), ``strop-fast`` (the memory-allowed mode: ``patch_model`` + ``enable_budgeted_recompute`` with an 80 GiB budget,
-enforced on the process with ``torch.cuda.set_per_process_memory_fraction``: only as many layers recompute
+ahead of need; HFU counts the recompute saved), ``strop-fast`` (the memory-allowed mode: ``patch_model`` +
+``enable_budgeted_recompute`` with an 80 GiB budget, enforced on the process with ``torch.cuda.set_per_process_memory_fraction``: only as many layers recompute
 as the budget needs; the first warm-up step calibrates),
 ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
 and ``service`` (the same through the trainer service over gRPC on localhost) — the last two load the model
@@ -200,13 +200,13 @@ def run_worker(a) -> Result:
 
         report = patch_model(model)
         res.notes = str(report)
-    memory = None
+    memory, saved_layers = None, offload_spec(a.system)
     if a.system == "strop-mem":
         # the long-context mode: layer inputs offloaded to pinned host memory + MLP tiled over the sequence
         from strop.kernels.memory import enable_memory_features
 
         memory = enable_memory_features(model, tiled_mlp_chunks="auto")
-    elif offload_spec(a.system) is not None:
+    elif saved_layers is not None:
         memory = enable_offload(model, a.system)
     model.train()
     res.build_s = time.perf_counter() - t0
@@ -248,8 +248,8 @@ def run_worker(a) -> Result:
     recompute = 1.0
     if planner is not None and planner.plan is not None:
         recompute = 1 - planner.plan.uncheckpointed / planner.plan.layers
-    if offload_spec(a.system):
-        recompute = 1 - min(offload_spec(a.system), SHAPE["layers"] - 1) / SHAPE["layers"]
+    if saved_layers:  # never the last layer
+        recompute = 1 - min(saved_layers, SHAPE["layers"] - 1) / SHAPE["layers"]
     model_f, hw_f = flops_per_token(a.seq, recompute=recompute)
     res.steps = len(times)
     res.ms_per_step = med * 1e3

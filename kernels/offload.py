@@ -40,8 +40,8 @@ Layers without recompute (``save_layers``). Recompute costs a layer's forward ag
 third of a QLoRA step's matmul time); keeping the activations on the GPU instead costs ~1.8 GiB per
 8B-shape layer at 16K tokens. A third option uses the host link: ``save_layers`` of the checkpointed layers
 (evenly spaced, never the last) run their forward once, with grad, under ``saved_tensors_hooks`` that copy
-every saved activation (contiguous, floating, ≥ ``min_offload_bytes``, not a parameter; a tensor saved by
-several ops once) to pinned host memory on the side stream. In backward they take part in the same reload
+every saved activation (floating, ≥ ``min_offload_bytes``, not a weight or a tensor the layer's keyword
+arguments hold; the same memory saved by several ops once) to pinned host memory on the side stream. In backward they take part in the same reload
 chain as the checkpointed inputs: reaching the layer above starts their reload, reaching them starts the
 reload of the call before. GPU cost: one layer's reloaded activations plus the next reload in flight, and
 at most ``max_inflight_bytes`` of device-to-host copies queued in forward (a save beyond it waits for the
@@ -176,7 +176,8 @@ class OffloadStats:
         saved_offloaded: Activations of no-recompute layers (``save_layers``) copied to host memory.
         saved_kept: Activations of no-recompute layers left where they were (parameters, small or integer
             tensors, the layer's keyword tensors).
-        saved_kept_bytes: Bytes of those, parameters not counted (device memory the saved layers hold).
+        saved_kept_bytes: Bytes of those that are activations (device memory the saved layers hold; weights
+            and keyword tensors, alive anyway, not counted).
         saved_prefetched: Of ``saved_offloaded``, those reloaded ahead of need.
         copy_waits: Times the forward waited for a device-to-host copy (backlog over ``max_inflight_bytes``).
         trace: ``(event, layer)`` pairs in order, when tracing is on (tests): ``save:offload``,
@@ -207,7 +208,6 @@ class _Record:
         "__weakref__",
         "device",
         "device_tensor",
-        "dtype",
         "host",
         "layer",
         "nbytes",
@@ -215,13 +215,12 @@ class _Record:
         "offloader",
         "prev",
         "ready",
-        "shape",
     )
 
     def __init__(self, offloader: ActivationOffloader, x: torch.Tensor, layer: int | None) -> None:
         self.offloader = offloader
         self.layer = layer
-        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.device = x.device
         self.nbytes = x.numel() * x.element_size()
         self.offloaded = False
         self.device_tensor: torch.Tensor | None = None
@@ -272,23 +271,20 @@ class _Saved:
             self.host = None
             self.group.offloader.stats.host_bytes -= self.nbytes
 
-    def check_version(self) -> None:
-        t = self.source()
-        if t is not None and t._version != self.version:
-            raise _modified(tuple(t.shape), self.version, t._version)
-
     def __del__(self) -> None:  # a graph freed without backward returns its host memory
         with contextlib.suppress(Exception):
             self.drop_host()
 
 
-def _modified(shape: tuple[int, ...], saved: int, now: int) -> RuntimeError:
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"a tensor of shape {list(shape)} saved at version {saved} is now at version {now} (saved by a layer "
-        "without recompute, strop.kernels.offload save_layers; autograd's own check cannot see through the "
-        "saved-tensor hooks, so this one raises instead)"
-    )
+def _check_unmodified(t: torch.Tensor | None, saved: int) -> None:
+    """Raise as autograd does when a saved tensor (None: no longer alive, nothing to check) was written to."""
+    if t is not None and t._version != saved:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a tensor of shape {list(t.shape)} saved at version {saved} is now at version {t._version} (saved "
+            "by a layer without recompute, strop.kernels.offload save_layers; autograd's own check cannot see "
+            "through the saved-tensor hooks, so this one raises instead)"
+        )
 
 
 class _SavedGroup:
@@ -305,8 +301,9 @@ class _SavedGroup:
 
     In-place writes to a saved tensor raise as autograd's own check would: for kept tensors at unpack, for
     offloaded ones at the end of the layer's forward (the originals are held until then, which also keeps
-    their blocks from being reused under a copy still in flight) and at unpack while the original lives. ``backward(retain_graph=True)`` keeps the reloaded copies on the device until the graph
-    goes; a second backward through it is not supported by the kernels that write in place.
+    their blocks from being reused under a copy still in flight) and at unpack while the original lives.
+    ``backward(retain_graph=True)`` keeps the reloaded copies on the device until the graph goes; a second
+    backward through it is not supported by the kernels that write in place.
     """
 
     __slots__ = (
@@ -318,18 +315,14 @@ class _SavedGroup:
         "prev",
         "reached",
         "shared",
-        "weights",
     )
 
-    def __init__(
-        self, offloader: ActivationOffloader, layer: int | None, shared: set[int], weights: set[int]
-    ) -> None:
+    def __init__(self, offloader: ActivationOffloader, layer: int | None, shared: set[int]) -> None:
         self.offloader = offloader
         self.layer = layer
         # storage addresses of what outlives the step anyway (the layer's weights, its keyword tensors):
         # kept where they are, never copied
-        self.weights = weights
-        self.shared = shared | weights
+        self.shared = shared
         self.items: list[weakref.ref[_Saved]] = []
         # (data_ptr, shape, stride, dtype) -> (the tensor, its _Saved): dedup within the layer, and the
         # originals held until the layer's forward ends so that in-place writes to them can be checked
@@ -340,18 +333,20 @@ class _SavedGroup:
     # forward
     def pack(self, t: torch.Tensor) -> tuple[_SavedGroup, Any, int]:
         off = self.offloader
-        if (
+        outlives = (
             isinstance(t, nn.Parameter)
             or isinstance(t._base, nn.Parameter)  # e.g. the transposed weight a linear's mm saves
+            or t.untyped_storage().data_ptr() in self.shared
+        )
+        if (
+            outlives
             or not t.is_floating_point()
             or t.numel() * t.element_size() < off.min_offload_bytes
             or not (t.is_cuda or (t.device.type == "cpu" and off.offload_cpu_tensors))
-            or t.untyped_storage().data_ptr() in self.shared
         ):
             off.stats.saved_kept += 1
-            off.stats.saved_kept_bytes += (
-                t.numel() * t.element_size() * (t.untyped_storage().data_ptr() not in self.weights)
-            )
+            if not outlives:
+                off.stats.saved_kept_bytes += t.numel() * t.element_size()
             # Detached: a saved output returned with its grad_fn would make a cycle through the graph
             # (node → packed value → tensor → node) that Python's collector cannot see, leaking the graph.
             # The detached alias shares t's version counter, so in-place writes are still seen at unpack.
@@ -378,8 +373,7 @@ class _SavedGroup:
         """End of the layer's forward: check for in-place writes after saving, drop the dedup index."""
         entries, self.index = list(self.index.values()), {}
         for t, item in entries:
-            if t._version != item.version:
-                raise _modified(tuple(t.shape), item.version, t._version)
+            _check_unmodified(t, item.version)
         self.offloader._event("save:activations", self.layer)
 
     # backward
@@ -418,10 +412,9 @@ class _SavedGroup:
             if prev is not None:
                 self.offloader.prefetch(prev)
         if isinstance(x, torch.Tensor):
-            if x._version != version:
-                raise _modified(tuple(x.shape), version, x._version)
+            _check_unmodified(x, version)
             return x
-        x.check_version()
+        _check_unmodified(x.source(), x.version)
         if x.device_tensor is None:
             if x.host is None:
                 raise RuntimeError("offloaded activation: neither a host nor a device copy is left")
@@ -540,8 +533,10 @@ class ActivationOffloader:
         side.wait_stream(compute)  # x is produced by work queued on the compute stream
         with torch.cuda.stream(side):
             # a dense tensor keeps its strides (one linear copy); any other comes back contiguous
-            stride = x.stride() if dense else torch.empty(x.shape, device="meta").stride()
-            host = torch.empty_strided(x.shape, stride, dtype=x.dtype, pin_memory=True)
+            if dense:
+                host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
+            else:
+                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             host.copy_(x.detach(), non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
@@ -585,18 +580,11 @@ class ActivationOffloader:
         ``module`` (the decoder layer) names the weights its ops may save as views (kept, not copied).
         """
         bound = function.keywords.values() if isinstance(function, functools.partial) else ()
-        shared = {
-            v.untyped_storage().data_ptr()
-            for value in bound
-            for v in (value if isinstance(value, (tuple, list)) else (value,))
-            if isinstance(v, torch.Tensor)
-        }
-        weights = (
-            {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-            if module is not None
-            else set()
-        )
-        group = _SavedGroup(self, layer, shared, weights)
+        tensors = [v for value in bound for v in (value if isinstance(value, (tuple, list)) else (value,))]
+        if module is not None:
+            tensors += [*module.parameters(), *module.buffers()]
+        shared = {v.untyped_storage().data_ptr() for v in tensors if isinstance(v, torch.Tensor)}
+        group = _SavedGroup(self, layer, shared)
         self._link(group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
@@ -850,9 +838,9 @@ class _Install:
     wrapper: Any = None
     set_gc_before: Any = _MISSING
 
-    def apply(self) -> None:
+    def apply(self) -> tuple[int, int, int]:
         """Point every layer that HF checkpoints at the offloaded function; the last ones keep their input,
-        ``save_layers`` of the others (evenly spaced) skip the recompute."""
+        ``save_layers`` of the others (evenly spaced) skip the recompute. Returns (checkpointed, kept, saved)."""
         on = [i for i, layer in enumerate(self.layers) if layer.gradient_checkpointing]
         keep = set(on[max(0, len(on) - self.keep_last) :]) if self.keep_last else set()
         # never the last checkpointed layer: backward needs its activations first, no reload could hide
@@ -865,6 +853,7 @@ class _Install:
                 save=i in saved,
                 module=self.layers[i] if i in saved else None,
             )
+        return len(on), len(keep), len(saved)
 
 
 def spread(items: list[int], k: int) -> list[int]:
@@ -900,10 +889,11 @@ def enable_offloaded_checkpointing(
             model around one.
         min_offload_bytes: Inputs smaller than this stay on their device.
         keep_last: How many of the last checkpointed layers keep their input on the device.
-        save_layers: How many of the other checkpointed layers (evenly spaced, never the last) are not recomputed: their
-            saved activations go to pinned host memory in forward and come back ahead of need in backward.
-            Each such layer saves one layer's recompute and moves its activations over the host link twice
-            (≈ 1.8 GiB per 8B-shape layer at 16K tokens with strop's kernels); how many pay off depends on the link's bandwidth.
+        save_layers: How many of the other checkpointed layers (evenly spaced, never the last) are not
+            recomputed: their saved activations go to pinned host memory in forward and come back ahead of
+            need in backward. Each such layer saves one layer's recompute and moves its activations over the
+            host link twice (≈ 1.8 GiB per 8B-shape layer at 16K tokens with strop's kernels); how many pay
+            off depends on the link's bandwidth.
         offload_cpu_tensors: Exercise the offload path with CPU tensors (tests).
         preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
         max_inflight_bytes: Device-to-host copies queued at once before a save waits for the oldest.
@@ -965,15 +955,14 @@ def enable_offloaded_checkpointing(
     state.wrapper = _set_gradient_checkpointing
     hf._set_gradient_checkpointing = _set_gradient_checkpointing
     hf._strop_offload = state
-    state.apply()
-    on = sum(bool(layer.gradient_checkpointing) for layer in layers)
+    on, kept, saved = state.apply()
     logger.info(
         "strop.kernels offload: %d/%d decoder layers checkpointed with offloaded inputs (last %d kept on "
         "device, %d not recomputed: activations in host memory)",
         on,
         len(layers),
-        min(keep_last, on),
-        min(save_layers, max(0, on - keep_last)),
+        kept,
+        saved,
     )
     return offloader
 
