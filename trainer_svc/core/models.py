@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -168,6 +169,7 @@ def load_model(req: LoadModelRequest, *, model_root: Path, device: str) -> Loade
     except (OSError, ValueError, KeyError) as exc:
         raise InvalidArgument(f"cannot load model {req.model_path!r}: {exc}") from None
     model.config.use_cache = False
+    keep_4bit_layers_trainable(model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
@@ -192,6 +194,34 @@ def load_model(req: LoadModelRequest, *, model_root: Path, device: str) -> Loade
     )
     facts.kernels_enabled, facts.kernels_reason = decide_kernels(req.kernels, device, hf_config.model_type)
     return LoadedModel(model, tokenizer, facts, model_dir, facts.model_path, device)
+
+
+def keep_4bit_layers_trainable(model) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights into its CPU inference layout; returns the layer count.
+
+    bitsandbytes >= 0.49 on a CPU with AVX512-BF16 repacks a ``Linear4bit`` weight the first time the layer
+    runs in eval mode without grad (Generate does): absmax is cast to bf16, ``quant_state`` gains
+    ``packing_format_for_cpu``, and every later CPU matmul goes to ``gemv_4bit``, which has no backward, so a
+    training step after a Generate gets no gradient through the frozen 4-bit layers. ``train()`` does not undo
+    it and the inverse re-quantizes absmax (lossy), so the repack is switched off per layer instead: the
+    flag it checks is an instance attribute set in ``Linear4bit.__init__`` from ``has_avx512bf16()``.
+    """
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def repacked_4bit_layers(model) -> list[str]:
+    """Names of 4-bit layers whose weight is in bitsandbytes' CPU inference layout (which has no backward)."""
+    names = []
+    for name, module in model.named_modules():
+        quant_state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if getattr(quant_state, "packing_format_for_cpu", False):
+            names.append(name)
+    return names
 
 
 def decide_kernels(mode: KernelMode, device: str, model_type: str) -> tuple[bool, str]:
@@ -244,9 +274,9 @@ def validate_lora(cfg: LoraConfig, model) -> LoraConfig:
         raise InvalidArgument(f"LoRA rank r must be positive, got {cfg.r}")
     if cfg.r > 1024:
         raise InvalidArgument(f"LoRA rank r={cfg.r} is above the limit of 1024")
-    if cfg.alpha <= 0:
-        raise InvalidArgument(f"LoRA alpha must be positive, got {cfg.alpha}")
-    if not 0.0 <= cfg.dropout < 1.0:
+    if not (math.isfinite(cfg.alpha) and cfg.alpha > 0):
+        raise InvalidArgument(f"LoRA alpha must be a positive finite number, got {cfg.alpha}")
+    if not 0.0 <= cfg.dropout < 1.0:  # NaN fails this too
         raise InvalidArgument(f"LoRA dropout must be in [0, 1), got {cfg.dropout}")
     targets = list(cfg.target_modules) or list(DEFAULT_TARGET_MODULES)
     available = linear_module_names(model)
