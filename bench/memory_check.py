@@ -1,10 +1,11 @@
 """Memory check on the 8B QLoRA shape at batch 1: plain HF checkpointing vs strop's memory features.
 
-For each sequence length and system, one fresh process builds the Llama-3.1-8B-shape model with random
-weights, NF4 double-quantized (``bench/train_bench.py``'s ``build_model("qlora", seq)``), attaches LoRA
-r=16 on all seven projections, and runs two training steps (bf16 autocast, AdamW on the LoRA weights;
-the first warms the allocators, pinned host memory included). Reported per point: peak allocated and
-reserved GPU memory over both steps, host RSS before the steps and at peak, host bytes held by offloaded
+For each sequence length and system, one fresh process loads the Llama-3.1-8B-shape model with random
+weights, NF4 double-quantized on load (``bench/train_bench.py``'s saved dir and ``load_model``, written
+once per machine before any point runs), attaches LoRA r=16 on all seven projections, and runs two
+training steps (bf16 autocast, AdamW on the LoRA weights; the first warms the allocators, pinned host
+memory included). Reported per point: peak allocated and reserved GPU memory over both steps, host RSS
+before the steps and at peak (its high-water mark reset after loading), host bytes held by offloaded
 activations (strop's own accounting), and the second step's time.
 
 Systems:
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -64,11 +64,11 @@ def _rss_now_gib() -> float:
 
 def run_worker(a: argparse.Namespace) -> Point:
     import torch
-    from train_bench import SHAPE, attach_lora, build_model
+    from train_bench import SHAPE, attach_lora, host_peak_rss_gib, load_model, reset_peak_memory
 
     point = Point(a.system, a.seq)
     notes = []
-    model = attach_lora(build_model("qlora", a.seq))
+    model = attach_lora(load_model(qlora=True))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = None
     if a.system in ("patch", "strop"):
@@ -89,8 +89,8 @@ def run_worker(a: argparse.Namespace) -> Point:
     gen = torch.Generator(device="cuda").manual_seed(1234)
     ids = torch.randint(0, SHAPE["vocab"], (1, a.seq), device="cuda", generator=gen)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if note := reset_peak_memory().strip():
+        notes.append(note)
     point.rss_before_gib = _rss_now_gib()
     for _ in range(2):
         torch.cuda.synchronize()
@@ -105,7 +105,7 @@ def run_worker(a: argparse.Namespace) -> Point:
         point.loss = float(loss.detach())
     point.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
     point.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
-    point.rss_peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    point.rss_peak_gib = host_peak_rss_gib()
     if report is not None and report.offloader is not None:
         point.offload_host_peak_gib = report.offloader.stats.peak_host_bytes / 2**30
         notes.append(f"offload stats: {report.offloader!r}")
@@ -173,6 +173,9 @@ def main() -> None:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         p.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    from train_bench import ensure_saved_model
+
+    ensure_saved_model(max(int(s) for s in a.seq.split(",")))
     points = []
     for system in systems:
         for seq in (int(s) for s in a.seq.split(",")):

@@ -4,10 +4,26 @@ Workload: Llama-3.1-8B shape (hidden 4096, inter 14336, 32 layers, 32/8 heads, v
 weights, LoRA r=16 alpha=16 on all seven projections, gradient checkpointing, seq 2048, batch 8; QLoRA
 (NF4 double quant) and bf16 LoRA. The same random tokens and seed for every system.
 
-Baseline recipe (DESIGN.md): transformers + PEFT as a user writes it — no prepare_model_for_kbit_training,
-LoRA weights fp32, bf16 autocast, SDPA, gradient checkpointing with use_reentrant=False,
-torch.optim.AdamW(lr=1e-4), PYTORCH_ALLOC_CONF=expandable_segments:True. strop's library path is the
-same loop on the same model after ``strop.kernels.patch_model(model)``.
+Baseline recipe (DESIGN.md): transformers + PEFT as a user writes it — the random model saved once as a
+bf16 safetensors dir and loaded with ``AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16,
+device_map={"": 0}, attn_implementation="sdpa")``, with ``BitsAndBytesConfig`` (NF4, double quant, bf16
+compute) for the QLoRA parts (qlora, context, dpo); no prepare_model_for_kbit_training, LoRA weights fp32,
+bf16 autocast, gradient checkpointing with use_reentrant=False, torch.optim.AdamW(lr=1e-4),
+PYTORCH_ALLOC_CONF=expandable_segments:True. Every system loads that dir with ``load_model`` (the trainer
+service with its own loader, which passes the same dtype and BitsAndBytesConfig); strop's library path is
+the baseline's loop on that model after ``strop.kernels.patch_model(model)``.
+
+The saved dir (/tmp/strop-bench-models/, tiny BPE tokenizer beside the weights) is written once per machine
+by a child of the orchestrator before any worker starts, so no worker's time or memory includes it; a
+later run reuses it when its config matches and its max_position_embeddings covers the longest point.
+RoPE is the default type, which never reads max_position_embeddings, so that value changes nothing in any
+step: it is written as 524,288 (the longest context point) once, and the config is the same for every
+system and part.
+
+DPO part: TRL DPOTrainer (baseline) vs strop's chunked DPO loss, 8B QLoRA, 4 pairs of prompt 512 +
+completion 512 per step. Every step trains on the same 4 pairs (the dataset is those 4 rows, one epoch
+per step), so the reward margin can trend; each step's margin is recorded and the report says whether
+the last is above the first.
 
 FLOP accounting (stated so MFU can be checked):
     N      = parameters in matmuls per token (7 projections x 32 layers + lm_head)
@@ -22,7 +38,8 @@ FLOP accounting (stated so MFU can be checked):
 Usage (on the GPU machine)::
 
     python bench/train_bench.py --parts qlora,lora --systems baseline,strop --steps 8 --json bench/out/train.json
-    python bench/train_bench.py --parts context --systems baseline,strop-mem --context 16384,32768,65536,131072,262144
+    python bench/train_bench.py --parts dpo --systems baseline,strop --steps 8 --warmup 0
+    python bench/train_bench.py --parts context --systems baseline,strop-mem --context 65536,131072,262144,524288
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``), ``strop-mem`` (``patch_model`` +
 ``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode),
@@ -32,10 +49,12 @@ ahead of need; HFU counts the recompute saved), ``strop-fast`` (the memory-allow
 ``enable_budgeted_recompute`` with an 80 GiB budget, enforced on the process with ``torch.cuda.set_per_process_memory_fraction``: only as many layers recompute
 as the budget needs; the first warm-up step calibrates),
 ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
-and ``service`` (the same through the trainer service over gRPC on localhost) — the last two load the model
-from a saved dir, so the first of them to run writes the random 8B-shape weights to /tmp once.
+and ``service`` (the same through the trainer service over gRPC on localhost).
 
-Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line.
+Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line. Peak
+memory (GPU allocated/reserved, host RSS) is reset after loading and setup, so it is the training steps'.
+``--smoke`` runs a tiny shape on the CPU through the same save + from_pretrained path (fp32, NF4 with fp32
+compute for the QLoRA parts; strop's kernels under ``TRITON_INTERPRET=1``): it checks the harness, not speed.
 """
 
 from __future__ import annotations
@@ -44,6 +63,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -54,7 +74,18 @@ SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=12
 # --smoke: a tiny shape on the CPU, to check the harness itself without a GPU (numbers meaningless)
 SMOKE_SHAPE = dict(hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=640, head_dim=32)
 DEVICE = "cuda"
+DTYPE = "bfloat16"  # --smoke: float32, the dtype strop's kernels run in under the CPU interpreter
 FAST_BUDGET_GIB = 80  # the memory-allowed mode's cap (issue 5)
+QLORA_PARTS = ("qlora", "context", "dpo")
+MAX_POSITIONS = 524288  # the longest context point (512K tokens at batch 1); default RoPE ignores it
+MODEL_ROOT = "/tmp/strop-bench-models"
+# prompt and completion tokens of a DPO pair (--smoke: 24, the CPU runs the kernels interpreted)
+DPO_HALF = 512
+# TRL's default lr 5e-6 hardly moves the margin from random weights in 8 steps (the H200 baseline's did not
+# visibly move, DESIGN.md; the smoke shape's rose 0.0006 a step). Adam steps each weight by about lr whatever
+# the gradient's scale and the LoRA B matrices start at zero, so early on the margin rises in proportion to
+# lr (smoke: 0.011 a step at 1e-4). 1e-4 is the SFT recipe's AdamW lr; the same for every system.
+DPO_LR = 1e-4
 
 
 @dataclass
@@ -74,6 +105,7 @@ class Result:
     mfu: float = 0.0
     hfu: float = 0.0
     losses: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # DPO: rewards/margins of every step, warm-up included
     build_s: float = 0.0
     notes: str = ""
     profile: str = ""
@@ -92,71 +124,95 @@ def flops_per_token(seq: int, r: int = 16, recompute: float = 1.0) -> tuple[floa
     return model, hardware
 
 
-# ---------------------------------------------------------------------------------------------- worker
+# -------------------------------------------------------------------------------------------- the model
 
 
-def build_model(mode: str, seq: int):
-    """The 8B-shape model with random weights, on the GPU; QLoRA quantizes every decoder linear to NF4."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+def model_config() -> dict:
+    """LlamaConfig arguments of the saved model, less max_position_embeddings (also what a saved dir must match)."""
+    return dict(
         vocab_size=SHAPE["vocab"],
         hidden_size=SHAPE["hidden"],
         intermediate_size=SHAPE["inter"],
         num_hidden_layers=SHAPE["layers"],
         num_attention_heads=SHAPE["heads"],
         num_key_value_heads=SHAPE["kv_heads"],
-        max_position_embeddings=max(seq, 8192),
+        head_dim=SHAPE["head_dim"],
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
         use_cache=False,
+        dtype="bfloat16",
     )
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
-    with torch.device(DEVICE):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    if mode == "qlora" and DEVICE == "cuda":
-        quantize_nf4_(model)
-    model.config.use_cache = False
-    return model
 
 
-def quantize_nf4_(model) -> None:
-    """Swap each decoder nn.Linear for a bnb Linear4bit (NF4, double quant, bf16 compute), layer by layer.
+def saved_model_dir() -> str:
+    """The saved random model's HF dir (the smoke shape has its own, so neither overwrites the other)."""
+    return os.path.join(MODEL_ROOT, "llama-smoke-shape" if DEVICE == "cpu" else "llama-8b-shape")
 
-    The same modules ``from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True, nf4, double quant))``
-    builds (lm_head and embeddings stay bf16), without writing 16 GB of random weights to disk first.
-    """
-    import bitsandbytes as bnb
+
+def ensure_saved_model(longest: int) -> None:
+    """Orchestrator: unless this machine's saved dir matches and covers ``longest`` positions, write it in a
+    child process (which frees its device memory on exit) and wait for it, before any worker is spawned."""
+    try:
+        with open(os.path.join(saved_model_dir(), "config.json")) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        saved = {}
+    if saved.get("max_position_embeddings", 0) >= longest and all(
+        saved.get(k) == v for k, v in model_config().items()
+    ):
+        return
+    t0 = time.perf_counter()
+    cmd = [sys.executable, os.path.abspath(__file__), "--write-model", str(max(MAX_POSITIONS, longest))]
+    subprocess.run([*cmd, *(["--smoke"] if DEVICE == "cpu" else [])], check=True)
+    print(f"wrote {saved_model_dir()} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def write_saved_model(positions: int) -> None:
+    """The random model (seed 0) as a bf16 safetensors HF dir, built on DEVICE; renamed into place when complete."""
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, lin in list(parent.named_children()):
-                if not isinstance(lin, torch.nn.Linear):
-                    continue
-                q = bnb.nn.Linear4bit(
-                    lin.in_features,
-                    lin.out_features,
-                    bias=lin.bias is not None,
-                    compute_dtype=torch.bfloat16,
-                    compress_statistics=True,
-                    quant_type="nf4",
-                    device="meta",
-                )
-                q.weight = bnb.nn.Params4bit(
-                    lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
-                ).to("cuda")
-                setattr(parent, name, q)
-                del lin
-        torch.cuda.empty_cache()
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+
+    path = saved_model_dir()
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted write
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(LlamaConfig(**model_config(), max_position_embeddings=positions))
+    model.save_pretrained(tmp)
+    make_bpe_tokenizer().save_pretrained(tmp)  # for the trainer service and TRL: ids are a vocab subset
+    shutil.rmtree(path, ignore_errors=True)  # a dir that did not match
+    os.replace(tmp, path)
+
+
+def load_model(qlora: bool):
+    """The saved model, loaded the way DESIGN.md's baseline recipe loads it (NF4 double quant for QLoRA)."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = getattr(torch, DTYPE)
+    quant = None
+    if qlora:
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        saved_model_dir(),
+        dtype=dtype,
+        device_map={"": 0 if DEVICE == "cuda" else "cpu"},
+        attn_implementation="sdpa",
+        quantization_config=quant,
+    )
 
 
 def attach_lora(model):
+    """PEFT LoRA r=16 alpha=16 on all seven projections, the one adapter config of every system."""
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(
@@ -170,108 +226,111 @@ def attach_lora(model):
     return get_peft_model(model, cfg)  # autocast_adapter_dtype=True: LoRA weights fp32
 
 
-def offload_spec(system: str) -> int | None:
-    """``strop-offload`` → 0, ``strop-offload-s12`` → 12 layers without recompute; None for other systems."""
-    m = re.fullmatch(r"strop-offload(?:-s(\d+))?", system)
-    return None if m is None else int(m.group(1) or 0)
+def upcast_adapters_(model) -> None:
+    """Trainable (LoRA) weights back to fp32, as the trainer service keeps them: TRL's trainers cast them to
+    bf16 on a 4-bit base. Called after the trainer is built, before its optimizer is."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
 
 
-def enable_offload(model, system: str):
-    """strop-offload[-sN]: checkpointed layer inputs in pinned host memory, no MLP tiling; with -sN, N evenly
-    spaced layers are not recomputed (their saved activations go to host memory instead)."""
-    from strop.kernels.memory import enable_memory_features
-
-    smoke = {} if DEVICE == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}  # --smoke
-    return enable_memory_features(model, tiled_mlp_chunks=None, save_layers=offload_spec(system), **smoke)
+# ------------------------------------------------------------------------------------------- measuring
 
 
-def run_worker(a) -> Result:
-    import resource
+def reset_peak_memory() -> str:
+    """Start the peaks ``record_peak_memory`` reads: GPU allocator stats and the host RSS high-water mark.
 
-    import torch
+    Returns a note for the result when the host peak cannot be reset (it then counts loading too).
+    """
+    if DEVICE == "cuda":
+        import torch
 
-    res = Result(part=a.part, system=a.system, seq=a.seq, batch=a.batch)
-    t0 = time.perf_counter()
-    model = build_model("qlora" if a.part in ("qlora", "context") else "lora", a.seq)
-    model = attach_lora(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if a.system.startswith("strop"):
-        from strop.kernels import patch_model
-
-        report = patch_model(model)
-        res.notes = str(report)
-    memory, saved_layers = None, offload_spec(a.system)
-    if a.system == "strop-mem":
-        # the long-context mode: layer inputs offloaded to pinned host memory + MLP tiled over the sequence
-        from strop.kernels.memory import enable_memory_features
-
-        memory = enable_memory_features(model, tiled_mlp_chunks="auto")
-    elif saved_layers is not None:
-        memory = enable_offload(model, a.system)
-    model.train()
-    res.build_s = time.perf_counter() - t0
-    cuda = DEVICE == "cuda"
-    planner = None
-    if a.system == "strop-fast" and cuda:
-        from strop.kernels.recompute import enable_budgeted_recompute
-
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, FAST_BUDGET_GIB * 2**30 / total))
-        planner = enable_budgeted_recompute(model, FAST_BUDGET_GIB * 2**30)
-    g = torch.Generator(device=DEVICE).manual_seed(1234)
-    data = torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device=DEVICE, generator=g)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for step in range(a.warmup + a.steps):
-        if cuda:
-            torch.cuda.synchronize()
-        ts = time.perf_counter()
-        loss = train_step(model, opt, data)
-        if cuda:
-            torch.cuda.synchronize()
-        res.losses.append(round(float(loss.detach()), 5))
-        if step >= a.warmup:
-            times.append(time.perf_counter() - ts)
-        if planner is not None and planner.plan is None and planner.step_end() is not None:
-            res.notes += f"\nbudgeted recompute: {planner.plan}"
-            torch.cuda.reset_peak_memory_stats()  # the peak reported is the planned steps'
-    if memory is not None:
-        res.notes += "\n" + str(memory) + f"\n{memory.offloader!r}"  # after training: what was offloaded
-    if a.profile and cuda:
-        res.profile = profile_step(lambda: train_step(model, opt, data))
-    times.sort()
-    med = times[len(times) // 2]
-    tokens = a.batch * a.seq
-    recompute = 1.0
-    if planner is not None and planner.plan is not None:
-        recompute = 1 - planner.plan.uncheckpointed / planner.plan.layers
-    if saved_layers:  # never the last layer
-        recompute = 1 - min(saved_layers, SHAPE["layers"] - 1) / SHAPE["layers"]
-    model_f, hw_f = flops_per_token(a.seq, recompute=recompute)
-    res.steps = len(times)
-    res.ms_per_step = med * 1e3
-    res.tokens_per_s = tokens / med
-    if cuda:
+    try:  # "5" resets VmHWM (Linux >= 4.0): from_pretrained's reads of the weights stay out of the peak
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as exc:
+        return f"\nhost RSS peak counts loading too: clear_refs refused ({exc})"
+    return ""
+
+
+def host_peak_rss_gib() -> float:
+    """The process's RSS high-water mark (VmHWM) since ``reset_peak_memory``; pinned host buffers count."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+
+
+def record_peak_memory(res: Result) -> None:
+    """GPU peak allocated/reserved and host peak RSS since ``reset_peak_memory``."""
+    if DEVICE == "cuda":
+        import torch
+
         res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
         res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
-    res.host_peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
-    res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
-    return res
+    res.host_peak_rss_gib = host_peak_rss_gib()
 
 
-def train_step(model, opt, data):
-    import torch
+def record_speed(
+    res: Result, times: list[float], warmup: int, per_step: int, recompute: float | None
+) -> None:
+    """Median step time after warm-up; ``per_step`` tokens (DPO: pairs) per step; MFU/HFU unless
+    ``recompute`` is None (the fraction of layers whose forward reruns)."""
+    measured = sorted(times[warmup:])
+    med = measured[len(measured) // 2]
+    res.steps, res.ms_per_step, res.tokens_per_s = len(measured), med * 1e3, per_step / med
+    if recompute is not None:
+        model_f, hw_f = flops_per_token(res.seq, recompute=recompute)
+        res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+        res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
 
-    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
-        loss = model(input_ids=data, labels=data).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def step_timer(times: list[float]):
+    """A TrainerCallback appending each optimizer step's wall time (device synchronised) to ``times``."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            times.append(time.perf_counter() - self.t)
+
+    return StepTimer()
+
+
+def trl_args(config_cls, a, **kw):
+    """``config_cls`` (SFTConfig, DPOConfig) with what every TRL system shares: ``a.batch`` rows per step,
+    warm-up + measured steps at a constant lr, non-reentrant checkpointing, a log line per step, no saving."""
+    import tempfile
+
+    return config_cls(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=a.batch,
+        max_steps=a.warmup + a.steps,
+        lr_scheduler_type="constant",
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=DEVICE == "cuda",
+        use_cpu=DEVICE != "cuda",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        **kw,
+    )
 
 
 def profile_step(step) -> str:
@@ -293,50 +352,90 @@ def profile_step(step) -> str:
     return "\n".join(lines)
 
 
-def step_timer(times: list[float]):
-    """A TrainerCallback appending each optimizer step's wall time (device synchronised) to ``times``."""
+# ---------------------------------------------------------------------------------------------- workers
+
+
+def offload_spec(system: str) -> int | None:
+    """``strop-offload`` → 0, ``strop-offload-s12`` → 12 layers without recompute; None for other systems."""
+    m = re.fullmatch(r"strop-offload(?:-s(\d+))?", system)
+    return None if m is None else int(m.group(1) or 0)
+
+
+def enable_offload(model, system: str):
+    """strop-offload[-sN]: checkpointed layer inputs in pinned host memory, no MLP tiling; with -sN, N evenly
+    spaced layers are not recomputed (their saved activations go to host memory instead)."""
+    from strop.kernels.memory import enable_memory_features
+
+    smoke = {} if DEVICE == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}  # --smoke
+    return enable_memory_features(model, tiled_mlp_chunks=None, save_layers=offload_spec(system), **smoke)
+
+
+def run_worker(a) -> Result:
     import torch
-    from transformers import TrainerCallback
 
-    def sync() -> None:
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
+    res = Result(part=a.part, system=a.system, seq=a.seq, batch=a.batch)
+    t0 = time.perf_counter()
+    model = attach_lora(load_model(a.part in QLORA_PARTS))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if a.system.startswith("strop"):
+        from strop.kernels import patch_model
 
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            sync()
-            self.t = time.perf_counter()
+        res.notes = str(patch_model(model))
+    memory, saved_layers = None, offload_spec(a.system)
+    if a.system == "strop-mem":
+        # the long-context mode: layer inputs offloaded to pinned host memory + MLP tiled over the sequence
+        from strop.kernels.memory import enable_memory_features
 
-        def on_step_end(self, args, state, control, **kw):
-            sync()
-            times.append(time.perf_counter() - self.t)
+        memory = enable_memory_features(model, tiled_mlp_chunks="auto")
+    elif saved_layers is not None:
+        memory = enable_offload(model, a.system)
+    model.train()
+    res.build_s = time.perf_counter() - t0
+    planner = None
+    if a.system == "strop-fast" and DEVICE == "cuda":
+        from strop.kernels.recompute import enable_budgeted_recompute
 
-    return StepTimer()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, FAST_BUDGET_GIB * 2**30 / total))
+        planner = enable_budgeted_recompute(model, FAST_BUDGET_GIB * 2**30)
+    g = torch.Generator(device=DEVICE).manual_seed(1234)
+    data = torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device=DEVICE, generator=g)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    res.notes += reset_peak_memory()
+    times = []
+    for _ in range(a.warmup + a.steps):
+        sync()
+        ts = time.perf_counter()
+        loss = train_step(model, opt, data)
+        sync()
+        times.append(time.perf_counter() - ts)
+        res.losses.append(round(float(loss.detach()), 5))
+        if planner is not None and planner.plan is None and planner.step_end() is not None:
+            res.notes += f"\nbudgeted recompute: {planner.plan}"
+            res.notes += reset_peak_memory()  # the peak reported is the planned steps'
+    record_peak_memory(res)
+    if memory is not None:
+        res.notes += "\n" + str(memory) + f"\n{memory.offloader!r}"  # after training: what was offloaded
+    if a.profile and DEVICE == "cuda":
+        res.profile = profile_step(lambda: train_step(model, opt, data))
+    recompute = 1.0
+    if planner is not None and planner.plan is not None:
+        recompute = 1 - planner.plan.uncheckpointed / planner.plan.layers
+    if saved_layers:  # never the last layer
+        recompute = 1 - min(saved_layers, SHAPE["layers"] - 1) / SHAPE["layers"]
+    record_speed(res, times, a.warmup, a.batch * a.seq, recompute)
+    return res
 
 
-def median_after_warmup(times: list[float], warmup: int) -> tuple[int, float]:
-    measured = sorted(times[warmup:])
-    return len(measured), measured[len(measured) // 2]
+def train_step(model, opt, data):
+    import torch
 
-
-SAVED_MODEL = "/tmp/strop-bench-models/llama-8b-shape"
-
-
-def saved_model_dir(seq: int) -> str:
-    """The random 8B-shape model as a bf16 HF dir (written once per machine; tiny BPE tokenizer beside it).
-
-    The trainer service loads models from disk, so the service and TRL-library systems start from this
-    directory (NF4 quantized on load for QLoRA) instead of building the model in memory.
-    """
-    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
-
-    if not os.path.isfile(os.path.join(SAVED_MODEL, "config.json")):
-        model = build_model("lora", seq)
-        model.save_pretrained(SAVED_MODEL + ".tmp", safe_serialization=True)
-        make_bpe_tokenizer().save_pretrained(SAVED_MODEL + ".tmp")
-        del model
-        os.replace(SAVED_MODEL + ".tmp", SAVED_MODEL)
-    return SAVED_MODEL
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
+        loss = model(input_ids=data, labels=data).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 def run_trl_worker(a) -> Result:
@@ -345,7 +444,7 @@ def run_trl_worker(a) -> Result:
     gRPC on localhost (whose standard memory mode on CUDA offloads the checkpointed inputs the same way).
 
     Both train the same pre-tokenized rows (batch x seq random ids) with gradient checkpointing, AdamW
-    lr 1e-4, bf16; the service reports each step's time and peak memory in its events.
+    lr 1e-4, bf16, fp32 adapters; the service reports each step's time in its events.
     """
     import tempfile
 
@@ -353,11 +452,10 @@ def run_trl_worker(a) -> Result:
 
     res = Result(part=a.part, system=a.system, seq=a.seq, batch=a.batch)
     t0 = time.perf_counter()
-    model_dir = saved_model_dir(a.seq)
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, 640, (a.batch, a.seq), generator=g)  # ids of the saved tiny tokenizer
     rows = [{"input_ids": ids[i].tolist()} for i in range(a.batch)] * (a.warmup + a.steps)
-    qlora = a.part == "qlora"
+    qlora = a.part in QLORA_PARTS
     times: list[float] = []
     if a.system == "service":
         from strop.client import KernelMode, LoraConfig, Quantization, TrainConfig, TrainerClient, TrainMethod
@@ -366,14 +464,12 @@ def run_trl_worker(a) -> Result:
 
         work = tempfile.mkdtemp()
         running, _core = start(
-            TrainerConfig(
-                model_root=os.path.dirname(model_dir), artifact_root=work + "/a", state_dir=work + "/s"
-            )
+            TrainerConfig(model_root=MODEL_ROOT, artifact_root=work + "/a", state_dir=work + "/s")
         )
         with TrainerClient(f"127.0.0.1:{running.port}") as tc:
             s = tc.load_model(
-                os.path.basename(model_dir),
-                dtype="bfloat16" if DEVICE == "cuda" else "float32",
+                os.path.basename(saved_model_dir()),
+                dtype=DTYPE,
                 quantization=Quantization.NF4 if qlora else Quantization.NONE,
                 kernels=KernelMode.UNSPECIFIED,
             )
@@ -392,90 +488,42 @@ def run_trl_worker(a) -> Result:
                 optimizer="adamw_torch",
                 seed=0,
             )
+            res.notes += reset_peak_memory()  # the service trains in this process: the same readers apply
             for e in tc.train(s.session_id, ds.dataset_id, cfg):
                 if e.step is not None:
                     res.losses.append(round(e.step.loss, 5))
                     times.append(e.step.step_seconds)
-                    res.peak_alloc_gib = e.step.peak_memory_bytes / 2**30
                 elif e.state is not None and e.state.state.value == "FAILED":
                     raise RuntimeError(e.state.message)
+            record_peak_memory(res)
         running.stop(grace=1.0)
     else:
         from datasets import Dataset
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+        from transformers import AutoTokenizer
         from trl import SFTConfig, SFTTrainer
 
         from strop.kernels import patch_model
-
-        kw = {"dtype": torch.bfloat16, "device_map": {"": 0 if DEVICE == "cuda" else "cpu"}}
-        if qlora and DEVICE == "cuda":
-            kw["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16,
-            )
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=16,
-                lora_alpha=16,
-                lora_dropout=0.0,
-                task_type="CAUSAL_LM",
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            ),
-        )
-        res.notes = str(patch_model(model))
-        # what the service does in its standard mode on CUDA: checkpointed inputs offloaded, no tiling
         from strop.kernels.memory import enable_memory_features
 
+        model = attach_lora(load_model(qlora))
+        res.notes = str(patch_model(model))
+        # what the service does in its standard mode on CUDA: checkpointed inputs offloaded, no tiling
         memory = enable_memory_features(model, tiled_mlp_chunks=None)
-
-        args = SFTConfig(
-            output_dir=tempfile.mkdtemp(),
-            per_device_train_batch_size=a.batch,
-            max_length=a.seq,
-            max_steps=a.warmup + a.steps,
-            learning_rate=1e-4,
-            lr_scheduler_type="constant",
-            gradient_checkpointing=True,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-            bf16=DEVICE == "cuda",
-            use_cpu=DEVICE != "cuda",
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-            data_seed=0,
-            dataloader_num_workers=0,
-        )
         trainer = SFTTrainer(
             model=model,
-            args=args,
+            args=trl_args(SFTConfig, a, learning_rate=1e-4, max_length=a.seq),
             train_dataset=Dataset.from_list(rows),
-            processing_class=AutoTokenizer.from_pretrained(model_dir),
+            processing_class=AutoTokenizer.from_pretrained(saved_model_dir()),
             callbacks=[step_timer(times)],
         )
-        for p in model.parameters():  # fp32 adapters, as the service keeps them
-            if p.requires_grad:
-                p.data = p.data.float()
+        upcast_adapters_(model)
         res.build_s = time.perf_counter() - t0
-        if DEVICE == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        res.notes += reset_peak_memory()
         trainer.train()
+        record_peak_memory(res)
         res.notes += "\n" + str(memory)
         res.losses = [round(float(h["loss"]), 5) for h in trainer.state.log_history if "loss" in h]
-        if DEVICE == "cuda":
-            res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
-            res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
-    n, med = median_after_warmup(times, a.warmup)
-    model_f, hw_f = flops_per_token(a.seq)
-    res.steps, res.ms_per_step, res.tokens_per_s = n, med * 1e3, a.batch * a.seq / med
-    res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
-    res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+    record_speed(res, times, a.warmup, a.batch * a.seq, 1.0)
     return res
 
 
@@ -506,20 +554,19 @@ def dpo_dataset(n_rows: int, prompt_tokens: int, completion_tokens: int):
 def run_dpo_worker(a) -> Result:
     """TRL DPOTrainer on HF + PEFT (baseline, as TRL users run it) vs strop's DPO path, 8B QLoRA.
 
-    4 pairs per step, prompt 512 + completion 512, gradient checkpointing, reference = the base with the
-    adapter disabled, TRL's default for a PEFT model (the same for both systems). strop: ``patch_model`` + the chunked DPO loss
+    ``a.batch`` pairs (4) of prompt 512 + completion 512, the same pairs every step: the dataset is those
+    rows, so each step is one epoch over them (in shuffled order, the same mean loss). Gradient
+    checkpointing, lr ``DPO_LR``, reference = the base with the adapter disabled, TRL's default for a PEFT
+    model (the same for both systems). strop: ``patch_model`` + the chunked DPO loss
     (``strop_dpo_trainer_class``) with fp32 adapters, as the trainer service runs it.
     """
-    import tempfile
-
-    import torch
     from trl import DPOConfig, DPOTrainer
 
-    res = Result(part="dpo", system=a.system, seq=1024, batch=a.batch)
+    res = Result(part="dpo", system=a.system, seq=a.seq, batch=a.batch)
     t0 = time.perf_counter()
-    model = attach_lora(build_model("qlora", 2048))
-    half = 512 if DEVICE == "cuda" else 24  # --smoke: tiny sequences (the CPU runs the kernels interpreted)
-    tok, data = dpo_dataset(a.batch * (a.warmup + a.steps), half, half)
+    model = attach_lora(load_model(qlora=True))
+    half = a.seq // 2
+    tok, data = dpo_dataset(a.batch, half, half)
     trainer_cls = DPOTrainer
     strop = a.system.startswith("strop")
     if strop:
@@ -529,63 +576,46 @@ def run_dpo_worker(a) -> Result:
         res.notes = str(patch_model(model))
         trainer_cls = strop_dpo_trainer_class()
     times: list[float] = []
-
-    args = DPOConfig(
-        output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=a.batch,
-        max_steps=a.warmup + a.steps,
-        learning_rate=5e-6,
-        lr_scheduler_type="constant",
-        beta=0.1,
-        max_length=2 * half,
-        logging_steps=1,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        bf16=DEVICE == "cuda",
-        use_cpu=DEVICE != "cuda",
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-    )
     trainer = trainer_cls(
         model=model,
         ref_model=None,
-        args=args,
+        args=trl_args(DPOConfig, a, learning_rate=DPO_LR, beta=0.1, max_length=2 * half),
         train_dataset=data,
         processing_class=tok,
         callbacks=[step_timer(times)],
     )
     if strop:
-        for p in model.parameters():  # strop keeps adapters fp32 (TRL casts them to bf16 on a 4-bit base)
-            if p.requires_grad:
-                p.data = p.data.float()
+        upcast_adapters_(model)
     memory = enable_offload(model, a.system) if offload_spec(a.system) is not None else None
     res.build_s = time.perf_counter() - t0
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    res.notes += reset_peak_memory()
     trainer.train()
+    record_peak_memory(res)
     if memory is not None:
         res.notes += "\n" + str(memory) + f"\n{memory.offloader!r}"  # after training: what was offloaded
     logs = [h for h in trainer.state.log_history if "loss" in h]
     res.losses = [round(float(h["loss"]), 5) for h in logs]
-    res.notes += f"\nmargins: {[round(float(h.get('rewards/margins', 0.0)), 5) for h in logs]}"
-    res.steps, med = median_after_warmup(times, a.warmup)
-    res.ms_per_step = med * 1e3
-    res.tokens_per_s = a.batch / med  # pairs per second for this part
-    if DEVICE == "cuda":
-        res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
-        res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+    res.margins = [round(float(h["rewards/margins"]), 5) for h in logs]
+    record_speed(res, times, a.warmup, a.batch, None)  # pairs per second for this part
     return res
 
 
 # ------------------------------------------------------------------------------------------ orchestrator
 
 
+def part_points(part: str, a) -> list[tuple[int, int]]:
+    """(seq, batch) points of a part; DPO's seq is a pair's prompt + completion."""
+    if part == "context":
+        return [(int(s), 1) for s in a.context.split(",")]
+    if part == "dpo":
+        return [(2 * DPO_HALF, 4)]  # 4 pairs per step
+    return [(a.seq, a.batch)]
+
+
 def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    if a.smoke:
+        env["TRITON_INTERPRET"] = "1"  # strop's kernels on the CPU (read when they are first imported)
     cmd = [
         sys.executable,
         __file__,
@@ -626,10 +656,19 @@ def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
     )
 
 
+def rate(r: Result) -> str:
+    """tokens/s, or pairs/s (a few per second) for DPO."""
+    return f"{r.tokens_per_s:.2f} pairs/s" if r.part == "dpo" else f"{r.tokens_per_s:,.0f} tok/s"
+
+
+def margin_rose(r: Result) -> str:
+    return "rose" if r.margins[-1] > r.margins[0] else "did not rise"
+
+
 def table(results: list[Result]) -> str:
     base = {(r.part, r.seq): r for r in results if r.system == "baseline" and r.ok}
     rows = [
-        "| part | system | seq x batch | tokens/s (dpo: pairs/s) | ms/step | peak alloc GiB | peak reserved GiB | host RSS GiB "
+        "| part | system | seq x batch | speed | ms/step | peak alloc GiB | peak reserved GiB | host RSS GiB "
         "| MFU | HFU | speed vs base | mem vs base | first losses |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -641,23 +680,39 @@ def table(results: list[Result]) -> str:
         sp = f"{r.tokens_per_s / b.tokens_per_s:.2f}x" if b else "-"
         mem = f"{r.peak_alloc_gib / b.peak_alloc_gib:.2f}x" if b and b.peak_alloc_gib else "-"
         rows.append(
-            f"| {r.part} | {r.system} | {r.seq} x {r.batch} | {r.tokens_per_s:,.0f} | {r.ms_per_step:,.0f} | "
+            f"| {r.part} | {r.system} | {r.seq} x {r.batch} | {rate(r)} | {r.ms_per_step:,.0f} | "
             f"{r.peak_alloc_gib:.1f} | {r.peak_reserved_gib:.1f} | {r.host_peak_rss_gib:.1f} | {r.mfu:.1%} | "
             f"{r.hfu:.1%} | {sp} | {mem} | {', '.join(f'{x:.4f}' for x in r.losses[:3])} |"
         )
+    dpo = [r for r in results if r.ok and r.margins]
+    if dpo:
+        rows += [
+            "",
+            "DPO reward margin on the fixed batch, every step (warm-up included):",
+            "",
+            "| system | margins | last > first |",
+            "|---|---|---|",
+        ]
+        rows += [
+            f"| {r.system} | {', '.join(f'{m:.5f}' for m in r.margins)} | {margin_rose(r)} |" for r in dpo
+        ]
     return "\n".join(rows)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true")
+    p.add_argument(
+        "--write-model", type=int, metavar="POSITIONS", help=argparse.SUPPRESS
+    )  # ensure_saved_model's
     p.add_argument("--part", default="qlora")
     p.add_argument("--system", default="baseline")
     p.add_argument("--parts", default="qlora,lora")
     p.add_argument("--systems", default="baseline,strop")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--context", default="16384,32768,65536,131072,262144")
+    p.add_argument("--seq", type=int, help="tokens per row (default 2048; --smoke: 64)")
+    p.add_argument("--batch", type=int, help="rows per step (default 8; --smoke: 2)")
+    # batch 1; a run stops at a system's first failing point, so 524288 costs time only where 262144 fits
+    p.add_argument("--context", default="16384,32768,65536,131072,262144,524288")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=900)
@@ -668,9 +723,15 @@ def main() -> None:
     )
     a = p.parse_args()
     if a.smoke:
-        global DEVICE
-        DEVICE = "cpu"
+        global DEVICE, DTYPE, DPO_HALF
+        DEVICE, DTYPE, DPO_HALF = "cpu", "float32", 24
         SHAPE.update(SMOKE_SHAPE)
+    # --smoke: few tokens, as the Triton interpreter runs strop's kernels at ~10 s a step for 64 x 2
+    a.seq = a.seq or (64 if a.smoke else 2048)
+    a.batch = a.batch or (2 if a.smoke else 8)
+    if a.write_model:
+        write_saved_model(a.write_model)
+        return
     if a.worker:
         try:
             if a.part == "dpo":
@@ -687,20 +748,18 @@ def main() -> None:
             res = Result(a.part, a.system, a.seq, a.batch, ok=False, error="OOM" if oom else repr(exc)[:300])
         print("RESULT " + json.dumps(asdict(res)), flush=True)
         return
+    parts = {part: part_points(part, a) for part in a.parts.split(",")}
+    ensure_saved_model(max(seq for points in parts.values() for seq, _ in points))
     results: list[Result] = []
-    for part in a.parts.split(","):
-        points = [(int(s), 1) for s in a.context.split(",")] if part == "context" else [(a.seq, a.batch)]
-        if part == "dpo":
-            points = [(1024, 4)]  # 4 pairs of prompt 512 + completion 512 per step
+    for part, points in parts.items():
         for system in a.systems.split(","):
             for seq, batch in points:
                 r = spawn(part, system, seq, batch, a)
                 results.append(r)
-                print(
-                    f"{part} {system} {seq}x{batch}: "
-                    + (f"{r.tokens_per_s:,.0f} tok/s, {r.peak_alloc_gib:.1f} GiB" if r.ok else r.error[:200]),
-                    flush=True,
-                )
+                line = f"{rate(r)}, {r.peak_alloc_gib:.1f} GiB" if r.ok else r.error[:200]
+                if r.ok and r.margins:
+                    line += f", margin {r.margins[0]:.5f} -> {r.margins[-1]:.5f} ({margin_rose(r)})"
+                print(f"{part} {system} {seq}x{batch}: {line}", flush=True)
                 if part == "context" and not r.ok:
                     break  # longer contexts will not fit either
     if a.json:
