@@ -2,26 +2,40 @@
 PY ?= python3.11
 VENV := .venv
 VPY := $(VENV)/bin/python
-# The CPU build of torch 2.13 lies on the CI machines' disk; on a GPU host set TORCH_SPEC="torch".
-TORCH_SPEC ?= torch==2.13.0
+# The CPU build of torch 2.13 lies on the CI machines' disk; on a GPU host set TORCH_SPEC="torch==<version>".
+TORCH_SPEC ?= $(shell grep -m1 '^torch==' requirements/torch-cpu.txt)
+LOCK := requirements/lock.txt
+PIP_VERSION := 26.3
 PROTOS := $(wildcard protos/strop/v1/*.proto)
+# The parity tests run a second time on a second ATen SIMD path: fp32 results differ by path, and a bound
+# that holds on one CPU must hold on every CPU (scalar code is available on all of them).
+SECOND_CPU_CAPABILITY ?= default
+TIER := TRITON_INTERPRET=1 HF_HUB_OFFLINE=1
 
-.PHONY: setup demo test test-gpu lint format protos check-protos bench clean
+.PHONY: setup demo test test-parity test-gpu lint format protos check-protos lock setup-latest test-latest bench clean
 
-$(VENV)/.setup-done: pyproject.toml
+# The locked install: torch first (without its dependencies, which the lock pins), then every package of
+# the lock with its sha256 and no resolution of its own, then strop itself; `pip check` proves it whole.
+$(VENV)/.setup-done: pyproject.toml $(LOCK) requirements/torch-cpu.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH_SPEC)"
-	$(VPY) -m pip install -q -e ".[dev]"
+	$(VPY) -m pip install -q "pip==$(PIP_VERSION)"
+	$(VPY) -m pip install -q --no-deps "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q --no-deps --require-hashes -r $(LOCK)
+	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(VPY) -m pip check
 	touch $@
 
 setup: $(VENV)/.setup-done
 
 demo: setup
-	$(VPY) -m strop.demo
+	HF_HUB_OFFLINE=1 $(VPY) -P -m strop.demo
 
 test: setup check-protos lint
-	TRITON_INTERPRET=1 $(VPY) -m pytest -m "not gpu" -q
+	$(TIER) $(VPY) -m pytest -m "not gpu" -q
+	$(MAKE) --no-print-directory test-parity
+
+test-parity: setup
+	$(TIER) ATEN_CPU_CAPABILITY=$(SECOND_CPU_CAPABILITY) $(VPY) -m pytest -m "parity and not gpu" -q -p no:randomly
 
 test-gpu: setup
 	$(VPY) -m pytest -m gpu -q
@@ -44,8 +58,29 @@ check-protos: setup
 	diff -r -x __pycache__ -x '*.proto' -x '__init__.py' .protos-check/strop/v1 protos/strop/v1 | grep -v '^Only in protos' | (! grep .) || (echo "generated protos are stale: run 'make protos'" && exit 1)
 	rm -rf .protos-check
 
+# Refresh the lock from pyproject's ranges (newest versions they allow; torch and strop itself left out).
+lock:
+	test -x .venv-tools/bin/pip-compile || ($(PY) -m venv .venv-tools && .venv-tools/bin/pip install -q pip-tools==7.6.2)
+	.venv-tools/bin/pip-compile --quiet --generate-hashes --allow-unsafe --extra dev --strip-extras --no-emit-index-url --no-emit-find-links \
+		--unsafe-package strop --unsafe-package torch -c requirements/torch-cpu.txt -o $(LOCK) pyproject.toml
+	$(PY) -c "import sys; p=sys.argv[1]; s=open(p).read(); open(p,'w').write(s.split('# The following packages are considered to be unsafe')[0].rstrip()+'\n')" $(LOCK)
+
+# The newest versions pyproject's ranges allow, in their own venv, and the CPU tier on them.
+setup-latest:
+	test -x .venv-latest/bin/python || $(PY) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install -q "pip==$(PIP_VERSION)"
+	.venv-latest/bin/python -m pip install -q "$(TORCH_SPEC)"
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+	.venv-latest/bin/python -m pip check
+
+test-latest: setup-latest
+	$(TIER) .venv-latest/bin/python -m pytest -m "not gpu" -q
+	$(MAKE) --no-print-directory test-parity VPY=.venv-latest/bin/python VENV=.venv-latest
+
+# The training benchmark's harness on a tiny shape on the CPU (numbers meaningless; the real runs are on the
+# GPU machine: bench/train_bench.py, bench/kernels_*.py, bench/export_bench.py, recorded in bench/RESULTS.md).
 bench: setup
-	$(VPY) bench/run.py --help
+	$(TIER) $(VPY) -P bench/train_bench.py --smoke --parts qlora,dpo --systems baseline,strop --steps 1 --warmup 1
 
 clean:
-	rm -rf $(VENV) .protos-check .pytest_cache
+	rm -rf $(VENV) .venv-latest .venv-tools .protos-check .pytest_cache

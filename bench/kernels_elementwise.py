@@ -34,10 +34,10 @@ import triton
 import triton.testing
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from strop.kernels.fused_linear_ce import fused_linear_cross_entropy
-from strop.kernels.rmsnorm import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference
-from strop.kernels.rope import rope_qk, rope_qk_bwd, rope_qk_fwd
-from strop.kernels.swiglu import swiglu, swiglu_bwd, swiglu_fwd
+from strop.kernels.ops.fused_linear_ce import fused_linear_cross_entropy
+from strop.kernels.ops.rmsnorm import rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_reference
+from strop.kernels.ops.rope import rope_qk, rope_qk_bwd, rope_qk_fwd
+from strop.kernels.ops.swiglu import swiglu, swiglu_bwd, swiglu_fwd
 
 BF16 = torch.bfloat16
 DEVICE = "cuda"

@@ -112,7 +112,7 @@ def run_system(system: str, tokens: int, iters: int) -> dict:
         return {"ms": ms, "tflops": gemm_flops / ms / 1e9, "peak_gib": _peak(step)}
 
     if system in ("strop_bf16", "strop_nf4"):
-        from strop.kernels import lora_mlp
+        from strop.kernels.lora import lora_mlp
 
         ad = _adapters(gen)
         bases = {k: (_nf4(v) if system == "strop_nf4" else v) for k, v in w.items()}
@@ -173,7 +173,7 @@ def run_system(system: str, tokens: int, iters: int) -> dict:
     if system == "dequant":
         import bitsandbytes.functional as bnbf
 
-        from strop.kernels.nf4 import nf4_dequantize
+        from strop.kernels.ops.nf4 import nf4_dequantize
 
         params = [_nf4(v) for v in w.values()]
         outs = [torch.empty(p.quant_state.shape, dtype=torch.bfloat16, device="cuda") for p in params]

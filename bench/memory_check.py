@@ -10,8 +10,8 @@ activations (strop's own accounting), and the second step's time.
 
 Systems:
     hf      transformers + PEFT, gradient checkpointing (use_reentrant=False): DESIGN.md's baseline recipe
-    patch   hf + ``strop.kernels.patch_model`` (fused kernels, chunked CE), plain checkpointing
-    strop   patch + ``strop.kernels.memory.enable_memory_features`` (offloaded checkpointing, tiled MLP)
+    patch   hf + ``strop.kernels.models.patch_model`` (fused kernels, chunked CE), plain checkpointing
+    strop   patch + ``strop.kernels.models.memory.enable_memory_features`` (offloaded checkpointing, tiled MLP)
             (``patch_model`` is skipped, with a note, where it is not importable)
 
 Usage (on the GPU machine; each point is its own subprocess, an OOM is reported as such)::
@@ -73,14 +73,14 @@ def run_worker(a: argparse.Namespace) -> Point:
     report = None
     if a.system in ("patch", "strop"):
         try:
-            from strop.kernels import patch_model
+            from strop.kernels.models import patch_model
         except ImportError as e:
             notes.append(f"patch_model not importable ({e})")
         else:
             patch_model(model)
             notes.append("patch_model")
     if a.system == "strop":
-        from strop.kernels.memory import enable_memory_features
+        from strop.kernels.models.memory import enable_memory_features
 
         chunks = a.tiled_mlp_chunks if a.tiled_mlp_chunks in ("auto", None) else int(a.tiled_mlp_chunks)
         report = enable_memory_features(model, tiled_mlp_chunks=chunks)

@@ -76,7 +76,7 @@ def measure(model, ids, steps: int) -> dict:
 
 
 def main() -> None:
-    from strop.kernels.offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+    from strop.kernels.models import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=16384)

@@ -18,7 +18,7 @@ import itertools
 import torch
 import triton.testing
 
-import strop.kernels.rmsnorm as rn
+import strop.kernels.ops.rmsnorm as rn
 
 T, H = 16384, 4096
 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ import itertools
 import torch
 import triton.testing
 
-import strop.kernels.small_k as sk
+import strop.kernels.ops.small_k as sk
 
 SHAPES = [  # (what, M, N, K)
     ("gate/up += u Bᵀ", 16384, 14336, 16),

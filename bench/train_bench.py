@@ -11,7 +11,7 @@ compute) for the QLoRA parts (qlora, context, dpo); no prepare_model_for_kbit_tr
 bf16 autocast, gradient checkpointing with use_reentrant=False, torch.optim.AdamW(lr=1e-4),
 PYTORCH_ALLOC_CONF=expandable_segments:True. Every system loads that dir with ``load_model`` (the trainer
 service with its own loader, which passes the same dtype and BitsAndBytesConfig); strop's library path is
-the baseline's loop on that model after ``strop.kernels.patch_model(model)``.
+the baseline's loop on that model after ``strop.kernels.models.patch_model(model)``.
 
 The saved dir (/tmp/strop-bench-models/, tiny BPE tokenizer beside the weights) is written once per machine
 by a child of the orchestrator before any worker starts, so no worker's time or memory includes it; a
@@ -364,7 +364,7 @@ def offload_spec(system: str) -> int | None:
 def enable_offload(model, system: str):
     """strop-offload[-sN]: checkpointed layer inputs in pinned host memory, no MLP tiling; with -sN, N evenly
     spaced layers are not recomputed (their saved activations go to host memory instead)."""
-    from strop.kernels.memory import enable_memory_features
+    from strop.kernels.models.memory import enable_memory_features
 
     smoke = {} if DEVICE == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}  # --smoke
     return enable_memory_features(model, tiled_mlp_chunks=None, save_layers=offload_spec(system), **smoke)
@@ -378,13 +378,13 @@ def run_worker(a) -> Result:
     model = attach_lora(load_model(a.part in QLORA_PARTS))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if a.system.startswith("strop"):
-        from strop.kernels import patch_model
+        from strop.kernels.models import patch_model
 
         res.notes = str(patch_model(model))
     memory, saved_layers = None, offload_spec(a.system)
     if a.system == "strop-mem":
         # the long-context mode: layer inputs offloaded to pinned host memory + MLP tiled over the sequence
-        from strop.kernels.memory import enable_memory_features
+        from strop.kernels.models.memory import enable_memory_features
 
         memory = enable_memory_features(model, tiled_mlp_chunks="auto")
     elif saved_layers is not None:
@@ -393,7 +393,7 @@ def run_worker(a) -> Result:
     res.build_s = time.perf_counter() - t0
     planner = None
     if a.system == "strop-fast" and DEVICE == "cuda":
-        from strop.kernels.recompute import enable_budgeted_recompute
+        from strop.kernels.models.recompute import enable_budgeted_recompute
 
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, FAST_BUDGET_GIB * 2**30 / total))
@@ -502,8 +502,8 @@ def run_trl_worker(a) -> Result:
         from transformers import AutoTokenizer
         from trl import SFTConfig, SFTTrainer
 
-        from strop.kernels import patch_model
-        from strop.kernels.memory import enable_memory_features
+        from strop.kernels.models import patch_model
+        from strop.kernels.models.memory import enable_memory_features
 
         model = attach_lora(load_model(qlora))
         res.notes = str(patch_model(model))
@@ -570,8 +570,8 @@ def run_dpo_worker(a) -> Result:
     trainer_cls = DPOTrainer
     strop = a.system.startswith("strop")
     if strop:
-        from strop.kernels import patch_model
-        from strop.kernels.chunked_dpo import strop_dpo_trainer_class
+        from strop.kernels.models import patch_model
+        from strop.kernels.trainers import strop_dpo_trainer_class
 
         res.notes = str(patch_model(model))
         trainer_cls = strop_dpo_trainer_class()

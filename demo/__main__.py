@@ -15,6 +15,7 @@ Minutes on a CPU-only machine; uses the GPU when there is one.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="demo-out", help="where models, artifacts, state and logs go")
     p.add_argument("--keep", action="store_true", help="do not wipe the workdir first")
     a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is generated here; nothing is downloaded
     summary = run(Path(a.workdir).resolve(), keep=a.keep)
     banner("summary")
     width = max(len(k) for k in summary)

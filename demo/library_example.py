@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     from trl import SFTConfig, SFTTrainer
 
     from strop.demo.data import sft_rows
-    from strop.kernels import patch_model
+    from strop.kernels.models import patch_model
 
     model_dir = a.model
     if model_dir is None:

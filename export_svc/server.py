@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # strop never downloads at run time (models come from disk)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

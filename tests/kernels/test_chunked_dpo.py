@@ -30,17 +30,16 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-import strop.kernels.chunked_dpo as cd
-from strop.kernels.chunked_dpo import (
-    add_hidden_states_head,
+import strop.kernels.losses.dpo as cd
+from strop.kernels.losses.dpo import (
     chunked_dpo_loss_reference,
     dpo_loss_from_logps,
-    remove_hidden_states_head,
     sequence_logps,
     sequence_logps_reference,
     sequence_logps_rows,
     strop_dpo_loss,
 )
+from strop.kernels.trainers import add_hidden_states_head, remove_hidden_states_head, strop_dpo_trainer_class
 
 S, T, H, V = 6, 23, 37, 301
 PROMPT = 7
@@ -289,9 +288,7 @@ def _train(trainer_cls, tokenizer, tmp_path, steps=3, **config):
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_trl_dpo_trainer_and_strop_glue_train_identically(tokenizer, tmp_path, loss_type):
     trl_trainer, trl_losses = _train(trl.DPOTrainer, tokenizer, tmp_path / "trl", loss_type=[loss_type])
-    ours, our_losses = _train(
-        cd.strop_dpo_trainer_class(), tokenizer, tmp_path / "strop", loss_type=[loss_type]
-    )
+    ours, our_losses = _train(strop_dpo_trainer_class(), tokenizer, tmp_path / "strop", loss_type=[loss_type])
     assert ours._strop_dpo_reason is None, ours._strop_dpo_reason
     assert len(our_losses) == len(trl_losses) == 3
     for step, (a, b) in enumerate(zip(our_losses, trl_losses, strict=True)):
@@ -312,9 +309,7 @@ def test_trl_dpo_trainer_and_strop_glue_train_identically(tokenizer, tmp_path, l
 
 
 def test_glue_leaves_unsupported_configs_to_trl(tokenizer, tmp_path):
-    trainer, losses = _train(
-        cd.strop_dpo_trainer_class(), tokenizer, tmp_path, steps=1, loss_type=["bco_pair"]
-    )
+    trainer, losses = _train(strop_dpo_trainer_class(), tokenizer, tmp_path, steps=1, loss_type=["bco_pair"])
     assert "bco_pair" in trainer._strop_dpo_reason
     assert len(losses) == 1 and math.isfinite(losses[0])
     forward = trainer.model.get_base_model().__dict__.get("forward")

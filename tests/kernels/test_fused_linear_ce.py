@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import strop.kernels.fused_linear_ce as flce
-from strop.kernels.fused_linear_ce import (
+import strop.kernels.ops.fused_linear_ce as flce
+from strop.kernels.ops.fused_linear_ce import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_fwd,
     fused_linear_cross_entropy_reference,
@@ -105,7 +105,7 @@ def test_loss_and_all_gradients_match_reference_in_fp32(case):
 
 @cpu_tier
 def test_online_softmax_over_several_vocab_blocks_matches_reference(monkeypatch):
-    monkeypatch.setattr(flce, "_MAX_BLOCK_V", 128)  # V=300 → 3 blocks, the last one partial
+    monkeypatch.setattr(flce, "MAX_BLOCK_V", 128)  # V=300 → 3 blocks, the last one partial
     hidden, weight, bias, labels = _inputs()
     hidden = 4 * hidden  # peaked softmax: the running max moves between blocks
     loss, grads = _grads(fused_linear_cross_entropy, hidden, weight, bias, labels, chunk_size=16, softcap=5.0)

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from strop.kernels.lora_linear import lora_linear, lora_linear_reference, lora_qkv
-from strop.kernels.lora_mlp import lora_mlp, lora_mlp_reference
-from strop.kernels.nf4 import dequantize_weight
+from strop.kernels.lora.linear import lora_linear, lora_linear_reference, lora_qkv
+from strop.kernels.lora.mlp import lora_mlp, lora_mlp_reference
+from strop.kernels.ops.nf4 import dequantize_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_FLOOR = 0.5e-5  # bound = 2 × max(torch's fp32 error, this) ≥ 1e-5

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 bnb = pytest.importorskip("bitsandbytes")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
-from strop.kernels.nf4 import (  # noqa: E402
+from strop.kernels.ops.nf4 import (  # noqa: E402
     dequantize_shared,
     dequantize_weight,
     nf4_dequantize,

@@ -23,11 +23,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-import strop.kernels.offload as offload_mod  # noqa: E402
-from strop.kernels.memory import disable_memory_features, enable_memory_features  # noqa: E402
-from strop.kernels.offload import (  # noqa: E402
+import strop.kernels.models.offload_records as records_mod  # noqa: E402
+from strop.kernels.models import (  # noqa: E402
     ActivationOffloader,
+    disable_memory_features,
     disable_offloaded_checkpointing,
+    enable_memory_features,
     enable_offloaded_checkpointing,
     offloaded_checkpoint,
 )
@@ -299,19 +300,19 @@ def test_keyword_tensors_stay_put_and_dense_views_keep_their_strides():
 
     offloader = ActivationOffloader(offload_cpu_tensors=True, min_offload_bytes=0)
     seen = []
-    orig = offload_mod._SavedGroup.unpack
+    orig = records_mod.SavedGroup.unpack
 
     def spy(group, handle):
         out = orig(group, handle)
         seen.append((tuple(out.shape), out.stride()))
         return out
 
-    offload_mod._SavedGroup.unpack = spy
+    records_mod.SavedGroup.unpack = spy
     try:
         out = offloaded_checkpoint(functools.partial(fn, table=shared), x, offloader=offloader, save=True)
         (gx,) = torch.autograd.grad(out, (x,))
     finally:
-        offload_mod._SavedGroup.unpack = orig
+        records_mod.SavedGroup.unpack = orig
     (ex,) = torch.autograd.grad(fn(x, table=shared), (x,))
     torch.testing.assert_close(gx, ex, rtol=0, atol=0)
     assert ((8, 6), (1, 8)) in seen, "the transposed view comes back with its strides"
@@ -358,7 +359,7 @@ def test_saved_layer_host_memory_is_released_when_the_graph_is_dropped():
 
 
 def test_spread_picks_evenly_spaced_layers_and_bad_counts_are_refused():
-    from strop.kernels.offload import spread
+    from strop.kernels.models.checkpointing import spread
 
     assert spread(list(range(9)), 3) == [1, 4, 7]
     assert spread(list(range(31)), 31) == list(range(31))

@@ -36,8 +36,8 @@ if not torch.cuda.is_available():
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from strop.kernels import patch_model, unpatch_model  # noqa: E402
-from strop.kernels.patch import PatchReport  # noqa: E402
+from strop.kernels.models import patch_model, unpatch_model  # noqa: E402
+from strop.kernels.models.patch import PatchReport  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -208,7 +208,7 @@ def test_gradient_checkpointing_recomputes_through_the_kernels_like_the_referenc
 def test_layers_without_recompute_run_the_kernels_on_reloaded_activations_like_the_reference(tmp_path):
     # Offloaded checkpointing with save_layers: layer 0 keeps its saved activations in host memory (the
     # kernels' backward reads, and writes in place into, reloaded copies), layer 1 recomputes.
-    from strop.kernels.offload import enable_offloaded_checkpointing
+    from strop.kernels.models import enable_offloaded_checkpointing
 
     def offloaded(twin):
         return enable_offloaded_checkpointing(

@@ -22,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from strop.kernels.recompute import enable_budgeted_recompute  # noqa: E402
+from strop.kernels.models.recompute import enable_budgeted_recompute  # noqa: E402
 from tests.kernels.test_offload import _assert_same_step, _ids, _layers, _lora, _step, _tiny_llama  # noqa: E402
 
 MiB = 1 << 20
@@ -161,7 +161,7 @@ def test_remove_turns_off_checkpointing_it_turned_on_and_rejects_bad_input():
 
 @pytest.mark.gpu
 def test_gpu_budget_is_honoured_and_the_step_gets_faster():
-    from strop.kernels import patch_model
+    from strop.kernels.models import patch_model
     from tests.kernels.test_offload import _gpu_model_1b
 
     seq = 16384

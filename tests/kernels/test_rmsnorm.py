@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from strop.kernels.rmsnorm import (
+from strop.kernels.ops.rmsnorm import (
     rms_norm,
     rms_norm_bwd,
     rms_norm_bwd_reference,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strop.kernels.small_k import MAX_SMALL_K, addmm_small_k_
+from strop.kernels.ops.small_k import MAX_SMALL_K, addmm_small_k_
 from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from strop.kernels.swiglu import (
+from strop.kernels.ops.swiglu import (
     geglu,
     geglu_bwd,
     geglu_fwd,

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from strop.kernels.tiled_mlp import (  # noqa: E402
+from strop.kernels.models.tiled_mlp import (  # noqa: E402
     auto_num_chunks,
     disable_tiled_mlp,
     enable_tiled_mlp,
@@ -222,7 +222,7 @@ def test_enable_on_peft_model_matches_untiled_training_step_and_disable_restores
 
 def test_tiles_strop_patched_lora_mlp():
     # patch_model first (its fused LoRA MLP writes dX over its input: each chunk's own rows), then tile.
-    patch = pytest.importorskip("strop.kernels.patch")
+    patch = pytest.importorskip("strop.kernels.models.patch")
     model = _tiny_lora_llama()
     ids = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(4))
     assert len(patch.patch_model(model).patched["lora_mlp"]) == 2, (

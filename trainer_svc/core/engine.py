@@ -453,7 +453,7 @@ def _build_trl_trainer(
     dataset = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
     if loaded.facts.kernels_enabled:
         # strop's chunked DPO loss: per-token log-probs chunk by chunk, gradients computed in the forward.
-        from strop.kernels.chunked_dpo import strop_dpo_trainer_class
+        from strop.kernels.trainers import strop_dpo_trainer_class
 
         trainer_cls = strop_dpo_trainer_class()
     else:
@@ -533,7 +533,7 @@ def _install_budgeted_recompute(loaded: LoadedModel, cfg: TrainConfig, trainer):
     import torch
     from transformers import TrainerCallback
 
-    from strop.kernels.recompute import enable_budgeted_recompute
+    from strop.kernels.models.recompute import enable_budgeted_recompute
 
     total = torch.cuda.get_device_properties(torch.device(loaded.device)).total_memory
     budget = int(cfg.memory_budget_gib * 2**30) if cfg.memory_budget_gib else int(0.9 * total)
@@ -583,12 +583,12 @@ def run_training(
     try:
         # installed inside the try: a failing install still gets the cleanup below
         if cfg.memory_mode == "long_context":
-            from strop.kernels.memory import enable_memory_features
+            from strop.kernels.models.memory import enable_memory_features
 
             memory_on = True
             log.info("long-context memory features: %s", enable_memory_features(loaded.model))
         elif cfg.memory_mode == "standard" and cfg.gradient_checkpointing and _offload_fits(loaded, cfg):
-            from strop.kernels.memory import enable_memory_features
+            from strop.kernels.models.memory import enable_memory_features
 
             # Checkpointed layer inputs go to pinned host memory (measured on the H200: the same step time,
             # 27% less peak GPU memory on 8B QLoRA at 16K tokens); no MLP tiling at this length.
@@ -600,7 +600,7 @@ def run_training(
         return int(trainer.state.global_step)
     finally:
         if memory_on:
-            from strop.kernels.memory import disable_memory_features
+            from strop.kernels.models.memory import disable_memory_features
 
             disable_memory_features(loaded.model)  # a no-op for whatever was not installed
         if planner is not None:

@@ -320,7 +320,7 @@ def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
 
 def apply_kernels(loaded: LoadedModel):
     """Patch strop's kernels into the PEFT model; the report's summary goes into the session facts."""
-    from strop.kernels import patch_model
+    from strop.kernels.models import patch_model
 
     report = patch_model(loaded.model)
     text = ", ".join(f"{component} {state}" for component, state in report.summary().items())

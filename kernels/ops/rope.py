@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cast_to, check_float_tensor, check_same_device, is_writable_in_place
+from .utils import cast_to, check_float_tensor, check_same_device, is_writable_in_place
 
 __all__ = [
     "RoPEQKFunction",

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import as_rows, cast_to, check_float_tensor, check_same_device, is_writable_in_place, tanh
+from .utils import as_rows, cast_to, check_float_tensor, check_same_device, is_writable_in_place, tanh
 
 __all__ = [
     "GeGLUFunction",

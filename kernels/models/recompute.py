@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .offload import _checkpoint_layers, _hf_model
+from .hf import checkpoint_layers, unwrap_peft
 
 __all__ = ["BudgetedRecompute", "MemoryMeter", "RecomputePlan", "enable_budgeted_recompute"]
 
@@ -114,8 +114,8 @@ class BudgetedRecompute:
         margin_bytes: int | None = None,
         meter: MemoryMeter | None = None,
     ) -> None:
-        self.hf = hf = _hf_model(model)
-        self.layers = _checkpoint_layers(hf)
+        self.hf = hf = unwrap_peft(model)
+        self.layers = checkpoint_layers(hf)
         if len(self.layers) < 2:
             raise ValueError("budgeted recompute needs a model with at least two GradientCheckpointingLayers")
         if budget_bytes <= 0:

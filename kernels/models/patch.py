@@ -45,19 +45,18 @@ that off. o_proj never does it (its input is the attention output, which SDPA/fl
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .lora_linear import LoRAProj, lora_linear, lora_qkv
-from .lora_mlp import lora_mlp
+from ..lora.linear import LoRAProj, lora_linear, lora_qkv
+from ..lora.mlp import lora_mlp
+from .hf import Swaps, previous_forward, unwrap_peft
 
 __all__ = ["COMPONENTS", "SUPPORTED_MODEL_TYPES", "PatchReport", "patch_model", "unpatch_model"]
 
@@ -111,12 +110,16 @@ class PatchReport:
 
 @dataclass
 class _State:
-    """Per patched model: the swaps to undo, the switch every patched forward checks, logged reasons."""
+    """Per patched model: the swaps to undo (their ``active`` is the switch every patched forward checks),
+    and the reasons already logged."""
 
-    swaps: list[tuple[nn.Module, object, object]] = field(default_factory=list)  # (module, old attr, ours)
-    active: bool = True
+    swaps: Swaps = field(default_factory=lambda: Swaps("patch"))
     logged: set = field(default_factory=set)
     report: PatchReport = field(default_factory=PatchReport)
+
+    @property
+    def active(self) -> bool:
+        return self.swaps.active
 
     def fallback(self, module: nn.Module, reason: str) -> None:
         key = (id(module), reason)
@@ -126,25 +129,11 @@ class _State:
 
 
 def _swap(state: _State, module: nn.Module, new: Callable) -> None:
-    """Bind ``new`` as the instance's forward, keeping what is needed to undo it.
-
-    The previous forward and the patch state live on the module itself (``_strop_prev``,
-    ``_strop_state``), not in closures: a ``copy.deepcopy`` of a patched model (TRL copies models for
-    reference policies) then carries forwards bound to the copy, never to the original's modules.
-    """
-    prev = module.forward
-    # Name, docstring and __wrapped__ (so inspect.signature shows the original, which HF's Trainer and
-    # generate read); not the wrapped function's __dict__, whose markers belong to whoever set them.
-    functools.update_wrapper(new, getattr(prev, "__func__", prev), updated=())
-    bound = types.MethodType(new, module)
-    state.swaps.append((module, module.__dict__.get("forward"), bound))
-    module.__dict__["_strop_prev"] = prev
-    module.__dict__["_strop_state"] = state
-    module.forward = bound
+    state.swaps.forward(module, new, owner=state)
 
 
 def _ours(module: nn.Module) -> tuple[_State, Callable]:
-    return module.__dict__["_strop_state"], module.__dict__["_strop_prev"]
+    return previous_forward(module, "patch")
 
 
 # ---- projections: which fast-path spec a (PEFT) linear layer has right now, or why not ----------------
@@ -243,7 +232,7 @@ def _specs(state: _State, owner: nn.Module, layers, x) -> list[LoRAProj] | None:
 
 
 def _norm_forward(inplace_backward: bool) -> Callable:
-    from .rmsnorm import rms_norm
+    from ..ops.rmsnorm import rms_norm
 
     def forward(self, hidden_states, *args, **kwargs):
         state, prev = _ours(self)
@@ -279,7 +268,7 @@ def _mlp_forward(activation: str, inplace: bool) -> Callable:
 
 
 def _attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> Callable:
-    from .rope import rope_qk
+    from ..ops.rope import rope_qk
 
     sliding, qk_norm = _ARCHS[model_type]
 
@@ -337,7 +326,7 @@ def _ce_reason(hf: nn.Module) -> str | None:
 def _causal_lm_forward() -> Callable:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from .fused_linear_ce import fused_linear_cross_entropy
+    from ..ops.fused_linear_ce import fused_linear_cross_entropy
 
     cache_fields = [f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in ("cache", "past_key_values")]  # fmt: skip
 
@@ -389,13 +378,6 @@ def _causal_lm_forward() -> Callable:
 # ---- patching ---------------------------------------------------------------------------------------
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The HF model inside a PEFT wrapper (or the model itself)."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return model
-
-
 def _is_hf_forward(module: nn.Module, class_suffix: str) -> bool:
     return type(module).__name__.endswith(class_suffix) and "forward" not in module.__dict__
 
@@ -437,7 +419,7 @@ def patch_model(
     Returns:
         A :class:`PatchReport`.
     """
-    hf = _unwrap(model)
+    hf = unwrap_peft(model)
     if getattr(hf, "_strop_patch", None) is not None:
         unpatch_model(model)
     state = _State()
@@ -538,18 +520,7 @@ def unpatch_model(model: nn.Module) -> None:
     A forward that something else wrapped after patching (e.g. TRL's fused LM head, which captured the
     patched one) is left in place; the patched forward it calls is switched off and runs the original.
     """
-    hf = _unwrap(model)
-    state = hf.__dict__.get("_strop_patch")
-    if state is None:
-        return
-    state.active = False
-    for module, previous, ours in reversed(state.swaps):
-        if module.__dict__.get("forward") is not ours:
-            continue  # wrapped again after patching: left in place, and ours now runs the original
-        if previous is None:
-            del module.forward
-        else:
-            module.forward = previous
-        module.__dict__.pop("_strop_prev", None)
-        module.__dict__.pop("_strop_state", None)
-    del hf._strop_patch
+    hf = unwrap_peft(model)
+    state = hf.__dict__.pop("_strop_patch", None)
+    if state is not None:
+        state.swaps.undo()

@@ -37,15 +37,14 @@ from __future__ import annotations
 
 import logging
 import math
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
-from .offload import ReplayState
+from .hf import Swaps, checkpoint_layers, previous_forward, unwrap_peft
+from .replay import ReplayState
 
 __all__ = [
     "DEFAULT_CHUNK_BUDGET_BYTES",
@@ -247,23 +246,14 @@ class TiledMLPReport:
     num_chunks: int | str = "auto"
 
 
-@dataclass
-class _TiledState:
-    swaps: list[tuple[nn.Module, Any, Any]] = field(default_factory=list)  # (module, previous attr, ours)
-    active: bool = True
-
-
 def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The ``mlp`` child of every decoder layer (Llama, Mistral, Qwen2/3, Gemma name it so)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, GradientCheckpointingLayer) and isinstance(
-            getattr(module, "mlp", None), nn.Module
-        ):
-            out.append((f"{name}.mlp" if name else "mlp", module.mlp))
-    return out
+    layers = {id(m) for m in checkpoint_layers(model)}
+    return [
+        (f"{name}.mlp" if name else "mlp", module.mlp)
+        for name, module in model.named_modules()
+        if id(module) in layers and isinstance(getattr(module, "mlp", None), nn.Module)
+    ]
 
 
 def enable_tiled_mlp(
@@ -289,37 +279,34 @@ def enable_tiled_mlp(
     """
     if not (num_chunks == "auto" or (isinstance(num_chunks, int) and num_chunks >= 1)):
         raise ValueError(f"num_chunks must be a positive int or 'auto', got {num_chunks!r}")
-    get_base = getattr(model, "get_base_model", None)
-    hf = get_base() if callable(get_base) else model
+    hf = unwrap_peft(model)
     if "_strop_tiled_mlp" in hf.__dict__:
         disable_tiled_mlp(model)
-    state = _TiledState()
+    swaps = Swaps("tiled")
     report = TiledMLPReport(num_chunks=num_chunks)
     for name, mlp in _mlp_modules(hf):
         if "forward" in mlp.__dict__ and getattr(mlp.__dict__["forward"], "_strop_tiled", False):
             report.skipped[name] = "already tiled"
             continue
-        prev = mlp.forward
         inter = getattr(mlp, "intermediate_size", None) or getattr(
             getattr(mlp, "config", None), "intermediate_size", None
         )
 
-        def forward(self, x, *args, _prev=prev, _inter=inter, **kwargs):
-            if not state.active or args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
-                return _prev(x, *args, **kwargs)
+        def forward(self, x, *args, _inter=inter, **kwargs):
+            owner, prev = previous_forward(self, "tiled")
+            if not owner.active or args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
+                return prev(x, *args, **kwargs)
             return tiled_mlp(
-                _prev, x, num_chunks=num_chunks, params=_trainable_params(self),
+                prev, x, num_chunks=num_chunks, params=_trainable_params(self),
                 intermediate_size=_inter, budget_bytes=budget_bytes,
             )  # fmt: skip
 
         forward._strop_tiled = True
-        bound = types.MethodType(forward, mlp)
-        state.swaps.append((mlp, mlp.__dict__.get("forward"), bound))
-        mlp.forward = bound
+        swaps.forward(mlp, forward)
         report.tiled.append(name)
     if not report.tiled and not report.skipped:
         report.skipped["model"] = "no decoder layer with an `mlp` submodule"
-    hf._strop_tiled_mlp = state
+    hf._strop_tiled_mlp = swaps
     for name, why in report.skipped.items():
         logger.info("strop.kernels tiled_mlp: %s left untiled: %s", name, why)
     return report
@@ -328,17 +315,8 @@ def enable_tiled_mlp(
 def disable_tiled_mlp(model: nn.Module) -> bool:
     """Undo :func:`enable_tiled_mlp`. A forward wrapped again by someone else after ours stays, switched to
     pass-through. Returns True if tiling was installed."""
-    get_base = getattr(model, "get_base_model", None)
-    hf = get_base() if callable(get_base) else model
-    state: _TiledState | None = hf.__dict__.pop("_strop_tiled_mlp", None)
-    if state is None:
+    swaps: Swaps | None = unwrap_peft(model).__dict__.pop("_strop_tiled_mlp", None)
+    if swaps is None:
         return False
-    state.active = False
-    for module, previous, ours in reversed(state.swaps):
-        if module.__dict__.get("forward") is not ours:
-            continue
-        if previous is None:
-            del module.forward
-        else:
-            module.forward = previous
+    swaps.undo()
     return True

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import cast_to, check_float_tensor, check_same_device, tanh
+from .utils import cast_to, check_float_tensor, check_same_device, tanh
 
 __all__ = [
     "FusedLinearCrossEntropyFunction",
@@ -53,7 +53,7 @@ __all__ = [
 # takes at 16,384 tokens.
 _CHUNK_LOGITS_BYTES = 256 * 1024 * 1024
 # untuned: 8,192 fp32 values per vocab block over 8 warps (32 per lane); V=128,256 is 16 blocks per pass.
-_MAX_BLOCK_V, _NUM_WARPS = 8192, 8
+MAX_BLOCK_V, NUM_WARPS = 8192, 8
 
 
 def fused_linear_cross_entropy_reference(
@@ -95,7 +95,7 @@ def _denominator(
 
 
 @triton.jit
-def _fused_linear_ce_fwd_kernel(
+def fused_linear_ce_fwd_kernel(
     logits_ptr, logits_row_stride, labels_ptr, loss_ptr, denom_ptr, n_cols, ignore_index,
     logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr, N_BLOCKS: tl.constexpr,
@@ -196,7 +196,7 @@ def _check(
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
 
 
-def _default_chunk_size(n_tokens: int, vocab: int, itemsize: int) -> int:
+def default_chunk_size(n_tokens: int, vocab: int, itemsize: int) -> int:
     rows = max(1, _CHUNK_LOGITS_BYTES // (vocab * itemsize))
     return min(max(n_tokens, 1), 1 << (rows.bit_length() - 1))
 
@@ -263,14 +263,14 @@ def fused_linear_cross_entropy_fwd(
     )
     denom = _denominator(labels, ignore_index, reduction, num_items_in_batch, device)
     compute_grad = grad_hidden or grad_weight or grad_bias
-    chunk = chunk_size or _default_chunk_size(n_tokens, vocab, hidden.element_size())
+    chunk = chunk_size or default_chunk_size(n_tokens, vocab, hidden.element_size())
     chunk = min(chunk, max(n_tokens, 1))
     loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=device)
     d_hidden = torch.empty(hidden.shape, dtype=dtype, device=device) if grad_hidden else None
     d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if grad_weight else None
     d_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
     logits_buf = torch.empty(chunk, vocab, dtype=dtype, device=device)
-    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         x = hidden[start:end]
@@ -279,11 +279,11 @@ def fused_linear_cross_entropy_fwd(
             torch.mm(x, weight.t(), out=logits)
         else:
             torch.addmm(bias, x, weight.t(), out=logits)
-        _fused_linear_ce_fwd_kernel[(end - start,)](
+        fused_linear_ce_fwd_kernel[(end - start,)](
             logits, logits.stride(0), labels[start:end], loss_rows[start:end], denom, vocab, ignore_index,
             float(logit_scale), float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
             COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, N_BLOCKS=triton.cdiv(vocab, block_v),
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
         # From here `logits` holds dloss/dlogits for the chunk.
         if grad_hidden:

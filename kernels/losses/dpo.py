@@ -43,7 +43,6 @@ On a host without CUDA (and without ``TRITON_INTERPRET=1``) the per-chunk softma
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -54,22 +53,19 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .fused_linear_ce import _MAX_BLOCK_V, _NUM_WARPS, _default_chunk_size, _fused_linear_ce_fwd_kernel
+from ..ops.fused_linear_ce import MAX_BLOCK_V, NUM_WARPS, default_chunk_size, fused_linear_ce_fwd_kernel
 
 __all__ = [
     "LOSS_TYPES",
     "DPOLossOutput",
     "SequenceLogProbFunction",
-    "StropDPOMixin",
-    "add_hidden_states_head",
     "chunked_dpo_loss_reference",
     "dpo_loss_from_logps",
-    "remove_hidden_states_head",
+    "dpo_loss_on_pairs",
     "sequence_logps",
     "sequence_logps_reference",
     "sequence_logps_rows",
     "strop_dpo_loss",
-    "strop_dpo_trainer_class",
 ]
 
 logger = logging.getLogger("strop.kernels")
@@ -226,7 +222,7 @@ def chunked_dpo_loss_reference(
         ref_chosen_logps, ref_rejected_logps, ref_hidden,
         lambda h: sequence_logps_reference(h, weight, labels, bias, ignore_index=ignore_index),
     )  # fmt: skip
-    return _finish(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)
+    return dpo_loss_on_pairs(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)
 
 
 def _reference_logps(ref_chosen, ref_rejected, ref_hidden, compute) -> torch.Tensor:
@@ -242,9 +238,10 @@ def _reference_logps(ref_chosen, ref_rejected, ref_hidden, compute) -> torch.Ten
     return torch.cat([ref_chosen, ref_rejected]).detach().float()
 
 
-def _finish(
+def dpo_loss_on_pairs(
     logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing
 ) -> DPOLossOutput:
+    """:func:`dpo_loss_from_logps` on [chosen; rejected] stacks of per-sequence log-probs and their labels."""
     if logps.shape[0] % 2 or ref.shape != logps.shape:
         raise ValueError(
             f"expected [chosen; rejected] pairs: {logps.shape[0]} policy and {ref.shape[0]} reference sequences"
@@ -298,11 +295,11 @@ def _sequence_logps_fwd(
     m, vocab = rows.shape[0], weight.shape[0]
     nll = torch.empty(m, dtype=torch.float32, device=device)
     d_rows = torch.empty(m, rows.shape[1], dtype=dtype, device=device) if grad else None
-    chunk = min(chunk_size or _default_chunk_size(m, vocab, w.element_size()), max(m, 1))
+    chunk = min(chunk_size or default_chunk_size(m, vocab, w.element_size()), max(m, 1))
     buf = torch.empty(chunk, vocab, dtype=dtype, device=device)
     ones = torch.ones((), dtype=torch.float32, device=device)  # the CE kernel's denominator: no mean here
     triton_ok = _use_triton(device)
-    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
     with torch.autocast(device.type, enabled=False):
         for start in range(0, m, chunk):
             end = min(start + chunk, m)
@@ -313,10 +310,10 @@ def _sequence_logps_fwd(
             else:
                 torch.addmm(b, x, w.t(), out=logits)
             if triton_ok:
-                _fused_linear_ce_fwd_kernel[(end - start,)](
+                fused_linear_ce_fwd_kernel[(end - start,)](
                     logits, logits.stride(0), targets[start:end], nll[start:end], ones, vocab, -100,
                     1.0, 1.0, HAS_SOFTCAP=False, COMPUTE_GRAD=grad, BLOCK_V=block_v,
-                    N_BLOCKS=triton.cdiv(vocab, block_v), num_warps=_NUM_WARPS,
+                    N_BLOCKS=triton.cdiv(vocab, block_v), num_warps=NUM_WARPS,
                 )  # fmt: skip
             else:
                 _nll_and_dlogits_torch(logits, targets[start:end], nll[start:end], grad)
@@ -496,209 +493,4 @@ def strop_dpo_loss(
         ref_chosen_logps, ref_rejected_logps, ref_hidden,
         lambda h: sequence_logps(h, weight, labels, bias, ignore_index=ignore_index, chunk_size=chunk_size),
     )  # fmt: skip
-    return _finish(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)
-
-
-# ---- trainer glue: TRL's DPOTrainer on the backbone's hidden states + this loss ---------------------------
-
-_HEAD_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head")
-
-
-def add_hidden_states_head(model: Any) -> None:
-    """Let ``model(..., strop_hidden_states=True)`` return the backbone output (``last_hidden_state``, after the
-    final norm) without running the LM head. Other calls run the model's forward unchanged.
-
-    ``model`` is the transformers causal LM (for PEFT, ``peft_model.get_base_model()``: PEFT forwards the
-    keyword through). Idempotent; undone by :func:`remove_hidden_states_head`.
-    """
-    import functools
-    import types
-
-    if getattr(model.__dict__.get("forward"), "_strop_hidden_head", False):
-        return
-    previous = model.__dict__.get("forward")
-    original = model.forward
-
-    @functools.wraps(type(model).forward)  # keep the signature HF's generate validates kwargs against
-    def forward(self, *args, strop_hidden_states: bool = False, **kwargs):
-        if not strop_hidden_states:
-            return original(*args, **kwargs)
-        for key in _HEAD_KWARGS:
-            kwargs.pop(key, None)
-        kwargs["use_cache"] = False
-        return self.base_model(*args, **kwargs)
-
-    forward._strop_hidden_head = True
-    forward._strop_previous = previous
-    model.forward = types.MethodType(forward, model)
-
-
-def remove_hidden_states_head(model: Any) -> None:
-    """Undo :func:`add_hidden_states_head` (a no-op if it is not the outermost forward)."""
-    ours = model.__dict__.get("forward")
-    if getattr(ours, "_strop_hidden_head", False):
-        previous = ours.__func__._strop_previous
-        if previous is None:
-            del model.forward
-        else:
-            model.forward = previous
-
-
-class StropDPOMixin:
-    """Mix into TRL's ``DPOTrainer`` so its loss is :func:`strop_dpo_loss` on the backbone's hidden states::
-
-        from trl import DPOTrainer
-        from strop.kernels.chunked_dpo import StropDPOMixin
-
-        class StropDPOTrainer(StropDPOMixin, DPOTrainer):
-            pass
-
-    (or ``strop_dpo_trainer_class()``). Everything else is TRL's: data collation, reference handling (the
-    PEFT model with adapters disabled, a "ref" adapter, a separate ``ref_model`` or precomputed
-    ``ref_chosen_logps``/``ref_rejected_logps``), optimisation, logging. The loss replaces TRL's
-    ``_compute_loss`` and logs the same rewards/* and logps/* metrics (and num_tokens); TRL's
-    entropy, logits/* and mean_token_accuracy need a second pass over the vocabulary and are not logged.
-
-    Configurations the chunked loss does not cover run TRL's own ``compute_loss``, with the reason logged
-    once: loss types other than sigmoid/hinge/ipo/robust, ``f_divergence_type`` other than reverse_kl,
-    ``ld_alpha``, ``use_weighting``, MoE aux loss, a trainable or scaled/soft-capped LM head, prompt
-    learning, and ``return_outputs=True`` (evaluation with logits).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._strop_dpo_reason = self._strop_unsupported_reason()
-        if self._strop_dpo_reason:
-            logger.warning("strop.kernels chunked DPO off, TRL's loss runs: %s", self._strop_dpo_reason)
-            return
-        add_hidden_states_head(self._strop_hf_model(self.model))
-        if getattr(self, "ref_model", None) is not None:
-            add_hidden_states_head(self._strop_hf_model(self.ref_model))
-
-    # -- helpers
-
-    def _strop_hf_model(self, model: Any) -> Any:
-        model = self.accelerator.unwrap_model(model)
-        get_base = getattr(model, "get_base_model", None)
-        return get_base() if callable(get_base) else model
-
-    def _strop_unsupported_reason(self) -> str | None:
-        bad = [t for t in getattr(self, "loss_types", ["?"]) if t not in LOSS_TYPES]
-        if bad:
-            return f"loss_type {bad} (chunked DPO has {list(LOSS_TYPES)})"
-        if str(getattr(self, "f_divergence_type", "reverse_kl")).split(".")[-1].lower() != "reverse_kl":
-            return f"f_divergence_type={self.f_divergence_type}"
-        if getattr(self, "ld_alpha", None) is not None:
-            return "ld_alpha (LD-DPO length weighting)"
-        if getattr(self, "use_weighting", False):
-            return "use_weighting (WPO)"
-        if getattr(self, "aux_loss_enabled", False):
-            return "MoE router aux loss"
-        hf = self._strop_hf_model(self.model)
-        head = hf.get_output_embeddings()
-        if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-            return "no plain LM head weight"
-        if head.weight.requires_grad or (getattr(head, "bias", None) is not None and head.bias.requires_grad):
-            return "trainable LM head"
-        cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-        for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier", "logits_scaling"):
-            if getattr(cfg, attr, None) not in (None, 1.0):
-                return f"config.{attr}={getattr(cfg, attr)} (chunked DPO scores unscaled logits)"
-        peft_cfg = getattr(self.accelerator.unwrap_model(self.model), "peft_config", {})
-        if any(getattr(c, "is_prompt_learning", False) for c in peft_cfg.values()):
-            return "PEFT prompt learning (virtual tokens)"
-        return None
-
-    def _strop_trl_helpers(self) -> tuple[Any, Any]:
-        try:
-            from trl.trainer.dpo_trainer import disable_gradient_checkpointing, use_adapter
-        except ImportError:  # other TRL layouts: same behaviour, simpler means
-            use_adapter = None
-
-            @contextlib.contextmanager
-            def disable_gradient_checkpointing(model, kwargs=None):
-                yield
-
-        return disable_gradient_checkpointing, use_adapter
-
-    def _strop_reference_hidden(self, model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-        disable_gc, use_adapter = self._strop_trl_helpers()
-        with torch.no_grad(), disable_gc(self.model, self.args.gradient_checkpointing_kwargs):
-            if self.ref_model is None:
-                unwrapped = self.accelerator.unwrap_model(self.model)
-                peft_cfg = getattr(unwrapped, "peft_config", None)
-                if peft_cfg is None:
-                    raise ValueError(
-                        "chunked DPO needs a ref_model, a PEFT model, or precomputed reference log-probs"
-                    )
-                name = "ref" if "ref" in peft_cfg else None
-                ctx = (
-                    use_adapter(unwrapped, adapter_name=name) if use_adapter else unwrapped.disable_adapter()
-                )
-                with ctx:
-                    out = self.model(**model_kwargs, strop_hidden_states=True)
-                head_model = self.model
-            else:
-                out = self.ref_model(**model_kwargs, strop_hidden_states=True)
-                head_model = self.ref_model
-        return out.last_hidden_state, self._strop_hf_model(head_model).get_output_embeddings()
-
-    # -- the loss
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self._strop_dpo_reason or return_outputs:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        mode = "train" if self.model.training else "eval"
-        non_model = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
-        model_kwargs = {k: v for k, v in inputs.items() if k not in non_model}
-        model_kwargs["use_cache"] = False
-        completion_mask = inputs["completion_mask"]
-        labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
-
-        hidden = model(**model_kwargs, strop_hidden_states=True).last_hidden_state
-        head = self._strop_hf_model(self.model).get_output_embeddings()
-        hidden = hidden.to(head.weight.device)
-        labels = labels.to(head.weight.device)
-        logps = sequence_logps(hidden, head.weight, labels, head.bias)
-        if getattr(self, "precompute_ref_logps", False) or "ref_chosen_logps" in inputs:
-            ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).float()
-        else:
-            ref_hidden, ref_head = self._strop_reference_hidden(model_kwargs)
-            with torch.no_grad():
-                ref = sequence_logps(
-                    ref_hidden.to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias
-                )
-        out = _finish(
-            logps, ref.to(logps.device), labels, -100, self.beta, self.loss_types,
-            getattr(self, "loss_weights", None), self.label_smoothing,
-        )  # fmt: skip
-
-        gather = self.accelerator.gather
-        metrics = self._metrics[mode]
-        if mode == "train":
-            tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-            self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + tokens // getattr(
-                self, "_tp_size", 1
-            )
-        metrics["num_tokens"] = [getattr(self, "_total_train_tokens", 0)]
-        c, r = out.chosen_rewards, out.rejected_rewards
-        metrics["rewards/chosen"].append(gather(c).mean().item())
-        metrics["rewards/rejected"].append(gather(r).mean().item())
-        metrics["rewards/accuracies"].append(gather((c > r).float()).mean().item())
-        metrics["rewards/margins"].append(gather(c - r).mean().item())
-        metrics["logps/chosen"].append(gather(out.chosen_logps.detach()).mean().item())
-        metrics["logps/rejected"].append(gather(out.rejected_logps.detach()).mean().item())
-        return out.loss
-
-
-_TRAINER_CLASS: Any = None
-
-
-def strop_dpo_trainer_class() -> type:
-    """``class StropDPOTrainer(StropDPOMixin, trl.DPOTrainer)``, built on first use (TRL is imported then)."""
-    global _TRAINER_CLASS
-    if _TRAINER_CLASS is None:
-        from trl import DPOTrainer
-
-        _TRAINER_CLASS = type("StropDPOTrainer", (StropDPOMixin, DPOTrainer), {"__module__": __name__})
-    return _TRAINER_CLASS
+    return dpo_loss_on_pairs(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)

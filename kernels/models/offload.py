@@ -70,16 +70,18 @@ sets that attribute per layer instance to this module's checkpoint function and 
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from .offload_records import InputRecord, SavedGroup
+from .replay import ReplayState, checkpoint_reference
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -87,10 +89,6 @@ __all__ = [
     "ActivationOffloader",
     "OffloadStats",
     "OffloadedCheckpointFunction",
-    "ReplayState",
-    "checkpoint_reference",
-    "disable_offloaded_checkpointing",
-    "enable_offloaded_checkpointing",
     "offloaded_checkpoint",
 ]
 
@@ -101,60 +99,6 @@ logger = logging.getLogger("strop.kernels")
 DEFAULT_MIN_OFFLOAD_BYTES = 4 << 20
 # Queued device-to-host copies beyond which a save waits: about one 8B layer's activations at 16K tokens.
 DEFAULT_MAX_INFLIGHT_BYTES = 2 << 30
-
-
-# ---- replay of the forward's RNG and autocast state (shared with tiled_mlp) ---------------------------
-
-
-@dataclass
-class ReplayState:
-    """What a recompute needs so it computes exactly what the forward did: RNG and autocast state."""
-
-    device: torch.device
-    cpu_rng: torch.Tensor | None
-    cuda_rng: torch.Tensor | None
-    autocast: tuple[tuple[str, bool, torch.dtype, bool], ...]
-
-    @classmethod
-    def capture(cls, device: torch.device, preserve_rng: bool = True) -> ReplayState:
-        """Snapshot the current RNG (CPU and ``device``'s CUDA generator) and autocast state."""
-        types = ("cpu",) if device.type == "cpu" else (device.type, "cpu")
-        autocast = tuple(
-            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
-            for t in types
-        )
-        cpu_rng = torch.get_rng_state() if preserve_rng else None
-        cuda_rng = torch.cuda.get_rng_state(device) if preserve_rng and device.type == "cuda" else None
-        return cls(device, cpu_rng, cuda_rng, autocast)
-
-    @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        """Run the block under the captured state; the caller's RNG state is restored afterwards."""
-        cuda = self.device.type == "cuda"
-        devices = (
-            [self.device.index if self.device.index is not None else torch.cuda.current_device()]
-            if cuda
-            else []
-        )
-        with contextlib.ExitStack() as stack:
-            if self.cpu_rng is not None:
-                stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda"))
-                torch.set_rng_state(self.cpu_rng)
-                if self.cuda_rng is not None:
-                    torch.cuda.set_rng_state(self.cuda_rng, self.device)
-            for device_type, enabled, dtype, cache in self.autocast:
-                stack.enter_context(
-                    torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype, cache_enabled=cache)
-                )
-            yield
-
-
-# ---- reference -------------------------------------------------------------------------------------------
-
-
-def checkpoint_reference(function: Callable[..., Any], *args: Any) -> Any:
-    """What offloaded checkpointing must compute: torch's own non-reentrant checkpoint of ``function(*args)``."""
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
 # ---- the offloader: side stream, saved inputs, reload schedule -------------------------------------------
@@ -201,231 +145,6 @@ class OffloadStats:
     trace: list[tuple[str, int | None]] | None = None
 
 
-class _Record:
-    """One checkpointed call's saved input: on the host, being reloaded, or kept on its device."""
-
-    __slots__ = (
-        "__weakref__",
-        "device",
-        "device_tensor",
-        "host",
-        "layer",
-        "nbytes",
-        "offloaded",
-        "offloader",
-        "prev",
-        "ready",
-    )
-
-    def __init__(self, offloader: ActivationOffloader, x: torch.Tensor, layer: int | None) -> None:
-        self.offloader = offloader
-        self.layer = layer
-        self.device = x.device
-        self.nbytes = x.numel() * x.element_size()
-        self.offloaded = False
-        self.device_tensor: torch.Tensor | None = None
-        self.host: torch.Tensor | None = None
-        self.ready: torch.cuda.Event | None = None
-        # The call checkpointed just before this one: the next one backward will most likely need.
-        self.prev: weakref.ref[_Record | _SavedGroup] | None = None
-
-    def drop_host(self) -> None:
-        if self.host is not None:
-            self.host = None
-            self.offloader.stats.host_bytes -= self.nbytes
-
-    def __del__(
-        self,
-    ) -> None:  # a graph freed without backward (e.g. eval with grad on) returns its host memory
-        with contextlib.suppress(Exception):
-            self.drop_host()
-
-
-class _Saved:
-    """One saved activation of a no-recompute layer: its host copy, then its reloaded device copy."""
-
-    __slots__ = (
-        "__weakref__",
-        "device",
-        "device_tensor",
-        "group",
-        "host",
-        "nbytes",
-        "ready",
-        "source",
-        "version",
-    )
-
-    def __init__(self, group: _SavedGroup, t: torch.Tensor) -> None:
-        self.group = group  # strong: the group lives as long as one of its saved tensors does
-        self.device = t.device
-        self.nbytes = t.numel() * t.element_size()
-        self.version = t._version
-        self.source = weakref.ref(t)  # to check for in-place writes while the original lives
-        self.host: torch.Tensor | None = None
-        self.device_tensor: torch.Tensor | None = None
-        self.ready: torch.cuda.Event | None = None
-
-    def drop_host(self) -> None:
-        if self.host is not None:
-            self.host = None
-            self.group.offloader.stats.host_bytes -= self.nbytes
-
-    def __del__(self) -> None:  # a graph freed without backward returns its host memory
-        with contextlib.suppress(Exception):
-            self.drop_host()
-
-
-def _check_unmodified(t: torch.Tensor | None, saved: int) -> None:
-    """Raise as autograd does when a saved tensor (None: no longer alive, nothing to check) was written to."""
-    if t is not None and t._version != saved:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"a tensor of shape {list(t.shape)} saved at version {saved} is now at version {t._version} (saved "
-            "by a layer without recompute, strop.kernels.offload save_layers; autograd's own check cannot see "
-            "through the saved-tensor hooks, so this one raises instead)"
-        )
-
-
-class _SavedGroup:
-    """The saved activations of one decoder layer that runs without recompute (``save_layers``).
-
-    The layer's forward runs with grad under ``saved_tensors_hooks(group.pack, group.unpack)``: every
-    floating activation of at least ``min_offload_bytes`` is copied to pinned host memory on the side stream
-    (a tensor saved by several ops once; dense tensors keep their strides, others come back contiguous, as
-    with ``torch.autograd.graph.save_on_cpu``). Parameters and views of them (a linear's mm saves its
-    frozen weight transposed), the layer's weights and buffers, small or integer tensors and the tensors the
-    layer's keyword arguments hold (position embeddings, masks: alive for the whole forward anyway) stay
-    where they are. The first unpack in backward marks the layer reached: its reloads are waited on and the
-    reload of the previous checkpointed call (layer input or saved group) is issued.
-
-    In-place writes to a saved tensor raise as autograd's own check would: for kept tensors at unpack, for
-    offloaded ones at the end of the layer's forward (the originals are held until then, which also keeps
-    their blocks from being reused under a copy still in flight) and at unpack while the original lives.
-    ``backward(retain_graph=True)`` keeps the reloaded copies on the device until the graph goes; a second
-    backward through it is not supported by the kernels that write in place.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "index",
-        "items",
-        "layer",
-        "offloader",
-        "prev",
-        "reached",
-        "shared",
-    )
-
-    def __init__(self, offloader: ActivationOffloader, layer: int | None, shared: set[int]) -> None:
-        self.offloader = offloader
-        self.layer = layer
-        # storage addresses of what outlives the step anyway (the layer's weights, its keyword tensors):
-        # kept where they are, never copied
-        self.shared = shared
-        self.items: list[weakref.ref[_Saved]] = []
-        # (data_ptr, shape, stride, dtype) -> (the tensor, its _Saved): dedup within the layer, and the
-        # originals held until the layer's forward ends so that in-place writes to them can be checked
-        self.index: dict[tuple, tuple[torch.Tensor, _Saved]] = {}
-        self.prev: weakref.ref[Any] | None = None
-        self.reached = False
-
-    # forward
-    def pack(self, t: torch.Tensor) -> tuple[_SavedGroup, Any, int]:
-        off = self.offloader
-        outlives = (
-            isinstance(t, nn.Parameter)
-            or isinstance(t._base, nn.Parameter)  # e.g. the transposed weight a linear's mm saves
-            or t.untyped_storage().data_ptr() in self.shared
-        )
-        if (
-            outlives
-            or not t.is_floating_point()
-            or t.numel() * t.element_size() < off.min_offload_bytes
-            or not (t.is_cuda or (t.device.type == "cpu" and off.offload_cpu_tensors))
-        ):
-            off.stats.saved_kept += 1
-            if not outlives:
-                off.stats.saved_kept_bytes += t.numel() * t.element_size()
-            # Detached: a saved output returned with its grad_fn would make a cycle through the graph
-            # (node → packed value → tensor → node) that Python's collector cannot see, leaking the graph.
-            # The detached alias shares t's version counter, so in-place writes are still seen at unpack.
-            return self, t.detach(), t._version
-        # The same memory seen again (the same tensor, or another view with the same layout, e.g. each
-        # projection's 2-D view of the normed input): one copy. Every indexed original is held until seal,
-        # so an address cannot be reused for other data in between.
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-        hit = self.index.get(key)
-        if hit is not None and hit[1].version == t._version:
-            return self, hit[1], t._version
-        item = _Saved(self, t)
-        item.host = off.copy_to_host(t)
-        self.items.append(weakref.ref(item))
-        self.index[key] = (t, item)
-        s = off.stats
-        s.saved_offloaded += 1
-        s.offloaded_bytes += item.nbytes
-        s.host_bytes += item.nbytes
-        s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
-        return self, item, t._version
-
-    def seal(self) -> None:
-        """End of the layer's forward: check for in-place writes after saving, drop the dedup index."""
-        entries, self.index = list(self.index.values()), {}
-        for t, item in entries:
-            _check_unmodified(t, item.version)
-        self.offloader._event("save:activations", self.layer)
-
-    # backward
-    @property
-    def host(self) -> bool:
-        """Whether some of the group's activations are still only in host memory (for the reload chain)."""
-        return any(
-            (i := r()) is not None and i.host is not None and i.device_tensor is None for r in self.items
-        )
-
-    def prefetch(self) -> None:
-        if self.host:
-            self.offloader._event("prefetch", self.layer)
-            self._reload(prefetched=True)
-
-    def _reload(self, prefetched: bool) -> None:
-        for r in self.items:
-            item = r()
-            if item is not None and item.host is not None and item.device_tensor is None:
-                item.device_tensor, item.ready = self.offloader.copy_to_device(item.host, item.device)
-                item.drop_host()
-                self.offloader.stats.saved_prefetched += prefetched
-
-    def unpack(self, handle: tuple[_SavedGroup, Any, int]) -> torch.Tensor:
-        _, x, version = handle
-        if not self.reached:
-            self.reached = True
-            if self.host:
-                self.offloader.stats.prefetch_misses += 1
-                self.offloader._event("fetch:miss", self.layer)
-                self._reload(prefetched=False)
-            else:
-                self.offloader.stats.prefetch_hits += 1
-                self.offloader._event("fetch:hit", self.layer)
-            prev = self.prev() if self.prev is not None else None
-            if prev is not None:
-                self.offloader.prefetch(prev)
-        if isinstance(x, torch.Tensor):
-            _check_unmodified(x, version)
-            return x
-        _check_unmodified(x.source(), x.version)
-        if x.device_tensor is None:
-            if x.host is None:
-                raise RuntimeError("offloaded activation: neither a host nor a device copy is left")
-            x.device_tensor, x.ready = self.offloader.copy_to_device(x.host, x.device)
-            x.drop_host()
-        if x.ready is not None:
-            torch.cuda.current_stream(x.device).wait_event(x.ready)
-            x.ready = None
-        return x.device_tensor
-
-
 class ActivationOffloader:
     """Offloaded checkpointing state for one model: side streams, the reload chain, statistics.
 
@@ -463,7 +182,7 @@ class ActivationOffloader:
         self.preserve_rng_state = preserve_rng_state
         self.stats = OffloadStats(trace=[] if trace else None)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._last: weakref.ref[_Record | _SavedGroup] | None = None
+        self._last: weakref.ref[InputRecord | SavedGroup] | None = None
         self._logged: set[str] = set()
         # Zero-size leaves that require grad, one per device: passed to every call so the layer output
         # requires grad (and backward reaches the layer's LoRA parameters) even when its input does not.
@@ -566,7 +285,7 @@ class ActivationOffloader:
 
     # -- forward: save
 
-    def _link(self, item: _Record | _SavedGroup) -> None:
+    def _link(self, item: InputRecord | SavedGroup) -> None:
         """Append to the reload chain: backward reaching ``item`` starts reloading the call saved before it."""
         last = self._last() if self._last is not None else None
         item.prev = weakref.ref(last) if last is not None else None
@@ -584,7 +303,7 @@ class ActivationOffloader:
         if module is not None:
             tensors += [*module.parameters(), *module.buffers()]
         shared = {v.untyped_storage().data_ptr() for v in tensors if isinstance(v, torch.Tensor)}
-        group = _SavedGroup(self, layer, shared)
+        group = SavedGroup(self, layer, shared)
         self._link(group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
@@ -593,9 +312,9 @@ class ActivationOffloader:
             group.seal()  # also on an exception (e.g. OOM): no index left to hold host copies in a cycle
         return out
 
-    def save(self, x: torch.Tensor, layer: int | None, offload: bool) -> _Record:
+    def save(self, x: torch.Tensor, layer: int | None, offload: bool) -> InputRecord:
         """Start saving ``x`` (before the layer runs, so a device-to-host copy overlaps its compute)."""
-        rec = _Record(self, x, layer)
+        rec = InputRecord(self, x, layer)
         self._link(rec)
         reason = self.keep_reason(x, offload)
         if reason is not None:
@@ -616,7 +335,7 @@ class ActivationOffloader:
 
     # -- backward: reload
 
-    def _start_reload(self, rec: _Record) -> None:
+    def _start_reload(self, rec: InputRecord) -> None:
         if rec.host is None:
             return
         rec.device_tensor, rec.ready = self.copy_to_device(rec.host, rec.device)
@@ -624,15 +343,15 @@ class ActivationOffloader:
         # copy's stream), so the host copy can go now.
         rec.drop_host()
 
-    def prefetch(self, item: _Record | _SavedGroup) -> None:
+    def prefetch(self, item: InputRecord | SavedGroup) -> None:
         """Start reloading a layer input or a layer's saved activations, if on the host and not yet reloading."""
-        if isinstance(item, _SavedGroup):
+        if isinstance(item, SavedGroup):
             item.prefetch()
         elif item.host is not None and item.device_tensor is None:
             self._event("prefetch", item.layer)
             self._start_reload(item)
 
-    def fetch(self, rec: _Record | None) -> torch.Tensor:
+    def fetch(self, rec: InputRecord | None) -> torch.Tensor:
         """The saved input on its device, ready for the compute stream; prefetches the previous call's."""
         if rec is None:
             raise RuntimeError(
@@ -806,188 +525,3 @@ def offloaded_checkpoint(
     return (offloader or ActivationOffloader()).checkpoint(
         function, *args, layer=layer, offload=offload, save=save
     )
-
-
-# ---- HF install ----------------------------------------------------------------------------------------
-
-_MISSING = object()
-
-
-def _hf_model(model: nn.Module) -> nn.Module:
-    """The transformers PreTrainedModel inside a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def _checkpoint_layers(hf: nn.Module) -> list[nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in hf.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-@dataclass
-class _Install:
-    offloader: ActivationOffloader
-    layers: list[nn.Module]
-    keep_last: int
-    save_layers: int
-    hf_funcs: list[Any]  # what HF last set as each layer's _gradient_checkpointing_func (or _MISSING)
-    flags_before: list[bool]
-    enabled_by_us: bool
-    hf_touched: bool = False
-    wrapper: Any = None
-    set_gc_before: Any = _MISSING
-
-    def apply(self) -> tuple[int, int, int]:
-        """Point every layer that HF checkpoints at the offloaded function; the last ones keep their input,
-        ``save_layers`` of the others (evenly spaced) skip the recompute. Returns (checkpointed, kept, saved)."""
-        on = [i for i, layer in enumerate(self.layers) if layer.gradient_checkpointing]
-        keep = set(on[max(0, len(on) - self.keep_last) :]) if self.keep_last else set()
-        # never the last checkpointed layer: backward needs its activations first, no reload could hide
-        saved = set(spread([i for i in on[:-1] if i not in keep], self.save_layers))
-        for i in on:
-            self.layers[i]._gradient_checkpointing_func = functools.partial(
-                self.offloader.checkpoint,
-                layer=i,
-                offload=i not in keep,
-                save=i in saved,
-                module=self.layers[i] if i in saved else None,
-            )
-        return len(on), len(keep), len(saved)
-
-
-def spread(items: list[int], k: int) -> list[int]:
-    """``k`` of ``items`` evenly spaced (all of them when k ≥ len): e.g. 3 of 0..8 → 1, 4, 7.
-
-    Spacing matters on both passes: in forward each saved layer's copies overlap the next layers' compute,
-    in backward its reload overlaps the recompute of the layers above it.
-    """
-    n = len(items)
-    k = max(0, min(k, n))
-    return [items[int((j + 0.5) * n / k)] for j in range(k)]
-
-
-def enable_offloaded_checkpointing(
-    model: nn.Module,
-    *,
-    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-    keep_last: int = 1,
-    save_layers: int = 0,
-    offload_cpu_tensors: bool = False,
-    preserve_rng_state: bool = True,
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-    trace: bool = False,
-) -> ActivationOffloader:
-    """Make an HF (or PEFT-wrapped HF) model checkpoint its decoder layers with offloaded inputs.
-
-    Layers that already have gradient checkpointing on (e.g. HF's ``every_n_layers``) keep exactly that
-    set; when none has, all are turned on. Reversible with :func:`disable_offloaded_checkpointing`;
-    calling it again on an installed model returns the installed offloader.
-
-    Args:
-        model: A transformers model whose decoder layers are ``GradientCheckpointingLayer``s, or a PEFT
-            model around one.
-        min_offload_bytes: Inputs smaller than this stay on their device.
-        keep_last: How many of the last checkpointed layers keep their input on the device.
-        save_layers: How many of the other checkpointed layers (evenly spaced, never the last) are not
-            recomputed: their saved activations go to pinned host memory in forward and come back ahead of
-            need in backward. Each such layer saves one layer's recompute and moves its activations over the
-            host link twice (≈ 1.8 GiB per 8B-shape layer at 16K tokens with strop's kernels); how many pay
-            off depends on the link's bandwidth.
-        offload_cpu_tensors: Exercise the offload path with CPU tensors (tests).
-        preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
-        max_inflight_bytes: Device-to-host copies queued at once before a save waits for the oldest.
-        trace: Record the schedule in ``offloader.stats.trace``.
-
-    Returns:
-        The :class:`ActivationOffloader`; its ``stats`` report host memory and the schedule.
-
-    Raises:
-        ValueError: If the model has no ``GradientCheckpointingLayer``, or ``keep_last``, ``save_layers`` or
-            ``max_inflight_bytes`` is negative.
-    """
-    hf = _hf_model(model)
-    existing = hf.__dict__.get("_strop_offload")
-    if existing is not None:
-        return existing.offloader
-    if keep_last < 0:
-        raise ValueError(f"keep_last must be ≥ 0, got {keep_last}")
-    if save_layers < 0:
-        raise ValueError(f"save_layers must be ≥ 0, got {save_layers}")
-    layers = _checkpoint_layers(hf)
-    if not layers:
-        raise ValueError(
-            f"{type(hf).__name__} has no transformers GradientCheckpointingLayer: offloaded checkpointing "
-            "hooks HF's per-layer checkpoint function and cannot apply"
-        )
-    offloader = ActivationOffloader(
-        min_offload_bytes=min_offload_bytes,
-        offload_cpu_tensors=offload_cpu_tensors,
-        preserve_rng_state=preserve_rng_state,
-        max_inflight_bytes=max_inflight_bytes,
-        trace=trace,
-    )
-    flags = [bool(layer.gradient_checkpointing) for layer in layers]
-    state = _Install(
-        offloader=offloader,
-        layers=layers,
-        keep_last=keep_last,
-        save_layers=save_layers,
-        hf_funcs=[layer.__dict__.get("_gradient_checkpointing_func", _MISSING) for layer in layers],
-        flags_before=flags,
-        enabled_by_us=not any(flags),
-        set_gc_before=hf.__dict__.get("_set_gradient_checkpointing", _MISSING),
-    )
-    if state.enabled_by_us:
-        for layer in layers:
-            layer.gradient_checkpointing = True
-    original_set = hf._set_gradient_checkpointing
-
-    def _set_gradient_checkpointing(*args: Any, **kwargs: Any) -> Any:
-        # gradient_checkpointing_enable/disable (and TRL's disable_gradient_checkpointing) land here: let HF
-        # set its flags and function, remember the function, then put the offloaded one back.
-        result = original_set(*args, **kwargs)
-        state.hf_touched = True
-        state.hf_funcs = [layer.__dict__.get("_gradient_checkpointing_func", _MISSING) for layer in layers]
-        state.apply()
-        return result
-
-    state.wrapper = _set_gradient_checkpointing
-    hf._set_gradient_checkpointing = _set_gradient_checkpointing
-    hf._strop_offload = state
-    on, kept, saved = state.apply()
-    logger.info(
-        "strop.kernels offload: %d/%d decoder layers checkpointed with offloaded inputs (last %d kept on "
-        "device, %d not recomputed: activations in host memory)",
-        on,
-        len(layers),
-        kept,
-        saved,
-    )
-    return offloader
-
-
-def disable_offloaded_checkpointing(model: nn.Module) -> bool:
-    """Undo :func:`enable_offloaded_checkpointing`: HF's checkpoint function (and flags we set) come back.
-
-    Returns:
-        True if the model had offloaded checkpointing installed.
-    """
-    hf = _hf_model(model)
-    state: _Install | None = hf.__dict__.get("_strop_offload")
-    if state is None:
-        return False
-    for layer, func, flag in zip(state.layers, state.hf_funcs, state.flags_before, strict=True):
-        if func is _MISSING:
-            layer.__dict__.pop("_gradient_checkpointing_func", None)
-        else:
-            layer._gradient_checkpointing_func = func
-        if state.enabled_by_us and not state.hf_touched:
-            layer.gradient_checkpointing = flag
-    if hf.__dict__.get("_set_gradient_checkpointing") is state.wrapper:
-        if state.set_gc_before is _MISSING:
-            del hf._set_gradient_checkpointing
-        else:
-            hf._set_gradient_checkpointing = state.set_gc_before
-    del hf._strop_offload
-    return True

@@ -118,13 +118,13 @@ def is_writable_in_place(t: torch.Tensor) -> bool:
 
 # Triton 3.6's interpreter casts fp32 → bf16 by truncating the mantissa (round toward zero), where the
 # compiled cast rounds to nearest even; `cast_to` rounds explicitly under the interpreter only.
-_INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
 def cast_to(x, dtype: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` rounding to nearest even, on the GPU and in the interpreter alike."""
-    if _INTERPRETER:  # noqa: SIM102 (nested: the compiled path never evaluates the dtype test)
+    if INTERPRETER:  # noqa: SIM102 (nested: the compiled path never evaluates the dtype test)
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

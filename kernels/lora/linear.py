@@ -6,7 +6,7 @@ One projection, in PEFT's layout (A = ``lora_A.weight``, B = ``lora_B.weight``, 
 
 Leading dims of x are flattened to N. W and b are frozen: W is a dense fp32/bf16/fp16 tensor or a
 bitsandbytes NF4 ``Params4bit``, dequantized just in time into a shared per-device buffer
-(:func:`strop.kernels.nf4.dequantize_shared`) in the forward and again in the backward, never kept.
+(:func:`strop.kernels.ops.nf4.dequantize_shared`) in the forward and again in the backward, never kept.
 A projection without an adapter (A = B = None) is the base alone.
 
 Forward:  y = addmm(b, x, Wᵀ);  u = x Aᵀ  [N, r];  y += s · u Bᵀ  (one addmm, alpha = s)
@@ -51,8 +51,8 @@ from typing import NamedTuple
 
 import torch
 
-from .nf4 import dequantize_shared, dequantize_weight, is_nf4
-from .small_k import addmm_small_k_
+from ..ops.nf4 import dequantize_shared, dequantize_weight, is_nf4
+from ..ops.small_k import addmm_small_k_
 
 __all__ = [
     "LoRALinearFunction",
@@ -245,14 +245,14 @@ def no_autocast(device_type: str) -> torch.autocast:
     return torch.autocast(device_type=device_type, enabled=False)
 
 
-class _Frozen:
+class Frozen:
     """Non-tensor carrier of the frozen parts, so autograd neither tracks nor saves them."""
 
     def __init__(self, projs: Sequence[LoRAProj], dtype: torch.dtype, inplace_dx: bool) -> None:
         self.projs, self.dtype, self.inplace_dx = tuple(projs), dtype, inplace_dx
 
 
-def _with_factors(frozen: _Frozen, factors: Sequence[torch.Tensor | None]) -> list[LoRAProj]:
+def with_factors(frozen: Frozen, factors: Sequence[torch.Tensor | None]) -> list[LoRAProj]:
     return [p._replace(lora_A=factors[2 * i], lora_B=factors[2 * i + 1]) for i, p in enumerate(frozen.projs)]
 
 
@@ -260,8 +260,8 @@ class LoRALinearFunction(torch.autograd.Function):
     """y = x Wᵀ + b + s (x Aᵀ) Bᵀ over 2-D x in the compute dtype; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, lora_A, lora_B, frozen: _Frozen) -> torch.Tensor:
-        projs = _with_factors(frozen, (lora_A, lora_B))
+    def forward(ctx, x: torch.Tensor, lora_A, lora_B, frozen: Frozen) -> torch.Tensor:
+        projs = with_factors(frozen, (lora_A, lora_B))
         (y,), u = forward_projections(x, projs, frozen.dtype)
         ctx.save_for_backward(x, u, lora_A, lora_B)
         ctx.frozen = frozen
@@ -271,7 +271,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, u, lora_A, lora_B = ctx.saved_tensors
         frozen = ctx.frozen
-        projs = _with_factors(frozen, (lora_A, lora_B))
+        projs = with_factors(frozen, (lora_A, lora_B))
         with no_autocast(x.device.type):
             dx, (d_a,), (d_b,) = backward_projections(
                 x, u, [dy.to(frozen.dtype)], projs, frozen.dtype, ctx.needs_input_grad[0],
@@ -284,8 +284,8 @@ class LoRAQKVFunction(torch.autograd.Function):
     """Three projections of one 2-D x (q, k, v), x saved once; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, qa, qb, ka, kb, va, vb, frozen: _Frozen):
-        projs = _with_factors(frozen, (qa, qb, ka, kb, va, vb))
+    def forward(ctx, x: torch.Tensor, qa, qb, ka, kb, va, vb, frozen: Frozen):
+        projs = with_factors(frozen, (qa, qb, ka, kb, va, vb))
         ys, u = forward_projections(x, projs, frozen.dtype)
         ctx.save_for_backward(x, u, qa, qb, ka, kb, va, vb)
         ctx.frozen = frozen
@@ -295,7 +295,7 @@ class LoRAQKVFunction(torch.autograd.Function):
     def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
         x, u, *factors = ctx.saved_tensors
         frozen = ctx.frozen
-        projs = _with_factors(frozen, factors)
+        projs = with_factors(frozen, factors)
         # An output nobody used gets a None gradient: it contributes nothing.
         dys = [
             torch.zeros(x.shape[0], out_features(p.base), dtype=frozen.dtype, device=x.device)
@@ -364,7 +364,7 @@ def lora_linear(
     dtype = compute_dtype(x)
     x2, inplace = as_rows_for(x, dtype, inplace_dx)
     with no_autocast(x.device.type):
-        y = LoRALinearFunction.apply(x2, lora_A, lora_B, _Frozen([proj], dtype, inplace))
+        y = LoRALinearFunction.apply(x2, lora_A, lora_B, Frozen([proj], dtype, inplace))
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -395,5 +395,5 @@ def lora_qkv(
     x2, inplace = as_rows_for(x, dtype, inplace_dx)
     factors = [t for p in projs for t in (p.lora_A, p.lora_B)]
     with no_autocast(x.device.type):
-        ys = LoRAQKVFunction.apply(x2, *factors, _Frozen(projs, dtype, inplace))
+        ys = LoRAQKVFunction.apply(x2, *factors, Frozen(projs, dtype, inplace))
     return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)

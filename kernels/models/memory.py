@@ -14,10 +14,10 @@ layer inputs (to host memory) and T·I for one layer's MLP intermediates during 
 chunk). What is left on the GPU at long context is one layer's attention and norm activations, the
 logits path (strop's fused CE chunks it) and the weights.
 
-Order with ``strop.kernels.patch_model``: patch first, then enable these. The tiled MLP wraps whatever
+Order with ``strop.kernels.models.patch_model``: patch first, then enable these. The tiled MLP wraps whatever
 MLP forward is installed (patched, PEFT or HF); ``patch_model`` run afterwards would find an MLP forward
 that is not HF's and leave that MLP on the reference path. Offloaded checkpointing does not interact with
-patching. The chunked DPO loss (``kernels/chunked_dpo.py``) is used by the DPO trainer glue, not
+patching. The chunked DPO loss (``kernels/losses/dpo.py``) is used by the DPO trainer glue, not
 installed here.
 """
 
@@ -29,12 +29,8 @@ from typing import Any
 
 from torch import nn
 
-from .offload import (
-    DEFAULT_MIN_OFFLOAD_BYTES,
-    ActivationOffloader,
-    disable_offloaded_checkpointing,
-    enable_offloaded_checkpointing,
-)
+from .checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+from .offload import DEFAULT_MIN_OFFLOAD_BYTES, ActivationOffloader
 from .tiled_mlp import DEFAULT_CHUNK_BUDGET_BYTES, TiledMLPReport, disable_tiled_mlp, enable_tiled_mlp
 
 __all__ = ["MemoryReport", "disable_memory_features", "enable_memory_features"]
@@ -114,7 +110,7 @@ def enable_memory_features(
         tiled_mlp_budget_bytes: ``"auto"``'s bound on one chunk's MLP intermediates.
         min_offload_bytes: Layer inputs smaller than this stay on the GPU.
         keep_last_layers: Checkpointed layers at the end whose inputs stay on the GPU.
-        **offload_options: Passed to :func:`~strop.kernels.offload.enable_offloaded_checkpointing`
+        **offload_options: Passed to :func:`~strop.kernels.models.enable_offloaded_checkpointing`
             (``offload_cpu_tensors``, ``preserve_rng_state``, ``trace``).
 
     Returns:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import _INTERPRETER, cast_to
+from .utils import INTERPRETER, cast_to
 
 __all__ = ["MAX_SMALL_K", "addmm_small_k_"]
 
@@ -69,7 +69,7 @@ def _addmm_small_k_kernel(
         mask=k_mask[:, None] & n_mask[None, :],
         other=0.0,
     )
-    if IEEE or _INTERPRETER:
+    if IEEE or INTERPRETER:
         # fp32, or the interpreter (whose bf16 dot is wrong in triton 3.6): bf16 products are exact in
         # fp32, so an IEEE fp32 dot of the upcast tiles is the compiled bf16 dot's math
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -82,7 +82,7 @@ def _addmm_small_k_kernel(
 
 
 def _triton_ok(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not (y.device.type == "cuda" or _INTERPRETER):
+    if not (y.device.type == "cuda" or INTERPRETER):
         return False
     return (
         y.dim() == 2

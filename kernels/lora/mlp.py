@@ -39,10 +39,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .lora_linear import (
+from ..ops.small_k import addmm_small_k_
+from ..ops.swiglu import geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
+from .linear import (
+    Frozen,
     LoRAProj,
-    _Frozen,
-    _with_factors,
     as_rows_for,
     backward_projections,
     check_proj,
@@ -53,9 +54,8 @@ from .lora_linear import (
     no_autocast,
     out_features,
     weight,
+    with_factors,
 )
-from .small_k import addmm_small_k_
-from .swiglu import geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
 
 __all__ = ["ACTIVATIONS", "LoRAMLPFunction", "lora_mlp", "lora_mlp_reference"]
 
@@ -90,7 +90,7 @@ def _act_bwd(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, activation: str
         geglu_bwd(dh, e, g, approximate=approximate, inplace=True, h_out=dh)
 
 
-class _MLPFrozen(_Frozen):
+class _MLPFrozen(Frozen):
     def __init__(
         self, projs: Sequence[LoRAProj], dtype: torch.dtype, inplace_dx: bool, activation: str
     ) -> None:
@@ -103,7 +103,7 @@ class LoRAMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, ga, gb, ua, ub, da, db, frozen: _MLPFrozen) -> torch.Tensor:
-        gate, up, down = _with_factors(frozen, (ga, gb, ua, ub, da, db))
+        gate, up, down = with_factors(frozen, (ga, gb, ua, ub, da, db))
         (e, g), u_gu = forward_projections(x, (gate, up), frozen.dtype)
         h = _act_fwd(e, g, frozen.activation)
         (out,), u_d = forward_projections(h, (down,), frozen.dtype)
@@ -116,7 +116,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         x, e, g, u_gu, u_d, *factors = ctx.saved_tensors
         frozen = ctx.frozen
         dtype = frozen.dtype
-        gate, up, down = _with_factors(frozen, factors)
+        gate, up, down = with_factors(frozen, factors)
         with no_autocast(x.device.type):
             dout = dout.to(dtype)
             dh = dout @ weight(down.base, dtype)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (
+from .utils import (
     as_rows,
     calculate_settings,
     cast_to,

@@ -1,0 +1,28 @@
+"""Model surgery on transformers (and PEFT-wrapped) models: kernel patching, offloaded checkpointing, the
+tiled MLP, budgeted recompute and the long-context memory mode. Every install is reversible and per instance."""
+
+from .checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+from .memory import MemoryReport, disable_memory_features, enable_memory_features
+from .offload import ActivationOffloader, offloaded_checkpoint
+from .patch import PatchReport, patch_model, unpatch_model
+from .recompute import BudgetedRecompute, RecomputePlan, enable_budgeted_recompute
+from .tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, tiled_mlp
+
+__all__ = [
+    "ActivationOffloader",
+    "BudgetedRecompute",
+    "MemoryReport",
+    "PatchReport",
+    "RecomputePlan",
+    "disable_memory_features",
+    "disable_offloaded_checkpointing",
+    "disable_tiled_mlp",
+    "enable_budgeted_recompute",
+    "enable_memory_features",
+    "enable_offloaded_checkpointing",
+    "enable_tiled_mlp",
+    "offloaded_checkpoint",
+    "patch_model",
+    "tiled_mlp",
+    "unpatch_model",
+]
