@@ -74,7 +74,7 @@ setup-latest:
 	.venv-latest/bin/python -m pip check
 
 test-latest: setup-latest
-	$(TIER) .venv-latest/bin/python -m pytest -m "not gpu" -q
+	STROP_ENV=latest $(TIER) .venv-latest/bin/python -m pytest -m "not gpu" -q
 	$(MAKE) --no-print-directory test-parity VPY=.venv-latest/bin/python VENV=.venv-latest
 
 # The training benchmark's harness on a tiny shape on the CPU (numbers meaningless; the real runs are on the
