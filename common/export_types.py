@@ -83,7 +83,7 @@ class ExportTarget:
         """``merged[:dtype]``, ``peft``, ``gguf[:TYPE]``, ``gguf-lora[:LORA_TYPE[:BASE_TYPE]]`` (CLI form).
 
         Raises:
-            strop.client.errors.InvalidArgumentError: an unknown target kind.
+            ValueError: an unknown target kind.
         """
         kind, _, rest = spec.partition(":")
         parts = [p for p in rest.split(":") if p]
@@ -96,11 +96,7 @@ class ExportTarget:
             return cls.gguf(*(parts[:1] or ["F16"]))
         if kind == "gguf-lora":
             return cls.gguf_lora(*(parts[:2]))
-        # The SDK's exception, imported here only: parsing is the SDK's and the CLI's, never the core's,
-        # and strop.client.errors imports grpc, which this module must not pull in.
-        from strop.client.errors import InvalidArgumentError
-
-        raise InvalidArgumentError(
+        raise ValueError(
             f"unknown target {spec!r}: use merged[:dtype], peft, gguf[:TYPE], gguf-lora[:TYPE[:BASE]]"
         )
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from strop.client import LoraConfig, TrainConfig, TrainerClient, TrainMethod
-from strop.client.cli import follow
+from strop.client.progress import follow
 from strop.demo.data import ANSWER, QUESTION, dpo_rows, sft_rows
 from strop.demo.services import start_service
 

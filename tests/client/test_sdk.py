@@ -9,13 +9,13 @@ import sys
 import grpc
 import pytest
 
+from strop.cli.main import main as cli_main
 from strop.client import errors
-from strop.client.cli import main as cli_main
 from strop.demo.data import sft_rows
 
 
 def test_importing_the_sdk_never_imports_torch():
-    code = "import sys, strop.client, strop.client.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, strop.client, strop.cli.main; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "pipelines must not pay for torch"
 
 

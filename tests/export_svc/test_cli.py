@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from strop.client import cli
-from strop.client.cli_export import main as export_main
+from strop.cli import main as cli
+from strop.cli.main import main as strop_main
 from strop.common.artifacts import ArtifactStore
 from strop.export_svc.server import start_server
 
@@ -17,8 +17,9 @@ from .conftest import ANSWER, QUESTION
 
 
 def test_offline_export_runs_the_core_in_process_and_prints_the_figures(export_models, tmp_path, capsys):
-    rc = export_main(
+    rc = strop_main(
         [
+            "export",
             "run",
             "--offline",
             "--model-root",
@@ -80,7 +81,7 @@ def test_strop_export_against_the_service(export_models, tmp_path, capsys):
         srv.stop(grace=1.0)
 
 
-@pytest.mark.parametrize("module", ["strop.client.export", "strop.client.cli_export"])
+@pytest.mark.parametrize("module", ["strop.client.export", "strop.cli.main"])
 def test_the_export_sdk_and_cli_never_import_torch(module):
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0, f"importing {module} pulled in torch"

@@ -1,27 +1,22 @@
 """The ``strop`` command line: run the services, drive training jobs, export adapters.
 
-``strop serve trainer|export`` dispatches lazily to the service packages, so the SDK side of the CLI
-(``strop train``, ``strop jobs``) needs only grpcio and never imports torch.
+A composition root over the SDK: ``strop serve trainer|export`` and ``strop export run --offline`` import the
+service packages lazily, so ``strop train``, ``strop jobs`` and ``strop export`` against a service need only
+grpcio and never import torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
-from collections.abc import Callable
 
+from strop.cli import export
+from strop.cli.output import print_json
 from strop.client.errors import StropClientError
+from strop.client.progress import follow
 
 DEFAULT_TRAINER = os.environ.get("STROP_TRAINER", "127.0.0.1:50051")
-
-
-def _print_json(obj) -> None:
-    from strop.common.serde import to_dict
-
-    print(json.dumps(to_dict(obj) if dataclasses.is_dataclass(obj) else obj, indent=2, default=str))
 
 
 def _serve(argv: list[str]) -> int:
@@ -120,49 +115,8 @@ def _cmd_train(a) -> int:
         job = tc.get_job(follow(tc.train(session.session_id, ds.dataset_id, config)))
         if a.save_adapter:
             tc.save_adapter(session.session_id, a.save_adapter)
-        _print_json(job)
+        print_json(job)
         return 0 if job.state.value == "SUCCEEDED" else 1
-
-
-def follow(events, on_event: Callable | None = None):
-    """Show a job's events with a progress bar (live loss) until the stream ends; return the job id."""
-    from tqdm import tqdm
-
-    bar = None
-    job_id = ""
-    for ev in events:
-        job_id = ev.job_id
-        if on_event:
-            on_event(ev)
-        if ev.step is not None:
-            s = ev.step
-            if bar is None:
-                bar = tqdm(
-                    total=s.total_steps or None, desc=job_id, unit="step", file=sys.stderr, mininterval=0.5
-                )
-            bar.update(s.step - bar.n)
-            post = {
-                "loss": f"{s.loss:.4f}",
-                "lr": f"{s.learning_rate:.2e}",
-                "tok/s": f"{s.tokens_per_second:.0f}",
-            }
-            if s.dpo is not None:
-                post["margin"] = f"{s.dpo.reward_margin:.3f}"
-            bar.set_postfix(post)
-        elif ev.state is not None:
-            tqdm.write(f"[{job_id}] {ev.state.state.value}: {ev.state.message}", file=sys.stderr)
-        elif ev.checkpoint is not None:
-            tqdm.write(
-                f"[{job_id}] checkpoint at step {ev.checkpoint.step}: {ev.checkpoint.artifact.artifact_id}",
-                file=sys.stderr,
-            )
-        elif ev.adapter is not None:
-            tqdm.write(f"[{job_id}] adapter {ev.adapter.artifact_id}", file=sys.stderr)
-        elif ev.log is not None:
-            tqdm.write(f"[{job_id}] {ev.log.message}", file=sys.stderr)
-    if bar is not None:
-        bar.close()
-    return job_id
 
 
 def _add_jobs(sub) -> None:
@@ -189,11 +143,11 @@ def _cmd_jobs(a) -> int:
                     f"\tloss {j.last_loss:.4f}\t{j.name}"
                 )
         elif a.jobs_cmd == "get":
-            _print_json(tc.get_job(a.job_id))
+            print_json(tc.get_job(a.job_id))
         elif a.jobs_cmd == "watch":
             follow(tc.watch_job(a.job_id, a.after_seq))
         else:
-            _print_json(tc.cancel_job(a.job_id))
+            print_json(tc.cancel_job(a.job_id))
     return 0
 
 
@@ -217,7 +171,7 @@ def _cmd_sessions(a) -> int:
                     f"\tkernels={s.facts.kernels_enabled}\t{s.busy_job_id}"
                 )
         else:
-            _print_json(tc.close_session(a.session_id))
+            print_json(tc.close_session(a.session_id))
     return 0
 
 
@@ -228,12 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_jobs(sub)
     _add_sessions(sub)
-    try:
-        from strop.client import cli_export
-    except ImportError:
-        cli_export = None
-    if cli_export is not None:
-        cli_export.register(sub)
+    export.register(sub)
     return parser
 
 

@@ -23,6 +23,9 @@ import os
 import sys
 from typing import Any
 
+from strop.cli.output import print_json
+from strop.client.progress import export_progress_printer
+
 DEFAULT_EXPORT = os.environ.get("STROP_EXPORT", "127.0.0.1:50052")
 
 
@@ -92,12 +95,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=_cmd_export)
 
 
-def _print_json(obj: Any) -> None:
-    from strop.common.serde import to_dict
-
-    print(json.dumps(to_dict(obj) if dataclasses.is_dataclass(obj) else obj, indent=2, default=str))
-
-
 def _fmt(x: Any, spec: str = ".4g") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -125,31 +122,14 @@ def print_results(rows: list[tuple[str, str, Any]], out=None) -> None:
         )
 
 
-def _progress_printer():
-    last: dict[str, str] = {}
-
-    def show(p) -> None:
-        """Print an ``ExportProgress`` (the SDK's and the offline core's are the same class)."""
-        done, total = p.items_done, p.items_total
-        key = f"{p.target}/{p.phase}"
-        line = f"[{p.target or 'export'}] {p.phase}"
-        if total:
-            line += f" {done}/{total}"
-        if p.bytes_total:
-            line += f" {p.bytes_written / 2**20:.1f}/{p.bytes_total / 2**20:.1f} MiB"
-        if p.item:
-            line += f" {p.item}"
-        if last.get(key) != line and (done in (0, 1, total) or not total):
-            print(line, file=sys.stderr)
-        last[key] = line
-
-    return show
-
-
 def _cmd_run(a) -> int:
     from strop.client.export import ExportTarget, VerifyOptions
 
-    targets = [ExportTarget.parse(s) for s in (a.to or ["merged", "gguf:F16"])]
+    try:
+        targets = [ExportTarget.parse(s) for s in (a.to or ["merged", "gguf:F16"])]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     verify = VerifyOptions(
         skip=a.no_verify, question=a.question, answer=a.answer, raw_question=a.raw_question
     )
@@ -157,7 +137,7 @@ def _cmd_run(a) -> int:
         return _run_offline(a, targets, verify)
     from strop.client.export import ExportClient
 
-    show = _progress_printer()
+    show = export_progress_printer()
     with ExportClient(a.target) as ec:
         exp = ec.create_export(
             targets,
@@ -183,7 +163,7 @@ def _cmd_run(a) -> int:
 
         done = ec.wait_export(exp.export_id, on_event=on_event)
     if a.json:
-        _print_json(done)
+        print_json(done)
     else:
         labels = [
             _label(r.target.kind.value.lower(), r.target.gguf_type, r.target.dtype) for r in done.results
@@ -225,7 +205,7 @@ def _run_offline(a, targets, verify) -> int:
         name=a.name,
         max_shard_bytes=a.max_shard_bytes,
     )
-    show = _progress_printer()
+    show = export_progress_printer()
 
     def emit(ev) -> None:
         if isinstance(ev, ExportProgress):
@@ -251,19 +231,19 @@ def _cmd_export(a) -> int:
     with ExportClient(a.target) as ec:
         cmd = a.export_cmd
         if cmd == "get":
-            _print_json(ec.get_export(a.export_id))
+            print_json(ec.get_export(a.export_id))
         elif cmd == "cancel":
-            _print_json(ec.cancel_export(a.export_id))
+            print_json(ec.cancel_export(a.export_id))
         elif cmd == "watch":
             for ev in ec.watch_export(a.export_id, a.after_seq):
-                _print_json(ev)
+                print_json(ev)
         elif cmd == "list":
             for e in ec.list_exports([ExportState(s.upper()) for s in a.state], a.limit):
                 print(f"{e.export_id}\t{e.state.value}\t{len(e.results)} artifacts\t{e.name}\t{e.error}")
         elif cmd == "capabilities":
-            _print_json(ec.capabilities())
+            print_json(ec.capabilities())
         elif cmd == "upload":
-            _print_json(
+            print_json(
                 ec.upload_artifact(a.directory, kind=a.kind, artifact_id=a.artifact_id, overwrite=a.overwrite)
             )
         elif cmd == "download":
@@ -274,14 +254,3 @@ def _cmd_export(a) -> int:
                     f"{art.artifact_id}\t{art.kind}\t{art.size_bytes}\t{art.metadata.get('verify.passed', '')}"
                 )
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m strop.client.cli_export``); ``strop export`` is the usual one."""
-    from strop.client.cli import main as strop_main
-
-    return strop_main(["export", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

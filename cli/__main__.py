@@ -1,0 +1,5 @@
+import sys
+
+from strop.cli.main import main
+
+sys.exit(main())
