@@ -39,15 +39,16 @@ Usage (on the GPU machine)::
 
     python bench/train_bench.py --parts qlora,lora --systems baseline,strop --steps 8 --json bench/out/train.json
     python bench/train_bench.py --parts dpo --systems baseline,strop --steps 8 --warmup 0
-    python bench/train_bench.py --parts context --systems baseline,strop-mem --context 65536,131072,262144,524288
+    python bench/train_bench.py --parts context --systems baseline,strop-long-context --context 65536,131072,262144,524288
 
-Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``), ``strop-mem`` (``patch_model`` +
-``enable_memory_features``: offloaded checkpointing and the tiled MLP, strop's long-context mode),
-``strop-offload`` (``patch_model`` + offloaded checkpointing alone, no tiling), ``strop-offload-sN`` (the same
-with N evenly spaced layers not recomputed: their saved activations go to pinned host memory and come back
-ahead of need; HFU counts the recompute saved), ``strop-fast`` (the memory-allowed mode: ``patch_model`` +
-``enable_budgeted_recompute`` with an 80 GiB budget, enforced on the process with ``torch.cuda.set_per_process_memory_fraction``: only as many layers recompute
-as the budget needs; the first warm-up step calibrates),
+Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``, plain checkpointing), and the trainer's memory
+modes by name, each installed by ``strop.kernels.models.apply_memory_mode`` from the one table the service uses
+(``strop.common.trainer_types.MEMORY_MODES``): ``strop-standard`` (checkpointed layer inputs in pinned host
+memory: the trainer's default on CUDA), ``strop-standard-sN`` (the same with N evenly spaced layers not
+recomputed: their saved activations go to pinned host memory and come back ahead of need; HFU counts the
+recompute saved), ``strop-long-context`` (+ the MLP tiled over the sequence), ``strop-max-speed`` (budgeted
+recompute under an 80 GiB budget, enforced on the process with ``torch.cuda.set_per_process_memory_fraction``:
+only as many layers recompute as the budget needs; the first warm-up step calibrates),
 ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
 and ``service`` (the same through the trainer service over gRPC on localhost).
 
@@ -355,19 +356,42 @@ def profile_step(step) -> str:
 # ---------------------------------------------------------------------------------------------- workers
 
 
-def offload_spec(system: str) -> int | None:
-    """``strop-offload`` → 0, ``strop-offload-s12`` → 12 layers without recompute; None for other systems."""
-    m = re.fullmatch(r"strop-offload(?:-s(\d+))?", system)
-    return None if m is None else int(m.group(1) or 0)
+def memory_system(system: str):
+    """``strop-<mode>[-sN]`` → (MemoryMode, N): the trainer's memory modes by the names the service uses.
+
+    ``strop-standard`` (checkpointed layer inputs in pinned host memory, what the trainer's default mode does
+    on CUDA), ``strop-long-context`` (+ the tiled MLP), ``strop-max-speed`` (budgeted recompute under
+    ``FAST_BUDGET_GIB``); ``-sN``: N evenly spaced layers skip the recompute, their activations in host memory.
+    None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
+    these were called strop-offload[-sN], strop-mem and strop-fast.
+    """
+    from strop.common.trainer_types import MemoryMode
+
+    m = re.fullmatch(r"strop-(standard|long-context|max-speed)(?:-s(\d+))?", system)
+    if m is None:
+        return None
+    return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0)
 
 
-def enable_offload(model, system: str):
-    """strop-offload[-sN]: checkpointed layer inputs in pinned host memory, no MLP tiling; with -sN, N evenly
-    spaced layers are not recomputed (their saved activations go to host memory instead)."""
-    from strop.kernels.models.memory import enable_memory_features
+def apply_memory(model, system: str):
+    """Install the system's memory mode through the same table and installer the trainer uses."""
+    import torch
 
+    from strop.common.trainer_types import MemoryMode
+    from strop.kernels.models import apply_memory_mode
+
+    spec = memory_system(system)
+    if spec is None:
+        return None
+    mode, save_layers = spec
+    if DEVICE != "cuda" and mode is MemoryMode.MAX_SPEED:
+        return None  # --smoke: budgeted recompute measures CUDA memory
+    budget = FAST_BUDGET_GIB * 2**30
+    if DEVICE == "cuda" and mode is MemoryMode.MAX_SPEED:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     smoke = {} if DEVICE == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}  # --smoke
-    return enable_memory_features(model, tiled_mlp_chunks=None, save_layers=offload_spec(system), **smoke)
+    return apply_memory_mode(model, mode, budget_bytes=budget, save_layers=save_layers, **smoke)
 
 
 def run_worker(a) -> Result:
@@ -381,23 +405,9 @@ def run_worker(a) -> Result:
         from strop.kernels.models import patch_model
 
         res.notes = str(patch_model(model))
-    memory, saved_layers = None, offload_spec(a.system)
-    if a.system == "strop-mem":
-        # the long-context mode: layer inputs offloaded to pinned host memory + MLP tiled over the sequence
-        from strop.kernels.models.memory import enable_memory_features
-
-        memory = enable_memory_features(model, tiled_mlp_chunks="auto")
-    elif saved_layers is not None:
-        memory = enable_offload(model, a.system)
+    installed = apply_memory(model, a.system)
     model.train()
     res.build_s = time.perf_counter() - t0
-    planner = None
-    if a.system == "strop-fast" and DEVICE == "cuda":
-        from strop.kernels.models.recompute import enable_budgeted_recompute
-
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, FAST_BUDGET_GIB * 2**30 / total))
-        planner = enable_budgeted_recompute(model, FAST_BUDGET_GIB * 2**30)
     g = torch.Generator(device=DEVICE).manual_seed(1234)
     data = torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device=DEVICE, generator=g)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -410,17 +420,21 @@ def run_worker(a) -> Result:
         sync()
         times.append(time.perf_counter() - ts)
         res.losses.append(round(float(loss.detach()), 5))
-        if planner is not None and planner.plan is None and planner.step_end() is not None:
-            res.notes += f"\nbudgeted recompute: {planner.plan}"
+        if installed is not None and installed.step_end() is not None:
+            res.notes += f"\nbudgeted recompute: {installed.recompute.plan}"
             res.notes += reset_peak_memory()  # the peak reported is the planned steps'
     record_peak_memory(res)
-    if memory is not None:
-        res.notes += "\n" + str(memory) + f"\n{memory.offloader!r}"  # after training: what was offloaded
+    if installed is not None:
+        res.notes += "\n" + str(installed)  # after training: what was offloaded
+        if installed.memory is not None and installed.memory.offloader is not None:
+            res.notes += f"\n{installed.memory.offloader!r}"
     if a.profile and DEVICE == "cuda":
         res.profile = profile_step(lambda: train_step(model, opt, data))
     recompute = 1.0
-    if planner is not None and planner.plan is not None:
-        recompute = 1 - planner.plan.uncheckpointed / planner.plan.layers
+    plan = installed.recompute.plan if installed is not None and installed.recompute is not None else None
+    if plan is not None:
+        recompute = 1 - plan.uncheckpointed / plan.layers
+    saved_layers = (memory_system(a.system) or (None, 0))[1]
     if saved_layers:  # never the last layer
         recompute = 1 - min(saved_layers, SHAPE["layers"] - 1) / SHAPE["layers"]
     record_speed(res, times, a.warmup, a.batch * a.seq, recompute)
@@ -503,12 +517,10 @@ def run_trl_worker(a) -> Result:
         from trl import SFTConfig, SFTTrainer
 
         from strop.kernels.models import patch_model
-        from strop.kernels.models.memory import enable_memory_features
 
         model = attach_lora(load_model(qlora))
         res.notes = str(patch_model(model))
-        # what the service does in its standard mode on CUDA: checkpointed inputs offloaded, no tiling
-        memory = enable_memory_features(model, tiled_mlp_chunks=None)
+        memory = apply_memory(model, "strop-standard")  # what the service's default mode does on CUDA
         trainer = SFTTrainer(
             model=model,
             args=trl_args(SFTConfig, a, learning_rate=1e-4, max_length=a.seq),
@@ -586,13 +598,13 @@ def run_dpo_worker(a) -> Result:
     )
     if strop:
         upcast_adapters_(model)
-    memory = enable_offload(model, a.system) if offload_spec(a.system) is not None else None
+    memory = apply_memory(model, a.system)
     res.build_s = time.perf_counter() - t0
     res.notes += reset_peak_memory()
     trainer.train()
     record_peak_memory(res)
     if memory is not None:
-        res.notes += "\n" + str(memory) + f"\n{memory.offloader!r}"  # after training: what was offloaded
+        res.notes += "\n" + str(memory)  # after training: what was offloaded
     logs = [h for h in trainer.state.log_history if "loss" in h]
     res.losses = [round(float(h["loss"]), 5) for h in logs]
     res.margins = [round(float(h["rewards/margins"]), 5) for h in logs]

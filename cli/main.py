@@ -15,6 +15,7 @@ from strop.cli import export
 from strop.cli.output import print_json
 from strop.client.errors import StropClientError
 from strop.client.progress import follow
+from strop.common.trainer_types import MemoryMode
 
 DEFAULT_TRAINER = os.environ.get("STROP_TRAINER", "127.0.0.1:50051")
 
@@ -61,7 +62,9 @@ def _add_train(sub) -> None:
     p.add_argument("--dpo-loss", default="")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--memory-mode", default="", choices=("", "standard", "long_context", "max_speed"))
+    p.add_argument(
+        "--memory-mode", default="", choices=[m.value.lower() for m in MemoryMode if m is not MemoryMode.UNSPECIFIED]
+    )
     p.add_argument(
         "--memory-budget-gib", type=float, default=0.0, help="max_speed: device memory the job may use"
     )
@@ -96,7 +99,7 @@ def _cmd_train(a) -> int:
         checkpoint_every_steps=a.checkpoint_every,
         seed=a.seed,
         gradient_checkpointing=a.gradient_checkpointing,
-        memory_mode=a.memory_mode,
+        memory_mode=MemoryMode(a.memory_mode),
         memory_budget_gib=a.memory_budget_gib,
     )
     with TrainerClient(a.target) as tc:

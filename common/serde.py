@@ -16,6 +16,8 @@ import typing
 from functools import cache
 from typing import Any, TypeVar
 
+from strop.common.errors import InvalidArgument
+
 T = TypeVar("T")
 
 
@@ -143,7 +145,10 @@ def from_proto(cls: type[T], msg) -> T:
             if msg.HasField(f.name):
                 kwargs[f.name] = from_proto(inner, value)
         elif fd.enum_type is not None:
-            name = fd.enum_type.values_by_number[value].name[len(_enum_prefix(fd.enum_type)) :]
+            known = fd.enum_type.values_by_number.get(value)
+            if known is None:  # a newer client's value, or garbage: the request is wrong, not the server
+                raise InvalidArgument(f"{msg.DESCRIPTOR.name}.{f.name}: unknown {fd.enum_type.name} value {value}")
+            name = known.name[len(_enum_prefix(fd.enum_type)) :]
             if name in inner.__members__:
                 kwargs[f.name] = inner[name]
         elif _is_repeated(fd):

@@ -2,7 +2,13 @@
 tiled MLP, budgeted recompute and the long-context memory mode. Every install is reversible and per instance."""
 
 from .checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
-from .memory import MemoryReport, disable_memory_features, enable_memory_features
+from .memory import (
+    InstalledMode,
+    MemoryReport,
+    apply_memory_mode,
+    disable_memory_features,
+    enable_memory_features,
+)
 from .offload import ActivationOffloader, offloaded_checkpoint
 from .patch import PatchReport, patch_model, unpatch_model
 from .recompute import BudgetedRecompute, RecomputePlan, enable_budgeted_recompute
@@ -11,9 +17,11 @@ from .tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, tiled_mlp
 __all__ = [
     "ActivationOffloader",
     "BudgetedRecompute",
+    "InstalledMode",
     "MemoryReport",
     "PatchReport",
     "RecomputePlan",
+    "apply_memory_mode",
     "disable_memory_features",
     "disable_offloaded_checkpointing",
     "disable_tiled_mlp",

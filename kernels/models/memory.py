@@ -25,15 +25,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
+from strop.common.trainer_types import DEFAULT_MEMORY_MODE, MEMORY_MODES, MemoryFeatures, MemoryMode
+
 from .checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 from .offload import DEFAULT_MIN_OFFLOAD_BYTES, ActivationOffloader
+from .recompute import BudgetedRecompute, RecomputePlan, enable_budgeted_recompute
 from .tiled_mlp import DEFAULT_CHUNK_BUDGET_BYTES, TiledMLPReport, disable_tiled_mlp, enable_tiled_mlp
 
-__all__ = ["MemoryReport", "disable_memory_features", "enable_memory_features"]
+__all__ = [
+    "InstalledMode",
+    "MemoryReport",
+    "apply_memory_mode",
+    "disable_memory_features",
+    "enable_memory_features",
+]
 
 logger = logging.getLogger("strop.kernels")
 
@@ -99,7 +107,10 @@ def enable_memory_features(
     tiled_mlp_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     keep_last_layers: int = 1,
-    **offload_options: Any,
+    save_layers: int = 0,
+    offload_cpu_tensors: bool = False,
+    preserve_rng_state: bool = True,
+    trace: bool = False,
 ) -> MemoryReport:
     """Install offloaded activation checkpointing and the tiled MLP on an HF or PEFT Llama-family model.
 
@@ -110,8 +121,11 @@ def enable_memory_features(
         tiled_mlp_budget_bytes: ``"auto"``'s bound on one chunk's MLP intermediates.
         min_offload_bytes: Layer inputs smaller than this stay on the GPU.
         keep_last_layers: Checkpointed layers at the end whose inputs stay on the GPU.
-        **offload_options: Passed to :func:`~strop.kernels.models.enable_offloaded_checkpointing`
-            (``offload_cpu_tensors``, ``preserve_rng_state``, ``trace``).
+        save_layers: Evenly spaced checkpointed layers that skip the recompute, their saved activations in
+            pinned host memory (:func:`~strop.kernels.models.enable_offloaded_checkpointing`).
+        offload_cpu_tensors: Exercise the offload path with CPU tensors (tests, the CPU smoke benchmark).
+        preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
+        trace: Record the offload schedule in ``offloader.stats.trace``.
 
     Returns:
         A :class:`MemoryReport`. Undo with :func:`disable_memory_features`.
@@ -121,8 +135,9 @@ def enable_memory_features(
     if offload_activations:
         try:
             report.offloader = enable_offloaded_checkpointing(
-                model, min_offload_bytes=min_offload_bytes, keep_last=keep_last_layers, **offload_options
-            )
+                model, min_offload_bytes=min_offload_bytes, keep_last=keep_last_layers, save_layers=save_layers,
+                offload_cpu_tensors=offload_cpu_tensors, preserve_rng_state=preserve_rng_state, trace=trace,
+            )  # fmt: skip
         except ValueError as e:
             report.skipped["offload_activations"] = str(e)
     else:
@@ -142,3 +157,79 @@ def disable_memory_features(model: nn.Module) -> None:
     """Undo :func:`enable_memory_features` (a no-op on a model without them)."""
     disable_tiled_mlp(model)
     disable_offloaded_checkpointing(model)
+
+
+@dataclass
+class InstalledMode:
+    """What :func:`apply_memory_mode` installed: remove it with :meth:`remove`, call :meth:`step_end` after steps."""
+
+    mode: MemoryMode
+    features: MemoryFeatures
+    model: nn.Module | None = field(default=None, repr=False)
+    memory: MemoryReport | None = None
+    recompute: BudgetedRecompute | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def step_end(self) -> RecomputePlan | None:
+        """After each optimizer step; returns the budgeted-recompute plan once, when the first step made it."""
+        if self.recompute is not None and self.recompute.plan is None:
+            return self.recompute.step_end()
+        return None
+
+    def remove(self) -> None:
+        if self.memory is not None:
+            disable_memory_features(self.model)
+        if self.recompute is not None:
+            self.recompute.remove()
+
+    def __str__(self) -> str:
+        parts = [f"memory mode {self.mode.value}"]
+        if self.memory is not None:
+            parts += [f"{k}: {v}" for k, v in self.memory.summary().items()]
+        if self.recompute is not None:
+            parts.append(f"budgeted recompute: {self.recompute.plan or 'planned after the first step'}")
+        return "; ".join(parts + self.notes)
+
+
+def apply_memory_mode(
+    model: nn.Module,
+    mode: MemoryMode,
+    *,
+    budget_bytes: int = 0,
+    allow_offload: bool = True,
+    save_layers: int = 0,
+    offload_cpu_tensors: bool = False,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+) -> InstalledMode:
+    """Install what ``MEMORY_MODES[mode]`` says (the one table of what a mode means), reversibly.
+
+    Args:
+        model: A (patched) HF or PEFT model; gradient checkpointing as the caller set it.
+        mode: The memory mode (UNSPECIFIED is the default mode).
+        budget_bytes: MAX_SPEED's device-memory budget (required for it).
+        allow_offload: False when the caller found no host room for a step's layer inputs (modes whose
+            offload needs host room then keep them on the device).
+        save_layers: Layers that skip the recompute, their activations in host memory (with offload).
+        offload_cpu_tensors: Exercise the offload path on the CPU (tests, the CPU smoke benchmark).
+        min_offload_bytes: Layer inputs and activations smaller than this stay on their device.
+    """
+    mode = DEFAULT_MEMORY_MODE if mode is MemoryMode.UNSPECIFIED else mode
+    features = MEMORY_MODES[mode]
+    installed = InstalledMode(mode, features, model)
+    offload = features.offload_layer_inputs and (allow_offload or not features.offload_needs_host_room)
+    if features.offload_layer_inputs and not offload:
+        installed.notes.append("layer inputs stay on the device: no host room for a step's worth")
+    if features.budgeted_recompute and budget_bytes <= 0:
+        raise ValueError(f"memory mode {mode.value} needs a positive budget_bytes")
+    try:
+        if offload or features.tiled_mlp:
+            installed.memory = enable_memory_features(
+                model, offload_activations=offload, tiled_mlp_chunks="auto" if features.tiled_mlp else None,
+                save_layers=save_layers, offload_cpu_tensors=offload_cpu_tensors, min_offload_bytes=min_offload_bytes,
+            )  # fmt: skip
+        if features.budgeted_recompute:
+            installed.recompute = enable_budgeted_recompute(model, budget_bytes)
+    except BaseException:
+        installed.remove()  # nothing half-installed is left on the model
+        raise
+    return installed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strop.client import JobState, KernelMode, TrainConfig, TrainMethod
+from strop.client import JobState, KernelMode, MemoryMode, TrainConfig, TrainMethod
 from strop.demo.data import ANSWER, QUESTION, dpo_rows
 from tests.trainer_svc.conftest import FAST_LORA, sft_config
 
@@ -52,13 +52,13 @@ def test_cuda_sessions_use_the_kernels_by_default_and_match_unpatched_training(c
     assert patched[2][-1] > patched[2][0], "DPO on the kernel path raises the margin"
 
 
-@pytest.mark.parametrize("memory_mode", ["max_speed", "long_context"])
+@pytest.mark.parametrize("memory_mode", [MemoryMode.MAX_SPEED, MemoryMode.LONG_CONTEXT])
 def test_memory_modes_train_the_same_thing_on_cuda(client, sft_dataset, memory_mode):
     s = client.attach_lora(client.load_model("tiny-llama-4bit").session_id, FAST_LORA)
     standard = list(client.train(s.session_id, sft_dataset.dataset_id, sft_config(5, batch_size=4)))
     client.close_session(s.session_id)
     s = client.attach_lora(client.load_model("tiny-llama-4bit").session_id, FAST_LORA)
-    extra = {"memory_budget_gib": 20.0} if memory_mode == "max_speed" else {}
+    extra = {"memory_budget_gib": 20.0} if memory_mode is MemoryMode.MAX_SPEED else {}
     events = list(
         client.train(
             s.session_id,

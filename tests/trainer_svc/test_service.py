@@ -15,6 +15,7 @@ from strop.client import (
     InvalidArgumentError,
     JobState,
     LoraConfig,
+    MemoryMode,
     NotFoundError,
     Quantization,
     SessionState,
@@ -220,15 +221,24 @@ def test_bad_input_gets_precise_errors_while_another_job_keeps_running(
         next(client.train(other.session_id, sft_dataset.dataset_id, TrainConfig(method=TrainMethod.DPO)))
     with pytest.raises(InvalidArgumentError, match="learning_rate must be > 0"):
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, learning_rate=-1.0)))
-    with pytest.raises(InvalidArgumentError, match="memory_mode 'fastest' is not one of"):
-        next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, memory_mode="fastest")))
-    budget_too_small = sft_config(2, memory_mode="max_speed", memory_budget_gib=0.5)
+    from strop.v1 import trainer_pb2
+
+    unknown_mode = trainer_pb2.TrainRequest(
+        session_id=other.session_id,
+        dataset_id=sft_dataset.dataset_id,
+        config=trainer_pb2.TrainConfig(method=trainer_pb2.TRAIN_METHOD_SFT, max_steps=2, memory_mode=99),
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        next(client._stub.Train(unknown_mode, timeout=30))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "TrainConfig.memory_mode: unknown MemoryMode value 99" in err.value.details()
+    budget_too_small = sft_config(2, memory_mode=MemoryMode.MAX_SPEED, memory_budget_gib=0.5)
     with pytest.raises(
         InvalidArgumentError, match=r"memory_budget_gib must be 0 \(90% of the device\) or >= 1"
     ):
         next(client.train(other.session_id, sft_dataset.dataset_id, budget_too_small))
     with pytest.raises(
-        InvalidArgumentError, match="memory_budget_gib applies to memory_mode 'max_speed' only"
+        InvalidArgumentError, match="memory_budget_gib applies to memory_mode MAX_SPEED only"
     ):
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, memory_budget_gib=40.0)))
     client.close_session(other.session_id)

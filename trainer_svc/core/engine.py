@@ -20,7 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from strop.common.trainer_types import DatasetFormat, DpoMetrics, StepMetrics, TrainConfig, TrainMethod
+from strop.common.trainer_types import (
+    DEFAULT_MEMORY_MODE,
+    MEMORY_MODES,
+    DatasetFormat,
+    DpoMetrics,
+    MemoryMode,
+    StepMetrics,
+    TrainConfig,
+    TrainMethod,
+)
 from strop.trainer_svc.core.errors import InvalidArgument
 from strop.trainer_svc.core.models import LoadedModel, repacked_4bit_layers
 
@@ -49,7 +58,6 @@ DPO_LOSSES = (
     "apo_down",
 )
 DPO_REFERENCES = ("base", "adapter_snapshot")
-MEMORY_MODES = ("standard", "long_context", "max_speed")
 
 
 def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
@@ -74,13 +82,13 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         dpo_beta=cfg.dpo_beta or 0.1,
         dpo_loss_type=cfg.dpo_loss_type or "sigmoid",
         dpo_reference=cfg.dpo_reference or "base",
-        memory_mode=cfg.memory_mode or "standard",
+        memory_mode=DEFAULT_MEMORY_MODE if cfg.memory_mode is MemoryMode.UNSPECIFIED else cfg.memory_mode,
     )
-    if c.memory_mode == "long_context":
-        c = replace(c, gradient_checkpointing=True)  # offloading is a form of checkpointing
-    elif c.memory_mode == "max_speed":
-        # on CUDA the budgeted recompute turns checkpointing on for the layers the budget cannot hold
-        c = replace(c, gradient_checkpointing=False)
+    forced = MEMORY_MODES[c.memory_mode].gradient_checkpointing
+    if (
+        forced is not None
+    ):  # long context: offloading is a form of checkpointing; max speed: the budget decides
+        c = replace(c, gradient_checkpointing=forced)
     checks = [
         (
             c.learning_rate > 0 and math.isfinite(c.learning_rate),
@@ -102,7 +110,6 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         ),
         (c.optimizer in OPTIMIZERS, f"optimizer {c.optimizer!r} is not one of {sorted(OPTIMIZERS)}"),
         (c.weight_decay >= 0, f"weight_decay must be >= 0, got {c.weight_decay}"),
-        (c.max_grad_norm > 0, f"max_grad_norm must be > 0, got {c.max_grad_norm}"),
         (c.dpo_beta > 0, f"dpo_beta must be > 0, got {c.dpo_beta}"),
         (c.dpo_loss_type in DPO_LOSSES, f"dpo_loss_type {c.dpo_loss_type!r} is not one of {DPO_LOSSES}"),
         (
@@ -115,14 +122,13 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         ),
         (c.max_prompt_length >= 0, f"max_prompt_length must be >= 0, got {c.max_prompt_length}"),
         (not (c.packing and dpo), "packing applies to SFT only"),
-        (c.memory_mode in MEMORY_MODES, f"memory_mode {c.memory_mode!r} is not one of {MEMORY_MODES}"),
         (
             math.isfinite(c.memory_budget_gib) and (c.memory_budget_gib == 0 or c.memory_budget_gib >= 1),
             f"memory_budget_gib must be 0 (90% of the device) or >= 1, got {c.memory_budget_gib}",
         ),
         (
-            not c.memory_budget_gib or c.memory_mode == "max_speed",
-            "memory_budget_gib applies to memory_mode 'max_speed' only",
+            not c.memory_budget_gib or MEMORY_MODES[c.memory_mode].budgeted_recompute,
+            "memory_budget_gib applies to memory_mode MAX_SPEED only",
         ),
     ]
     for ok, message in checks:
@@ -507,10 +513,8 @@ def _host_available_bytes() -> int:
     return 0
 
 
-def _offload_fits(loaded: LoadedModel, cfg: TrainConfig) -> bool:
-    """Offload checkpointed inputs on CUDA when one step's worth fits in half the host's available memory."""
-    if not loaded.device.startswith("cuda") or not loaded.facts.kernels_enabled:
-        return False
+def _host_has_room(loaded: LoadedModel, cfg: TrainConfig) -> bool:
+    """Whether one step's checkpointed layer inputs fit in half the host's available memory."""
     hf_cfg = loaded.model.config
     layers = int(getattr(hf_cfg, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(hf_cfg, "hidden_size", 0) or 0)
@@ -519,40 +523,44 @@ def _offload_fits(loaded: LoadedModel, cfg: TrainConfig) -> bool:
     need = layers * rows * cfg.max_length * hidden * itemsize
     available = _host_available_bytes()
     if need > available // 2:
-        log.info(
-            "standard memory mode: not offloading (%.1f GiB of layer inputs, %.1f GiB host available)",
-            need / 2**30,
-            available / 2**30,
-        )
+        log.info("%.1f GiB of layer inputs, %.1f GiB host available", need / 2**30, available / 2**30)
         return False
     return True
 
 
-def _install_budgeted_recompute(loaded: LoadedModel, cfg: TrainConfig, trainer):
-    """max_speed on CUDA: recompute only the layers the budget cannot hold (planned in the first step)."""
+def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
+    """What the job's memory mode installs (``MEMORY_MODES``), on CUDA with the kernels; None elsewhere."""
+    if not (loaded.device.startswith("cuda") and loaded.facts.kernels_enabled):
+        return None
     import torch
     from transformers import TrainerCallback
 
-    from strop.kernels.models.recompute import enable_budgeted_recompute
+    from strop.kernels.models import apply_memory_mode
 
-    total = torch.cuda.get_device_properties(torch.device(loaded.device)).total_memory
-    budget = int(cfg.memory_budget_gib * 2**30) if cfg.memory_budget_gib else int(0.9 * total)
-    if budget > total:
-        log.warning(
-            "memory_budget_gib %.1f exceeds the device's %.1f GiB: planning for the device",
-            budget / 2**30,
-            total / 2**30,
-        )
-        budget = total
-    planner = enable_budgeted_recompute(loaded.model, budget)
+    features = MEMORY_MODES[cfg.memory_mode]
+    budget = 0
+    if features.budgeted_recompute:
+        total = torch.cuda.get_device_properties(torch.device(loaded.device)).total_memory
+        budget = int(cfg.memory_budget_gib * 2**30) or int(features.default_budget_fraction * total)
+        if budget > total:
+            log.warning("memory_budget_gib %.1f exceeds the device's %.1f GiB: planning for the device",
+                        budget / 2**30, total / 2**30)  # fmt: skip
+            budget = total
+    allow_offload = cfg.gradient_checkpointing and _host_has_room(loaded, cfg)
+    installed = apply_memory_mode(
+        loaded.model, cfg.memory_mode, budget_bytes=budget, allow_offload=allow_offload
+    )
+    log.info("%s", installed)
+    if installed.recompute is not None:
 
-    class PlanAfterFirstStep(TrainerCallback):
-        def on_step_end(self, args, state, control_, **kw):
-            if planner.plan is None and planner.step_end() is not None:
-                log.info("max_speed: %s", planner.plan)
+        class PlanAfterFirstStep(TrainerCallback):
+            def on_step_end(self, args, state, control_, **kw):
+                plan = installed.step_end()
+                if plan is not None:
+                    log.info("budgeted recompute: %s", plan)
 
-    trainer.add_callback(PlanAfterFirstStep())
-    return planner
+        trainer.add_callback(PlanAfterFirstStep())
+    return installed
 
 
 def run_training(
@@ -579,32 +587,16 @@ def run_training(
 
         torch.cuda.reset_peak_memory_stats(loaded.device)
     trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
-    memory_on, planner = False, None
+    installed = None
     try:
-        # installed inside the try: a failing install still gets the cleanup below
-        if cfg.memory_mode == "long_context":
-            from strop.kernels.models.memory import enable_memory_features
-
-            memory_on = True
-            log.info("long-context memory features: %s", enable_memory_features(loaded.model))
-        elif cfg.memory_mode == "standard" and cfg.gradient_checkpointing and _offload_fits(loaded, cfg):
-            from strop.kernels.models.memory import enable_memory_features
-
-            # Checkpointed layer inputs go to pinned host memory (measured on the H200: the same step time,
-            # 27% less peak GPU memory on 8B QLoRA at 16K tokens); no MLP tiling at this length.
-            memory_on = True
-            log.info("standard memory mode: %s", enable_memory_features(loaded.model, tiled_mlp_chunks=None))
-        elif cfg.memory_mode == "max_speed" and loaded.device.startswith("cuda"):
-            planner = _install_budgeted_recompute(loaded, cfg, trainer)
+        installed = _install_memory_mode(
+            loaded, cfg, trainer
+        )  # inside the try: a failed install is cleaned up
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         return int(trainer.state.global_step)
     finally:
-        if memory_on:
-            from strop.kernels.models.memory import disable_memory_features
-
-            disable_memory_features(loaded.model)  # a no-op for whatever was not installed
-        if planner is not None:
-            planner.remove()
+        if installed is not None:
+            installed.remove()
         loaded.model.train(False)
         cleanup_reference_adapter(loaded)
         del trainer

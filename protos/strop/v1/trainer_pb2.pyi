@@ -37,6 +37,13 @@ class DatasetFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATASET_FORMAT_PREFERENCE: _ClassVar[DatasetFormat]
     DATASET_FORMAT_TOKENS: _ClassVar[DatasetFormat]
 
+class MemoryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_MODE_UNSPECIFIED: _ClassVar[MemoryMode]
+    MEMORY_MODE_STANDARD: _ClassVar[MemoryMode]
+    MEMORY_MODE_LONG_CONTEXT: _ClassVar[MemoryMode]
+    MEMORY_MODE_MAX_SPEED: _ClassVar[MemoryMode]
+
 class TrainMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRAIN_METHOD_UNSPECIFIED: _ClassVar[TrainMethod]
@@ -69,6 +76,10 @@ DATASET_FORMAT_MESSAGES: DatasetFormat
 DATASET_FORMAT_PROMPT_COMPLETION: DatasetFormat
 DATASET_FORMAT_PREFERENCE: DatasetFormat
 DATASET_FORMAT_TOKENS: DatasetFormat
+MEMORY_MODE_UNSPECIFIED: MemoryMode
+MEMORY_MODE_STANDARD: MemoryMode
+MEMORY_MODE_LONG_CONTEXT: MemoryMode
+MEMORY_MODE_MAX_SPEED: MemoryMode
 TRAIN_METHOD_UNSPECIFIED: TrainMethod
 TRAIN_METHOD_SFT: TrainMethod
 TRAIN_METHOD_DPO: TrainMethod
@@ -269,7 +280,7 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_mode", "memory_budget_gib")
+    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -292,8 +303,8 @@ class TrainConfig(_message.Message):
     GRADIENT_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DPO_REFERENCE_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_GIB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
     method: TrainMethod
     learning_rate: float
     lr_scheduler: str
@@ -316,9 +327,9 @@ class TrainConfig(_message.Message):
     gradient_checkpointing: bool
     max_prompt_length: int
     dpo_reference: str
-    memory_mode: str
     memory_budget_gib: float
-    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_mode: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ...) -> None: ...
+    memory_mode: MemoryMode
+    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name")

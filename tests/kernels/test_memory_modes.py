@@ -1,0 +1,50 @@
+"""Memory modes: one table (``MEMORY_MODES``) says what each installs, and ``apply_memory_mode`` installs exactly that."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from strop.common.trainer_types import MEMORY_MODES, MemoryMode
+from strop.kernels.models import apply_memory_mode
+from tests.kernels.test_offload import _tiny_llama
+
+
+def _install(mode, **kw):
+    model = _tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, apply_memory_mode(model, mode, offload_cpu_tensors=True, min_offload_bytes=0, **kw)
+
+
+def test_every_mode_has_a_row_and_legacy_strings_still_parse():
+    assert set(MEMORY_MODES) == {m for m in MemoryMode if m is not MemoryMode.UNSPECIFIED}
+    assert MemoryMode("long_context") is MemoryMode.LONG_CONTEXT and MemoryMode("") is MemoryMode.UNSPECIFIED
+
+
+def test_standard_offloads_the_layer_inputs_without_tiling_and_removes_cleanly():
+    model, installed = _install(MemoryMode.UNSPECIFIED)  # the default mode
+    assert installed.mode is MemoryMode.STANDARD
+    assert installed.memory.offloader is not None and installed.memory.tiled_mlp is None
+    assert "_strop_offload" in model.__dict__
+    installed.remove()
+    assert "_strop_offload" not in model.__dict__ and "_strop_tiled_mlp" not in model.__dict__
+
+
+def test_standard_keeps_inputs_on_the_device_when_the_host_has_no_room_but_long_context_offloads():
+    _, standard = _install(MemoryMode.STANDARD, allow_offload=False)
+    assert standard.memory is None and "no host room" in str(standard)
+    model, long_context = _install(MemoryMode.LONG_CONTEXT, allow_offload=False)
+    assert long_context.memory.offloader is not None and long_context.memory.tiled_mlp.tiled
+    loss = model(input_ids=torch.randint(0, 300, (2, 17)), labels=torch.randint(0, 300, (2, 17))).loss
+    loss.backward()  # the installed machinery trains
+    assert long_context.memory.offloader.stats.offloaded > 0
+
+
+def test_max_speed_needs_a_budget():
+    with pytest.raises(ValueError, match="needs a positive budget_bytes"):
+        _install(MemoryMode.MAX_SPEED)
