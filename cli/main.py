@@ -63,7 +63,9 @@ def _add_train(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument(
-        "--memory-mode", default="", choices=[m.value.lower() for m in MemoryMode if m is not MemoryMode.UNSPECIFIED]
+        "--memory-mode",
+        default="",
+        choices=[m.value.lower() for m in MemoryMode if m is not MemoryMode.UNSPECIFIED],
     )
     p.add_argument(
         "--memory-budget-gib", type=float, default=0.0, help="max_speed: device memory the job may use"

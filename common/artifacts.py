@@ -19,40 +19,15 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from strop.common.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
 from strop.common.serde import from_dict, to_dict
-from strop.common.trainer_types import Artifact
+from strop.common.trainer_types import Artifact, ArtifactFile
 
 MANIFEST = "strop-artifact.json"
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 1 << 20
-
-
-@dataclass
-class ArtifactFileInfo:
-    name: str
-    size_bytes: int
-    sha256: str
-
-
-@dataclass
-class ArtifactInfo:
-    artifact_id: str
-    kind: str
-    path: str
-    sha256: str
-    size_bytes: int
-    files: list[ArtifactFileInfo]
-    metadata: dict[str, str] = field(default_factory=dict)
-    created_at: float = 0.0
-
-
-def to_artifact(info: ArtifactInfo) -> Artifact:
-    """The API form of a stored artifact (``common.proto``'s ``Artifact``, which both services return)."""
-    return from_dict(Artifact, to_dict(info))
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -63,7 +38,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def digest_of(files: list[ArtifactFileInfo]) -> str:
+def digest_of(files: list[ArtifactFile]) -> str:
     """The artifact digest: sha256 over the sorted ``name\\0sha256\\n`` lines of its files."""
     h = hashlib.sha256()
     for f in sorted(files, key=lambda f: f.name):
@@ -71,11 +46,11 @@ def digest_of(files: list[ArtifactFileInfo]) -> str:
     return h.hexdigest()
 
 
-def scan_files(directory: Path) -> list[ArtifactFileInfo]:
+def scan_files(directory: Path) -> list[ArtifactFile]:
     files = []
     for p in sorted(directory.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
-            files.append(ArtifactFileInfo(str(p.relative_to(directory)), p.stat().st_size, sha256_file(p)))
+            files.append(ArtifactFile(str(p.relative_to(directory)), p.stat().st_size, sha256_file(p)))
     return files
 
 
@@ -156,7 +131,7 @@ class ArtifactStore:
 
     def _publish(self, pending: PendingArtifact, *, overwrite: bool) -> None:
         files = scan_files(pending.dir)
-        info = ArtifactInfo(
+        info = Artifact(
             artifact_id=pending.artifact_id,
             kind=pending.kind,
             path=pending.artifact_id,
@@ -166,7 +141,7 @@ class ArtifactStore:
             metadata={str(k): str(v) for k, v in pending.metadata.items()},
             created_at=time.time(),
         )
-        (pending.dir / MANIFEST).write_text(json.dumps(asdict(info), indent=1, sort_keys=True))
+        (pending.dir / MANIFEST).write_text(json.dumps(to_dict(info), indent=1, sort_keys=True))
         fsync_tree(pending.dir)
         final = self.path_of(pending.artifact_id)
         trash = None
@@ -184,15 +159,13 @@ class ArtifactStore:
         finally:
             os.close(fd)
 
-    def get(self, artifact_id: str) -> ArtifactInfo:
+    def get(self, artifact_id: str) -> Artifact:
         manifest = self.path_of(artifact_id) / MANIFEST
         if not manifest.is_file():
             raise NotFound(f"artifact {artifact_id!r} not found")
-        raw = json.loads(manifest.read_text())
-        raw["files"] = [ArtifactFileInfo(**f) for f in raw["files"]]
-        return ArtifactInfo(**raw)
+        return from_dict(Artifact, json.loads(manifest.read_text()))
 
-    def list(self, kind: str | None = None) -> list[ArtifactInfo]:
+    def list(self, kind: str | None = None) -> list[Artifact]:
         out = []
         for p in self.root.iterdir():
             if p.name.startswith(".") or not (p / MANIFEST).is_file():
@@ -202,7 +175,7 @@ class ArtifactStore:
                 out.append(info)
         return sorted(out, key=lambda a: (a.created_at, a.artifact_id))
 
-    def verify(self, artifact_id: str) -> ArtifactInfo:
+    def verify(self, artifact_id: str) -> Artifact:
         """Recompute every file's digest. Raises DataLoss naming the first file that differs."""
         info = self.get(artifact_id)
         base = self.path_of(artifact_id)
@@ -239,7 +212,7 @@ class ArtifactStore:
         metadata: dict[str, str] | None = None,
         max_bytes: int = 64 << 30,
         overwrite: bool = False,
-    ) -> ArtifactInfo:
+    ) -> Artifact:
         """Store an artifact streamed as ``(name, offset, data, sha256_if_last, last)`` chunks.
 
         Every file's offsets must be contiguous and its digest must match the one sent with its last

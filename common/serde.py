@@ -147,7 +147,9 @@ def from_proto(cls: type[T], msg) -> T:
         elif fd.enum_type is not None:
             known = fd.enum_type.values_by_number.get(value)
             if known is None:  # a newer client's value, or garbage: the request is wrong, not the server
-                raise InvalidArgument(f"{msg.DESCRIPTOR.name}.{f.name}: unknown {fd.enum_type.name} value {value}")
+                raise InvalidArgument(
+                    f"{msg.DESCRIPTOR.name}.{f.name}: unknown {fd.enum_type.name} value {value}"
+                )
             name = known.name[len(_enum_prefix(fd.enum_type)) :]
             if name in inner.__members__:
                 kwargs[f.name] = inner[name]

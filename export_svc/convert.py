@@ -8,9 +8,9 @@ target kind number this build does not know has no enum member to convert to, ye
 
 from __future__ import annotations
 
-from strop.common.artifacts import ArtifactInfo, to_artifact
 from strop.common.export_types import ExportState, VerifyOptions
 from strop.common.serde import from_proto, to_proto
+from strop.common.trainer_types import Artifact
 from strop.export_svc.core.pipeline import ExportRequest, TargetKind, TargetSpec
 from strop.export_svc.core.verify import VerifySpec
 from strop.v1 import common_pb2, export_pb2
@@ -46,5 +46,5 @@ def request_to_pb(r: ExportRequest) -> export_pb2.CreateExportRequest:
     return to_proto(export_pb2.CreateExportRequest, r.to_api())
 
 
-def artifact_to_pb(a: ArtifactInfo) -> common_pb2.Artifact:
-    return to_proto(common_pb2.Artifact, to_artifact(a))
+def artifact_to_pb(a: Artifact) -> common_pb2.Artifact:
+    return to_proto(common_pb2.Artifact, a)

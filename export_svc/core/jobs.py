@@ -27,9 +27,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from strop.common.artifacts import ArtifactFileInfo, ArtifactInfo, ArtifactStore
+from strop.common.artifacts import ArtifactStore
 from strop.common.db import Database
 from strop.common.export_types import Export, ExportEvent, ExportProgress, ExportState, ExportStateChange
+from strop.common.serde import from_dict as _from_dict
+from strop.common.trainer_types import Artifact
 from strop.export_svc.core.errors import FailedPrecondition, NotFound, StropError, Unavailable
 from strop.export_svc.core.pipeline import (
     CancelToken,
@@ -84,12 +86,10 @@ def result_to_dict(r: TargetResult) -> dict[str, Any]:
 
 
 def result_from_dict(d: dict[str, Any]) -> TargetResult:
-    art = dict(d["artifact"])
-    art["files"] = [ArtifactFileInfo(**f) for f in art["files"]]
     t = d["target"]
     return TargetResult(
         TargetSpec(**{**t, "kind": TargetKind(t["kind"])}),
-        ArtifactInfo(**art),
+        _from_dict(Artifact, d["artifact"]),
         Verification(**d["verification"]) if d.get("verification") else None,
     )
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from strop.common.artifacts import ArtifactInfo, ArtifactStore, PendingArtifact, to_artifact
+from strop.common.artifacts import ArtifactStore, PendingArtifact
 from strop.common.export_types import (
     Capabilities,
     ExportProgress,
@@ -41,6 +41,7 @@ from strop.common.export_types import (
     ExportTargetKind,
 )
 from strop.common.paths import confine
+from strop.common.trainer_types import Artifact
 from strop.export_svc.core import verify as V
 from strop.export_svc.core.archs import DTYPES
 from strop.export_svc.core.errors import (
@@ -156,12 +157,12 @@ class ExportRequest:
 @dataclass
 class TargetResult:
     target: TargetSpec
-    artifact: ArtifactInfo
+    artifact: Artifact
     verification: V.Verification | None = None
 
     def to_api(self) -> ExportResult:
         v = self.verification.to_api() if self.verification is not None else None
-        return ExportResult(self.target.to_api(), to_artifact(self.artifact), v)
+        return ExportResult(self.target.to_api(), self.artifact, v)
 
 
 class CancelToken:

@@ -237,9 +237,7 @@ def test_bad_input_gets_precise_errors_while_another_job_keeps_running(
         InvalidArgumentError, match=r"memory_budget_gib must be 0 \(90% of the device\) or >= 1"
     ):
         next(client.train(other.session_id, sft_dataset.dataset_id, budget_too_small))
-    with pytest.raises(
-        InvalidArgumentError, match="memory_budget_gib applies to memory_mode MAX_SPEED only"
-    ):
+    with pytest.raises(InvalidArgumentError, match="memory_budget_gib applies to memory_mode MAX_SPEED only"):
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2, memory_budget_gib=40.0)))
     client.close_session(other.session_id)
     with pytest.raises(FailedPreconditionError, match="is closed"):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strop.common.artifacts import ArtifactStore, to_artifact
+from strop.common.artifacts import ArtifactStore
 from strop.common.paths import confine
 from strop.common.trainer_types import (
     RESUMABLE_STATES,
@@ -205,7 +205,7 @@ class TrainerCore:
         meta = {**models.adapter_metadata(sess.loaded), **metadata}
         with self.artifacts.create("adapter", artifact_id=artifact_id, metadata=meta) as pending:
             models.write_adapter(sess.loaded, pending.dir)
-        return to_artifact(self.artifacts.get(pending.artifact_id))
+        return self.artifacts.get(pending.artifact_id)
 
     # datasets
     def upload_dataset(self, name: str, fmt: DatasetFormat, chunks: Iterable[bytes]) -> DatasetInfo:
@@ -413,7 +413,7 @@ class TrainerCore:
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(src, dst)
             models.copy_tokenizer_files(sess.loaded.model_dir, pending.dir)
-        ckpt = Checkpoint(step=step, artifact=to_artifact(self.artifacts.get(pending.artifact_id)))
+        ckpt = Checkpoint(step=step, artifact=self.artifacts.get(pending.artifact_id))
         self.store.append_event(JobEvent(job_id=job_id, checkpoint=ckpt), last_checkpoint=ckpt)
 
     def watch(
@@ -469,10 +469,10 @@ class TrainerCore:
 
     # artifacts
     def get_artifact(self, artifact_id: str) -> Artifact:
-        return to_artifact(self.artifacts.get(artifact_id))
+        return self.artifacts.get(artifact_id)
 
     def list_artifacts(self, kind: str = "") -> list[Artifact]:
-        return [to_artifact(a) for a in self.artifacts.list(kind or None)]
+        return self.artifacts.list(kind or None)
 
     def artifact_chunks(self, artifact_id: str, chunk_bytes: int = 0):
         return self.artifacts.iter_chunks(artifact_id, chunk_bytes or (1 << 20))
