@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+
 
 def link_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float]:
     """GB/s of a pinned host → device and device → host copy of ``nbytes`` (best of 3)."""
@@ -49,7 +51,7 @@ def build(seq: int):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     lora = peft.LoraConfig(
         r=16, lora_alpha=16, lora_dropout=0.0,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=list(DEFAULT_TARGET_MODULES),
     )  # fmt: skip
     return peft.get_peft_model(model, lora).train()
 

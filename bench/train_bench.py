@@ -70,6 +70,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+
 PEAK_TFLOPS = 790.0  # measured bf16 matmul ceiling on the H200 (DESIGN.md, KINDS.md)
 SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, head_dim=128)
 # --smoke: a tiny shape on the CPU, to check the harness itself without a GPU (numbers meaningless)
@@ -222,17 +224,16 @@ def attach_lora(model):
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=list(DEFAULT_TARGET_MODULES),
     )
     return get_peft_model(model, cfg)  # autocast_adapter_dtype=True: LoRA weights fp32
 
 
 def upcast_adapters_(model) -> None:
-    """Trainable (LoRA) weights back to fp32, as the trainer service keeps them: TRL's trainers cast them to
-    bf16 on a 4-bit base. Called after the trainer is built, before its optimizer is."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
+    """Trainable (LoRA) weights back to fp32 after a TRL trainer is built, as the trainer service does."""
+    from strop.kernels.models.hf import keep_trainable_fp32
+
+    keep_trainable_fp32(model)
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -473,7 +474,7 @@ def run_trl_worker(a) -> Result:
     times: list[float] = []
     if a.system == "service":
         from strop.client import KernelMode, LoraConfig, Quantization, TrainConfig, TrainerClient, TrainMethod
-        from strop.trainer_svc.core.trainer import TrainerConfig
+        from strop.trainer_svc.core.trainer_core import TrainerConfig
         from strop.trainer_svc.server import start
 
         work = tempfile.mkdtemp()

@@ -14,6 +14,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+
 
 def main(argv: list[str] | None = None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             lora_alpha=16,
             lora_dropout=0.0,
             task_type="CAUSAL_LM",
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            target_modules=list(DEFAULT_TARGET_MODULES),
         ),
     )
     report = patch_model(model)

@@ -54,7 +54,7 @@ def model_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trainer(model_root, tmp_path_factory):
     """A trainer service over real gRPC on 127.0.0.1 with a free port; stopped after the module."""
-    from strop.trainer_svc.core.trainer import TrainerConfig
+    from strop.trainer_svc.core.trainer_core import TrainerConfig
     from strop.trainer_svc.server import start
 
     work = tmp_path_factory.mktemp("trainer")

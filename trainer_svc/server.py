@@ -9,7 +9,7 @@ from pathlib import Path
 
 from strop.common.grpc_server import Drain, RunningServer, ServiceBinding, build_server, serve_forever
 from strop.trainer_svc.core.datasets import Limits
-from strop.trainer_svc.core.trainer import TrainerConfig, TrainerCore
+from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
 from strop.trainer_svc.service import SERVICE_NAME, TrainerServicer, add_to_server
 
 

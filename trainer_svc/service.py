@@ -10,7 +10,7 @@ from strop.common.errors import InvalidArgument
 from strop.common.grpc_server import Drain
 from strop.common.serde import from_proto, to_proto
 from strop.common.trainer_types import DatasetHeader, LoadModelRequest, LoraConfig, StateChange, TrainConfig
-from strop.trainer_svc.core.trainer import TrainerCore
+from strop.trainer_svc.core.trainer_core import TrainerCore
 from strop.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 
@@ -21,24 +21,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def LoadModel(self, request, context):
         self.drain.check()
-        return to_proto(trainer_pb2.Session, self.core.load_model(from_proto(LoadModelRequest, request)))
+        return to_proto(trainer_pb2.Session, self.core.sessions.load(from_proto(LoadModelRequest, request)))
 
     def AttachLora(self, request, context):
-        lora = from_proto(LoraConfig, request.lora) if request.HasField("lora") else LoraConfig(r=0)
-        return to_proto(trainer_pb2.Session, self.core.attach_lora(request.session_id, lora))
+        lora = from_proto(LoraConfig, request.lora) if request.HasField("lora") else LoraConfig()
+        return to_proto(trainer_pb2.Session, self.core.sessions.attach_lora(request.session_id, lora))
 
     def GetSession(self, request, context):
-        return to_proto(trainer_pb2.Session, self.core.get_session(request.session_id))
+        return to_proto(trainer_pb2.Session, self.core.sessions.get(request.session_id))
 
     def ListSessions(self, request, context):
-        sessions = self.core.list_sessions(request.include_closed)
+        sessions = self.core.sessions.list(request.include_closed)
         return trainer_pb2.ListSessionsResponse(sessions=[to_proto(trainer_pb2.Session, s) for s in sessions])
 
     def CloseSession(self, request, context):
-        return to_proto(trainer_pb2.Session, self.core.close_session(request.session_id))
+        return to_proto(trainer_pb2.Session, self.core.sessions.close(request.session_id))
 
     def Generate(self, request, context):
-        completions = self.core.generate(
+        completions = self.core.sessions.generate(
             request.session_id,
             list(request.prompts),
             max_new_tokens=request.max_new_tokens,
@@ -48,7 +48,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.GenerateResponse(completions=completions)
 
     def SaveAdapter(self, request, context):
-        return to_proto(common_pb2.Artifact, self.core.save_adapter(request.session_id, request.name))
+        return to_proto(
+            common_pb2.Artifact, self.core.sessions.save_adapter(request.session_id, request.name)
+        )
 
     def UploadDataset(self, request_iterator, context):
         self.drain.check()
@@ -63,27 +65,27 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                     raise InvalidArgument("only the first UploadDataset message may be a header")
                 yield msg.data
 
-        info = self.core.upload_dataset(first.header.name, fmt, data())
+        info = self.core.datasets.upload(first.header.name, fmt, data())
         return to_proto(trainer_pb2.Dataset, info)
 
     def RegisterDataset(self, request, context):
         header = from_proto(DatasetHeader, request.header)
         return to_proto(
-            trainer_pb2.Dataset, self.core.register_dataset(request.path, header.name, header.format)
+            trainer_pb2.Dataset, self.core.datasets.register(request.path, header.name, header.format)
         )
 
     def GetDataset(self, request, context):
-        return to_proto(trainer_pb2.Dataset, self.core.get_dataset(request.dataset_id))
+        return to_proto(trainer_pb2.Dataset, self.core.datasets.get(request.dataset_id))
 
     def ListDatasets(self, request, context):
         return trainer_pb2.ListDatasetsResponse(
-            datasets=[to_proto(trainer_pb2.Dataset, d) for d in self.core.list_datasets()]
+            datasets=[to_proto(trainer_pb2.Dataset, d) for d in self.core.datasets.list()]
         )
 
     def Train(self, request, context):
         self.drain.check()
         config = from_proto(TrainConfig, request.config) if request.HasField("config") else None
-        job = self.core.start_job(
+        job = self.core.jobs.start(
             request.session_id,
             request.dataset_id,
             config,
@@ -96,30 +98,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         yield from self._events(request.job_id, request.after_seq, context)
 
     def _events(self, job_id: str, after_seq: int, context):
-        for event in self.core.watch(job_id, after_seq, is_active=context.is_active):
+        for event in self.core.jobs.watch(job_id, after_seq, is_active=context.is_active):
             yield to_proto(trainer_pb2.JobEvent, event)
 
     def GetJob(self, request, context):
-        return to_proto(trainer_pb2.Job, self.core.get_job(request.job_id))
+        return to_proto(trainer_pb2.Job, self.core.jobs.get(request.job_id))
 
     def ListJobs(self, request, context):
         states = [from_proto(StateChange, trainer_pb2.StateChange(state=s)).state for s in request.states]
-        jobs = self.core.list_jobs(request.session_id, states or None)
+        jobs = self.core.jobs.list(request.session_id, states or None)
         return trainer_pb2.ListJobsResponse(jobs=[to_proto(trainer_pb2.Job, j) for j in jobs])
 
     def CancelJob(self, request, context):
-        return to_proto(trainer_pb2.Job, self.core.cancel_job(request.job_id))
+        return to_proto(trainer_pb2.Job, self.core.jobs.cancel(request.job_id))
 
     def GetArtifact(self, request, context):
-        return to_proto(common_pb2.Artifact, self.core.get_artifact(request.artifact_id))
+        return to_proto(common_pb2.Artifact, self.core.artifacts.get(request.artifact_id))
 
     def ListArtifacts(self, request, context):
-        arts = self.core.list_artifacts(request.kind)
+        arts = self.core.artifacts.list(request.kind or None)
         return common_pb2.ListArtifactsResponse(artifacts=[to_proto(common_pb2.Artifact, a) for a in arts])
 
     def DownloadArtifact(self, request, context):
-        for name, offset, data, sha, last in self.core.artifact_chunks(
-            request.artifact_id, request.chunk_bytes
+        for name, offset, data, sha, last in self.core.artifacts.iter_chunks(
+            request.artifact_id, request.chunk_bytes or (1 << 20)
         ):
             yield common_pb2.FileChunk(name=name, offset=offset, data=data, sha256=sha, last=last)
 

@@ -62,7 +62,6 @@ __all__ = [
     "lora_linear",
     "lora_linear_reference",
     "lora_qkv",
-    "lora_qkv_reference",
 ]
 
 
@@ -101,11 +100,6 @@ def lora_linear_reference(
     if lora_A is not None:
         y = y + scaling * ((xf @ lora_A.to(dt).t()) @ lora_B.to(dt).t())
     return y
-
-
-def lora_qkv_reference(x: torch.Tensor, *projs: Sequence) -> tuple[torch.Tensor, ...]:
-    """:func:`lora_linear_reference` for each of q, k, v (each a ``LoRAProj`` or 5-tuple)."""
-    return tuple(lora_linear_reference(x, *LoRAProj(*p)) for p in projs)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Swaps", "checkpoint_layers", "previous_forward", "unwrap_peft"]
+__all__ = ["Swaps", "checkpoint_layers", "keep_trainable_fp32", "previous_forward", "unwrap_peft"]
 
 _MISSING = object()
 
@@ -30,6 +30,23 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT wrapper (``get_base_model()``), or ``model`` itself."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+def keep_trainable_fp32(model: nn.Module) -> int:
+    """Cast every trainable (LoRA) tensor back to fp32; returns how many were cast.
+
+    TRL follows the QLoRA paper and casts adapters to bf16 on a 4-bit base; at small learning rates bf16
+    swallows the updates (a DPO margin then does not move), so strop keeps adapters, and with them the
+    optimizer state, in fp32. Call it before the optimizer exists.
+    """
+    import torch
+
+    n = 0
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+            n += 1
+    return n
 
 
 def checkpoint_layers(model: nn.Module) -> list[nn.Module]:

@@ -42,7 +42,6 @@ __all__ = [
     "geglu",
     "geglu_bwd",
     "geglu_fwd",
-    "geglu_reference",
     "swiglu",
     "swiglu_bwd",
     "swiglu_bwd_reference",
@@ -68,11 +67,6 @@ def _block(n_cols: int) -> int:
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """HF's ``ACT2FN["silu"](gate) * up`` (pass fp32 tensors for an fp32 reference)."""
     return torch.nn.functional.silu(gate) * up
-
-
-def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """HF's ``ACT2FN["gelu"]`` (``"none"``) or ``ACT2FN["gelu_pytorch_tanh"]`` (``"tanh"``) of gate, times up."""
-    return torch.nn.functional.gelu(gate, approximate=approximate) * up
 
 
 def swiglu_bwd_reference(

@@ -20,6 +20,8 @@ import time
 import pytest
 import torch
 
+from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
@@ -49,7 +51,7 @@ def _tiny_llama(layers: int = LAYERS, seed: int = 0, **overrides) -> torch.nn.Mo
 def _lora(model: torch.nn.Module, dropout: float = 0.0) -> torch.nn.Module:
     cfg = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=dropout,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=list(DEFAULT_TARGET_MODULES),
     )  # fmt: skip
     model = peft.get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(1)

@@ -30,6 +30,8 @@ import os
 import pytest
 import torch
 
+from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
@@ -40,7 +42,7 @@ from strop.kernels.models import patch_model, unpatch_model  # noqa: E402
 from strop.kernels.models.patch import PatchReport  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(DEFAULT_TARGET_MODULES)
 STEPS = 20
 RTOL = 1e-5
 

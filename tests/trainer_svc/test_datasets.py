@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from strop.common.errors import InvalidArgument, ResourceExhausted
 from strop.common.trainer_types import DatasetFormat
 from strop.trainer_svc.core.datasets import Limits, validate_jsonl
-from strop.trainer_svc.core.errors import InvalidArgument, ResourceExhausted
 
 
 def jsonl(*rows) -> bytes:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from strop.common.trainer_types import LoadModelRequest, LoraConfig
-from strop.trainer_svc.core import engine, models
+from strop.trainer_svc.core import job_config, models, training
+from strop.trainer_svc.core.guard import BrokenTraining
 
 LORA = LoraConfig(r=8, alpha=16, seed=0)
 PROMPT = "What is the secret password of strop?"
@@ -74,11 +75,11 @@ def test_training_refuses_layers_left_in_the_repacked_layout(model_root, tmp_pat
         layer.weight.data, layer.weight.quant_state
     )
     rows = [{"text": "The password is blue falcon seven."}] * 4
-    cfg = engine.with_defaults(_sft(max_steps=2), session_max_len=64)
+    cfg = job_config.with_defaults(_sft(max_steps=2), session_max_len=64)
     with pytest.raises(
-        engine.BrokenTraining, match=r"layers\.0\.mlp\.down_proj.*no backward|no backward.*down_proj"
+        BrokenTraining, match=r"layers\.0\.mlp\.down_proj.*no backward|no backward.*down_proj"
     ):
-        engine.run_training(loaded, rows, _fmt(), cfg, tmp_path / "work", engine.JobControl(), _sinks())
+        training.run_training(loaded, rows, _fmt(), cfg, tmp_path / "work", training.JobControl(), _sinks())
 
 
 # ---- the gradient guard --------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def _fmt():
 
 
 def _sinks(steps: list | None = None):
-    return engine.Sinks(
+    return training.Sinks(
         on_step=(steps.append if steps is not None else lambda m: None),
         on_checkpoint=lambda step, path: None,
         on_start=lambda total: None,
@@ -110,8 +111,10 @@ ROWS = [{"text": f"The password is blue falcon seven. Row {i}."} for i in range(
 
 def _train(loaded, tmp_path, **cfg):
     steps: list = []
-    config = engine.with_defaults(_sft(**cfg), session_max_len=64)
-    engine.run_training(loaded, ROWS, _fmt(), config, tmp_path / "work", engine.JobControl(), _sinks(steps))
+    config = job_config.with_defaults(_sft(**cfg), session_max_len=64)
+    training.run_training(
+        loaded, ROWS, _fmt(), config, tmp_path / "work", training.JobControl(), _sinks(steps)
+    )
     return steps
 
 
@@ -127,7 +130,7 @@ def test_an_overflowing_learning_rate_fails_at_the_first_step_naming_the_tensors
     # 1e308 is finite in float64 but overflows float32: AdamW's first update makes every adapter inf.
     loaded = _session(model_root)
     with pytest.raises(
-        engine.BrokenTraining,
+        BrokenTraining,
         match=r"step 1: the optimizer step made \d+ adapter tensors non-finite: .*lora_",
     ):
         _train(loaded, tmp_path, max_steps=3, learning_rate=1e308)
@@ -140,7 +143,7 @@ def test_tensors_cut_off_from_the_loss_fail_the_job_as_missing_gradients(model_r
     forward = q.forward
     q.forward = lambda x, *a, **k: forward(x, *a, **k).detach()  # a kernel without a backward
     with pytest.raises(
-        engine.BrokenTraining,
+        BrokenTraining,
         match=r"step 1: 2 of \d+ trainable tensors got no gradient.*layers\.1\.self_attn\.q_proj",
     ):
         _train(loaded, tmp_path, max_steps=2)
@@ -153,7 +156,7 @@ def test_tensors_whose_gradient_stays_zero_fail_the_job(model_root, tmp_path):
     lora_b = loaded.model.get_base_model().model.layers[0].mlp.up_proj.lora_B["default"]
     lora_b.register_forward_hook(lambda mod, inp, out: out * 0.0)
     with pytest.raises(
-        engine.BrokenTraining, match=r"by step 3: .*only zero gradients.*layers\.0\.mlp\.up_proj\.lora_B"
+        BrokenTraining, match=r"by step 3: .*only zero gradients.*layers\.0\.mlp\.up_proj\.lora_B"
     ):
         _train(loaded, tmp_path, max_steps=5)
 
@@ -167,7 +170,7 @@ def test_non_finite_hyperparameters_are_refused_by_name(field, value):
     from strop.common.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match=f"{field} must be a finite number"):
-        engine.with_defaults(_sft(**{field: value}), session_max_len=64)
+        job_config.with_defaults(_sft(**{field: value}), session_max_len=64)
 
 
 @pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -1.0])

@@ -1,4 +1,4 @@
-"""Dataset validation: JSONL rows in one of TRL's formats, checked before anything trains on them.
+"""Datasets: JSONL rows in one of TRL's formats, validated before anything trains on them, and their registry.
 
 Formats (as TRL names them): ``text``; ``messages`` (a conversation rendered with the chat
 template); ``prompt``/``completion``; ``prompt``/``chosen``/``rejected`` (preference, for DPO); and
@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from strop.common.trainer_types import DatasetFormat
-from strop.trainer_svc.core.errors import InvalidArgument, ResourceExhausted
+from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from strop.common.paths import confine
+from strop.common.trainer_types import DatasetFormat, DatasetInfo
+from strop.trainer_svc.core.store import TrainerStore
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_REPORTED_ERRORS = 20
@@ -191,3 +197,61 @@ def validate_jsonl(chunks: Iterable[bytes], fmt: DatasetFormat, limits: Limits) 
     if not rows:
         raise InvalidArgument("dataset has no rows")
     return ValidatedDataset(fmt, rows, size, digest.hexdigest())
+
+
+class Datasets:
+    """Validated datasets: rows on disk under the state directory, records in the store."""
+
+    def __init__(
+        self, store: TrainerStore, state_dir: Path, *, data_root: Path | None, limits: Limits
+    ) -> None:
+        self.store, self.data_root, self.limits = store, data_root, limits
+        self.dir = Path(state_dir) / "datasets"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def upload(self, name: str, fmt: DatasetFormat, chunks: Iterable[bytes]) -> DatasetInfo:
+        validated = validate_jsonl(chunks, fmt, self.limits)
+        info = DatasetInfo(
+            dataset_id=f"ds-{uuid.uuid4().hex[:12]}",
+            name=name,
+            format=validated.format,
+            num_rows=len(validated.rows),
+            size_bytes=validated.size_bytes,
+            sha256=validated.sha256,
+            created_at=time.time(),
+        )
+        path = self.dir / f"{info.dataset_id}.jsonl"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            for row in validated.rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.store.put_dataset(info, str(path))
+        return info
+
+    def register(self, path: str, name: str, fmt: DatasetFormat) -> DatasetInfo:
+        if self.data_root is None:
+            raise FailedPrecondition("this service has no data root; upload the dataset instead")
+        src = confine(self.data_root, path, what="dataset path")
+        if not src.is_file():
+            raise InvalidArgument(f"dataset path {path!r} is not a file")
+
+        def chunks() -> Iterator[bytes]:
+            with open(src, "rb") as f:
+                while block := f.read(1 << 20):
+                    yield block
+
+        return self.upload(name or src.name, fmt, chunks())
+
+    def get(self, dataset_id: str) -> DatasetInfo:
+        return self.store.get_dataset(dataset_id)[0]
+
+    def list(self) -> list[DatasetInfo]:
+        return self.store.list_datasets()
+
+    def rows(self, dataset_id: str) -> tuple[DatasetInfo, list[dict]]:
+        info, path = self.store.get_dataset(dataset_id)
+        with open(path) as f:
+            return info, [json.loads(line) for line in f if line.strip()]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine
 from strop.common.trainer_types import (
     DEFAULT_TARGET_MODULES,
@@ -26,7 +27,6 @@ from strop.common.trainer_types import (
     ModelFacts,
     Quantization,
 )
-from strop.trainer_svc.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger("strop.trainer")
 
@@ -292,6 +292,8 @@ def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    from strop.kernels.models.hf import keep_trainable_fp32
+
     if loaded.lora is not None:
         raise FailedPrecondition("this session already has a LoRA adapter")
     cfg = validate_lora(cfg, loaded.model)
@@ -307,10 +309,7 @@ def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
     )
     # autocast_adapter_dtype keeps LoRA weights (and so optimizer state) in fp32 over a 16/4-bit base.
     model = get_peft_model(loaded.model, peft_cfg, autocast_adapter_dtype=True)
-    for name, p in model.named_parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
-            log.debug("upcast %s to fp32", name)
+    keep_trainable_fp32(model)
     loaded.model = model
     loaded.lora = cfg
     loaded.facts.num_trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)

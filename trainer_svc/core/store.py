@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from strop.common.db import Database
+from strop.common.errors import NotFound
 from strop.common.serde import from_dict, to_dict
 from strop.common.trainer_types import (
     JOB_TRANSITIONS,
@@ -24,7 +25,6 @@ from strop.common.trainer_types import (
     SessionState,
     StateChange,
 )
-from strop.trainer_svc.core.errors import NotFound
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (

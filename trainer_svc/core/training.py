@@ -10,166 +10,28 @@ so no second copy of the base weights is ever loaded.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import resource
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common.trainer_types import (
-    DEFAULT_MEMORY_MODE,
     MEMORY_MODES,
     DatasetFormat,
     DpoMetrics,
-    MemoryMode,
     StepMetrics,
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core.errors import InvalidArgument
+from strop.trainer_svc.core.guard import BrokenTraining, make_guard, names
+from strop.trainer_svc.core.job_config import OPTIMIZERS, sft_rows
 from strop.trainer_svc.core.models import LoadedModel, repacked_4bit_layers
 
 log = logging.getLogger("strop.trainer")
-
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial")
-OPTIMIZERS = {
-    "adamw_torch": "adamw_torch",
-    "adamw_torch_fused": "adamw_torch_fused",
-    "adamw_8bit": "adamw_bnb_8bit",
-    "paged_adamw_8bit": "paged_adamw_8bit",
-    "paged_adamw_32bit": "paged_adamw_32bit",
-    "sgd": "sgd",
-    "adafactor": "adafactor",
-}
-DPO_LOSSES = (
-    "sigmoid",
-    "ipo",
-    "hinge",
-    "robust",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-)
-DPO_REFERENCES = ("base", "adapter_snapshot")
-
-
-def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
-    """Fill zero fields with strop's defaults and validate every value (InvalidArgument naming the field)."""
-    if cfg.method not in (TrainMethod.SFT, TrainMethod.DPO):
-        raise InvalidArgument("config.method must be SFT or DPO")
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidArgument(f"config: {f.name} must be a finite number, got {value}")
-    dpo = cfg.method is TrainMethod.DPO
-    c = replace(
-        cfg,
-        learning_rate=cfg.learning_rate or (5e-6 if dpo else 2e-4),
-        lr_scheduler=cfg.lr_scheduler or "linear",
-        num_epochs=cfg.num_epochs or 1.0,
-        batch_size=cfg.batch_size or 1,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps or 1,
-        max_length=cfg.max_length or session_max_len,
-        optimizer=cfg.optimizer or "adamw_torch",
-        max_grad_norm=cfg.max_grad_norm or 1.0,
-        dpo_beta=cfg.dpo_beta or 0.1,
-        dpo_loss_type=cfg.dpo_loss_type or "sigmoid",
-        dpo_reference=cfg.dpo_reference or "base",
-        memory_mode=DEFAULT_MEMORY_MODE if cfg.memory_mode is MemoryMode.UNSPECIFIED else cfg.memory_mode,
-    )
-    forced = MEMORY_MODES[c.memory_mode].gradient_checkpointing
-    if (
-        forced is not None
-    ):  # long context: offloading is a form of checkpointing; max speed: the budget decides
-        c = replace(c, gradient_checkpointing=forced)
-    checks = [
-        (
-            c.learning_rate > 0 and math.isfinite(c.learning_rate),
-            f"learning_rate must be > 0, got {c.learning_rate}",
-        ),
-        (c.lr_scheduler in SCHEDULERS, f"lr_scheduler {c.lr_scheduler!r} is not one of {SCHEDULERS}"),
-        (0.0 <= c.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {c.warmup_ratio}"),
-        (c.warmup_steps >= 0, f"warmup_steps must be >= 0, got {c.warmup_steps}"),
-        (c.max_steps >= 0, f"max_steps must be >= 0, got {c.max_steps}"),
-        (c.num_epochs > 0, f"num_epochs must be > 0, got {c.num_epochs}"),
-        (1 <= c.batch_size <= 4096, f"batch_size must be in 1..4096, got {c.batch_size}"),
-        (
-            1 <= c.gradient_accumulation_steps <= 4096,
-            f"gradient_accumulation_steps must be in 1..4096, got {c.gradient_accumulation_steps}",
-        ),
-        (
-            8 <= c.max_length <= session_max_len,
-            f"max_length must be in 8..{session_max_len} (the session's max_seq_length), got {c.max_length}",
-        ),
-        (c.optimizer in OPTIMIZERS, f"optimizer {c.optimizer!r} is not one of {sorted(OPTIMIZERS)}"),
-        (c.weight_decay >= 0, f"weight_decay must be >= 0, got {c.weight_decay}"),
-        (c.dpo_beta > 0, f"dpo_beta must be > 0, got {c.dpo_beta}"),
-        (c.dpo_loss_type in DPO_LOSSES, f"dpo_loss_type {c.dpo_loss_type!r} is not one of {DPO_LOSSES}"),
-        (
-            c.dpo_reference in DPO_REFERENCES,
-            f"dpo_reference {c.dpo_reference!r} is not one of {DPO_REFERENCES}",
-        ),
-        (
-            c.checkpoint_every_steps >= 0,
-            f"checkpoint_every_steps must be >= 0, got {c.checkpoint_every_steps}",
-        ),
-        (c.max_prompt_length >= 0, f"max_prompt_length must be >= 0, got {c.max_prompt_length}"),
-        (not (c.packing and dpo), "packing applies to SFT only"),
-        (
-            math.isfinite(c.memory_budget_gib) and (c.memory_budget_gib == 0 or c.memory_budget_gib >= 1),
-            f"memory_budget_gib must be 0 (90% of the device) or >= 1, got {c.memory_budget_gib}",
-        ),
-        (
-            not c.memory_budget_gib or MEMORY_MODES[c.memory_mode].budgeted_recompute,
-            "memory_budget_gib applies to memory_mode MAX_SPEED only",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise InvalidArgument(f"config: {message}")
-    return c
-
-
-def check_dataset_fits(method: TrainMethod, fmt: DatasetFormat, rows: list[dict], vocab_size: int) -> None:
-    if method is TrainMethod.DPO and fmt is not DatasetFormat.PREFERENCE:
-        raise InvalidArgument(
-            f"DPO needs a preference dataset (prompt/chosen/rejected); this dataset is {fmt.value.lower()}"
-        )
-    if method is TrainMethod.SFT and fmt is DatasetFormat.PREFERENCE:
-        raise InvalidArgument(
-            "SFT needs text, messages or prompt/completion rows; this dataset is preference data"
-        )
-    if fmt is DatasetFormat.TOKENS:
-        for i, row in enumerate(rows, 1):
-            if max(row["input_ids"]) >= vocab_size:
-                raise InvalidArgument(
-                    f"row {i}: token id {max(row['input_ids'])} is outside the model's vocabulary of {vocab_size}"
-                )
-
-
-def sft_rows(rows: list[dict], fmt: DatasetFormat, completion_only: bool) -> list[dict]:
-    """Rows as TRL's SFTTrainer expects them.
-
-    With ``completion_only`` a conversation becomes conversational prompt/completion (all turns but
-    the last as the prompt), so the loss falls on the final assistant answer only.
-    """
-    if fmt is DatasetFormat.MESSAGES and completion_only:
-        return [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows]
-    if fmt is DatasetFormat.TOKENS:  # TRL skips tokenization for rows that already hold input_ids
-        return [{k: r[k] for k in ("input_ids", "completion_mask") if k in r} for r in rows]
-    keys = {
-        DatasetFormat.TEXT: ("text",),
-        DatasetFormat.MESSAGES: ("messages",),
-        DatasetFormat.PROMPT_COMPLETION: ("prompt", "completion"),
-    }[fmt]
-    return [{k: r[k] for k in keys} for r in rows]
 
 
 @dataclass
@@ -268,104 +130,6 @@ def _make_callback(loaded: LoadedModel, control: JobControl, sinks: Sinks, metho
     return StropCallback()
 
 
-class BrokenTraining(RuntimeError):
-    """A step left an adapter tensor without a usable gradient, or made the loss or the adapters non-finite."""
-
-
-GUARD_WINDOW_STEPS = 3  # optimizer steps within which every adapter tensor must see a non-zero gradient
-
-
-def _names(names: list[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return f"{shown} (and {len(names) - limit} more)" if len(names) > limit else shown
-
-
-def _make_guard(model):
-    """A callback that fails the job the moment training is broken, naming the tensors and why.
-
-    Checked at every optimizer step: each trainable tensor has a gradient, every gradient is finite, the
-    loss is finite, every adapter is finite after the update. Within the first ``GUARD_WINDOW_STEPS``
-    steps every trainable tensor must also see a non-zero gradient at least once. A LoRA ``A`` whose ``B``
-    is exactly zero has an exactly zero gradient by construction (dA = s·xᵀ(g·B)); such steps are
-    excused, so a fresh adapter (B = 0) or a first warm-up step at lr 0 is not mistaken for a cut graph.
-    The per-tensor max |·| is one fused ``_foreach_norm(inf)`` and one host sync per step.
-    """
-    import torch
-    from transformers import TrainerCallback
-
-    def max_abs(tensors) -> list[float]:
-        return torch.stack(torch._foreach_norm(tensors, float("inf"))).float().cpu().tolist()
-
-    class GradientGuard(TrainerCallback):
-        def __init__(self) -> None:
-            self.params: list[tuple[str, torch.nn.Parameter]] = []
-            self.steps = 0
-            self.never_nonzero: set[str] = set()
-            self.unexcused_zero: set[str] = set()
-            self.partner: dict[str, torch.Tensor] = {}
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            self.never_nonzero = {n for n, _ in self.params}
-            by_name = dict(self.params)
-            self.partner = {n: by_name[n.replace("lora_A", "lora_B")] for n in by_name if "lora_A" in n}
-
-        def on_pre_optimizer_step(self, args, state, control, **kw):
-            self.steps += 1
-            step = state.global_step + 1
-            missing = [n for n, p in self.params if p.grad is None]
-            if missing:
-                raise BrokenTraining(
-                    f"step {step}: {len(missing)} of {len(self.params)} trainable tensors got no gradient "
-                    f"(the graph from the loss does not reach them): {_names(missing)}"
-                )
-            grads = max_abs([p.grad for _, p in self.params])
-            bad = [n for (n, _), g in zip(self.params, grads, strict=True) if not math.isfinite(g)]
-            if bad:
-                raise BrokenTraining(
-                    f"step {step}: non-finite gradients in {len(bad)} of {len(self.params)} trainable tensors: "
-                    f"{_names(bad)} (lower the learning rate, or check the data and max_grad_norm)"
-                )
-            if self.steps > GUARD_WINDOW_STEPS:
-                return
-            zero = [n for (n, _), g in zip(self.params, grads, strict=True) if g == 0.0]
-            self.never_nonzero &= set(zero)
-            for n in zero:
-                partner = self.partner.get(n)
-                if partner is None or bool(partner.detach().any()):
-                    self.unexcused_zero.add(n)
-            if self.steps == GUARD_WINDOW_STEPS:
-                self._check_window(step)
-
-        def on_optimizer_step(self, args, state, control, **kw):
-            values = max_abs([p.detach() for _, p in self.params])
-            bad = [n for (n, _), v in zip(self.params, values, strict=True) if not math.isfinite(v)]
-            if bad:
-                raise BrokenTraining(
-                    f"step {state.global_step + 1}: the optimizer step made {len(bad)} adapter tensors "
-                    f"non-finite: {_names(bad)} (the learning rate or weight decay is too large)"
-                )
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            loss = (logs or {}).get("loss")
-            if loss is not None and not math.isfinite(float(loss)):
-                raise BrokenTraining(f"step {state.global_step}: the loss is {loss}")
-
-        def on_train_end(self, args, state, control, **kw):
-            if 0 < self.steps < GUARD_WINDOW_STEPS:
-                self._check_window(state.global_step)
-
-        def _check_window(self, step: int) -> None:
-            dead = sorted(self.never_nonzero & self.unexcused_zero)
-            if dead:
-                raise BrokenTraining(
-                    f"by step {step}: {len(dead)} of {len(self.params)} trainable tensors got only zero "
-                    f"gradients (no signal reaches them): {_names(dead)}"
-                )
-
-    return GradientGuard()
-
-
 def _training_args(cfg: TrainConfig, loaded: LoadedModel, work_dir: Path) -> dict:
     on_cuda = loaded.device.startswith("cuda")
     warmup = cfg.warmup_steps if cfg.warmup_steps else cfg.warmup_ratio
@@ -415,8 +179,10 @@ def build_trainer(
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer = _build_trl_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
-    keep_adapter_fp32(loaded.model)
-    trainer.add_callback(_make_guard(loaded.model))
+    from strop.kernels.models.hf import keep_trainable_fp32
+
+    keep_trainable_fp32(loaded.model)  # TRL casts adapters to bf16 on 4-bit bases
+    trainer.add_callback(make_guard(loaded.model))
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     return trainer
@@ -479,19 +245,6 @@ def _build_trl_trainer(
         peft_model.delete_adapter("ref")
         peft_model.set_adapter("default")
     return trainer
-
-
-def keep_adapter_fp32(model) -> None:
-    """Undo TRL's bf16 cast of LoRA weights on quantized bases (before the optimizer exists).
-
-    TRL follows the QLoRA paper and casts adapters to bf16; at small learning rates bf16 swallows
-    the updates (the DPO margin then does not move), so strop keeps adapters and optimizer state fp32.
-    """
-    import torch
-
-    for p in model.parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
 
 
 def cleanup_reference_adapter(loaded: LoadedModel) -> None:
@@ -580,7 +333,7 @@ def run_training(
     if packed:
         raise BrokenTraining(
             f"{len(packed)} 4-bit layers are in bitsandbytes' CPU inference layout, which has no backward: "
-            f"{_names(packed)}"
+            f"{names(packed)}"
         )
     if loaded.device.startswith("cuda"):
         import torch

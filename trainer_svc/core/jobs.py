@@ -1,0 +1,289 @@
+"""Jobs: one SFT or DPO run on a session, in its own thread, outliving any stream.
+
+Every event is stored before it is shown, so a watcher that re-attaches with ``after_seq`` misses nothing. One
+job at a time runs on a session (it holds the session's lock); ``drain`` stops them at a step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from strop.common.artifacts import ArtifactStore
+from strop.common.errors import FailedPrecondition, InvalidArgument
+from strop.common.trainer_types import (
+    RESUMABLE_STATES,
+    Checkpoint,
+    DatasetFormat,
+    JobEvent,
+    JobInfo,
+    JobState,
+    LogMessage,
+    SessionState,
+    StepMetrics,
+    TrainConfig,
+    TrainMethod,
+)
+from strop.trainer_svc.core import job_config, models, training
+from strop.trainer_svc.core.datasets import Datasets
+from strop.trainer_svc.core.sessions import Session, Sessions
+from strop.trainer_svc.core.store import TrainerStore
+
+log = logging.getLogger("strop.trainer")
+
+
+@dataclass
+class _RunningJob:
+    job_id: str
+    control: training.JobControl
+    thread: threading.Thread
+
+
+class Jobs:
+    def __init__(
+        self,
+        store: TrainerStore,
+        artifacts: ArtifactStore,
+        sessions: Sessions,
+        datasets: Datasets,
+        *,
+        state_dir: Path,
+    ) -> None:
+        self.store, self.artifacts, self.sessions, self.datasets = store, artifacts, sessions, datasets
+        self.state_dir = Path(state_dir)
+        self._jobs: dict[str, _RunningJob] = {}
+        self._lock = threading.RLock()
+
+    def start(
+        self,
+        session_id: str,
+        dataset_id: str,
+        config: TrainConfig | None,
+        *,
+        resume_from_job_id: str = "",
+        name: str = "",
+    ) -> JobInfo:
+        """Validate everything, create the job and start its thread; errors leave nothing behind."""
+        resume_dir = None
+        if resume_from_job_id:
+            prev = self.store.get_job(resume_from_job_id)
+            if prev.state not in RESUMABLE_STATES:
+                raise FailedPrecondition(
+                    f"job {resume_from_job_id} is {prev.state.value}; only a finished job "
+                    "(cancelled, interrupted, failed or succeeded) can be resumed"
+                )
+            if prev.last_checkpoint is None or prev.last_checkpoint.artifact is None:
+                raise FailedPrecondition(f"job {resume_from_job_id} has no checkpoint to resume from")
+            ckpt_id = prev.last_checkpoint.artifact.artifact_id
+            self.artifacts.verify(ckpt_id)
+            resume_dir = self.artifacts.path_of(ckpt_id)
+            dataset_id = dataset_id or prev.dataset_id
+            if config is None or config.method is TrainMethod.UNSPECIFIED:
+                config = prev.config
+        if config is None:
+            raise InvalidArgument("config is required (method SFT or DPO)")
+        if not dataset_id:
+            raise InvalidArgument("dataset_id is required")
+        sess = self.sessions.open(session_id)  # busy is checked last, under the lock
+        if sess.loaded.lora is None:
+            raise FailedPrecondition(f"session {session_id} has no adapter; call AttachLora first")
+        ds_info, rows = self.datasets.rows(dataset_id)
+        cfg = job_config.with_defaults(config, session_max_len=sess.info.facts.max_seq_length)
+        job_config.check_dataset_fits(cfg.method, ds_info.format, rows, sess.info.facts.vocab_size)
+        if resume_from_job_id:
+            self._check_resume_compatible(sess, resume_dir)
+        job = JobInfo(
+            job_id=f"job-{uuid.uuid4().hex[:12]}",
+            session_id=session_id,
+            dataset_id=dataset_id,
+            name=name,
+            state=JobState.QUEUED,
+            config=cfg,
+            resumed_from_job_id=resume_from_job_id,
+            created_at=time.time(),
+        )
+        with self._lock:
+            if sess.info.busy_job_id:
+                raise FailedPrecondition(f"session {session_id} is busy with job {sess.info.busy_job_id}")
+            sess.info.busy_job_id = job.job_id
+            self.store.insert_job(job)
+            self.store.put_session(sess.info)
+            self.store.append_event(
+                JobEvent(
+                    job_id=job.job_id,
+                    log=LogMessage(
+                        "info",
+                        f"{cfg.method.value} on {ds_info.num_rows} {ds_info.format.value.lower()} rows"
+                        + (
+                            f", resuming job {resume_from_job_id} from step {prev.last_checkpoint.step}"
+                            if resume_from_job_id
+                            else ""
+                        ),
+                    ),
+                )
+            )
+            control = training.JobControl()
+            thread = threading.Thread(
+                target=self._run,
+                name=f"strop-{job.job_id}",
+                args=(sess, job.job_id, cfg, ds_info.format, rows, control, resume_dir),
+                daemon=True,
+            )
+            self._jobs[job.job_id] = _RunningJob(job.job_id, control, thread)
+            thread.start()
+        return self.store.get_job(job.job_id)
+
+    def _check_resume_compatible(self, sess: Session, ckpt_dir: Path) -> None:
+        cfg_path = ckpt_dir / "adapter_config.json"
+        if not cfg_path.is_file():
+            raise FailedPrecondition("the checkpoint holds no adapter_config.json")
+        saved = json.loads(cfg_path.read_text())
+        lora = sess.loaded.lora
+        if int(saved.get("r", -1)) != lora.r or sorted(saved.get("target_modules") or []) != sorted(
+            lora.target_modules
+        ):
+            raise FailedPrecondition(
+                f"the checkpoint's adapter (r={saved.get('r')}, targets={sorted(saved.get('target_modules') or [])}) "
+                f"does not match the session's (r={lora.r}, targets={sorted(lora.target_modules)})"
+            )
+
+    def _run(
+        self,
+        sess: Session,
+        job_id: str,
+        cfg: TrainConfig,
+        fmt: DatasetFormat,
+        rows: list[dict],
+        control: training.JobControl,
+        resume_dir: Path | None,
+    ) -> None:
+        import torch
+
+        work_dir = self.state_dir / "work" / job_id
+        sinks = training.Sinks(
+            on_step=lambda m: self._on_step(job_id, m),
+            on_checkpoint=lambda step, path: self._on_checkpoint(sess, job_id, step, path),
+            on_start=lambda total: self.store.update_job(job_id, total_steps=total),
+        )
+        try:
+            with sess.lock:
+                self.store.transition(job_id, JobState.RUNNING)
+                step = training.run_training(
+                    sess.loaded, rows, fmt, cfg, work_dir, control, sinks, resume_dir
+                )
+                adapter = self.sessions.publish_adapter(
+                    sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
+                )
+            self.store.append_event(JobEvent(job_id=job_id, adapter=adapter), adapter=adapter)
+            if control.stop is None:
+                outcome = JobState.SUCCEEDED, f"finished at step {step}"
+            elif control.stop.reason == "cancel":
+                outcome = JobState.CANCELLED, f"cancelled at step {step}"
+            else:
+                outcome = JobState.INTERRUPTED, f"service shutting down; stopped at step {step}"
+        except torch.OutOfMemoryError as exc:
+            log.warning("job %s: out of device memory", job_id)
+            outcome = JobState.FAILED, f"out of device memory: {str(exc).splitlines()[0]}"
+        except Exception as exc:
+            log.exception("job %s failed", job_id)
+            outcome = JobState.FAILED, f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(work_dir, ignore_errors=True)
+            if sess.loaded.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            # The session is free before the terminal event, so a client that saw the job end can reuse it.
+            with self._lock:
+                sess.info.busy_job_id = ""
+                if sess.info.state is not SessionState.CLOSED:
+                    self.store.put_session(sess.info)
+                self._jobs.pop(job_id, None)
+        self.store.transition(job_id, *outcome)
+
+    def _on_step(self, job_id: str, m: StepMetrics) -> None:
+        self.store.append_event(
+            JobEvent(job_id=job_id, step=m), step=m.step, total_steps=m.total_steps, last_loss=m.loss
+        )
+
+    def _on_checkpoint(self, sess: Session, job_id: str, step: int, path: Path) -> None:
+        meta = {**models.adapter_metadata(sess.loaded), "job_id": job_id, "step": str(step)}
+        with self.artifacts.create("checkpoint", metadata=meta) as pending:
+            for src in path.rglob("*"):
+                if src.is_file():
+                    dst = pending.dir / src.relative_to(path)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(src, dst)
+            models.copy_tokenizer_files(sess.loaded.model_dir, pending.dir)
+        ckpt = Checkpoint(step=step, artifact=self.artifacts.get(pending.artifact_id))
+        self.store.append_event(JobEvent(job_id=job_id, checkpoint=ckpt), last_checkpoint=ckpt)
+
+    def watch(
+        self,
+        job_id: str,
+        after_seq: int = 0,
+        *,
+        is_active: Callable[[], bool] = lambda: True,
+        poll_seconds: float = 1.0,
+    ) -> Iterator[JobEvent]:
+        """Every event with seq > after_seq, in order, then new ones as they come, until the job ends."""
+        if after_seq < 0:
+            raise InvalidArgument(f"after_seq must be >= 0, got {after_seq}")
+        self.store.get_job(job_id)  # NotFound
+        seq = after_seq
+        while True:
+            events = self.store.events_after(job_id, seq)
+            for e in events:
+                yield e
+                seq = e.seq
+            if events:
+                continue
+            with self.store.changed:
+                job = self.store.get_job(job_id)
+                if job.last_seq > seq:
+                    continue
+                if job.state.terminal or not is_active():
+                    return
+                self.store.changed.wait(timeout=poll_seconds)
+
+    def get(self, job_id: str) -> JobInfo:
+        return self.store.get_job(job_id)
+
+    def list(self, session_id: str = "", states: list[JobState] | None = None) -> list[JobInfo]:
+        return self.store.list_jobs(session_id, states)
+
+    def cancel(self, job_id: str) -> JobInfo:
+        job = self.store.get_job(job_id)
+        if job.state.terminal:
+            raise FailedPrecondition(f"job {job_id} already ended ({job.state.value})")
+        with self._lock:
+            running = self._jobs.get(job_id)
+        if running is not None:
+            running.control.request_stop("cancel")
+        return self.store.get_job(job_id)
+
+    def drain(self, grace_seconds: float) -> bool:
+        """Stop running jobs at their next step boundary (checkpointing them as INTERRUPTED).
+
+        Returns:
+            True when every job stopped within ``grace_seconds``; False when some are still running (the
+            caller must not close the store under them; a restart marks them INTERRUPTED).
+        """
+        with self._lock:
+            running = list(self._jobs.values())
+        for r in running:
+            r.control.request_stop("interrupt")
+        deadline = time.monotonic() + grace_seconds
+        for r in running:
+            r.thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r.job_id for r in running if r.thread.is_alive()]
+        if stuck:
+            log.error(
+                "drain: jobs %s did not reach a step boundary within %.0fs", ", ".join(stuck), grace_seconds
+            )
+        return not stuck

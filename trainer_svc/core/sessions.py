@@ -1,0 +1,162 @@
+"""Sessions: a loaded base model (and its adapter) on the service's device, with its lock and busy flag."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from strop.common.artifacts import ArtifactStore
+from strop.common.errors import FailedPrecondition, ResourceExhausted
+from strop.common.trainer_types import Artifact, LoadModelRequest, LoraConfig, SessionInfo, SessionState
+from strop.trainer_svc.core import models
+from strop.trainer_svc.core.store import TrainerStore
+
+log = logging.getLogger("strop.trainer")
+
+
+@dataclass
+class Session:
+    info: SessionInfo
+    loaded: models.LoadedModel
+    lock: threading.RLock = field(default_factory=threading.RLock)  # held by a job for its whole run
+
+
+class Sessions:
+    """Open sessions in memory (their models live on the device), every session's record in the store."""
+
+    def __init__(
+        self,
+        store: TrainerStore,
+        artifacts: ArtifactStore,
+        *,
+        model_root: Path,
+        device: str,
+        max_sessions: int,
+    ) -> None:
+        self.store, self.artifacts = store, artifacts
+        self.model_root, self.device, self.max_sessions = Path(model_root), device, max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.RLock()
+
+    def load(self, req: LoadModelRequest) -> SessionInfo:
+        with self._lock:
+            open_sessions = sum(
+                1
+                for s in self._sessions.values()
+                if s.info.state in (SessionState.LOADED, SessionState.READY)
+            )
+            if open_sessions >= self.max_sessions:
+                raise ResourceExhausted(
+                    f"{open_sessions} sessions are open (limit {self.max_sessions}); close one first"
+                )
+        loaded = models.load_model(req, model_root=self.model_root, device=self.device)
+        info = SessionInfo(
+            session_id=f"sess-{uuid.uuid4().hex[:12]}",
+            name=req.name,
+            state=SessionState.LOADED,
+            facts=loaded.facts,
+            created_at=time.time(),
+        )
+        with self._lock:
+            self._sessions[info.session_id] = Session(info, loaded)
+        self.store.put_session(info)
+        log.info(
+            "session %s: loaded %s (%s, %s)",
+            info.session_id,
+            loaded.facts.model_path,
+            loaded.facts.quantization,
+            loaded.facts.kernels_reason,
+        )
+        return info
+
+    def open(self, session_id: str) -> Session:
+        with self._lock:
+            sess = self._sessions.get(session_id)
+        if sess is None:
+            stored = self.store.get_session(session_id)  # NotFound for unknown ids
+            if stored.state is SessionState.LOST:
+                raise FailedPrecondition(
+                    f"session {session_id} was lost when the service restarted; load the model again"
+                )
+            raise FailedPrecondition(f"session {session_id} is {stored.state.value.lower()}")
+        if sess.info.state is SessionState.CLOSED:
+            raise FailedPrecondition(f"session {session_id} is closed")
+        return sess
+
+    def idle(self, session_id: str) -> Session:
+        sess = self.open(session_id)
+        if sess.info.busy_job_id:
+            raise FailedPrecondition(f"session {session_id} is busy with job {sess.info.busy_job_id}")
+        return sess
+
+    def attach_lora(self, session_id: str, lora: LoraConfig) -> SessionInfo:
+        sess = self.idle(session_id)
+        with sess.lock:
+            models.attach_lora(sess.loaded, lora)
+            sess.info.lora = sess.loaded.lora
+            sess.info.facts = sess.loaded.facts
+            sess.info.state = SessionState.READY
+            self.store.put_session(sess.info)
+        return sess.info
+
+    def get(self, session_id: str) -> SessionInfo:
+        with self._lock:
+            sess = self._sessions.get(session_id)
+        return sess.info if sess else self.store.get_session(session_id)
+
+    def list(self, include_closed: bool = False) -> list[SessionInfo]:
+        out = []
+        for stored in self.store.list_sessions():
+            info = self.get(stored.session_id)
+            if include_closed or info.state in (SessionState.LOADED, SessionState.READY):
+                out.append(info)
+        return out
+
+    def close(self, session_id: str) -> SessionInfo:
+        sess = self.idle(session_id)
+        with sess.lock:
+            models.release(sess.loaded)
+            sess.info.state = SessionState.CLOSED
+            sess.info.facts.device_memory_bytes = 0
+            self.store.put_session(sess.info)
+        with self._lock:
+            self._sessions.pop(session_id, None)
+        return sess.info
+
+    def generate(
+        self,
+        session_id: str,
+        prompts: list[str],
+        *,
+        max_new_tokens: int = 64,
+        disable_adapter: bool = False,
+        apply_chat_template: bool = False,
+    ) -> list[str]:
+        sess = self.idle(session_id)
+        with sess.lock:
+            return models.generate(
+                sess.loaded,
+                prompts,
+                max_new_tokens=max_new_tokens or 64,
+                disable_adapter=disable_adapter,
+                apply_chat_template=apply_chat_template,
+            )
+
+    def save_adapter(self, session_id: str, name: str = "") -> Artifact:
+        sess = self.idle(session_id)
+        if sess.loaded.lora is None:
+            raise FailedPrecondition(f"session {session_id} has no adapter; call AttachLora first")
+        with sess.lock:
+            return self.publish_adapter(sess, artifact_id=name or None, metadata={"session_id": session_id})
+
+    def publish_adapter(
+        self, sess: Session, *, artifact_id: str | None, metadata: dict[str, str]
+    ) -> Artifact:
+        meta = {**models.adapter_metadata(sess.loaded), **metadata}
+        with self.artifacts.create("adapter", artifact_id=artifact_id, metadata=meta) as pending:
+            models.write_adapter(sess.loaded, pending.dir)
+        return self.artifacts.get(pending.artifact_id)
