@@ -478,10 +478,10 @@ def run_trl_worker(a) -> Result:
         from strop.trainer_svc.server import start
 
         work = tempfile.mkdtemp()
-        running, _core = start(
+        service = start(
             TrainerConfig(model_root=MODEL_ROOT, artifact_root=work + "/a", state_dir=work + "/s")
         )
-        with TrainerClient(f"127.0.0.1:{running.port}") as tc:
+        with TrainerClient(f"127.0.0.1:{service.port}") as tc:
             s = tc.load_model(
                 os.path.basename(saved_model_dir()),
                 dtype=DTYPE,
@@ -511,7 +511,7 @@ def run_trl_worker(a) -> Result:
                 elif e.state is not None and e.state.state.value == "FAILED":
                     raise RuntimeError(e.state.message)
             record_peak_memory(res)
-        running.stop(grace=1.0)
+        service.stop(grace=1.0)
     else:
         from datasets import Dataset
         from transformers import AutoTokenizer

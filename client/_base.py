@@ -4,13 +4,16 @@ RPCs of ``common.proto`` that both services serve."""
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from strop.client.errors import DataLossError, from_rpc_error
+from strop.client.errors import DataLossError, InvalidArgumentError, from_rpc_error
 from strop.common.serde import from_proto
 from strop.common.trainer_types import Artifact
 from strop.v1 import common_pb2
@@ -97,11 +100,31 @@ class ArtifactClient(BaseClient):
             if not token:
                 return out
 
-    def _download_into(self, artifact_id: str, directory: Path, *, chunk_bytes: int = 0) -> None:
-        """Stream an artifact's files into the existing ``directory`` (see :func:`receive_files`)."""
-        req = common_pb2.DownloadArtifactRequest(artifact_id=artifact_id, chunk_bytes=chunk_bytes)
-        chunks = self._stream(self._stub.DownloadArtifact, req, timeout=LONG_TIMEOUT, name="DownloadArtifact")
-        receive_files(chunks, directory, method="DownloadArtifact")
+    def download_artifact(self, artifact_id: str, dest: str | os.PathLike, *, chunk_bytes: int = 0) -> Path:
+        """Stream an artifact into the new directory ``dest``, checking every file's sha256.
+
+        The files land in a temporary sibling directory renamed to ``dest`` at the end, so a failed
+        download leaves nothing at ``dest``.
+
+        Raises:
+            InvalidArgumentError: ``dest`` exists.
+            DataLossError: a file's digest does not match the server's.
+        """
+        dest = Path(dest)
+        if dest.exists():
+            raise InvalidArgumentError(f"{dest} exists; download into a new directory")
+        tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir(parents=True)
+        try:
+            req = common_pb2.DownloadArtifactRequest(artifact_id=artifact_id, chunk_bytes=chunk_bytes)
+            chunks = self._stream(
+                self._stub.DownloadArtifact, req, timeout=LONG_TIMEOUT, name="DownloadArtifact"
+            )
+            receive_files(chunks, tmp, method="DownloadArtifact")
+            os.rename(tmp, dest)
+            return dest
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def receive_files(chunks: Iterable[Any], directory: Path, *, method: str) -> None:

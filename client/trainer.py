@@ -232,13 +232,7 @@ class TrainerClient(ArtifactClient):
             pass
         return self.get_job(job_id)
 
-    # artifacts (get_artifact and list_artifacts: ArtifactClient)
-    def download_artifact(self, artifact_id: str, dest: str | os.PathLike) -> Path:
-        """Stream an artifact's files into ``dest`` (a directory), checking each file's sha256."""
-        dest = Path(dest)
-        dest.mkdir(parents=True, exist_ok=True)
-        self._download_into(artifact_id, dest)
-        return dest
+    # artifacts: get_artifact, list_artifacts, download_artifact (ArtifactClient)
 
     @staticmethod
     def _session(msg) -> SessionInfo:

@@ -185,6 +185,22 @@ class ArtifactStore:
                 raise DataLoss(f"artifact {artifact_id!r}: file {f.name!r} is missing or corrupted")
         return info
 
+    def list_page(self, kind: str | None, page_size: int, page_token: str) -> tuple[list[Artifact], str]:
+        """One page of :meth:`list` (oldest first) and the token of the next ("" after the last page).
+
+        Raises:
+            InvalidArgument: a token this store did not hand out, or a negative page size.
+        """
+        if page_size < 0:
+            raise InvalidArgument(f"page_size must be >= 0, got {page_size}")
+        if page_token and not page_token.isdigit():
+            raise InvalidArgument(f"page_token {page_token!r} is not one this service returned")
+        items = self.list(kind)
+        start = int(page_token or 0)
+        size = page_size or len(items) or 1
+        end = start + size
+        return items[start:end], (str(end) if end < len(items) else "")
+
     def iter_chunks(
         self, artifact_id: str, chunk_bytes: int = _CHUNK
     ) -> Iterator[tuple[str, int, bytes, str, bool]]:

@@ -5,6 +5,7 @@ Only the services' thin gRPC layers import this module; their ``core/`` packages
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import logging
 import os
@@ -15,7 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -227,3 +228,80 @@ def serve_forever(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if clean else 1)
+
+
+@dataclass
+class Service:
+    """A running service as its ``main`` and the tests hold it: the server, its core, and how to drain and close.
+
+    Both services are built the same way (``start(config, address=..., rpc_threads=...) -> Service``).
+    """
+
+    running: RunningServer
+    core: Any
+    drain_work: Callable[[float], bool | None]  # stop running work within the grace; False: some did not stop
+    close: Callable[[], None]
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    def stop(self, grace: float = 5.0) -> bool:
+        """Drain (refuse new work, let running work stop within ``grace``), stop the server, close the core."""
+        clean = self.running.stop(grace, on_drain=lambda: self.drain_work(grace))
+        if clean:
+            self.close()
+        return clean
+
+    def serve_forever(self, grace: float) -> NoReturn:
+        serve_forever(self.running, grace=grace, on_drain=lambda: self.drain_work(grace), on_close=self.close)
+
+
+def service_parser(prog: str, description: str, *, name: str, port: int) -> argparse.ArgumentParser:
+    """The flags both services share, each with a ``STROP_*`` environment default (what a pod sets).
+
+    ``--address`` defaults to 127.0.0.1: a service listens on every interface only when asked to.
+    """
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument(
+        "--address",
+        default=env(f"STROP_{name.upper()}_ADDRESS", f"127.0.0.1:{port}"),
+        help=f"host:port to bind (port 0 picks a free one; env STROP_{name.upper()}_ADDRESS)",
+    )
+    p.add_argument("--model-root", default=env("STROP_MODEL_ROOT", "./models"), help="env STROP_MODEL_ROOT")
+    p.add_argument(
+        "--artifact-root", default=env("STROP_ARTIFACT_ROOT", "./artifacts"), help="env STROP_ARTIFACT_ROOT"
+    )
+    p.add_argument(
+        "--state-dir",
+        default=env(f"STROP_{name.upper()}_STATE_DIR", f"./state/{name}"),
+        help=f"SQLite state and work files (env STROP_{name.upper()}_STATE_DIR)",
+    )
+    p.add_argument(
+        "--rpc-threads", type=int, default=int(env("STROP_RPC_THREADS", "32")), help="gRPC worker threads"
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=float(env("STROP_GRACE", "30")),
+        help="seconds running work gets on SIGTERM",
+    )
+    p.add_argument("--port-file", default="", help="write the bound port here once serving (for port 0)")
+    p.add_argument("--log-level", default=env("STROP_LOG_LEVEL", "INFO"))
+    return p
+
+
+def run_main(args: argparse.Namespace, start: Callable[[], Service]) -> NoReturn:
+    """What each service's ``main`` does after parsing: log, stay offline, start, publish the port, serve."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # strop never downloads at run time (models come from disk)
+    service = start()
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(service.port))
+        os.replace(tmp, args.port_file)  # readers never see a half-written port
+    service.serve_forever(args.grace)

@@ -65,10 +65,9 @@ def trainer(model_root, tmp_path_factory):
         data_root=work / "data",
     )
     (work / "data").mkdir()
-    running, core = start(config)
-    yield running, core, config
-    running.stop(grace=1.0, on_drain=lambda: core.drain(10.0))
-    core.close()
+    service = start(config)
+    yield service.running, service.core, config
+    service.stop(grace=10.0)
 
 
 @pytest.fixture

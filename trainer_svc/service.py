@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from strop.common.artifact_service import ArtifactServicer
 from strop.common.errors import InvalidArgument
 from strop.common.grpc_server import Drain
 from strop.common.serde import from_proto, to_proto
@@ -14,10 +15,9 @@ from strop.trainer_svc.core.trainer_core import TrainerCore
 from strop.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 
-class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self, core: TrainerCore, drain: Drain):
-        self.core = core
-        self.drain = drain
+        self.core, self.drain, self.artifacts = core, drain, core.artifacts
 
     def LoadModel(self, request, context):
         self.drain.check()
@@ -111,19 +111,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def CancelJob(self, request, context):
         return to_proto(trainer_pb2.Job, self.core.jobs.cancel(request.job_id))
-
-    def GetArtifact(self, request, context):
-        return to_proto(common_pb2.Artifact, self.core.artifacts.get(request.artifact_id))
-
-    def ListArtifacts(self, request, context):
-        arts = self.core.artifacts.list(request.kind or None)
-        return common_pb2.ListArtifactsResponse(artifacts=[to_proto(common_pb2.Artifact, a) for a in arts])
-
-    def DownloadArtifact(self, request, context):
-        for name, offset, data, sha, last in self.core.artifacts.iter_chunks(
-            request.artifact_id, request.chunk_bytes or (1 << 20)
-        ):
-            yield common_pb2.FileChunk(name=name, offset=offset, data=data, sha256=sha, last=last)
 
 
 def add_to_server(servicer: TrainerServicer, server: grpc.Server) -> None:
