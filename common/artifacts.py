@@ -204,16 +204,33 @@ class ArtifactStore:
     def iter_chunks(
         self, artifact_id: str, chunk_bytes: int = _CHUNK
     ) -> Iterator[tuple[str, int, bytes, str, bool]]:
-        """Yield ``(name, offset, data, sha256_if_last, last)`` for every file, for streamed downloads."""
+        """Yield ``(name, offset, data, sha256_if_last, last)`` for every file, for streamed downloads.
+
+        Every file is checked against its manifest entry as it is read: a missing, truncated, longer or
+        altered file raises DataLoss before its last chunk is yielded, so a download never ends as complete
+        with bytes the artifact was not published with.
+        """
         info = self.get(artifact_id)
         base = self.path_of(artifact_id)
         chunk_bytes = max(1024, min(chunk_bytes or _CHUNK, (4 << 20) - 1024))
         for f in info.files:
-            with open(base / f.name, "rb") as fh:
-                offset = 0
+            try:
+                fh = open(base / f.name, "rb")
+            except OSError:
+                raise DataLoss(f"artifact {artifact_id!r}: file {f.name!r} is missing") from None
+            with fh:
+                digest, offset = hashlib.sha256(), 0
                 while True:
-                    data = fh.read(chunk_bytes)
-                    last = fh.tell() >= f.size_bytes
+                    data = fh.read(min(chunk_bytes, f.size_bytes - offset))
+                    if not data and offset < f.size_bytes:
+                        raise DataLoss(
+                            f"artifact {artifact_id!r}: file {f.name!r} is truncated "
+                            f"({offset} of {f.size_bytes} bytes)"
+                        )
+                    digest.update(data)
+                    last = offset + len(data) >= f.size_bytes
+                    if last and (fh.read(1) or digest.hexdigest() != f.sha256):
+                        raise DataLoss(f"artifact {artifact_id!r}: file {f.name!r} does not match its sha256")
                     yield f.name, offset, data, (f.sha256 if last else ""), last
                     offset += len(data)
                     if last:

@@ -31,3 +31,22 @@ def confine(root: str | os.PathLike, user_path: str, *, what: str = "path", must
     if must_exist and not resolved.exists():
         raise NotFound(f"{what} {user_path!r} does not exist under {str(root_resolved)!r}")
     return resolved
+
+
+def confine_files(root: str | os.PathLike, directory: Path, *, what: str = "directory") -> None:
+    """Every file under ``directory`` (followed through symlinks) must lie under ``root`` too.
+
+    ``confine`` resolves the directory itself; a symlinked *file* inside a confined directory (e.g.
+    ``<model_root>/m/model.safetensors`` pointing elsewhere) would otherwise be read from outside the root.
+
+    Raises:
+        InvalidArgument: a file resolves outside ``root`` (named relative to the directory).
+    """
+    root_resolved = Path(root).resolve()
+    for path in Path(directory).rglob("*"):
+        if not path.is_symlink():
+            continue
+        target = path.resolve()
+        if target != root_resolved and root_resolved not in target.parents:
+            rel = path.relative_to(directory)
+            raise InvalidArgument(f"{what}: {str(rel)!r} links outside the allowed root")

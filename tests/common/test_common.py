@@ -113,3 +113,28 @@ def test_dataclasses_round_trip_through_protobuf_and_json():
     msg = to_proto(trainer_pb2.JobEvent, ev)
     assert msg.WhichOneof("event") == "step"
     assert from_proto(JobEvent, msg) == ev
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:5000]), "truncated"),  # today: empty chunks forever
+        (lambda p: p.write_bytes(p.read_bytes() + b"x"), "does not match its sha256"),
+        (lambda p: p.write_bytes(b"y" * p.stat().st_size), "does not match its sha256"),
+        (lambda p: p.unlink(), "missing"),
+    ],
+    ids=["truncated", "longer", "altered", "missing"],
+)
+def test_a_damaged_file_ends_the_download_with_data_loss_before_its_last_chunk(tmp_path, damage, message):
+    store = ArtifactStore(tmp_path)
+    with store.create("adapter", artifact_id="a1") as p:
+        (p.dir / "w.bin").write_bytes(os.urandom(10_000))
+    intact = [c for c in store.iter_chunks("a1", 4096)]
+    assert [c[4] for c in intact] == [False, False, True] and intact[-1][3]  # last chunk carries the digest
+    damage(store.path_of("a1") / "w.bin")
+    chunks = []
+    with pytest.raises(DataLoss, match=message):
+        for c in store.iter_chunks("a1", 4096):
+            chunks.append(c)
+    assert not any(c[4] for c in chunks), "no chunk of a damaged file is marked last"
+    assert len(chunks) <= 3

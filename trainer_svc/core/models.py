@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from strop.common.paths import confine
+from strop.common.paths import confine, confine_files
 from strop.common.trainer_types import (
     DEFAULT_TARGET_MODULES,
     KernelMode,
@@ -109,6 +109,7 @@ def load_model(req: LoadModelRequest, *, model_root: Path, device: str) -> Loade
     model_dir = confine(model_root, req.model_path, what="model path")
     if not model_dir.is_dir():
         raise InvalidArgument(f"model path {req.model_path!r} is not a directory")
+    confine_files(model_root, model_dir, what=f"model {req.model_path!r}")
     config = read_config(model_dir)
     if not any(model_dir.glob("*.safetensors")):
         if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):

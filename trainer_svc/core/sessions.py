@@ -40,6 +40,7 @@ class Sessions:
         self.store, self.artifacts = store, artifacts
         self.model_root, self.device, self.max_sessions = Path(model_root), device, max_sessions
         self._sessions: dict[str, Session] = {}
+        self._loading = 0  # loads in progress hold a slot, so concurrent loads cannot pass the cap together
         self._lock = threading.RLock()
 
     def load(self, req: LoadModelRequest) -> SessionInfo:
@@ -49,11 +50,18 @@ class Sessions:
                 for s in self._sessions.values()
                 if s.info.state in (SessionState.LOADED, SessionState.READY)
             )
-            if open_sessions >= self.max_sessions:
+            if open_sessions + self._loading >= self.max_sessions:
                 raise ResourceExhausted(
-                    f"{open_sessions} sessions are open (limit {self.max_sessions}); close one first"
+                    f"{open_sessions} sessions are open and {self._loading} loading "
+                    f"(limit {self.max_sessions}); close one first"
                 )
-        loaded = models.load_model(req, model_root=self.model_root, device=self.device)
+            self._loading += 1
+        try:
+            loaded = models.load_model(req, model_root=self.model_root, device=self.device)
+        except BaseException:
+            with self._lock:
+                self._loading -= 1
+            raise
         info = SessionInfo(
             session_id=f"sess-{uuid.uuid4().hex[:12]}",
             name=req.name,
@@ -61,7 +69,8 @@ class Sessions:
             facts=loaded.facts,
             created_at=time.time(),
         )
-        with self._lock:
+        with self._lock:  # the slot passes from "loading" to "open" under one lock
+            self._loading -= 1
             self._sessions[info.session_id] = Session(info, loaded)
         self.store.put_session(info)
         log.info(
