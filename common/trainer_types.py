@@ -261,6 +261,7 @@ class JobInfo:
     finished_at: float = 0.0
     last_seq: int = 0
     last_loss: float = 0.0
+    queue_position: int = 0  # QUEUED: 1 = next to start on the device; 0 otherwise
 
 
 @dataclass

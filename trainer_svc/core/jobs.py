@@ -6,6 +6,7 @@ job at a time runs on a session (it holds the session's lock); ``drain`` stops t
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import shutil
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common.artifacts import ArtifactStore
-from strop.common.errors import FailedPrecondition, InvalidArgument
+from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.trainer_types import (
     RESUMABLE_STATES,
     Checkpoint,
@@ -47,6 +48,11 @@ class _RunningJob:
 
 
 class Jobs:
+    """The device's job scheduler: jobs start in the order they were accepted, ``concurrency`` at a time
+    (default 1: jobs never share a device, nor the process-wide state of accelerate and TRL while they train);
+    up to ``max_queued`` wait QUEUED, beyond that a Train is RESOURCE_EXHAUSTED. A queued job can be cancelled
+    (it ends CANCELLED without running) and shows its place in the queue (``JobInfo.queue_position``)."""
+
     def __init__(
         self,
         store: TrainerStore,
@@ -55,11 +61,19 @@ class Jobs:
         datasets: Datasets,
         *,
         state_dir: Path,
+        concurrency: int = 1,
+        max_queued: int = 64,
     ) -> None:
+        if concurrency < 1 or max_queued < 0:
+            raise ValueError(f"concurrency must be >= 1 and max_queued >= 0, got {concurrency}, {max_queued}")
         self.store, self.artifacts, self.sessions, self.datasets = store, artifacts, sessions, datasets
         self.state_dir = Path(state_dir)
+        self.concurrency, self.max_queued = concurrency, max_queued
         self._jobs: dict[str, _RunningJob] = {}
+        self._queue: collections.deque[str] = collections.deque()  # QUEUED jobs, in the order accepted
+        self._running = 0
         self._lock = threading.RLock()
+        self._turn = threading.Condition(self._lock)
 
     def start(
         self,
@@ -112,6 +126,10 @@ class Jobs:
         with self._lock:
             if sess.info.busy_job_id:
                 raise FailedPrecondition(f"session {session_id} is busy with job {sess.info.busy_job_id}")
+            if len(self._queue) >= self.max_queued:
+                raise ResourceExhausted(
+                    f"{len(self._queue)} jobs are queued for this device (limit {self.max_queued}); retry later"
+                )
             sess.info.busy_job_id = job.job_id
             self.store.insert_job(job)
             self.store.put_session(sess.info)
@@ -137,8 +155,28 @@ class Jobs:
                 daemon=True,
             )
             self._jobs[job.job_id] = _RunningJob(job.job_id, control, thread)
+            self._queue.append(job.job_id)
             thread.start()
-        return self.store.get_job(job.job_id)
+        return self.get(job.job_id)
+
+    def _wait_turn(self, job_id: str, control: training.JobControl) -> bool:
+        """Block until the job heads the queue and a slot is free; False if it was stopped while queued."""
+        with self._turn:
+            while control.stop is None and not (
+                self._queue[0] == job_id and self._running < self.concurrency
+            ):
+                self._turn.wait()
+            self._queue.remove(job_id)
+            if control.stop is not None:
+                self._turn.notify_all()
+                return False
+            self._running += 1
+            return True
+
+    def _release_turn(self) -> None:
+        with self._turn:
+            self._running -= 1
+            self._turn.notify_all()
 
     def _check_resume_compatible(self, sess: Session, ckpt_dir: Path) -> None:
         cfg_path = ckpt_dir / "adapter_config.json"
@@ -172,6 +210,15 @@ class Jobs:
             on_checkpoint=lambda step, path: self._on_checkpoint(sess, job_id, step, path),
             on_start=lambda total: self.store.update_job(job_id, total_steps=total),
         )
+        if not self._wait_turn(job_id, control):
+            self._free_session(sess, job_id)
+            if control.stop.reason == "cancel":
+                self.store.transition(job_id, JobState.CANCELLED, "cancelled while queued")
+            else:
+                self.store.transition(
+                    job_id, JobState.INTERRUPTED, "service shutting down; the job had not started"
+                )
+            return
         try:
             with sess.lock:
                 self.store.transition(job_id, JobState.RUNNING)
@@ -198,13 +245,17 @@ class Jobs:
             shutil.rmtree(work_dir, ignore_errors=True)
             if sess.loaded.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-            # The session is free before the terminal event, so a client that saw the job end can reuse it.
-            with self._lock:
-                sess.info.busy_job_id = ""
-                if sess.info.state is not SessionState.CLOSED:
-                    self.store.put_session(sess.info)
-                self._jobs.pop(job_id, None)
+            self._release_turn()
+            self._free_session(sess, job_id)
         self.store.transition(job_id, *outcome)
+
+    def _free_session(self, sess: Session, job_id: str) -> None:
+        # The session is free before the terminal event, so a client that saw the job end can reuse it.
+        with self._lock:
+            sess.info.busy_job_id = ""
+            if sess.info.state is not SessionState.CLOSED:
+                self.store.put_session(sess.info)
+            self._jobs.pop(job_id, None)
 
     def _on_step(self, job_id: str, m: StepMetrics) -> None:
         self.store.append_event(
@@ -252,10 +303,16 @@ class Jobs:
                 self.store.changed.wait(timeout=poll_seconds)
 
     def get(self, job_id: str) -> JobInfo:
-        return self.store.get_job(job_id)
+        return self._with_position(self.store.get_job(job_id))
+
+    def _with_position(self, job: JobInfo) -> JobInfo:
+        with self._lock:
+            if job.state is JobState.QUEUED and job.job_id in self._queue:
+                job.queue_position = self._queue.index(job.job_id) + 1
+        return job
 
     def list(self, session_id: str = "", states: list[JobState] | None = None) -> list[JobInfo]:
-        return self.store.list_jobs(session_id, states)
+        return [self._with_position(j) for j in self.store.list_jobs(session_id, states)]
 
     def cancel(self, job_id: str) -> JobInfo:
         job = self.store.get_job(job_id)
@@ -265,7 +322,9 @@ class Jobs:
             running = self._jobs.get(job_id)
         if running is not None:
             running.control.request_stop("cancel")
-        return self.store.get_job(job_id)
+            with self._turn:
+                self._turn.notify_all()  # a queued job wakes and ends CANCELLED without running
+        return self.get(job_id)
 
     def drain(self, grace_seconds: float) -> bool:
         """Stop running jobs at their next step boundary (checkpointing them as INTERRUPTED).
@@ -278,6 +337,8 @@ class Jobs:
             running = list(self._jobs.values())
         for r in running:
             r.control.request_stop("interrupt")
+        with self._turn:
+            self._turn.notify_all()
         deadline = time.monotonic() + grace_seconds
         for r in running:
             r.thread.join(max(0.0, deadline - time.monotonic()))
