@@ -6,27 +6,34 @@ Only the services' thin gRPC layers import this module; their ``core/`` packages
 from __future__ import annotations
 
 import argparse
+import asyncio
 import faulthandler
+import functools
+import inspect
 import logging
 import os
 import signal
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from strop.common.errors import StropError, Unavailable
+from strop.common.signals import ChangeSignal
 
 log = logging.getLogger("strop.grpc")
 
 MAX_MESSAGE_BYTES = 64 << 20
+# Open calls beyond this are refused (RESOURCE_EXHAUSTED) rather than queued: each costs memory, not a thread
+MAX_CONCURRENT_RPCS = 10_000
 SHUTDOWN_SLACK_S = 15.0  # beyond the two grace periods before the drain watchdog fires
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -40,68 +47,94 @@ SERVER_OPTIONS = [
 ]
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+def _status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status a failed call ends with: a domain error's own code and message, else INTERNAL with a reference."""
     if isinstance(exc, StropError):
         code = getattr(grpc.StatusCode, exc.grpc_code, grpc.StatusCode.INTERNAL)
-        if code is grpc.StatusCode.INTERNAL:
-            ref = uuid.uuid4().hex[:12]
-            log.error("internal error in %s (ref %s)", method, ref, exc_info=exc)
-            context.abort(code, f"internal error (ref {ref})")
-        context.abort(code, str(exc))
+        if code is not grpc.StatusCode.INTERNAL:
+            return code, str(exc)
     ref = uuid.uuid4().hex[:12]
-    log.error("unhandled error in %s (ref %s)", method, ref, exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error (ref {ref})")
+    log.error("internal error in %s (ref %s)", method, ref, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (ref {ref})"
 
 
-def _already_aborted(context: grpc.ServicerContext) -> bool:
+def _already_aborted(context) -> bool:
     try:
         return context.code() is not None and context.code() != grpc.StatusCode.OK
     except (AttributeError, NotImplementedError):
         return False
 
 
-class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps domain exceptions to status codes; anything else becomes INTERNAL with a logged traceback."""
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain exceptions to status codes; anything else becomes INTERNAL with a logged traceback.
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    Handlers may be plain functions (run in the server's thread pool) or coroutines/async generators (run on
+    the event loop, holding no thread while they wait); each keeps its kind through the wrapping.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
 
-        def unary(fn):
-            def call(request, context):
+        def wrap(fn):
+            if inspect.isasyncgenfunction(fn):
+
+                async def stream(request, context):
+                    try:
+                        async for item in fn(request, context):
+                            yield item
+                    except Exception as exc:
+                        if _already_aborted(context):
+                            raise
+                        await context.abort(*_status(exc, method))
+
+                return stream
+            if inspect.iscoroutinefunction(fn):
+
+                async def unary(request, context):
+                    try:
+                        return await fn(request, context)
+                    except Exception as exc:
+                        if _already_aborted(context):
+                            raise
+                        await context.abort(*_status(exc, method))
+
+                return unary
+            if inspect.isgeneratorfunction(fn):
+
+                def sync_stream(request, context):
+                    try:
+                        yield from fn(request, context)
+                    except Exception as exc:
+                        if _already_aborted(context):
+                            raise
+                        context.abort(*_status(exc, method))
+
+                return sync_stream
+
+            def sync_unary(request, context):
                 try:
                     return fn(request, context)
                 except Exception as exc:
                     if _already_aborted(context):
                         raise
-                    _abort(context, exc, method)
+                    context.abort(*_status(exc, method))
 
-            return call
-
-        def streaming(fn):
-            def call(request, context):
-                try:
-                    yield from fn(request, context)
-                except Exception as exc:
-                    if _already_aborted(context):
-                        raise
-                    _abort(context, exc, method)
-
-            return call
+            return sync_unary
 
         kw = dict(
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+            return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **kw)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
+            return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
+            return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **kw)
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **kw)
 
 
 class Drain:
@@ -131,13 +164,35 @@ class ServiceBinding:
     full_name: str
 
 
+class _Loop:
+    """An asyncio event loop on its own thread: the gRPC server lives there, sync callers submit to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="strop-grpc-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
 @dataclass
 class RunningServer:
-    server: grpc.Server
-    health: health.HealthServicer
+    server: grpc.aio.Server
+    health: Any
     port: int
     drain: Drain
     service_names: list[str]
+    pool: futures.ThreadPoolExecutor
+    _loop: _Loop
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop.loop
 
     def stop(self, grace: float | None = 5.0, on_drain: Callable[[], bool | None] | None = None) -> bool:
         """Graceful stop: NOT_SERVING for health probes, refuse new work, let calls finish, stop.
@@ -146,9 +201,11 @@ class RunningServer:
             False when ``on_drain`` reported work it could not stop (it returned False), else True.
         """
         self.drain.start()
-        self.health.enter_graceful_shutdown()
+        self._loop.run(self.health.enter_graceful_shutdown())
         clean = on_drain() is not False if on_drain is not None else True
-        self.server.stop(grace).wait()
+        self._loop.run(self.server.stop(grace))
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._loop.close()
         return clean
 
 
@@ -158,33 +215,80 @@ def build_server(
     address: str = "127.0.0.1:0",
     max_workers: int = 32,
     drain: Drain | None = None,
+    reflection_on: bool = True,
 ) -> RunningServer:
     """Create and start a server with error mapping, health (per service and overall) and reflection.
 
-    ``address`` with port 0 binds a free port; the bound port is returned.
+    The server is grpc.aio on its own event-loop thread: async handlers (the event streams) wait without
+    holding a thread, so health and unary calls answer with hundreds of streams open; plain handlers run in a
+    pool of ``max_workers`` threads. ``address`` with port 0 binds a free port; the bound port is returned.
     """
     bindings = list(bindings)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="strop-rpc"),
-        interceptors=[ErrorInterceptor()],
-        options=SERVER_OPTIONS,
-        # Each event stream holds a worker thread; refuse (RESOURCE_EXHAUSTED) rather than queue forever.
-        maximum_concurrent_rpcs=max_workers * 4,
-    )
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = []
-    for b in bindings:
-        b.add_fn(b.servicer, server)
-        names.append(b.full_name)
-        health_servicer.set(b.full_name, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind {address}")
-    server.start()
-    return RunningServer(server, health_servicer, port, drain or Drain(), names)
+    loop = _Loop()
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="strop-rpc")
+
+    async def create():
+        server = grpc.aio.server(
+            migration_thread_pool=pool,
+            interceptors=[ErrorInterceptor()],
+            options=SERVER_OPTIONS,
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        )
+        health_servicer = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = []
+        for b in bindings:
+            b.add_fn(b.servicer, server)
+            names.append(b.full_name)
+            await health_servicer.set(b.full_name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        if reflection_on:
+            reflection.enable_server_reflection(
+                [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+            )
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind {address}")
+        await server.start()
+        return server, health_servicer, port, names
+
+    try:
+        server, health_servicer, port, names = loop.run(create())
+    except BaseException:
+        loop.close()
+        pool.shutdown(wait=False)
+        raise
+    return RunningServer(server, health_servicer, port, drain or Drain(), names, pool, loop)
+
+
+async def in_pool(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a blocking core call from an async handler without blocking the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+
+async def follow(
+    poll: Callable[[int], tuple[list[Any], bool]],
+    signal: ChangeSignal,
+    after_seq: int,
+    *,
+    context: Any = None,
+    heartbeat: float = 5.0,
+) -> AsyncIterator[Any]:
+    """Stream numbered events: ``poll(seq) -> (events after seq, done)`` until done, waiting on ``signal``
+    between polls without holding a thread. Each poll is one short call into the core, in the pool."""
+    seq = after_seq
+    while True:
+        generation = signal.generation
+        events, done = await in_pool(poll, seq)
+        for e in events:
+            yield e
+            seq = e.seq
+        if done:
+            return
+        if context is not None and getattr(context, "done", lambda: False)():
+            return
+        if not events:
+            await signal.wait_async(generation, timeout=heartbeat)
 
 
 def serve_forever(

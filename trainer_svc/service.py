@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import grpc
 
 from strop.common.artifact_service import ArtifactServicer
 from strop.common.errors import InvalidArgument
-from strop.common.grpc_server import Drain
+from strop.common.grpc_server import Drain, follow, in_pool
 from strop.common.serde import from_proto, to_proto
 from strop.common.trainer_types import DatasetHeader, LoadModelRequest, LoraConfig, StateChange, TrainConfig
 from strop.trainer_svc.core.trainer_core import TrainerCore
@@ -82,24 +83,26 @@ class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer)
             datasets=[to_proto(trainer_pb2.Dataset, d) for d in self.core.datasets.list()]
         )
 
-    def Train(self, request, context):
+    async def Train(self, request, context):
         self.drain.check()
         config = from_proto(TrainConfig, request.config) if request.HasField("config") else None
-        job = self.core.jobs.start(
-            request.session_id,
-            request.dataset_id,
-            config,
-            resume_from_job_id=request.resume_from_job_id,
-            name=request.name,
-        )
-        yield from self._events(job.job_id, 0, context)
+        job = await in_pool(
+            self.core.jobs.start, request.session_id, request.dataset_id, config,
+            resume_from_job_id=request.resume_from_job_id, name=request.name,
+        )  # fmt: skip
+        async for event in self._events(job.job_id, 0, context):
+            yield event
 
-    def WatchJob(self, request, context):
-        yield from self._events(request.job_id, request.after_seq, context)
+    async def WatchJob(self, request, context):
+        async for event in self._events(request.job_id, request.after_seq, context):
+            yield event
 
     def _events(self, job_id: str, after_seq: int, context):
-        for event in self.core.jobs.watch(job_id, after_seq, is_active=context.is_active):
-            yield to_proto(trainer_pb2.JobEvent, event)
+        poll = functools.partial(self.core.jobs.poll, job_id)
+        return (
+            to_proto(trainer_pb2.JobEvent, e)
+            async for e in follow(poll, self.core.store.changed, after_seq, context=context)
+        )
 
     def GetJob(self, request, context):
         return to_proto(trainer_pb2.Job, self.core.jobs.get(request.job_id))

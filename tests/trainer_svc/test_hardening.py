@@ -160,3 +160,68 @@ def test_a_queued_job_can_be_cancelled_and_a_full_queue_refuses(model_root, tmp_
     finally:
         core.drain(30)
         core.close()
+
+
+def test_health_and_unary_calls_answer_with_500_open_event_streams(client, trainer, tmp_path):
+    # today each stream pinned one of 32 worker threads: 40 idle WatchJob streams made Check time out
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from strop.client import LoraConfig, TrainConfig, TrainMethod
+    from strop.demo.data import sft_rows
+    from strop.v1 import trainer_pb2, trainer_pb2_grpc
+
+    running, _, _ = trainer
+    target = f"127.0.0.1:{running.port}"
+    sessions = []
+    for _ in range(2):
+        s = client.load_model("tiny-llama-4bit")
+        client.attach_lora(s.session_id, LoraConfig(r=4, alpha=8))
+        sessions.append(s.session_id)
+    ds = client.upload_dataset(sft_rows())
+    long = TrainConfig(method=TrainMethod.SFT, max_steps=5000, batch_size=2, learning_rate=1e-3)
+    busy = next(iter(client.train(sessions[0], ds.dataset_id, long))).job_id  # runs
+    waiting = next(iter(client.train(sessions[1], ds.dataset_id, long))).job_id  # queued behind it
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = trainer_pb2_grpc.TrainerServiceStub(ch)
+            health = health_pb2_grpc.HealthStub(ch)
+
+            async def reader(job_id):
+                async for _ in stub.WatchJob(trainer_pb2.WatchJobRequest(job_id=job_id)):
+                    pass
+
+            calls = [
+                stub.WatchJob(trainer_pb2.WatchJobRequest(job_id=waiting)) for _ in range(400)
+            ]  # never read
+            readers = [asyncio.create_task(reader(waiting)) for _ in range(80)]
+            readers += [asyncio.create_task(reader(busy)) for _ in range(20)]
+            await asyncio.sleep(3.0)  # every stream is open and its handler waiting
+            latencies = []
+            for _ in range(5):
+                t0 = asyncio.get_running_loop().time()
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+                job = await stub.GetJob(trainer_pb2.GetJobRequest(job_id=waiting), timeout=5)
+                assert job.queue_position == 1
+                latencies.append(asyncio.get_running_loop().time() - t0)
+            for c in calls:
+                c.cancel()
+            for r in readers:
+                r.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+            return latencies
+
+    try:
+        latencies = asyncio.run(scenario())
+        assert max(latencies) < 2.0, latencies
+    finally:
+        client.cancel_job(waiting)
+        client.cancel_job(busy)
+        for j in (waiting, busy):
+            client.wait_job(j)
+        for s in sessions:
+            client.close_session(s)

@@ -13,7 +13,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,33 +274,30 @@ class Jobs:
         ckpt = Checkpoint(step=step, artifact=self.artifacts.get(pending.artifact_id))
         self.store.append_event(JobEvent(job_id=job_id, checkpoint=ckpt), last_checkpoint=ckpt)
 
-    def watch(
-        self,
-        job_id: str,
-        after_seq: int = 0,
-        *,
-        is_active: Callable[[], bool] = lambda: True,
-        poll_seconds: float = 1.0,
-    ) -> Iterator[JobEvent]:
-        """Every event with seq > after_seq, in order, then new ones as they come, until the job ends."""
+    def poll(self, job_id: str, after_seq: int) -> tuple[list[JobEvent], bool]:
+        """Events with seq > ``after_seq`` (a page), and whether the stream is complete after them."""
         if after_seq < 0:
             raise InvalidArgument(f"after_seq must be >= 0, got {after_seq}")
-        self.store.get_job(job_id)  # NotFound
+        events = self.store.events_after(job_id, after_seq)
+        if events:
+            return events, False
+        job = self.store.get_job(job_id)  # NotFound
+        return [], job.state.terminal and job.last_seq <= after_seq
+
+    def watch(self, job_id: str, after_seq: int = 0, *, poll_seconds: float = 1.0) -> Iterator[JobEvent]:
+        """Every event with seq > after_seq, in order, then new ones as they come, until the job ends
+        (blocking; the gRPC layer follows :meth:`poll` on the event loop instead)."""
         seq = after_seq
         while True:
-            events = self.store.events_after(job_id, seq)
+            generation = self.store.changed.generation
+            events, done = self.poll(job_id, seq)
             for e in events:
                 yield e
                 seq = e.seq
-            if events:
-                continue
-            with self.store.changed:
-                job = self.store.get_job(job_id)
-                if job.last_seq > seq:
-                    continue
-                if job.state.terminal or not is_active():
-                    return
-                self.store.changed.wait(timeout=poll_seconds)
+            if done:
+                return
+            if not events:
+                self.store.changed.wait(generation, poll_seconds)
 
     def get(self, job_id: str) -> JobInfo:
         return self._with_position(self.store.get_job(job_id))

@@ -15,6 +15,7 @@ from pathlib import Path
 from strop.common.db import Database
 from strop.common.errors import NotFound
 from strop.common.serde import from_dict, to_dict
+from strop.common.signals import ChangeSignal
 from strop.common.trainer_types import (
     JOB_TRANSITIONS,
     DatasetInfo,
@@ -43,8 +44,8 @@ CREATE TABLE IF NOT EXISTS events (
 class TrainerStore:
     def __init__(self, state_dir: str | Path):
         self.db = Database(Path(state_dir) / "trainer.sqlite3", SCHEMA)
-        # Wakes event watchers when any job appends an event or changes state.
-        self.changed = threading.Condition()
+        # Wakes event watchers (threads and asyncio streams) when any job appends an event or changes state.
+        self.changed = ChangeSignal()
         self._job_lock = threading.RLock()
 
     # sessions
@@ -184,8 +185,7 @@ class TrainerStore:
         return [from_dict(JobEvent, json.loads(r["body"])) for r in rows]
 
     def _notify(self) -> None:
-        with self.changed:
-            self.changed.notify_all()
+        self.changed.notify()
 
     def recover_after_restart(self) -> list[str]:
         """Mark what the previous process left open: sessions LOST, unfinished jobs INTERRUPTED."""
