@@ -62,6 +62,12 @@ class Cancelled(StropError):
     grpc_code = "CANCELLED"
 
 
+class DeadlineExceeded(StropError):
+    """The caller's deadline passed before the work finished (what was computed is discarded)."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
 class DataLoss(StropError):
     """Stored data is corrupted (a digest does not match)."""
 

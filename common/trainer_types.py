@@ -262,6 +262,9 @@ class JobInfo:
     last_seq: int = 0
     last_loss: float = 0.0
     queue_position: int = 0  # QUEUED: 1 = next to start on the device; 0 otherwise
+    # FAILED: the status a retry would meet — INVALID_ARGUMENT (fix the input: e.g. a learning rate that makes the
+    # adapters non-finite), RESOURCE_EXHAUSTED (out of device memory), INTERNAL (a fault of the service)
+    error_code: str = ""
 
 
 @dataclass

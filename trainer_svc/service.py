@@ -45,6 +45,7 @@ class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer)
             max_new_tokens=request.max_new_tokens,
             disable_adapter=request.disable_adapter,
             apply_chat_template=request.apply_chat_template,
+            time_budget=context.time_remaining(),  # None without a deadline
         )
         return trainer_pb2.GenerateResponse(completions=completions)
 

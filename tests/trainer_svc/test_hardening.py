@@ -225,3 +225,35 @@ def test_health_and_unary_calls_answer_with_500_open_event_streams(client, train
             client.wait_job(j)
         for s in sessions:
             client.close_session(s)
+
+
+def test_generate_caps_tokens_per_call_and_stops_at_its_deadline(model_root):
+    from strop.common.errors import DeadlineExceeded
+    from strop.trainer_svc.core import models
+
+    loaded = models.load_model(LoadModelRequest(model_path="tiny-llama"), model_root=model_root, device="cpu")
+    with pytest.raises(InvalidArgument, match="above the 16384 tokens one Generate call may produce"):
+        models.generate(
+            loaded, ["hi"] * 5, max_new_tokens=4096, disable_adapter=False, apply_chat_template=False
+        )
+    t0 = time.monotonic()
+    with pytest.raises(
+        DeadlineExceeded, match="the deadline passed"
+    ):  # today: computes to the end regardless
+        models.generate(
+            loaded,
+            ["hi"] * 16,
+            max_new_tokens=1000,
+            disable_adapter=False,
+            apply_chat_template=False,
+            time_budget=0.5,
+        )
+    assert time.monotonic() - t0 < 3.0, "generation stops at the caller's deadline"
+
+
+def test_a_negative_seed_is_refused_before_the_job_exists():
+    from strop.common.trainer_types import TrainConfig, TrainMethod
+    from strop.trainer_svc.core import job_config
+
+    with pytest.raises(InvalidArgument, match=r"seed must be in 0\.\.2\*\*32-1, got -1"):
+        job_config.with_defaults(TrainConfig(method=TrainMethod.SFT, seed=-1), session_max_len=64)

@@ -194,3 +194,4 @@ def test_a_broken_run_over_grpc_ends_failed_never_succeeded(client, ready_sessio
     assert "BrokenTraining" in final.message and "non-finite" in final.message and "lora_" in final.message
     job = client.get_job(events[-1].job_id)
     assert job.state is JobState.FAILED and job.adapter is None, "a broken run publishes no adapter"
+    assert job.error_code == "INVALID_ARGUMENT", "the input is at fault: a pipeline should fix it, not retry"

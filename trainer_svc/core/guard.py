@@ -11,7 +11,15 @@ import math
 
 
 class BrokenTraining(RuntimeError):
-    """A step left an adapter tensor without a usable gradient, or made the loss or the adapters non-finite."""
+    """A step left an adapter tensor without a usable gradient, or made the loss or the adapters non-finite.
+
+    ``code``: INVALID_ARGUMENT where the job's input is the cause (non-finite loss, gradients or adapters: the
+    learning rate, weight decay or data), INTERNAL where the service is (a tensor the graph does not reach).
+    """
+
+    def __init__(self, message: str, code: str = "INTERNAL") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 GUARD_WINDOW_STEPS = 3  # optimizer steps within which every adapter tensor must see a non-zero gradient
@@ -66,7 +74,8 @@ def make_guard(model):
             if bad:
                 raise BrokenTraining(
                     f"step {step}: non-finite gradients in {len(bad)} of {len(self.params)} trainable tensors: "
-                    f"{names(bad)} (lower the learning rate, or check the data and max_grad_norm)"
+                    f"{names(bad)} (lower the learning rate, or check the data and max_grad_norm)",
+                    code="INVALID_ARGUMENT",
                 )
             if self.steps > GUARD_WINDOW_STEPS:
                 return
@@ -85,13 +94,14 @@ def make_guard(model):
             if bad:
                 raise BrokenTraining(
                     f"step {state.global_step + 1}: the optimizer step made {len(bad)} adapter tensors "
-                    f"non-finite: {names(bad)} (the learning rate or weight decay is too large)"
+                    f"non-finite: {names(bad)} (the learning rate or weight decay is too large)",
+                    code="INVALID_ARGUMENT",
                 )
 
         def on_log(self, args, state, control, logs=None, **kw):
             loss = (logs or {}).get("loss")
             if loss is not None and not math.isfinite(float(loss)):
-                raise BrokenTraining(f"step {state.global_step}: the loss is {loss}")
+                raise BrokenTraining(f"step {state.global_step}: the loss is {loss}", code="INVALID_ARGUMENT")
 
         def on_train_end(self, args, state, control, **kw):
             if 0 < self.steps < GUARD_WINDOW_STEPS:

@@ -91,6 +91,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         ),
         (c.optimizer in OPTIMIZERS, f"optimizer {c.optimizer!r} is not one of {sorted(OPTIMIZERS)}"),
         (c.weight_decay >= 0, f"weight_decay must be >= 0, got {c.weight_decay}"),
+        (0 <= c.seed < 2**32, f"seed must be in 0..2**32-1, got {c.seed}"),
         (c.dpo_beta > 0, f"dpo_beta must be > 0, got {c.dpo_beta}"),
         (c.dpo_loss_type in DPO_LOSSES, f"dpo_loss_type {c.dpo_loss_type!r} is not one of {DPO_LOSSES}"),
         (

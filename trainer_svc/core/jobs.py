@@ -10,6 +10,7 @@ import collections
 import json
 import logging
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from strop.common.trainer_types import (
 )
 from strop.trainer_svc.core import job_config, models, training
 from strop.trainer_svc.core.datasets import Datasets
+from strop.trainer_svc.core.guard import BrokenTraining
 from strop.trainer_svc.core.sessions import Session, Sessions
 from strop.trainer_svc.core.store import TrainerStore
 
@@ -230,24 +232,44 @@ class Jobs:
                 )
             self.store.append_event(JobEvent(job_id=job_id, adapter=adapter), adapter=adapter)
             if control.stop is None:
-                outcome = JobState.SUCCEEDED, f"finished at step {step}"
+                outcome = JobState.SUCCEEDED, f"finished at step {step}", ""
             elif control.stop.reason == "cancel":
-                outcome = JobState.CANCELLED, f"cancelled at step {step}"
+                outcome = JobState.CANCELLED, f"cancelled at step {step}", ""
             else:
-                outcome = JobState.INTERRUPTED, f"service shutting down; stopped at step {step}"
+                outcome = JobState.INTERRUPTED, f"service shutting down; stopped at step {step}", ""
         except torch.OutOfMemoryError as exc:
             log.warning("job %s: out of device memory", job_id)
-            outcome = JobState.FAILED, f"out of device memory: {str(exc).splitlines()[0]}"
+            outcome = (
+                JobState.FAILED,
+                f"out of device memory: {str(exc).splitlines()[0]}",
+                "RESOURCE_EXHAUSTED",
+            )
+        except BrokenTraining as exc:
+            log.warning("job %s: %s", job_id, exc)
+            outcome = JobState.FAILED, f"BrokenTraining: {exc}", exc.code
         except Exception as exc:
             log.exception("job %s failed", job_id)
-            outcome = JobState.FAILED, f"{type(exc).__name__}: {exc}"
+            code = getattr(exc, "grpc_code", "INTERNAL")
+            outcome = JobState.FAILED, self._scrub(f"{type(exc).__name__}: {exc}"), code
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
             if sess.loaded.device.startswith("cuda"):
                 torch.cuda.empty_cache()
             self._release_turn()
             self._free_session(sess, job_id)
-        self.store.transition(job_id, *outcome)
+        state, message, code = outcome
+        self.store.transition(job_id, state, message, error_code=code)
+
+    def _scrub(self, message: str) -> str:
+        """No absolute server paths in what clients see: the roots and the interpreter's prefix, named instead."""
+        for path, name in (
+            (self.state_dir, "<state>"),
+            (self.sessions.model_root, "<models>"),
+            (self.artifacts.root, "<artifacts>"),
+            (Path(sys.prefix), "<python>"),
+        ):
+            message = message.replace(str(Path(path).resolve()), name).replace(str(path), name)
+        return message
 
     def _free_session(self, sess: Session, job_id: str) -> None:
         # The session is free before the terminal event, so a client that saw the job end can reuse it.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from strop.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine, confine_files
 from strop.common.trainer_types import (
     DEFAULT_TARGET_MODULES,
@@ -328,6 +328,9 @@ def apply_kernels(loaded: LoadedModel):
     return report
 
 
+MAX_GENERATE_TOKENS = 16_384  # per call, over all prompts: Generate shares the device with training
+
+
 def generate(
     loaded: LoadedModel,
     prompts: list[str],
@@ -335,9 +338,15 @@ def generate(
     max_new_tokens: int,
     disable_adapter: bool,
     apply_chat_template: bool,
+    time_budget: float | None = None,
 ) -> list[str]:
-    """Greedy completions of ``prompts`` (new text only, special tokens removed)."""
+    """Greedy completions of ``prompts`` (new text only, special tokens removed).
+
+    Raises:
+        DeadlineExceeded: ``time_budget`` seconds (the caller's deadline) ran out; generation stops there.
+    """
     import contextlib
+    import time
 
     import torch
 
@@ -345,6 +354,12 @@ def generate(
         raise InvalidArgument("no prompts given")
     if not 0 < max_new_tokens <= 4096:
         raise InvalidArgument(f"max_new_tokens must be in 1..4096, got {max_new_tokens}")
+    if len(prompts) * max_new_tokens > MAX_GENERATE_TOKENS:
+        raise InvalidArgument(
+            f"{len(prompts)} prompts x {max_new_tokens} new tokens is above the {MAX_GENERATE_TOKENS} tokens "
+            "one Generate call may produce; split the prompts"
+        )
+    deadline = None if time_budget is None else time.monotonic() + max(0.0, time_budget)
     tok = loaded.tokenizer
     if apply_chat_template:
         if not getattr(tok, "chat_template", None):
@@ -367,6 +382,9 @@ def generate(
     try:
         with ctx, torch.no_grad():
             for text in texts:  # one at a time: no padding, so results do not depend on batch makeup
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DeadlineExceeded(f"the deadline passed after {len(outs)} of {len(texts)} prompts")
                 enc = tok(text, return_tensors="pt", add_special_tokens=not apply_chat_template).to(
                     loaded.device
                 )
@@ -377,7 +395,12 @@ def generate(
                     num_beams=1,
                     pad_token_id=tok.pad_token_id,
                     use_cache=True,
+                    **({"max_time": left} if left is not None else {}),  # HF stops generating at max_time
                 )
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlineExceeded(
+                        f"the deadline passed during prompt {len(outs) + 1} of {len(texts)}"
+                    )
                 outs.append(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     finally:
         model.train(was_training)

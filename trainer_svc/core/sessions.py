@@ -144,6 +144,7 @@ class Sessions:
         max_new_tokens: int = 64,
         disable_adapter: bool = False,
         apply_chat_template: bool = False,
+        time_budget: float | None = None,
     ) -> list[str]:
         sess = self.idle(session_id)
         with sess.lock:
@@ -153,6 +154,7 @@ class Sessions:
                 max_new_tokens=max_new_tokens or 64,
                 disable_adapter=disable_adapter,
                 apply_chat_template=apply_chat_template,
+                time_budget=time_budget,
             )
 
     def save_adapter(self, session_id: str, name: str = "") -> Artifact:

@@ -354,7 +354,7 @@ class Checkpoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss", "queue_position")
+    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss", "queue_position", "error_code")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class Job(_message.Message):
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     session_id: str
     dataset_id: str
@@ -391,7 +392,8 @@ class Job(_message.Message):
     last_seq: int
     last_loss: float
     queue_position: int
-    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ..., queue_position: _Optional[int] = ...) -> None: ...
+    error_code: str
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ..., queue_position: _Optional[int] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class StateChange(_message.Message):
     __slots__ = ("state", "message")
