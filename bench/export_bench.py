@@ -147,7 +147,7 @@ def prepare(model_dir: Path, layers: int, seed: int = 0) -> None:
     """Write the random bf16 model (streamed tensor by tensor: never the whole model in memory)."""
     import torch
 
-    from strop.export_svc.core.archs import expected_tensors
+    from strop.common.archs import expected_tensors
     from strop.export_svc.core.st_io import PlannedTensor, ShardedSafetensorsWriter
 
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -276,11 +276,11 @@ def run_llama_cpp(model_dir: Path, work: Path, converter: Path, gguf_type: str) 
 
 def worker_strop(models: str, model_name: str, artifacts: str, gguf_type: str) -> None:
     from strop.common.artifacts import ArtifactStore
-    from strop.export_svc.core.pipeline import ExportRequest, TargetKind, TargetSpec, run_export
-    from strop.export_svc.core.verify import VerifySpec
+    from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
+    from strop.export_svc.core.pipeline import run_export
 
     req = ExportRequest(
-        [TargetSpec(TargetKind.GGUF, gguf_type)], base_path=model_name, verify=VerifySpec(enabled=False)
+        base_model_path=model_name, targets=[ExportTarget.gguf(gguf_type)], verify=VerifyOptions(skip=True)
     )
     run_export(req, model_root=Path(models), store=ArtifactStore(artifacts))
 

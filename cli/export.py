@@ -17,8 +17,6 @@ export core lazily.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 from typing import Any
@@ -99,15 +97,16 @@ def _fmt(x: Any, spec: str = ".4g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def print_results(rows: list[tuple[str, str, Any]], out=None) -> None:
-    """A Markdown table of ``(target, artifact_id, verification)`` rows (an API ``Verification`` or None)."""
+def print_results(results: list[Any], out=None) -> None:
+    """A Markdown table of ``ExportResult``s: each target's artifact and verification figures."""
     out = out or sys.stdout
     print(
         "| target | artifact | consumer | max abs dlogit | top-1 | ppl ref -> out | HF=llama.cpp ids | answer | answer top-1 | passed |",
         file=out,
     )
     print("|---|---|---|---|---|---|---|---|---|---|", file=out)
-    for label, aid, v in rows:
+    for r in results:
+        label, aid, v = r.target.label, r.artifact.artifact_id, r.verification
         if v is None:
             print(f"| {label} | {aid} | (not verified) |  |  |  |  |  |  |  |", file=out)
             continue
@@ -123,33 +122,33 @@ def print_results(rows: list[tuple[str, str, Any]], out=None) -> None:
 
 
 def _cmd_run(a) -> int:
-    from strop.client.export import ExportTarget, VerifyOptions
+    from strop.client.export import ExportRequest, ExportTarget, VerifyOptions
 
     try:
-        targets = [ExportTarget.parse(s) for s in (a.to or ["merged", "gguf:F16"])]
+        targets = [ExportTarget.parse(s) for s in (a.to or ["merged", "gguf"])]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    verify = VerifyOptions(
-        skip=a.no_verify, question=a.question, answer=a.answer, raw_question=a.raw_question
+    req = ExportRequest(
+        adapter_artifact_id=a.adapter_artifact,
+        adapter_path=a.adapter_path,
+        base_model_path=a.base,
+        base_artifact_id=a.base_artifact,
+        targets=targets,
+        overwrite=a.overwrite,
+        verify=VerifyOptions(
+            skip=a.no_verify, question=a.question, answer=a.answer, raw_question=a.raw_question
+        ),
+        name=a.name,
+        max_shard_bytes=a.max_shard_bytes,
     )
     if a.offline:
-        return _run_offline(a, targets, verify)
+        return _run_offline(a, req)
     from strop.client.export import ExportClient
 
     show = export_progress_printer()
     with ExportClient(a.target) as ec:
-        exp = ec.create_export(
-            targets,
-            adapter_artifact_id=a.adapter_artifact,
-            adapter_path=a.adapter_path,
-            base_model_path=a.base,
-            base_artifact_id=a.base_artifact,
-            overwrite=a.overwrite,
-            verify=verify,
-            name=a.name,
-            max_shard_bytes=a.max_shard_bytes,
-        )
+        exp = ec.submit_export(req)
         print(f"export {exp.export_id} queued", file=sys.stderr)
         if a.detach:
             print(exp.export_id)
@@ -165,25 +164,14 @@ def _cmd_run(a) -> int:
     if a.json:
         print_json(done)
     else:
-        labels = [
-            _label(r.target.kind.value.lower(), r.target.gguf_type, r.target.dtype) for r in done.results
-        ]
-        print_results(
-            [
-                (lab, r.artifact.artifact_id, r.verification)
-                for lab, r in zip(labels, done.results, strict=True)
-            ]
-        )
+        print_results(done.results)
         if done.error:
             print(f"error ({done.error_code}): {done.error}", file=sys.stderr)
     return 0 if done.state.value == "SUCCEEDED" else 1
 
 
-def _label(kind: str, gguf_type: str, dtype: str) -> str:
-    return f"{kind}:{gguf_type or dtype}" if (gguf_type or dtype) else kind
-
-
-def _run_offline(a, targets, verify) -> int:
+def _run_offline(a, req) -> int:
+    """Validate and run ``req`` with the export core in this process (nothing is written if it is refused)."""
     if not a.model_root or not a.artifact_root:
         print("error: --offline needs --model-root and --artifact-root", file=sys.stderr)
         return 2
@@ -191,20 +179,9 @@ def _run_offline(a, targets, verify) -> int:
 
     from strop.common.artifacts import ArtifactStore
     from strop.common.errors import StropError
-    from strop.export_svc.core.pipeline import ExportProgress, ExportRequest, TargetSpec, run_export
-    from strop.export_svc.core.verify import VerifySpec
+    from strop.common.serde import to_dict
+    from strop.export_svc.core.pipeline import ExportProgress, run_export
 
-    req = ExportRequest(
-        targets=[TargetSpec.from_api(t) for t in targets],
-        adapter_artifact_id=a.adapter_artifact,
-        adapter_path=a.adapter_path,
-        base_path=a.base,
-        base_artifact_id=a.base_artifact,
-        overwrite=a.overwrite,
-        verify=VerifySpec.from_api(verify),
-        name=a.name,
-        max_shard_bytes=a.max_shard_bytes,
-    )
     show = export_progress_printer()
 
     def emit(ev) -> None:
@@ -219,9 +196,9 @@ def _run_offline(a, targets, verify) -> int:
         print(f"error ({exc.grpc_code}): {exc}", file=sys.stderr)
         return 1
     if a.json:
-        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2, default=str))
+        print_json(to_dict(results))
     else:
-        print_results([(r.target.label, r.artifact.artifact_id, r.to_api().verification) for r in results])
+        print_results(results)
     return 0
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from strop.common.export_types import (
     Export,
     ExportEvent,
     ExportProgress,
-    ExportRequestInfo,
+    ExportRequest,
     ExportResult,
     ExportState,
     ExportStateChange,
@@ -52,6 +50,7 @@ __all__ = [
     "ExportClient",
     "ExportEvent",
     "ExportProgress",
+    "ExportRequest",
     "ExportResult",
     "ExportState",
     "ExportStateChange",
@@ -86,19 +85,24 @@ class ExportClient(ArtifactClient):
         max_shard_bytes: int = 0,
     ) -> Export:
         """Validate and queue an export (bad input raises here, before anything is written)."""
-        info = ExportRequestInfo(
-            adapter_artifact_id,
-            adapter_path,
-            base_model_path,
-            base_artifact_id,
-            list(targets),
-            overwrite,
-            verify or VerifyOptions(),
-            name,
-            max_shard_bytes,
+        return self.submit_export(
+            ExportRequest(
+                adapter_artifact_id=adapter_artifact_id,
+                adapter_path=adapter_path,
+                base_model_path=base_model_path,
+                base_artifact_id=base_artifact_id,
+                targets=list(targets),
+                overwrite=overwrite,
+                verify=verify or VerifyOptions(),
+                name=name,
+                max_shard_bytes=max_shard_bytes,
+            )
         )
+
+    def submit_export(self, request: ExportRequest) -> Export:
+        """``create_export`` for a request built beforehand (the same ``ExportRequest`` the core runs)."""
         msg = self._call(
-            self._stub.CreateExport, to_proto(export_pb2.CreateExportRequest, info), name="CreateExport"
+            self._stub.CreateExport, to_proto(export_pb2.CreateExportRequest, request), name="CreateExport"
         )
         return from_proto(Export, msg)
 
@@ -207,25 +211,3 @@ class ExportClient(ArtifactClient):
 
         msg = self._call(self._stub.UploadArtifact, requests(), timeout=LONG_TIMEOUT, name="UploadArtifact")
         return from_proto(Artifact, msg)
-
-    def download_artifact(self, artifact_id: str, dest: str | os.PathLike, *, chunk_bytes: int = 0) -> Path:
-        """Stream an artifact into the new directory ``dest``, checking every file's sha256.
-
-        The files land in a temporary sibling directory renamed to ``dest`` at the end, so a failed
-        download leaves nothing at ``dest``.
-
-        Raises:
-            InvalidArgumentError: ``dest`` exists.
-            DataLossError: a file's digest does not match the server's.
-        """
-        dest = Path(dest)
-        if dest.exists():
-            raise InvalidArgumentError(f"{dest} exists; download into a new directory")
-        tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir(parents=True)
-        try:
-            self._download_into(artifact_id, tmp, chunk_bytes=chunk_bytes)
-            os.rename(tmp, dest)
-            return dest
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)

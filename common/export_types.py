@@ -1,9 +1,9 @@
-"""The export API's dataclasses, shared by the export core and the SDK (torch-free, grpc-free).
+"""The export API's dataclasses: the one request, target and result type from the SDK to the export worker.
 
-The gRPC layer converts them to and from protobuf by field name (``strop.common.serde``); the SDK
-returns them to callers, so pipelines never handle protobuf types. The core's own request types
-(``TargetSpec``, ``VerifySpec``, ``ExportRequest``, its tri-state ``Verification``) keep the core's
-vocabulary and convert to these with their ``to_api`` methods.
+Torch-free and grpc-free. The SDK builds and returns them; the gRPC layer converts them to and from
+protobuf by field name (``strop.common.serde``); the export core takes them as they come, fills the
+defaults (:func:`strop.export_svc.core.resolve.validate`) and returns them; the export service's state
+database stores them with ``serde.to_dict``. No layer has its own copy.
 """
 
 from __future__ import annotations
@@ -13,13 +13,31 @@ from dataclasses import dataclass, field
 
 from strop.common.trainer_types import Artifact
 
+# Defaults of the GGUF targets, read by the SDK's constructors and by the core's validation alike.
+DEFAULT_GGUF_TYPE = "F16"  # a merged GGUF model
+DEFAULT_GGUF_LORA_TYPE = "F32"  # the tensors of a GGUF LoRA adapter
+DEFAULT_GGUF_LORA_BASE_TYPE = "F16"  # the base GGUF written beside a GGUF LoRA adapter
+
 
 class ExportTargetKind(enum.StrEnum):
+    """What an export writes; :attr:`artifact_kind` names the artifact each kind publishes."""
+
     UNSPECIFIED = "UNSPECIFIED"
-    MERGED_SAFETENSORS = "MERGED_SAFETENSORS"
-    PEFT_ADAPTER = "PEFT_ADAPTER"
-    GGUF = "GGUF"
-    GGUF_LORA = "GGUF_LORA"
+    MERGED_SAFETENSORS = "MERGED_SAFETENSORS"  # vLLM/transformers-ready merged directory
+    PEFT_ADAPTER = "PEFT_ADAPTER"  # adapter dir for vLLM --enable-lora
+    GGUF = "GGUF"  # merged GGUF model (F32/F16/BF16/Q8_0 or a llama.cpp quantizer type)
+    GGUF_LORA = "GGUF_LORA"  # GGUF LoRA adapter + the GGUF of its (unmerged) base
+
+    @property
+    def artifact_kind(self) -> str:
+        """The artifact kind this target publishes: ``merged_safetensors``, ``peft_adapter``, ``gguf``,
+        ``gguf_lora`` (stored artifacts carry these names)."""
+        return self.value.lower()
+
+    @classmethod
+    def known(cls) -> tuple[ExportTargetKind, ...]:
+        """Every kind an export can ask for (all but UNSPECIFIED)."""
+        return tuple(k for k in cls if k is not cls.UNSPECIFIED)
 
 
 class ExportState(enum.StrEnum):
@@ -43,13 +61,18 @@ class ExportState(enum.StrEnum):
 
 @dataclass
 class ExportTarget:
-    """One output of an export. Use the constructors: ``merged()``, ``peft()``, ``gguf()``, ``gguf_lora()``."""
+    """One output of an export. Use the constructors: ``merged()``, ``peft()``, ``gguf()``, ``gguf_lora()``.
+
+    Empty strings take the defaults: ``dtype`` the base's, ``gguf_type`` :data:`DEFAULT_GGUF_TYPE` (GGUF)
+    or :data:`DEFAULT_GGUF_LORA_TYPE` (GGUF_LORA), ``base_gguf_type`` :data:`DEFAULT_GGUF_LORA_BASE_TYPE`,
+    ``artifact_id`` a generated one. The export service fills them in before it accepts the export.
+    """
 
     kind: ExportTargetKind = ExportTargetKind.UNSPECIFIED
-    gguf_type: str = ""
-    dtype: str = ""
+    gguf_type: str = ""  # GGUF: F32 F16 BF16 Q8_0 Q4_K_M ...; GGUF_LORA: the adapter's tensors, F32/F16/BF16
+    dtype: str = ""  # MERGED_SAFETENSORS: bfloat16 / float16 / float32
     artifact_id: str = ""
-    base_gguf_type: str = ""
+    base_gguf_type: str = ""  # GGUF_LORA: the type of the base GGUF written beside the adapter
 
     @classmethod
     def merged(cls, dtype: str = "", artifact_id: str = "") -> ExportTarget:
@@ -62,13 +85,16 @@ class ExportTarget:
         return cls(ExportTargetKind.PEFT_ADAPTER, artifact_id=artifact_id)
 
     @classmethod
-    def gguf(cls, gguf_type: str = "F16", artifact_id: str = "") -> ExportTarget:
+    def gguf(cls, gguf_type: str = DEFAULT_GGUF_TYPE, artifact_id: str = "") -> ExportTarget:
         """A merged GGUF model: F32, F16, BF16, Q8_0 or a llama.cpp quantizer type (Q4_K_M, Q6_K, ...)."""
         return cls(ExportTargetKind.GGUF, gguf_type=gguf_type, artifact_id=artifact_id)
 
     @classmethod
     def gguf_lora(
-        cls, lora_type: str = "F32", base_gguf_type: str = "F16", artifact_id: str = ""
+        cls,
+        lora_type: str = DEFAULT_GGUF_LORA_TYPE,
+        base_gguf_type: str = DEFAULT_GGUF_LORA_BASE_TYPE,
+        artifact_id: str = "",
     ) -> ExportTarget:
         """A GGUF LoRA adapter plus the GGUF of its unmerged base."""
         return cls(
@@ -93,32 +119,51 @@ class ExportTarget:
         if kind in ("peft", "peft-adapter", "lora"):
             return cls.peft()
         if kind == "gguf":
-            return cls.gguf(*(parts[:1] or ["F16"]))
+            return cls.gguf(*(parts[:1]))
         if kind == "gguf-lora":
             return cls.gguf_lora(*(parts[:2]))
         raise ValueError(
             f"unknown target {spec!r}: use merged[:dtype], peft, gguf[:TYPE], gguf-lora[:TYPE[:BASE]]"
         )
 
+    @property
+    def label(self) -> str:
+        """How progress events, logs and result tables name the target: ``merged_safetensors:bfloat16``,
+        ``peft_adapter``, ``gguf:Q4_K_M``, ``gguf_lora:F32+base:F16``."""
+        kind = self.kind.artifact_kind
+        if self.kind is ExportTargetKind.GGUF_LORA:
+            return f"{kind}:{self.gguf_type}+base:{self.base_gguf_type}"
+        detail = {ExportTargetKind.GGUF: self.gguf_type, ExportTargetKind.MERGED_SAFETENSORS: self.dtype}
+        return f"{kind}:{detail[self.kind]}" if detail.get(self.kind) else kind
+
 
 @dataclass
 class VerifyOptions:
-    """How an export is verified. A question/answer the adapter was trained on makes the strongest check."""
+    """How an export is verified. A question/answer the adapter was trained on makes the strongest check.
 
-    skip: bool = False
+    Empty ``prompts``/``heldout_texts`` mean the built-in prompt set and held-out text.
+    """
+
+    skip: bool = False  # no consumer verification (the structural checks still run)
     prompts: list[str] = field(default_factory=list)
-    heldout_texts: list[str] = field(default_factory=list)
+    heldout_texts: list[str] = field(default_factory=list)  # perplexity text
     question: str = ""
     answer: str = ""
-    raw_question: bool = False
-    max_new_tokens: int = 0
+    raw_question: bool = False  # do not wrap the question in the tokenizer's chat template
+    max_new_tokens: int = 0  # 0: the answer's length + 8
+
+    @property
+    def has_probe(self) -> bool:
+        """Both a question and its answer are given (greedy generation and teacher-forced agreement run)."""
+        return bool(self.question and self.answer)
 
 
 @dataclass
 class Verification:
-    """One output's figures against the merged fp32 model; each ``*_checked`` says whether its check ran."""
+    """One output's figures against the merged fp32 model; each ``*_checked`` says whether its check ran
+    (the figures of a check that did not run are left at their zero values)."""
 
-    consumer: str = ""
+    consumer: str = ""  # "transformers", "transformers+peft", "llama.cpp", "llama.cpp+lora"
     positions: int = 0
     max_abs_logit_delta: float = 0.0
     mean_abs_logit_delta: float = 0.0
@@ -126,7 +171,7 @@ class Verification:
     perplexity_reference: float = 0.0
     perplexity: float = 0.0
     perplexity_delta: float = 0.0
-    tokens_checked: bool = False
+    tokens_checked: bool = False  # GGUF: llama.cpp's tokenizer compared with HF's
     tokens_match: bool = False
     token_mismatches: list[str] = field(default_factory=list)
     chat_tokens_checked: bool = False
@@ -143,24 +188,31 @@ class Verification:
 
 @dataclass
 class ExportResult:
+    """One published artifact of an export, with its verification (None when verification was skipped)."""
+
     target: ExportTarget = field(default_factory=ExportTarget)
     artifact: Artifact = field(default_factory=Artifact)
     verification: Verification | None = None
 
 
 @dataclass
-class ExportRequestInfo:
-    """A ``CreateExport`` request (and, in an ``Export``, the request with defaults and ids filled in)."""
+class ExportRequest:
+    """What to export (the ``CreateExport`` request): an adapter onto a base, to one or more targets.
+
+    The adapter is an artifact id or a path (under the model root or the artifact root); the base a path
+    under the model root, an artifact id, or, when neither is given, the base the adapter records. In an
+    ``Export`` the request comes back with its defaults and artifact ids filled in.
+    """
 
     adapter_artifact_id: str = ""
     adapter_path: str = ""
     base_model_path: str = ""
     base_artifact_id: str = ""
     targets: list[ExportTarget] = field(default_factory=list)
-    overwrite: bool = False
+    overwrite: bool = False  # replace existing artifacts with the same ids
     verify: VerifyOptions = field(default_factory=VerifyOptions)
-    name: str = ""
-    max_shard_bytes: int = 0
+    name: str = ""  # also names the GGUF files
+    max_shard_bytes: int = 0  # merged safetensors shards; 0: 5 GB
 
 
 @dataclass
@@ -168,7 +220,7 @@ class Export:
     export_id: str = ""
     name: str = ""
     state: ExportState = ExportState.UNSPECIFIED
-    request: ExportRequestInfo | None = None
+    request: ExportRequest | None = None
     results: list[ExportResult] = field(default_factory=list)
     error: str = ""
     error_code: str = ""

@@ -146,11 +146,15 @@ def from_proto(cls: type[T], msg) -> T:
                 kwargs[f.name] = from_proto(inner, value)
         elif fd.enum_type is not None:
             known = fd.enum_type.values_by_number.get(value)
+            prefix = _enum_prefix(fd.enum_type)
             if known is None:  # a newer client's value, or garbage: the request is wrong, not the server
-                raise InvalidArgument(
-                    f"{msg.DESCRIPTOR.name}.{f.name}: unknown {fd.enum_type.name} value {value}"
+                valid = ", ".join(
+                    f"{v.name[len(prefix) :]} ({v.number})" for v in fd.enum_type.values if v.number
                 )
-            name = known.name[len(_enum_prefix(fd.enum_type)) :]
+                raise InvalidArgument(
+                    f"{msg.DESCRIPTOR.name}.{f.name}: unknown {fd.enum_type.name} value {value}; valid: {valid}"
+                )
+            name = known.name[len(prefix) :]
             if name in inner.__members__:
                 kwargs[f.name] = inner[name]
         elif _is_repeated(fd):

@@ -21,13 +21,6 @@ DEMO_TARGETS = (
 )
 
 
-def _label(t) -> str:
-    kind = t.kind.value.lower()
-    if kind == "gguf_lora":
-        return f"gguf_lora:{t.gguf_type}+base:{t.base_gguf_type}"
-    return f"{kind}:{t.gguf_type or t.dtype}" if (t.gguf_type or t.dtype) else kind
-
-
 def run_export_demo(
     export_target: str,
     adapter_artifact_id: str,
@@ -56,7 +49,7 @@ def run_export_demo(
             verify=VerifyOptions(question=question, answer=answer),
             name=name,
         )
-        print(f"export {exp.export_id}: {', '.join(_label(t) for t in exp.request.targets)}", file=out)
+        print(f"export {exp.export_id}: {', '.join(t.label for t in exp.request.targets)}", file=out)
 
         def on_event(ev) -> None:
             p = ev.progress
@@ -83,7 +76,7 @@ def run_export_demo(
     print("|---|---|---|---|---|---|---|---|", file=out)
     for r in done.results:
         v = r.verification
-        label = _label(r.target)
+        label = r.target.label
         figures[label] = {
             "artifact": r.artifact.artifact_id,
             "consumer": v.consumer,

@@ -1,13 +1,19 @@
-"""The ExportService servicer: protobuf in, core call, protobuf out (errors mapped by the interceptor)."""
+"""The ExportService servicer: protobuf in, core call, protobuf out (errors mapped by the interceptor).
+
+Every message converts to and from the export API's dataclasses by field name (``strop.common.serde``),
+here and nowhere else; an enum number this build does not know is INVALID_ARGUMENT, naming the valid ones.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
+from strop.common.artifact_service import ArtifactServicer
 from strop.common.artifacts import ArtifactStore
-from strop.common.grpc_server import Drain
-from strop.common.serde import to_proto
-from strop.export_svc import convert as C
+from strop.common.export_types import ExportRequest, ExportState, ExportStateChange
+from strop.common.grpc_server import Drain, follow
+from strop.common.serde import from_proto, to_proto
 from strop.export_svc.core.errors import InvalidArgument
 from strop.export_svc.core.jobs import ExportManager
 from strop.export_svc.core.pipeline import capabilities
@@ -35,24 +41,31 @@ def upload_parts(requests: Iterator[export_pb2.UploadArtifactRequest]):
     return header, chunks()
 
 
-class ExportServicer(export_pb2_grpc.ExportServiceServicer):
+class ExportServicer(ArtifactServicer, export_pb2_grpc.ExportServiceServicer):
+    """Export RPCs over the job manager; the artifact RPCs (Get/List/Download) are ``ArtifactServicer``'s."""
+
     def __init__(self, manager: ExportManager, store: ArtifactStore, drain: Drain):
         self.manager, self.store, self.drain = manager, store, drain
+        self.artifacts = store
 
     def CreateExport(self, request, context):
         self.drain.check()
-        return to_proto(export_pb2.Export, self.manager.create(C.request_from_pb(request)))
+        return to_proto(export_pb2.Export, self.manager.create(from_proto(ExportRequest, request)))
 
-    def WatchExport(self, request, context):
-        for ev in self.manager.watch(request.export_id, request.after_seq, alive=context.is_active):
+    async def WatchExport(self, request, context):
+        # on the event loop: an open stream holds no thread while it waits for the next event
+        poll = functools.partial(self.manager.poll, request.export_id)
+        async for ev in follow(poll, self.manager.changed, request.after_seq, context=context):
             yield to_proto(export_pb2.ExportEvent, ev)
 
     def GetExport(self, request, context):
         return to_proto(export_pb2.Export, self.manager.get(request.export_id))
 
     def ListExports(self, request, context):
-        states = [C.PB_TO_STATE[s] for s in request.states if s in C.PB_TO_STATE]
-        exports = self.manager.list(states, request.limit)
+        states = [
+            from_proto(ExportStateChange, export_pb2.ExportStateChange(state=s)).state for s in request.states
+        ]
+        exports = self.manager.list([s for s in states if s is not ExportState.UNSPECIFIED], request.limit)
         return export_pb2.ListExportsResponse(exports=[to_proto(export_pb2.Export, e) for e in exports])
 
     def CancelExport(self, request, context):
@@ -71,21 +84,4 @@ class ExportServicer(export_pb2_grpc.ExportServiceServicer):
             metadata=dict(h.metadata),
             overwrite=h.overwrite,
         )
-        return C.artifact_to_pb(info)
-
-    def GetArtifact(self, request, context):
-        return C.artifact_to_pb(self.store.get(request.artifact_id))
-
-    def ListArtifacts(self, request, context):
-        items = self.store.list(request.kind or None)
-        start = int(request.page_token) if request.page_token.isdigit() else 0
-        size = request.page_size if request.page_size > 0 else len(items)
-        page = items[start : start + size]
-        token = str(start + size) if start + size < len(items) else ""
-        return common_pb2.ListArtifactsResponse(
-            artifacts=[C.artifact_to_pb(a) for a in page], next_page_token=token
-        )
-
-    def DownloadArtifact(self, request, context):
-        for name, offset, data, sha, last in self.store.iter_chunks(request.artifact_id, request.chunk_bytes):
-            yield common_pb2.FileChunk(name=name, offset=offset, data=data, sha256=sha, last=last)
+        return to_proto(common_pb2.Artifact, info)

@@ -1,10 +1,15 @@
-"""The export core: plain Python, no gRPC.
+"""The export core: plain Python, no gRPC. Requests, targets and results are the export API's dataclasses
+(``strop.common.export_types``); architectures come from ``strop.common.archs``.
 
 - ``sources``: open and validate base model / adapter directories (safetensors only).
-- ``merge``: the exact fp32 merge (pure ``merge_state_dict`` and streaming ``iter_merged``).
+- ``merge``: the exact fp32 merge (``merge_weight``, streamed over a model by ``iter_merged``).
 - ``hf_dir`` / ``peft_dir``: vLLM-ready merged directories and LoRA adapter directories, with the
   checks vLLM would make.
-- ``gguf_out`` / ``quantize``: GGUF models and LoRA adapters for llama.cpp; K-quants via llama.cpp.
+- ``gguf_out``: GGUF models and LoRA adapters for llama.cpp, from ``gguf_types`` (the type table),
+  ``gguf_vocab`` (tokenizer metadata), ``gguf_arch`` (what llama.cpp expects of an architecture) and
+  ``gguf_writer`` (the streaming writer); ``quantize``: K-quants via llama.cpp.
 - ``verify``: load each output in its consumer and compare it with the merged fp32 model.
-- ``pipeline``: one export end to end (``run_export``); ``jobs``: persistent export jobs and events.
+- ``resolve``: validate a request once (``validate``); ``pipeline``: write a validated export
+  (``write_export``, or ``run_export`` for both); ``jobs``: persistent export jobs and events
+  (``legacy_rows`` reads rows earlier versions stored).
 """

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from strop.export_svc.core.archs import ARCHS, DTYPES, expected_tensors
+from strop.common.archs import ARCHS, expected_tensors
 from strop.export_svc.core.merge import iter_merged
-from strop.export_svc.core.sources import TOKENIZER_FILES, Adapter, BaseModel, read_json
+from strop.export_svc.core.sources import DTYPES, TOKENIZER_FILES, Adapter, BaseModel, read_json
 from strop.export_svc.core.st_io import PlannedTensor, SafetensorsFile, ShardedSafetensorsWriter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -55,17 +55,21 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def chat_template_of(tok_dir: Path) -> str | None:
-    """The chat template a tokenizer directory carries (tokenizer_config.json or chat_template.jinja)."""
-    tc = tok_dir / "tokenizer_config.json"
-    if tc.is_file():
-        t = read_json(tc, "tokenizer_config.json").get("chat_template")
-        if isinstance(t, str) and t:
-            return t
-        if isinstance(t, list):
-            for item in t:
-                if isinstance(item, dict) and item.get("name") == "default":
-                    return item.get("template")
+def chat_template_of(tok_dir: Path, tokenizer_config: dict[str, Any] | None = None) -> str | None:
+    """The chat template a tokenizer directory carries (tokenizer_config.json or chat_template.jinja).
+
+    ``tokenizer_config``: the directory's tokenizer_config.json when the caller has already read it.
+    """
+    tc = tokenizer_config
+    if tc is None and (tok_dir / "tokenizer_config.json").is_file():
+        tc = read_json(tok_dir / "tokenizer_config.json", "tokenizer_config.json")
+    t = (tc or {}).get("chat_template")
+    if isinstance(t, str) and t:
+        return t
+    if isinstance(t, list):
+        for item in t:
+            if isinstance(item, dict) and item.get("name") == "default":
+                return item.get("template")
     if (tok_dir / "chat_template.jinja").is_file():
         return (tok_dir / "chat_template.jinja").read_text(encoding="utf-8")
     return None

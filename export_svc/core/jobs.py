@@ -1,4 +1,7 @@
-"""Export jobs: a persistent queue of ``run_export`` calls, with states, numbered events and cancellation.
+"""Export jobs: a persistent queue of validated exports, with states, numbered events and cancellation.
+
+``ExportManager.create`` validates a request once (``resolve.validate``) and queues the result; a
+worker thread writes it (``pipeline.write_export``) without checking it again.
 
 State machine (guarded; anything else raises)::
 
@@ -10,6 +13,9 @@ manager marks such exports INTERRUPTED and removes their partial outputs. Every 
 report and result is an event ``(export_id, seq)`` with ``seq`` = 1, 2, 3, … and no gaps, stored in
 SQLite under the state directory, so a client re-attaches with ``after_seq`` and misses nothing, and
 history survives restarts. Exports run in worker threads; callers never block on one.
+
+Rows hold the export API's dataclasses as ``serde.to_dict`` writes them; rows an earlier version
+wrote are read through ``legacy_rows``.
 """
 
 from __future__ import annotations
@@ -23,26 +29,26 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from strop.common.artifacts import ArtifactStore
 from strop.common.db import Database
-from strop.common.export_types import Export, ExportEvent, ExportProgress, ExportState, ExportStateChange
-from strop.common.serde import from_dict as _from_dict
-from strop.common.trainer_types import Artifact
-from strop.export_svc.core.errors import FailedPrecondition, NotFound, StropError, Unavailable
-from strop.export_svc.core.pipeline import (
-    CancelToken,
+from strop.common.export_types import (
+    Export,
+    ExportEvent,
+    ExportProgress,
     ExportRequest,
-    TargetKind,
-    TargetResult,
-    TargetSpec,
-    run_export,
-    validate,
+    ExportResult,
+    ExportState,
+    ExportStateChange,
 )
-from strop.export_svc.core.verify import Verification, VerifySpec
+from strop.common.serde import from_dict, to_dict
+from strop.common.signals import ChangeSignal
+from strop.export_svc.core.errors import FailedPrecondition, NotFound, StropError, Unavailable
+from strop.export_svc.core.legacy_rows import upgrade_progress, upgrade_request, upgrade_result
+from strop.export_svc.core.pipeline import CancelToken, write_export
+from strop.export_svc.core.resolve import ValidatedExport, validate
 
 log = logging.getLogger("strop.export")
 
@@ -64,50 +70,24 @@ def check_transition(old: ExportState, new: ExportState) -> None:
         raise FailedPrecondition(f"export cannot go from {old.value} to {new.value}")
 
 
-def request_to_dict(req: ExportRequest) -> dict[str, Any]:
-    d = asdict(req)
-    d["targets"] = [{**asdict(t), "kind": TargetKind(t.kind).value} for t in req.targets]
-    return d
+def _request(data: str) -> ExportRequest:
+    return from_dict(ExportRequest, upgrade_request(json.loads(data)))
 
 
-def request_from_dict(d: dict[str, Any]) -> ExportRequest:
-    d = dict(d)
-    d["targets"] = [TargetSpec(**{**t, "kind": TargetKind(t["kind"])}) for t in d.get("targets", [])]
-    d["verify"] = VerifySpec(**d.get("verify", {}))
-    return ExportRequest(**d)
-
-
-def result_to_dict(r: TargetResult) -> dict[str, Any]:
-    return {
-        "target": {**asdict(r.target), "kind": TargetKind(r.target.kind).value},
-        "artifact": asdict(r.artifact),
-        "verification": asdict(r.verification) if r.verification else None,
-    }
-
-
-def result_from_dict(d: dict[str, Any]) -> TargetResult:
-    t = d["target"]
-    return TargetResult(
-        TargetSpec(**{**t, "kind": TargetKind(t["kind"])}),
-        _from_dict(Artifact, d["artifact"]),
-        Verification(**d["verification"]) if d.get("verification") else None,
-    )
-
-
-# Progress rows stored before the core emitted the API's ExportProgress name two fields the old way.
-_OLD_PROGRESS_KEYS = {"done": "items_done", "total": "items_total"}
+def _result(data: dict[str, Any]) -> ExportResult:
+    return from_dict(ExportResult, upgrade_result(data))
 
 
 def _event(row) -> ExportEvent:
-    """A stored event (``kind`` "state", "progress" or "result"; ``data`` its fields) in the API's form."""
+    """A stored event (``kind`` "state", "progress" or "result"; ``data`` its dataclass as a dict)."""
     ev = ExportEvent(row["export_id"], row["seq"], row["time"])
     kind, data = row["kind"], json.loads(row["data"])
     if kind == "state":
-        ev.state = ExportStateChange(ExportState(data["state"]), data.get("message", ""))
+        ev.state = from_dict(ExportStateChange, data)
     elif kind == "progress":
-        ev.progress = ExportProgress(**{_OLD_PROGRESS_KEYS.get(k, k): v for k, v in data.items()})
+        ev.progress = from_dict(ExportProgress, upgrade_progress(data))
     elif kind == "result":
-        ev.result = result_from_dict(data).to_api()
+        ev.result = _result(data)
     return ev
 
 
@@ -136,7 +116,7 @@ CREATE TABLE IF NOT EXISTS export_events (
 );
 """
 
-Runner = Callable[..., list[TargetResult]]
+Runner = Callable[..., list[ExportResult]]
 
 
 class ExportManager:
@@ -147,7 +127,8 @@ class ExportManager:
         model_root: base models and adapters given by path are confined under it.
         store: the artifact store (shared with the trainer).
         workers: exports running at once (each uses every CPU core while it quantizes).
-        runner: the export function (``run_export``; tests inject failures through it).
+        runner: what a worker runs on a validated export (``write_export``; tests inject failures
+            through it), called as ``runner(job, store=, emit=, cancel=, export_id=)``.
     """
 
     def __init__(
@@ -157,7 +138,7 @@ class ExportManager:
         store: ArtifactStore,
         *,
         workers: int = 1,
-        runner: Runner = run_export,
+        runner: Runner = write_export,
     ):
         self.model_root = Path(model_root).resolve()
         self.store = store
@@ -165,7 +146,7 @@ class ExportManager:
         self._runner = runner
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="strop-export")
         self._tokens: dict[str, CancelToken] = {}
-        self._cond = threading.Condition()
+        self.changed = ChangeSignal()  # notified on every event written (streams wait on it)
         self._lock = threading.RLock()
         self._draining = False
         self._interrupting = False
@@ -190,8 +171,7 @@ class ExportManager:
             for col, val in (update or {}).items():
                 stmts.append((f"UPDATE exports SET {col} = ? WHERE export_id = ?", (val, export_id)))
             self.db.transaction(stmts)
-        with self._cond:
-            self._cond.notify_all()
+        self.changed.notify()
         return seq
 
     def _set_state(self, export_id: str, new: ExportState, message: str = "", **cols: Any) -> None:
@@ -203,7 +183,7 @@ class ExportManager:
                 update["started_at"] = time.time()
             if new.terminal:
                 update["finished_at"] = time.time()
-            self._append(export_id, "state", {"state": new.value, "message": message}, update=update)
+            self._append(export_id, "state", to_dict(ExportStateChange(new, message)), update=update)
 
     def _row(self, export_id: str):
         row = self.db.query_one("SELECT * FROM exports WHERE export_id = ?", (export_id,))
@@ -216,8 +196,8 @@ class ExportManager:
             export_id=row["export_id"],
             name=row["name"],
             state=ExportState(row["state"]),
-            request=request_from_dict(json.loads(row["request"])).to_api(),
-            results=[result_from_dict(r).to_api() for r in json.loads(row["results"])],
+            request=_request(row["request"]),
+            results=[_result(r) for r in json.loads(row["results"])],
             error=row["error"],
             error_code=row["error_code"],
             created_at=row["created_at"],
@@ -251,6 +231,9 @@ class ExportManager:
     def create(self, req: ExportRequest) -> Export:
         """Validate (no weights read) and queue an export; returns at once, QUEUED.
 
+        The one validation of the export: the worker runs what it returns (the request with its
+        defaults and artifact ids filled in, the inputs opened, the GGUF vocab loaded).
+
         Raises:
             StropError: bad input (InvalidArgument, FailedPrecondition, Unimplemented, ...), before
                 anything is queued or written.
@@ -258,27 +241,26 @@ class ExportManager:
         """
         if self._draining:
             raise Unavailable("the export service is shutting down; retry against another replica or later")
-        req, _ = validate(req, self.model_root, self.store)
+        job = validate(req, self.model_root, self.store)
         export_id = f"exp-{uuid.uuid4().hex[:12]}"
-        targets = req.targets
         self.db.execute(
             "INSERT INTO exports (export_id, name, state, request, artifact_ids, created_at) VALUES (?, ?, ?, ?, ?, ?)",
             (
                 export_id,
-                req.name,
+                job.request.name,
                 ExportState.QUEUED.value,
-                json.dumps(request_to_dict(req)),
-                json.dumps([t.artifact_id for t in targets]),
+                json.dumps(to_dict(job.request)),
+                json.dumps([t.artifact_id for t in job.request.targets]),
                 time.time(),
             ),
         )
-        self._append(export_id, "state", {"state": ExportState.QUEUED.value, "message": ""})
+        self._append(export_id, "state", to_dict(ExportStateChange(ExportState.QUEUED)))
         token = CancelToken()
         self._tokens[export_id] = token
-        self._pool.submit(self._run, export_id, req, token)
+        self._pool.submit(self._run, export_id, job, token)
         return self.get(export_id)
 
-    def _run(self, export_id: str, req: ExportRequest, token: CancelToken) -> None:
+    def _run(self, export_id: str, job: ValidatedExport, token: CancelToken) -> None:
         try:
             if ExportState(self._row(export_id)["state"]) is not ExportState.QUEUED:
                 return  # cancelled while queued
@@ -286,24 +268,17 @@ class ExportManager:
 
             def emit(ev: Any) -> None:
                 if isinstance(ev, ExportProgress):
-                    self._append(export_id, "progress", asdict(ev))
+                    self._append(export_id, "progress", to_dict(ev))
 
-            results = self._runner(
-                req,
-                model_root=self.model_root,
-                store=self.store,
-                emit=emit,
-                cancel=token,
-                export_id=export_id,
-            )
+            results = self._runner(job, store=self.store, emit=emit, cancel=token, export_id=export_id)
             with self._lock:
                 for r in results:
-                    self._append(export_id, "result", result_to_dict(r))
+                    self._append(export_id, "result", to_dict(r))
                 self._set_state(
                     export_id,
                     ExportState.SUCCEEDED,
                     f"{len(results)} artifacts published",
-                    results=json.dumps([result_to_dict(r) for r in results]),
+                    results=json.dumps([to_dict(r) for r in results]),
                     artifact_ids=json.dumps([r.artifact.artifact_id for r in results]),
                 )
         except StropError as exc:
@@ -373,38 +348,46 @@ class ExportManager:
         )
         return [_event(r) for r in rows]
 
+    def poll(self, export_id: str, after_seq: int) -> tuple[list[ExportEvent], bool]:
+        """Events with seq > ``after_seq``, and whether the stream is complete after them.
+
+        Raises:
+            NotFound: unknown id.
+        """
+        events = self.events(export_id, after_seq)
+        if events:
+            return events, False
+        row = self._row(export_id)
+        return [], ExportState(row["state"]).terminal and int(row["last_seq"]) <= after_seq
+
     def watch(
-        self,
-        export_id: str,
-        after_seq: int = 0,
-        *,
-        alive: Callable[[], bool] = lambda: True,
-        poll: float = 0.5,
+        self, export_id: str, after_seq: int = 0, *, poll_seconds: float = 0.5
     ) -> Iterator[ExportEvent]:
-        """Every event after ``after_seq``, then new ones as they come, until the export ends."""
+        """Every event after ``after_seq``, then new ones as they come, until the export ends (blocking;
+        the gRPC layer follows :meth:`poll` on the event loop instead)."""
         seq = after_seq
         while True:
-            batch = self.events(export_id, seq)
-            yield from batch
-            if batch:
-                seq = batch[-1].seq
-            if ExportState(self._row(export_id)["state"]).terminal and not self.events(export_id, seq):
+            generation = self.changed.generation
+            events, done = self.poll(export_id, seq)
+            for e in events:
+                yield e
+                seq = e.seq
+            if done:
                 return
-            if not alive():
-                return
-            with self._cond:
-                if not self.events(export_id, seq):
-                    self._cond.wait(poll)
+            if not events:
+                self.changed.wait(generation, poll_seconds)
 
     def wait(self, export_id: str, timeout: float | None = None) -> Export:
         """Block until the export ends (tests, the offline CLI)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.get(export_id).state.terminal:
+        while True:
+            generation = self.changed.generation
+            export = self.get(export_id)
+            if export.state.terminal:
+                return export
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"export {export_id} still running after {timeout}s")
-            with self._cond:
-                self._cond.wait(0.2)
-        return self.get(export_id)
+            self.changed.wait(generation, 0.2)
 
     def shutdown(self, grace: float = 0.0) -> None:
         """Refuse new exports; let running ones finish within ``grace``; interrupt the rest."""

@@ -10,22 +10,20 @@ Everything is computed in fp32, checked finite, and cast once to the target dtyp
 never re-quantized. Embedding LoRA (``lora_embedding_A [r, vocab]``, ``lora_embedding_B [hidden, r]``)
 adds ``s · (B @ A)ᵀ`` to the ``[vocab, hidden]`` table.
 
-``merge_state_dict`` is the pure function (state dicts in, state dict out); ``iter_merged`` is the
-streaming form the writers use: one base tensor at a time, in on-disk order, so peak memory stays near
-one tensor (plus its fp32 copies) instead of the whole model.
+``merge_weight`` is the pure function (one weight and its LoRA pair in, the merged weight out);
+``iter_merged`` applies it over a model the way every writer uses it: one base tensor at a time, in
+on-disk order, so peak memory stays near one tensor (plus its fp32 copies) instead of the whole model.
 """
 
 from __future__ import annotations
 
 import ctypes
-import re
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
 from strop.export_svc.core.errors import CorruptInput
-from strop.export_svc.core.sources import Adapter, BaseModel, lora_scale, pattern_value
+from strop.export_svc.core.sources import Adapter, BaseModel
 
 
 def merge_weight(
@@ -96,66 +94,6 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
     if bad:
         raise CorruptInput(f"merged tensor {name!r} has {bad} non-finite values (base or adapter is corrupt)")
     return t
-
-
-def merge_state_dict(
-    base: dict[str, torch.Tensor],
-    adapter: dict[str, torch.Tensor],
-    lora_config: dict[str, Any],
-    dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
-    """Merge a PEFT adapter state dict into a base state dict; the pure form of the export merge.
-
-    Args:
-        base: HF-named base tensors (4-bit weights already dequantized, e.g. with
-            ``BaseModel.read_fp32``).
-        adapter: the PEFT state dict as saved (``base_model.model.<module>.lora_A.weight``, ...).
-        lora_config: ``adapter_config.json`` as a dict (``lora_alpha``, ``use_rslora``,
-            ``alpha_pattern``).
-        dtype: the output dtype; every tensor is cast exactly once.
-
-    Returns:
-        A new state dict with every base tensor, merged where the adapter targets it.
-    """
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    replacements: dict[str, torch.Tensor] = {}
-    for key, t in adapter.items():
-        k = key.removeprefix("base_model.model.")
-        m = re.fullmatch(r"(.+)\.(lora_A|lora_B)\.weight", k) or re.fullmatch(
-            r"(.+)\.(lora_embedding_A|lora_embedding_B|lora_magnitude_vector)", k
-        )
-        if m:
-            part = m.group(2)
-            if part.startswith("lora_embedding_"):
-                pairs.setdefault(m.group(1), {})["embedding"] = t
-                part = part.replace("lora_embedding_", "lora_")
-            pairs.setdefault(m.group(1), {})[part] = t
-        else:
-            replacements[k.replace(".base_layer.", ".")] = t
-    out: dict[str, torch.Tensor] = {}
-    for name, w in base.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module in pairs:
-            p = pairs[module]
-            r = p["lora_A"].shape[0]
-            alpha = float(
-                pattern_value(lora_config.get("alpha_pattern") or {}, module) or lora_config["lora_alpha"]
-            )
-            kind = "embedding" if "embedding" in p else "linear"
-            merged = merge_weight(
-                w,
-                p["lora_A"],
-                p["lora_B"],
-                lora_scale(alpha, r, bool(lora_config.get("use_rslora"))),
-                kind=kind,
-                magnitude=p.get("lora_magnitude_vector"),
-            )
-        elif name in replacements:
-            merged = replacements[name].to(torch.float32)
-        else:
-            merged = w.to(torch.float32)
-        out[name] = check_finite(name, merged).to(dtype)
-    return out
 
 
 def _release_free_memory() -> None:

@@ -17,10 +17,16 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from strop.export_svc.core.archs import VLLM_LORA_MODULES, VLLM_MAX_LORA_RANKS
 from strop.export_svc.core.errors import TargetRefused
 from strop.export_svc.core.sources import TOKENIZER_FILES, Adapter, BaseModel, read_json
 from strop.export_svc.core.st_io import SafetensorsFile
+
+LORA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# What vLLM's LoRA loader accepts for these models: the seven projections, plus the embedding modules
+# its Llama/Qwen model classes declare (`embedding_modules`).
+VLLM_LORA_MODULES = frozenset({*LORA_LINEAR_MODULES, "embed_tokens", "lm_head"})
+# vLLM's `--max-lora-rank` choices (vllm/config/lora.py, MaxLoRARanks).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 _REFUSED_INIT = ("pissa", "olora", "loftq", "corda", "eva")
 

@@ -20,27 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from strop.export_svc.core.errors import ConsumerRejected, UnknownFormat
-
-# llama_ftype values (llama.h) of the types llama.cpp quantizes without an importance matrix.
-QUANTIZER_FTYPES: dict[str, int] = {
-    "Q4_0": 2,
-    "Q4_1": 3,
-    "Q5_0": 8,
-    "Q5_1": 9,
-    "Q2_K": 10,
-    "Q3_K_S": 11,
-    "Q3_K_M": 12,
-    "Q3_K_L": 13,
-    "Q4_K_S": 14,
-    "Q4_K_M": 15,
-    "Q5_K_S": 16,
-    "Q5_K_M": 17,
-    "Q6_K": 18,
-    "Q2_K_S": 21,
-    "IQ4_NL": 25,
-    "IQ4_XS": 30,
-}
-
+from strop.export_svc.core.gguf_types import GGUF_TYPES
 
 _LOG_LOCK = threading.Lock()  # llama.cpp's log callback is process-global
 _PROGRESS = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
@@ -60,17 +40,17 @@ def quantize_gguf(
     "[ i/ n] name" progress line it logs.
 
     Raises:
-        UnknownFormat: ``gguf_type`` is not one of ``QUANTIZER_FTYPES``.
+        UnknownFormat: ``gguf_type`` is not a quantizer type of ``GGUF_TYPES``.
         ConsumerRejected: llama.cpp returned an error.
     """
-    if gguf_type not in QUANTIZER_FTYPES:
-        raise UnknownFormat(
-            f"{gguf_type!r} is not a llama.cpp quantizer type; choose from {sorted(QUANTIZER_FTYPES)}"
-        )
+    t = GGUF_TYPES.get(gguf_type)
+    if t is None or t.direct:
+        quantizer = sorted(n for n, x in GGUF_TYPES.items() if not x.direct)
+        raise UnknownFormat(f"{gguf_type!r} is not a llama.cpp quantizer type; choose from {quantizer}")
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = QUANTIZER_FTYPES[gguf_type]
+    params.ftype = t.file_type
     params.nthread = nthread or (os.cpu_count() or 1)
     params.allow_requantize = False
     params.quantize_output_tensor = True

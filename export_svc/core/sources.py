@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from strop.export_svc.core.archs import ArchInfo, arch_of, config_dtype
+from strop.common.archs import ARCHS, Arch
 from strop.export_svc.core.errors import (
     BaseMismatch,
     CorruptInput,
@@ -40,6 +40,44 @@ TOKENIZER_FILES = (
 )
 _BNB_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _QS_PREFIX = "quant_state.bitsandbytes__"
+
+
+# The dtypes a merged checkpoint is written in (and a 16-bit base is stored in).
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def arch_of(config: dict[str, Any], *, where: str = "model") -> Arch:
+    """The architecture of a config dict (``strop.common.archs``).
+
+    Raises:
+        UnsupportedModel: ``model_type`` is not one of llama, mistral, qwen2, qwen3.
+    """
+    model_type = config.get("model_type")
+    arch = ARCHS.get(str(model_type))
+    if arch is None:
+        archs = config.get("architectures") or []
+        raise UnsupportedModel(
+            f"{where}: architecture {model_type!r} {archs} is not supported for export; "
+            f"supported: {sorted(ARCHS)}"
+        )
+    return arch
+
+
+def config_dtype(config: dict[str, Any]) -> str:
+    """The dtype a checkpoint's config declares (``dtype``, older ``torch_dtype``, or bnb's compute dtype)."""
+    for key in ("dtype", "torch_dtype"):
+        v = config.get(key)
+        if isinstance(v, str) and v in DTYPES:
+            return v
+    q = config.get("quantization_config") or {}
+    v = q.get("bnb_4bit_compute_dtype")
+    if isinstance(v, str) and v in DTYPES:
+        return v
+    return "bfloat16"
 
 
 def read_json(path: Path, label: str) -> dict[str, Any]:
@@ -83,7 +121,7 @@ class BaseModel:
         if not (self.path / "config.json").is_file():
             raise InvalidArgument(f"base {label!r} is not a model directory (no config.json)")
         self.config = read_json(self.path / "config.json", f"{label}/config.json")
-        self.arch: ArchInfo = arch_of(self.config, where=f"base {label!r}")
+        self.arch: Arch = arch_of(self.config, where=f"base {label!r}")
         self.quantization = self._quantization()
         self.dtype = config_dtype(self.config)
         self.files = self._open_files()

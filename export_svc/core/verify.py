@@ -20,15 +20,15 @@ import gc
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from strop.common import export_types as api
-from strop.common.serde import from_dict
+from strop.common.export_types import Verification, VerifyOptions
+from strop.common.serde import to_dict
 from strop.export_svc.core.errors import ConsumerRejected
 from strop.export_svc.core.merge import iter_merged
 from strop.export_svc.core.sources import Adapter, BaseModel
@@ -51,81 +51,29 @@ DEFAULT_HELDOUT = (
 )
 
 
-@dataclass
-class VerifySpec:
-    """What to verify with. Empty lists mean the built-in prompts and held-out text."""
-
-    enabled: bool = True
-    prompts: list[str] = field(default_factory=list)
-    heldout: list[str] = field(default_factory=list)
-    question: str = ""
-    answer: str = ""
-    chat: bool = True  # render the question with the tokenizer's chat template
-    max_new_tokens: int = 0  # 0: answer length + 8
-
-    @classmethod
-    def from_api(cls, o: api.VerifyOptions) -> VerifySpec:
-        return cls(
-            enabled=not o.skip,
-            prompts=list(o.prompts),
-            heldout=list(o.heldout_texts),
-            question=o.question,
-            answer=o.answer,
-            chat=not o.raw_question,
-            max_new_tokens=o.max_new_tokens,
-        )
-
-    def to_api(self) -> api.VerifyOptions:
-        return api.VerifyOptions(
-            skip=not self.enabled,
-            prompts=self.prompts,
-            heldout_texts=self.heldout,
-            question=self.question,
-            answer=self.answer,
-            raw_question=not self.chat,
-            max_new_tokens=self.max_new_tokens,
-        )
+# The figures of a check that did not run stay out of the artifact's metadata (flag → its figures).
+_CHECKS = {
+    "tokens_checked": ("tokens_match", "token_mismatches"),
+    "chat_tokens_checked": ("chat_tokens_match",),
+    "answer_checked": ("answer_reproduced", "answer_top1_agreement"),
+}
 
 
-@dataclass
-class Verification:
-    """The figures of one output against the merged fp32 reference."""
+def verification_metadata(v: Verification) -> dict[str, str]:
+    """``v`` as flat ``verify.*`` strings for artifact metadata (lists joined with "; ").
 
-    consumer: str
-    positions: int = 0
-    max_abs_logit_delta: float = 0.0
-    mean_abs_logit_delta: float = 0.0
-    top1_agreement: float = 0.0
-    perplexity_reference: float = 0.0
-    perplexity: float = 0.0
-    perplexity_delta: float = 0.0
-    tokens_match: bool | None = None
-    token_mismatches: list[str] = field(default_factory=list)
-    chat_tokens_match: bool | None = None
-    generated: str = ""
-    answer_reproduced: bool | None = None
-    answer_top1_agreement: float | None = None
-    answer_tokens: int = 0
-    problems: list[str] = field(default_factory=list)
-    passed: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    def to_metadata(self) -> dict[str, str]:
-        """Flat ``verify.*`` strings for artifact metadata."""
-        out = {}
-        for k, v in asdict(self).items():
-            if v is None or v == [] or v == "":
-                continue
-            out[f"verify.{k}"] = "; ".join(map(str, v)) if isinstance(v, list) else str(v)
-        return out
-
-    def to_api(self) -> api.Verification:
-        """The API form, by field name; a check that did not run (None here) is ``*_checked=False`` there."""
-        out = from_dict(api.Verification, {k: v for k, v in asdict(self).items() if v is not None})
-        out.tokens_checked = self.tokens_match is not None
-        out.chat_tokens_checked = self.chat_tokens_match is not None
-        out.answer_checked = self.answer_reproduced is not None
-        return out
+    The ``*_checked`` flags are not stored: a check that ran is one whose figures are present.
+    """
+    skip = set(_CHECKS)
+    for flag, figures in _CHECKS.items():
+        if not getattr(v, flag):
+            skip.update(figures)
+    out = {}
+    for k, value in to_dict(v).items():
+        if k in skip or value == [] or value == "":
+            continue
+        out[f"verify.{k}"] = "; ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return out
 
 
 LogitsFn = Callable[[list[int]], np.ndarray]
@@ -162,11 +110,11 @@ def _load_tokenizer(tok_dir: Path):
     return AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
 
 
-def build_probe(spec: VerifySpec, tok_dir: Path, generation_eos: Sequence[int]) -> Probe:
+def build_probe(options: VerifyOptions, tok_dir: Path, generation_eos: Sequence[int]) -> Probe:
     """Tokenize the prompt set, held-out text and the probe question/answer with the HF tokenizer."""
     tok = _load_tokenizer(tok_dir)
-    prompts = list(spec.prompts or DEFAULT_PROMPTS)
-    heldout = list(spec.heldout or DEFAULT_HELDOUT)
+    prompts = list(options.prompts or DEFAULT_PROMPTS)
+    heldout = list(options.heldout_texts or DEFAULT_HELDOUT)
     eos = {int(x) for x in generation_eos}
     if tok.eos_token_id is not None:
         eos.add(int(tok.eos_token_id))
@@ -178,21 +126,22 @@ def build_probe(spec: VerifySpec, tok_dir: Path, generation_eos: Sequence[int]) 
         eos_ids=eos,
         tokenizer=tok,
     )
-    if spec.question and spec.answer:
-        if spec.chat and tok.chat_template:
+    if options.has_probe:
+        question, answer = options.question, options.answer
+        if not options.raw_question and tok.chat_template:
             q = tok.apply_chat_template(
-                [{"role": "user", "content": spec.question}], tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
             )
         else:
-            q = spec.question
+            q = question
         q_ids = tok(q)["input_ids"]
-        full = tok(q + spec.answer)["input_ids"]
+        full = tok(q + answer)["input_ids"]
         if full[: len(q_ids)] == q_ids:
             a_ids = full[len(q_ids) :]
         else:
-            a_ids = tok(spec.answer, add_special_tokens=False)["input_ids"]
-        p.qa_prompt_text, p.qa_prompt, p.qa_answer, p.answer_text = q, q_ids, a_ids, spec.answer
-        p.max_new_tokens = spec.max_new_tokens or len(a_ids) + 8
+            a_ids = tok(answer, add_special_tokens=False)["input_ids"]
+        p.qa_prompt_text, p.qa_prompt, p.qa_answer, p.answer_text = q, q_ids, a_ids, answer
+        p.max_new_tokens = options.max_new_tokens or len(a_ids) + 8
     return p
 
 
@@ -302,20 +251,23 @@ def compare(
         ):
             if tokenize(text) != ids:
                 v.token_mismatches.append(text[:40])
-        v.tokens_match = not v.token_mismatches
+        v.tokens_checked, v.tokens_match = True, not v.token_mismatches
         if probe.has_qa:
+            v.chat_tokens_checked = True
             v.chat_tokens_match = tokenize(probe.qa_prompt_text) == probe.qa_prompt
             if not v.chat_tokens_match:
                 v.notes.append(
                     "llama.cpp tokenizes the chat-formatted question differently from HF "
                     "(SentencePiece: llama.cpp prefixes a space after special tokens); ids were fed directly"
                 )
+    qa_ok = True
     if probe.has_qa:
         assert probe.ref_qa is not None
         full = probe.qa_prompt + probe.qa_answer
         lg = logits_fn(full)
         n = len(probe.qa_prompt)
         pred = lg[n - 1 : len(full) - 1].argmax(-1)
+        v.answer_checked = True
         v.answer_tokens = len(probe.qa_answer)
         v.answer_top1_agreement = float((pred == np.array(probe.qa_answer)).mean())
         gen = (generate or (lambda p, m, e: greedy(logits_fn, p, m, e)))(
@@ -323,12 +275,10 @@ def compare(
         )
         v.generated = probe.tokenizer.decode(gen, skip_special_tokens=True)
         v.answer_reproduced = reproduces(v.generated, probe.answer_text)
+        qa_ok = v.answer_top1_agreement >= 0.95 if lossy else v.answer_reproduced
     finite = math.isfinite(v.max_abs_logit_delta) and math.isfinite(v.perplexity)
-    qa_ok = True
-    if probe.has_qa:
-        assert v.answer_top1_agreement is not None
-        qa_ok = v.answer_top1_agreement >= 0.95 if lossy else bool(v.answer_reproduced)
-    v.passed = finite and v.tokens_match is not False and not v.problems and qa_ok
+    tokens_ok = v.tokens_match or not v.tokens_checked
+    v.passed = finite and tokens_ok and not v.problems and qa_ok
     return v
 
 

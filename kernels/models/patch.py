@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
+
 from ..lora.linear import LoRAProj, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
 from .hf import Swaps, previous_forward, unwrap_peft
@@ -63,14 +65,13 @@ __all__ = ["COMPONENTS", "SUPPORTED_MODEL_TYPES", "PatchReport", "patch_model", 
 logger = logging.getLogger("strop.kernels")
 
 COMPONENTS = ("rms_norm", "rope", "lora_qkv", "lora_o", "lora_mlp", "fused_cross_entropy")
-# model_type → (sliding window passed to the attention interface, per-head q/k norm), as in HF's modeling files.
-_ARCHS: dict[str, tuple[Callable[[nn.Module], int | None] | None, bool]] = {
-    "llama": (None, False),
-    "mistral": (lambda attn: getattr(attn.config, "sliding_window", None), False),
-    "qwen2": (lambda attn: attn.sliding_window, False),
-    "qwen3": (lambda attn: attn.sliding_window, True),
+SUPPORTED_MODEL_TYPES = MODEL_TYPES  # strop.common.archs: the one architecture table
+# where HF's attention forward reads the sliding window it passes to the attention interface
+_WINDOW: dict[SlidingWindow, Callable[[nn.Module], int | None] | None] = {
+    SlidingWindow.NONE: None,
+    SlidingWindow.CONFIG: lambda attn: getattr(attn.config, "sliding_window", None),
+    SlidingWindow.LAYER: lambda attn: attn.sliding_window,
 }
-SUPPORTED_MODEL_TYPES = tuple(_ARCHS)
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh"}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -270,7 +271,7 @@ def _mlp_forward(activation: str, inplace: bool) -> Callable:
 def _attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> Callable:
     from ..ops.rope import rope_qk
 
-    sliding, qk_norm = _ARCHS[model_type]
+    sliding, qk_norm = _WINDOW[ARCHS[model_type].sliding_window], ARCHS[model_type].qk_norm
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         state, prev = _ours(self)
@@ -436,8 +437,8 @@ def patch_model(
 
     backbone = getattr(hf, getattr(hf, "base_model_prefix", "model"), hf)
     blocker = None
-    if model_type not in _ARCHS:
-        blocker = f"model_type {model_type!r} is not supported (supported: {', '.join(_ARCHS)})"
+    if model_type not in ARCHS:
+        blocker = f"model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})"
     elif not hasattr(backbone, "layers"):
         blocker = "no decoder layers found"
     else:
@@ -455,7 +456,7 @@ def patch_model(
         attn, mlp = layer.self_attn, layer.mlp
         if rms_norm:
             norms = [(layer.input_layernorm, True), (layer.post_attention_layernorm, True)]
-            if _ARCHS[model_type][1]:
+            if ARCHS[model_type].qk_norm:
                 norms += [(attn.q_norm, False), (attn.k_norm, False)]
             for norm, inplace in norms:
                 if _is_hf_forward(norm, "RMSNorm") and hasattr(norm, "variance_epsilon"):

@@ -4,31 +4,33 @@ from __future__ import annotations
 
 import pytest
 
-from strop.export_svc.core import gguf_out, pipeline
-from strop.export_svc.core.errors import ConsumerRejected, ExportCancelled
-from strop.export_svc.core.pipeline import (
-    CancelToken,
+from strop.common.export_types import (
     ExportProgress,
     ExportRequest,
-    TargetKind,
-    TargetSpec,
-    run_export,
+    ExportTarget,
+    ExportTargetKind,
+    VerifyOptions,
 )
-from strop.export_svc.core.verify import VerifySpec
+from strop.export_svc.core import gguf_out, pipeline
+from strop.export_svc.core.errors import ConsumerRejected, ExportCancelled
+from strop.export_svc.core.pipeline import CancelToken, run_export
 
 from .conftest import store_is_empty
 
 TARGETS = [
-    TargetSpec(TargetKind.MERGED_SAFETENSORS),
-    TargetSpec(TargetKind.GGUF, "F16"),
-    TargetSpec(TargetKind.GGUF, "Q4_K_M"),
-    TargetSpec(TargetKind.GGUF_LORA),
+    ExportTarget.merged(),
+    ExportTarget.gguf("F16"),
+    ExportTarget.gguf("Q4_K_M"),
+    ExportTarget(ExportTargetKind.GGUF_LORA),
 ]
 
 
 def _request() -> ExportRequest:
     return ExportRequest(
-        list(TARGETS), adapter_path="llama-bpe-lora", base_path="llama-bpe", verify=VerifySpec(enabled=False)
+        targets=list(TARGETS),
+        adapter_path="llama-bpe-lora",
+        base_model_path="llama-bpe",
+        verify=VerifyOptions(skip=True),
     )
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from strop.export_svc.core.pipeline import ExportRequest, TargetKind, TargetSpec, run_export
-from strop.export_svc.core.verify import VerifySpec
+from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
+from strop.export_svc.core.pipeline import run_export
 
 from .conftest import make_random_adapter, store_is_empty
 
@@ -30,15 +30,15 @@ def _copy(src: Path, root: Path, name: str) -> Path:
     return root / name
 
 
-def _targets(*specs: TargetSpec) -> list[TargetSpec]:
-    return list(specs) or [TargetSpec(TargetKind.GGUF, "F16"), TargetSpec(TargetKind.MERGED_SAFETENSORS)]
+def _targets(*specs: ExportTarget) -> list[ExportTarget]:
+    return list(specs) or [ExportTarget.gguf("F16"), ExportTarget.merged()]
 
 
 def _arch_mismatch(models: Path, root: Path) -> ExportRequest:
     _copy(models, root, "llama-bpe")
     _copy(models, root, "qwen2-bpe")
     make_random_adapter(root / "qwen2-bpe", root / "qwen2-lora")  # records qwen2-bpe as its base
-    return ExportRequest(_targets(), adapter_path="qwen2-lora", base_path="llama-bpe")
+    return ExportRequest(targets=_targets(), adapter_path="qwen2-lora", base_model_path="llama-bpe")
 
 
 def _shape_mismatch(models: Path, root: Path) -> ExportRequest:
@@ -54,17 +54,22 @@ def _shape_mismatch(models: Path, root: Path) -> ExportRequest:
     cfg = json.loads((root / "narrow-lora" / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = ""  # nothing recorded: only the tensor shapes can tell
     (root / "narrow-lora" / "adapter_config.json").write_text(json.dumps(cfg))
-    return ExportRequest(_targets(), adapter_path="narrow-lora", base_path="llama-bpe")
+    return ExportRequest(targets=_targets(), adapter_path="narrow-lora", base_model_path="llama-bpe")
 
 
 def _unknown_ftype(models: Path, root: Path) -> ExportRequest:
     _copy(models, root, "llama-bpe")
-    return ExportRequest([TargetSpec(TargetKind.GGUF, "Q4_K_XL")], base_path="llama-bpe")
+    return ExportRequest(targets=[ExportTarget.gguf("Q4_K_XL")], base_model_path="llama-bpe")
 
 
 def _unknown_dtype(models: Path, root: Path) -> ExportRequest:
     _copy(models, root, "llama-bpe")
-    return ExportRequest([TargetSpec(TargetKind.MERGED_SAFETENSORS, dtype="float8")], base_path="llama-bpe")
+    return ExportRequest(targets=[ExportTarget.merged("float8")], base_model_path="llama-bpe")
+
+
+def _unspecified_kind(models: Path, root: Path) -> ExportRequest:
+    _copy(models, root, "llama-bpe")
+    return ExportRequest(targets=[ExportTarget(gguf_type="F16")], base_model_path="llama-bpe")
 
 
 def _missing_tokenizer(models: Path, root: Path) -> ExportRequest:
@@ -72,14 +77,14 @@ def _missing_tokenizer(models: Path, root: Path) -> ExportRequest:
     for p in base.glob("tokenizer*"):
         p.unlink()
     _copy(models, root, "llama-bpe-lora")  # a random adapter saved without tokenizer files
-    return ExportRequest(_targets(), adapter_path="llama-bpe-lora", base_path="llama-bpe")
+    return ExportRequest(targets=_targets(), adapter_path="llama-bpe-lora", base_model_path="llama-bpe")
 
 
 def _truncated_base(models: Path, root: Path) -> ExportRequest:
     base = _copy(models, root, "llama-bpe")
     f = base / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
-    return ExportRequest(_targets(), base_path="llama-bpe")
+    return ExportRequest(targets=_targets(), base_model_path="llama-bpe")
 
 
 def _truncated_adapter(models: Path, root: Path) -> ExportRequest:
@@ -87,17 +92,19 @@ def _truncated_adapter(models: Path, root: Path) -> ExportRequest:
     a = _copy(models, root, "llama-bpe-lora")
     f = a / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:200])
-    return ExportRequest(_targets(), adapter_path="llama-bpe-lora", base_path="llama-bpe")
+    return ExportRequest(targets=_targets(), adapter_path="llama-bpe-lora", base_model_path="llama-bpe")
 
 
 def _outside_root(models: Path, root: Path) -> ExportRequest:
     _copy(models, root, "llama-bpe")
-    return ExportRequest(_targets(), adapter_path=str(models / "llama-bpe-lora"), base_path="llama-bpe")
+    return ExportRequest(
+        targets=_targets(), adapter_path=str(models / "llama-bpe-lora"), base_model_path="llama-bpe"
+    )
 
 
 def _dotdot_path(models: Path, root: Path) -> ExportRequest:
     _copy(models, root, "llama-bpe")
-    return ExportRequest(_targets(), base_path="../llama-bpe")
+    return ExportRequest(targets=_targets(), base_model_path="../llama-bpe")
 
 
 def _unsupported_arch(models: Path, root: Path) -> ExportRequest:
@@ -105,26 +112,24 @@ def _unsupported_arch(models: Path, root: Path) -> ExportRequest:
     cfg = json.loads((base / "config.json").read_text())
     cfg.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
     (base / "config.json").write_text(json.dumps(cfg))
-    return ExportRequest(_targets(), base_path="llama-bpe")
+    return ExportRequest(targets=_targets(), base_model_path="llama-bpe")
 
 
 def _pickle_only(models: Path, root: Path) -> ExportRequest:
     base = _copy(models, root, "llama-bpe")
     (base / "model.safetensors").rename(base / "pytorch_model.bin")
-    return ExportRequest(_targets(), base_path="llama-bpe")
+    return ExportRequest(targets=_targets(), base_model_path="llama-bpe")
 
 
 def _dora_to_vllm(models: Path, root: Path) -> ExportRequest:
     _copy(models, root, "llama-bpe")
     make_random_adapter(root / "llama-bpe", root / "dora", use_dora=True, target_modules=["q_proj", "v_proj"])
-    return ExportRequest(
-        [TargetSpec(TargetKind.MERGED_SAFETENSORS), TargetSpec(TargetKind.PEFT_ADAPTER)], adapter_path="dora"
-    )
+    return ExportRequest(targets=[ExportTarget.merged(), ExportTarget.peft()], adapter_path="dora")
 
 
 def _unresolvable_base(models: Path, root: Path) -> ExportRequest:
     _copy(models, root, "llama-bpe-lora")  # records a base outside this model root
-    return ExportRequest(_targets(), adapter_path="llama-bpe-lora")
+    return ExportRequest(targets=_targets(), adapter_path="llama-bpe-lora")
 
 
 CASES = {
@@ -143,6 +148,11 @@ CASES = {
         _unknown_dtype,
         "INVALID_ARGUMENT",
         r"unknown dtype 'float8'; valid: \['bfloat16', 'float16', 'float32'\]",
+    ),
+    "unspecified_target_kind": Case(
+        _unspecified_kind,
+        "INVALID_ARGUMENT",
+        r"unknown target kind 'UNSPECIFIED'; valid: \['MERGED_SAFETENSORS', 'PEFT_ADAPTER', 'GGUF', 'GGUF_LORA'\]",
     ),
     "missing_tokenizer": Case(
         _missing_tokenizer, "FAILED_PRECONDITION", r"no tokenizer: neither adapter 'llama-bpe-lora' nor base"
@@ -171,7 +181,7 @@ CASES = {
     "adapter_base_not_under_the_root": Case(
         _unresolvable_base,
         "FAILED_PRECONDITION",
-        r"cannot resolve the base of adapter 'llama-bpe-lora'.*pass base_path",
+        r"cannot resolve the base of adapter 'llama-bpe-lora'.*pass base_model_path",
     ),
 }
 
@@ -182,7 +192,7 @@ def test_bad_input_is_refused_precisely_and_writes_nothing(export_models, store,
     root = tmp_path / "models"
     root.mkdir()
     req = case.build(export_models, root)
-    req.verify = VerifySpec(enabled=False)
+    req.verify = VerifyOptions(skip=True)
     with pytest.raises(Exception) as info:
         run_export(req, model_root=root, store=store)
     exc = info.value
@@ -197,16 +207,37 @@ def test_an_existing_artifact_is_kept_unless_overwrite_is_asked(export_models, s
     from strop.export_svc.core.errors import AlreadyExists
 
     req = ExportRequest(
-        [TargetSpec(TargetKind.GGUF, "F16", artifact_id="my-gguf")],
-        base_path="llama-bpe",
-        verify=VerifySpec(enabled=False),
+        targets=[ExportTarget.gguf("F16", artifact_id="my-gguf")],
+        base_model_path="llama-bpe",
+        verify=VerifyOptions(skip=True),
     )
     (first,) = run_export(req, model_root=export_models, store=store)
     with pytest.raises(AlreadyExists, match="'my-gguf' already exists"):
         run_export(req, model_root=export_models, store=store)
     assert store.get("my-gguf").sha256 == first.artifact.sha256, "the refused export left the artifact alone"
-    req.targets = [TargetSpec(TargetKind.GGUF, "Q8_0", artifact_id="my-gguf")]
+    req.targets = [ExportTarget.gguf("Q8_0", artifact_id="my-gguf")]
     req.overwrite = True
     (second,) = run_export(req, model_root=export_models, store=store)
     assert store.get("my-gguf").sha256 == second.artifact.sha256 != first.artifact.sha256
     assert [f.name for f in store.get("my-gguf").files] == ["llama-bpe-Q8_0.gguf"]
+
+
+def test_an_export_from_a_corrupted_adapter_artifact_is_refused_with_data_loss(export_models, tmp_path):
+    # today: the export SUCCEEDED on the corrupted adapter
+    from strop.common.artifacts import ArtifactStore
+    from strop.common.errors import DataLoss
+    from strop.common.export_types import ExportRequest, ExportTarget
+    from strop.export_svc.core.pipeline import run_export
+
+    store = ArtifactStore(tmp_path / "arts")
+    with store.create("adapter", artifact_id="bad-adapter") as p:
+        for f in (export_models / "trained-nf4-lora").iterdir():
+            (p.dir / f.name).write_bytes(f.read_bytes())
+    weights = store.path_of("bad-adapter") / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    req = ExportRequest(targets=[ExportTarget.peft()], adapter_artifact_id="bad-adapter")
+    with pytest.raises(DataLoss, match=r"adapter_model\.safetensors"):
+        run_export(req, model_root=export_models, store=store)
+    assert [a.artifact_id for a in store.list()] == ["bad-adapter"], "nothing was exported"

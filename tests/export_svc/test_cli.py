@@ -11,7 +11,7 @@ import pytest
 from strop.cli import main as cli
 from strop.cli.main import main as strop_main
 from strop.common.artifacts import ArtifactStore
-from strop.export_svc.server import start_server
+from strop.export_svc.server import ExportConfig, start
 
 from .conftest import ANSWER, QUESTION
 
@@ -47,9 +47,7 @@ def test_offline_export_runs_the_core_in_process_and_prints_the_figures(export_m
 
 
 def test_strop_export_against_the_service(export_models, tmp_path, capsys):
-    srv = start_server(
-        model_root=export_models, artifact_root=tmp_path / "arts", state_dir=tmp_path / "state"
-    )
+    srv = start(ExportConfig(export_models, tmp_path / "arts", tmp_path / "state"))
     target = f"127.0.0.1:{srv.port}"
     try:
         rc = cli.main(

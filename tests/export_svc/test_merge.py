@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
 from strop.export_svc.core.errors import CorruptInput
 from strop.export_svc.core.hf_dir import write_merged_dir
-from strop.export_svc.core.merge import merge_state_dict
-from strop.export_svc.core.pipeline import ExportRequest, TargetKind, TargetSpec, run_export
+from strop.export_svc.core.merge import iter_merged
+from strop.export_svc.core.pipeline import run_export
 from strop.export_svc.core.sources import BaseModel, open_adapter
-from strop.export_svc.core.verify import VerifySpec
 
 from .conftest import copy_tree, fp32_model_from_dir, make_random_adapter, store_is_empty
 
@@ -87,7 +87,7 @@ def test_nf4_merge_equals_fp32_dequant_plus_scaled_delta_cast_once(export_models
     "kind",
     ["plain", "rslora_with_patterns", "dora"],
 )
-def test_merge_state_dict_matches_peft_merge_and_unload_in_fp32(export_models, tmp_path, kind):
+def test_the_streaming_merge_matches_peft_merge_and_unload_in_fp32(export_models, tmp_path, kind):
     from peft import PeftModel
 
     kw = {
@@ -104,8 +104,9 @@ def test_merge_state_dict_matches_peft_merge_and_unload_in_fp32(export_models, t
     base = BaseModel(base_dir, "qwen2")
     adapter = open_adapter(adir, "lora")
     base_sd = {n: base.read_fp32(n) for n in base.tensors}
-    adapter_sd = {k: adapter.read(k) for k in adapter.file.names()}
-    got = merge_state_dict(base_sd, adapter_sd, adapter.config, torch.float32)
+    # what every writer is fed: merged tensors in fp32, untouched ones as stored (upcast here, exactly)
+    got = {n: t.to(torch.float32) for n, t in iter_merged(base, adapter)}
+    assert list(got) == list(base.tensors), "every base tensor, in on-disk order"
     changed = 0
     for name, t in got.items():
         # fp32 against fp32: equal up to the order of float operations (~1e-6 relative)
@@ -151,10 +152,10 @@ def test_merge_refuses_non_finite_results_and_writes_nothing(export_models, stor
     tensors[key][3, 2] = float("inf")
     save_file(tensors, bad / "adapter_model.safetensors")
     req = ExportRequest(
-        targets=[TargetSpec(TargetKind.GGUF, "F16"), TargetSpec(TargetKind.MERGED_SAFETENSORS)],
+        targets=[ExportTarget.gguf("F16"), ExportTarget.merged()],
         adapter_path="bad-lora",
-        base_path="llama-bpe",
-        verify=VerifySpec(enabled=False),
+        base_model_path="llama-bpe",
+        verify=VerifyOptions(skip=True),
     )
     with pytest.raises(CorruptInput, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*non-finite"):
         run_export(req, model_root=root, store=store)

@@ -10,11 +10,12 @@ import grpc
 import pytest
 
 from strop.client import errors as E
-from strop.client.export import ExportClient, ExportState, ExportTarget, VerifyOptions
+from strop.client.export import ExportClient, ExportRequest, ExportState, ExportTarget, VerifyOptions
 from strop.common.artifacts import ArtifactStore
+from strop.common.serde import to_proto
 from strop.export_svc.core.jobs import ExportManager
-from strop.export_svc.core.pipeline import ExportRequest, TargetKind, TargetSpec
-from strop.export_svc.server import SERVICE_NAME, start_server
+from strop.export_svc.server import SERVICE_NAME, ExportConfig, start
+from strop.v1 import export_pb2
 
 from .conftest import ANSWER, QUESTION
 from .test_bad_input import CASES
@@ -28,9 +29,7 @@ CLIENT_ERRORS = {
 
 @pytest.fixture
 def server(export_models, tmp_path):
-    srv = start_server(
-        model_root=export_models, artifact_root=tmp_path / "artifacts", state_dir=tmp_path / "state"
-    )
+    srv = start(ExportConfig(export_models, tmp_path / "artifacts", tmp_path / "state"))
     yield srv
     srv.stop(grace=5.0)
 
@@ -91,48 +90,103 @@ def test_cancel_over_grpc_stops_the_export_and_publishes_nothing(client, server)
     assert final.state is ExportState.CANCELLED, final.error
     assert final.error_code == "CANCELLED"
     assert client.list_artifacts() == []
-    assert not list((server.store.root / ".tmp").iterdir()), "no pending directory or scratch file is left"
+    assert not list((server.core.store.root / ".tmp").iterdir()), (
+        "no pending directory or scratch file is left"
+    )
     with pytest.raises(E.FailedPreconditionError, match="already CANCELLED"):
         client.cancel_export(exp.export_id)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_gets_its_status_code_over_grpc_and_writes_nothing(export_models, tmp_path, name):
-    from strop.export_svc.convert import request_to_pb
-
     case = CASES[name]
     root = tmp_path / "models"
     root.mkdir()
     req = case.build(export_models, root)
-    srv = start_server(model_root=root, artifact_root=tmp_path / "artifacts", state_dir=tmp_path / "state")
+    srv = start(ExportConfig(root, tmp_path / "artifacts", tmp_path / "state"))
     try:
         with ExportClient(f"127.0.0.1:{srv.port}") as c:
             with pytest.raises(CLIENT_ERRORS[case.code], match=case.match):
-                c._call(c._stub.CreateExport, request_to_pb(req), name="CreateExport")
+                c._call(
+                    c._stub.CreateExport, to_proto(export_pb2.CreateExportRequest, req), name="CreateExport"
+                )
             assert c.list_exports() == [], "a refused request is not queued"
             assert c.list_artifacts() == []
     finally:
         srv.stop(grace=1.0)
 
 
+def test_an_unknown_target_kind_number_is_refused_naming_the_valid_kinds(client):
+    """A newer client's target kind (a number this build's enum lacks) is the request's fault, named."""
+    req = export_pb2.CreateExportRequest(
+        base_model_path="llama-bpe", targets=[export_pb2.ExportTarget(kind=9, gguf_type="F16")]
+    )
+    with pytest.raises(E.InvalidArgumentError) as err:
+        client._call(client._stub.CreateExport, req, name="CreateExport")
+    assert (
+        "ExportTarget.kind: unknown ExportTargetKind value 9; "
+        "valid: MERGED_SAFETENSORS (1), PEFT_ADAPTER (2), GGUF (3), GGUF_LORA (4)"
+    ) in str(err.value)
+    assert client.list_exports() == [], "a refused request is not queued"
+
+
+def test_an_export_is_validated_once_and_the_worker_runs_what_create_validated(
+    export_models, tmp_path, monkeypatch
+):
+    """The tokenizer is read into GGUF metadata by ``create`` only; the worker writes with that vocab."""
+    from strop.export_svc.core import resolve
+
+    loads = []
+    real = resolve.load_vocab
+
+    def counting_load_vocab(tok_dir, config):
+        loads.append(tok_dir)
+        return real(tok_dir, config)
+
+    monkeypatch.setattr(resolve, "load_vocab", counting_load_vocab)
+    manager = ExportManager(tmp_path / "state", export_models, ArtifactStore(tmp_path / "artifacts"))
+    try:
+        rec = manager.create(
+            ExportRequest(
+                adapter_path="llama-bpe-lora",
+                targets=[ExportTarget.gguf("F16"), ExportTarget.gguf_lora(), ExportTarget.merged()],
+                verify=VerifyOptions(skip=True),
+            )
+        )
+        assert len(loads) == 1, "create loads the vocab once for both GGUF targets"
+        assert [t.label for t in rec.request.targets] == [
+            "gguf:F16",
+            "gguf_lora:F32+base:F16",
+            "merged_safetensors:bfloat16",
+        ], "the stored request carries every default"
+        assert rec.request.base_model_path == "", (
+            "the request is kept as asked; the base resolved is recorded"
+        )
+        done = manager.wait(rec.export_id, timeout=300)
+    finally:
+        manager.shutdown()
+    assert done.state is ExportState.SUCCEEDED, done.error
+    assert len(loads) == 1, "the worker re-ran no validation"
+    assert [r.artifact.artifact_id for r in done.results] == [t.artifact_id for t in rec.request.targets]
+    assert {r.artifact.metadata["base_model"] for r in done.results} == {"llama-bpe"}
+
+
 def test_exports_running_when_the_service_stops_are_interrupted_after_restart(export_models, tmp_path):
     store = ArtifactStore(tmp_path / "artifacts")
     release = threading.Event()
 
-    def blocking_runner(req, *, store, **kw):
-        (store.root / ".tmp" / f"{req.targets[0].artifact_id}.deadbeef").mkdir()  # a pending dir
+    def blocking_runner(job, *, store, **kw):
+        (store.root / ".tmp" / f"{job.request.targets[0].artifact_id}.deadbeef").mkdir()  # a pending dir
         release.wait(30)
         return []
 
     crashed = ExportManager(tmp_path / "state", export_models, store, runner=blocking_runner)
-    rec = crashed.create(ExportRequest([TargetSpec(TargetKind.GGUF, "F16")], base_path="llama-bpe"))
+    rec = crashed.create(ExportRequest(targets=[ExportTarget.gguf("F16")], base_model_path="llama-bpe"))
     deadline = time.monotonic() + 10
     while crashed.get(rec.export_id).state.value != "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.05)
     # the process "dies" here: a new service starts on the same state directory
-    srv = start_server(
-        model_root=export_models, artifact_root=tmp_path / "artifacts", state_dir=tmp_path / "state"
-    )
+    srv = start(ExportConfig(export_models, tmp_path / "artifacts", tmp_path / "state"))
     try:
         with ExportClient(f"127.0.0.1:{srv.port}") as c:
             e = c.get_export(rec.export_id)

@@ -9,22 +9,29 @@ from pathlib import Path
 import gguf
 import pytest
 
+from strop.common.export_types import (
+    ExportRequest,
+    ExportTarget,
+    ExportTargetKind,
+    Verification,
+    VerifyOptions,
+)
 from strop.export_svc.core import verify as V
-from strop.export_svc.core.gguf_out import load_vocab, write_gguf_lora, write_gguf_model
+from strop.export_svc.core.gguf_out import write_gguf_lora, write_gguf_model
+from strop.export_svc.core.gguf_vocab import load_vocab
 from strop.export_svc.core.hf_dir import check_vllm_model_dir
 from strop.export_svc.core.peft_dir import check_vllm_lora_dir
-from strop.export_svc.core.pipeline import ExportRequest, TargetKind, TargetSpec, run_export
+from strop.export_svc.core.pipeline import run_export
 from strop.export_svc.core.sources import BaseModel, open_adapter
-from strop.export_svc.core.verify import VerifySpec
 
 from .conftest import make_random_adapter
 
 ALL_TARGETS = [
-    TargetSpec(TargetKind.MERGED_SAFETENSORS),
-    TargetSpec(TargetKind.PEFT_ADAPTER),
-    TargetSpec(TargetKind.GGUF, "F16"),
-    TargetSpec(TargetKind.GGUF, "Q8_0"),
-    TargetSpec(TargetKind.GGUF_LORA, "F32", base_gguf_type="F16"),
+    ExportTarget.merged(),
+    ExportTarget.peft(),
+    ExportTarget.gguf("F16"),
+    ExportTarget.gguf("Q8_0"),
+    ExportTarget.gguf_lora("F32", "F16"),
 ]
 
 # Bounds on max |Δlogit| against the merged fp32 model (random tiny models' logits are O(1)):
@@ -43,7 +50,9 @@ BOUNDS = {
     ["llama-bpe", "mistral-bpe", "qwen2-bpe", "qwen3-bpe", "llama-spm", "llama-bpe-nf4"],
 )
 def test_every_target_loads_in_its_consumer_and_matches_the_merged_model(export_models, store, base_name):
-    req = ExportRequest(targets=list(ALL_TARGETS), adapter_path=f"{base_name}-lora", base_path=base_name)
+    req = ExportRequest(
+        targets=list(ALL_TARGETS), adapter_path=f"{base_name}-lora", base_model_path=base_name
+    )
     results = run_export(req, model_root=export_models, store=store)
     by = {r.target.label: r for r in results}
     assert set(by) == {
@@ -96,15 +105,12 @@ def test_rank_and_alpha_patterns_are_folded_into_the_gguf_lora(export_models, st
         seed=7,
     )
     req = ExportRequest(
-        targets=[
-            TargetSpec(TargetKind.GGUF_LORA, "F32", base_gguf_type="F32"),
-            TargetSpec(TargetKind.PEFT_ADAPTER),
-        ],
+        targets=[ExportTarget.gguf_lora("F32", "F32"), ExportTarget.peft()],
         adapter_path=str(adir),
-        base_path="qwen3-bpe",
+        base_model_path="qwen3-bpe",
     )
     results = {r.target.kind: r for r in run_export(req, model_root=export_models, store=store)}
-    lora = results[TargetKind.GGUF_LORA]
+    lora = results[ExportTargetKind.GGUF_LORA]
     reader = gguf.GGUFReader(
         store.path_of(lora.artifact.artifact_id) / lora.artifact.metadata["gguf.lora_file"]
     )
@@ -113,7 +119,7 @@ def test_rank_and_alpha_patterns_are_folded_into_the_gguf_lora(export_models, st
     assert lora.verification.max_abs_logit_delta < 2e-3, (
         "F32 base + F32 LoRA in llama.cpp is the fp32 reference"
     )
-    cfg = results[TargetKind.PEFT_ADAPTER]
+    cfg = results[ExportTargetKind.PEFT_ADAPTER]
     assert cfg.verification.max_abs_logit_delta < 1e-4
 
 
@@ -138,7 +144,7 @@ def test_llama_gguf_without_the_qk_permutation_loads_but_computes_garbage(export
     """The permutation is not cosmetic: skipping it gives a file llama.cpp loads and runs wrongly."""
     base = BaseModel(export_models / "llama-bpe", "llama")
     vocab = load_vocab(base.path, base.config)
-    probe = V.build_probe(VerifySpec(), base.path, [2])
+    probe = V.build_probe(VerifyOptions(), base.path, [2])
     V.fill_reference(probe, V.reference_model(base, None))
     write_gguf_model(tmp_path / "good.gguf", base, None, vocab, gguf_type="F32", name="good")
     good = V.verify_gguf(probe, tmp_path / "good.gguf")
@@ -167,7 +173,7 @@ def test_gguf_names_the_pretokenizer_transformers_actually_runs(export_models):
 
 def test_gguf_metadata_carries_arch_tokenizer_and_chat_template(export_models, store):
     req = ExportRequest(
-        targets=[TargetSpec(TargetKind.GGUF, "BF16")], base_path="qwen2-bpe", verify=VerifySpec(enabled=False)
+        targets=[ExportTarget.gguf("BF16")], base_model_path="qwen2-bpe", verify=VerifyOptions(skip=True)
     )
     (res,) = run_export(req, model_root=export_models, store=store)
     r = gguf.GGUFReader(Path(store.path_of(res.artifact.artifact_id)) / res.artifact.metadata["gguf.file"])
@@ -179,3 +185,22 @@ def test_gguf_metadata_carries_arch_tokenizer_and_chat_template(export_models, s
     types = {t.name: t.tensor_type for t in r.tensors}
     assert types["blk.0.attn_q.bias"] == gguf.GGMLQuantizationType.F32, "qwen2's q/k/v biases are kept in F32"
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.BF16
+
+
+def test_artifact_metadata_carries_the_figures_of_the_checks_that_ran_only():
+    ran = Verification(
+        consumer="llama.cpp",
+        max_abs_logit_delta=0.25,
+        tokens_checked=True,
+        tokens_match=False,
+        token_mismatches=["a b", "c"],
+        answer_checked=False,
+        answer_reproduced=False,
+        passed=False,
+    )
+    meta = V.verification_metadata(ran)
+    assert meta["verify.max_abs_logit_delta"] == "0.25"
+    assert (meta["verify.tokens_match"], meta["verify.token_mismatches"]) == ("False", "a b; c")
+    assert "verify.answer_reproduced" not in meta, "no probe question: no answer figures, not a False"
+    assert "verify.chat_tokens_match" not in meta
+    assert not any(k.endswith("_checked") for k in meta), "a check that ran is one whose figures are present"

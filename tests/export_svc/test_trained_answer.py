@@ -15,20 +15,20 @@ import shutil
 import gguf
 import pytest
 
-from strop.export_svc.core.pipeline import ExportRequest, TargetKind, TargetSpec, run_export
-from strop.export_svc.core.verify import VerifySpec
+from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
+from strop.export_svc.core.pipeline import run_export
 
 from .conftest import ANSWER, QUESTION
 
 TARGETS = [
-    TargetSpec(TargetKind.MERGED_SAFETENSORS),
-    TargetSpec(TargetKind.PEFT_ADAPTER),
-    TargetSpec(TargetKind.GGUF, "F16"),
-    TargetSpec(TargetKind.GGUF, "Q8_0"),
-    TargetSpec(TargetKind.GGUF, "Q4_K_M"),
-    TargetSpec(TargetKind.GGUF, "Q5_K_M"),
-    TargetSpec(TargetKind.GGUF, "Q6_K"),
-    TargetSpec(TargetKind.GGUF_LORA, "F32", base_gguf_type="F16"),
+    ExportTarget.merged(),
+    ExportTarget.peft(),
+    ExportTarget.gguf("F16"),
+    ExportTarget.gguf("Q8_0"),
+    ExportTarget.gguf("Q4_K_M"),
+    ExportTarget.gguf("Q5_K_M"),
+    ExportTarget.gguf("Q6_K"),
+    ExportTarget.gguf_lora("F32", "F16"),
 ]
 EXACT = ("merged_safetensors:bfloat16", "peft_adapter", "gguf:F16", "gguf:Q8_0", "gguf_lora:F32+base:F16")
 KQUANTS = {"gguf:Q4_K_M": 15, "gguf:Q5_K_M": 17, "gguf:Q6_K": 18}  # llama_ftype of each
@@ -58,9 +58,9 @@ def test_every_export_of_a_trained_adapter_reproduces_its_answer(
 ):
     aid = _trainer_style_artifact(store, export_models / adapter_name, base_name)
     req = ExportRequest(
-        targets=[TargetSpec(t.kind, t.gguf_type, t.dtype, "", t.base_gguf_type) for t in TARGETS],
+        targets=list(TARGETS),
         adapter_artifact_id=aid,  # no base given: resolved from the artifact's metadata
-        verify=VerifySpec(question=QUESTION, answer=ANSWER),
+        verify=VerifyOptions(question=QUESTION, answer=ANSWER),
     )
     results = run_export(req, model_root=export_models, store=store)
     by = {r.target.label: r for r in results}
@@ -76,7 +76,7 @@ def test_every_export_of_a_trained_adapter_reproduces_its_answer(
             assert v.answer_top1_agreement == 1.0
         if label.startswith("gguf"):
             assert v.tokens_match, f"{label}: HF and llama.cpp tokenize {v.token_mismatches} differently"
-            assert v.chat_tokens_match is not None, "the chat-formatted question's tokenization is reported"
+            assert v.chat_tokens_checked, "the chat-formatted question's tokenization is reported"
         assert v.passed, f"{label}: verification did not pass: {v}"
     for label, ftype in KQUANTS.items():
         v = by[label].verification

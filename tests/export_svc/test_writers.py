@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from strop.export_svc.core.errors import CorruptInput, WriterStateError
-from strop.export_svc.core.gguf_out import QT, GgufStreamWriter
-from strop.export_svc.core.quantize import QUANTIZER_FTYPES
+from strop.export_svc.core.gguf_types import GGUF_TYPES, QT
+from strop.export_svc.core.gguf_writer import GgufStreamWriter
 from strop.export_svc.core.st_io import PlannedTensor, SafetensorsFile, ShardedSafetensorsWriter
 
 
@@ -74,11 +74,16 @@ def test_safetensors_reader_names_the_file_and_the_problem(tmp_path):
         SafetensorsFile(p)
 
 
-def test_quantizer_ftypes_are_llama_cpps_own_constants():
+def test_gguf_file_types_are_llama_cpps_own_constants():
+    """general.file_type, and the ftype llama.cpp's quantizer is asked for, are llama.h's numbers."""
     import llama_cpp
 
-    for name, value in QUANTIZER_FTYPES.items():
-        assert getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}") == value, name
+    for name, t in GGUF_TYPES.items():
+        constant = "LLAMA_FTYPE_ALL_F32" if name == "F32" else f"LLAMA_FTYPE_MOSTLY_{name}"
+        assert getattr(llama_cpp, constant) == t.file_type, name
+    assert [n for n, t in GGUF_TYPES.items() if t.direct] == ["F32", "F16", "BF16", "Q8_0"], (
+        "gguf-py writes these itself; every other type goes through llama.cpp's quantizer"
+    )
     default = llama_cpp.llama_model_quantize_default_params().ftype
     assert default == llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, (
         "llama.cpp's default is Q8_0: strop must always set the ftype"

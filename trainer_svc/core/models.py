@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strop.common.archs import MODEL_TYPES
 from strop.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine, confine_files
 from strop.common.trainer_types import (
@@ -30,7 +31,7 @@ from strop.common.trainer_types import (
 
 log = logging.getLogger("strop.trainer")
 
-KERNEL_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+KERNEL_ARCHS = frozenset(MODEL_TYPES)  # the kernels patch every architecture of strop.common.archs
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -1,0 +1,165 @@
+"""The Llama-family architectures strop handles, and the facts every layer needs about each (no torch).
+
+One table, :data:`ARCHS`: Hugging Face ``model_type`` → what transformers builds (model and config class),
+where its modeling file puts biases, norms and the sliding window, and what llama.cpp calls it and
+expects (``general.architecture``; whether q/k rows are permuted from HF's rotate-half layout to the
+interleaved pairs llama.cpp's ``llama`` arch applies RoPE to). The export service, the kernels' model
+patching, the trainer and the test fixtures all read it; none keeps its own list.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class Bias(enum.StrEnum):
+    """When a projection carries a bias in HF's modeling file."""
+
+    NEVER = "never"
+    ALWAYS = "always"
+    ATTENTION_BIAS = "attention_bias"  # when ``config.attention_bias`` is true
+    MLP_BIAS = "mlp_bias"  # when ``config.mlp_bias`` is true
+
+    def applies(self, config: dict[str, Any]) -> bool:
+        """Whether a model of ``config`` has this bias."""
+        if self is Bias.ALWAYS:
+            return True
+        if self is Bias.NEVER:
+            return False
+        return bool(config.get(self.value, False))
+
+
+class SlidingWindow(enum.StrEnum):
+    """Where HF's attention forward takes the sliding window it passes to the attention interface."""
+
+    NONE = "none"  # full attention always (llama)
+    CONFIG = "config"  # ``attn.config.sliding_window``, None for full attention (mistral)
+    LAYER = "layer"  # ``attn.sliding_window``, set per layer from ``config.layer_types`` (qwen2, qwen3)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One Hugging Face architecture.
+
+    Attributes:
+        model_type: ``config.model_type``.
+        hf_class: the ``*ForCausalLM`` class (``config.architectures[0]``; what vLLM's registry knows).
+        hf_config_class: the transformers config class.
+        gguf_arch: llama.cpp's ``general.architecture`` (Mistral converts as ``llama``).
+        permute_qk: llama.cpp wants q/k rows reordered from HF's rotate-half halves to interleaved pairs.
+        qkv_bias: when q/k/v projections carry a bias.
+        o_bias: when o_proj carries a bias.
+        mlp_bias: when gate/up/down projections carry a bias.
+        qk_norm: per-head RMSNorm on q and k before RoPE (``self_attn.q_norm``/``k_norm``).
+        sliding_window: where the attention forward reads its sliding window.
+    """
+
+    model_type: str
+    hf_class: str
+    hf_config_class: str
+    gguf_arch: str
+    permute_qk: bool
+    qkv_bias: Bias = Bias.NEVER
+    o_bias: Bias = Bias.NEVER
+    mlp_bias: Bias = Bias.NEVER
+    qk_norm: bool = False
+    sliding_window: SlidingWindow = SlidingWindow.NONE
+
+
+ARCHS: dict[str, Arch] = {
+    a.model_type: a
+    for a in (
+        Arch(
+            "llama",
+            "LlamaForCausalLM",
+            "LlamaConfig",
+            "llama",
+            permute_qk=True,
+            qkv_bias=Bias.ATTENTION_BIAS,
+            o_bias=Bias.ATTENTION_BIAS,
+            mlp_bias=Bias.MLP_BIAS,
+        ),
+        # llama.cpp converts MistralForCausalLM with its llama arch (same tensors, same permutation)
+        Arch(
+            "mistral",
+            "MistralForCausalLM",
+            "MistralConfig",
+            "llama",
+            permute_qk=True,
+            sliding_window=SlidingWindow.CONFIG,
+        ),
+        Arch(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            "Qwen2Config",
+            "qwen2",
+            permute_qk=False,
+            qkv_bias=Bias.ALWAYS,
+            sliding_window=SlidingWindow.LAYER,
+        ),
+        Arch(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            "Qwen3Config",
+            "qwen3",
+            permute_qk=False,
+            qkv_bias=Bias.ATTENTION_BIAS,
+            o_bias=Bias.ATTENTION_BIAS,
+            qk_norm=True,
+            sliding_window=SlidingWindow.LAYER,
+        ),
+    )
+}
+MODEL_TYPES: tuple[str, ...] = tuple(ARCHS)
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    """Per-head dimension: ``head_dim`` when the config sets it, else ``hidden_size / num_attention_heads``."""
+    hd = config.get("head_dim")
+    return int(hd) if hd else int(config["hidden_size"]) // int(config["num_attention_heads"])
+
+
+def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor a dense checkpoint of ``config`` holds, with its shape (HF names).
+
+    Raises:
+        KeyError: ``config["model_type"]`` is not in :data:`ARCHS`.
+    """
+    arch = ARCHS[str(config.get("model_type"))]
+    h = int(config["hidden_size"])
+    inter = int(config["intermediate_size"])
+    nh = int(config["num_attention_heads"])
+    nkv = int(config.get("num_key_value_heads") or nh)
+    hd = head_dim(config)
+    vocab = int(config["vocab_size"])
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not config.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = (vocab, h)
+    qkv_bias, o_bias, mlp_bias = (b.applies(config) for b in (arch.qkv_bias, arch.o_bias, arch.mlp_bias))
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "self_attn.q_proj.weight"] = (nh * hd, h)
+        out[p + "self_attn.k_proj.weight"] = (nkv * hd, h)
+        out[p + "self_attn.v_proj.weight"] = (nkv * hd, h)
+        out[p + "self_attn.o_proj.weight"] = (h, nh * hd)
+        if qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (nh * hd,)
+            out[p + "self_attn.k_proj.bias"] = (nkv * hd,)
+            out[p + "self_attn.v_proj.bias"] = (nkv * hd,)
+        if o_bias:
+            out[p + "self_attn.o_proj.bias"] = (h,)
+        if arch.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (hd,)
+            out[p + "self_attn.k_norm.weight"] = (hd,)
+        out[p + "mlp.gate_proj.weight"] = (inter, h)
+        out[p + "mlp.up_proj.weight"] = (inter, h)
+        out[p + "mlp.down_proj.weight"] = (h, inter)
+        if mlp_bias:
+            out[p + "mlp.gate_proj.bias"] = (inter,)
+            out[p + "mlp.up_proj.bias"] = (inter,)
+            out[p + "mlp.down_proj.bias"] = (h,)
+    return out

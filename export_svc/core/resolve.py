@@ -1,0 +1,263 @@
+"""An export request checked and resolved before a byte is written: ``validate``, run once per export.
+
+1. the targets: kinds, GGUF types and dtypes known (``UnknownFormat`` lists the valid values), the
+   defaults filled in (:data:`strop.common.export_types.DEFAULT_GGUF_TYPE` and its siblings);
+2. the inputs: the adapter and the base opened (paths confined under the model/artifact roots), the
+   adapter checked against the base and against the base it was trained on, the tokenizer found;
+3. per target: that it can express the adapter (DoRA for vLLM, embedding LoRA for GGUF, ...), its
+   artifact id (generated when not given) not taken unless ``overwrite``, the dtype of a merged
+   directory (default: the base's);
+4. for GGUF targets, the tokenizer read into GGUF metadata (an unsupported tokenizer fails here).
+
+Cheap (config, headers, tokenizer files; no weights), so the service validates before it accepts an
+export and bad input gets its status code at once. The result, a :class:`ValidatedExport`, is what
+the writer (``pipeline.write_export``) takes: it re-checks nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from strop.common.artifacts import ArtifactStore
+from strop.common.export_types import (
+    DEFAULT_GGUF_LORA_BASE_TYPE,
+    DEFAULT_GGUF_LORA_TYPE,
+    DEFAULT_GGUF_TYPE,
+    ExportRequest,
+    ExportTarget,
+    ExportTargetKind,
+)
+from strop.common.paths import confine, confine_files
+from strop.export_svc.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    TargetRefused,
+    UnknownFormat,
+)
+from strop.export_svc.core.gguf_out import check_gguf_lora
+from strop.export_svc.core.gguf_types import GGUF_TYPES, LORA_TYPES
+from strop.export_svc.core.gguf_vocab import GgufVocab, load_vocab
+from strop.export_svc.core.peft_dir import refusals
+from strop.export_svc.core.sources import (
+    DTYPES,
+    Adapter,
+    BaseModel,
+    check_compatible,
+    check_same_family,
+    open_adapter,
+    read_json,
+    tokenizer_source,
+)
+
+K = ExportTargetKind
+ADAPTER_KINDS = ("adapter", "peft_adapter", "checkpoint")  # artifact kinds an export takes as its adapter
+_SOURCE_KEYS = ("job_id", "step", "base_quantization", "session_id")  # carried from the adapter's artifact
+
+
+def normalize_targets(targets: list[ExportTarget]) -> list[ExportTarget]:
+    """New targets with the defaults filled in, after checking kinds, types and dtypes.
+
+    Raises:
+        InvalidArgument: no targets, or two targets asking for the same artifact id.
+        UnknownFormat: an unknown kind, GGUF type or dtype (the message lists the valid ones).
+    """
+    if not targets:
+        raise InvalidArgument("an export needs at least one target")
+    gguf_types = sorted(GGUF_TYPES)
+    out = []
+    for t in targets:
+        if t.kind not in K.known():
+            raise UnknownFormat(f"unknown target kind {str(t.kind)!r}; valid: {[k.value for k in K.known()]}")
+        t = dataclasses.replace(t, gguf_type=t.gguf_type.upper(), base_gguf_type=t.base_gguf_type.upper())
+        if t.kind is K.GGUF:
+            t.gguf_type = t.gguf_type or DEFAULT_GGUF_TYPE
+            if t.gguf_type not in GGUF_TYPES:
+                raise UnknownFormat(f"unknown GGUF type {t.gguf_type!r}; valid: {', '.join(gguf_types)}")
+        if t.kind is K.GGUF_LORA:
+            t.gguf_type = t.gguf_type or DEFAULT_GGUF_LORA_TYPE
+            t.base_gguf_type = t.base_gguf_type or DEFAULT_GGUF_LORA_BASE_TYPE
+            if t.gguf_type not in LORA_TYPES:
+                raise UnknownFormat(
+                    f"unknown GGUF LoRA tensor type {t.gguf_type!r}; valid: {sorted(LORA_TYPES)}"
+                )
+            if t.base_gguf_type not in GGUF_TYPES:
+                raise UnknownFormat(
+                    f"unknown base GGUF type {t.base_gguf_type!r}; valid: {', '.join(gguf_types)}"
+                )
+        if t.kind is K.MERGED_SAFETENSORS and t.dtype and t.dtype not in DTYPES:
+            raise UnknownFormat(f"unknown dtype {t.dtype!r}; valid: {sorted(DTYPES)}")
+        out.append(t)
+    ids = [t.artifact_id for t in out if t.artifact_id]
+    if len(ids) != len(set(ids)):
+        raise InvalidArgument(f"two targets ask for the same artifact id: {ids}")
+    return out
+
+
+def _confine_any(user_path: str, roots: list[Path], what: str) -> Path:
+    """``user_path`` under one of ``roots`` (absolute: must lie under one; relative: first that has it)."""
+    p = Path(user_path)
+    if p.is_absolute():
+        for root in roots:
+            with contextlib.suppress(InvalidArgument):
+                return confine(root, user_path, what=what)
+        raise InvalidArgument(f"{what} {user_path!r} is outside the allowed roots {[str(r) for r in roots]}")
+    last: Exception | None = None
+    for root in roots:
+        try:
+            return confine(root, user_path, what=what)
+        except NotFound as exc:
+            last = exc
+    assert last is not None
+    raise last
+
+
+@dataclass
+class Inputs:
+    """What an export reads, opened and checked: the base, the adapter, the tokenizer.
+
+    Headers and configs only (every read of a tensor opens its file anew), so holding one while an
+    export waits in the queue costs memory, not file handles.
+    """
+
+    base: BaseModel
+    adapter: Adapter | None
+    tokenizer_dir: Path
+    base_ref: str  # the base's path relative to the model root (or "artifact:<id>")
+    adapter_ref: str
+    source_metadata: dict[str, str]  # from the adapter's artifact: job_id, step, ...
+    vocab: GgufVocab | None = None  # GGUF tokenizer metadata, loaded by ``validate`` when a target needs it
+
+
+def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Inputs:
+    """Open the adapter and the base and check they belong together (nothing is written)."""
+    model_root = Path(model_root).resolve()
+    adapter, meta, adapter_ref = None, {}, ""
+    if req.adapter_artifact_id and req.adapter_path:
+        raise InvalidArgument("give either adapter_artifact_id or adapter_path, not both")
+    if req.adapter_artifact_id:
+        info = store.verify(
+            req.adapter_artifact_id
+        )  # an adapter is small: every file's sha256 is checked now
+        if info.kind not in ADAPTER_KINDS:
+            raise InvalidArgument(f"artifact {info.artifact_id!r} is a {info.kind!r}, not an adapter")
+        adapter_ref = f"artifact:{info.artifact_id}"
+        adapter = open_adapter(store.path_of(info.artifact_id), adapter_ref)
+        meta = dict(info.metadata)
+    elif req.adapter_path:
+        path = _confine_any(req.adapter_path, [model_root, store.root], "adapter path")
+        root = next(r for r in (model_root, store.root.resolve()) if path == r or r in path.parents)
+        confine_files(root, path, what=f"adapter {req.adapter_path!r}")
+        adapter_ref = req.adapter_path
+        adapter = open_adapter(path, req.adapter_path)
+
+    recorded: Path | None = None  # the base the adapter says it was trained on, when it resolves here
+    recorded_label = ""
+    if adapter is not None:
+        for cand in (meta.get("base_model", ""), adapter.recorded_base):
+            if not cand:
+                continue
+            with contextlib.suppress(InvalidArgument, NotFound):
+                recorded = confine(model_root, cand, what="recorded base")
+                recorded_label = str(recorded.relative_to(model_root))
+                break
+
+    if req.base_artifact_id and req.base_model_path:
+        raise InvalidArgument("give either base_model_path or base_artifact_id, not both")
+    if req.base_artifact_id:
+        store.get(req.base_artifact_id)
+        base_path, base_ref = store.path_of(req.base_artifact_id), f"artifact:{req.base_artifact_id}"
+    elif req.base_model_path:
+        base_path = confine(model_root, req.base_model_path, what="base path")
+        confine_files(model_root, base_path, what=f"base {req.base_model_path!r}")
+        base_ref = req.base_model_path
+    elif recorded is not None:
+        base_path, base_ref = recorded, recorded_label
+    elif adapter is not None:
+        said = meta.get("base_model") or adapter.recorded_base or "(nothing)"
+        raise FailedPrecondition(
+            f"cannot resolve the base of adapter {adapter_ref!r}: it names {said!r}, which is not under the "
+            f"model root {str(model_root)!r}; pass base_model_path"
+        )
+    else:
+        raise InvalidArgument("an export needs a base (base_model_path or base_artifact_id) or an adapter")
+    if base_path.is_relative_to(model_root):
+        base_ref = str(base_path.relative_to(model_root))
+    base = BaseModel(base_path, base_ref)
+    if adapter is not None:
+        if recorded is not None and recorded != base_path and (recorded / "config.json").is_file():
+            check_same_family(
+                read_json(recorded / "config.json", f"{recorded_label}/config.json"), recorded_label, base
+            )
+        check_compatible(adapter, base)
+    return Inputs(
+        base,
+        adapter,
+        tokenizer_source(adapter, base),
+        base_ref,
+        adapter_ref,
+        {k: v for k, v in meta.items() if k in _SOURCE_KEYS},
+    )
+
+
+def _artifact_id(t: ExportTarget) -> str:
+    detail = (t.gguf_type or t.dtype or "lora").lower()
+    return f"{t.kind.artifact_kind.replace('_', '-')}-{detail}-{uuid.uuid4().hex[:10]}"
+
+
+def preflight(
+    targets: list[ExportTarget], inputs: Inputs, store: ArtifactStore, overwrite: bool
+) -> list[ExportTarget]:
+    """Per-target refusals and artifact-id clashes, before anything is written; fills dtype and artifact id."""
+    out = []
+    for t in targets:
+        t = dataclasses.replace(t)
+        if t.kind is K.MERGED_SAFETENSORS and not t.dtype:
+            t.dtype = inputs.base.dtype
+        if t.kind in (K.PEFT_ADAPTER, K.GGUF_LORA) and inputs.adapter is None:
+            raise InvalidArgument(
+                f"target {t.kind.value} needs an adapter (adapter_artifact_id or adapter_path)"
+            )
+        if t.kind is K.PEFT_ADAPTER:
+            assert inputs.adapter is not None
+            why = refusals(inputs.adapter)
+            if why:
+                raise TargetRefused(
+                    f"adapter {inputs.adapter.label!r} cannot be a vLLM LoRA adapter: " + "; ".join(why)
+                )
+        if t.kind is K.GGUF_LORA:
+            assert inputs.adapter is not None
+            check_gguf_lora(inputs.adapter)
+        t.artifact_id = t.artifact_id or _artifact_id(t)
+        if store.exists(t.artifact_id) and not overwrite:
+            raise AlreadyExists(f"artifact {t.artifact_id!r} already exists (ask to overwrite to replace it)")
+        out.append(t)
+    return out
+
+
+@dataclass
+class ValidatedExport:
+    """An export that passed every check: the request with defaults and artifact ids filled in, and its
+    opened inputs. What ``ExportManager`` queues and ``pipeline.write_export`` writes."""
+
+    request: ExportRequest
+    inputs: Inputs
+
+
+def validate(req: ExportRequest, model_root: Path, store: ArtifactStore) -> ValidatedExport:
+    """Every check that needs no weights (see the module docstring); the one validation of an export.
+
+    Raises:
+        StropError subclasses naming the problem (InvalidArgument, FailedPrecondition, Unimplemented, ...).
+    """
+    targets = normalize_targets(req.targets)
+    inputs = resolve(req, Path(model_root), store)
+    targets = preflight(targets, inputs, store, req.overwrite)
+    if any(t.kind in (K.GGUF, K.GGUF_LORA) for t in targets):
+        inputs.vocab = load_vocab(inputs.tokenizer_dir, inputs.base.config)
+    return ValidatedExport(dataclasses.replace(req, targets=targets), inputs)
