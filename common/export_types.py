@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from strop.common.trainer_types import Artifact
+from strop.common.trainer_types import Artifact, JobState
 
 # Defaults of the GGUF targets, read by the SDK's constructors and by the core's validation alike.
 DEFAULT_GGUF_TYPE = "F16"  # a merged GGUF model
@@ -40,23 +40,8 @@ class ExportTargetKind(enum.StrEnum):
         return tuple(k for k in cls if k is not cls.UNSPECIFIED)
 
 
-class ExportState(enum.StrEnum):
-    UNSPECIFIED = "UNSPECIFIED"
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    INTERRUPTED = "INTERRUPTED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (
-            ExportState.SUCCEEDED,
-            ExportState.FAILED,
-            ExportState.CANCELLED,
-            ExportState.INTERRUPTED,
-        )
+# An export runs through the same states, with the same guarded transitions, as a training job.
+ExportState = JobState
 
 
 @dataclass

@@ -96,6 +96,9 @@ DEFAULT_MEMORY_MODE = MemoryMode.STANDARD
 
 
 class JobState(enum.StrEnum):
+    """A training job's state (and an export's: ``export_types.ExportState`` is this enum)."""
+
+    UNSPECIFIED = "UNSPECIFIED"
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"

@@ -45,6 +45,7 @@ from strop.common.export_types import (
 )
 from strop.common.serde import from_dict, to_dict
 from strop.common.signals import ChangeSignal
+from strop.common.trainer_types import JOB_TRANSITIONS
 from strop.export_svc.core.errors import FailedPrecondition, NotFound, StropError, Unavailable
 from strop.export_svc.core.legacy_rows import upgrade_progress, upgrade_request, upgrade_result
 from strop.export_svc.core.pipeline import CancelToken, write_export
@@ -53,20 +54,9 @@ from strop.export_svc.core.resolve import ValidatedExport, validate
 log = logging.getLogger("strop.export")
 
 
-_ALLOWED = {
-    ExportState.QUEUED: {ExportState.RUNNING, ExportState.CANCELLED, ExportState.INTERRUPTED},
-    ExportState.RUNNING: {
-        ExportState.SUCCEEDED,
-        ExportState.FAILED,
-        ExportState.CANCELLED,
-        ExportState.INTERRUPTED,
-    },
-}
-
-
 def check_transition(old: ExportState, new: ExportState) -> None:
     """Raise FailedPrecondition unless ``old → new`` is a legal transition."""
-    if new not in _ALLOWED.get(old, set()):
+    if new not in JOB_TRANSITIONS.get(old, frozenset()):
         raise FailedPrecondition(f"export cannot go from {old.value} to {new.value}")
 
 
