@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class ChangeSignal:
@@ -46,6 +48,27 @@ class ChangeSignal:
         finally:
             with self._cond:
                 self._async_waiters.discard((loop, fut))
+
+
+def follow_blocking(
+    poll: Callable[[int], tuple[list[Any], bool]],
+    signal: ChangeSignal,
+    after_seq: int,
+    poll_seconds: float = 1.0,
+) -> Iterator[Any]:
+    """Numbered events from ``poll(seq) -> (events after seq, done)`` until done, blocking on ``signal`` between
+    polls (the thread form; ``strop.common.grpc_server.follow`` is the same loop on an event loop)."""
+    seq = after_seq
+    while True:
+        generation = signal.generation
+        events, done = poll(seq)
+        for e in events:
+            yield e
+            seq = e.seq
+        if done:
+            return
+        if not events:
+            signal.wait(generation, poll_seconds)
 
 
 def _wake(fut: asyncio.Future) -> None:

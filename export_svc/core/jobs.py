@@ -21,6 +21,7 @@ wrote are read through ``legacy_rows``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import shutil
@@ -44,7 +45,7 @@ from strop.common.export_types import (
     ExportStateChange,
 )
 from strop.common.serde import from_dict, to_dict
-from strop.common.signals import ChangeSignal
+from strop.common.signals import ChangeSignal, follow_blocking
 from strop.common.trainer_types import JOB_TRANSITIONS
 from strop.export_svc.core.errors import FailedPrecondition, NotFound, StropError, Unavailable
 from strop.export_svc.core.legacy_rows import upgrade_progress, upgrade_request, upgrade_result
@@ -355,17 +356,7 @@ class ExportManager:
     ) -> Iterator[ExportEvent]:
         """Every event after ``after_seq``, then new ones as they come, until the export ends (blocking;
         the gRPC layer follows :meth:`poll` on the event loop instead)."""
-        seq = after_seq
-        while True:
-            generation = self.changed.generation
-            events, done = self.poll(export_id, seq)
-            for e in events:
-                yield e
-                seq = e.seq
-            if done:
-                return
-            if not events:
-                self.changed.wait(generation, poll_seconds)
+        return follow_blocking(functools.partial(self.poll, export_id), self.changed, after_seq, poll_seconds)
 
     def wait(self, export_id: str, timeout: float | None = None) -> Export:
         """Block until the export ends (tests, the offline CLI)."""

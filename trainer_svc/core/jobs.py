@@ -7,6 +7,7 @@ job at a time runs on a session (it holds the session's lock); ``drain`` stops t
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from strop.common.artifacts import ArtifactStore
 from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from strop.common.signals import follow_blocking
 from strop.common.trainer_types import (
     RESUMABLE_STATES,
     Checkpoint,
@@ -309,17 +311,9 @@ class Jobs:
     def watch(self, job_id: str, after_seq: int = 0, *, poll_seconds: float = 1.0) -> Iterator[JobEvent]:
         """Every event with seq > after_seq, in order, then new ones as they come, until the job ends
         (blocking; the gRPC layer follows :meth:`poll` on the event loop instead)."""
-        seq = after_seq
-        while True:
-            generation = self.store.changed.generation
-            events, done = self.poll(job_id, seq)
-            for e in events:
-                yield e
-                seq = e.seq
-            if done:
-                return
-            if not events:
-                self.store.changed.wait(generation, poll_seconds)
+        return follow_blocking(
+            functools.partial(self.poll, job_id), self.store.changed, after_seq, poll_seconds
+        )
 
     def get(self, job_id: str) -> JobInfo:
         return self._with_position(self.store.get_job(job_id))

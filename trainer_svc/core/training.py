@@ -179,9 +179,8 @@ def build_trainer(
     """A TRL trainer for this job, with strop's callback installed (and HF's log printer removed)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    with (
-        _TRL_SETUP
-    ):  # accelerate's process-wide state and TRL's lazy imports are not safe to set up in parallel
+    # accelerate's process-wide state and TRL's lazy imports are not safe to set up in parallel
+    with _TRL_SETUP:
         trainer = _build_trl_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
     from strop.kernels.models.hf import keep_trainable_fp32
 
