@@ -257,8 +257,16 @@ class ArtifactStore:
             for name, offset, data, sha, last in chunks:
                 if current is None:
                     rel = Path(name)
-                    if not name or rel.is_absolute() or ".." in rel.parts or name == MANIFEST:
-                        raise InvalidArgument(f"upload file name {name!r} is not a plain relative path")
+                    if (
+                        not name
+                        or rel.is_absolute()
+                        or ".." in rel.parts
+                        or name == MANIFEST
+                        or "\x00" in name
+                        or len(name) > 1024
+                        or any(len(part) > 255 for part in rel.parts)
+                    ):
+                        raise InvalidArgument(f"upload file name {name[:200]!r} is not a plain relative path")
                     target = pending.dir / rel
                     if target.exists():
                         raise InvalidArgument(f"upload sends file {name!r} twice")

@@ -34,6 +34,7 @@ log = logging.getLogger("strop.grpc")
 MAX_MESSAGE_BYTES = 64 << 20
 # Open calls beyond this are refused (RESOURCE_EXHAUSTED) rather than queued: each costs memory, not a thread
 MAX_CONCURRENT_RPCS = 10_000
+MAX_DETAILS_CHARS = 2000
 SHUTDOWN_SLACK_S = 15.0  # beyond the two grace periods before the drain watchdog fires
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -52,7 +53,10 @@ def _status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, StropError):
         code = getattr(grpc.StatusCode, exc.grpc_code, grpc.StatusCode.INTERNAL)
         if code is not grpc.StatusCode.INTERNAL:
-            return code, str(exc)
+            message = str(exc)
+            if len(message) > MAX_DETAILS_CHARS:  # an echoed megabyte id would exceed gRPC's metadata limit
+                message = message[:MAX_DETAILS_CHARS] + "… (truncated)"
+            return code, message
     ref = uuid.uuid4().hex[:12]
     log.error("internal error in %s (ref %s)", method, ref, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error (ref {ref})"

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from strop.common.errors import InvalidArgument, NotFound
 
+MAX_PATH_CHARS = 4096
+
 
 def confine(root: str | os.PathLike, user_path: str, *, what: str = "path", must_exist: bool = True) -> Path:
     """Resolve ``user_path`` (relative to ``root``, or absolute) and require it to lie under ``root``.
@@ -21,16 +23,29 @@ def confine(root: str | os.PathLike, user_path: str, *, what: str = "path", must
         raise InvalidArgument(f"{what} is empty")
     if "\x00" in user_path:
         raise InvalidArgument(f"{what} contains a NUL byte")
+    if len(user_path) > MAX_PATH_CHARS or any(len(part) > 255 for part in Path(user_path).parts):
+        raise InvalidArgument(f"{what} is longer than a path can be ({len(user_path)} characters)")
     root_resolved = Path(root).resolve()
     candidate = Path(user_path)
     if not candidate.is_absolute():
         candidate = root_resolved / candidate
-    resolved = candidate.resolve()
+    try:
+        resolved = candidate.resolve()
+        exists = resolved.exists()
+    except (OSError, RuntimeError) as exc:  # a symlink loop, an unreadable component
+        raise InvalidArgument(
+            f"{what} {_shown(user_path)} cannot be resolved: {type(exc).__name__}"
+        ) from None
     if resolved != root_resolved and root_resolved not in resolved.parents:
-        raise InvalidArgument(f"{what} {user_path!r} is outside the allowed root {str(root_resolved)!r}")
-    if must_exist and not resolved.exists():
-        raise NotFound(f"{what} {user_path!r} does not exist under {str(root_resolved)!r}")
+        raise InvalidArgument(f"{what} {_shown(user_path)} is outside the allowed root")
+    if must_exist and not exists:
+        raise NotFound(f"{what} {_shown(user_path)} does not exist")
     return resolved
+
+
+def _shown(user_path: str) -> str:
+    """A request's path as error messages show it: quoted, and cut short (a message must not echo megabytes)."""
+    return repr(user_path if len(user_path) <= 200 else user_path[:200] + "…")
 
 
 def confine_files(root: str | os.PathLike, directory: Path, *, what: str = "directory") -> None:

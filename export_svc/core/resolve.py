@@ -106,7 +106,9 @@ def _confine_any(user_path: str, roots: list[Path], what: str) -> Path:
         for root in roots:
             with contextlib.suppress(InvalidArgument):
                 return confine(root, user_path, what=what)
-        raise InvalidArgument(f"{what} {user_path!r} is outside the allowed roots {[str(r) for r in roots]}")
+        raise InvalidArgument(
+            f"{what} {user_path[:200]!r} is outside the allowed roots (the model root or the artifact root)"
+        )
     last: Exception | None = None
     for root in roots:
         try:
@@ -182,7 +184,7 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
         said = meta.get("base_model") or adapter.recorded_base or "(nothing)"
         raise FailedPrecondition(
             f"cannot resolve the base of adapter {adapter_ref!r}: it names {said!r}, which is not under the "
-            f"model root {str(model_root)!r}; pass base_model_path"
+            "model root; pass base_model_path"
         )
     else:
         raise InvalidArgument("an export needs a base (base_model_path or base_artifact_id) or an adapter")

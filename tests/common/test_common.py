@@ -138,3 +138,22 @@ def test_a_damaged_file_ends_the_download_with_data_loss_before_its_last_chunk(t
             chunks.append(c)
     assert not any(c[4] for c in chunks), "no chunk of a damaged file is marked last"
     assert len(chunks) <= 3
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "x" * 300, "d/" + "y" * 256], ids=["nul", "long", "long-part"])
+def test_upload_file_names_that_no_filesystem_takes_are_invalid_argument(tmp_path, name):
+    # today: ValueError (embedded null byte) or OSError (file name too long), reported as INTERNAL
+    store = ArtifactStore(tmp_path)
+    digest = hashlib.sha256(b"hi").hexdigest()
+    with pytest.raises(InvalidArgument, match="is not a plain relative path"):
+        store.receive("adapter", iter([(name, 0, b"hi", digest, True)]))
+    assert store.list() == []
+
+
+def test_paths_longer_than_a_filesystem_allows_are_invalid_argument_without_echoing_them(tmp_path):
+    with pytest.raises(InvalidArgument, match="longer than a path can be") as err:
+        confine(tmp_path, "m/" + "x" * 5000)
+    assert len(str(err.value)) < 200 and str(tmp_path) not in str(err.value)
+    with pytest.raises(InvalidArgument, match="is outside the allowed root") as err:
+        confine(tmp_path, "/etc/passwd")
+    assert str(tmp_path) not in str(err.value), "no absolute server path in what a client sees"

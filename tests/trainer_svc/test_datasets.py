@@ -111,3 +111,11 @@ def test_pre_tokenized_rows_are_detected_and_checked():
     assert "line 1: 'input_ids' must hold non-negative integers" in msg
     assert "line 2: 'completion_mask' must be a list of 0/1 as long as 'input_ids'" in msg
     assert "line 3: 'input_ids' must be a non-empty list" in msg
+
+
+def test_json_nested_past_the_recursion_limit_is_a_bad_row_not_a_crash():
+    from strop.trainer_svc.core.datasets import Limits, validate_jsonl
+
+    deep = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    with pytest.raises(InvalidArgument, match="line 1: JSON nested too deeply"):
+        validate_jsonl([deep], DatasetFormat.UNSPECIFIED, Limits())

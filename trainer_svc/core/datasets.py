@@ -155,6 +155,8 @@ def validate_jsonl(chunks: Iterable[bytes], fmt: DatasetFormat, limits: Limits) 
             row = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             row, problem = None, f"not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})"
+        except RecursionError:
+            row, problem = None, "JSON nested too deeply"
         if problem is None and not isinstance(row, dict):
             problem = f"a row must be a JSON object, got {type(row).__name__}"
         if problem is None and fmt is DatasetFormat.UNSPECIFIED:
