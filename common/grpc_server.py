@@ -57,6 +57,9 @@ def _status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
             if len(message) > MAX_DETAILS_CHARS:  # an echoed megabyte id would exceed gRPC's metadata limit
                 message = message[:MAX_DETAILS_CHARS] + "… (truncated)"
             return code, message
+    if isinstance(exc, grpc.RpcError):  # reading the request stream failed: the client aborted its upload
+        log.info("%s: the client went away mid-stream", method)
+        return grpc.StatusCode.CANCELLED, "the request stream ended early"
     ref = uuid.uuid4().hex[:12]
     log.error("internal error in %s (ref %s)", method, ref, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error (ref {ref})"
@@ -397,6 +400,12 @@ def service_parser(prog: str, description: str, *, name: str, port: int) -> argp
     )
     p.add_argument("--port-file", default="", help="write the bound port here once serving (for port 0)")
     p.add_argument("--log-level", default=env("STROP_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--reflection",
+        default=env("STROP_REFLECTION", "on"),
+        choices=("on", "off"),
+        help="gRPC server reflection (env STROP_REFLECTION)",
+    )
     return p
 
 

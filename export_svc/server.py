@@ -31,14 +31,18 @@ class ExportConfig:
     concurrent_exports: int = 1  # each uses every CPU core while it quantizes
 
 
-def start(config: ExportConfig, *, address: str = "127.0.0.1:0", rpc_threads: int = 16) -> Service:
+def start(
+    config: ExportConfig, *, address: str = "127.0.0.1:0", rpc_threads: int = 16, reflection: bool = True
+) -> Service:
     """Start the service (port 0 binds a free port; read it from ``.port``); ``.core`` is the ExportManager."""
     store = ArtifactStore(config.artifact_root)
     manager = ExportManager(config.state_dir, config.model_root, store, workers=config.concurrent_exports)
     drain = Drain()
     servicer = ExportServicer(manager, store, drain)
     binding = ServiceBinding(export_pb2_grpc.add_ExportServiceServicer_to_server, servicer, SERVICE_NAME)
-    running = build_server([binding], address=address, max_workers=rpc_threads, drain=drain)
+    running = build_server(
+        [binding], address=address, max_workers=rpc_threads, drain=drain, reflection_on=reflection
+    )
     # the manager closes its database as the drain ends, so there is nothing left to close afterwards
     return Service(running, manager, drain_work=manager.shutdown, close=lambda: None)
 
@@ -61,7 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     config = ExportConfig(
         Path(a.model_root), Path(a.artifact_root), Path(a.state_dir), concurrent_exports=a.concurrent_exports
     )
-    run_main(a, lambda: start(config, address=a.address, rpc_threads=a.rpc_threads))
+    run_main(
+        a,
+        lambda: start(config, address=a.address, rpc_threads=a.rpc_threads, reflection=a.reflection == "on"),
+    )
 
 
 if __name__ == "__main__":

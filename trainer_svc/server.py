@@ -13,7 +13,9 @@ from strop.trainer_svc.service import SERVICE_NAME, TrainerServicer, add_to_serv
 DEFAULT_PORT = 50051
 
 
-def start(config: TrainerConfig, *, address: str = "127.0.0.1:0", rpc_threads: int = 32) -> Service:
+def start(
+    config: TrainerConfig, *, address: str = "127.0.0.1:0", rpc_threads: int = 32, reflection: bool = True
+) -> Service:
     """Build the core and start a server (used by ``main`` and by the tests, with port 0)."""
     core = TrainerCore(config)
     drain = Drain()
@@ -23,6 +25,7 @@ def start(config: TrainerConfig, *, address: str = "127.0.0.1:0", rpc_threads: i
         address=address,
         max_workers=rpc_threads,
         drain=drain,
+        reflection_on=reflection,
     )
     return Service(running, core, drain_work=core.drain, close=core.close)
 
@@ -65,4 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queued_jobs=a.max_queued_jobs,
         dataset_limits=Limits(max_bytes=a.max_dataset_bytes),
     )
-    run_main(a, lambda: start(config, address=a.address, rpc_threads=a.rpc_threads))
+    run_main(
+        a,
+        lambda: start(config, address=a.address, rpc_threads=a.rpc_threads, reflection=a.reflection == "on"),
+    )

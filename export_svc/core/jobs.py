@@ -47,7 +47,13 @@ from strop.common.export_types import (
 from strop.common.serde import from_dict, to_dict
 from strop.common.signals import ChangeSignal, follow_blocking
 from strop.common.trainer_types import JOB_TRANSITIONS
-from strop.export_svc.core.errors import FailedPrecondition, NotFound, StropError, Unavailable
+from strop.export_svc.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StropError,
+    Unavailable,
+)
 from strop.export_svc.core.legacy_rows import upgrade_progress, upgrade_request, upgrade_result
 from strop.export_svc.core.pipeline import CancelToken, write_export
 from strop.export_svc.core.resolve import ValidatedExport, validate
@@ -344,7 +350,10 @@ class ExportManager:
 
         Raises:
             NotFound: unknown id.
+            InvalidArgument: a negative ``after_seq``.
         """
+        if after_seq < 0:
+            raise InvalidArgument(f"after_seq must be >= 0, got {after_seq}")
         events = self.events(export_id, after_seq)
         if events:
             return events, False

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from strop.common import errors
 from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
 from strop.export_svc.core.pipeline import run_export
 
@@ -241,3 +242,15 @@ def test_an_export_from_a_corrupted_adapter_artifact_is_refused_with_data_loss(e
     with pytest.raises(DataLoss, match=r"adapter_model\.safetensors"):
         run_export(req, model_root=export_models, store=store)
     assert [a.artifact_id for a in store.list()] == ["bad-adapter"], "nothing was exported"
+
+
+def test_watch_export_refuses_a_negative_after_seq_like_the_trainer(export_models, tmp_path):
+    from strop.common.artifacts import ArtifactStore
+    from strop.export_svc.core.jobs import ExportManager
+
+    manager = ExportManager(tmp_path / "state", export_models, ArtifactStore(tmp_path / "arts"))
+    try:
+        with pytest.raises(errors.InvalidArgument, match="after_seq must be >= 0, got -5"):
+            manager.poll("exp-anything", -5)
+    finally:
+        manager.shutdown()
