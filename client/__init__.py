@@ -9,8 +9,10 @@ from strop.client.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     StropClientError,
+    UnauthenticatedError,
     UnavailableError,
     UnimplementedError,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "LoraConfig",
     "MemoryMode",
     "NotFoundError",
+    "PermissionDeniedError",
     "Quantization",
     "ResourceExhaustedError",
     "SessionInfo",
@@ -58,6 +61,7 @@ __all__ = [
     "TrainConfig",
     "TrainMethod",
     "TrainerClient",
+    "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
 ]

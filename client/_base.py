@@ -32,13 +32,106 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class BaseClient:
-    """Owns a channel (or borrows one) and wraps calls so that only SDK exceptions escape."""
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # fmt: skip
+    """Adds ``authorization: Bearer <token>`` to every call (over TLS or, on a trusted network, plaintext)."""
 
-    def __init__(self, target: str, *, channel: grpc.Channel | None = None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, token: str) -> None:
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):
+        metadata = [*(details.metadata or ()), self._metadata]
+        return (
+            details._replace(metadata=metadata)
+            if hasattr(details, "_replace")
+            else _Details(details, metadata)
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base, metadata) -> None:
+        self.method, self.timeout, self.credentials = base.method, base.timeout, base.credentials
+        self.wait_for_ready, self.compression = (
+            getattr(base, "wait_for_ready", None),
+            getattr(base, "compression", None),
+        )
+        self.metadata = metadata
+
+
+def _pem(value: str | bytes | os.PathLike | None) -> bytes | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+def make_channel(
+    target: str,
+    *,
+    token: str | None = None,
+    tls_ca: str | bytes | os.PathLike | None = None,
+    tls_cert: str | bytes | os.PathLike | None = None,
+    tls_key: str | bytes | os.PathLike | None = None,
+    tls: bool = False,
+) -> grpc.Channel:
+    """A channel to a strop service: TLS when ``tls`` or a CA is given (``tls_cert``/``tls_key``: the client's own
+    certificate, for mTLS), a bearer token on every call when ``token`` is given. Defaults come from the
+    environment: ``STROP_TOKEN``, ``STROP_TLS_CA``, ``STROP_TLS_CERT``, ``STROP_TLS_KEY``."""
+    env = os.environ.get
+    token = token if token is not None else env("STROP_TOKEN") or None
+    tls_ca = tls_ca if tls_ca is not None else env("STROP_TLS_CA") or None
+    tls_cert = tls_cert if tls_cert is not None else env("STROP_TLS_CERT") or None
+    tls_key = tls_key if tls_key is not None else env("STROP_TLS_KEY") or None
+    if tls or tls_ca or tls_cert:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_pem(tls_ca), private_key=_pem(tls_key), certificate_chain=_pem(tls_cert)
+        )
+        channel = grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.intercept_channel(channel, _BearerToken(token)) if token else channel
+
+
+class BaseClient:
+    """Owns a channel (or borrows one) and wraps calls so that only SDK exceptions escape.
+
+    Args:
+        target: ``host:port``.
+        channel: a channel to use instead of making one (the client then does not close it).
+        timeout: the default deadline of unary calls, seconds.
+        token, tls_ca, tls_cert, tls_key, tls: see :func:`make_channel`.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        channel: grpc.Channel | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        token: str | None = None,
+        tls_ca: str | bytes | os.PathLike | None = None,
+        tls_cert: str | bytes | os.PathLike | None = None,
+        tls_key: str | bytes | os.PathLike | None = None,
+        tls: bool = False,
+    ):
         self.target = target
         self._owns_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = channel or make_channel(
+            target, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls=tls
+        )
         self.timeout = timeout
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import faulthandler
 import functools
 import inspect
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -26,6 +28,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from strop.common.auth import ANONYMOUS, Principal, TokenTable, reset_current, set_current
 from strop.common.errors import StropError, Unavailable
 from strop.common.signals import ChangeSignal
 
@@ -72,26 +75,47 @@ def _already_aborted(context) -> bool:
         return False
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain exceptions to status codes; anything else becomes INTERNAL with a logged traceback.
+UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes need no token
 
-    Handlers may be plain functions (run in the server's thread pool) or coroutines/async generators (run on
-    the event loop, holding no thread while they wait); each keeps its kind through the wrapping.
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates each call and maps domain exceptions to status codes; anything else becomes INTERNAL
+    with a logged traceback.
+
+    With a :class:`~strop.common.auth.TokenTable` every call but the health checks and reflection must carry
+    ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise); its principal is the handler's
+    :func:`strop.common.auth.current`. Handlers may be plain functions (run in the server's thread pool) or
+    coroutines/async generators (run on the event loop, holding no thread while they wait); each keeps its
+    kind through the wrapping.
     """
+
+    def __init__(self, tokens: TokenTable | None = None) -> None:
+        self.tokens = tokens
+
+    def _principal(self, context, method: str) -> Principal:
+        if self.tokens is None or method.startswith(UNAUTHENTICATED_METHODS):
+            return ANONYMOUS
+        metadata = dict(context.invocation_metadata() or ())
+        return self.tokens.principal(metadata.get("authorization"))
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        principal_of = self._principal
 
         def wrap(fn):
             if inspect.isasyncgenfunction(fn):
 
                 async def stream(request, context):
                     try:
-                        async for item in fn(request, context):
-                            yield item
+                        token = set_current(principal_of(context, method))
+                        try:
+                            async for item in fn(request, context):
+                                yield item
+                        finally:
+                            reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
@@ -102,7 +126,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
                 async def unary(request, context):
                     try:
-                        return await fn(request, context)
+                        token = set_current(principal_of(context, method))
+                        try:
+                            return await fn(request, context)
+                        finally:
+                            reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
@@ -113,7 +141,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
                 def sync_stream(request, context):
                     try:
-                        yield from fn(request, context)
+                        token = set_current(principal_of(context, method))
+                        try:
+                            yield from fn(request, context)
+                        finally:
+                            reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
@@ -123,7 +155,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             def sync_unary(request, context):
                 try:
-                    return fn(request, context)
+                    token = set_current(principal_of(context, method))
+                    try:
+                        return fn(request, context)
+                    finally:
+                        reset_current(token)
                 except Exception as exc:
                     if _already_aborted(context):
                         raise
@@ -223,6 +259,7 @@ def build_server(
     max_workers: int = 32,
     drain: Drain | None = None,
     reflection_on: bool = True,
+    security: Security | None = None,
 ) -> RunningServer:
     """Create and start a server with error mapping, health (per service and overall) and reflection.
 
@@ -237,7 +274,7 @@ def build_server(
     async def create():
         server = grpc.aio.server(
             migration_thread_pool=pool,
-            interceptors=[ErrorInterceptor()],
+            interceptors=[ErrorInterceptor(security.tokens if security else None)],
             options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
@@ -253,7 +290,10 @@ def build_server(
             reflection.enable_server_reflection(
                 [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
             )
-        port = server.add_insecure_port(address)
+        if security is not None and security.credentials is not None:
+            port = server.add_secure_port(address, security.credentials)
+        else:
+            port = server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"could not bind {address}")
         await server.start()
@@ -269,8 +309,39 @@ def build_server(
 
 
 async def in_pool(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run a blocking core call from an async handler without blocking the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+    """Run a blocking core call from an async handler without blocking the event loop (in the caller's
+    context, so the call's principal goes with it)."""
+    ctx = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(ctx.run, fn, *args, **kwargs)
+    )
+
+
+@dataclass
+class Security:
+    """Who may call and over what: bearer tokens (None: authentication off) and TLS credentials (None: plaintext)."""
+
+    tokens: TokenTable | None = None
+    credentials: grpc.ServerCredentials | None = None
+
+    @classmethod
+    def from_files(
+        cls, *, tokens: str = "", tls_cert: str = "", tls_key: str = "", tls_client_ca: str = ""
+    ) -> Security:
+        """TLS from a PEM certificate and key; mTLS when a client CA is given (clients must present a certificate
+        it signed); tokens from a token file (see :mod:`strop.common.auth`)."""
+        if bool(tls_cert) != bool(tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if tls_client_ca and not tls_cert:
+            raise ValueError("mTLS (--tls-client-ca) needs --tls-cert and --tls-key")
+        credentials = None
+        if tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())],
+                root_certificates=Path(tls_client_ca).read_bytes() if tls_client_ca else None,
+                require_client_auth=bool(tls_client_ca),
+            )
+        return cls(TokenTable.load(tokens) if tokens else None, credentials)
 
 
 async def follow(
@@ -400,6 +471,14 @@ def service_parser(prog: str, description: str, *, name: str, port: int) -> argp
     )
     p.add_argument("--port-file", default="", help="write the bound port here once serving (for port 0)")
     p.add_argument("--log-level", default=env("STROP_LOG_LEVEL", "INFO"))
+    p.add_argument("--auth-tokens", default=env("STROP_AUTH_TOKENS", ""), help="bearer-token file (JSON)")
+    p.add_argument("--tls-cert", default=env("STROP_TLS_CERT", ""), help="PEM server certificate (TLS)")
+    p.add_argument("--tls-key", default=env("STROP_TLS_KEY", ""), help="PEM server key (TLS)")
+    p.add_argument(
+        "--tls-client-ca",
+        default=env("STROP_TLS_CLIENT_CA", ""),
+        help="PEM CA for client certificates (mTLS)",
+    )
     p.add_argument(
         "--reflection",
         default=env("STROP_REFLECTION", "on"),
@@ -407,6 +486,19 @@ def service_parser(prog: str, description: str, *, name: str, port: int) -> argp
         help="gRPC server reflection (env STROP_REFLECTION)",
     )
     return p
+
+
+def security_from_args(args: argparse.Namespace) -> Security:
+    """The :class:`Security` the shared flags (``--auth-tokens``, ``--tls-*``) ask for; errors exit with status 2."""
+    try:
+        return Security.from_files(
+            tokens=args.auth_tokens,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+        )
+    except (ValueError, OSError, StropError) as exc:
+        raise SystemExit(f"strop: {exc}") from None
 
 
 def run_main(args: argparse.Namespace, start: Callable[[], Service]) -> NoReturn:

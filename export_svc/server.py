@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common.artifacts import ArtifactStore
-from strop.common.grpc_server import Drain, Service, ServiceBinding, build_server, run_main, service_parser
+from strop.common.grpc_server import (
+    Drain,
+    Security,
+    Service,
+    ServiceBinding,
+    build_server,
+    run_main,
+    security_from_args,
+    service_parser,
+)
 from strop.export_svc.core.jobs import ExportManager
 from strop.export_svc.service import ExportServicer
 from strop.v1 import export_pb2, export_pb2_grpc
@@ -32,7 +41,12 @@ class ExportConfig:
 
 
 def start(
-    config: ExportConfig, *, address: str = "127.0.0.1:0", rpc_threads: int = 16, reflection: bool = True
+    config: ExportConfig,
+    *,
+    address: str = "127.0.0.1:0",
+    rpc_threads: int = 16,
+    reflection: bool = True,
+    security: Security | None = None,
 ) -> Service:
     """Start the service (port 0 binds a free port; read it from ``.port``); ``.core`` is the ExportManager."""
     store = ArtifactStore(config.artifact_root)
@@ -41,7 +55,12 @@ def start(
     servicer = ExportServicer(manager, store, drain)
     binding = ServiceBinding(export_pb2_grpc.add_ExportServiceServicer_to_server, servicer, SERVICE_NAME)
     running = build_server(
-        [binding], address=address, max_workers=rpc_threads, drain=drain, reflection_on=reflection
+        [binding],
+        address=address,
+        max_workers=rpc_threads,
+        drain=drain,
+        reflection_on=reflection,
+        security=security,
     )
     # the manager closes its database as the drain ends, so there is nothing left to close afterwards
     return Service(running, manager, drain_work=manager.shutdown, close=lambda: None)
@@ -65,9 +84,16 @@ def main(argv: list[str] | None = None) -> None:
     config = ExportConfig(
         Path(a.model_root), Path(a.artifact_root), Path(a.state_dir), concurrent_exports=a.concurrent_exports
     )
+    security = security_from_args(a)
     run_main(
         a,
-        lambda: start(config, address=a.address, rpc_threads=a.rpc_threads, reflection=a.reflection == "on"),
+        lambda: start(
+            config,
+            address=a.address,
+            rpc_threads=a.rpc_threads,
+            reflection=a.reflection == "on",
+            security=security,
+        ),
     )
 
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from strop.common.grpc_server import Drain, Service, ServiceBinding, build_server, run_main, service_parser
+from strop.common.grpc_server import (
+    Drain,
+    Security,
+    Service,
+    ServiceBinding,
+    build_server,
+    run_main,
+    security_from_args,
+    service_parser,
+)
 from strop.trainer_svc.core.datasets import Limits
 from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
 from strop.trainer_svc.service import SERVICE_NAME, TrainerServicer, add_to_server
@@ -14,7 +23,12 @@ DEFAULT_PORT = 50051
 
 
 def start(
-    config: TrainerConfig, *, address: str = "127.0.0.1:0", rpc_threads: int = 32, reflection: bool = True
+    config: TrainerConfig,
+    *,
+    address: str = "127.0.0.1:0",
+    rpc_threads: int = 32,
+    reflection: bool = True,
+    security: Security | None = None,
 ) -> Service:
     """Build the core and start a server (used by ``main`` and by the tests, with port 0)."""
     core = TrainerCore(config)
@@ -26,6 +40,7 @@ def start(
         max_workers=rpc_threads,
         drain=drain,
         reflection_on=reflection,
+        security=security,
     )
     return Service(running, core, drain_work=core.drain, close=core.close)
 
@@ -68,7 +83,14 @@ def main(argv: list[str] | None = None) -> None:
         max_queued_jobs=a.max_queued_jobs,
         dataset_limits=Limits(max_bytes=a.max_dataset_bytes),
     )
+    security = security_from_args(a)
     run_main(
         a,
-        lambda: start(config, address=a.address, rpc_threads=a.rpc_threads, reflection=a.reflection == "on"),
+        lambda: start(
+            config,
+            address=a.address,
+            rpc_threads=a.rpc_threads,
+            reflection=a.reflection == "on",
+            security=security,
+        ),
     )
