@@ -6,6 +6,7 @@ Only the services' gRPC layers import this module (it imports the generated prot
 
 from __future__ import annotations
 
+from strop.common import auth
 from strop.common.artifacts import ArtifactStore
 from strop.common.serde import to_proto
 from strop.v1 import common_pb2
@@ -14,21 +15,33 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20  # well under the 64 MiB message limit
 
 
+def visible_artifact(store: ArtifactStore, artifact_id: str):
+    """The artifact, if the caller may see it (its ``tenant`` metadata); NOT_FOUND as for a missing one otherwise."""
+    artifact = store.get(artifact_id)
+    auth.check_visible(artifact.metadata.get("tenant", ""), f"artifact {artifact_id!r}")
+    return artifact
+
+
 class ArtifactServicer:
     """Mixed into a servicer that sets ``self.artifacts``."""
 
     artifacts: ArtifactStore
 
     def GetArtifact(self, request, context):
-        return to_proto(common_pb2.Artifact, self.artifacts.get(request.artifact_id))
+        return to_proto(common_pb2.Artifact, visible_artifact(self.artifacts, request.artifact_id))
 
     def ListArtifacts(self, request, context):
-        page, token = self.artifacts.list_page(request.kind or None, request.page_size, request.page_token)
+        me = auth.current()
+        page, token = self.artifacts.list_page(
+            request.kind or None, request.page_size, request.page_token,
+            keep=lambda a: me.can_see(a.metadata.get("tenant", "")),
+        )  # fmt: skip
         return common_pb2.ListArtifactsResponse(
             artifacts=[to_proto(common_pb2.Artifact, a) for a in page], next_page_token=token
         )
 
     def DownloadArtifact(self, request, context):
+        visible_artifact(self.artifacts, request.artifact_id)
         chunk = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         for name, offset, data, sha, last in self.artifacts.iter_chunks(request.artifact_id, chunk):
             yield common_pb2.FileChunk(name=name, offset=offset, data=data, sha256=sha, last=last)

@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from strop.common.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
@@ -185,7 +185,14 @@ class ArtifactStore:
                 raise DataLoss(f"artifact {artifact_id!r}: file {f.name!r} is missing or corrupted")
         return info
 
-    def list_page(self, kind: str | None, page_size: int, page_token: str) -> tuple[list[Artifact], str]:
+    def list_page(
+        self,
+        kind: str | None,
+        page_size: int,
+        page_token: str,
+        *,
+        keep: Callable[[Artifact], bool] | None = None,
+    ) -> tuple[list[Artifact], str]:
         """One page of :meth:`list` (oldest first) and the token of the next ("" after the last page).
 
         Raises:
@@ -195,7 +202,7 @@ class ArtifactStore:
             raise InvalidArgument(f"page_size must be >= 0, got {page_size}")
         if page_token and not page_token.isdigit():
             raise InvalidArgument(f"page_token {page_token!r} is not one this service returned")
-        items = self.list(kind)
+        items = [a for a in self.list(kind) if keep is None or keep(a)]
         start = int(page_token or 0)
         size = page_size or len(items) or 1
         end = start + size

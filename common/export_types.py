@@ -213,6 +213,7 @@ class Export:
     started_at: float = 0.0
     finished_at: float = 0.0
     last_seq: int = 0
+    tenant: str = ""  # who created it (empty with authentication off); other tenants get NOT_FOUND
 
 
 @dataclass

@@ -190,6 +190,7 @@ class SessionInfo:
     lora: LoraConfig | None = None
     created_at: float = 0.0
     busy_job_id: str = ""
+    tenant: str = ""  # who created it (empty with authentication off); other tenants get NOT_FOUND
 
 
 @dataclass
@@ -207,6 +208,7 @@ class DatasetInfo:
     size_bytes: int = 0
     sha256: str = ""
     created_at: float = 0.0
+    tenant: str = ""
 
 
 @dataclass
@@ -268,6 +270,7 @@ class JobInfo:
     # FAILED: the status a retry would meet — INVALID_ARGUMENT (fix the input: e.g. a learning rate that makes the
     # adapters non-finite), RESOURCE_EXHAUSTED (out of device memory), INTERNAL (a fault of the service)
     error_code: str = ""
+    tenant: str = ""
 
 
 @dataclass

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from strop.common import auth
 from strop.common.artifacts import ArtifactStore
 from strop.common.db import Database
 from strop.common.export_types import (
@@ -101,7 +102,8 @@ CREATE TABLE IF NOT EXISTS exports (
     created_at REAL NOT NULL,
     started_at REAL NOT NULL DEFAULT 0,
     finished_at REAL NOT NULL DEFAULT 0,
-    last_seq INTEGER NOT NULL DEFAULT 0
+    last_seq INTEGER NOT NULL DEFAULT 0,
+    tenant TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS export_events (
     export_id TEXT NOT NULL REFERENCES exports(export_id),
@@ -140,6 +142,10 @@ class ExportManager:
         self.model_root = Path(model_root).resolve()
         self.store = store
         self.db = Database(Path(state_dir) / "export.db", SCHEMA)
+        if "tenant" not in {c["name"] for c in self.db.query("PRAGMA table_info(exports)")}:
+            self.db.execute(
+                "ALTER TABLE exports ADD COLUMN tenant TEXT NOT NULL DEFAULT ''"
+            )  # older state dbs
         self._runner = runner
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="strop-export")
         self._tokens: dict[str, CancelToken] = {}
@@ -186,6 +192,7 @@ class ExportManager:
         row = self.db.query_one("SELECT * FROM exports WHERE export_id = ?", (export_id,))
         if row is None:
             raise NotFound(f"export {export_id!r} not found")
+        auth.check_visible(row["tenant"], f"export {export_id!r}")  # workers run as the anonymous admin
         return row
 
     def _record(self, row) -> Export:
@@ -201,6 +208,7 @@ class ExportManager:
             started_at=row["started_at"],
             finished_at=row["finished_at"],
             last_seq=row["last_seq"],
+            tenant=row["tenant"],
         )
 
     def _recover(self) -> None:
@@ -241,7 +249,8 @@ class ExportManager:
         job = validate(req, self.model_root, self.store)
         export_id = f"exp-{uuid.uuid4().hex[:12]}"
         self.db.execute(
-            "INSERT INTO exports (export_id, name, state, request, artifact_ids, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO exports (export_id, name, state, request, artifact_ids, created_at, tenant) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 export_id,
                 job.request.name,
@@ -249,6 +258,7 @@ class ExportManager:
                 json.dumps(to_dict(job.request)),
                 json.dumps([t.artifact_id for t in job.request.targets]),
                 time.time(),
+                job.tenant,
             ),
         )
         self._append(export_id, "state", to_dict(ExportStateChange(ExportState.QUEUED)))
@@ -311,7 +321,12 @@ class ExportManager:
 
     def list(self, states: list[ExportState] | None = None, limit: int = 0) -> list[Export]:
         rows = self.db.query("SELECT * FROM exports ORDER BY created_at DESC, export_id")
-        out = [self._record(r) for r in rows if not states or ExportState(r["state"]) in states]
+        me = auth.current()
+        out = [
+            self._record(r)
+            for r in rows
+            if (not states or ExportState(r["state"]) in states) and me.can_see(r["tenant"])
+        ]
         return out[:limit] if limit > 0 else out
 
     def cancel(self, export_id: str) -> Export:

@@ -232,10 +232,11 @@ class _Exporter:
         return V.verify_gguf(probe, base_path, lora_path=lora_path, lossy=GGUF_TYPES[t.base_gguf_type].lossy)
 
 
-def _artifact_metadata(t: ExportTarget, inputs: Inputs, export_id: str) -> dict[str, str]:
+def _artifact_metadata(t: ExportTarget, inputs: Inputs, export_id: str, tenant: str) -> dict[str, str]:
     base = inputs.base
     return {
         "target": t.kind.artifact_kind,
+        "tenant": tenant,
         "export_id": export_id,
         "base_model": inputs.base_ref,
         "base_quantization": base.quantization,
@@ -284,7 +285,7 @@ def write_export(
                     store.create(
                         t.kind.artifact_kind,
                         artifact_id=t.artifact_id,
-                        metadata=_artifact_metadata(t, inputs, export_id),
+                        metadata=_artifact_metadata(t, inputs, export_id, job.tenant),
                         overwrite=req.overwrite,
                     )
                 )

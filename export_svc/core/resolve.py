@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from strop.common import auth
 from strop.common.artifacts import ArtifactStore
 from strop.common.export_types import (
     DEFAULT_GGUF_LORA_BASE_TYPE,
@@ -143,9 +144,9 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
     if req.adapter_artifact_id and req.adapter_path:
         raise InvalidArgument("give either adapter_artifact_id or adapter_path, not both")
     if req.adapter_artifact_id:
-        info = store.verify(
-            req.adapter_artifact_id
-        )  # an adapter is small: every file's sha256 is checked now
+        info = store.get(req.adapter_artifact_id)
+        auth.check_visible(info.metadata.get("tenant", ""), f"artifact {req.adapter_artifact_id!r}")
+        store.verify(req.adapter_artifact_id)  # an adapter is small: every file's sha256 is checked now
         if info.kind not in ADAPTER_KINDS:
             raise InvalidArgument(f"artifact {info.artifact_id!r} is a {info.kind!r}, not an adapter")
         adapter_ref = f"artifact:{info.artifact_id}"
@@ -172,7 +173,8 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
     if req.base_artifact_id and req.base_model_path:
         raise InvalidArgument("give either base_model_path or base_artifact_id, not both")
     if req.base_artifact_id:
-        store.get(req.base_artifact_id)
+        base_info = store.get(req.base_artifact_id)
+        auth.check_visible(base_info.metadata.get("tenant", ""), f"artifact {req.base_artifact_id!r}")
         base_path, base_ref = store.path_of(req.base_artifact_id), f"artifact:{req.base_artifact_id}"
     elif req.base_model_path:
         base_path = confine(model_root, req.base_model_path, what="base path")
@@ -249,6 +251,7 @@ class ValidatedExport:
 
     request: ExportRequest
     inputs: Inputs
+    tenant: str = ""  # the caller's, stamped on the export and on every artifact it publishes
 
 
 def validate(req: ExportRequest, model_root: Path, store: ArtifactStore) -> ValidatedExport:
@@ -262,4 +265,4 @@ def validate(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Vali
     targets = preflight(targets, inputs, store, req.overwrite)
     if any(t.kind in (K.GGUF, K.GGUF_LORA) for t in targets):
         inputs.vocab = load_vocab(inputs.tokenizer_dir, inputs.base.config)
-    return ValidatedExport(dataclasses.replace(req, targets=targets), inputs)
+    return ValidatedExport(dataclasses.replace(req, targets=targets), inputs, auth.current().tenant)

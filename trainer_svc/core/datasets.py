@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from strop.common import auth
 from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine
 from strop.common.trainer_types import DatasetFormat, DatasetInfo
@@ -221,6 +222,7 @@ class Datasets:
             size_bytes=validated.size_bytes,
             sha256=validated.sha256,
             created_at=time.time(),
+            tenant=auth.current().tenant,
         )
         path = self.dir / f"{info.dataset_id}.jsonl"
         tmp = path.with_suffix(".tmp")
@@ -248,12 +250,16 @@ class Datasets:
         return self.upload(name or src.name, fmt, chunks())
 
     def get(self, dataset_id: str) -> DatasetInfo:
-        return self.store.get_dataset(dataset_id)[0]
+        info = self.store.get_dataset(dataset_id)[0]
+        auth.check_visible(info.tenant, f"dataset {dataset_id!r}")
+        return info
 
     def list(self) -> list[DatasetInfo]:
-        return self.store.list_datasets()
+        me = auth.current()
+        return [d for d in self.store.list_datasets() if me.can_see(d.tenant)]
 
     def rows(self, dataset_id: str) -> tuple[DatasetInfo, list[dict]]:
         info, path = self.store.get_dataset(dataset_id)
+        auth.check_visible(info.tenant, f"dataset {dataset_id!r}")
         with open(path) as f:
             return info, [json.loads(line) for line in f if line.strip()]

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from strop.common import auth
 from strop.common.artifacts import ArtifactStore
 from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.signals import follow_blocking
@@ -91,7 +92,7 @@ class Jobs:
         """Validate everything, create the job and start its thread; errors leave nothing behind."""
         resume_dir = None
         if resume_from_job_id:
-            prev = self.store.get_job(resume_from_job_id)
+            prev = self._visible_job(resume_from_job_id)
             if prev.state not in RESUMABLE_STATES:
                 raise FailedPrecondition(
                     f"job {resume_from_job_id} is {prev.state.value}; only a finished job "
@@ -126,6 +127,7 @@ class Jobs:
             config=cfg,
             resumed_from_job_id=resume_from_job_id,
             created_at=time.time(),
+            tenant=sess.info.tenant,
         )
         with self._lock:
             if sess.info.busy_job_id:
@@ -287,7 +289,12 @@ class Jobs:
         )
 
     def _on_checkpoint(self, sess: Session, job_id: str, step: int, path: Path) -> None:
-        meta = {**models.adapter_metadata(sess.loaded), "job_id": job_id, "step": str(step)}
+        meta = {
+            **models.adapter_metadata(sess.loaded),
+            "job_id": job_id,
+            "step": str(step),
+            "tenant": sess.info.tenant,
+        }
         with self.artifacts.create("checkpoint", metadata=meta) as pending:
             for src in path.rglob("*"):
                 if src.is_file():
@@ -302,11 +309,16 @@ class Jobs:
         """Events with seq > ``after_seq`` (a page), and whether the stream is complete after them."""
         if after_seq < 0:
             raise InvalidArgument(f"after_seq must be >= 0, got {after_seq}")
+        job = self._visible_job(job_id)  # NotFound
         events = self.store.events_after(job_id, after_seq)
         if events:
             return events, False
-        job = self.store.get_job(job_id)  # NotFound
         return [], job.state.terminal and job.last_seq <= after_seq
+
+    def _visible_job(self, job_id: str) -> JobInfo:
+        job = self.store.get_job(job_id)
+        auth.check_visible(job.tenant, f"job {job_id!r}")
+        return job
 
     def watch(self, job_id: str, after_seq: int = 0, *, poll_seconds: float = 1.0) -> Iterator[JobEvent]:
         """Every event with seq > after_seq, in order, then new ones as they come, until the job ends
@@ -316,7 +328,7 @@ class Jobs:
         )
 
     def get(self, job_id: str) -> JobInfo:
-        return self._with_position(self.store.get_job(job_id))
+        return self._with_position(self._visible_job(job_id))
 
     def _with_position(self, job: JobInfo) -> JobInfo:
         with self._lock:
@@ -325,10 +337,13 @@ class Jobs:
         return job
 
     def list(self, session_id: str = "", states: list[JobState] | None = None) -> list[JobInfo]:
-        return [self._with_position(j) for j in self.store.list_jobs(session_id, states)]
+        me = auth.current()
+        return [
+            self._with_position(j) for j in self.store.list_jobs(session_id, states) if me.can_see(j.tenant)
+        ]
 
     def cancel(self, job_id: str) -> JobInfo:
-        job = self.store.get_job(job_id)
+        job = self._visible_job(job_id)
         if job.state.terminal:
             raise FailedPrecondition(f"job {job_id} already ended ({job.state.value})")
         with self._lock:

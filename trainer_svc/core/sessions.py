@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strop.common import auth
 from strop.common.artifacts import ArtifactStore
 from strop.common.errors import FailedPrecondition, ResourceExhausted
 from strop.common.trainer_types import Artifact, LoadModelRequest, LoraConfig, SessionInfo, SessionState
@@ -68,6 +69,7 @@ class Sessions:
             state=SessionState.LOADED,
             facts=loaded.facts,
             created_at=time.time(),
+            tenant=auth.current().tenant,
         )
         with self._lock:  # the slot passes from "loading" to "open" under one lock
             self._loading -= 1
@@ -87,11 +89,13 @@ class Sessions:
             sess = self._sessions.get(session_id)
         if sess is None:
             stored = self.store.get_session(session_id)  # NotFound for unknown ids
+            auth.check_visible(stored.tenant, f"session {session_id!r}")
             if stored.state is SessionState.LOST:
                 raise FailedPrecondition(
                     f"session {session_id} was lost when the service restarted; load the model again"
                 )
             raise FailedPrecondition(f"session {session_id} is {stored.state.value.lower()}")
+        auth.check_visible(sess.info.tenant, f"session {session_id!r}")
         if sess.info.state is SessionState.CLOSED:
             raise FailedPrecondition(f"session {session_id} is closed")
         return sess
@@ -115,11 +119,16 @@ class Sessions:
     def get(self, session_id: str) -> SessionInfo:
         with self._lock:
             sess = self._sessions.get(session_id)
-        return sess.info if sess else self.store.get_session(session_id)
+        info = sess.info if sess else self.store.get_session(session_id)
+        auth.check_visible(info.tenant, f"session {session_id!r}")
+        return info
 
     def list(self, include_closed: bool = False) -> list[SessionInfo]:
         out = []
+        me = auth.current()
         for stored in self.store.list_sessions():
+            if not me.can_see(stored.tenant):
+                continue
             info = self.get(stored.session_id)
             if include_closed or info.state in (SessionState.LOADED, SessionState.READY):
                 out.append(info)
@@ -167,7 +176,7 @@ class Sessions:
     def publish_adapter(
         self, sess: Session, *, artifact_id: str | None, metadata: dict[str, str]
     ) -> Artifact:
-        meta = {**models.adapter_metadata(sess.loaded), **metadata}
+        meta = {**models.adapter_metadata(sess.loaded), **metadata, "tenant": sess.info.tenant}
         with self.artifacts.create("adapter", artifact_id=artifact_id, metadata=meta) as pending:
             models.write_adapter(sess.loaded, pending.dir)
         return self.artifacts.get(pending.artifact_id)

@@ -149,7 +149,7 @@ class ExportResult(_message.Message):
     def __init__(self, target: _Optional[_Union[ExportTarget, _Mapping]] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
 
 class Export(_message.Message):
-    __slots__ = ("export_id", "name", "state", "request", "results", "error", "error_code", "created_at", "started_at", "finished_at", "last_seq")
+    __slots__ = ("export_id", "name", "state", "request", "results", "error", "error_code", "created_at", "started_at", "finished_at", "last_seq", "tenant")
     EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class Export(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     export_id: str
     name: str
     state: ExportState
@@ -172,7 +173,8 @@ class Export(_message.Message):
     started_at: float
     finished_at: float
     last_seq: int
-    def __init__(self, export_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[ExportState, str]] = ..., request: _Optional[_Union[CreateExportRequest, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ExportResult, _Mapping]]] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, export_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[ExportState, str]] = ..., request: _Optional[_Union[CreateExportRequest, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ExportResult, _Mapping]]] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ExportStateChange(_message.Message):
     __slots__ = ("state", "message")

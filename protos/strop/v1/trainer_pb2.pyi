@@ -144,7 +144,7 @@ class ModelFacts(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_trainable_parameters: _Optional[int] = ..., quantization: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., kernels_enabled: _Optional[bool] = ..., kernels_reason: _Optional[str] = ..., max_seq_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "name", "state", "facts", "lora", "created_at", "busy_job_id")
+    __slots__ = ("session_id", "name", "state", "facts", "lora", "created_at", "busy_job_id", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class Session(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     BUSY_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     name: str
     state: SessionState
@@ -159,7 +160,8 @@ class Session(_message.Message):
     lora: _common_pb2.LoraConfig
     created_at: float
     busy_job_id: str
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., facts: _Optional[_Union[ModelFacts, _Mapping]] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., busy_job_id: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., facts: _Optional[_Union[ModelFacts, _Mapping]] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., busy_job_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class AttachLoraRequest(_message.Message):
     __slots__ = ("session_id", "lora")
@@ -246,7 +248,7 @@ class RegisterDatasetRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ..., header: _Optional[_Union[DatasetHeader, _Mapping]] = ...) -> None: ...
 
 class Dataset(_message.Message):
-    __slots__ = ("dataset_id", "name", "format", "num_rows", "size_bytes", "sha256", "created_at")
+    __slots__ = ("dataset_id", "name", "format", "num_rows", "size_bytes", "sha256", "created_at", "tenant")
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +256,7 @@ class Dataset(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     dataset_id: str
     name: str
     format: DatasetFormat
@@ -261,7 +264,8 @@ class Dataset(_message.Message):
     size_bytes: int
     sha256: str
     created_at: float
-    def __init__(self, dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+    tenant: str
+    def __init__(self, dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., num_rows: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_at: _Optional[float] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GetDatasetRequest(_message.Message):
     __slots__ = ("dataset_id",)
@@ -354,7 +358,7 @@ class Checkpoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss", "queue_position", "error_code")
+    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss", "queue_position", "error_code", "tenant")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +378,7 @@ class Job(_message.Message):
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     session_id: str
     dataset_id: str
@@ -393,7 +398,8 @@ class Job(_message.Message):
     last_loss: float
     queue_position: int
     error_code: str
-    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ..., queue_position: _Optional[int] = ..., error_code: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ..., queue_position: _Optional[int] = ..., error_code: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StateChange(_message.Message):
     __slots__ = ("state", "message")
