@@ -59,12 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", default=env("STROP_DEVICE", "auto"), help="auto, cpu, cuda:0, ... (env STROP_DEVICE)"
     )
     p.add_argument("--max-sessions", type=int, default=int(env("STROP_MAX_SESSIONS", "8")))
-    p.add_argument(
-        "--max-concurrent-jobs",
-        type=int,
-        default=int(env("STROP_MAX_CONCURRENT_JOBS", "1")),
-        help="jobs training at once on the device (more share the process: see README)",
-    )
     p.add_argument("--max-queued-jobs", type=int, default=int(env("STROP_MAX_QUEUED_JOBS", "64")))
     p.add_argument("--max-dataset-bytes", type=int, default=Limits.max_bytes)
     return p.parse_args(argv)
@@ -79,7 +73,6 @@ def main(argv: list[str] | None = None) -> None:
         data_root=Path(a.data_root) if a.data_root else None,
         device=a.device,
         max_sessions=a.max_sessions,
-        max_concurrent_jobs=a.max_concurrent_jobs,
         max_queued_jobs=a.max_queued_jobs,
         dataset_limits=Limits(max_bytes=a.max_dataset_bytes),
     )

@@ -53,10 +53,15 @@ class _RunningJob:
 
 
 class Jobs:
-    """The device's job scheduler: jobs start in the order they were accepted, ``concurrency`` at a time
-    (default 1: jobs never share a device, nor the process-wide state of accelerate and TRL while they train);
-    up to ``max_queued`` wait QUEUED, beyond that a Train is RESOURCE_EXHAUSTED. A queued job can be cancelled
-    (it ends CANCELLED without running) and shows its place in the queue (``JobInfo.queue_position``)."""
+    """The device's job scheduler: jobs start in the order they were accepted, one at a time; up to
+    ``max_queued`` wait QUEUED, beyond that a Train is RESOURCE_EXHAUSTED. A queued job can be cancelled (it
+    ends CANCELLED without running) and shows its place in the queue (``JobInfo.queue_position``).
+
+    One at a time is a correctness requirement, not a tuning choice: accelerate's ``AcceleratorState`` is
+    process-wide, and a second TRL trainer built while a first one trains resets it under the first (seen here:
+    ``AttributeError: 'AcceleratorState' object has no attribute 'distributed_type'`` in the running job). More
+    jobs at once means more trainer processes (pods), each with its own device.
+    """
 
     def __init__(
         self,
@@ -66,14 +71,13 @@ class Jobs:
         datasets: Datasets,
         *,
         state_dir: Path,
-        concurrency: int = 1,
         max_queued: int = 64,
     ) -> None:
-        if concurrency < 1 or max_queued < 0:
-            raise ValueError(f"concurrency must be >= 1 and max_queued >= 0, got {concurrency}, {max_queued}")
+        if max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {max_queued}")
         self.store, self.artifacts, self.sessions, self.datasets = store, artifacts, sessions, datasets
         self.state_dir = Path(state_dir)
-        self.concurrency, self.max_queued = concurrency, max_queued
+        self.max_queued = max_queued
         self._jobs: dict[str, _RunningJob] = {}
         self._queue: collections.deque[str] = collections.deque()  # QUEUED jobs, in the order accepted
         self._running = 0
@@ -168,9 +172,7 @@ class Jobs:
     def _wait_turn(self, job_id: str, control: training.JobControl) -> bool:
         """Block until the job heads the queue and a slot is free; False if it was stopped while queued."""
         with self._turn:
-            while control.stop is None and not (
-                self._queue[0] == job_id and self._running < self.concurrency
-            ):
+            while control.stop is None and not (self._queue[0] == job_id and self._running == 0):
                 self._turn.wait()
             self._queue.remove(job_id)
             if control.stop is not None:

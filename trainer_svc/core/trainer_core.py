@@ -29,7 +29,6 @@ class TrainerConfig:
     data_root: Path | None = None
     device: str = "auto"
     max_sessions: int = 8
-    max_concurrent_jobs: int = 1  # per device
     max_queued_jobs: int = 64
     dataset_limits: Limits = field(default_factory=Limits)
 
@@ -51,7 +50,7 @@ class TrainerCore:
         )
         self.jobs = Jobs(
             self.store, self.artifacts, self.sessions, self.datasets, state_dir=Path(config.state_dir),
-            concurrency=config.max_concurrent_jobs, max_queued=config.max_queued_jobs,
+            max_queued=config.max_queued_jobs,
         )  # fmt: skip
         interrupted = self.store.recover_after_restart()
         if interrupted:

@@ -32,7 +32,6 @@ from strop.trainer_svc.core.job_config import OPTIMIZERS, sft_rows
 from strop.trainer_svc.core.models import LoadedModel, repacked_4bit_layers
 
 log = logging.getLogger("strop.trainer")
-_TRL_SETUP = threading.Lock()
 
 
 @dataclass
@@ -179,9 +178,7 @@ def build_trainer(
     """A TRL trainer for this job, with strop's callback installed (and HF's log printer removed)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    # accelerate's process-wide state and TRL's lazy imports are not safe to set up in parallel
-    with _TRL_SETUP:
-        trainer = _build_trl_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
+    trainer = _build_trl_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
     from strop.kernels.models.hf import keep_trainable_fp32
 
     keep_trainable_fp32(loaded.model)  # TRL casts adapters to bf16 on 4-bit bases
