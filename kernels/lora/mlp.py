@@ -31,11 +31,22 @@ rather than reading gradients as activations. dx goes into x's storage only with
 under the conditions documented in ``kernels/lora_linear.py`` (last read of x is the dA GEMM).
 
 Dtype contract: as ``kernels/lora_linear.py`` (compute dtype = autocast's, else x's; e, g, h in it).
+
+Recompute without the down projection. A checkpointed layer is run again in backward only to rebuild what
+its ops saved; its output's value is never read, only its graph. Where the MLP's output is the layer's
+output up to a residual add (HF's Llama-family decoder layer: ``residual + mlp(norm(h))``, its last op), the
+recompute needs x, e, g and u_d from this Function and nothing of ``out``. Under :func:`recompute_outputs_unused`
+(entered by strop's checkpoint around its recompute) an MLP built with ``output_unused_in_recompute`` skips
+``h W_dᵀ`` and the down adapter's product, a third of the MLP's forward GEMM work, and returns uninitialised
+memory of out's shape. The gradients are bitwise those of the full recompute: backward reads only the saved
+tensors, which are computed the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -57,7 +68,20 @@ from .linear import (
     with_factors,
 )
 
-__all__ = ["ACTIVATIONS", "LoRAMLPFunction", "lora_mlp", "lora_mlp_reference"]
+__all__ = ["ACTIVATIONS", "LoRAMLPFunction", "lora_mlp", "lora_mlp_reference", "recompute_outputs_unused"]
+
+_OUTPUTS_UNUSED = contextvars.ContextVar("strop_recompute_outputs_unused", default=False)
+
+
+@contextlib.contextmanager
+def recompute_outputs_unused() -> Iterator[None]:
+    """While a checkpointed layer is recomputed for its backward: its output's value will not be read."""
+    token = _OUTPUTS_UNUSED.set(True)
+    try:
+        yield
+    finally:
+        _OUTPUTS_UNUSED.reset(token)
+
 
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 
@@ -92,10 +116,16 @@ def _act_bwd(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, activation: str
 
 class _MLPFrozen(Frozen):
     def __init__(
-        self, projs: Sequence[LoRAProj], dtype: torch.dtype, inplace_dx: bool, activation: str
+        self,
+        projs: Sequence[LoRAProj],
+        dtype: torch.dtype,
+        inplace_dx: bool,
+        activation: str,
+        output_unused_in_recompute: bool = False,
     ) -> None:
         super().__init__(projs, dtype, inplace_dx)
         self.activation = activation
+        self.output_unused_in_recompute = output_unused_in_recompute
 
 
 class LoRAMLPFunction(torch.autograd.Function):
@@ -106,7 +136,11 @@ class LoRAMLPFunction(torch.autograd.Function):
         gate, up, down = with_factors(frozen, (ga, gb, ua, ub, da, db))
         (e, g), u_gu = forward_projections(x, (gate, up), frozen.dtype)
         h = _act_fwd(e, g, frozen.activation)
-        (out,), u_d = forward_projections(h, (down,), frozen.dtype)
+        if frozen.output_unused_in_recompute and _OUTPUTS_UNUSED.get():
+            u_d = None if down.lora_A is None else h @ down.lora_A.to(frozen.dtype).t()
+            out = h.new_empty(h.shape[0], out_features(down.base))  # never read: see the module docstring
+        else:
+            (out,), u_d = forward_projections(h, (down,), frozen.dtype)
         ctx.save_for_backward(x, e, g, u_gu, u_d, ga, gb, ua, ub, da, db)
         ctx.frozen = frozen
         return out
@@ -147,6 +181,7 @@ def lora_mlp(
     activation: str = "swiglu",
     *,
     inplace_dx: bool = False,
+    output_unused_in_recompute: bool = False,
 ) -> torch.Tensor:
     """Gated MLP ``down(act(gate(x)) · up(x))`` with LoRA on any of the three projections.
 
@@ -157,6 +192,9 @@ def lora_mlp(
         down: Same for down (input width I).
         activation: ``"swiglu"`` (silu), ``"geglu"`` (erf gelu) or ``"geglu_tanh"``.
         inplace_dx: Let the backward write dx into x's storage (see ``kernels/lora_linear.py``).
+        output_unused_in_recompute: The caller's layer reads nothing of the output but its graph when
+            recomputed for backward (the output is the layer's last op but a residual add): under
+            :func:`recompute_outputs_unused` the down projection is skipped (module docstring).
 
     Returns:
         ``[..., H]`` in the compute dtype (autocast's, else x's).
@@ -178,5 +216,6 @@ def lora_mlp(
     x2, inplace = as_rows_for(x, dtype, inplace_dx)
     factors = [t for p in projs for t in (p.lora_A, p.lora_B)]
     with no_autocast(x.device.type):
-        out = LoRAMLPFunction.apply(x2, *factors, _MLPFrozen(projs, dtype, inplace, activation))
+        frozen = _MLPFrozen(projs, dtype, inplace, activation, output_unused_in_recompute)
+        out = LoRAMLPFunction.apply(x2, *factors, frozen)
     return out.view(*x.shape[:-1], out.shape[-1])

@@ -80,6 +80,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..lora.mlp import recompute_outputs_unused
 from .offload_records import InputRecord, SavedGroup
 from .replay import ReplayState, checkpoint_reference
 
@@ -491,7 +492,9 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         args[0] = x.detach().requires_grad_(ctx.needs_input_grad[4])
         for slot, t in zip(ctx.tensor_slots, ctx.saved_tensors, strict=True):
             args[slot] = t.detach().requires_grad_(ctx.needs_input_grad[4 + slot])
-        with ctx.replay.replay(), torch.enable_grad():
+        # the recompute rebuilds what the layer's ops saved; its output's value is never read (only its graph),
+        # so a patched MLP that is the layer's last op skips its down projection (kernels/lora/mlp.py)
+        with ctx.replay.replay(), torch.enable_grad(), recompute_outputs_unused():
             out = ctx.function(*args)
         tensors, _ = _flatten(out)
         pairs = [(o, g) for o, g in zip(tensors, grads, strict=True) if g is not None and o.requires_grad]

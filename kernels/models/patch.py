@@ -255,7 +255,7 @@ def _linear_forward() -> Callable:
     return forward
 
 
-def _mlp_forward(activation: str, inplace: bool) -> Callable:
+def _mlp_forward(activation: str, inplace: bool, output_unused_in_recompute: bool) -> Callable:
     def forward(self, x, *args, **kwargs):
         state, prev = _ours(self)
         if not state.active or args or kwargs:
@@ -263,7 +263,13 @@ def _mlp_forward(activation: str, inplace: bool) -> Callable:
         specs = _specs(state, self, (self.gate_proj, self.up_proj, self.down_proj), x)
         if specs is None:
             return prev(x)
-        return lora_mlp(x, *specs, activation=activation, inplace_dx=inplace)
+        return lora_mlp(
+            x,
+            *specs,
+            activation=activation,
+            inplace_dx=inplace,
+            output_unused_in_recompute=output_unused_in_recompute,
+        )
 
     return forward
 
@@ -478,7 +484,9 @@ def patch_model(
             why = f"activation {hf.config.hidden_act!r}" if activation is None else "MLP forward is not HF's"
             skip("lora_mlp", names[mlp], why)
         if ok["lora_mlp"]:
-            _swap(state, mlp, _mlp_forward(activation, inplace_dx))
+            # HF's decoder layer ends in ``residual + mlp(...)``: the MLP's output is the layer's (kernels/lora/mlp.py)
+            last_op = _is_hf_forward(layer, "DecoderLayer")
+            _swap(state, mlp, _mlp_forward(activation, inplace_dx, last_op))
             report.patched["lora_mlp"].append(names[mlp])
         if ok["lora_o"]:
             _swap(state, attn.o_proj, _linear_forward())

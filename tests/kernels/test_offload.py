@@ -587,3 +587,39 @@ def test_gpu_layers_without_recompute_reload_ahead_of_need_and_train_the_same():
         f"8 of 16 layers without recompute {save_t * 1e3:.0f} ms ({save_peak / 2**30:.2f} GiB), "
         f"host peak {s.peak_host_bytes / 2**30:.2f} GiB, copy waits {s.copy_waits}"
     )
+
+
+# ---- recompute without the down projection ---------------------------------------------------------------
+
+
+def test_patched_mlps_skip_the_down_projection_in_recompute_with_bitwise_equal_gradients(monkeypatch):
+    """A checkpointed layer's recompute never reads its output; the patched MLP (the layer's last op) skips
+    its down GEMM there. Gradients equal the full recompute's bit for bit, and the down GEMM runs once per
+    layer (the forward) instead of twice."""
+    import contextlib
+
+    import strop.kernels.lora.mlp as mlp_mod
+    import strop.kernels.models.offload as offload_mod
+    from strop.kernels.models import patch_model
+
+    model = _lora(_tiny_llama())
+    report = patch_model(model)
+    assert len(report.patched["lora_mlp"]) == LAYERS, report
+    downs = {"n": 0}
+    real = mlp_mod.forward_projections
+
+    def counting(x, projs, dtype):
+        downs["n"] += len(projs) == 1  # the down projection; gate/up go in as a pair
+        return real(x, projs, dtype)
+
+    monkeypatch.setattr(mlp_mod, "forward_projections", counting)
+    ids = _ids()
+    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
+    skipped = _step(model, ids)
+    assert downs["n"] == LAYERS, f"{downs['n']} down GEMMs: the recompute ran them again"
+    downs["n"] = 0
+    monkeypatch.setattr(offload_mod, "recompute_outputs_unused", contextlib.nullcontext)
+    full = _step(model, ids)
+    assert downs["n"] == 2 * LAYERS
+    _assert_same_step(skipped, full, "skipping the down projection in recompute")
+    disable_offloaded_checkpointing(model)
