@@ -44,6 +44,26 @@ class ExportTargetKind(enum.StrEnum):
 ExportState = JobState
 
 
+class MergeBase(enum.StrEnum):
+    """Which base weights an adapter is merged into (and the GGUF base of a GGUF LoRA is written from).
+
+    ``AS_TRAINED`` (the default, :data:`DEFAULT_MERGE_BASE`): the weights the adapter was trained
+    against. For a base the trainer quantized to NF4 on load, that is its NF4 weights re-created
+    bit for bit from the 16-bit checkpoint with the settings the adapter's artifact records, and
+    dequantized to fp32 (never re-quantized); for a prequantized 4-bit base its dequantized weights;
+    for a 16-bit session the weights as stored. ``ORIGINAL_16BIT``: the 16-bit weights as stored,
+    even when the adapter was trained on their NF4 quantization (the result's metadata says so and
+    its verification shows how far that is from the model as trained).
+    """
+
+    UNSPECIFIED = "UNSPECIFIED"
+    AS_TRAINED = "AS_TRAINED"
+    ORIGINAL_16BIT = "ORIGINAL_16BIT"
+
+
+DEFAULT_MERGE_BASE = MergeBase.AS_TRAINED
+
+
 @dataclass
 class ExportTarget:
     """One output of an export. Use the constructors: ``merged()``, ``peft()``, ``gguf()``, ``gguf_lora()``.
@@ -144,9 +164,25 @@ class VerifyOptions:
 
 
 @dataclass
+class Comparison:
+    """One output's logits against a second reference: the model as trained (the session's base as
+    loaded, NF4-dequantized for a quantized session, with the adapter unmerged, run by PEFT in fp32)."""
+
+    reference: str = ""  # what the reference is, in words
+    max_abs_logit_delta: float = 0.0
+    mean_abs_logit_delta: float = 0.0
+    top1_agreement: float = 0.0
+    perplexity_reference: float = 0.0  # the as-trained model's perplexity on the held-out text
+    perplexity_delta: float = 0.0  # output - as trained
+    answer_top1_agreement: float | None = None  # None: no probe question/answer was given
+    max_abs_logit: float = 0.0  # the as-trained model's largest |logit| on the prompts: the deltas' scale
+
+
+@dataclass
 class Verification:
-    """One output's figures against the merged fp32 model; each ``*_checked`` says whether its check ran
-    (the figures of a check that did not run are left at their zero values)."""
+    """One output's figures against the merged fp32 model (and, in ``as_trained``, against the model as
+    trained). A check that did not run leaves its figures None ("not checked"), never False; each
+    ``*_checked`` flag says the same in one bit."""
 
     consumer: str = ""  # "transformers", "transformers+peft", "llama.cpp", "llama.cpp+lora"
     positions: int = 0
@@ -157,27 +193,62 @@ class Verification:
     perplexity: float = 0.0
     perplexity_delta: float = 0.0
     tokens_checked: bool = False  # GGUF: llama.cpp's tokenizer compared with HF's
-    tokens_match: bool = False
+    tokens_match: bool | None = None  # None: not checked (merged/PEFT outputs use HF's own tokenizer)
     token_mismatches: list[str] = field(default_factory=list)
     chat_tokens_checked: bool = False
-    chat_tokens_match: bool = False
+    chat_tokens_match: bool | None = None  # None: not checked
     generated: str = ""
     answer_checked: bool = False
-    answer_reproduced: bool = False
-    answer_top1_agreement: float = 0.0
+    answer_reproduced: bool | None = None  # None: no probe question/answer was given
+    answer_top1_agreement: float | None = None  # None: no probe question/answer was given
     answer_tokens: int = 0
     problems: list[str] = field(default_factory=list)
     passed: bool = False
     notes: list[str] = field(default_factory=list)
+    as_trained: Comparison | None = None  # None: the as-trained reference could not be built
+
+
+@dataclass
+class TensorTypeCount:
+    """How many tensors of one GGML type a GGUF file holds (read back from the written file)."""
+
+    type: str = ""  # "Q4_K", "Q5_0", "F32", ...
+    count: int = 0
+
+
+@dataclass
+class QuantFallback:
+    """Tensors written in another type than the one the file type asks of them, and why."""
+
+    wanted: str = ""  # the type the file type asks for ("Q4_K", "Q6_K", "Q8_0")
+    written: str = ""  # what was written instead ("Q5_0", "Q8_0", "F16")
+    count: int = 0
+    reason: str = ""
+    tensors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class QuantizationReport:
+    """The tensor types a GGUF file actually holds (``gguf.GGUFReader`` on the written file), with counts,
+    and every fallback with its reason. ``role``: "model", or "base"/"lora" for a GGUF LoRA target."""
+
+    role: str = ""
+    file: str = ""
+    requested: str = ""  # the GGUF type asked for (Q4_K_M, F16, ...)
+    tensor_types: list[TensorTypeCount] = field(default_factory=list)
+    fallbacks: list[QuantFallback] = field(default_factory=list)
+    summary: str = ""
 
 
 @dataclass
 class ExportResult:
-    """One published artifact of an export, with its verification (None when verification was skipped)."""
+    """One published artifact of an export, with its verification (None when verification was skipped)
+    and, for GGUF targets, the quantization report of each file it wrote."""
 
     target: ExportTarget = field(default_factory=ExportTarget)
     artifact: Artifact = field(default_factory=Artifact)
     verification: Verification | None = None
+    quantization: list[QuantizationReport] = field(default_factory=list)  # one per GGUF file written
 
 
 @dataclass
@@ -198,6 +269,7 @@ class ExportRequest:
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     name: str = ""  # also names the GGUF files
     max_shard_bytes: int = 0  # merged safetensors shards; 0: 5 GB
+    merge_base: MergeBase = MergeBase.UNSPECIFIED  # UNSPECIFIED: DEFAULT_MERGE_BASE (AS_TRAINED)
 
 
 @dataclass

@@ -159,6 +159,8 @@ def from_proto(cls: type[T], msg) -> T:
                 kwargs[f.name] = inner[name]
         elif _is_repeated(fd):
             kwargs[f.name] = list(value)
+        elif getattr(fd, "has_presence", False) and not msg.HasField(f.name):
+            kwargs[f.name] = None  # a proto3 `optional` scalar left unset: "not checked", not its zero
         else:
             kwargs[f.name] = value
     return cls(**kwargs)

@@ -191,12 +191,19 @@ class SessionInfo:
     created_at: float = 0.0
     busy_job_id: str = ""
     tenant: str = ""  # who created it (empty with authentication off); other tenants get NOT_FOUND
+    instance_id: str = ""  # the trainer instance (pod) whose device holds it: call that instance to use it
+    # llama.cpp's pre-tokenizer for GGUF exports, predicted at load (strop.common.pretokenizers.predict);
+    # empty when none is predicted, and the note then says whether a GGUF export will be refused
+    gguf_pre_tokenizer: str = ""
+    gguf_pre_tokenizer_note: str = ""
 
 
 @dataclass
 class DatasetHeader:
     name: str = ""
     format: DatasetFormat = DatasetFormat.UNSPECIFIED
+    size_bytes: int = 0  # UploadDataset: what the client sends (0: not stated)
+    sha256: str = ""
 
 
 @dataclass
@@ -211,9 +218,35 @@ class DatasetInfo:
     tenant: str = ""
 
 
+# What a zero/empty TrainConfig field becomes on the trainer (``job_config.with_defaults``); the CLI's --help and the
+# README show the same table. Per method where they differ: SFT's learning rate teaches a few dozen rows of facts
+# in ~100 steps with LoRA r=16; DPO's is TRL's (a preference shift is slower than SFT by design: raise it, or
+# train more steps, when 10 steps show no margin).
+TRAIN_DEFAULTS: dict[str, object] = {
+    "learning_rate": {"SFT": 2e-4, "DPO": 5e-6},
+    "lr_scheduler": "linear",
+    "num_epochs": 1.0,
+    "batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "max_length": "the session's max_seq_length",
+    "optimizer": "adamw_torch",
+    "max_grad_norm": 1.0,
+    "dpo_beta": 0.1,
+    "dpo_loss_type": "sigmoid",
+    "dpo_reference": "base",
+    "memory_mode": DEFAULT_MEMORY_MODE.value,
+}
+
+
+def train_default(name: str, method: TrainMethod) -> object:
+    """The default of TrainConfig field ``name`` for ``method`` (see ``TRAIN_DEFAULTS``)."""
+    value = TRAIN_DEFAULTS[name]
+    return value[method.value] if isinstance(value, dict) else value
+
+
 @dataclass
 class TrainConfig:
-    """Hyperparameters. Zero/empty fields take the documented defaults (see ``with_defaults``)."""
+    """Hyperparameters. Zero/empty fields take the defaults of ``TRAIN_DEFAULTS`` (see ``with_defaults``)."""
 
     method: TrainMethod = TrainMethod.UNSPECIFIED
     learning_rate: float = 0.0
@@ -239,6 +272,7 @@ class TrainConfig:
     dpo_reference: str = ""
     memory_mode: MemoryMode = MemoryMode.UNSPECIFIED
     memory_budget_gib: float = 0.0
+    loss_on_all_tokens: bool = False
 
 
 @dataclass
@@ -271,6 +305,8 @@ class JobInfo:
     # adapters non-finite), RESOURCE_EXHAUSTED (out of device memory), INTERNAL (a fault of the service)
     error_code: str = ""
     tenant: str = ""
+    instance_id: str = ""  # the trainer instance (pod) that runs it; cancel it there
+    loss_curve: Artifact | None = None  # PNG of loss by step (``loss.png``), stored as the job ends
 
 
 @dataclass

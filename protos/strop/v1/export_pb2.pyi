@@ -16,6 +16,12 @@ class ExportTargetKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXPORT_TARGET_KIND_GGUF: _ClassVar[ExportTargetKind]
     EXPORT_TARGET_KIND_GGUF_LORA: _ClassVar[ExportTargetKind]
 
+class MergeBase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MERGE_BASE_UNSPECIFIED: _ClassVar[MergeBase]
+    MERGE_BASE_AS_TRAINED: _ClassVar[MergeBase]
+    MERGE_BASE_ORIGINAL_16BIT: _ClassVar[MergeBase]
+
 class ExportState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     EXPORT_STATE_UNSPECIFIED: _ClassVar[ExportState]
@@ -30,6 +36,9 @@ EXPORT_TARGET_KIND_MERGED_SAFETENSORS: ExportTargetKind
 EXPORT_TARGET_KIND_PEFT_ADAPTER: ExportTargetKind
 EXPORT_TARGET_KIND_GGUF: ExportTargetKind
 EXPORT_TARGET_KIND_GGUF_LORA: ExportTargetKind
+MERGE_BASE_UNSPECIFIED: MergeBase
+MERGE_BASE_AS_TRAINED: MergeBase
+MERGE_BASE_ORIGINAL_16BIT: MergeBase
 EXPORT_STATE_UNSPECIFIED: ExportState
 EXPORT_STATE_QUEUED: ExportState
 EXPORT_STATE_RUNNING: ExportState
@@ -71,7 +80,7 @@ class VerifyOptions(_message.Message):
     def __init__(self, skip: _Optional[bool] = ..., prompts: _Optional[_Iterable[str]] = ..., heldout_texts: _Optional[_Iterable[str]] = ..., question: _Optional[str] = ..., answer: _Optional[str] = ..., raw_question: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class CreateExportRequest(_message.Message):
-    __slots__ = ("adapter_artifact_id", "adapter_path", "base_model_path", "base_artifact_id", "targets", "overwrite", "verify", "name", "max_shard_bytes")
+    __slots__ = ("adapter_artifact_id", "adapter_path", "base_model_path", "base_artifact_id", "targets", "overwrite", "verify", "name", "max_shard_bytes", "merge_base")
     ADAPTER_ARTIFACT_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_PATH_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +90,7 @@ class CreateExportRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MERGE_BASE_FIELD_NUMBER: _ClassVar[int]
     adapter_artifact_id: str
     adapter_path: str
     base_model_path: str
@@ -90,10 +100,31 @@ class CreateExportRequest(_message.Message):
     verify: VerifyOptions
     name: str
     max_shard_bytes: int
-    def __init__(self, adapter_artifact_id: _Optional[str] = ..., adapter_path: _Optional[str] = ..., base_model_path: _Optional[str] = ..., base_artifact_id: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[ExportTarget, _Mapping]]] = ..., overwrite: _Optional[bool] = ..., verify: _Optional[_Union[VerifyOptions, _Mapping]] = ..., name: _Optional[str] = ..., max_shard_bytes: _Optional[int] = ...) -> None: ...
+    merge_base: MergeBase
+    def __init__(self, adapter_artifact_id: _Optional[str] = ..., adapter_path: _Optional[str] = ..., base_model_path: _Optional[str] = ..., base_artifact_id: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[ExportTarget, _Mapping]]] = ..., overwrite: _Optional[bool] = ..., verify: _Optional[_Union[VerifyOptions, _Mapping]] = ..., name: _Optional[str] = ..., max_shard_bytes: _Optional[int] = ..., merge_base: _Optional[_Union[MergeBase, str]] = ...) -> None: ...
+
+class Comparison(_message.Message):
+    __slots__ = ("reference", "max_abs_logit_delta", "mean_abs_logit_delta", "top1_agreement", "perplexity_reference", "perplexity_delta", "answer_top1_agreement", "max_abs_logit")
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_LOGIT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ABS_LOGIT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    PERPLEXITY_REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    PERPLEXITY_DELTA_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_LOGIT_FIELD_NUMBER: _ClassVar[int]
+    reference: str
+    max_abs_logit_delta: float
+    mean_abs_logit_delta: float
+    top1_agreement: float
+    perplexity_reference: float
+    perplexity_delta: float
+    answer_top1_agreement: float
+    max_abs_logit: float
+    def __init__(self, reference: _Optional[str] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., answer_top1_agreement: _Optional[float] = ..., max_abs_logit: _Optional[float] = ...) -> None: ...
 
 class Verification(_message.Message):
-    __slots__ = ("consumer", "positions", "max_abs_logit_delta", "mean_abs_logit_delta", "top1_agreement", "perplexity_reference", "perplexity", "perplexity_delta", "tokens_checked", "tokens_match", "token_mismatches", "chat_tokens_checked", "chat_tokens_match", "generated", "answer_checked", "answer_reproduced", "answer_top1_agreement", "answer_tokens", "problems", "passed", "notes")
+    __slots__ = ("consumer", "positions", "max_abs_logit_delta", "mean_abs_logit_delta", "top1_agreement", "perplexity_reference", "perplexity", "perplexity_delta", "tokens_checked", "tokens_match", "token_mismatches", "chat_tokens_checked", "chat_tokens_match", "generated", "answer_checked", "answer_reproduced", "answer_top1_agreement", "answer_tokens", "problems", "passed", "notes", "as_trained")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_ABS_LOGIT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +146,7 @@ class Verification(_message.Message):
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     PASSED_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
+    AS_TRAINED_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     positions: int
     max_abs_logit_delta: float
@@ -136,17 +168,58 @@ class Verification(_message.Message):
     problems: _containers.RepeatedScalarFieldContainer[str]
     passed: bool
     notes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, consumer: _Optional[str] = ..., positions: _Optional[int] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., tokens_checked: _Optional[bool] = ..., tokens_match: _Optional[bool] = ..., token_mismatches: _Optional[_Iterable[str]] = ..., chat_tokens_checked: _Optional[bool] = ..., chat_tokens_match: _Optional[bool] = ..., generated: _Optional[str] = ..., answer_checked: _Optional[bool] = ..., answer_reproduced: _Optional[bool] = ..., answer_top1_agreement: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., problems: _Optional[_Iterable[str]] = ..., passed: _Optional[bool] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+    as_trained: Comparison
+    def __init__(self, consumer: _Optional[str] = ..., positions: _Optional[int] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., tokens_checked: _Optional[bool] = ..., tokens_match: _Optional[bool] = ..., token_mismatches: _Optional[_Iterable[str]] = ..., chat_tokens_checked: _Optional[bool] = ..., chat_tokens_match: _Optional[bool] = ..., generated: _Optional[str] = ..., answer_checked: _Optional[bool] = ..., answer_reproduced: _Optional[bool] = ..., answer_top1_agreement: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., problems: _Optional[_Iterable[str]] = ..., passed: _Optional[bool] = ..., notes: _Optional[_Iterable[str]] = ..., as_trained: _Optional[_Union[Comparison, _Mapping]] = ...) -> None: ...
+
+class TensorTypeCount(_message.Message):
+    __slots__ = ("type", "count")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    count: int
+    def __init__(self, type: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class QuantFallback(_message.Message):
+    __slots__ = ("wanted", "written", "count", "reason", "tensors")
+    WANTED_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    wanted: str
+    written: str
+    count: int
+    reason: str
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, wanted: _Optional[str] = ..., written: _Optional[str] = ..., count: _Optional[int] = ..., reason: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class QuantizationReport(_message.Message):
+    __slots__ = ("role", "file", "requested", "tensor_types", "fallbacks", "summary")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_TYPES_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    file: str
+    requested: str
+    tensor_types: _containers.RepeatedCompositeFieldContainer[TensorTypeCount]
+    fallbacks: _containers.RepeatedCompositeFieldContainer[QuantFallback]
+    summary: str
+    def __init__(self, role: _Optional[str] = ..., file: _Optional[str] = ..., requested: _Optional[str] = ..., tensor_types: _Optional[_Iterable[_Union[TensorTypeCount, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[QuantFallback, _Mapping]]] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class ExportResult(_message.Message):
-    __slots__ = ("target", "artifact", "verification")
+    __slots__ = ("target", "artifact", "verification", "quantization")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     target: ExportTarget
     artifact: _common_pb2.Artifact
     verification: Verification
-    def __init__(self, target: _Optional[_Union[ExportTarget, _Mapping]] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
+    quantization: _containers.RepeatedCompositeFieldContainer[QuantizationReport]
+    def __init__(self, target: _Optional[_Union[ExportTarget, _Mapping]] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., quantization: _Optional[_Iterable[_Union[QuantizationReport, _Mapping]]] = ...) -> None: ...
 
 class Export(_message.Message):
     __slots__ = ("export_id", "name", "state", "request", "results", "error", "error_code", "created_at", "started_at", "finished_at", "last_seq", "tenant")

@@ -144,7 +144,7 @@ class ModelFacts(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_trainable_parameters: _Optional[int] = ..., quantization: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., kernels_enabled: _Optional[bool] = ..., kernels_reason: _Optional[str] = ..., max_seq_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "name", "state", "facts", "lora", "created_at", "busy_job_id", "tenant")
+    __slots__ = ("session_id", "name", "state", "facts", "lora", "created_at", "busy_job_id", "tenant", "instance_id", "gguf_pre_tokenizer", "gguf_pre_tokenizer_note")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,9 @@ class Session(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     BUSY_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    GGUF_PRE_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    GGUF_PRE_TOKENIZER_NOTE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     name: str
     state: SessionState
@@ -161,7 +164,10 @@ class Session(_message.Message):
     created_at: float
     busy_job_id: str
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., facts: _Optional[_Union[ModelFacts, _Mapping]] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., busy_job_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    gguf_pre_tokenizer: str
+    gguf_pre_tokenizer_note: str
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., facts: _Optional[_Union[ModelFacts, _Mapping]] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., busy_job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., instance_id: _Optional[str] = ..., gguf_pre_tokenizer: _Optional[str] = ..., gguf_pre_tokenizer_note: _Optional[str] = ...) -> None: ...
 
 class AttachLoraRequest(_message.Message):
     __slots__ = ("session_id", "lora")
@@ -224,12 +230,16 @@ class SaveAdapterRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class DatasetHeader(_message.Message):
-    __slots__ = ("name", "format")
+    __slots__ = ("name", "format", "size_bytes", "sha256")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     format: DatasetFormat
-    def __init__(self, name: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ...) -> None: ...
+    size_bytes: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., format: _Optional[_Union[DatasetFormat, str]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class UploadDatasetRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -284,7 +294,7 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode")
+    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +319,7 @@ class TrainConfig(_message.Message):
     DPO_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_GIB_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_ON_ALL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     method: TrainMethod
     learning_rate: float
     lr_scheduler: str
@@ -333,7 +344,8 @@ class TrainConfig(_message.Message):
     dpo_reference: str
     memory_budget_gib: float
     memory_mode: MemoryMode
-    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ...) -> None: ...
+    loss_on_all_tokens: bool
+    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name")
@@ -358,7 +370,7 @@ class Checkpoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss", "queue_position", "error_code", "tenant")
+    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss", "queue_position", "error_code", "tenant", "instance_id", "loss_curve")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +391,8 @@ class Job(_message.Message):
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_CURVE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     session_id: str
     dataset_id: str
@@ -399,7 +413,9 @@ class Job(_message.Message):
     queue_position: int
     error_code: str
     tenant: str
-    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ..., queue_position: _Optional[int] = ..., error_code: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    loss_curve: _common_pb2.Artifact
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ..., queue_position: _Optional[int] = ..., error_code: _Optional[str] = ..., tenant: _Optional[str] = ..., instance_id: _Optional[str] = ..., loss_curve: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ...) -> None: ...
 
 class StateChange(_message.Message):
     __slots__ = ("state", "message")
