@@ -12,7 +12,7 @@ PROTOS := $(wildcard protos/strop/v1/*.proto)
 SECOND_CPU_CAPABILITY ?= default
 TIER := TRITON_INTERPRET=1 HF_HUB_OFFLINE=1
 
-.PHONY: setup demo test test-parity test-gpu lint format protos check-protos lock setup-latest test-latest bench clean
+.PHONY: setup demo test postgres test-parity test-gpu lint format protos check-protos lock setup-latest test-latest bench clean
 
 # The locked install: torch first (without its dependencies, which the lock pins), then every package of
 # the lock with its sha256 and no resolution of its own, then strop itself; `pip check` proves it whole.
@@ -30,9 +30,17 @@ setup: $(VENV)/.setup-done
 demo: setup
 	HF_HUB_OFFLINE=1 $(VPY) -P -m strop.demo
 
-test: setup check-protos lint
+test: setup check-protos lint postgres
 	$(TIER) $(VPY) -m pytest -m "not gpu" -q
 	$(MAKE) --no-print-directory test-parity
+
+# The state-store tests run against a real PostgreSQL (tests/pg.py starts one per session): Debian's server
+# binaries, installed when missing and we may (root with apt); otherwise those tests skip (fail in CI).
+postgres:
+	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null) ; } || \
+	  echo "PostgreSQL's server binaries are missing: the PostgreSQL store tests will skip (apt-get install postgresql)"
 
 test-parity: setup
 	$(TIER) ATEN_CPU_CAPABILITY=$(SECOND_CPU_CAPABILITY) $(VPY) -m pytest -m "parity and not gpu" -q -p no:randomly
@@ -84,3 +92,11 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .venv-latest .venv-tools .protos-check .pytest_cache
+
+# The container images built and run here (deploy/README.md): a Debian bookworm base made with debootstrap, both
+# images built with buildah (chroot isolation), both services started from their images' filesystems and
+# entrypoints and driven through the SDK (health, training, an export verified in llama.cpp, drain). Needs root,
+# buildah and debootstrap (apt-get install buildah debootstrap); large files go under DEPLOY_WORK.
+.PHONY: test-deploy
+test-deploy: setup
+	deploy/test-deploy.sh

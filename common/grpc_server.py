@@ -28,8 +28,11 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from strop.common import log_noise, logs
 from strop.common.auth import ANONYMOUS, Principal, TokenTable, reset_current, set_current
+from strop.common.db import default_instance_id
 from strop.common.errors import StropError, Unavailable
+from strop.common.metrics import MetricsServer
 from strop.common.signals import ChangeSignal
 
 log = logging.getLogger("strop.grpc")
@@ -423,19 +426,31 @@ class Service:
     core: Any
     drain_work: Callable[[float], bool | None]  # stop running work within the grace; False: some did not stop
     close: Callable[[], None]
+    metrics: MetricsServer | None = None  # the /metrics endpoint, when one was asked for
 
     @property
     def port(self) -> int:
         return self.running.port
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound port of ``/metrics`` (0: metrics are off)."""
+        return self.metrics.port if self.metrics is not None else 0
 
     def stop(self, grace: float = 5.0) -> bool:
         """Drain (refuse new work, let running work stop within ``grace``), stop the server, close the core."""
         clean = self.running.stop(grace, on_drain=lambda: self.drain_work(grace))
         if clean:
             self.close()
+        if self.metrics is not None:
+            self.metrics.close()
         return clean
 
     def serve_forever(self, grace: float) -> NoReturn:
+        if self.metrics is not None:
+            log.info(
+                "metrics on http://%s:%d/metrics", self.metrics.httpd.server_address[0], self.metrics_port
+            )
         serve_forever(self.running, grace=grace, on_drain=lambda: self.drain_work(grace), on_close=self.close)
 
 
@@ -445,7 +460,9 @@ def service_parser(prog: str, description: str, *, name: str, port: int) -> argp
     ``--address`` defaults to 127.0.0.1: a service listens on every interface only when asked to.
     """
     env = os.environ.get
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument(
         "--address",
         default=env(f"STROP_{name.upper()}_ADDRESS", f"127.0.0.1:{port}"),
@@ -458,7 +475,19 @@ def service_parser(prog: str, description: str, *, name: str, port: int) -> argp
     p.add_argument(
         "--state-dir",
         default=env(f"STROP_{name.upper()}_STATE_DIR", f"./state/{name}"),
-        help=f"SQLite state and work files (env STROP_{name.upper()}_STATE_DIR)",
+        help=f"work files, and the SQLite state unless --database-url is set (env STROP_{name.upper()}_STATE_DIR)",
+    )
+    p.add_argument(
+        "--database-url",
+        default=env("STROP_DATABASE_URL", ""),
+        help="state database: empty for SQLite in --state-dir, or postgresql://user:pass@host:5432/db, shared "
+        "by every pod of a replicated service (env STROP_DATABASE_URL)",
+    )
+    p.add_argument(
+        "--instance-id",
+        default=default_instance_id(),
+        help="this process among the pods sharing --database-url; the jobs it runs carry it, and a restart "
+        "recovers only its own (env STROP_INSTANCE_ID; default the host name, i.e. the pod's name)",
     )
     p.add_argument(
         "--rpc-threads", type=int, default=int(env("STROP_RPC_THREADS", "32")), help="gRPC worker threads"
@@ -471,6 +500,19 @@ def service_parser(prog: str, description: str, *, name: str, port: int) -> argp
     )
     p.add_argument("--port-file", default="", help="write the bound port here once serving (for port 0)")
     p.add_argument("--log-level", default=env("STROP_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-format",
+        default=env("STROP_LOG_FORMAT", logs.LogFormat.TEXT.value),
+        choices=[f.value for f in logs.LogFormat],
+        help="text, or json: one object per line with ts, level, logger, message, job/export ids "
+        "(env STROP_LOG_FORMAT)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("STROP_METRICS_PORT", "0")),
+        help="serve Prometheus /metrics on this port, on --address's host (0: off; env STROP_METRICS_PORT)",
+    )
     p.add_argument("--auth-tokens", default=env("STROP_AUTH_TOKENS", ""), help="bearer-token file (JSON)")
     p.add_argument("--tls-cert", default=env("STROP_TLS_CERT", ""), help="PEM server certificate (TLS)")
     p.add_argument("--tls-key", default=env("STROP_TLS_KEY", ""), help="PEM server key (TLS)")
@@ -501,12 +543,19 @@ def security_from_args(args: argparse.Namespace) -> Security:
         raise SystemExit(f"strop: {exc}") from None
 
 
+def metrics_address(args: argparse.Namespace) -> str | None:
+    """Where ``--metrics-port`` asks ``/metrics`` to listen: ``--address``'s host on that port; None when off."""
+    if args.metrics_port <= 0:
+        return None
+    host = args.address.rpartition(":")[0] or "127.0.0.1"
+    return f"{host}:{args.metrics_port}"
+
+
 def run_main(args: argparse.Namespace, start: Callable[[], Service]) -> NoReturn:
     """What each service's ``main`` does after parsing: log, stay offline, start, publish the port, serve."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.log_level, args.log_format)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # strop never downloads at run time (models come from disk)
+    log_noise.install()
     service = start()
     if args.port_file:
         tmp = args.port_file + ".tmp"

@@ -1,6 +1,6 @@
 """``strop serve export`` / ``python -m strop.export_svc``: the export service's process.
 
-Builds the artifact store, the export queue (SQLite state under ``--state-dir``) and the gRPC server (error
+Builds the artifact store, the export queue (state in SQLite under ``--state-dir``, or ``--database-url``) and the gRPC server (error
 mapping, health, reflection, message limits); on SIGTERM it stops accepting exports, lets running ones finish
 within ``--grace`` seconds, marks the rest INTERRUPTED and stops. Flags and defaults follow the convention both
 services share (``strop.common.grpc_server.service_parser``).
@@ -20,10 +20,12 @@ from strop.common.grpc_server import (
     Service,
     ServiceBinding,
     build_server,
+    metrics_address,
     run_main,
     security_from_args,
     service_parser,
 )
+from strop.common.metrics import serve_metrics
 from strop.export_svc.core.jobs import ExportManager
 from strop.export_svc.service import ExportServicer
 from strop.v1 import export_pb2, export_pb2_grpc
@@ -38,6 +40,8 @@ class ExportConfig:
     artifact_root: Path
     state_dir: Path
     concurrent_exports: int = 1  # each uses every CPU core while it quantizes
+    database_url: str = ""  # "": SQLite in state_dir; postgresql://… shared by every export pod
+    instance_id: str = ""  # "": STROP_INSTANCE_ID or the host name
 
 
 def start(
@@ -47,10 +51,15 @@ def start(
     rpc_threads: int = 16,
     reflection: bool = True,
     security: Security | None = None,
+    metrics: str | None = None,
 ) -> Service:
-    """Start the service (port 0 binds a free port; read it from ``.port``); ``.core`` is the ExportManager."""
+    """Start the service (port 0 binds a free port; read it from ``.port``); ``.core`` is the ExportManager.
+    ``metrics``: ``host:port`` for Prometheus ``/metrics`` (port 0: a free one, ``Service.metrics_port``)."""
     store = ArtifactStore(config.artifact_root)
-    manager = ExportManager(config.state_dir, config.model_root, store, workers=config.concurrent_exports)
+    manager = ExportManager(
+        config.state_dir, config.model_root, store, workers=config.concurrent_exports,
+        database_url=config.database_url, instance_id=config.instance_id,
+    )  # fmt: skip
     drain = Drain()
     servicer = ExportServicer(manager, store, drain)
     binding = ServiceBinding(export_pb2_grpc.add_ExportServiceServicer_to_server, servicer, SERVICE_NAME)
@@ -63,7 +72,8 @@ def start(
         security=security,
     )
     # the manager closes its database as the drain ends, so there is nothing left to close afterwards
-    return Service(running, manager, drain_work=manager.shutdown, close=lambda: None)
+    endpoint = serve_metrics(manager.metrics.registry, metrics) if metrics else None
+    return Service(running, manager, drain_work=manager.shutdown, close=lambda: None, metrics=endpoint)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     config = ExportConfig(
-        Path(a.model_root), Path(a.artifact_root), Path(a.state_dir), concurrent_exports=a.concurrent_exports
-    )
+        Path(a.model_root), Path(a.artifact_root), Path(a.state_dir), concurrent_exports=a.concurrent_exports,
+        database_url=a.database_url, instance_id=a.instance_id,
+    )  # fmt: skip
     security = security_from_args(a)
     run_main(
         a,
@@ -93,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             rpc_threads=a.rpc_threads,
             reflection=a.reflection == "on",
             security=security,
+            metrics=metrics_address(a),
         ),
     )
 

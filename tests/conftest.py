@@ -77,3 +77,31 @@ def client(trainer):
     running, _, _ = trainer
     with TrainerClient(f"127.0.0.1:{running.port}") as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the session (``tests/pg.py``). Without PostgreSQL's binaries the tests that
+    need it skip, except in CI (``CI`` set), where they fail: CI must run both state backends."""
+    from tests.pg import PostgresServer, find_bin_dir
+
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        reason = (
+            "PostgreSQL's server binaries are not installed (apt-get install -y postgresql, or set STROP_PG_BIN "
+            "to the directory holding initdb and pg_ctl)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the PostgreSQL state backend tests: {reason}")
+        pytest.skip(reason)
+    server = PostgresServer(bin_dir).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request) -> str:
+    """Each state backend in turn: ``""`` (the embedded SQLite default) and a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return ""
+    return request.getfixturevalue("postgres").new_database()

@@ -11,10 +11,12 @@ from strop.common.grpc_server import (
     Service,
     ServiceBinding,
     build_server,
+    metrics_address,
     run_main,
     security_from_args,
     service_parser,
 )
+from strop.common.metrics import serve_metrics
 from strop.trainer_svc.core.datasets import Limits
 from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
 from strop.trainer_svc.service import SERVICE_NAME, TrainerServicer, add_to_server
@@ -29,8 +31,10 @@ def start(
     rpc_threads: int = 32,
     reflection: bool = True,
     security: Security | None = None,
+    metrics: str | None = None,
 ) -> Service:
-    """Build the core and start a server (used by ``main`` and by the tests, with port 0)."""
+    """Build the core and start a server (used by ``main`` and by the tests, with port 0); ``metrics``:
+    ``host:port`` for Prometheus ``/metrics`` (port 0 binds a free one: ``Service.metrics_port``), None: off."""
     core = TrainerCore(config)
     drain = Drain()
     servicer = TrainerServicer(core, drain)
@@ -42,7 +46,8 @@ def start(
         reflection_on=reflection,
         security=security,
     )
-    return Service(running, core, drain_work=core.drain, close=core.close)
+    endpoint = serve_metrics(core.metrics.registry, metrics) if metrics else None
+    return Service(running, core, drain_work=core.drain, close=core.close, metrics=endpoint)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         max_sessions=a.max_sessions,
         max_queued_jobs=a.max_queued_jobs,
         dataset_limits=Limits(max_bytes=a.max_dataset_bytes),
+        database_url=a.database_url,
+        instance_id=a.instance_id,
     )
     security = security_from_args(a)
     run_main(
@@ -85,5 +92,6 @@ def main(argv: list[str] | None = None) -> None:
             rpc_threads=a.rpc_threads,
             reflection=a.reflection == "on",
             security=security,
+            metrics=metrics_address(a),
         ),
     )

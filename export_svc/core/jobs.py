@@ -11,8 +11,13 @@ State machine (guarded; anything else raises)::
 INTERRUPTED means the service stopped while the export was queued or running; on the next start the
 manager marks such exports INTERRUPTED and removes their partial outputs. Every change, progress
 report and result is an event ``(export_id, seq)`` with ``seq`` = 1, 2, 3, … and no gaps, stored in
-SQLite under the state directory, so a client re-attaches with ``after_seq`` and misses nothing, and
-history survives restarts. Exports run in worker threads; callers never block on one.
+the state database (SQLite under the state directory, or PostgreSQL shared by every export pod: see
+``strop.common.db``), so a client re-attaches with ``after_seq`` and misses nothing, and history survives
+restarts. Exports run in worker threads; callers never block on one.
+
+With several pods on one database each export records the ``instance_id`` that runs it: every pod lists and
+watches every export, a restart recovers only its own and those of pods whose heartbeat stopped, and cancelling
+an export another pod runs sets ``cancel_requested``, which that pod's heartbeat turns into a cancel.
 
 Rows hold the export API's dataclasses as ``serde.to_dict`` writes them; rows an earlier version
 wrote are read through ``legacy_rows``.
@@ -33,9 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from strop.common import auth
+from strop.common import auth, logs
 from strop.common.artifacts import ArtifactStore
-from strop.common.db import Database
+from strop.common.db import Liveness, default_instance_id, open_database
 from strop.common.export_types import (
     Export,
     ExportEvent,
@@ -45,6 +50,7 @@ from strop.common.export_types import (
     ExportState,
     ExportStateChange,
 )
+from strop.common.metrics import ExportMetrics
 from strop.common.serde import from_dict, to_dict
 from strop.common.signals import ChangeSignal, follow_blocking
 from strop.common.trainer_types import JOB_TRANSITIONS
@@ -99,21 +105,31 @@ CREATE TABLE IF NOT EXISTS exports (
     artifact_ids TEXT NOT NULL DEFAULT '[]',
     error TEXT NOT NULL DEFAULT '',
     error_code TEXT NOT NULL DEFAULT '',
-    created_at REAL NOT NULL,
-    started_at REAL NOT NULL DEFAULT 0,
-    finished_at REAL NOT NULL DEFAULT 0,
-    last_seq INTEGER NOT NULL DEFAULT 0,
-    tenant TEXT NOT NULL DEFAULT ''
+    created_at DOUBLE PRECISION NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL DEFAULT 0,
+    finished_at DOUBLE PRECISION NOT NULL DEFAULT 0,
+    last_seq BIGINT NOT NULL DEFAULT 0,
+    tenant TEXT NOT NULL DEFAULT '',
+    instance_id TEXT NOT NULL DEFAULT '',
+    cancel_requested BIGINT NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS export_events (
     export_id TEXT NOT NULL REFERENCES exports(export_id),
-    seq INTEGER NOT NULL,
-    time REAL NOT NULL,
+    seq BIGINT NOT NULL,
+    time DOUBLE PRECISION NOT NULL,
     kind TEXT NOT NULL,
     data TEXT NOT NULL,
     PRIMARY KEY (export_id, seq)
 );
 """
+SERVICE = "export"  # this service's name in the shared ``instances`` table
+CHANNEL = "strop_export_changed"  # published on every event, so other pods' watchers look again at once
+# Columns later versions added, for state databases an older version created: (name, type and default).
+ADDED_COLUMNS = (
+    ("tenant", "TEXT NOT NULL DEFAULT ''"),
+    ("instance_id", "TEXT NOT NULL DEFAULT ''"),
+    ("cancel_requested", "BIGINT NOT NULL DEFAULT 0"),
+)
 
 Runner = Callable[..., list[ExportResult]]
 
@@ -122,12 +138,14 @@ class ExportManager:
     """Owns the state database, the worker threads and the cancellation tokens.
 
     Args:
-        state_dir: where ``export.db`` lives.
+        state_dir: where ``export.db`` lives (unless ``database_url`` names another database).
         model_root: base models and adapters given by path are confined under it.
         store: the artifact store (shared with the trainer).
         workers: exports running at once (each uses every CPU core while it quantizes).
         runner: what a worker runs on a validated export (``write_export``; tests inject failures
             through it), called as ``runner(job, store=, emit=, cancel=, export_id=)``.
+        database_url: ``""`` (SQLite in ``state_dir``) or ``postgresql://…``, shared by every export pod.
+        instance_id: this process among the pods sharing the database (default: the host name).
     """
 
     def __init__(
@@ -138,22 +156,28 @@ class ExportManager:
         *,
         workers: int = 1,
         runner: Runner = write_export,
+        database_url: str = "",
+        instance_id: str = "",
     ):
         self.model_root = Path(model_root).resolve()
         self.store = store
-        self.db = Database(Path(state_dir) / "export.db", SCHEMA)
-        if "tenant" not in {c["name"] for c in self.db.query("PRAGMA table_info(exports)")}:
-            self.db.execute(
-                "ALTER TABLE exports ADD COLUMN tenant TEXT NOT NULL DEFAULT ''"
-            )  # older state dbs
+        self.db = open_database(database_url, sqlite_path=Path(state_dir) / "export.db", schema=SCHEMA)
+        for column, ddl in ADDED_COLUMNS:
+            self.db.ensure_column("exports", column, ddl)
+        self.instance_id = instance_id or default_instance_id()
+        self.metrics = ExportMetrics(export_counts=self._counts, states=[s.value for s in ExportState])
         self._runner = runner
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="strop-export")
         self._tokens: dict[str, CancelToken] = {}
         self.changed = ChangeSignal()  # notified on every event written (streams wait on it)
+        self.db.listen(CHANNEL, self.changed.notify)  # events other pods write (PostgreSQL)
         self._lock = threading.RLock()
         self._draining = False
         self._interrupting = False
-        self._recover()
+        self.liveness = Liveness(self.db, SERVICE, self.instance_id)
+        # Our previous incarnation is dead by definition; other live pods' exports are theirs.
+        self._recover(self.liveness.others_alive())
+        self.liveness.start(self._sweep)
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -175,17 +199,22 @@ class ExportManager:
                 stmts.append((f"UPDATE exports SET {col} = ? WHERE export_id = ?", (val, export_id)))
             self.db.transaction(stmts)
         self.changed.notify()
+        self.db.publish(CHANNEL)
         return seq
 
     def _set_state(self, export_id: str, new: ExportState, message: str = "", **cols: Any) -> None:
         with self._lock:
-            old = ExportState(self._row(export_id)["state"])
+            row = self._row(export_id)
+            old = ExportState(row["state"])
             check_transition(old, new)
             update: dict[str, Any] = {"state": new.value, **cols}
             if new is ExportState.RUNNING:
                 update["started_at"] = time.time()
             if new.terminal:
                 update["finished_at"] = time.time()
+            if new.terminal and old is ExportState.RUNNING and export_id in self._tokens:  # it ran here
+                # counted before the event is stored: a client that saw the end finds it in the metrics
+                self.metrics.on_finished(new.value, update["finished_at"] - float(row["started_at"]))
             self._append(export_id, "state", to_dict(ExportStateChange(new, message)), update=update)
 
     def _row(self, export_id: str):
@@ -211,25 +240,59 @@ class ExportManager:
             tenant=row["tenant"],
         )
 
-    def _recover(self) -> None:
-        """Exports left QUEUED/RUNNING by a previous process become INTERRUPTED; their leftovers go."""
+    def _counts(self) -> dict[str, int]:
         rows = self.db.query(
-            "SELECT export_id, artifact_ids FROM exports WHERE state IN ('QUEUED', 'RUNNING')"
+            "SELECT state, COUNT(*) AS n FROM exports WHERE instance_id = ? GROUP BY state",
+            (self.instance_id,),
         )
+        return {r["state"]: int(r["n"]) for r in rows}
+
+    def _recover(self, live: set[str], *, starting: bool = True) -> list[str]:
+        """Exports that instances no longer running (not in ``live``) left QUEUED/RUNNING become INTERRUPTED;
+        their leftovers go. Returns their ids."""
+        rows = self.db.query(
+            "SELECT export_id, artifact_ids, instance_id FROM exports WHERE state IN ('QUEUED', 'RUNNING')"
+        )
+        recovered = []
         for row in rows:
-            self._set_state(
-                row["export_id"],
-                ExportState.INTERRUPTED,
-                "the export service stopped during this export",
-                error="interrupted by a service restart",
-                error_code="ABORTED",
-            )
+            if row["instance_id"] in live:
+                continue
+            try:
+                self._set_state(
+                    row["export_id"],
+                    ExportState.INTERRUPTED,
+                    "the export service stopped during this export",
+                    error="interrupted by a service restart",
+                    error_code="ABORTED",
+                )
+            except Exception as exc:  # another live instance recovered it first
+                log.info("export %s: already recovered elsewhere (%s)", row["export_id"], exc)
+                continue
+            recovered.append(row["export_id"])
             for aid in json.loads(row["artifact_ids"]):
                 for p in (self.store.root / ".tmp").glob(f"{aid}.*"):
                     shutil.rmtree(p, ignore_errors=True)
-        # scratch-* directories are only ever the export service's (one replica per artifact root)
-        for p in (self.store.root / ".tmp").glob("scratch-*"):
-            shutil.rmtree(p, ignore_errors=True)
+        # scratch-* directories are the export service's and not named by export: they can all go only when no
+        # other replica sharing the artifact root is alive (with replicas, a dead one's scratch stays)
+        if starting and not live:
+            for p in (self.store.root / ".tmp").glob("scratch-*"):
+                shutil.rmtree(p, ignore_errors=True)
+        return recovered
+
+    def _sweep(self, live: set[str]) -> None:
+        """The heartbeat's sweep: recover the exports of stopped instances; honour cancels other pods asked for."""
+        recovered = self._recover(live, starting=False)
+        if recovered:
+            log.warning("marked %d export(s) of stopped instances INTERRUPTED: %s", len(recovered), recovered)
+        rows = self.db.query(
+            "SELECT export_id FROM exports WHERE instance_id = ? AND cancel_requested = 1 AND state = 'RUNNING'",
+            (self.instance_id,),
+        )
+        for row in rows:
+            token = self._tokens.get(row["export_id"])
+            if token is not None:
+                log.info("export %s: cancelled through another instance", row["export_id"])
+                token.cancel()
 
     # -- API ---------------------------------------------------------------------------------
 
@@ -249,8 +312,8 @@ class ExportManager:
         job = validate(req, self.model_root, self.store)
         export_id = f"exp-{uuid.uuid4().hex[:12]}"
         self.db.execute(
-            "INSERT INTO exports (export_id, name, state, request, artifact_ids, created_at, tenant) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO exports (export_id, name, state, request, artifact_ids, created_at, tenant, instance_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 export_id,
                 job.request.name,
@@ -259,6 +322,7 @@ class ExportManager:
                 json.dumps([t.artifact_id for t in job.request.targets]),
                 time.time(),
                 job.tenant,
+                self.instance_id,
             ),
         )
         self._append(export_id, "state", to_dict(ExportStateChange(ExportState.QUEUED)))
@@ -268,16 +332,20 @@ class ExportManager:
         return self.get(export_id)
 
     def _run(self, export_id: str, job: ValidatedExport, token: CancelToken) -> None:
+        bound = logs.bind(export_id=export_id)  # every line this worker logs for the export carries its id
         try:
             if ExportState(self._row(export_id)["state"]) is not ExportState.QUEUED:
                 return  # cancelled while queued
             self._set_state(export_id, ExportState.RUNNING)
+            log.info("export %s: running %d target(s)", export_id, len(job.request.targets))
 
             def emit(ev: Any) -> None:
                 if isinstance(ev, ExportProgress):
                     self._append(export_id, "progress", to_dict(ev))
 
             results = self._runner(job, store=self.store, emit=emit, cancel=token, export_id=export_id)
+            for r in results:
+                self.metrics.on_artifact(r.target.kind.value, r.artifact.size_bytes if r.artifact else 0)
             with self._lock:
                 for r in results:
                     self._append(export_id, "result", to_dict(r))
@@ -288,6 +356,7 @@ class ExportManager:
                     results=json.dumps([to_dict(r) for r in results]),
                     artifact_ids=json.dumps([r.artifact.artifact_id for r in results]),
                 )
+            log.info("export %s: SUCCEEDED, %d artifact(s) published", export_id, len(results))
         except StropError as exc:
             code = exc.grpc_code
             if code == "CANCELLED" and self._interrupting:
@@ -311,6 +380,7 @@ class ExportManager:
             )
         finally:
             self._tokens.pop(export_id, None)
+            logs.unbind(bound)
 
     def _finish(self, export_id: str, state: ExportState, message: str, code: str) -> None:
         with contextlib.suppress(FailedPrecondition):  # already terminal (cancelled while queued)
@@ -349,6 +419,10 @@ class ExportManager:
                     error_code="CANCELLED",
                 )
             token = self._tokens.get(export_id)
+            row = self._row(export_id)
+            if token is None and state is ExportState.RUNNING and row["instance_id"] != self.instance_id:
+                # another pod runs it: its heartbeat sees the request and cancels it there
+                self.db.execute("UPDATE exports SET cancel_requested = 1 WHERE export_id = ?", (export_id,))
         if token is not None:
             token.cancel()
         return self.get(export_id)
@@ -404,7 +478,11 @@ class ExportManager:
         for tok in list(self._tokens.values()):
             tok.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for row in self.db.query("SELECT export_id FROM exports WHERE state = 'QUEUED'"):
+        self.liveness.stop(retire=True)
+        rows = self.db.query(
+            "SELECT export_id FROM exports WHERE state = 'QUEUED' AND instance_id = ?", (self.instance_id,)
+        )
+        for row in rows:
             self._finish(
                 row["export_id"],
                 ExportState.INTERRUPTED,

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from strop.common.artifacts import ArtifactStore
-from strop.common.db import Database
+from strop.common.db import SqliteDatabase
 from strop.common.export_types import (
     ExportProgress,
     ExportRequest,
@@ -30,7 +30,7 @@ def _old_state_dir(tmp_path: Path) -> Path:
     """A state directory holding the rows of two exports as the code of commit fe27371 stored them,
     plus a progress event as the first export service (commit 74b5221) stored it (``done``/``total``)."""
     rows = json.loads(OLD_ROWS.read_text())
-    db = Database(tmp_path / "state" / "export.db", SCHEMA)
+    db = SqliteDatabase(tmp_path / "state" / "export.db", SCHEMA)
     stmts = []
     for e in rows["exports"]:
         cols = ", ".join(e)
@@ -81,9 +81,12 @@ def test_rows_stored_by_the_previous_request_types_still_load(tmp_path):
         assert v.max_abs_logit_delta == float(gguf_result.artifact.metadata["verify.max_abs_logit_delta"])
         p = peft_result.verification
         assert p.consumer == "transformers+peft"
-        assert (p.tokens_checked, p.tokens_match, p.chat_tokens_checked) == (False, False, False), (
-            "transformers runs HF's own tokenizer: None (not compared) becomes *_checked=False"
-        )
+        assert (p.tokens_checked, p.tokens_match, p.chat_tokens_checked, p.chat_tokens_match) == (
+            False,
+            None,
+            False,
+            None,
+        ), "transformers runs HF's own tokenizer: None (not compared) stays None, with *_checked=False"
         assert p.answer_checked, "the probe question ran on the PEFT dir too"
 
         assert unverified.request.verify.skip, "enabled: false"

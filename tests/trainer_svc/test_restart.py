@@ -47,6 +47,10 @@ def test_killed_service_restarts_with_history_and_resumes_the_interrupted_job(mo
             interrupted = jobs[job_id]
             assert interrupted.state is JobState.INTERRUPTED
             assert interrupted.last_checkpoint.step >= ckpt_step
+            assert interrupted.loss_curve is not None, (
+                "the restart draws the curve the killed process could not"
+            )
+            assert int(interrupted.loss_curve.metadata["steps"]) >= ckpt_step
             assert tc.get_session(s.session_id).state is SessionState.LOST
             replay = list(tc.watch_job(job_id))
             assert replay[-1].state.state is JobState.INTERRUPTED, "watchers see the job's end"

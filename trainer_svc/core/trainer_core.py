@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from strop.common.artifacts import ArtifactStore
-from strop.trainer_svc.core import models
+from strop.common.db import Liveness, default_instance_id
+from strop.common.metrics import MemoryReading, TrainerMetrics, host_memory
+from strop.common.trainer_types import JobState
+from strop.trainer_svc.core import loss_curve, models
 from strop.trainer_svc.core.datasets import Datasets, Limits
 from strop.trainer_svc.core.jobs import Jobs
 from strop.trainer_svc.core.sessions import Sessions
-from strop.trainer_svc.core.store import TrainerStore
+from strop.trainer_svc.core.store import SERVICE, TrainerStore
 
 log = logging.getLogger("strop.trainer")
 
@@ -31,6 +34,8 @@ class TrainerConfig:
     max_sessions: int = 8
     max_queued_jobs: int = 64
     dataset_limits: Limits = field(default_factory=Limits)
+    database_url: str = ""  # "": SQLite in state_dir; postgresql://… shared by every trainer pod
+    instance_id: str = ""  # "": STROP_INSTANCE_ID or the host name
 
 
 class TrainerCore:
@@ -38,7 +43,10 @@ class TrainerCore:
         self.config = config
         for p in (config.model_root, config.artifact_root, config.state_dir):
             Path(p).mkdir(parents=True, exist_ok=True)
-        self.store = TrainerStore(config.state_dir)
+        self.instance_id = config.instance_id or default_instance_id()
+        self.store = TrainerStore(
+            config.state_dir, database_url=config.database_url, instance_id=self.instance_id
+        )
         self.artifacts = ArtifactStore(config.artifact_root)
         self.device = models.pick_device(config.device)
         self.sessions = Sessions(
@@ -48,17 +56,58 @@ class TrainerCore:
         self.datasets = Datasets(
             self.store, Path(config.state_dir), data_root=config.data_root, limits=config.dataset_limits
         )
+        self.metrics = TrainerMetrics(
+            job_counts=lambda: {s.value: n for s, n in self.store.job_counts(self.instance_id).items()},
+            queue_length=lambda: self.jobs.queue_length(),
+            memory=self._memory,
+            states=[s.value for s in JobState],
+        )
         self.jobs = Jobs(
             self.store, self.artifacts, self.sessions, self.datasets, state_dir=Path(config.state_dir),
-            max_queued=config.max_queued_jobs,
+            max_queued=config.max_queued_jobs, metrics=self.metrics,
         )  # fmt: skip
-        interrupted = self.store.recover_after_restart()
+        self.liveness = Liveness(self.store.db, SERVICE, self.instance_id)
+        # Our previous incarnation is dead by definition; other live pods' sessions and jobs are theirs.
+        interrupted = self._recover(self.liveness.others_alive())
         if interrupted:
             log.warning("marked %d job(s) INTERRUPTED after restart: %s", len(interrupted), interrupted)
+        self.liveness.start(self._sweep)
+
+    def _recover(self, live: set[str]) -> list[str]:
+        """Interrupt the unfinished jobs of instances not in ``live``, and draw the loss curves they did not."""
+        interrupted = self.store.recover(live)
+        for job_id in interrupted:
+            curve = loss_curve.publish_loss_curve(self.store, self.artifacts, job_id)
+            if curve is not None:
+                self.store.update_job(job_id, loss_curve=curve)
+        return interrupted
+
+    def _sweep(self, live: set[str]) -> None:
+        """The heartbeat's sweep: the work of instances whose heartbeat stopped becomes INTERRUPTED."""
+        interrupted = self._recover(live)
+        if interrupted:
+            log.warning(
+                "marked %d job(s) of stopped instances INTERRUPTED: %s", len(interrupted), interrupted
+            )
+
+    def _memory(self) -> MemoryReading:
+        if not self.device.startswith("cuda"):
+            return host_memory()
+        import torch
+
+        return [
+            reading
+            for i in range(torch.cuda.device_count())
+            for reading in (
+                (f"cuda:{i}", "allocated", float(torch.cuda.memory_allocated(i))),
+                (f"cuda:{i}", "reserved", float(torch.cuda.memory_reserved(i))),
+            )
+        ]
 
     def drain(self, grace_seconds: float) -> bool:
         """Stop running jobs at their next step boundary (see :meth:`Jobs.drain`)."""
         return self.jobs.drain(grace_seconds)
 
     def close(self) -> None:
+        self.liveness.stop(retire=True)  # called after a clean drain: nothing of ours is left running
         self.store.db.close()
