@@ -1,10 +1,12 @@
 """A Hugging Face tokenizer as GGUF tokenizer metadata (``tokenizer.ggml.*``), for llama.cpp.
 
 Byte-level BPE becomes ``tokenizer.ggml.model=gpt2`` with merges and ``tokenizer.ggml.pre`` naming the
-pre-tokenizer llama.cpp should apply (GPT-2's regex is ``gpt-2``; Llama 3's ``llama-bpe``; Qwen2's
-``qwen2``); SentencePiece becomes ``llama`` with scores and token types. Special token ids,
-``add_bos_token``/``add_eos_token``, ``add_space_prefix`` and the chat template come along. The
-vocabulary is padded to the model's embedding rows.
+pre-tokenizer llama.cpp should apply; SentencePiece becomes ``llama`` with scores and token types (pre
+``default``). The name is predicted as llama.cpp's converter does it (hash of the ids on its test text) or
+from the pre-tokenizer's structure (``strop.common.pretokenizers``), then confirmed with llama.cpp's own
+tokenization of edge-case text (``gguf_pretok``): a tokenizer no llama.cpp name reproduces is refused.
+Special token ids, ``add_bos_token``/``add_eos_token``, ``add_space_prefix`` and the chat template come
+along. The vocabulary is padded to the model's embedding rows.
 """
 
 from __future__ import annotations
@@ -17,14 +19,11 @@ from typing import Any
 
 import gguf
 
+from strop.common.pretokenizers import predict
+from strop.export_svc.core import gguf_pretok
 from strop.export_svc.core.errors import CorruptInput, UnsupportedModel
 from strop.export_svc.core.hf_dir import chat_template_of
 from strop.export_svc.core.sources import read_json
-
-# Pre-tokenizer regexes (tokenizer.json `Split` patterns) → llama.cpp's `tokenizer.ggml.pre` names.
-_LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_SPLIT_PRE = {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
 
 
 @dataclass
@@ -42,6 +41,9 @@ class GgufVocab:
     add_eos: bool = False
     add_space_prefix: bool | None = None
     chat_template: str | None = None
+    pre_how: str = ""  # how ``pre`` was established (``strop.common.pretokenizers.Identification``)
+    # where the prediction was overruled, or the texts on which llama.cpp still differs from HF
+    pre_notes: list[str] = field(default_factory=list)
 
     def add_to(self, w: gguf.GGUFWriter) -> None:
         w.add_tokenizer_model(self.model)
@@ -70,29 +72,6 @@ def _token_str(v: Any) -> str | None:
     if isinstance(v, dict):
         v = v.get("content")
     return v if isinstance(v, str) and v else None
-
-
-def detect_pre_tokenizer(tj: dict[str, Any]) -> str:
-    """llama.cpp's name for a byte-level BPE's pre-tokenizer, read from tokenizer.json.
-
-    Raises:
-        UnsupportedModel: a pre-tokenizer strop cannot name for llama.cpp.
-    """
-    pt = tj.get("pre_tokenizer") or {}
-    if pt.get("type") == "ByteLevel" and pt.get("use_regex", True) and not pt.get("add_prefix_space", False):
-        return "gpt-2"
-    if pt.get("type") == "Sequence":
-        items = pt.get("pretokenizers") or []
-        splits = [p for p in items if p.get("type") == "Split"]
-        byte_level = [p for p in items if p.get("type") == "ByteLevel"]
-        if len(splits) == 1 and len(byte_level) == 1 and not byte_level[0].get("use_regex", True):
-            regex = (splits[0].get("pattern") or {}).get("Regex")
-            if regex in _SPLIT_PRE:
-                return _SPLIT_PRE[regex]
-    summary = json.dumps(pt)[:200]
-    raise UnsupportedModel(
-        f"tokenizer pre-tokenizer {summary} has no llama.cpp name strop knows (known: gpt-2, llama-bpe, qwen2)"
-    )
 
 
 def _special_ids(
@@ -135,8 +114,8 @@ def _post_processor_adds(tj: dict[str, Any], tc: dict[str, Any]) -> tuple[bool, 
     return add_bos, add_eos
 
 
-def _runtime_tokenizer_json(tok_dir: Path) -> dict[str, Any]:
-    """The tokenizer as transformers actually runs it, serialized like tokenizer.json.
+def _runtime_tokenizer(tok_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer as transformers actually runs it, and its pipeline serialized like tokenizer.json.
 
     Not the file as saved: transformers 5 picks the tokenizer class from the model type and some
     classes rebuild parts of the pipeline (its Qwen2 tokenizer applies Qwen2's digit-splitting regex
@@ -148,12 +127,12 @@ def _runtime_tokenizer_json(tok_dir: Path) -> dict[str, Any]:
         tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is not None:
-            return json.loads(backend.to_str())
+            return tok, json.loads(backend.to_str())
     except (OSError, ValueError) as exc:
         raise CorruptInput(f"transformers cannot load the tokenizer: {exc}") from None
     if (tok_dir / "tokenizer.json").is_file():
-        return read_json(tok_dir / "tokenizer.json", "tokenizer.json")
-    return {}
+        return tok, read_json(tok_dir / "tokenizer.json", "tokenizer.json")
+    return tok, {}
 
 
 def load_vocab(tok_dir: Path, config: dict[str, Any]) -> GgufVocab:
@@ -163,28 +142,32 @@ def load_vocab(tok_dir: Path, config: dict[str, Any]) -> GgufVocab:
     bos/eos flags and the chat template.
 
     Raises:
-        UnsupportedModel: a tokenizer kind or pre-tokenizer llama.cpp cannot be told about.
+        UnsupportedModel: a tokenizer kind strop cannot write, or one no llama.cpp pre-tokenizer reproduces.
         CorruptInput: the tokenizer has more tokens than the model's embedding rows.
     """
     vocab_size = int(config["vocab_size"])
-    tj = _runtime_tokenizer_json(tok_dir)
+    tok, tj = _runtime_tokenizer(tok_dir)
     tc = _read_optional(tok_dir, "tokenizer_config.json")
     added = {int(t["id"]): t for t in tj.get("added_tokens") or []}
     for tid, t in (tc.get("added_tokens_decoder") or {}).items():
         added.setdefault(int(tid), t)
-    if (tok_dir / "tokenizer.model").is_file():
+    spm = (tok_dir / "tokenizer.model").is_file()
+    guess = predict(tj, tok.encode, sentencepiece_model=spm)
+    if not guess.gguf_writable:  # not a byte-level BPE and no tokenizer.model
+        raise UnsupportedModel(guess.note)
+    if spm:
         v = _spm_vocab(tok_dir / "tokenizer.model", added, vocab_size)
-    elif (tj.get("model") or {}).get("type") == "BPE":
-        v = _bpe_vocab(tj, added, vocab_size)
     else:
-        kind = (tj.get("model") or {}).get("type")
-        raise UnsupportedModel(
-            f"tokenizer model {kind!r} cannot be written to GGUF (BPE or SentencePiece only)"
-        )
+        v = _bpe_vocab(tj, added, vocab_size)
     index = {t: i for i, t in enumerate(v.tokens)}
     v.special = _special_ids(tc, _read_optional(tok_dir, "special_tokens_map.json"), index.get, config)
     v.add_bos, v.add_eos = _post_processor_adds(tj, tc)
     v.chat_template = chat_template_of(tok_dir, tc)
+    specials = [t for t, kind in zip(v.tokens, v.types, strict=True) if kind == int(gguf.TokenType.CONTROL)]
+    found = gguf_pretok.confirm(
+        v, guess, lambda text: tok.encode(text, add_special_tokens=False), special_tokens=specials[:8]
+    )
+    v.pre, v.pre_how, v.pre_notes = found.name, str(found.how), found.notes
     return v
 
 
@@ -201,7 +184,6 @@ def _pad(tokens: list[str], types: list[int], scores: list[float] | None, vocab_
 
 
 def _bpe_vocab(tj: dict[str, Any], added: dict[int, dict[str, Any]], vocab_size: int) -> GgufVocab:
-    pre = detect_pre_tokenizer(tj)
     model = tj["model"]
     id_to_tok: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
     for i, t in added.items():
@@ -222,7 +204,8 @@ def _bpe_vocab(tj: dict[str, Any], added: dict[int, dict[str, Any]], vocab_size:
             types.append(int(gguf.TokenType.NORMAL))
     _pad(tokens, types, None, vocab_size, "BPE")
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    return GgufVocab("gpt2", pre, tokens, types, merges=merges, add_space_prefix=False)
+    # the pre-tokenizer is named once the whole vocabulary (with its special ids) can be tried in llama.cpp
+    return GgufVocab("gpt2", "", tokens, types, merges=merges, add_space_prefix=False)
 
 
 def _spm_vocab(path: Path, added: dict[int, dict[str, Any]], vocab_size: int) -> GgufVocab:

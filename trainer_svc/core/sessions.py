@@ -12,11 +12,23 @@ from pathlib import Path
 from strop.common import auth
 from strop.common.artifacts import ArtifactStore
 from strop.common.errors import FailedPrecondition, ResourceExhausted
+from strop.common.pretokenizers import PreTokenizerGuess, predict_for_tokenizer
 from strop.common.trainer_types import Artifact, LoadModelRequest, LoraConfig, SessionInfo, SessionState
 from strop.trainer_svc.core import models
 from strop.trainer_svc.core.store import TrainerStore
 
 log = logging.getLogger("strop.trainer")
+
+
+def predict_gguf_pre_tokenizer(loaded: models.LoadedModel) -> PreTokenizerGuess:
+    """What a GGUF export of this model will write as ``tokenizer.ggml.pre`` (or whether it will refuse),
+    told at load so a user learns it before training; the export confirms it with llama.cpp."""
+    try:
+        spm = (Path(loaded.model_dir) / "tokenizer.model").is_file()
+        return predict_for_tokenizer(loaded.tokenizer, sentencepiece_model=spm)
+    except Exception as exc:  # a prediction never fails a load
+        log.warning("could not predict the GGUF pre-tokenizer: %s", exc)
+        return PreTokenizerGuess(note=f"could not predict the GGUF pre-tokenizer ({exc}); the export decides")
 
 
 @dataclass
@@ -63,6 +75,7 @@ class Sessions:
             with self._lock:
                 self._loading -= 1
             raise
+        pre = predict_gguf_pre_tokenizer(loaded)
         info = SessionInfo(
             session_id=f"sess-{uuid.uuid4().hex[:12]}",
             name=req.name,
@@ -70,6 +83,8 @@ class Sessions:
             facts=loaded.facts,
             created_at=time.time(),
             tenant=auth.current().tenant,
+            gguf_pre_tokenizer=pre.name,
+            gguf_pre_tokenizer_note=pre.note,
         )
         with self._lock:  # the slot passes from "loading" to "open" under one lock
             self._loading -= 1
@@ -82,6 +97,7 @@ class Sessions:
             loaded.facts.quantization,
             loaded.facts.kernels_reason,
         )
+        log.info("session %s: GGUF pre-tokenizer %s", info.session_id, pre.note)
         return info
 
     def open(self, session_id: str) -> Session:
