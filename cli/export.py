@@ -55,6 +55,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--overwrite", action="store_true", help="replace artifacts with the same ids")
     r.add_argument("--name", default="")
     r.add_argument("--max-shard-bytes", type=int, default=0)
+    r.add_argument(
+        "--merge-base",
+        default="as_trained",
+        choices=("as_trained", "original_16bit"),
+        help="merge into the weights the adapter was trained against (default; NF4-dequantized for a base "
+        "quantized on load) or into the original 16-bit weights",
+    )
     r.add_argument("--json", action="store_true", help="print the final export as JSON")
     r.add_argument("--detach", action="store_true", help="queue and return the export id (service mode)")
     r.add_argument("--offline", action="store_true", help="run the export core in this process, no service")
@@ -97,32 +104,54 @@ def _fmt(x: Any, spec: str = ".4g") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _checked(x: Any) -> str:
+    return "not checked" if x is None else str(x)
+
+
 def print_results(results: list[Any], out=None) -> None:
-    """A Markdown table of ``ExportResult``s: each target's artifact and verification figures."""
+    """A Markdown table of ``ExportResult``s: each target's artifact and verification figures (against the
+    merged model and against the model as trained), then each GGUF's quantization report."""
     out = out or sys.stdout
     print(
-        "| target | artifact | consumer | max abs dlogit | top-1 | ppl ref -> out | HF=llama.cpp ids | answer | answer top-1 | passed |",
+        "| target | artifact | consumer | max abs dlogit | max abs dlogit vs as trained | top-1 | "
+        "ppl ref -> out | HF=llama.cpp ids | answer | answer top-1 | passed |",
         file=out,
     )
-    print("|---|---|---|---|---|---|---|---|---|---|", file=out)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", file=out)
     for r in results:
         label, aid, v = r.target.label, r.artifact.artifact_id, r.verification
         if v is None:
-            print(f"| {label} | {aid} | (not verified) |  |  |  |  |  |  |  |", file=out)
+            print(f"| {label} | {aid} | (not verified) |  |  |  |  |  |  |  |  |", file=out)
             continue
-        toks = v.tokens_match if v.tokens_checked else None
-        ans = v.answer_reproduced if v.answer_checked else None
+        ans = v.answer_reproduced
+        trained = v.as_trained.max_abs_logit_delta if v.as_trained is not None else None
         print(
-            f"| {label} | {aid} | {v.consumer} | {_fmt(v.max_abs_logit_delta)} | {_fmt(v.top1_agreement, '.3f')} "
-            f"| {v.perplexity_reference:.4f} -> {v.perplexity:.4f} | {'-' if toks is None else toks} "
-            f"| {'-' if ans is None else ('reproduced' if ans else repr(v.generated))} "
-            f"| {_fmt(v.answer_top1_agreement if ans is not None else None, '.3f')} | {v.passed} |",
+            f"| {label} | {aid} | {v.consumer} | {_fmt(v.max_abs_logit_delta)} | {_fmt(trained)} "
+            f"| {_fmt(v.top1_agreement, '.3f')} | {v.perplexity_reference:.4f} -> {v.perplexity:.4f} "
+            f"| {_checked(v.tokens_match)} "
+            f"| {'not checked' if ans is None else ('reproduced' if ans else repr(v.generated))} "
+            f"| {_fmt(v.answer_top1_agreement, '.3f')} | {v.passed} |",
             file=out,
         )
+    merge = next(
+        (r.artifact.metadata.get("merge.base_weights") for r in results if r.artifact.metadata), None
+    )
+    if merge:
+        print(f"\nmerged into: {merge}", file=out)
+    as_trained = next(
+        (r.verification.as_trained for r in results if r.verification and r.verification.as_trained), None
+    )
+    if as_trained is not None:
+        print(f"as trained: {as_trained.reference}", file=out)
+    for r in results:
+        for q in r.quantization:
+            print(f"\n{r.target.label} {q.role} {q.file}: {q.summary}", file=out)
+            for f in q.fallbacks:
+                print(f"  {f.wanted} -> {f.written} x{f.count}: {f.reason}", file=out)
 
 
 def _cmd_run(a) -> int:
-    from strop.client.export import ExportRequest, ExportTarget, VerifyOptions
+    from strop.client.export import ExportRequest, ExportTarget, MergeBase, VerifyOptions
 
     try:
         targets = [ExportTarget.parse(s) for s in (a.to or ["merged", "gguf"])]
@@ -141,6 +170,7 @@ def _cmd_run(a) -> int:
         ),
         name=a.name,
         max_shard_bytes=a.max_shard_bytes,
+        merge_base=MergeBase(a.merge_base.upper()),
     )
     if a.offline:
         return _run_offline(a, req)

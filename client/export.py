@@ -26,6 +26,7 @@ from strop.client._base import LONG_TIMEOUT, ArtifactClient
 from strop.client.errors import InvalidArgumentError, UnavailableError
 from strop.common.export_types import (
     Capabilities,
+    Comparison,
     Export,
     ExportEvent,
     ExportProgress,
@@ -35,6 +36,10 @@ from strop.common.export_types import (
     ExportStateChange,
     ExportTarget,
     ExportTargetKind,
+    MergeBase,
+    QuantFallback,
+    QuantizationReport,
+    TensorTypeCount,
     Verification,
     VerifyOptions,
 )
@@ -46,6 +51,7 @@ __all__ = [
     "Artifact",
     "ArtifactFile",
     "Capabilities",
+    "Comparison",
     "Export",
     "ExportClient",
     "ExportEvent",
@@ -56,6 +62,10 @@ __all__ = [
     "ExportStateChange",
     "ExportTarget",
     "ExportTargetKind",
+    "MergeBase",
+    "QuantFallback",
+    "QuantizationReport",
+    "TensorTypeCount",
     "Verification",
     "VerifyOptions",
 ]
@@ -83,8 +93,13 @@ class ExportClient(ArtifactClient):
         verify: VerifyOptions | None = None,
         name: str = "",
         max_shard_bytes: int = 0,
+        merge_base: MergeBase = MergeBase.UNSPECIFIED,
     ) -> Export:
-        """Validate and queue an export (bad input raises here, before anything is written)."""
+        """Validate and queue an export (bad input raises here, before anything is written).
+
+        ``merge_base``: AS_TRAINED (the default: the weights the adapter was trained against, NF4
+        dequantized for a base quantized on load) or ORIGINAL_16BIT (the stored 16-bit weights).
+        """
         return self.submit_export(
             ExportRequest(
                 adapter_artifact_id=adapter_artifact_id,
@@ -96,6 +111,7 @@ class ExportClient(ArtifactClient):
                 verify=verify or VerifyOptions(),
                 name=name,
                 max_shard_bytes=max_shard_bytes,
+                merge_base=merge_base,
             )
         )
 

@@ -6,7 +6,9 @@
    run SFT until the model answers it with the fixed sentence, run a short DPO and show the reward
    margin rising, save the adapter;
 4. export the adapter to every target (merged safetensors, PEFT, GGUF + K-quants, GGUF LoRA) and verify
-   each output in the program that loads it;
+   each output in the program that loads it, against the merged model and against the model as trained
+   (the 4-bit base as the trainer loaded it + the adapter unmerged); print each GGUF's quantization
+   report (the tensor types read back from the file, fallbacks and why);
 5. print a summary.
 
 Minutes on a CPU-only machine; uses the GPU when there is one.

@@ -35,9 +35,12 @@ def run_export_demo(
     """Export ``adapter_artifact_id`` to every target through the service at ``export_target``.
 
     Prints progress and a table of figures, and returns them: per target the artifact id, max
-    |Δlogit| and top-1 agreement against the merged fp32 model, perplexity (reference → output), HF vs
-    llama.cpp token ids, the greedy answer and whether it reproduces ``answer``, and teacher-forced
-    top-1 agreement on the answer's tokens. ``export_ok`` is the acceptance check: token ids equal;
+    |Δlogit| and top-1 agreement against the merged fp32 model and max |Δlogit| against the model as
+    trained (the base as the trainer loaded it + the adapter unmerged), perplexity (reference →
+    output), HF vs llama.cpp token ids ("not checked" for merged/PEFT outputs), the greedy answer and
+    whether it reproduces ``answer``, and teacher-forced top-1 agreement on the answer's tokens; then
+    what the merge went into, and each GGUF's quantization report (tensor types read back from the
+    file, fallbacks with their reasons). ``export_ok`` is the acceptance check: token ids equal;
     the merged dir, F16, Q8_0 and GGUF base + LoRA reproduce the answer; Q4_K_M agrees ≥ 95%.
     """
     out = out or sys.stdout
@@ -70,10 +73,11 @@ def run_export_demo(
         return summary
     figures: dict[str, dict[str, Any]] = {}
     print(
-        "\n| target | consumer | max abs dlogit | top-1 | ppl ref -> out | HF=llama.cpp ids | answer | answer top-1 |",
+        "\n| target | consumer | max abs dlogit | vs as trained | top-1 | ppl ref -> out | HF=llama.cpp ids "
+        "| answer | answer top-1 |",
         file=out,
     )
-    print("|---|---|---|---|---|---|---|---|", file=out)
+    print("|---|---|---|---|---|---|---|---|---|", file=out)
     for r in done.results:
         v = r.verification
         label = r.target.label
@@ -85,25 +89,43 @@ def run_export_demo(
             "perplexity_reference": v.perplexity_reference,
             "perplexity": v.perplexity,
             "perplexity_delta": v.perplexity_delta,
-            "tokens_match": v.tokens_match if v.tokens_checked else None,
+            "as_trained_max_abs_logit_delta": v.as_trained.max_abs_logit_delta if v.as_trained else None,
+            "tokens_match": v.tokens_match,
             "generated": v.generated,
             "answer_reproduced": v.answer_reproduced,
             "answer_top1_agreement": v.answer_top1_agreement,
             "passed": v.passed,
+            "quantization": [q.summary for q in r.quantization],
         }
-        toks = "-" if not v.tokens_checked else str(v.tokens_match)
+        toks = "not checked" if v.tokens_match is None else str(v.tokens_match)
         ans = "reproduced" if v.answer_reproduced else repr(v.generated)
+        trained = "-" if v.as_trained is None else f"{v.as_trained.max_abs_logit_delta:.4g}"
+        top1 = "-" if v.answer_top1_agreement is None else f"{v.answer_top1_agreement:.3f}"
         print(
-            f"| {label} | {v.consumer} | {v.max_abs_logit_delta:.4g} | {v.top1_agreement:.3f} | "
-            f"{v.perplexity_reference:.3f} -> {v.perplexity:.3f} | {toks} | {ans} | {v.answer_top1_agreement:.3f} |",
+            f"| {label} | {v.consumer} | {v.max_abs_logit_delta:.4g} | {trained} | {v.top1_agreement:.3f} | "
+            f"{v.perplexity_reference:.3f} -> {v.perplexity:.3f} | {toks} | {ans} | {top1} |",
             file=out,
         )
+    first = done.results[0]
+    print(f"\nmerged into: {first.artifact.metadata.get('merge.base_weights', '?')}", file=out)
+    if first.verification is not None and first.verification.as_trained is not None:
+        print(f"as trained: {first.verification.as_trained.reference}", file=out)
+    print("\nquantization reports (read back from each GGUF file):", file=out)
+    for r in done.results:
+        for q in r.quantization:
+            print(f"  {r.target.label} [{q.role}] {q.summary}", file=out)
+            for f in q.fallbacks:
+                print(f"    {f.wanted} -> {f.written} x{f.count}: {f.reason}", file=out)
     reproduce = ("merged_safetensors:bfloat16", "gguf:F16", "gguf:Q8_0", "gguf_lora:F32+base:F16")
     summary.update(
         export_figures=figures,
         export_tokens_match=all(f["tokens_match"] for f in figures.values() if f["tokens_match"] is not None),
         export_answer_reproduced={k: figures[k]["answer_reproduced"] for k in reproduce if k in figures},
         export_q4_k_m_answer_top1=figures.get("gguf:Q4_K_M", {}).get("answer_top1_agreement"),
+        export_merged_vs_as_trained=figures.get("merged_safetensors:bfloat16", {}).get(
+            "as_trained_max_abs_logit_delta"
+        ),
+        export_q4_k_m_report=" / ".join(figures.get("gguf:Q4_K_M", {}).get("quantization", [])),
     )
     summary["export_ok"] = (
         summary["export_tokens_match"]

@@ -7,7 +7,8 @@ the core used those dataclasses (up to commit fe27371) hold the core's own forms
   (now ``skip``/``heldout_texts``/``raw_question``, each the negation or a rename);
 - targets: lowercase kinds, the artifact kinds (``gguf``; now the enum name ``GGUF``);
 - verifications: tri-state ``tokens_match``/``chat_tokens_match``/``answer_reproduced`` and an
-  optional ``answer_top1_agreement``, None for a check that did not run (now ``*_checked`` flags);
+  optional ``answer_top1_agreement``, None for a check that did not run (``*_checked`` flags were
+  added beside them; rows written with the flags but False for "not checked" read as None again);
 - progress events (before commit 65f280a): ``done``/``total`` (now ``items_done``/``items_total``).
 
 Each function takes a decoded JSON row and returns it in today's names; a row already in today's
@@ -48,9 +49,10 @@ def _verification(d: dict[str, Any]) -> dict[str, Any]:
     ):
         if flag not in d:
             d[flag] = d.get(tri_state) is not None
-            d[tri_state] = bool(d.get(tri_state))
-    if d.get("answer_top1_agreement") is None:
-        d["answer_top1_agreement"] = 0.0
+        if not d[flag]:  # rows of 2026-11/12 wrote False for "not checked": today that is None
+            d[tri_state] = None
+    if not d["answer_checked"]:
+        d["answer_top1_agreement"] = None
     return d
 
 

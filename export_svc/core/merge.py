@@ -118,6 +118,8 @@ def iter_merged(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every base tensor, merged where the adapter targets it.
 
+    The base's weights are what ``base`` reads: stored 4-bit codes dequantized, a ``quantized_on_load``
+    view's NF4 codes re-created and dequantized (the model as trained), else the 16-bit weights.
     Merged and dequantized tensors are fp32; a tensor the adapter does not touch comes as stored
     (16-bit), since upcasting it is exact and would only double its memory. The caller casts once, to
     the dtype of its format. Tensors come in on-disk order, one at a time, and the heap is trimmed
@@ -140,7 +142,7 @@ def iter_merged(
             )
         elif adapter is not None and name in adapter.replacements:
             w = adapter.read(adapter.replacements[name])
-        elif base.tensors[name].quant:
+        elif base.is_dequantized(name):
             w = base.read_fp32(name)
         else:
             w = base.read_raw(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,31 @@ def refusals(adapter: Adapter) -> list[str]:
     return out
 
 
-def write_peft_dir(out_dir: Path, adapter: Adapter, base_ref: str, tokenizer_dir: Path | None) -> list[str]:
+# A Hugging Face hub id: "owner/name" (no absolute path, no "..", no drive letter).
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def peft_base_name(base: BaseModel) -> str | None:
+    """``base_model_name_or_path`` for a PEFT dir: the name a user resolves the base by.
+
+    1. the hub id the base's config records (``_name_or_path``, when it has the ``owner/name`` form):
+       what ``AutoPeftModelForCausalLM.from_pretrained`` downloads;
+    2. else the base's path relative to the export service's model root (``base.label``: a model root
+       laid out by hub id gives the hub id; never an absolute server path, see issue 11);
+    3. an uploaded base (``artifact:<id>``): None, as PEFT writes for a model it cannot name.
+    """
+    recorded = str(base.config.get("_name_or_path") or "")
+    if _HUB_ID.fullmatch(recorded) and ".." not in recorded:
+        return recorded
+    if base.label.startswith("artifact:") or Path(base.label).is_absolute() or ".." in Path(base.label).parts:
+        return None
+    return base.label
+
+
+def write_peft_dir(out_dir: Path, adapter: Adapter, base: BaseModel, tokenizer_dir: Path | None) -> list[str]:
     """Write the vLLM-ready adapter dir; returns the files written.
+
+    ``base_model_name_or_path`` names the base as :func:`peft_base_name` chooses.
 
     Raises:
         TargetRefused: the adapter uses something vLLM refuses (see ``refusals``).
@@ -89,7 +113,7 @@ def write_peft_dir(out_dir: Path, adapter: Adapter, base_ref: str, tokenizer_dir
     r = max(set(ranks.values()), key=list(ranks.values()).count)  # the most common rank is `r`
     cfg.update(
         peft_type="LORA",
-        base_model_name_or_path=base_ref,
+        base_model_name_or_path=peft_base_name(base),
         r=r,
         rank_pattern={k: v for k, v in ranks.items() if v != r},
         target_modules=sorted({m.module.rsplit(".", 1)[-1] for m in adapter.modules.values()}),

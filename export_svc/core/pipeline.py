@@ -5,9 +5,11 @@ worker threads run it on what ``ExportManager.create`` validated); ``run_export`
 in one call (the CLI's ``--offline`` mode, the benchmark, tests). Order of work:
 
 1. ``resolve.validate``: every check that needs no weights, before a byte is written;
-2. build the fp32 reference and the probe (if verifying);
+2. build the probe and its two fp32 references (if verifying): the merged model, and the model as
+   trained (the base as the trainer loaded it + the adapter unmerged, by PEFT);
 3. write each target into its pending artifact directory, check it the way its consumer would, verify
-   it in the consumer; record the figures in the artifact's metadata;
+   it in the consumer against both references; read each GGUF back for its quantization report;
+   record the figures and the report in the artifact's metadata;
 4. publish every artifact (atomic renames). Any exception or a cancellation before this point
    discards every pending directory and scratch file: a failed export leaves nothing.
 """
@@ -33,6 +35,7 @@ from strop.common.export_types import (
     ExportResult,
     ExportTarget,
     ExportTargetKind,
+    QuantizationReport,
     Verification,
 )
 from strop.export_svc.core import verify as V
@@ -46,7 +49,7 @@ from strop.export_svc.core.hf_dir import (
     write_merged_dir,
 )
 from strop.export_svc.core.peft_dir import check_vllm_lora_dir, write_peft_dir
-from strop.export_svc.core.quantize import quantize_gguf
+from strop.export_svc.core.quantize import LoggedFallback, quantization_report, quantize_gguf, report_metadata
 from strop.export_svc.core.resolve import Inputs, ValidatedExport, validate
 from strop.export_svc.core.sources import DTYPES
 
@@ -89,6 +92,7 @@ class _Exporter:
         self.scratch.mkdir(parents=True)
         self.model_name = _safe_name(self.req.name or self.inputs.base_ref)
         self._exact: dict[str, Path] = {}
+        self._logged: dict[Path, dict[str, LoggedFallback]] = {}  # llama.cpp's fallback lines, per file
         self.probe: V.Probe | None = None
 
     def close(self) -> None:
@@ -127,8 +131,15 @@ class _Exporter:
             path,
             gguf_type,
             on_tensor=lambda i, n, name: self.emit(ExportProgress(label, "quantize", name, i, n)),
+            fallbacks=self._logged.setdefault(path, {}),
         )
         self.cancel.check()
+
+    def report(self, path: Path, gguf_type: str, role: str, pending: PendingArtifact) -> QuantizationReport:
+        """The quantization report of a written GGUF, also recorded in the artifact's metadata."""
+        r = quantization_report(path, gguf_type, role=role, logged=self._logged.get(path))
+        pending.metadata.update(report_metadata(r))
+        return r
 
     def exact_gguf(self, label: str, *, merged: bool) -> Path:
         """A GGUF holding the weights exactly, for llama.cpp's quantizer (written once per export).
@@ -141,7 +152,8 @@ class _Exporter:
             base = self.inputs.base
             dtypes = {t.dtype for t in base.tensors.values()}
             lossless = EXACT_TYPE_OF.get(next(iter(dtypes))) if len(dtypes) == 1 else None
-            gguf_type = lossless if key == "base" and lossless and base.quantization == "none" else "F32"
+            untouched = base.quantization == "none" and base.on_load is None  # nothing dequantized
+            gguf_type = lossless if key == "base" and lossless and untouched else "F32"
             p = self.scratch / f"{key}-{gguf_type}.gguf"
             self.write_gguf(p, gguf_type, label, merged=key == "merged")
             self._exact[key] = p
@@ -159,8 +171,16 @@ class _Exporter:
         V.fill_reference(self.probe, model)
         del model
         gc.collect()
+        before, _ = self.hooks("as_trained", "reference", len(inputs.base.tensors))
+        model = V.as_trained_model(inputs.as_trained, inputs.adapter, before_tensor=before)
+        self.emit(ExportProgress("as_trained", "reference", "logits"))
+        V.fill_as_trained(self.probe, model, V.as_trained_label(inputs.as_trained, inputs.adapter))
+        del model
+        gc.collect()
 
-    def write_target(self, t: ExportTarget, pending: PendingArtifact) -> Verification | None:
+    def write_target(
+        self, t: ExportTarget, pending: PendingArtifact
+    ) -> tuple[Verification | None, list[QuantizationReport]]:
         inputs, d = self.inputs, pending.dir
         label = t.label
         probe = self.probe
@@ -183,13 +203,13 @@ class _Exporter:
                 "config, index, tensor names and shapes, tokenizer, chat template"
             )
             if probe is None:
-                return None
+                return None, []
             self.emit(ExportProgress(label, "verify", "transformers"))
-            return V.verify_hf_dir(probe, d)
+            return V.verify_hf_dir(probe, d), []
         if t.kind is K.PEFT_ADAPTER:
             assert inputs.adapter is not None
             self.emit(ExportProgress(label, "write", "adapter_model.safetensors", 0, 1))
-            write_peft_dir(d, inputs.adapter, inputs.base_ref, inputs.tokenizer_dir)
+            write_peft_dir(d, inputs.adapter, inputs.base, inputs.tokenizer_dir)
             problems, need = check_vllm_lora_dir(d, inputs.base)
             if problems:
                 raise ConsumerRejected(f"the PEFT directory fails vLLM's checks: {problems[:3]}")
@@ -197,19 +217,25 @@ class _Exporter:
             pending.metadata["vllm.serve"] = (
                 f"vllm serve <base> --enable-lora --max-lora-rank {need} --lora-modules name=<dir>"
             )
+            if inputs.on_load is not None:
+                pending.metadata["peft.base_loading"] = (
+                    f"the adapter was trained on its base quantized on load, {inputs.on_load.describe()}: "
+                    "load the base with that BitsAndBytesConfig to serve the model as trained"
+                )
             self.emit(ExportProgress(label, "write", "adapter_model.safetensors", 1, 1))
             if probe is None:
-                return None
+                return None, []
             self.emit(ExportProgress(label, "verify", "transformers+peft"))
-            return V.verify_peft_dir(probe, inputs.base.path, d)
+            return V.verify_peft_dir(probe, inputs.base.path, d, trained_base=inputs.as_trained), []
         if t.kind is K.GGUF:
             path = d / f"{self.model_name}-{t.gguf_type}.gguf"
             self.write_gguf(path, t.gguf_type, label)
             pending.metadata["gguf.file"] = path.name
+            reports = [self.report(path, t.gguf_type, "model", pending)]
             if probe is None:
-                return None
+                return None, reports
             self.emit(ExportProgress(label, "verify", "llama.cpp"))
-            return V.verify_gguf(probe, path, lossy=GGUF_TYPES[t.gguf_type].lossy)
+            return V.verify_gguf(probe, path, lossy=GGUF_TYPES[t.gguf_type].lossy), reports
         assert t.kind is K.GGUF_LORA and inputs.adapter is not None
         base_path = d / f"{self.model_name}-base-{t.base_gguf_type}.gguf"
         self.write_gguf(base_path, t.base_gguf_type, label, merged=False)
@@ -226,26 +252,70 @@ class _Exporter:
         )
         pending.metadata["gguf.base_file"] = base_path.name
         pending.metadata["gguf.lora_file"] = lora_path.name
+        reports = [
+            self.report(base_path, t.base_gguf_type, "base", pending),
+            self.report(lora_path, t.gguf_type, "lora", pending),
+        ]
         if probe is None:
-            return None
+            return None, reports
         self.emit(ExportProgress(label, "verify", "llama.cpp+lora"))
-        return V.verify_gguf(probe, base_path, lora_path=lora_path, lossy=GGUF_TYPES[t.base_gguf_type].lossy)
+        v = V.verify_gguf(probe, base_path, lora_path=lora_path, lossy=GGUF_TYPES[t.base_gguf_type].lossy)
+        return v, reports
 
 
-def _artifact_metadata(t: ExportTarget, inputs: Inputs, export_id: str, tenant: str) -> dict[str, str]:
+def merge_base_weights(inputs: Inputs) -> str:
+    """What the merge (and a GGUF LoRA's base GGUF) reads as the base's weights, in words."""
+    base, trained = inputs.base, inputs.as_trained
+    if base.on_load is not None:
+        return (
+            f"{base.dtype} weights quantized as the trainer did on load, {base.on_load.describe()}"
+            + (" (settings assumed: the artifact predates their recording)" if base.on_load.assumed else "")
+            + ", dequantized to float32: the model as trained"
+        )
+    if base.quantization != "none":
+        return f"{base.quantization} dequantized to float32: the model as trained"
+    if trained is not base:
+        return (
+            f"{base.dtype} as stored (ORIGINAL_16BIT), not the NF4 weights the adapter was trained against; "
+            "verify.as_trained.* shows the difference"
+        )
+    if inputs.adapter is not None and not inputs.source_metadata.get("base_quantization"):
+        return f"{base.dtype} as stored (the adapter records no quantization on load)"
+    return f"{base.dtype} as stored: the model as trained"
+
+
+def _nf4_codes_metadata(inputs: Inputs) -> dict[str, str]:
+    """For a base quantized on load: whether the NF4 codes re-created here are the trainer's (one weight's
+    codes and absmax against the sha256 the trainer recorded)."""
+    spec = inputs.on_load
+    if spec is None:
+        return {}
+    verdict = inputs.as_trained.check_codes()
+    words = {
+        "bit-identical": f"bit-identical to the trainer's ({spec.digest_tensor}: sha256 of codes and absmax)",
+        "differ": (
+            f"DIFFER from the trainer's for {spec.digest_tensor}: this bitsandbytes quantizes the base otherwise "
+            "(another version or device); the model as trained is approximated, not reproduced"
+        ),
+        "not recorded": "not checked (the adapter's artifact records no digest of the trainer's codes)",
+    }
+    return {"merge.nf4_codes": words[verdict]}
+
+
+def _artifact_metadata(
+    t: ExportTarget, inputs: Inputs, export_id: str, tenant: str, extra: dict[str, str]
+) -> dict[str, str]:
     base = inputs.base
     return {
+        **extra,
         "target": t.kind.artifact_kind,
         "tenant": tenant,
         "export_id": export_id,
         "base_model": inputs.base_ref,
         "base_quantization": base.quantization,
         "adapter": inputs.adapter_ref,
-        "merge.base_weights": (
-            f"{base.quantization} dequantized to float32"
-            if base.quantization != "none"
-            else f"{base.dtype} as stored"
-        ),
+        "merge.base": inputs.merge_base.value,
+        "merge.base_weights": merge_base_weights(inputs),
         **({"gguf_type": t.gguf_type} if t.gguf_type else {}),
         **({"dtype": t.dtype} if t.dtype else {}),
         **({"base_gguf_type": t.base_gguf_type} if t.base_gguf_type else {}),
@@ -275,29 +345,34 @@ def write_export(
     ex = _Exporter(job, store, emit, cancel)
     try:
         cancel.check()
+        codes = _nf4_codes_metadata(inputs)
         if not req.verify.skip:
             ex.build_probe()
         with contextlib.ExitStack() as stack:
-            pendings: list[tuple[ExportTarget, PendingArtifact, Verification | None]] = []
+            pendings: list[
+                tuple[ExportTarget, PendingArtifact, Verification | None, list[QuantizationReport]]
+            ] = []
             for t in req.targets:
                 cancel.check()
                 pending = stack.enter_context(
                     store.create(
                         t.kind.artifact_kind,
                         artifact_id=t.artifact_id,
-                        metadata=_artifact_metadata(t, inputs, export_id, job.tenant),
+                        metadata=_artifact_metadata(t, inputs, export_id, job.tenant, codes),
                         overwrite=req.overwrite,
                     )
                 )
-                v = ex.write_target(t, pending)
+                v, reports = ex.write_target(t, pending)
+                if v is not None and codes.get("merge.nf4_codes", "").startswith("DIFFER"):
+                    v.notes.append("the re-created NF4 codes " + codes["merge.nf4_codes"])
                 if v is not None:
                     pending.metadata.update(V.verification_metadata(v))
-                pendings.append((t, pending, v))
+                pendings.append((t, pending, v, reports))
                 cancel.check()
             emit(ExportProgress("", "publish", "", 0, len(pendings)))
             cancel.check()
         # leaving the ExitStack published every pending artifact
-        return [ExportResult(t, store.get(pending.artifact_id), v) for t, pending, v in pendings]
+        return [ExportResult(t, store.get(p.artifact_id), v, reports) for t, p, v, reports in pendings]
     finally:
         ex.close()
 

@@ -28,9 +28,11 @@ from strop.common.export_types import (
     DEFAULT_GGUF_LORA_BASE_TYPE,
     DEFAULT_GGUF_LORA_TYPE,
     DEFAULT_GGUF_TYPE,
+    DEFAULT_MERGE_BASE,
     ExportRequest,
     ExportTarget,
     ExportTargetKind,
+    MergeBase,
 )
 from strop.common.paths import confine, confine_files
 from strop.export_svc.core.errors import (
@@ -49,6 +51,7 @@ from strop.export_svc.core.sources import (
     DTYPES,
     Adapter,
     BaseModel,
+    Nf4OnLoad,
     check_compatible,
     check_same_family,
     open_adapter,
@@ -124,6 +127,9 @@ def _confine_any(user_path: str, roots: list[Path], what: str) -> Path:
 class Inputs:
     """What an export reads, opened and checked: the base, the adapter, the tokenizer.
 
+    ``base`` reads the weights the merge goes into (``merge_base``); ``trained_base`` the weights the
+    adapter was trained against (the same object unless the base was quantized on load: then a
+    ``quantized_on_load`` view, and ``base`` is it too unless ORIGINAL_16BIT was asked for).
     Headers and configs only (every read of a tensor opens its file anew), so holding one while an
     export waits in the queue costs memory, not file handles.
     """
@@ -135,10 +141,21 @@ class Inputs:
     adapter_ref: str
     source_metadata: dict[str, str]  # from the adapter's artifact: job_id, step, ...
     vocab: GgufVocab | None = None  # GGUF tokenizer metadata, loaded by ``validate`` when a target needs it
+    trained_base: BaseModel | None = None  # None: ``base``
+    merge_base: MergeBase = DEFAULT_MERGE_BASE
+    on_load: Nf4OnLoad | None = None  # how the trainer quantized the base on load (from the artifact)
+
+    @property
+    def as_trained(self) -> BaseModel:
+        return self.trained_base or self.base
 
 
 def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Inputs:
-    """Open the adapter and the base and check they belong together (nothing is written)."""
+    """Open the adapter and the base and check they belong together (nothing is written).
+
+    Raises:
+        FailedPrecondition: ORIGINAL_16BIT asked of a base that holds only 4-bit weights.
+    """
     model_root = Path(model_root).resolve()
     adapter, meta, adapter_ref = None, {}, ""
     if req.adapter_artifact_id and req.adapter_path:
@@ -199,13 +216,24 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
                 read_json(recorded / "config.json", f"{recorded_label}/config.json"), recorded_label, base
             )
         check_compatible(adapter, base)
+    merge_base = req.merge_base if req.merge_base is not MergeBase.UNSPECIFIED else DEFAULT_MERGE_BASE
+    if merge_base is MergeBase.ORIGINAL_16BIT and base.quantization != "none":
+        raise FailedPrecondition(
+            f"merge_base ORIGINAL_16BIT: base {base_ref!r} is a {base.quantization} checkpoint and holds no "
+            "16-bit weights; merge AS_TRAINED (its dequantized weights) or give the 16-bit base"
+        )
+    on_load = Nf4OnLoad.from_metadata(meta) if adapter is not None else None
+    trained = base.quantized_on_load(on_load) if on_load is not None and base.quantization == "none" else base
     return Inputs(
-        base,
+        trained if merge_base is MergeBase.AS_TRAINED else base,
         adapter,
         tokenizer_source(adapter, base),
         base_ref,
         adapter_ref,
         {k: v for k, v in meta.items() if k in _SOURCE_KEYS},
+        trained_base=trained,
+        merge_base=merge_base,
+        on_load=on_load if trained is not base else None,
     )
 
 
@@ -265,4 +293,5 @@ def validate(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Vali
     targets = preflight(targets, inputs, store, req.overwrite)
     if any(t.kind in (K.GGUF, K.GGUF_LORA) for t in targets):
         inputs.vocab = load_vocab(inputs.tokenizer_dir, inputs.base.config)
-    return ValidatedExport(dataclasses.replace(req, targets=targets), inputs, auth.current().tenant)
+    req = dataclasses.replace(req, targets=targets, merge_base=inputs.merge_base)
+    return ValidatedExport(req, inputs, auth.current().tenant)

@@ -8,6 +8,7 @@ Only safetensors are read (no pickle) and no remote code runs.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -95,6 +96,98 @@ def has_tokenizer(d: Path) -> bool:
     return (d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file()
 
 
+# The leaf modules transformers' bitsandbytes integration turns into Linear4bit in the families strop
+# supports (every nn.Linear but lm_head): what an older trainer artifact, which records no module list,
+# had quantized on load.
+_LINEAR4BIT_MODULES = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+QUANT_META_PREFIX = "base_quant."  # the trainer's adapter-artifact metadata keys of the 4-bit settings
+
+
+@dataclass(frozen=True)
+class Nf4OnLoad:
+    """How the trainer quantized a 16-bit base when it loaded it (bitsandbytes ``Linear4bit``).
+
+    Read from the adapter artifact's ``base_quant.*`` metadata (the trainer writes it from its
+    layers' quant states); with those settings bitsandbytes' ``quantize_4bit`` re-creates the exact
+    codes and absmax the adapter was trained against (``tests/export_svc/test_as_trained.py`` checks
+    it bitwise against the trainer's own ``Linear4bit`` weights).
+    """
+
+    quant_type: str = "nf4"
+    blocksize: int = 64
+    double_quant: bool = True
+    nested_blocksize: int = 256  # the absmax's own 8-bit quantization (bitsandbytes' fixed choice)
+    quant_storage: str = "uint8"
+    quantized_from: str = "float32"  # the dtype the weights had when they were quantized
+    compute_dtype: str = "float32"
+    modules: tuple[str, ...] = _LINEAR4BIT_MODULES  # leaf names of the Linear4bit layers
+    tensors: int = 0  # how many weights were quantized (0: not recorded)
+    assumed: bool = False  # an older artifact: the trainer's fixed on-load settings, not read from it
+    digest_tensor: str = ""  # one weight whose codes and absmax the trainer hashed ...
+    digest: str = ""  # ... and their sha256 (see ``nf4_digest``)
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Nf4OnLoad | None:
+        """The settings an adapter artifact records, or None when its base was not quantized on load.
+
+        Raises:
+            CorruptInput: recorded settings that do not parse.
+        """
+        if meta.get("base_quantization") != "bnb-nf4-on-load":
+            return None
+        q = {k.removeprefix(QUANT_META_PREFIX): v for k, v in meta.items() if k.startswith(QUANT_META_PREFIX)}
+        if not q:  # written before the trainer recorded them: its settings were fixed (models.load_model)
+            return cls(assumed=True)
+        try:
+            spec = cls(
+                quant_type=q.get("type", "nf4"),
+                blocksize=int(q.get("blocksize", "64")),
+                double_quant=q.get("double_quant", "true") == "true",
+                nested_blocksize=int(q.get("nested_blocksize", "256")),
+                quant_storage=q.get("quant_storage", "uint8"),
+                quantized_from=q.get("quantized_from", "float32"),
+                compute_dtype=q.get("compute_dtype", "float32"),
+                modules=tuple(sorted(m for m in q.get("modules", "").split(",") if m)) or _LINEAR4BIT_MODULES,
+                tensors=int(q.get("tensors", "0")),
+                digest_tensor=q.get("digest_tensor", ""),
+                digest=q.get("digest", ""),
+            )
+        except ValueError as exc:
+            raise CorruptInput(f"the adapter's base_quant.* metadata does not parse: {exc}") from None
+        if spec.quant_type not in ("nf4", "fp4") or spec.quantized_from not in DTYPES:
+            raise CorruptInput(
+                f"the adapter records an on-load quantization strop cannot re-create: {spec.quant_type} "
+                f"from {spec.quantized_from}"
+            )
+        return spec
+
+    def covers(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether the base tensor ``name`` was a Linear4bit weight in the trainer."""
+        return (
+            len(shape) == 2
+            and name.endswith(".weight")
+            and name[: -len(".weight")].rsplit(".", 1)[-1] in self.modules
+        )
+
+    def describe(self) -> str:
+        dq = ", double quant" if self.double_quant else ""
+        return f"bnb-{self.quant_type} (blocksize {self.blocksize}{dq}, quantized from {self.quantized_from})"
+
+
+def nf4_digest(packed: torch.Tensor, qs) -> str:
+    """sha256 of 4-bit codes and their absmax (nested: its codes, then the absmax's absmax and offset).
+
+    The same bytes, in the same order, as the trainer's ``models._nf4_digest`` hashes of its Linear4bit.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    parts = [packed, qs.absmax] + ([qs.state2.absmax, qs.offset] if qs.nested else [])
+    for t in parts:
+        h.update(t.detach().contiguous().cpu().reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class BaseTensor:
     """A logical base tensor: a plain tensor, or a bnb 4-bit weight with its quant state."""
@@ -126,6 +219,35 @@ class BaseModel:
         self.dtype = config_dtype(self.config)
         self.files = self._open_files()
         self.tensors: dict[str, BaseTensor] = self._logical_tensors()
+        self.on_load: Nf4OnLoad | None = None  # set on the copy ``quantized_on_load`` returns
+
+    def quantized_on_load(self, spec: Nf4OnLoad) -> BaseModel:
+        """This 16-bit base as the trainer held it: the weights ``spec`` covers read as their NF4 codes,
+        re-created with ``spec``'s settings and dequantized to fp32 (a copy; ``self`` is unchanged).
+
+        Raises:
+            BaseMismatch: the base is already 4-bit, or holds another number of such weights than the
+                trainer quantized.
+        """
+        if self.quantization != "none":
+            raise BaseMismatch(
+                f"the adapter was trained on a 16-bit base quantized on load, but base {self.label!r} is "
+                f"{self.quantization}"
+            )
+        n = sum(spec.covers(k, t.shape) for k, t in self.tensors.items())
+        if spec.tensors and n != spec.tensors:
+            raise BaseMismatch(
+                f"the trainer quantized {spec.tensors} weights of the adapter's base on load; base "
+                f"{self.label!r} has {n} such weights ({', '.join(spec.modules)})"
+            )
+        view = copy.copy(self)
+        view.on_load = spec
+        return view
+
+    def is_dequantized(self, name: str) -> bool:
+        """Whether ``read_fp32(name)`` dequantizes 4-bit codes (stored ones, or re-created on load)."""
+        t = self.tensors[name]
+        return bool(t.quant) or (self.on_load is not None and self.on_load.covers(name, t.shape))
 
     def _quantization(self) -> str:
         q = self.config.get("quantization_config")
@@ -227,6 +349,8 @@ class BaseModel:
     def read_fp32(self, name: str) -> torch.Tensor:
         """One logical tensor as float32; 4-bit weights dequantized in fp32 (bitsandbytes, on the CPU)."""
         t = self.tensors[name]
+        if not t.quant and self.is_dequantized(name):
+            return self._requantized_fp32(name)
         if not t.quant:
             return self.files[t.file].read(name).to(torch.float32)
         from bitsandbytes.functional import QuantState, dequantize_4bit
@@ -235,6 +359,51 @@ class BaseModel:
         qs = QuantState.from_dict(self._quant_state_dict(name, where), device=torch.device("cpu"))
         qs.dtype = torch.float32  # dequantize straight to fp32: no rounding through the compute dtype
         packed = self.files[t.file].read(name)
+        return dequantize_4bit(packed, qs).reshape(t.shape)
+
+    def check_codes(self) -> str:
+        """Whether the NF4 codes re-created here are the trainer's: ``"bit-identical"``, ``"differ"``, or
+        ``"not recorded"`` (compares the sha256 of one weight's codes and absmax with the trainer's)."""
+        spec = self.on_load
+        if spec is None or not spec.digest or spec.digest_tensor not in self.tensors:
+            return "not recorded"
+        packed, qs = self._quantize(spec.digest_tensor)
+        return "bit-identical" if nf4_digest(packed, qs) == spec.digest else "differ"
+
+    def _quantize(self, name: str):
+        from bitsandbytes.functional import quantize_4bit
+
+        spec = self.on_load
+        assert spec is not None
+        t = self.tensors[name]
+        w = self.files[t.file].read(name).to(DTYPES[spec.quantized_from])
+        return quantize_4bit(
+            w,
+            blocksize=spec.blocksize,
+            compress_statistics=spec.double_quant,
+            quant_type=spec.quant_type,
+            quant_storage=getattr(torch, spec.quant_storage),
+        )
+
+    def _requantized_fp32(self, name: str) -> torch.Tensor:
+        """The NF4 weights the trainer's ``Linear4bit`` held for ``name``, dequantized to fp32.
+
+        bitsandbytes' own ``quantize_4bit`` (the call ``Params4bit`` makes on load) with the recorded
+        settings, on the weight cast to the dtype it had then: the same codes and absmax; the
+        dequantization goes straight to fp32, with no rounding through the compute dtype.
+        """
+        from bitsandbytes.functional import dequantize_4bit
+
+        spec = self.on_load
+        assert spec is not None
+        t = self.tensors[name]
+        packed, qs = self._quantize(name)
+        if spec.double_quant and qs.state2.blocksize != spec.nested_blocksize:
+            raise CorruptInput(
+                f"bitsandbytes quantizes the absmax of {name!r} in blocks of {qs.state2.blocksize}; the trainer "
+                f"recorded {spec.nested_blocksize}: this bitsandbytes cannot re-create the trained weights"
+            )
+        qs.dtype = torch.float32
         return dequantize_4bit(packed, qs).reshape(t.shape)
 
     def tokenizer_dir(self) -> Path | None:

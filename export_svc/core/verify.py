@@ -1,8 +1,15 @@
-"""Verification: load each output in its consumer and compare it with the merged torch model.
+"""Verification: load each output in its consumer and compare it with the merged torch model and with
+the model as trained.
 
-The reference is the merged model in fp32 (base dequantized to fp32 + ``s·B@A``, never cast): the
-function the adapter computes on its base, evaluated with transformers. Every output is run on the
-same token ids (HF's tokenization, so the comparison is about weights, not tokenizers) and compared:
+The reference is the merged model in fp32 (the merge base's weights, 4-bit ones dequantized to fp32,
++ ``s·B@A``, never cast), evaluated with transformers. The second reference is the model as trained:
+the session's base as the trainer loaded it (for a base quantized to NF4 on load, its NF4 codes
+re-created bit for bit and dequantized to fp32; a prequantized base dequantized) with the adapter
+*unmerged*, run by PEFT in fp32 (``as_trained_model``). With the default merge (AS_TRAINED) the two
+references compute the same function and differ by fp32 rounding; merged onto the original 16-bit
+weights of an NF4 session they differ by the quantization error, which ``Verification.as_trained``
+shows. Every output is run on the same token ids (HF's tokenization, so the comparison is about
+weights, not tokenizers) and compared:
 
 - max and mean |Δlogit| over every position of a fixed prompt set, and top-1 agreement;
 - perplexity on held-out text, reference vs output (``perplexity_delta = output − reference``);
@@ -12,6 +19,9 @@ same token ids (HF's tokenization, so the comparison is about weights, not token
   chat-formatted question (``answer_reproduced``), and teacher-forced top-1 agreement with the answer
   tokens (``answer_top1_agreement``), the judge for quantized files — a random base's logits are
   nearly flat, so logit deltas on random prompts say little about a quantizer.
+
+A check that does not run leaves its figure None ("not checked"): ``tokens_match`` of a merged or
+PEFT output (HF's own tokenizer is its tokenizer), the answer figures without a probe question.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from strop.common.export_types import Verification, VerifyOptions
+from strop.common.export_types import Comparison, Verification, VerifyOptions
 from strop.common.serde import to_dict
 from strop.export_svc.core.errors import ConsumerRejected
 from strop.export_svc.core.merge import iter_merged
@@ -68,9 +78,15 @@ def verification_metadata(v: Verification) -> dict[str, str]:
     for flag, figures in _CHECKS.items():
         if not getattr(v, flag):
             skip.update(figures)
-    out = {}
+    flat: dict[str, object] = {}
     for k, value in to_dict(v).items():
-        if k in skip or value == [] or value == "":
+        if isinstance(value, dict):  # the as-trained comparison: verify.as_trained.*
+            flat.update({f"{k}.{kk}": vv for kk, vv in value.items()})
+        elif k not in skip:
+            flat[k] = value
+    out = {}
+    for k, value in flat.items():
+        if value is None or value == [] or value == "":
             continue
         out[f"verify.{k}"] = "; ".join(map(str, value)) if isinstance(value, list) else str(value)
     return out
@@ -98,6 +114,10 @@ class Probe:
     ref_qa: np.ndarray | None = None
     ref_generated: str = ""
     tokenizer: Any = None
+    trained_label: str = ""  # the as-trained reference, in words ("" until it is filled)
+    trained_prompts: list[np.ndarray] = field(default_factory=list)
+    trained_heldout: list[np.ndarray] = field(default_factory=list)
+    trained_qa: np.ndarray | None = None
 
     @property
     def has_qa(self) -> bool:
@@ -162,6 +182,43 @@ def reference_model(
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+def as_trained_label(trained_base: BaseModel, adapter: Adapter | None) -> str:
+    """The model as trained, in words (the ``reference`` of ``Verification.as_trained``)."""
+    if trained_base.on_load is not None:
+        weights = (
+            f"{trained_base.dtype} base quantized on load as the trainer did "
+            f"({trained_base.on_load.describe()}), dequantized to float32"
+        )
+    elif trained_base.quantization != "none":
+        weights = f"{trained_base.quantization} base dequantized to float32"
+    else:
+        weights = f"{trained_base.dtype} base as stored"
+    return weights + (" + the adapter unmerged (PEFT), float32" if adapter is not None else ", float32")
+
+
+def as_trained_model(
+    trained_base: BaseModel, adapter: Adapter | None, before_tensor: Callable[[str], None] | None = None
+):
+    """The model as trained, in fp32: the base as the trainer loaded it with the adapter applied unmerged
+    by PEFT (``x·Wᵀ + s·(x·Aᵀ)·Bᵀ``: the function training optimised, computed another way than the merge)."""
+    model = reference_model(trained_base, None, before_tensor=before_tensor)
+    if adapter is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter.path), is_trainable=False).eval()
+
+
+def fill_as_trained(probe: Probe, model, label: str) -> None:
+    """Run the as-trained model on the probe."""
+    fn = hf_logits_fn(model)
+    probe.trained_prompts = [fn(ids) for ids in probe.prompts]
+    probe.trained_heldout = [fn(ids) for ids in probe.heldout]
+    if probe.has_qa:
+        probe.trained_qa = fn(probe.qa_prompt + probe.qa_answer)
+    probe.trained_label = label
 
 
 def hf_logits_fn(model) -> LogitsFn:
@@ -245,6 +302,9 @@ def compare(
     v.perplexity_reference = _ppl(probe.ref_heldout, probe.heldout)
     v.perplexity = _ppl(held, probe.heldout)
     v.perplexity_delta = v.perplexity - v.perplexity_reference
+    qa_logits = logits_fn(probe.qa_prompt + probe.qa_answer) if probe.has_qa else None
+    if probe.trained_label:
+        v.as_trained = _compare_as_trained(probe, outs, held, qa_logits)
     if tokenize is not None:
         for text, ids in zip(
             probe.prompt_texts + probe.heldout_texts, probe.prompts + probe.heldout, strict=True
@@ -264,7 +324,8 @@ def compare(
     if probe.has_qa:
         assert probe.ref_qa is not None
         full = probe.qa_prompt + probe.qa_answer
-        lg = logits_fn(full)
+        lg = qa_logits
+        assert lg is not None
         n = len(probe.qa_prompt)
         pred = lg[n - 1 : len(full) - 1].argmax(-1)
         v.answer_checked = True
@@ -280,6 +341,30 @@ def compare(
     tokens_ok = v.tokens_match or not v.tokens_checked
     v.passed = finite and tokens_ok and not v.problems and qa_ok
     return v
+
+
+def _compare_as_trained(
+    probe: Probe, outs: list[np.ndarray], held: list[np.ndarray], qa_logits: np.ndarray | None
+) -> Comparison:
+    """The output's logits (those of the merged-model figures) against the model as trained.
+
+    ``answer_top1_agreement`` here: teacher-forced on the answer's positions, the output's top-1 equals
+    the as-trained model's.
+    """
+    c = Comparison(reference=probe.trained_label)
+    pairs = list(zip(outs, probe.trained_prompts, strict=True))
+    deltas = np.concatenate([np.abs(o - r).reshape(-1) for o, r in pairs])
+    c.max_abs_logit_delta = float(deltas.max())
+    c.mean_abs_logit_delta = float(deltas.mean())
+    c.max_abs_logit = float(max(np.abs(r).max() for r in probe.trained_prompts))
+    c.top1_agreement = float(np.concatenate([o.argmax(-1) == r.argmax(-1) for o, r in pairs]).mean())
+    c.perplexity_reference = _ppl(probe.trained_heldout, probe.heldout)
+    c.perplexity_delta = _ppl(held, probe.heldout) - c.perplexity_reference
+    if qa_logits is not None and probe.trained_qa is not None:
+        n, end = len(probe.qa_prompt), len(probe.qa_prompt) + len(probe.qa_answer)
+        mine, theirs = qa_logits[n - 1 : end - 1].argmax(-1), probe.trained_qa[n - 1 : end - 1].argmax(-1)
+        c.answer_top1_agreement = float((mine == theirs).mean())
+    return c
 
 
 class LlamaCpp:
@@ -362,12 +447,26 @@ def verify_hf_dir(probe: Probe, model_dir: Path) -> Verification:
         gc.collect()
 
 
-def verify_peft_dir(probe: Probe, base_dir: Path, adapter_dir: Path) -> Verification:
-    """Load the base with transformers (4-bit through bitsandbytes), apply the PEFT dir, compare."""
+def verify_peft_dir(
+    probe: Probe, base_dir: Path, adapter_dir: Path, *, trained_base: BaseModel | None = None
+) -> Verification:
+    """Load the base with transformers (4-bit through bitsandbytes), apply the PEFT dir, compare.
+
+    ``trained_base`` with an ``on_load`` quantization: the base is loaded as the trainer held it (its
+    Linear4bit weights replaced by their NF4 codes dequantized to fp32), the way an adapter trained on
+    an NF4 base is meant to be served.
+    """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=False)
+    if trained_base is not None and trained_base.on_load is not None:
+        nf4 = {n: trained_base.read_fp32(n) for n in trained_base.tensors if trained_base.is_dequantized(n)}
+        missing = set(nf4) - set(base.state_dict())
+        if missing:
+            raise ConsumerRejected(f"the base loaded by transformers lacks {sorted(missing)[:3]}")
+        base.load_state_dict(nf4, strict=False)
+        del nf4
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     try:
         return compare(probe, "transformers+peft", hf_logits_fn(model))

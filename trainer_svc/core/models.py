@@ -426,7 +426,58 @@ def adapter_metadata(loaded: LoadedModel) -> dict[str, str]:
         "base_quantization": loaded.facts.quantization,
         "base_architecture": loaded.facts.architecture,
         "r": str(loaded.lora.r if loaded.lora else 0),
+        **base_quant_metadata(loaded.model),
     }
+
+
+def base_quant_metadata(model) -> dict[str, str]:
+    """How the base's 4-bit layers were quantized, read from their quant states (``base_quant.*``).
+
+    The exporter re-creates the exact NF4 codes of a base quantized on load from these (its merge
+    into "the model as trained"); empty for a 16-bit session.
+    """
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:  # no bitsandbytes: no 4-bit layers either
+        return {}
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear4bit)]
+    if not layers:
+        return {}
+    qs = layers[0][1].weight.quant_state
+    first = layers[0][0].removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
+    return {
+        **_nf4_digest(first, layers[0][1].weight),
+        "base_quant.type": str(qs.quant_type),
+        "base_quant.blocksize": str(qs.blocksize),
+        "base_quant.double_quant": str(bool(qs.nested)).lower(),
+        "base_quant.nested_blocksize": str(qs.state2.blocksize if qs.nested else 0),
+        "base_quant.quant_storage": str(layers[0][1].weight.quant_storage).removeprefix("torch."),
+        "base_quant.quantized_from": str(qs.dtype).removeprefix("torch."),
+        "base_quant.compute_dtype": str(layers[0][1].compute_dtype).removeprefix("torch."),
+        "base_quant.modules": ",".join(
+            sorted({n.replace(".base_layer", "").rsplit(".", 1)[-1] for n, _ in layers})
+        ),
+        "base_quant.tensors": str(len(layers)),
+    }
+
+
+def _nf4_digest(name: str, weight) -> dict[str, str]:
+    """sha256 of one Linear4bit weight's codes and absmax, for the exporter to check its re-creation by.
+
+    The same bytes, in the same order, as ``export_svc.core.sources.nf4_digest`` hashes (the services
+    share no code; ``tests/export_svc/test_as_trained.py`` checks the two agree). Skipped for a layer
+    bitsandbytes repacked for CPU inference (its codes are in another layout then).
+    """
+    import hashlib
+
+    qs = weight.quant_state
+    if getattr(qs, "packing_format_for_cpu", False):
+        return {}
+    h = hashlib.sha256()
+    parts = [weight.data, qs.absmax] + ([qs.state2.absmax, qs.offset] if qs.nested else [])
+    for t in parts:
+        h.update(t.detach().contiguous().cpu().reshape(-1).numpy().tobytes())
+    return {"base_quant.digest_tensor": name, "base_quant.digest": h.hexdigest()}
 
 
 def release(loaded: LoadedModel) -> None:
