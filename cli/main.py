@@ -35,43 +35,87 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
+def _default(name: str) -> str:
+    """The trainer's default for a TrainConfig field, as --help shows it."""
+    from strop.common.trainer_types import TRAIN_DEFAULTS
+
+    value = TRAIN_DEFAULTS[name]
+    if isinstance(value, dict):
+        return ", ".join(f"{v:.0e} ({k})" if isinstance(v, float) else f"{v} ({k})" for k, v in value.items())
+    return str(value).lower() if name == "memory_mode" else str(value)
+
+
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="load a model, attach LoRA, upload a dataset and run SFT or DPO")
-    p.add_argument("--target", default=DEFAULT_TRAINER, help="trainer service host:port")
+    from strop.common.trainer_types import LoraConfig
+
+    lora = LoraConfig()
+    p = sub.add_parser(
+        "train",
+        help="load a model, attach LoRA, upload a dataset and run SFT or DPO",
+        description="Load a model on the trainer, attach LoRA, upload a JSONL dataset, train and follow the job. "
+        "The session is closed when the command ends (success, failure or Ctrl-C) unless --keep-session. "
+        "Unset options take the trainer's defaults, shown below.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--target", default=DEFAULT_TRAINER, help="trainer service host:port (env STROP_TRAINER)")
     p.add_argument("--model", required=True, help="model path under the service's model root")
     p.add_argument("--dataset", required=True, help="local JSONL file to upload")
     p.add_argument("--method", choices=("sft", "dpo"), default="sft")
-    p.add_argument("--quantization", choices=("auto", "nf4", "none"), default="auto")
-    p.add_argument("--r", type=int, default=16)
-    p.add_argument("--alpha", type=float, default=16.0)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--target-modules", default="", help="comma-separated; default all seven projections")
+    p.add_argument(
+        "--quantization",
+        choices=("auto", "nf4", "none"),
+        default="auto",
+        help="auto: a prequantized checkpoint stays 4-bit, a 16-bit one is quantized to NF4 on a GPU",
+    )
+    p.add_argument("--r", type=int, default=lora.r, help="LoRA rank")
+    p.add_argument("--alpha", type=float, default=lora.alpha, help="LoRA alpha")
+    p.add_argument("--dropout", type=float, default=lora.dropout)
+    p.add_argument("--target-modules", default="", help="comma-separated; empty: all seven projections")
     p.add_argument("--rslora", action="store_true")
-    p.add_argument("--lr", type=float, default=0.0)
-    p.add_argument("--scheduler", default="")
+    p.add_argument("--lr", type=float, default=0.0, help=f"learning rate; 0: {_default('learning_rate')}")
+    p.add_argument("--scheduler", default="", help=f"empty: {_default('lr_scheduler')}")
     p.add_argument("--warmup-ratio", type=float, default=0.0)
-    p.add_argument("--max-steps", type=int, default=0)
-    p.add_argument("--epochs", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=0)
-    p.add_argument("--grad-accum", type=int, default=0)
-    p.add_argument("--max-length", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=0, help="> 0 overrides --epochs")
+    p.add_argument("--epochs", type=float, default=0.0, help=f"0: {_default('num_epochs')}")
+    p.add_argument("--batch-size", type=int, default=0, help=f"0: {_default('batch_size')}")
+    p.add_argument("--grad-accum", type=int, default=0, help=f"0: {_default('gradient_accumulation_steps')}")
+    p.add_argument("--max-length", type=int, default=0, help=f"0: {_default('max_length')}")
     p.add_argument("--packing", action="store_true")
-    p.add_argument("--completion-only", action="store_true")
-    p.add_argument("--optimizer", default="")
-    p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--dpo-loss", default="")
-    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument(
+        "--completion-only",
+        action="store_true",
+        help="loss on the last assistant message only (messages) or the completion (prompt/completion)",
+    )
+    p.add_argument(
+        "--loss-on-all-tokens",
+        action="store_true",
+        help="SFT on messages or prompt/completion: loss on every token, prompts and system messages "
+        "included (default: assistant messages only, as the OpenAI fine-tuning API)",
+    )
+    p.add_argument("--optimizer", default="", help=f"empty: {_default('optimizer')}")
+    p.add_argument("--beta", type=float, default=0.0, help=f"DPO beta; 0: {_default('dpo_beta')}")
+    p.add_argument("--dpo-loss", default="", help=f"empty: {_default('dpo_loss_type')}")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument(
         "--memory-mode",
         default="",
         choices=[m.value.lower() for m in MemoryMode if m is not MemoryMode.UNSPECIFIED],
+        help=f"empty: {_default('memory_mode')}",
     )
     p.add_argument(
-        "--memory-budget-gib", type=float, default=0.0, help="max_speed: device memory the job may use"
+        "--memory-budget-gib",
+        type=float,
+        default=0.0,
+        help="max_speed: device memory the job may use; 0: 90%% of the device",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-adapter", default="", help="also save the adapter under this artifact id")
+    p.add_argument(
+        "--keep-session",
+        action="store_true",
+        help="leave the session loaded on the trainer when the command ends (for Generate or another job)",
+    )
     p.set_defaults(func=_cmd_train)
 
 
@@ -95,6 +139,7 @@ def _cmd_train(a) -> int:
         max_length=a.max_length,
         packing=a.packing,
         completion_only_loss=a.completion_only,
+        loss_on_all_tokens=a.loss_on_all_tokens,
         optimizer=a.optimizer,
         dpo_beta=a.beta,
         dpo_loss_type=a.dpo_loss,
@@ -106,26 +151,53 @@ def _cmd_train(a) -> int:
     )
     with TrainerClient(a.target) as tc:
         session = tc.load_model(a.model, quantization=quant)
+        job_id = ""
         print(
             f"session {session.session_id}: {session.facts.architecture} {session.facts.quantization} "
             f"on {session.facts.device} ({session.facts.kernels_reason})",
             file=sys.stderr,
         )
-        lora = LoraConfig(r=a.r, alpha=a.alpha, dropout=a.dropout, use_rslora=a.rslora, seed=a.seed)
-        if targets:
-            lora.target_modules = targets
-        tc.attach_lora(session.session_id, lora)
-        ds = tc.upload_dataset(a.dataset)
-        print(f"dataset {ds.dataset_id}: {ds.num_rows} {ds.format.value.lower()} rows", file=sys.stderr)
-        job = tc.get_job(follow(tc.train(session.session_id, ds.dataset_id, config)))
-        if a.save_adapter:
-            tc.save_adapter(session.session_id, a.save_adapter)
-        print_json(job)
-        return 0 if job.state.value == "SUCCEEDED" else 1
+        try:
+            lora = LoraConfig(r=a.r, alpha=a.alpha, dropout=a.dropout, use_rslora=a.rslora, seed=a.seed)
+            if targets:
+                lora.target_modules = targets
+            tc.attach_lora(session.session_id, lora)
+            ds = tc.upload_dataset(a.dataset)
+            print(f"dataset {ds.dataset_id}: {ds.num_rows} {ds.format.value.lower()} rows", file=sys.stderr)
+
+            def remember(ev) -> None:
+                nonlocal job_id
+                job_id = ev.job_id
+
+            job = tc.get_job(follow(tc.train(session.session_id, ds.dataset_id, config), on_event=remember))
+            if a.save_adapter:
+                tc.save_adapter(session.session_id, a.save_adapter)
+            print_json(job)
+            return 0 if job.state.value == "SUCCEEDED" else 1
+        except KeyboardInterrupt:
+            if job_id:  # jobs outlive their streams: Ctrl-C stops this job too, keeping its adapter
+                tc.cancel_job(job_id)
+                tc.wait_job(job_id)
+                print(f"job {job_id} cancelled", file=sys.stderr)
+            raise
+        finally:
+            if a.keep_session:
+                print(f"session {session.session_id} kept (strop sessions close to free it)", file=sys.stderr)
+            else:
+                _close_quietly(tc, session.session_id)
+
+
+def _close_quietly(tc, session_id: str) -> None:
+    """Close the session this command opened; a failure to close is reported, never raised over the result."""
+    try:
+        tc.close_session(session_id)
+        print(f"session {session_id} closed", file=sys.stderr)
+    except StropClientError as exc:
+        print(f"session {session_id} not closed ({exc.code}): {exc}", file=sys.stderr)
 
 
 def _add_jobs(sub) -> None:
-    p = sub.add_parser("jobs", help="list, inspect, follow or cancel training jobs")
+    p = sub.add_parser("jobs", help="list, inspect, follow, cancel or plot training jobs")
     p.add_argument("--target", default=DEFAULT_TRAINER)
     jsub = p.add_subparsers(dest="jobs_cmd", required=True)
     jsub.add_parser("list").add_argument("--session", default="")
@@ -134,6 +206,9 @@ def _add_jobs(sub) -> None:
         q.add_argument("job_id")
         if name == "watch":
             q.add_argument("--after-seq", type=int, default=0)
+    q = jsub.add_parser("plot", help="write the job's loss curve (PNG, stored when the job ends)")
+    q.add_argument("job_id")
+    q.add_argument("-o", "--output", default="", help="PNG file to write (default <job_id>-loss.png)")
     p.set_defaults(func=_cmd_jobs)
 
 
@@ -151,6 +226,10 @@ def _cmd_jobs(a) -> int:
             print_json(tc.get_job(a.job_id))
         elif a.jobs_cmd == "watch":
             follow(tc.watch_job(a.job_id, a.after_seq))
+        elif a.jobs_cmd == "plot":
+            from strop.cli.plot import fetch_loss_curve
+
+            print(fetch_loss_curve(tc, a.job_id, a.output))
         else:
             print_json(tc.cancel_job(a.job_id))
     return 0
@@ -201,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     except StropClientError as exc:
         print(f"error ({exc.code}): {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

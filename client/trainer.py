@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -149,7 +150,10 @@ class TrainerClient(ArtifactClient):
         else:
             data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in source).encode()
             default_name = "rows.jsonl"
-        header = to_proto(trainer_pb2.DatasetHeader, DatasetHeader(name or default_name, format))
+        header = to_proto(
+            trainer_pb2.DatasetHeader,
+            DatasetHeader(name or default_name, format, len(data), hashlib.sha256(data).hexdigest()),
+        )
 
         def requests() -> Iterator[trainer_pb2.UploadDatasetRequest]:
             yield trainer_pb2.UploadDatasetRequest(header=header)

@@ -59,7 +59,7 @@ class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer)
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("the first UploadDataset message must be the header")
-        fmt = from_proto(DatasetHeader, first.header).format
+        header = from_proto(DatasetHeader, first.header)
 
         def data() -> Iterator[bytes]:
             for msg in request_iterator:
@@ -67,7 +67,9 @@ class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer)
                     raise InvalidArgument("only the first UploadDataset message may be a header")
                 yield msg.data
 
-        info = self.core.datasets.upload(first.header.name, fmt, data())
+        info = self.core.datasets.upload(
+            header.name, header.format, data(), expect_bytes=header.size_bytes, expect_sha256=header.sha256
+        )
         return to_proto(trainer_pb2.Dataset, info)
 
     def RegisterDataset(self, request, context):

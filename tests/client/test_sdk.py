@@ -88,3 +88,56 @@ def test_cli_reports_errors_with_their_code(trainer, tmp_path, capsys):
     )
     assert rc == 1
     assert "error (NOT_FOUND)" in capsys.readouterr().err
+
+
+def test_cli_train_closes_its_session_on_success_and_failure_unless_kept(trainer, client, tmp_path, capsys):
+    from strop.client import SessionState
+
+    running, _, _ = trainer
+    target = f"127.0.0.1:{running.port}"
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in sft_rows()))
+    base = [
+        "train",
+        "--target",
+        target,
+        "--model",
+        "tiny-llama-4bit",
+        "--dataset",
+        str(data),
+        "--max-steps",
+        "1",
+    ]
+
+    def open_sessions():
+        return {s.session_id for s in client.list_sessions() if s.state is not SessionState.CLOSED}
+
+    before = open_sessions()
+    assert cli_main([*base, "--r", "4"]) == 0  # succeeds
+    assert cli_main([*base, "--r", "0"]) == 1  # fails at AttachLora
+    assert "error (INVALID_ARGUMENT)" in capsys.readouterr().err
+    assert open_sessions() == before, "neither run leaves its session loaded"
+    assert cli_main([*base, "--r", "4", "--keep-session"]) == 0
+    kept = open_sessions() - before
+    assert len(kept) == 1, "--keep-session leaves it for Generate or another job"
+    client.close_session(kept.pop())
+
+
+def test_cli_train_help_shows_every_default():
+    out = subprocess.run(
+        [sys.executable, "-m", "strop.cli.main", "train", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    flat = " ".join(out.split())
+    for shown in (
+        "2e-04 (SFT)",
+        "5e-06 (DPO)",
+        "linear",
+        "adamw_torch",
+        "standard",
+        "127.0.0.1:50051",
+        "(default: 16)",
+    ):
+        assert shown in flat, shown

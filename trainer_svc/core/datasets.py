@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common import auth
-from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from strop.common.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine
 from strop.common.trainer_types import DatasetFormat, DatasetInfo
 from strop.trainer_svc.core.store import TrainerStore
@@ -54,6 +54,10 @@ def _check_messages(value, field: str) -> str | None:
             return f"'{field}[{i}].role' must be one of {sorted(ROLES)}, got {m.get('role')!r}"
         if not isinstance(m.get("content"), str):
             return f"'{field}[{i}].content' must be a string"
+        if "weight" in m and (
+            m["role"] != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool)
+        ):
+            return f"'{field}[{i}].weight' must be 0 or 1, on assistant messages only (as the OpenAI fine-tuning API)"
     return None
 
 
@@ -111,6 +115,8 @@ def check_row(row: dict, fmt: DatasetFormat) -> str | None:
             return problem
         if row["messages"][-1]["role"] != "assistant":
             return "the last message must come from the assistant (it is what the model learns to say)"
+        if all(m.get("weight", 1) == 0 for m in row["messages"] if m["role"] == "assistant"):
+            return "every assistant message has weight 0: the row teaches nothing"
         return None
     fields = (
         ("prompt", "completion")
@@ -212,8 +218,41 @@ class Datasets:
         self.dir = Path(state_dir) / "datasets"
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def upload(self, name: str, fmt: DatasetFormat, chunks: Iterable[bytes]) -> DatasetInfo:
-        validated = validate_jsonl(chunks, fmt, self.limits)
+    def upload(
+        self,
+        name: str,
+        fmt: DatasetFormat,
+        chunks: Iterable[bytes],
+        *,
+        expect_bytes: int = 0,
+        expect_sha256: str = "",
+    ) -> DatasetInfo:
+        """Validate and store an uploaded dataset; with ``expect_bytes``/``expect_sha256`` (what the client says it
+        sent) a stream that ended short or differs is DataLoss and stores nothing: a client that goes away
+        mid-upload ends its request stream the way a finished one does, and only the count tells them apart."""
+        received = 0
+
+        def counted() -> Iterator[bytes]:
+            nonlocal received
+            for chunk in chunks:
+                received += len(chunk)
+                yield chunk
+
+        def short() -> DataLoss:
+            return DataLoss(
+                f"the upload ended after {received} of the {expect_bytes} bytes its header announced"
+            )
+
+        try:
+            validated = validate_jsonl(counted(), fmt, self.limits)
+        except InvalidArgument:  # a row cut in two by a stream that ended early is the stream's fault
+            if expect_bytes and received < expect_bytes:
+                raise short() from None
+            raise
+        if expect_bytes and received != expect_bytes:
+            raise short()
+        if expect_sha256 and validated.sha256 != expect_sha256.lower():
+            raise DataLoss("the uploaded bytes' sha256 differs from the one its header announced")
         info = DatasetInfo(
             dataset_id=f"ds-{uuid.uuid4().hex[:12]}",
             name=name,

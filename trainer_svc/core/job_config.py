@@ -8,12 +8,13 @@ from dataclasses import fields, replace
 
 from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
-    DEFAULT_MEMORY_MODE,
     MEMORY_MODES,
+    TRAIN_DEFAULTS,
     DatasetFormat,
     MemoryMode,
     TrainConfig,
     TrainMethod,
+    train_default,
 )
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial")
@@ -50,20 +51,23 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidArgument(f"config: {f.name} must be a finite number, got {value}")
     dpo = cfg.method is TrainMethod.DPO
+    default = {name: train_default(name, cfg.method) for name in TRAIN_DEFAULTS}
     c = replace(
         cfg,
-        learning_rate=cfg.learning_rate or (5e-6 if dpo else 2e-4),
-        lr_scheduler=cfg.lr_scheduler or "linear",
-        num_epochs=cfg.num_epochs or 1.0,
-        batch_size=cfg.batch_size or 1,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps or 1,
+        learning_rate=cfg.learning_rate or default["learning_rate"],
+        lr_scheduler=cfg.lr_scheduler or default["lr_scheduler"],
+        num_epochs=cfg.num_epochs or default["num_epochs"],
+        batch_size=cfg.batch_size or default["batch_size"],
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps or default["gradient_accumulation_steps"],
         max_length=cfg.max_length or session_max_len,
-        optimizer=cfg.optimizer or "adamw_torch",
-        max_grad_norm=cfg.max_grad_norm or 1.0,
-        dpo_beta=cfg.dpo_beta or 0.1,
-        dpo_loss_type=cfg.dpo_loss_type or "sigmoid",
-        dpo_reference=cfg.dpo_reference or "base",
-        memory_mode=DEFAULT_MEMORY_MODE if cfg.memory_mode is MemoryMode.UNSPECIFIED else cfg.memory_mode,
+        optimizer=cfg.optimizer or default["optimizer"],
+        max_grad_norm=cfg.max_grad_norm or default["max_grad_norm"],
+        dpo_beta=cfg.dpo_beta or default["dpo_beta"],
+        dpo_loss_type=cfg.dpo_loss_type or default["dpo_loss_type"],
+        dpo_reference=cfg.dpo_reference or default["dpo_reference"],
+        memory_mode=MemoryMode(default["memory_mode"])
+        if cfg.memory_mode is MemoryMode.UNSPECIFIED
+        else cfg.memory_mode,
     )
     forced = MEMORY_MODES[c.memory_mode].gradient_checkpointing
     if (
@@ -119,7 +123,12 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
     return c
 
 
-def check_dataset_fits(method: TrainMethod, fmt: DatasetFormat, rows: list[dict], vocab_size: int) -> None:
+def check_dataset_fits(cfg: TrainConfig, fmt: DatasetFormat, rows: list[dict], vocab_size: int) -> None:
+    method = cfg.method
+    if cfg.completion_only_loss and fmt is DatasetFormat.TEXT:
+        raise InvalidArgument(
+            "completion_only_loss needs messages or prompt/completion rows; text rows have no completion"
+        )
     if method is TrainMethod.DPO and fmt is not DatasetFormat.PREFERENCE:
         raise InvalidArgument(
             f"DPO needs a preference dataset (prompt/chosen/rejected); this dataset is {fmt.value.lower()}"
@@ -136,19 +145,82 @@ def check_dataset_fits(method: TrainMethod, fmt: DatasetFormat, rows: list[dict]
                 )
 
 
-def sft_rows(rows: list[dict], fmt: DatasetFormat, completion_only: bool) -> list[dict]:
-    """Rows as TRL's SFTTrainer expects them.
+def sft_rows(rows: list[dict], fmt: DatasetFormat, cfg: TrainConfig, tokenizer) -> tuple[list[dict], bool]:
+    """Rows as TRL's SFTTrainer expects them, and whether the loss is masked to their completion part.
 
-    With ``completion_only`` a conversation becomes conversational prompt/completion (all turns but
-    the last as the prompt), so the loss falls on the final assistant answer only.
+    Which tokens the loss covers (every assistant message is what the OpenAI fine-tuning API trains on):
+
+    ===================  ==============================  ==========================  ===================
+    data                 default                         ``completion_only_loss``    ``loss_on_all_tokens``
+    ===================  ==============================  ==========================  ===================
+    messages             assistant messages (weight≠0)   the last assistant message  every token
+    prompt/completion    the completion                  the completion              every token
+    text                 every token                     (refused)                   every token
+    tokens               ``completion_mask`` if given    ``completion_mask``         every token
+    ===================  ==============================  ==========================  ===================
     """
-    if fmt is DatasetFormat.MESSAGES and completion_only:
-        return [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows]
     if fmt is DatasetFormat.TOKENS:  # TRL skips tokenization for rows that already hold input_ids
-        return [{k: r[k] for k in ("input_ids", "completion_mask") if k in r} for r in rows]
-    keys = {
-        DatasetFormat.TEXT: ("text",),
-        DatasetFormat.MESSAGES: ("messages",),
-        DatasetFormat.PROMPT_COMPLETION: ("prompt", "completion"),
-    }[fmt]
-    return [{k: r[k] for k in keys} for r in rows]
+        keep = ("input_ids",) if cfg.loss_on_all_tokens else ("input_ids", "completion_mask")
+        return [{k: r[k] for k in keep if k in r} for r in rows], not cfg.loss_on_all_tokens
+    if fmt is DatasetFormat.TEXT:
+        return [{"text": r["text"]} for r in rows], False
+    if fmt is DatasetFormat.PROMPT_COMPLETION:
+        return [
+            {"prompt": r["prompt"], "completion": r["completion"]} for r in rows
+        ], not cfg.loss_on_all_tokens
+    if cfg.loss_on_all_tokens:
+        return [{"messages": _plain(r["messages"])} for r in rows], False
+    if cfg.completion_only_loss:  # conversational prompt/completion: all turns but the last are the prompt
+        return [
+            {"prompt": _plain(r["messages"][:-1]), "completion": _plain(r["messages"][-1:])} for r in rows
+        ], True
+    return [assistant_masked(r["messages"], tokenizer) for r in rows], True
+
+
+def _plain(messages: list[dict]) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _chat_ids(tokenizer, messages: list[dict], *, generation_prompt: bool) -> list[int]:
+    # As TRL tokenizes a conversation (``trl.data_utils._tokenize``): the template's own special tokens only.
+    out = tokenizer.apply_chat_template(
+        _plain(messages), tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+    )
+    return list(out["input_ids"])
+
+
+def assistant_masked(messages: list[dict], tokenizer) -> dict:
+    """A conversation tokenized with its chat template and a mask of 1 on the tokens of its assistant messages.
+
+    Assistant message i spans from the end of the conversation before it rendered with the generation prompt
+    (``<|im_start|>assistant\n``, …) to the end of the conversation up to and including it, so the message's
+    end-of-turn token is trained (the model learns to stop). Spans are found on token ids: where the shorter
+    rendering stops being a prefix of the whole one (as TRL's ``common_prefix_length`` does for one completion).
+    A template that renders an earlier part of a conversation differently once more turns follow cannot be
+    masked this way: InvalidArgument, naming the way out (``loss_on_all_tokens``).
+    """
+    ids = _chat_ids(tokenizer, messages, generation_prompt=False)
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or m.get("weight", 1) == 0:
+            continue
+        start = _common_prefix(_chat_ids(tokenizer, messages[:i], generation_prompt=True), ids)
+        upto = _chat_ids(tokenizer, messages[: i + 1], generation_prompt=False)
+        end = _common_prefix(upto, ids)
+        if end < len(upto):
+            raise InvalidArgument(
+                f"the chat template renders a conversation's first {i + 1} messages differently once more "
+                "follow, so its assistant messages cannot be masked; train with loss_on_all_tokens or "
+                "completion_only_loss"
+            )
+        mask[start:end] = [1] * (end - start)
+    return {"input_ids": ids, "completion_mask": mask}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from strop.common import auth
+from strop.common import auth, logs
 from strop.common.artifacts import ArtifactStore
 from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from strop.common.metrics import TrainerMetrics
 from strop.common.signals import follow_blocking
 from strop.common.trainer_types import (
     RESUMABLE_STATES,
@@ -36,7 +37,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import job_config, models, training
+from strop.trainer_svc.core import job_config, loss_curve, models, training
 from strop.trainer_svc.core.datasets import Datasets
 from strop.trainer_svc.core.guard import BrokenTraining
 from strop.trainer_svc.core.sessions import Session, Sessions
@@ -72,12 +73,14 @@ class Jobs:
         *,
         state_dir: Path,
         max_queued: int = 64,
+        metrics: TrainerMetrics | None = None,
     ) -> None:
         if max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {max_queued}")
         self.store, self.artifacts, self.sessions, self.datasets = store, artifacts, sessions, datasets
         self.state_dir = Path(state_dir)
         self.max_queued = max_queued
+        self.metrics = metrics
         self._jobs: dict[str, _RunningJob] = {}
         self._queue: collections.deque[str] = collections.deque()  # QUEUED jobs, in the order accepted
         self._running = 0
@@ -119,7 +122,7 @@ class Jobs:
             raise FailedPrecondition(f"session {session_id} has no adapter; call AttachLora first")
         ds_info, rows = self.datasets.rows(dataset_id)
         cfg = job_config.with_defaults(config, session_max_len=sess.info.facts.max_seq_length)
-        job_config.check_dataset_fits(cfg.method, ds_info.format, rows, sess.info.facts.vocab_size)
+        job_config.check_dataset_fits(cfg, ds_info.format, rows, sess.info.facts.vocab_size)
         if resume_from_job_id:
             self._check_resume_compatible(sess, resume_dir)
         job = JobInfo(
@@ -169,6 +172,11 @@ class Jobs:
             thread.start()
         return self.get(job.job_id)
 
+    def queue_length(self) -> int:
+        """Jobs waiting QUEUED for this device."""
+        with self._lock:
+            return len(self._queue)
+
     def _wait_turn(self, job_id: str, control: training.JobControl) -> bool:
         """Block until the job heads the queue and a slot is free; False if it was stopped while queued."""
         with self._turn:
@@ -212,6 +220,7 @@ class Jobs:
     ) -> None:
         import torch
 
+        logs.bind(job_id=job_id)  # this thread is the job's: every line it logs carries the id
         work_dir = self.state_dir / "work" / job_id
         sinks = training.Sinks(
             on_step=lambda m: self._on_step(job_id, m),
@@ -221,11 +230,12 @@ class Jobs:
         if not self._wait_turn(job_id, control):
             self._free_session(sess, job_id)
             if control.stop.reason == "cancel":
-                self.store.transition(job_id, JobState.CANCELLED, "cancelled while queued")
+                state, message = JobState.CANCELLED, "cancelled while queued"
             else:
-                self.store.transition(
-                    job_id, JobState.INTERRUPTED, "service shutting down; the job had not started"
-                )
+                state, message = JobState.INTERRUPTED, "service shutting down; the job had not started"
+            if self.metrics is not None:
+                self.metrics.on_finished(state.value)
+            self.store.transition(job_id, state, message)
             return
         try:
             with sess.lock:
@@ -261,10 +271,15 @@ class Jobs:
             shutil.rmtree(work_dir, ignore_errors=True)
             if sess.loaded.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+            # drawn before the device is released: the job ends (finished_at) before the next one starts
+            curve = loss_curve.publish_loss_curve(self.store, self.artifacts, job_id)
             self._release_turn()
             self._free_session(sess, job_id)
         state, message, code = outcome
-        self.store.transition(job_id, state, message, error_code=code)
+        if self.metrics is not None:  # before the event: a client that saw the end finds it in the metrics
+            self.metrics.on_finished(state.value)
+        self.store.transition(job_id, state, message, error_code=code, loss_curve=curve)
+        log.info("job %s: %s (%s)", job_id, state.value, message)
 
     def _scrub(self, message: str) -> str:
         """No absolute server paths in what clients see: the roots and the interpreter's prefix, named instead."""
@@ -286,6 +301,11 @@ class Jobs:
             self._jobs.pop(job_id, None)
 
     def _on_step(self, job_id: str, m: StepMetrics) -> None:
+        if self.metrics is not None:  # before the event: a client that saw the step finds it in the metrics
+            self.metrics.on_step(
+                job_id, step=m.step, loss=m.loss, tokens_per_second=m.tokens_per_second,
+                seconds=m.step_seconds, peak_bytes=m.peak_memory_bytes,
+            )  # fmt: skip
         self.store.append_event(
             JobEvent(job_id=job_id, step=m), step=m.step, total_steps=m.total_steps, last_loss=m.loss
         )
@@ -350,6 +370,10 @@ class Jobs:
             raise FailedPrecondition(f"job {job_id} already ended ({job.state.value})")
         with self._lock:
             running = self._jobs.get(job_id)
+        if running is None and job.instance_id and job.instance_id != self.store.instance_id:
+            raise FailedPrecondition(
+                f"job {job_id} runs on trainer instance {job.instance_id}; cancel it there"
+            )
         if running is not None:
             running.control.request_stop("cancel")
             with self._turn:

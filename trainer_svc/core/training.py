@@ -204,14 +204,15 @@ def _build_trl_trainer(
     if cfg.method is TrainMethod.SFT:
         from trl import SFTConfig, SFTTrainer
 
+        sft, masked = sft_rows(rows, fmt, cfg, loaded.tokenizer)
         sft_args = SFTConfig(
             **args,
             max_length=cfg.max_length,
             packing=cfg.packing,
-            completion_only_loss=True if cfg.completion_only_loss else None,
+            completion_only_loss=masked,
             dataset_text_field="text",
         )
-        dataset = Dataset.from_list(sft_rows(rows, fmt, cfg.completion_only_loss))
+        dataset = Dataset.from_list(sft)
         return SFTTrainer(
             model=loaded.model,
             args=sft_args,
@@ -316,6 +317,33 @@ def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
     return installed
 
 
+def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, installed) -> None:
+    """On CUDA, refuse a job whose estimated step (``admission``) exceeds the device memory free for it; a
+    budgeted mode (MAX_SPEED) plans its own recompute within its budget instead."""
+    if not loaded.device.startswith("cuda") or MEMORY_MODES[cfg.memory_mode].budgeted_recompute:
+        return
+    import torch
+
+    from strop.trainer_svc.core import admission
+
+    offloaded = (
+        installed is not None and installed.memory is not None and installed.memory.offloader is not None
+    )
+    est = admission.estimate(
+        loaded.model.config,
+        cfg,
+        longest_row=admission.longest_row(trainer.train_dataset) or cfg.max_length,
+        n_trainable=sum(p.numel() for p in loaded.model.parameters() if p.requires_grad),
+        checkpointed=bool(cfg.gradient_checkpointing) or offloaded,
+        offloaded=offloaded,
+        kernels=loaded.facts.kernels_enabled,
+    )
+    dev = torch.device(loaded.device)
+    free, _ = torch.cuda.mem_get_info(dev)
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # cached, reusable by this job
+    admission.admit(est, free)
+
+
 def run_training(
     loaded: LoadedModel,
     rows: list[dict],
@@ -345,6 +373,7 @@ def run_training(
         installed = _install_memory_mode(
             loaded, cfg, trainer
         )  # inside the try: a failed install is cleaned up
+        _admit_by_device_memory(loaded, cfg, trainer, installed)
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         return int(trainer.state.global_step)
     finally:

@@ -1,0 +1,100 @@
+"""Admission by device memory: the estimate bounds what a real forward saves for backward, and a job that
+cannot fit is refused with its figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strop.common.errors import ResourceExhausted
+from strop.common.trainer_types import TrainConfig, TrainMethod
+from strop.trainer_svc.core import admission
+
+
+def _saved_bytes_of_a_real_step(model, tokens: torch.Tensor) -> int:
+    """Bytes of every distinct non-parameter tensor autograd saves in a forward, plus the logits' fp32 loss
+    path (what the estimate calls layer activations and logits), measured with saved_tensors_hooks."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=tokens, labels=tokens)
+    out.loss.backward()
+    return sum(seen.values())
+
+
+def test_the_estimate_bounds_what_a_real_forward_saves_and_is_not_loose():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    rows, length = 2, 384
+    tokens = torch.randint(0, 1000, (rows, length))
+    measured = _saved_bytes_of_a_real_step(model, tokens)
+    cfg = TrainConfig(method=TrainMethod.SFT, batch_size=rows, max_length=length, optimizer="adamw_torch")
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    est = admission.estimate(
+        config,
+        cfg,
+        longest_row=length,
+        n_trainable=n_trainable,
+        checkpointed=False,
+        offloaded=False,
+        kernels=False,
+    )
+    predicted = est.layers + est.logits
+    assert measured <= predicted <= 2.0 * measured, (measured, predicted, str(est))
+    assert est.adapter_state == 12 * n_trainable
+    # checkpointing keeps one input per layer and one layer's activations: far below keeping every layer
+    ckpt = admission.estimate(
+        config,
+        cfg,
+        longest_row=length,
+        n_trainable=n_trainable,
+        checkpointed=True,
+        offloaded=False,
+        kernels=False,
+    )
+    off = admission.estimate(
+        config,
+        cfg,
+        longest_row=length,
+        n_trainable=n_trainable,
+        checkpointed=True,
+        offloaded=True,
+        kernels=False,
+    )
+    assert off.layers < ckpt.layers < est.layers
+
+
+def test_a_job_that_cannot_fit_is_refused_with_its_figures_and_one_that_fits_is_admitted():
+    from transformers import LlamaConfig
+
+    eight_b = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256,
+    )  # fmt: skip
+    cfg = TrainConfig(method=TrainMethod.SFT, batch_size=16, max_length=2048, optimizer="adamw_torch")
+    kw = dict(longest_row=2048, n_trainable=42_000_000, kernels=True)
+    standard = admission.estimate(eight_b, cfg, checkpointed=True, offloaded=True, **kw)
+    no_ckpt = admission.estimate(eight_b, cfg, checkpointed=False, offloaded=False, **kw)
+    # 16 x 2048 tokens without checkpointing: 32 layers of activations, beyond an 80 GiB device
+    assert no_ckpt.total > 80 * 2**30 > 20 * 2**30 > standard.total
+    admission.admit(standard, 80 * 2**30)
+    with pytest.raises(ResourceExhausted, match=r"needs ≈\d+\.\d+ GiB .* LONG_CONTEXT"):
+        admission.admit(no_ckpt, 80 * 2**30)
+    # a short dataset is estimated by its longest row, not by max_length
+    short = admission.estimate(eight_b, cfg, checkpointed=False, offloaded=False, **{**kw, "longest_row": 64})
+    assert short.tokens == 16 * 64 and short.total < no_ckpt.total / 20
