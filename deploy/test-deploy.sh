@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# make test-deploy: build both images on a debootstrapped Debian base and run them (deploy/README.md).
+#
+#   1. a Debian bookworm base made with debootstrap (no container registry is reachable here), committed as
+#      localhost/strop-base:bookworm (kept between runs; DEPLOY_REBASE=1 remakes it);
+#   2. the build context: the repository's files (the working tree, or DEPLOY_SOURCE=HEAD for the last commit's
+#      sources with this working tree's deploy/) plus two wheels pip already has on this disk: the CPU torch
+#      2.13.0 and the llama-cpp-python 0.3.36 built from the lock's sdist (pip checks the lock's hash);
+#   3. buildah bud --isolation chroot of deploy/Containerfile.export and deploy/Containerfile.trainer, timed;
+#   4. deploy/image_check.py: both services started from their images' filesystems and entrypoints, driven
+#      through the SDK (health, a few training steps, an export verified in llama.cpp, SIGTERM drain).
+#
+# Needs root, buildah, debootstrap and the repo's .venv (make setup). Large files stay under DEPLOY_WORK.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${DEPLOY_WORK:-/var/tmp/strop-deploy}
+SOURCE=${DEPLOY_SOURCE:-worktree}
+VPY=${VPY:-$REPO/.venv/bin/python}
+BASE=localhost/strop-base:bookworm
+TAG=${DEPLOY_TAG:-test}
+TORCH_SPEC=$(grep -m1 '^torch==' "$REPO/requirements/torch-cpu.txt")
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# What the Containerfiles COPY (nothing else enters the context).
+PATHS=(pyproject.toml README.md requirements protos common client cli export_svc trainer_svc kernels fixtures demo)
+
+log() { printf '\n=== %s\n' "$*"; }
+now() { date +%s.%N; }
+secs() { python3 -c "print(f'{$2 - $1:.0f}')"; }
+
+for tool in buildah debootstrap; do
+    command -v "$tool" >/dev/null || { echo "test-deploy: $tool is missing (apt-get install buildah debootstrap)"; exit 2; }
+done
+[ "$(id -u)" = 0 ] || { echo "test-deploy: needs root (debootstrap, buildah, chroot)"; exit 2; }
+mkdir -p "$WORK"
+
+log "1. Debian bookworm base ($BASE)"
+t0=$(now)
+if [ "${DEPLOY_REBASE:-0}" = 1 ]; then buildah rmi -f "$BASE" >/dev/null 2>&1 || true; fi
+if buildah inspect --type image "$BASE" >/dev/null 2>&1; then
+    echo "kept from an earlier run (DEPLOY_REBASE=1 remakes it)"
+else
+    rm -rf "$WORK/rootfs"
+    debootstrap --variant=minbase --include=ca-certificates bookworm "$WORK/rootfs" "$MIRROR" >"$WORK/debootstrap.log"
+    rm -rf "$WORK/rootfs/var/cache/apt/archives/"*.deb "$WORK/rootfs/var/lib/apt/lists/"*
+    ctr=$(buildah from scratch)
+    mnt=$(buildah mount "$ctr")
+    cp -a "$WORK/rootfs/." "$mnt/"
+    buildah umount "$ctr" >/dev/null
+    buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
+    buildah commit --rm -q "$ctr" "$BASE" >/dev/null
+    rm -rf "$WORK/rootfs"
+fi
+base_s=$(secs "$t0" "$(now)")
+
+log "2. build context ($SOURCE) and carried wheels"
+ctx="$WORK/context"
+rm -rf "$ctx" && mkdir -p "$ctx"
+cd "$REPO"
+if [ "$SOURCE" = HEAD ]; then
+    git archive HEAD -- "${PATHS[@]}" | tar -x -C "$ctx"
+    commit="$(git rev-parse --short HEAD) (sources) + working-tree deploy/"
+else
+    git ls-files -z -c -o --exclude-standard -- "${PATHS[@]}" | tar --null -T - -c | tar -x -C "$ctx"
+    commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- "${PATHS[@]}" || echo ' + uncommitted changes')"
+fi
+git ls-files -z -c -o --exclude-standard -- deploy | tar --null -T - -c | tar -x -C "$ctx"
+mkdir -p "$ctx/deploy/wheels"
+# pip finds the CPU build on this disk (its find-links); no network, nothing compiled.
+"$VPY" -m pip download -q --no-deps "$TORCH_SPEC" -d "$ctx/deploy/wheels"
+# The wheel pip built from the lock's sdist: --require-hashes makes pip check the cached wheel's origin hash.
+grep -A3 '^llama-cpp-python==' requirements/lock.txt | sed '/# via/,$d' >"$WORK/llama-lock.txt"
+"$VPY" -m pip wheel -q --no-deps --require-hashes -r "$WORK/llama-lock.txt" -w "$ctx/deploy/wheels"
+ls -l "$ctx/deploy/wheels"/*.whl
+ls "$ctx/deploy/wheels"/torch-*+cpu-*.whl >/dev/null || { echo "test-deploy: expected the CPU torch wheel"; exit 1; }
+# The builder's pip reaches the package index through whatever this host's pip trusts (here a proxy with its own
+# CA): carry the host's CA bundle and a pip.conf naming it (builder stage only).
+if [ -n "${PIP_CERT:-}" ] && [ -f "$PIP_CERT" ]; then
+    cp "$PIP_CERT" "$ctx/deploy/wheels/ca-bundle.crt"
+    printf '[global]\ncert = /wheels/ca-bundle.crt\n' >"$ctx/deploy/wheels/pip.conf"
+fi
+
+build() {  # build NAME EXTRA_ARGS...
+    local name=$1; shift
+    local t0; t0=$(now)
+    # --layers keeps each step's layer, so a rerun after a change to deploy/ rebuilds from the changed step on;
+    # DEPLOY_NO_CACHE=1 rebuilds every step (the figures in deploy/README.md are such a run).
+    buildah bud --isolation chroot --layers ${DEPLOY_NO_CACHE:+--no-cache} -q -f "deploy/Containerfile.$name" \
+        --build-arg BASE_IMAGE="$BASE" \
+        --build-arg TORCH_SPEC="$TORCH_SPEC" \
+        --build-arg TORCH_PIP_ARGS="--no-index --find-links /wheels" \
+        "$@" -t "localhost/strop-$name:$TAG" "$ctx" >"$WORK/build-$name.log" 2>&1 \
+        || { tail -40 "$WORK/build-$name.log"; echo "test-deploy: the $name image did not build (log $WORK/build-$name.log)"; exit 1; }
+    eval "${name}_s=$(secs "$t0" "$(now)")"
+}
+
+cd "$ctx"
+log "3a. export image (buildah bud --isolation chroot)"
+build export
+log "3b. trainer image (buildah bud --isolation chroot)"
+build trainer
+cd "$REPO"
+
+size() { buildah images --format '{{.Size}}' "$1" | head -1; }
+log "4. services from the images, driven through the SDK"
+t0=$(now)
+"$VPY" -P deploy/image_check.py --work "$WORK" \
+    --trainer-image "localhost/strop-trainer:$TAG" --export-image "localhost/strop-export:$TAG" | tee "$WORK/image-check.out"
+run_s=$(secs "$t0" "$(now)")
+
+log "figures ($(date -u +%F), $commit)"
+printf '| step | seconds | image size |\n|---|---|---|\n'
+printf '| debootstrap base | %s | %s |\n' "$base_s" "$(size "$BASE")"
+printf '| export image build | %s | %s |\n' "$export_s" "$(size "localhost/strop-export:$TAG")"
+printf '| trainer image build (CPU torch) | %s | %s |\n' "$trainer_s" "$(size "localhost/strop-trainer:$TAG")"
+printf '| run + drive both services | %s | |\n' "$run_s"
+echo "test-deploy: OK"
