@@ -62,10 +62,3 @@ def install() -> None:
             logger.addFilter(_Drop(pattern))
     for category, pattern, _ in NOISY_WARNINGS:
         warnings.filterwarnings("ignore", message=".*" + pattern, category=category)
-    # TRL prepares each job's dataset with datasets' map/filter, whose progress bars ("Tokenizing train dataset",
-    # "Dropping fully masked examples") would land in the service log once per job: the job's events say it all.
-    try:
-        import datasets
-    except ImportError:  # the export service has no datasets
-        return
-    datasets.disable_progress_bars()

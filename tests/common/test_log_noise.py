@@ -38,6 +38,8 @@ def test_dataset_progress_bars_stay_out_of_the_service_log():
     import pytest
 
     datasets = pytest.importorskip("datasets")
+    from strop.trainer_svc.core.training import quiet_dataset_progress
+
     datasets.enable_progress_bars()
-    log_noise.install()
+    quiet_dataset_progress()  # what every job's trainer build does
     assert not datasets.is_progress_bar_enabled()

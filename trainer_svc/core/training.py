@@ -188,6 +188,15 @@ def build_trainer(
     return trainer
 
 
+def quiet_dataset_progress() -> None:
+    """TRL prepares each job's dataset with datasets' map/filter, whose progress bars ("Tokenizing train
+    dataset", "Dropping fully masked examples") would land in the service log once per job; the job's own
+    events say it all."""
+    import datasets
+
+    datasets.disable_progress_bars()
+
+
 def _build_trl_trainer(
     loaded: LoadedModel,
     rows: list[dict],
@@ -199,6 +208,7 @@ def _build_trl_trainer(
 ):
     from datasets import Dataset
 
+    quiet_dataset_progress()
     args = _training_args(cfg, loaded, work_dir)
     callback = _make_callback(loaded, control, sinks, cfg.method)
     if cfg.method is TrainMethod.SFT:
