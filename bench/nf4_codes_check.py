@@ -5,7 +5,9 @@ loaded it, it re-creates the NF4 codes and absmax with bitsandbytes' CPU ``quant
 weights (export_svc/core/sources.py). On the CPU tier that is checked bitwise against the trainer's own
 ``Linear4bit``; this script checks it where training really happens: the trainer's ``load_model`` on CUDA
 (a random Llama of 8B layer shapes, 2 layers, bf16 on disk), each Linear4bit's codes, absmax and nested
-statistics against the CPU re-creation from the same weights, and the fp32 dequantizations. Prints a table.
+statistics against the CPU re-creation from the same weights, and the fp32 dequantizations: with scales
+re-computed on the CPU, and with the scales the trainer records (``models.write_nf4_stats``), which must give
+the trained weights bit for bit. Prints a table; exits 1 on any code or recorded-scale difference.
 
     python3 bench/nf4_codes_check.py
 """
@@ -59,19 +61,42 @@ def main() -> int:
         codes_diff = int((packed.flatten() != w.data.cpu().flatten()).sum())
         absmax_diff = int((cpu_qs.absmax != qs.absmax.cpu()).sum())
         nested_diff = int((cpu_qs.state2.absmax != qs.state2.absmax.cpu()).sum()) if qs.nested else 0
+        import copy
+
+        gpu_qs = copy.deepcopy(qs)
+        gpu_qs.dtype = torch.float32
+        gpu_deq = dequantize_4bit(w.data, gpu_qs).cpu()  # the trained weights, in fp32
         cpu_qs.dtype = torch.float32
-        gpu_deq = dequantize_4bit(w.data, qs).float().cpu()  # in its compute dtype on the GPU
-        cpu_deq = dequantize_4bit(packed, cpu_qs)
-        deq_max = float((gpu_deq.reshape(cpu_deq.shape) - cpu_deq).abs().max())
-        bad += codes_diff + absmax_diff + nested_diff
-        rows.append((name, tuple(src.shape), codes_diff, packed.numel(), absmax_diff, nested_diff, deq_max))
+        cpu_deq = dequantize_4bit(packed, cpu_qs).reshape(gpu_deq.shape)
+        deq_max = float((gpu_deq - cpu_deq).abs().max())
+        # the exporter's weights: codes re-created on the CPU, scales as the trainer recorded them
+        cpu_qs.absmax = qs.absmax.cpu()
+        if qs.nested:
+            cpu_qs.offset, cpu_qs.state2.absmax = qs.offset.cpu(), qs.state2.absmax.cpu()
+            cpu_qs.state2.code = qs.state2.code.cpu()
+        exported = dequantize_4bit(packed, cpu_qs).reshape(gpu_deq.shape)
+        recorded_max = float((gpu_deq - exported).abs().max())
+        bad += codes_diff + int(not torch.equal(gpu_deq, exported))
+        rows.append(
+            (
+                name,
+                tuple(src.shape),
+                codes_diff,
+                packed.numel(),
+                absmax_diff,
+                nested_diff,
+                deq_max,
+                recorded_max,
+            )
+        )
     print(f"quantized from {meta['base_quant.quantized_from']} on CUDA; bitsandbytes CPU re-creation:")
     print(
-        "| layer | shape | code bytes differing | of | absmax differing | nested absmax differing | max |Δ| dequantized |"
+        "| layer | shape | code bytes differing | of | absmax codes differing | nested absmax differing "
+        "| max abs dw, re-computed scales | max abs dw, recorded scales |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]:.3g} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]:.3g} | {r[7]:.3g} |")
     print(json.dumps({"layers": len(rows), "differing": bad, "metadata": meta}))
     return 0 if bad == 0 else 1
 

@@ -49,6 +49,7 @@ from strop.export_svc.core.gguf_vocab import GgufVocab, load_vocab
 from strop.export_svc.core.peft_dir import refusals
 from strop.export_svc.core.sources import (
     DTYPES,
+    NF4_STATS_FILE,
     Adapter,
     BaseModel,
     Nf4OnLoad,
@@ -223,6 +224,8 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
             "16-bit weights; merge AS_TRAINED (its dequantized weights) or give the 16-bit base"
         )
     on_load = Nf4OnLoad.from_metadata(meta) if adapter is not None else None
+    if on_load is not None and (adapter.path / NF4_STATS_FILE).is_file():
+        on_load = dataclasses.replace(on_load, stats_file=str(adapter.path / NF4_STATS_FILE))
     trained = base.quantized_on_load(on_load) if on_load is not None and base.quantization == "none" else base
     return Inputs(
         trained if merge_base is MergeBase.AS_TRAINED else base,

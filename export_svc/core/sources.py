@@ -100,6 +100,8 @@ def has_tokenizer(d: Path) -> bool:
 # supports (every nn.Linear but lm_head): what an older trainer artifact, which records no module list,
 # had quantized on load.
 _LINEAR4BIT_MODULES = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+# the trainer's scale statistics in an adapter artifact (trainer_svc/core/models.py writes the same name)
+NF4_STATS_FILE = "base_quant_stats.safetensors"
 QUANT_META_PREFIX = "base_quant."  # the trainer's adapter-artifact metadata keys of the 4-bit settings
 
 
@@ -125,6 +127,10 @@ class Nf4OnLoad:
     assumed: bool = False  # an older artifact: the trainer's fixed on-load settings, not read from it
     digest_tensor: str = ""  # one weight whose codes and absmax the trainer hashed ...
     digest: str = ""  # ... and their sha256 (see ``nf4_digest``)
+    # the trainer's recorded scale statistics (absmax, and the double quantization's offset, nested absmax and
+    # code) by weight name: the codes re-create exactly on any device, the double-quantized scales do not
+    # (trainer_svc/core/models.py ``write_nf4_stats``); "" for artifacts written before they were recorded
+    stats_file: str = ""
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Nf4OnLoad | None:
@@ -171,7 +177,34 @@ class Nf4OnLoad:
 
     def describe(self) -> str:
         dq = ", double quant" if self.double_quant else ""
-        return f"bnb-{self.quant_type} (blocksize {self.blocksize}{dq}, quantized from {self.quantized_from})"
+        scales = ", the trainer's recorded scales" if self.stats_file else ", scales re-computed"
+        return f"bnb-{self.quant_type} (blocksize {self.blocksize}{dq}, quantized from {self.quantized_from}{scales})"
+
+    def recorded_scales(self, name: str, qs) -> None:
+        """Replace ``qs``'s scale statistics with those the trainer recorded for weight ``name`` (no-op
+        without a stats file). Raises CorruptInput when the file lacks the weight or disagrees in shape."""
+        if not self.stats_file:
+            return
+        from safetensors import safe_open
+
+        with safe_open(self.stats_file, framework="pt") as f:
+            keys = set(f.keys())
+            want = [name + ".absmax"] + (
+                [name + s for s in (".offset", ".nested_absmax", ".nested_code")] if qs.nested else []
+            )
+            missing = [k for k in want if k not in keys]
+            if missing:
+                raise CorruptInput(f"the adapter's recorded NF4 statistics lack {missing[0]!r}")
+            absmax = f.get_tensor(name + ".absmax")
+            if absmax.shape != qs.absmax.shape or absmax.dtype != qs.absmax.dtype:
+                raise CorruptInput(
+                    f"the adapter's recorded NF4 statistics of {name!r} do not fit its base weight"
+                )
+            qs.absmax = absmax
+            if qs.nested:
+                qs.offset = f.get_tensor(name + ".offset").reshape(qs.offset.shape).to(qs.offset.dtype)
+                qs.state2.absmax = f.get_tensor(name + ".nested_absmax")
+                qs.state2.code = f.get_tensor(name + ".nested_code")
 
 
 def nf4_digest(packed: torch.Tensor, qs) -> str:
@@ -377,13 +410,15 @@ class BaseModel:
         assert spec is not None
         t = self.tensors[name]
         w = self.files[t.file].read(name).to(DTYPES[spec.quantized_from])
-        return quantize_4bit(
+        packed, qs = quantize_4bit(
             w,
             blocksize=spec.blocksize,
             compress_statistics=spec.double_quant,
             quant_type=spec.quant_type,
             quant_storage=getattr(torch, spec.quant_storage),
         )
+        spec.recorded_scales(name, qs)
+        return packed, qs
 
     def _requantized_fp32(self, name: str) -> torch.Tensor:
         """The NF4 weights the trainer's ``Linear4bit`` held for ``name``, dequantized to fp32.

@@ -324,6 +324,8 @@ class Jobs:
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(src, dst)
             models.copy_tokenizer_files(sess.loaded.model_dir, pending.dir)
+            if sess.loaded.facts.quantization == "bnb-nf4-on-load":  # exports from a checkpoint are exact too
+                models.write_nf4_stats(sess.loaded.model, pending.dir / models.NF4_STATS_FILE)
         ckpt = Checkpoint(step=step, artifact=self.artifacts.get(pending.artifact_id))
         self.store.append_event(JobEvent(job_id=job_id, checkpoint=ckpt), last_checkpoint=ckpt)
 

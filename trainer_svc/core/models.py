@@ -408,10 +408,46 @@ def generate(
     return outs
 
 
+NF4_STATS_FILE = "base_quant_stats.safetensors"
+
+
 def write_adapter(loaded: LoadedModel, out_dir: Path) -> None:
-    """PEFT adapter files (+ the base's tokenizer files, so exports have what they need)."""
+    """PEFT adapter files (+ the base's tokenizer files, so exports have what they need; + the NF4 statistics
+    of a base quantized on load, ``write_nf4_stats``)."""
     loaded.model.save_pretrained(out_dir, safe_serialization=True)
     copy_tokenizer_files(loaded.model_dir, out_dir)
+    if loaded.facts.quantization == "bnb-nf4-on-load":
+        write_nf4_stats(loaded.model, out_dir / NF4_STATS_FILE)
+
+
+def write_nf4_stats(model, path: Path) -> int:
+    """The scale statistics of every ``Linear4bit`` (absmax and, with double quant, its own quantization:
+    offset, nested absmax and code), by base weight name; returns how many layers.
+
+    Why. The exporter re-creates the NF4 codes of a base quantized on load from the 16-bit checkpoint, and
+    the codes come out identical on CPU and CUDA (they depend only on each block's exact max). The double
+    quantization of the absmax does not: its offset is a mean, summed in a different order by CUDA, and on
+    the H200 0.3% of the 8-bit absmax codes of an 8B-shape layer came out one step apart
+    (``bench/nf4_codes_check.py``), moving those blocks' weights by up to 1%. These few MB (1 byte per 64
+    weights) make the exporter's weights exactly the trained ones.
+    """
+    from bitsandbytes.nn import Linear4bit
+    from safetensors.torch import save_file
+
+    out = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, Linear4bit):
+            continue
+        qs = mod.weight.quant_state
+        key = name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
+        out[key + ".absmax"] = qs.absmax.detach().cpu().contiguous()
+        if qs.nested:
+            out[key + ".offset"] = qs.offset.detach().float().cpu().reshape(1)
+            out[key + ".nested_absmax"] = qs.state2.absmax.detach().cpu().contiguous()
+            out[key + ".nested_code"] = qs.state2.code.detach().cpu().contiguous()
+    if out:
+        save_file(out, str(path))
+    return sum(k.endswith(".absmax") and not k.endswith(".nested_absmax") for k in out)
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
