@@ -185,6 +185,16 @@ def test_dpo_raises_the_reward_margin(client, ready_session):
     assert abs(margins[0]) < 1e-3, "with a fresh adapter the policy equals the reference on step 1"
     assert margins[-1] > margins[0] + 0.05
     assert events[-1].state.state is JobState.SUCCEEDED
+    assert not [e for e in events if e.log and "no visible effect" in e.log.message]
+
+
+def test_a_dpo_run_at_the_default_rate_that_moves_nothing_says_so(client, ready_session):
+    pref = client.upload_dataset(dpo_rows())
+    cfg = TrainConfig(method=TrainMethod.DPO, max_steps=3, batch_size=6, seed=0)  # TRL's lr 5e-6
+    events = list(client.train(ready_session, pref.dataset_id, cfg))
+    assert events[-1].state.state is JobState.SUCCEEDED
+    notes = [e.log.message for e in events if e.log and e.log.level == "warning"]
+    assert any("no visible effect yet; raise learning_rate" in n for n in notes), notes
 
 
 def test_bad_input_gets_precise_errors_while_another_job_keeps_running(

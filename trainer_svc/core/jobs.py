@@ -247,6 +247,8 @@ class Jobs:
                     sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
                 )
             self.store.append_event(JobEvent(job_id=job_id, adapter=adapter), adapter=adapter)
+            if cfg.method is TrainMethod.DPO:
+                self._note_a_flat_margin(job_id, cfg)
             if control.stop is None:
                 outcome = JobState.SUCCEEDED, f"finished at step {step}", ""
             elif control.stop.reason == "cancel":
@@ -280,6 +282,29 @@ class Jobs:
             self.metrics.on_finished(state.value)
         self.store.transition(job_id, state, message, error_code=code, loss_curve=curve)
         log.info("job %s: %s (%s)", job_id, state.value, message)
+
+    FLAT_MARGIN = 0.05  # reward-margin change (nats) below which a DPO run is said to have shown no effect
+
+    def _note_a_flat_margin(self, job_id: str, cfg: TrainConfig) -> None:
+        """A DPO job whose reward margin barely moved says so in its events, with the way out: DPO's default
+        learning rate (TRL's 5e-6) moves a LoRA adapter slowly, and a short run then looks like no training."""
+        margins, seq = [], 0
+        while page := self.store.events_after(job_id, seq):
+            margins += [e.step.dpo.reward_margin for e in page if e.step and e.step.dpo]
+            seq = page[-1].seq
+        if len(margins) < 2 or abs(margins[-1] - margins[0]) >= self.FLAT_MARGIN:
+            return
+        self.store.append_event(
+            JobEvent(
+                job_id=job_id,
+                log=LogMessage(
+                    "warning",
+                    f"the DPO reward margin moved {margins[-1] - margins[0]:+.4f} over {len(margins)} steps at "
+                    f"learning_rate {cfg.learning_rate:g}: no visible effect yet; raise learning_rate (e.g. "
+                    "5e-5 to 5e-4 for LoRA) or train more steps",
+                ),
+            )
+        )
 
     def _scrub(self, message: str) -> str:
         """No absolute server paths in what clients see: the roots and the interpreter's prefix, named instead."""
