@@ -235,6 +235,8 @@ class RunningServer:
     service_names: list[str]
     pool: futures.ThreadPoolExecutor
     _loop: _Loop
+    probe_server: grpc.aio.Server | None = None  # the plaintext health-only listener (``health_address``)
+    health_port: int = 0
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -250,6 +252,8 @@ class RunningServer:
         self._loop.run(self.health.enter_graceful_shutdown())
         clean = on_drain() is not False if on_drain is not None else True
         self._loop.run(self.server.stop(grace))
+        if self.probe_server is not None:
+            self._loop.run(self.probe_server.stop(0))
         self.pool.shutdown(wait=False, cancel_futures=True)
         self._loop.close()
         return clean
@@ -263,8 +267,13 @@ def build_server(
     drain: Drain | None = None,
     reflection_on: bool = True,
     security: Security | None = None,
+    health_address: str | None = None,
 ) -> RunningServer:
     """Create and start a server with error mapping, health (per service and overall) and reflection.
+
+    ``health_address``: also serve grpc.health.v1, and nothing else, in plaintext there (the same statuses).
+    Kubernetes' gRPC probes present no client certificate, so under mTLS they reach the service only this way;
+    a health answer reveals no tenant's data.
 
     The server is grpc.aio on its own event-loop thread: async handlers (the event streams) wait without
     holding a thread, so health and unary calls answer with hundreds of streams open; plain handlers run in a
@@ -300,15 +309,34 @@ def build_server(
         if port == 0:
             raise OSError(f"could not bind {address}")
         await server.start()
-        return server, health_servicer, port, names
+        probe, health_port = None, 0
+        if health_address:
+            probe = grpc.aio.server(options=SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe)
+            health_port = probe.add_insecure_port(health_address)
+            if health_port == 0:
+                await server.stop(0)
+                raise OSError(f"could not bind {health_address}")
+            await probe.start()
+        return server, health_servicer, port, names, probe, health_port
 
     try:
-        server, health_servicer, port, names = loop.run(create())
+        server, health_servicer, port, names, probe, health_port = loop.run(create())
     except BaseException:
         loop.close()
         pool.shutdown(wait=False)
         raise
-    return RunningServer(server, health_servicer, port, drain or Drain(), names, pool, loop)
+    return RunningServer(
+        server,
+        health_servicer,
+        port,
+        drain or Drain(),
+        names,
+        pool,
+        loop,
+        probe_server=probe,
+        health_port=health_port,
+    )
 
 
 async def in_pool(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -522,6 +550,13 @@ def service_parser(prog: str, description: str, *, name: str, port: int) -> argp
         help="PEM CA for client certificates (mTLS)",
     )
     p.add_argument(
+        "--health-port",
+        type=int,
+        default=int(env("STROP_HEALTH_PORT", "0")),
+        help="also serve grpc.health.v1 alone, in plaintext, on --address's host at this port: the probe port "
+        "under mTLS, whose client certificates the kubelet cannot present (0: off; env STROP_HEALTH_PORT)",
+    )
+    p.add_argument(
         "--reflection",
         default=env("STROP_REFLECTION", "on"),
         choices=("on", "off"),
@@ -545,10 +580,19 @@ def security_from_args(args: argparse.Namespace) -> Security:
 
 def metrics_address(args: argparse.Namespace) -> str | None:
     """Where ``--metrics-port`` asks ``/metrics`` to listen: ``--address``'s host on that port; None when off."""
-    if args.metrics_port <= 0:
+    return _side_address(args, args.metrics_port)
+
+
+def health_address(args: argparse.Namespace) -> str | None:
+    """Where ``--health-port`` asks the plaintext health listener to be: ``--address``'s host; None when off."""
+    return _side_address(args, args.health_port)
+
+
+def _side_address(args: argparse.Namespace, port: int) -> str | None:
+    if port <= 0:
         return None
     host = args.address.rpartition(":")[0] or "127.0.0.1"
-    return f"{host}:{args.metrics_port}"
+    return f"{host}:{port}"
 
 
 def run_main(args: argparse.Namespace, start: Callable[[], Service]) -> NoReturn:

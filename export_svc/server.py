@@ -20,6 +20,7 @@ from strop.common.grpc_server import (
     Service,
     ServiceBinding,
     build_server,
+    health_address,
     metrics_address,
     run_main,
     security_from_args,
@@ -52,6 +53,7 @@ def start(
     reflection: bool = True,
     security: Security | None = None,
     metrics: str | None = None,
+    health: str | None = None,
 ) -> Service:
     """Start the service (port 0 binds a free port; read it from ``.port``); ``.core`` is the ExportManager.
     ``metrics``: ``host:port`` for Prometheus ``/metrics`` (port 0: a free one, ``Service.metrics_port``)."""
@@ -70,6 +72,7 @@ def start(
         drain=drain,
         reflection_on=reflection,
         security=security,
+        health_address=health,
     )
     # the manager closes its database as the drain ends, so there is nothing left to close afterwards
     endpoint = serve_metrics(manager.metrics.registry, metrics) if metrics else None
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             reflection=a.reflection == "on",
             security=security,
             metrics=metrics_address(a),
+            health=health_address(a),
         ),
     )
 

@@ -11,6 +11,7 @@ from strop.common.grpc_server import (
     Service,
     ServiceBinding,
     build_server,
+    health_address,
     metrics_address,
     run_main,
     security_from_args,
@@ -32,8 +33,10 @@ def start(
     reflection: bool = True,
     security: Security | None = None,
     metrics: str | None = None,
+    health: str | None = None,
 ) -> Service:
-    """Build the core and start a server (used by ``main`` and by the tests, with port 0); ``metrics``:
+    """Build the core and start a server (used by ``main`` and by the tests, with port 0); ``health``: ``host:port``
+    of the plaintext health-only listener (None: off); ``metrics``:
     ``host:port`` for Prometheus ``/metrics`` (port 0 binds a free one: ``Service.metrics_port``), None: off."""
     core = TrainerCore(config)
     drain = Drain()
@@ -45,6 +48,7 @@ def start(
         drain=drain,
         reflection_on=reflection,
         security=security,
+        health_address=health,
     )
     endpoint = serve_metrics(core.metrics.registry, metrics) if metrics else None
     return Service(running, core, drain_work=core.drain, close=core.close, metrics=endpoint)
@@ -93,5 +97,6 @@ def main(argv: list[str] | None = None) -> None:
             reflection=a.reflection == "on",
             security=security,
             metrics=metrics_address(a),
+            health=health_address(a),
         ),
     )

@@ -148,3 +148,44 @@ def test_mtls_needs_a_client_certificate_signed_by_the_configured_ca(model_root,
             no_cert.list_sessions()
     finally:
         svc.stop(grace=2.0)
+
+
+def test_under_mtls_probes_reach_health_alone_on_the_plaintext_health_port(model_root, tmp_path):
+    """Kubernetes' gRPC probes present no client certificate: --health-port serves grpc.health.v1 alone,
+    in plaintext, with the service's own statuses; nothing else answers there."""
+    from strop.v1 import trainer_pb2, trainer_pb2_grpc
+
+    pki = _pki(tmp_path)
+    security = Security.from_files(
+        tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), tls_client_ca=str(pki / "ca.pem")
+    )
+    (tmp_path / "data").mkdir(exist_ok=True)
+    config = TrainerConfig(
+        model_root=model_root,
+        artifact_root=tmp_path / "a",
+        state_dir=tmp_path / "s",
+        data_root=tmp_path / "data",
+    )
+    svc = start(config, security=security, health="127.0.0.1:0")
+    port = svc.running.health_port
+    assert port and port != svc.port
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for service in ("", "strop.v1.TrainerService"):
+                resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                trainer_pb2_grpc.TrainerServiceStub(ch).ListSessions(
+                    trainer_pb2.ListSessionsRequest(), timeout=5
+                )
+            assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED, "the API is not on the probe port"
+        svc.running.drain.start()
+        svc.running._loop.run(svc.running.health.enter_graceful_shutdown())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING, (
+                "draining shows on the probe port"
+            )
+    finally:
+        svc.stop(grace=2.0)
