@@ -15,7 +15,7 @@ from strop.cli import export
 from strop.cli.output import print_json
 from strop.client.errors import StropClientError
 from strop.client.progress import follow
-from strop.common.trainer_types import MemoryMode
+from strop.common.trainer_types import MemoryMode, TrainMethod
 
 DEFAULT_TRAINER = os.environ.get("STROP_TRAINER", "127.0.0.1:50051")
 
@@ -51,7 +51,7 @@ def _add_train(sub) -> None:
     lora = LoraConfig()
     p = sub.add_parser(
         "train",
-        help="load a model, attach LoRA, upload a dataset and run SFT or DPO",
+        help="load a model, attach LoRA, upload a dataset and run SFT, DPO, ORPO, KTO or SimPO",
         description="Load a model on the trainer, attach LoRA, upload a JSONL dataset, train and follow the job. "
         "The session is closed when the command ends (success, failure or Ctrl-C) unless --keep-session. "
         "Unset options take the trainer's defaults, shown below.",
@@ -60,7 +60,12 @@ def _add_train(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TRAINER, help="trainer service host:port (env STROP_TRAINER)")
     p.add_argument("--model", required=True, help="model path under the service's model root")
     p.add_argument("--dataset", required=True, help="local JSONL file to upload")
-    p.add_argument("--method", choices=("sft", "dpo"), default="sft")
+    p.add_argument(
+        "--method",
+        choices=[m.value.lower() for m in TrainMethod if m is not TrainMethod.UNSPECIFIED],
+        default="sft",
+        help="orpo, simpo: preference rows (prompt/chosen/rejected), as dpo; kto: prompt/completion/label rows",
+    )
     p.add_argument(
         "--quantization",
         choices=("auto", "nf4", "none"),
@@ -95,6 +100,20 @@ def _add_train(sub) -> None:
     p.add_argument("--optimizer", default="", help=f"empty: {_default('optimizer')}")
     p.add_argument("--beta", type=float, default=0.0, help=f"DPO beta; 0: {_default('dpo_beta')}")
     p.add_argument("--dpo-loss", default="", help=f"empty: {_default('dpo_loss_type')}")
+    p.add_argument(
+        "--orpo-lambda", type=float, default=0.0, help=f"ORPO odds-ratio weight; 0: {_default('orpo_lambda')}"
+    )
+    p.add_argument("--kto-beta", type=float, default=0.0, help=f"0: {_default('kto_beta')}")
+    p.add_argument(
+        "--kto-desirable-weight", type=float, default=0.0, help=f"0: {_default('kto_desirable_weight')}"
+    )
+    p.add_argument(
+        "--kto-undesirable-weight", type=float, default=0.0, help=f"0: {_default('kto_undesirable_weight')}"
+    )
+    p.add_argument("--simpo-beta", type=float, default=0.0, help=f"0: {_default('simpo_beta')}")
+    p.add_argument(
+        "--simpo-gamma", type=float, default=0.0, help=f"target margin / beta; 0: {_default('simpo_gamma')}"
+    )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument(
@@ -121,14 +140,14 @@ def _add_train(sub) -> None:
 
 def _cmd_train(a) -> int:
     from strop.client.trainer import TrainerClient
-    from strop.common.trainer_types import LoraConfig, Quantization, TrainConfig, TrainMethod
+    from strop.common.trainer_types import LoraConfig, Quantization, TrainConfig
 
     quant = {"auto": Quantization.UNSPECIFIED, "nf4": Quantization.NF4, "none": Quantization.NONE}[
         a.quantization
     ]
     targets = [t for t in a.target_modules.split(",") if t]
     config = TrainConfig(
-        method=TrainMethod.SFT if a.method == "sft" else TrainMethod.DPO,
+        method=TrainMethod(a.method.upper()),
         learning_rate=a.lr,
         lr_scheduler=a.scheduler,
         warmup_ratio=a.warmup_ratio,
@@ -143,6 +162,12 @@ def _cmd_train(a) -> int:
         optimizer=a.optimizer,
         dpo_beta=a.beta,
         dpo_loss_type=a.dpo_loss,
+        orpo_lambda=a.orpo_lambda,
+        kto_beta=a.kto_beta,
+        kto_desirable_weight=a.kto_desirable_weight,
+        kto_undesirable_weight=a.kto_undesirable_weight,
+        simpo_beta=a.simpo_beta,
+        simpo_gamma=a.simpo_gamma,
         checkpoint_every_steps=a.checkpoint_every,
         seed=a.seed,
         gradient_checkpointing=a.gradient_checkpointing,

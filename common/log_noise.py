@@ -36,6 +36,12 @@ NOISY_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
         r"You passed `quantization_config` or equivalent parameters to `from_pretrained` but the model",
         "a prequantized checkpoint's own quantization config wins, which is what strop asks for",
     ),
+    (
+        UserWarning,  # trl's TRLExperimentalWarning subclasses it (common imports no trl)
+        r"You are importing from 'trl\.experimental'",
+        "ORPO and SimPO run TRL's ORPOTrainer/CPOTrainer, kept under trl.experimental in TRL 1.x; strop's parity "
+        "tests (tests/trainer_svc/test_methods.py) hold them to TRL's results at the locked version",
+    ),
 )
 
 

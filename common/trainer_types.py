@@ -38,12 +38,29 @@ class DatasetFormat(enum.StrEnum):
     PROMPT_COMPLETION = "PROMPT_COMPLETION"
     PREFERENCE = "PREFERENCE"
     TOKENS = "TOKENS"
+    UNPAIRED_PREFERENCE = "UNPAIRED_PREFERENCE"  # prompt/completion/label (KTO)
 
 
 class TrainMethod(enum.StrEnum):
     UNSPECIFIED = "UNSPECIFIED"
     SFT = "SFT"
     DPO = "DPO"
+    ORPO = "ORPO"
+    KTO = "KTO"
+    SIMPO = "SIMPO"
+
+
+# The methods that train on preferences and stream ``StepMetrics.dpo``; which of them score against a reference
+# model (the base with the adapter disabled, or a frozen snapshot: ``dpo_reference``).
+PREFERENCE_METHODS = frozenset({TrainMethod.DPO, TrainMethod.ORPO, TrainMethod.KTO, TrainMethod.SIMPO})
+REFERENCE_METHODS = frozenset({TrainMethod.DPO, TrainMethod.KTO})
+# The dataset format each method trains on (SFT: every other format).
+METHOD_DATASET_FORMAT = {
+    TrainMethod.DPO: DatasetFormat.PREFERENCE,
+    TrainMethod.ORPO: DatasetFormat.PREFERENCE,
+    TrainMethod.SIMPO: DatasetFormat.PREFERENCE,
+    TrainMethod.KTO: DatasetFormat.UNPAIRED_PREFERENCE,
+}
 
 
 class MemoryMode(enum.StrEnum):
@@ -221,9 +238,11 @@ class DatasetInfo:
 # What a zero/empty TrainConfig field becomes on the trainer (``job_config.with_defaults``); the CLI's --help and the
 # README show the same table. Per method where they differ: SFT's learning rate teaches a few dozen rows of facts
 # in ~100 steps with LoRA r=16; DPO's is TRL's (a preference shift is slower than SFT by design: raise it, or
-# train more steps, when 10 steps show no margin).
+# train more steps, when 10 steps show no margin). ORPO, KTO and SimPO take DPO's learning rate, and TRL's defaults
+# for their own hyperparameters (ORPO's lambda is TRL's ORPOConfig.beta) but SimPO's beta: TRL's CPOConfig beta 0.1 is
+# for CPO's sigmoid loss; SimPO's reward is a length-normalised log-prob and the SimPO paper trains with beta 2.0.
 TRAIN_DEFAULTS: dict[str, object] = {
-    "learning_rate": {"SFT": 2e-4, "DPO": 5e-6},
+    "learning_rate": {"SFT": 2e-4, "DPO": 5e-6, "ORPO": 5e-6, "KTO": 5e-6, "SIMPO": 5e-6},
     "lr_scheduler": "linear",
     "num_epochs": 1.0,
     "batch_size": 1,
@@ -234,6 +253,12 @@ TRAIN_DEFAULTS: dict[str, object] = {
     "dpo_beta": 0.1,
     "dpo_loss_type": "sigmoid",
     "dpo_reference": "base",
+    "orpo_lambda": 0.1,
+    "kto_beta": 0.1,
+    "kto_desirable_weight": 1.0,
+    "kto_undesirable_weight": 1.0,
+    "simpo_beta": 2.0,
+    "simpo_gamma": 0.5,
     "memory_mode": DEFAULT_MEMORY_MODE.value,
 }
 
@@ -273,6 +298,13 @@ class TrainConfig:
     memory_mode: MemoryMode = MemoryMode.UNSPECIFIED
     memory_budget_gib: float = 0.0
     loss_on_all_tokens: bool = False
+    num_devices: int = 0  # > 1: DDP over that many processes on the trainer's node (dist_worker)
+    orpo_lambda: float = 0.0
+    kto_beta: float = 0.0
+    kto_desirable_weight: float = 0.0
+    kto_undesirable_weight: float = 0.0
+    simpo_beta: float = 0.0
+    simpo_gamma: float = 0.0
 
 
 @dataclass
@@ -311,12 +343,19 @@ class JobInfo:
 
 @dataclass
 class DpoMetrics:
+    """Every preference method's step metrics (DPO, ORPO, KTO, SimPO) as its TRL trainer logs them; what a
+    method does not log stays 0 (trainer.proto says which method logs what)."""
+
     rewards_chosen: float = 0.0
     rewards_rejected: float = 0.0
     reward_margin: float = 0.0
     reward_accuracy: float = 0.0
     logps_chosen: float = 0.0
     logps_rejected: float = 0.0
+    log_odds_ratio: float = 0.0
+    log_odds_chosen: float = 0.0
+    nll_loss: float = 0.0
+    kl: float = 0.0
 
 
 @dataclass

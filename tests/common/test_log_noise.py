@@ -30,6 +30,12 @@ def test_noisy_library_messages_are_dropped_and_real_ones_kept(caplog):
             FutureWarning,
             stacklevel=1,
         )
+        warnings.warn(  # TRL's TRLExperimentalWarning(UserWarning), as ORPO/SimPO jobs import it
+            "You are importing from 'trl.experimental'. APIs here are unstable and may change or be removed "
+            "without notice. Silence this warning by setting environment variable TRL_EXPERIMENTAL_SILENCE=1.",
+            UserWarning,
+            stacklevel=1,
+        )
         warnings.warn("`other_flag` is deprecated", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["`other_flag` is deprecated"]
 

@@ -33,6 +33,7 @@ def jsonl(*rows) -> bytes:
             },
             DatasetFormat.PREFERENCE,
         ),
+        ({"prompt": "Q", "completion": "A", "label": False}, DatasetFormat.UNPAIRED_PREFERENCE),
     ],
 )
 def test_format_is_detected_from_the_rows(row, fmt):
@@ -119,3 +120,19 @@ def test_json_nested_past_the_recursion_limit_is_a_bad_row_not_a_crash():
     deep = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
     with pytest.raises(InvalidArgument, match="line 1: JSON nested too deeply"):
         validate_jsonl([deep], DatasetFormat.UNSPECIFIED, Limits())
+
+
+def test_unpaired_preference_rows_need_a_boolean_label_and_a_completion():
+    data = jsonl(
+        {"prompt": "Q", "completion": "A", "label": True},
+        {"prompt": "Q", "completion": "A", "label": 1},  # JSON 1 is not a label: TRL reads a bool
+        {"prompt": "Q", "label": False},
+        {"prompt": "Q", "completion": [{"role": "assistant", "content": "A"}], "label": False},
+    )
+    with pytest.raises(InvalidArgument) as exc:
+        validate_jsonl([data], DatasetFormat.UNSPECIFIED, Limits())
+    msg = str(exc.value)
+    assert "3 bad row(s)" in msg
+    assert "line 2: 'label' must be true or false" in msg
+    assert "line 3: missing 'completion'" in msg
+    assert "line 4" in msg and "mix strings and message lists" in msg

@@ -48,16 +48,16 @@ def test_unknown_enums_odd_strings_and_deep_json_are_invalid_argument(stub, read
         "LoadModel(quantization=3)": lambda: stub.LoadModel(
             trainer_pb2.LoadModelRequest(model_path="tiny-llama-4bit", quantization=3), timeout=30
         ),
-        "Train(config.method=3)": lambda: stub.Train(
+        "Train(config.method=99)": lambda: stub.Train(
             trainer_pb2.TrainRequest(
                 session_id=ready_session,
                 dataset_id=sft_dataset.dataset_id,
-                config=trainer_pb2.TrainConfig(method=3, max_steps=1),
+                config=trainer_pb2.TrainConfig(method=99, max_steps=1),
             ),
             timeout=30,
         ),
-        "RegisterDataset(header.format=6)": lambda: stub.RegisterDataset(
-            trainer_pb2.RegisterDatasetRequest(path="x.jsonl", header=trainer_pb2.DatasetHeader(format=6)),
+        "RegisterDataset(header.format=99)": lambda: stub.RegisterDataset(
+            trainer_pb2.RegisterDatasetRequest(path="x.jsonl", header=trainer_pb2.DatasetHeader(format=99)),
             timeout=30,
         ),
         "a 100,000-deep JSON row": _upload(

@@ -74,7 +74,8 @@ def estimate(
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or h // heads)
     kv = int(getattr(text, "num_key_value_heads", None) or heads) * head_dim
-    rows = cfg.batch_size * (2 if cfg.method is TrainMethod.DPO else 1)  # DPO: chosen and rejected
+    # preference methods: chosen and rejected (KTO: each row and its KL row, a mismatched completion)
+    rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     t = rows * min(longest_row, cfg.max_length)
     a, b, c = (12, 4, 4) if kernels else (40, 8, 8)
     one_layer = t * (a * h + b * kv + c * inter)
@@ -95,15 +96,23 @@ def estimate(
 
 
 def longest_row(dataset) -> int:
-    """Tokens in the longest tokenized row of a TRL-prepared dataset (SFT input_ids; DPO prompt + the longer
-    answer); 0 when it holds no token ids."""
+    """Tokens in the longest tokenized row of a TRL-prepared dataset (SFT input_ids; preference: prompt + the
+    longer answer; KTO: prompt + completion); 0 when it holds no token ids."""
     cols = set(getattr(dataset, "column_names", None) or [])
     if "input_ids" in cols:
         return max((len(x) for x in dataset["input_ids"]), default=0)
     if "prompt_ids" in cols or "prompt_input_ids" in cols:
         p = "prompt_ids" if "prompt_ids" in cols else "prompt_input_ids"
         answers = [
-            c for c in ("chosen_ids", "rejected_ids", "chosen_input_ids", "rejected_input_ids") if c in cols
+            c
+            for c in (
+                "chosen_ids",
+                "rejected_ids",
+                "chosen_input_ids",
+                "rejected_input_ids",
+                "completion_ids",
+            )
+            if c in cols
         ]
         lengths = zip(*(dataset[c] for c in [p, *answers]), strict=True)
         return max((len(r[0]) + max(len(a) for a in r[1:]) for r in lengths), default=0)

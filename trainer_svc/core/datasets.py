@@ -1,7 +1,8 @@
 """Datasets: JSONL rows in one of TRL's formats, validated before anything trains on them, and their registry.
 
 Formats (as TRL names them): ``text``; ``messages`` (a conversation rendered with the chat
-template); ``prompt``/``completion``; ``prompt``/``chosen``/``rejected`` (preference, for DPO); and
+template); ``prompt``/``completion``; ``prompt``/``chosen``/``rejected`` (preference, for DPO, ORPO and SimPO); ``prompt``/``completion``/``label``
+(unpaired preference, for KTO: ``label`` true for a desirable completion, false for an undesirable one); and
 ``input_ids`` (pre-tokenized SFT rows, optionally with a 0/1 ``completion_mask``; ids are checked against
 the model's vocabulary when a job starts).
 Prompt, completion, chosen and rejected may be strings or message lists (conversational form).
@@ -80,6 +81,8 @@ def detect_format(row: dict) -> DatasetFormat | None:
         return DatasetFormat.PREFERENCE
     if "messages" in keys:
         return DatasetFormat.MESSAGES
+    if "label" in keys:  # TRL's unpaired preference rows; before prompt/completion, whose keys they share
+        return DatasetFormat.UNPAIRED_PREFERENCE
     if "completion" in keys:
         return DatasetFormat.PROMPT_COMPLETION
     if "text" in keys:
@@ -118,11 +121,9 @@ def check_row(row: dict, fmt: DatasetFormat) -> str | None:
         if all(m.get("weight", 1) == 0 for m in row["messages"] if m["role"] == "assistant"):
             return "every assistant message has weight 0: the row teaches nothing"
         return None
-    fields = (
-        ("prompt", "completion")
-        if fmt is DatasetFormat.PROMPT_COMPLETION
-        else ("prompt", "chosen", "rejected")
-    )
+    if fmt is DatasetFormat.UNPAIRED_PREFERENCE and not isinstance(row.get("label"), bool):
+        return "missing 'label'" if "label" not in row else "'label' must be true or false"
+    fields = ("prompt", "chosen", "rejected") if fmt is DatasetFormat.PREFERENCE else ("prompt", "completion")
     for f in fields:
         problem = _check_text_or_messages(row, f)
         if problem:
@@ -171,7 +172,7 @@ def validate_jsonl(chunks: Iterable[bytes], fmt: DatasetFormat, limits: Limits) 
             if detected is None:
                 problem = (
                     f"cannot tell the format from keys {sorted(row)}: expected 'text', 'messages', "
-                    "'prompt'+'completion', 'prompt'+'chosen'+'rejected' or 'input_ids'"
+                    "'prompt'+'completion', 'prompt'+'chosen'+'rejected', 'prompt'+'completion'+'label' or 'input_ids'"
                 )
             else:
                 fmt = detected

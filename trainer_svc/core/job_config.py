@@ -9,6 +9,8 @@ from dataclasses import fields, replace
 from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
     MEMORY_MODES,
+    METHOD_DATASET_FORMAT,
+    REFERENCE_METHODS,
     TRAIN_DEFAULTS,
     DatasetFormat,
     MemoryMode,
@@ -44,13 +46,13 @@ DPO_REFERENCES = ("base", "adapter_snapshot")
 
 def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
     """Fill zero fields with strop's defaults and validate every value (InvalidArgument naming the field)."""
-    if cfg.method not in (TrainMethod.SFT, TrainMethod.DPO):
-        raise InvalidArgument("config.method must be SFT or DPO")
+    if cfg.method is TrainMethod.UNSPECIFIED:
+        raise InvalidArgument("config.method must be SFT, DPO, ORPO, KTO or SIMPO")
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidArgument(f"config: {f.name} must be a finite number, got {value}")
-    dpo = cfg.method is TrainMethod.DPO
+    preference = cfg.method is not TrainMethod.SFT
     default = {name: train_default(name, cfg.method) for name in TRAIN_DEFAULTS}
     c = replace(
         cfg,
@@ -65,6 +67,12 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         dpo_beta=cfg.dpo_beta or default["dpo_beta"],
         dpo_loss_type=cfg.dpo_loss_type or default["dpo_loss_type"],
         dpo_reference=cfg.dpo_reference or default["dpo_reference"],
+        orpo_lambda=cfg.orpo_lambda or default["orpo_lambda"],
+        kto_beta=cfg.kto_beta or default["kto_beta"],
+        kto_desirable_weight=cfg.kto_desirable_weight or default["kto_desirable_weight"],
+        kto_undesirable_weight=cfg.kto_undesirable_weight or default["kto_undesirable_weight"],
+        simpo_beta=cfg.simpo_beta or default["simpo_beta"],
+        simpo_gamma=cfg.simpo_gamma or default["simpo_gamma"],
         memory_mode=MemoryMode(default["memory_mode"])
         if cfg.memory_mode is MemoryMode.UNSPECIFIED
         else cfg.memory_mode,
@@ -107,7 +115,27 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
             f"checkpoint_every_steps must be >= 0, got {c.checkpoint_every_steps}",
         ),
         (c.max_prompt_length >= 0, f"max_prompt_length must be >= 0, got {c.max_prompt_length}"),
-        (not (c.packing and dpo), "packing applies to SFT only"),
+        (0 <= c.num_devices <= 1024, f"num_devices must be in 0..1024, got {c.num_devices}"),
+        (not (c.packing and preference), "packing applies to SFT only"),
+        (c.orpo_lambda > 0, f"orpo_lambda must be > 0, got {c.orpo_lambda}"),
+        (c.kto_beta > 0, f"kto_beta must be > 0, got {c.kto_beta}"),
+        (c.kto_desirable_weight > 0, f"kto_desirable_weight must be > 0, got {c.kto_desirable_weight}"),
+        (
+            c.kto_undesirable_weight > 0,
+            f"kto_undesirable_weight must be > 0, got {c.kto_undesirable_weight}",
+        ),
+        (c.simpo_beta > 0, f"simpo_beta must be > 0, got {c.simpo_beta}"),
+        (c.simpo_gamma > 0, f"simpo_gamma must be > 0, got {c.simpo_gamma}"),
+        (
+            # TRL's KTOTrainer estimates the KL term from the other rows of the same batch (refused at 1)
+            c.method is not TrainMethod.KTO or c.batch_size >= 2,
+            f"KTO needs batch_size >= 2 (its KL estimate pairs each prompt with another row's completion), "
+            f"got {c.batch_size}",
+        ),
+        (
+            c.method in REFERENCE_METHODS or cfg.dpo_reference in ("", "base"),
+            f"dpo_reference applies to DPO and KTO only ({c.method.value} has no reference model)",
+        ),
         (
             math.isfinite(c.memory_budget_gib) and (c.memory_budget_gib == 0 or c.memory_budget_gib >= 1),
             f"memory_budget_gib must be 0 (90% of the device) or >= 1, got {c.memory_budget_gib}",
@@ -129,13 +157,18 @@ def check_dataset_fits(cfg: TrainConfig, fmt: DatasetFormat, rows: list[dict], v
         raise InvalidArgument(
             "completion_only_loss needs messages or prompt/completion rows; text rows have no completion"
         )
-    if method is TrainMethod.DPO and fmt is not DatasetFormat.PREFERENCE:
+    needs = METHOD_DATASET_FORMAT.get(method)
+    if needs is DatasetFormat.PREFERENCE and fmt is not needs:
         raise InvalidArgument(
-            f"DPO needs a preference dataset (prompt/chosen/rejected); this dataset is {fmt.value.lower()}"
+            f"{method.value} needs a preference dataset (prompt/chosen/rejected); this dataset is {fmt.value.lower()}"
         )
-    if method is TrainMethod.SFT and fmt is DatasetFormat.PREFERENCE:
+    if needs is DatasetFormat.UNPAIRED_PREFERENCE and fmt is not needs:
         raise InvalidArgument(
-            "SFT needs text, messages or prompt/completion rows; this dataset is preference data"
+            f"KTO needs unpaired preference rows (prompt/completion/label); this dataset is {fmt.value.lower()}"
+        )
+    if needs is None and fmt in (DatasetFormat.PREFERENCE, DatasetFormat.UNPAIRED_PREFERENCE):
+        raise InvalidArgument(
+            f"SFT needs text, messages or prompt/completion rows; this dataset is {fmt.value.lower()} data"
         )
     if fmt is DatasetFormat.TOKENS:
         for i, row in enumerate(rows, 1):

@@ -37,13 +37,31 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import job_config, loss_curve, models, training
+from strop.trainer_svc.core import dist_launch, job_config, loss_curve, models, training
 from strop.trainer_svc.core.datasets import Datasets
 from strop.trainer_svc.core.guard import BrokenTraining
 from strop.trainer_svc.core.sessions import Session, Sessions
 from strop.trainer_svc.core.store import TrainerStore
 
 log = logging.getLogger("strop.trainer")
+
+
+def publish_checkpoint(
+    artifacts: ArtifactStore, loaded: models.LoadedModel, *, tenant: str, job_id: str, step: int, path: Path
+) -> Checkpoint:
+    """Copy the checkpoint directory HF wrote at ``step`` into the store (a job's, or a distributed job's rank
+    0's, ``dist_worker``), with the base's tokenizer files and metadata."""
+    meta = {**models.adapter_metadata(loaded), "job_id": job_id, "step": str(step), "tenant": tenant}
+    with artifacts.create("checkpoint", metadata=meta) as pending:
+        for src in path.rglob("*"):
+            if src.is_file():
+                dst = pending.dir / src.relative_to(path)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+        models.copy_tokenizer_files(loaded.model_dir, pending.dir)
+        if loaded.facts.quantization == "bnb-nf4-on-load":  # exports from a checkpoint are exact too
+            models.write_nf4_stats(loaded.model, pending.dir / models.NF4_STATS_FILE)
+    return Checkpoint(step=step, artifact=artifacts.get(pending.artifact_id))
 
 
 @dataclass
@@ -123,6 +141,7 @@ class Jobs:
         ds_info, rows = self.datasets.rows(dataset_id)
         cfg = job_config.with_defaults(config, session_max_len=sess.info.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds_info.format, rows, sess.info.facts.vocab_size)
+        dist_launch.check_devices(cfg.num_devices, sess.loaded.device)
         if resume_from_job_id:
             self._check_resume_compatible(sess, resume_dir)
         job = JobInfo(
@@ -240,12 +259,19 @@ class Jobs:
         try:
             with sess.lock:
                 self.store.transition(job_id, JobState.RUNNING)
-                step = training.run_training(
-                    sess.loaded, rows, fmt, cfg, work_dir, control, sinks, resume_dir
-                )
-                adapter = self.sessions.publish_adapter(
-                    sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
-                )
+                if cfg.num_devices > 1:  # torchrun's ranks train; rank 0 publishes (``dist_launch``)
+                    step, adapter = dist_launch.run_distributed(
+                        sess, job_id, cfg, fmt, rows, control, resume_dir, work_dir=work_dir,
+                        artifacts=self.artifacts, model_root=self.sessions.model_root,
+                        on_event=lambda e: self._on_rank_event(job_id, e),
+                    )  # fmt: skip
+                else:
+                    step = training.run_training(
+                        sess.loaded, rows, fmt, cfg, work_dir, control, sinks, resume_dir
+                    )
+                    adapter = self.sessions.publish_adapter(
+                        sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
+                    )
             self.store.append_event(JobEvent(job_id=job_id, adapter=adapter), adapter=adapter)
             if cfg.method is TrainMethod.DPO:
                 self._note_a_flat_margin(job_id, cfg)
@@ -335,23 +361,19 @@ class Jobs:
             JobEvent(job_id=job_id, step=m), step=m.step, total_steps=m.total_steps, last_loss=m.loss
         )
 
+    def _on_rank_event(self, job_id: str, event: JobEvent) -> None:
+        """An event of a distributed job's rank 0, into the job's events (as the single-process path stores it)."""
+        if event.step is not None:
+            self._on_step(job_id, event.step)
+        elif event.checkpoint is not None:
+            self.store.append_event(event, last_checkpoint=event.checkpoint)
+        elif event.adapter is None:  # the adapter event is stored once the job's outcome is known, as below
+            self.store.append_event(event)
+
     def _on_checkpoint(self, sess: Session, job_id: str, step: int, path: Path) -> None:
-        meta = {
-            **models.adapter_metadata(sess.loaded),
-            "job_id": job_id,
-            "step": str(step),
-            "tenant": sess.info.tenant,
-        }
-        with self.artifacts.create("checkpoint", metadata=meta) as pending:
-            for src in path.rglob("*"):
-                if src.is_file():
-                    dst = pending.dir / src.relative_to(path)
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(src, dst)
-            models.copy_tokenizer_files(sess.loaded.model_dir, pending.dir)
-            if sess.loaded.facts.quantization == "bnb-nf4-on-load":  # exports from a checkpoint are exact too
-                models.write_nf4_stats(sess.loaded.model, pending.dir / models.NF4_STATS_FILE)
-        ckpt = Checkpoint(step=step, artifact=self.artifacts.get(pending.artifact_id))
+        ckpt = publish_checkpoint(
+            self.artifacts, sess.loaded, tenant=sess.info.tenant, job_id=job_id, step=step, path=path
+        )
         self.store.append_event(JobEvent(job_id=job_id, checkpoint=ckpt), last_checkpoint=ckpt)
 
     def poll(self, job_id: str, after_seq: int) -> tuple[list[JobEvent], bool]:

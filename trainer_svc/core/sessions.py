@@ -192,7 +192,22 @@ class Sessions:
     def publish_adapter(
         self, sess: Session, *, artifact_id: str | None, metadata: dict[str, str]
     ) -> Artifact:
-        meta = {**models.adapter_metadata(sess.loaded), **metadata, "tenant": sess.info.tenant}
-        with self.artifacts.create("adapter", artifact_id=artifact_id, metadata=meta) as pending:
-            models.write_adapter(sess.loaded, pending.dir)
-        return self.artifacts.get(pending.artifact_id)
+        return publish_adapter(
+            self.artifacts, sess.loaded, tenant=sess.info.tenant, artifact_id=artifact_id, metadata=metadata
+        )
+
+
+def publish_adapter(
+    artifacts: ArtifactStore,
+    loaded: models.LoadedModel,
+    *,
+    tenant: str,
+    artifact_id: str | None,
+    metadata: dict[str, str],
+) -> Artifact:
+    """Write ``loaded``'s adapter into the store as an ``adapter`` artifact (a session's, or a distributed
+    job's rank 0's, ``dist_worker``), with the base's metadata, ``metadata`` and the tenant."""
+    meta = {**models.adapter_metadata(loaded), **metadata, "tenant": tenant}
+    with artifacts.create("adapter", artifact_id=artifact_id, metadata=meta) as pending:
+        models.write_adapter(loaded, pending.dir)
+    return artifacts.get(pending.artifact_id)

@@ -1,9 +1,10 @@
-"""Running one SFT or DPO job with TRL on a session's PEFT model.
+"""Running one SFT, DPO, ORPO, KTO or SimPO job with TRL on a session's PEFT model.
 
-TRL's ``SFTTrainer``/``DPOTrainer`` are the engines; a callback turns their logs into step events,
+TRL's ``SFTTrainer``/``DPOTrainer``/``ORPOTrainer``/``KTOTrainer``/``CPOTrainer`` (SimPO is its ``loss_type="simpo"``
+without the BC term: ``trl_preference_config``) are the engines; a callback turns their logs into step events,
 publishes each checkpoint into the artifact store, and stops the loop between steps when the job is
 cancelled or the service drains (saving a checkpoint at the step reached). The reference model for
-DPO is the same model with the adapter disabled (or, on request, a frozen snapshot of the adapter),
+DPO and KTO is the same model with the adapter disabled (or, on request, a frozen snapshot of the adapter),
 so no second copy of the base weights is ever loaded.
 """
 
@@ -15,12 +16,14 @@ import resource
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common.trainer_types import (
     MEMORY_MODES,
+    PREFERENCE_METHODS,
+    REFERENCE_METHODS,
     DatasetFormat,
     DpoMetrics,
     StepMetrics,
@@ -69,6 +72,21 @@ def _peak_memory(device: str) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+# DpoMetrics field <- the key TRL's preference trainers log it under (each logs the ones its loss has)
+PREFERENCE_LOG_KEYS = {
+    "rewards_chosen": "rewards/chosen",
+    "rewards_rejected": "rewards/rejected",
+    "reward_margin": "rewards/margins",
+    "reward_accuracy": "rewards/accuracies",
+    "logps_chosen": "logps/chosen",
+    "logps_rejected": "logps/rejected",
+    "log_odds_ratio": "log_odds_ratio",
+    "log_odds_chosen": "log_odds_chosen",
+    "nll_loss": "nll_loss",
+    "kl": "kl",
+}
+
+
 def _make_callback(loaded: LoadedModel, control: JobControl, sinks: Sinks, method: TrainMethod):
     from transformers import TrainerCallback
 
@@ -97,15 +115,8 @@ def _make_callback(loaded: LoadedModel, control: JobControl, sinks: Sinks, metho
             dt = time.perf_counter() - self.t0
             tokens = int(getattr(state, "num_input_tokens_seen", 0) or 0)
             dpo = None
-            if method is TrainMethod.DPO:
-                dpo = DpoMetrics(
-                    rewards_chosen=float(logs.get("rewards/chosen", 0.0)),
-                    rewards_rejected=float(logs.get("rewards/rejected", 0.0)),
-                    reward_margin=float(logs.get("rewards/margins", 0.0)),
-                    reward_accuracy=float(logs.get("rewards/accuracies", 0.0)),
-                    logps_chosen=float(logs.get("logps/chosen", 0.0)),
-                    logps_rejected=float(logs.get("logps/rejected", 0.0)),
-                )
+            if method in PREFERENCE_METHODS:
+                dpo = DpoMetrics(**{f: float(logs.get(key, 0.0)) for f, key in PREFERENCE_LOG_KEYS.items()})
             sinks.on_step(
                 StepMetrics(
                     step=int(state.global_step),
@@ -174,8 +185,10 @@ def build_trainer(
     work_dir: Path,
     control: JobControl,
     sinks: Sinks,
+    callbacks: Sequence = (),
 ):
-    """A TRL trainer for this job, with strop's callback installed (and HF's log printer removed)."""
+    """A TRL trainer for this job, with strop's callback installed (and HF's log printer removed), then
+    ``callbacks`` (a distributed job's stop agreement, ``dist_worker``)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer = _build_trl_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
@@ -185,6 +198,8 @@ def build_trainer(
     trainer.add_callback(make_guard(loaded.model))
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
+    for cb in callbacks:
+        trainer.add_callback(cb)
     return trainer
 
 
@@ -230,6 +245,10 @@ def _build_trl_trainer(
             processing_class=loaded.tokenizer,
             callbacks=[callback],
         )
+    if cfg.method is not TrainMethod.DPO:
+        trainer = _build_preference_trainer(loaded, rows, cfg, args, callback)
+        _use_reference(trainer, cfg)
+        return trainer
     from trl import DPOConfig, DPOTrainer
 
     dpo_args = DPOConfig(**args, beta=cfg.dpo_beta, loss_type=[cfg.dpo_loss_type], max_length=cfg.max_length)
@@ -249,13 +268,90 @@ def _build_trl_trainer(
         processing_class=loaded.tokenizer,
         callbacks=[callback],
     )
+    _use_reference(trainer, cfg)
+    return trainer
+
+
+def _use_reference(trainer, cfg: TrainConfig) -> None:
     peft_model = trainer.accelerator.unwrap_model(trainer.model)
     if cfg.dpo_reference == "base" and "ref" in getattr(peft_model, "peft_config", {}):
-        # TRL snapshots the adapter as the reference; strop's default reference is the base model
-        # (adapter disabled), which TRL falls back to when no "ref" adapter exists.
+        # TRL's DPO and KTO trainers snapshot the adapter as the reference; strop's default reference is the base
+        # model (adapter disabled), which TRL falls back to when no "ref" adapter exists.
         peft_model.delete_adapter("ref")
         peft_model.set_adapter("default")
-    return trainer
+
+
+def trl_preference_config(cfg: TrainConfig, args: dict):
+    """The TRL trainer class and its config for an ORPO, KTO or SimPO job (``args``: ``_training_args``)."""
+    if cfg.method in (TrainMethod.ORPO, TrainMethod.SIMPO):
+        # their batches hold chosen_/rejected_ columns, no input_ids, which is what HF counts tokens by (it warns
+        # every step and counts none): _PairTokens counts them instead; their collator needs every column kept
+        args = {**args, "include_num_input_tokens_seen": "no", "remove_unused_columns": False}
+    if cfg.method is TrainMethod.ORPO:
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        # TRL's ORPOConfig.beta is the paper's lambda (the odds-ratio term's weight)
+        return ORPOTrainer, ORPOConfig(**args, beta=cfg.orpo_lambda, max_length=cfg.max_length)
+    if cfg.method is TrainMethod.SIMPO:
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        # SimPO is CPO's simpo loss without CPO's behaviour-cloning (NLL) term
+        simpo = CPOConfig(
+            **args,
+            loss_type="simpo",
+            cpo_alpha=0.0,
+            beta=cfg.simpo_beta,
+            simpo_gamma=cfg.simpo_gamma,
+            max_length=cfg.max_length,
+        )
+        return CPOTrainer, simpo
+    if cfg.method is TrainMethod.KTO:
+        from trl import KTOConfig, KTOTrainer
+
+        kto = KTOConfig(
+            **args,
+            beta=cfg.kto_beta,
+            desirable_weight=cfg.kto_desirable_weight,
+            undesirable_weight=cfg.kto_undesirable_weight,
+            max_length=cfg.max_length,
+        )
+        return KTOTrainer, kto
+    raise ValueError(f"not an ORPO, KTO or SimPO job: {cfg.method}")
+
+
+def preference_rows(rows: list[dict], method: TrainMethod) -> list[dict]:
+    """Rows as the TRL trainer of ``method`` reads them."""
+    keys = (
+        ("prompt", "completion", "label") if method is TrainMethod.KTO else ("prompt", "chosen", "rejected")
+    )
+    return [{k: r[k] for k in keys} for r in rows]
+
+
+class _PairTokens:
+    """Counts the non-padding tokens of each chosen and rejected row into ``state.num_input_tokens_seen``
+    (what HF's own count gives SFT, DPO and KTO jobs), so ORPO and SimPO steps report tokens/s."""
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        masks = [inputs[k] for k in ("chosen_attention_mask", "rejected_attention_mask") if k in inputs]
+        self.state.num_input_tokens_seen += int(sum(int(m.sum()) for m in masks))
+        return super().training_step(model, inputs, *args, **kwargs)
+
+
+def _build_preference_trainer(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig, args: dict, callback):
+    from datasets import Dataset
+
+    trainer_cls, trl_args = trl_preference_config(cfg, args)
+    if cfg.method in (TrainMethod.ORPO, TrainMethod.SIMPO):
+        trainer_cls = type(trainer_cls.__name__, (_PairTokens, trainer_cls), {})
+    kwargs = {"ref_model": None} if cfg.method in REFERENCE_METHODS else {}
+    return trainer_cls(
+        model=loaded.model,
+        args=trl_args,
+        train_dataset=Dataset.from_list(preference_rows(rows, cfg.method)),
+        processing_class=loaded.tokenizer,
+        callbacks=[callback],
+        **kwargs,
+    )
 
 
 def cleanup_reference_adapter(loaded: LoadedModel) -> None:
@@ -282,7 +378,8 @@ def _host_has_room(loaded: LoadedModel, cfg: TrainConfig) -> bool:
     hf_cfg = loaded.model.config
     layers = int(getattr(hf_cfg, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(hf_cfg, "hidden_size", 0) or 0)
-    rows = cfg.batch_size * (2 if cfg.method is TrainMethod.DPO else 1)  # DPO: chosen and rejected rows
+    # preference methods: chosen and rejected rows (KTO: each row and its KL row)
+    rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     itemsize = loaded.model.get_input_embeddings().weight.element_size()  # the residual stream's dtype
     need = layers * rows * cfg.max_length * hidden * itemsize
     available = _host_available_bytes()
@@ -363,6 +460,7 @@ def run_training(
     control: JobControl,
     sinks: Sinks,
     resume_from: Path | None = None,
+    callbacks: Sequence = (),
 ) -> int:
     """Train to completion or until stopped; returns the global step reached."""
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -377,7 +475,7 @@ def run_training(
         import torch
 
         torch.cuda.reset_peak_memory_stats(loaded.device)
-    trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
+    trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, callbacks)
     installed = None
     try:
         installed = _install_memory_mode(

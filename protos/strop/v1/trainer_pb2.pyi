@@ -36,6 +36,7 @@ class DatasetFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATASET_FORMAT_PROMPT_COMPLETION: _ClassVar[DatasetFormat]
     DATASET_FORMAT_PREFERENCE: _ClassVar[DatasetFormat]
     DATASET_FORMAT_TOKENS: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_UNPAIRED_PREFERENCE: _ClassVar[DatasetFormat]
 
 class MemoryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +50,9 @@ class TrainMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAIN_METHOD_UNSPECIFIED: _ClassVar[TrainMethod]
     TRAIN_METHOD_SFT: _ClassVar[TrainMethod]
     TRAIN_METHOD_DPO: _ClassVar[TrainMethod]
+    TRAIN_METHOD_ORPO: _ClassVar[TrainMethod]
+    TRAIN_METHOD_KTO: _ClassVar[TrainMethod]
+    TRAIN_METHOD_SIMPO: _ClassVar[TrainMethod]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -76,6 +80,7 @@ DATASET_FORMAT_MESSAGES: DatasetFormat
 DATASET_FORMAT_PROMPT_COMPLETION: DatasetFormat
 DATASET_FORMAT_PREFERENCE: DatasetFormat
 DATASET_FORMAT_TOKENS: DatasetFormat
+DATASET_FORMAT_UNPAIRED_PREFERENCE: DatasetFormat
 MEMORY_MODE_UNSPECIFIED: MemoryMode
 MEMORY_MODE_STANDARD: MemoryMode
 MEMORY_MODE_LONG_CONTEXT: MemoryMode
@@ -83,6 +88,9 @@ MEMORY_MODE_MAX_SPEED: MemoryMode
 TRAIN_METHOD_UNSPECIFIED: TrainMethod
 TRAIN_METHOD_SFT: TrainMethod
 TRAIN_METHOD_DPO: TrainMethod
+TRAIN_METHOD_ORPO: TrainMethod
+TRAIN_METHOD_KTO: TrainMethod
+TRAIN_METHOD_SIMPO: TrainMethod
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_RUNNING: JobState
@@ -294,7 +302,7 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens")
+    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +328,13 @@ class TrainConfig(_message.Message):
     MEMORY_BUDGET_GIB_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MODE_FIELD_NUMBER: _ClassVar[int]
     LOSS_ON_ALL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    ORPO_LAMBDA_FIELD_NUMBER: _ClassVar[int]
+    KTO_BETA_FIELD_NUMBER: _ClassVar[int]
+    KTO_DESIRABLE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    KTO_UNDESIRABLE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SIMPO_BETA_FIELD_NUMBER: _ClassVar[int]
+    SIMPO_GAMMA_FIELD_NUMBER: _ClassVar[int]
     method: TrainMethod
     learning_rate: float
     lr_scheduler: str
@@ -345,7 +360,14 @@ class TrainConfig(_message.Message):
     memory_budget_gib: float
     memory_mode: MemoryMode
     loss_on_all_tokens: bool
-    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ...) -> None: ...
+    num_devices: int
+    orpo_lambda: float
+    kto_beta: float
+    kto_desirable_weight: float
+    kto_undesirable_weight: float
+    simpo_beta: float
+    simpo_gamma: float
+    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name")
@@ -426,20 +448,28 @@ class StateChange(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DpoMetrics(_message.Message):
-    __slots__ = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected")
+    __slots__ = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected", "log_odds_ratio", "log_odds_chosen", "nll_loss", "kl")
     REWARDS_CHOSEN_FIELD_NUMBER: _ClassVar[int]
     REWARDS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     REWARD_MARGIN_FIELD_NUMBER: _ClassVar[int]
     REWARD_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     LOGPS_CHOSEN_FIELD_NUMBER: _ClassVar[int]
     LOGPS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    LOG_ODDS_RATIO_FIELD_NUMBER: _ClassVar[int]
+    LOG_ODDS_CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    NLL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    KL_FIELD_NUMBER: _ClassVar[int]
     rewards_chosen: float
     rewards_rejected: float
     reward_margin: float
     reward_accuracy: float
     logps_chosen: float
     logps_rejected: float
-    def __init__(self, rewards_chosen: _Optional[float] = ..., rewards_rejected: _Optional[float] = ..., reward_margin: _Optional[float] = ..., reward_accuracy: _Optional[float] = ..., logps_chosen: _Optional[float] = ..., logps_rejected: _Optional[float] = ...) -> None: ...
+    log_odds_ratio: float
+    log_odds_chosen: float
+    nll_loss: float
+    kl: float
+    def __init__(self, rewards_chosen: _Optional[float] = ..., rewards_rejected: _Optional[float] = ..., reward_margin: _Optional[float] = ..., reward_accuracy: _Optional[float] = ..., logps_chosen: _Optional[float] = ..., logps_rejected: _Optional[float] = ..., log_odds_ratio: _Optional[float] = ..., log_odds_chosen: _Optional[float] = ..., nll_loss: _Optional[float] = ..., kl: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("step", "total_steps", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_seen", "peak_memory_bytes", "step_seconds", "dpo")

@@ -1,0 +1,349 @@
+"""DDP through torch.distributed (gloo, 2 processes) trains exactly what one process trains on the same global batch.
+
+The same job runs twice through the distributed entry point (``strop.trainer_svc.dist_worker``): with 2 processes
+of batch 1 (started as a Kubeflow TrainJob's pod starts it, by torchrun's ``PET_*`` variables; the stop test and
+the service's tests run torchrun's command line), and as one process of batch 2. Each rank takes every other batch of the one
+shuffled order, so at every step the two runs see the same 2 rows, and DDP averages the two ranks' gradients
+(transformers scales each rank's loss by the world size over the global token count, so the average is the
+gradient of the global batch's mean loss). Per-step losses and the final adapter must agree to rounding.
+
+Why SGD without clipping. AdamW divides each update by its gradient's own magnitude and clipping rescales it, so
+with either, a DDP whose gradients are summed instead of averaged (2x the gradient) would train nearly the same
+adapter and this test could not see it; with plain SGD the update is linear in the gradient, and a summed gradient
+doubles it. Checked by hand with a DDP comm hook: summing instead of averaging moves the adapter's update by 117%
+and the losses by 3.8e-3, never synchronising by 107% and 2.0e-3, against bounds of 2.2e-4 and 5.4e-5 (measured
+here: 3.0e-7 and 7.4e-8). SGD also keeps the bound derivable: no m/sqrt(v) amplifies rounding.
+
+The bound, derived as in ``tests/kernels/test_patch.py``. Both runs compute the same fp32 function; they differ
+in summation order (batch 2 in one process against batch 1 per rank) and in one more addition, the all-reduce
+of two fp32 gradient halves (one rounding per element). One forward and backward passes through ``S`` = 8
+sequential reductions per layer and pass, twice, plus 4 for the head and the loss, of at most ``K`` terms (the
+longest of hidden, intermediate, vocabulary, and the tokens of a global batch summed into a LoRA gradient):
+a gradient is off by at most ε = (S·√K + 1)·u relative, u = 2⁻²⁴. A step's loss is one forward of that (S·√K·u
+covers it and the rounding its weights carry from earlier steps, whose effect on the loss is ‖g‖·‖Δθ‖ ≪ the
+loss). The adapter's update after T SGD steps is a sum of T updates each off by at most ε relative: T·ε. A
+wrong gradient, a wrong shard of the data or an unsynchronised rank is off by O(1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STEPS = 4
+ROWS = 8  # 2 rows a global batch, each row of the same length: no padding on either side
+ROW_TOKENS = 24
+U = 2.0**-24
+ROOT = Path(__file__).resolve().parents[2]
+LORA = {"r": 4, "alpha": 8, "seed": 1}
+
+
+def _spec(job_id: str, batch_size: int) -> dict:
+    return {
+        "job_id": job_id,
+        "model": {
+            "model_path": "tiny-llama",
+            "quantization": "NONE",
+            "dtype": "float32",
+            "max_seq_length": 64,
+        },
+        "lora": LORA,
+        "config": {
+            "method": "SFT",
+            "optimizer": "sgd",
+            "learning_rate": 0.5,
+            "max_steps": STEPS,
+            "batch_size": batch_size,
+            "max_grad_norm": 1e9,
+            "loss_on_all_tokens": True,
+            "checkpoint_every_steps": 2,
+            "seed": 3,
+        },
+        "dataset_path": "tokens.jsonl",
+        "tenant": "team-a",
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(
+    tmp: Path,
+    model_root: Path,
+    job_id: str,
+    batch_size: int,
+    nproc: int,
+    spec: dict | None = None,
+    operator_env: bool = False,
+) -> subprocess.Popen:
+    """Run the job's entry point: under torchrun for ``nproc`` > 1, or, with ``operator_env``, plainly with the
+    ``PET_*`` variables a Kubeflow TrainJob's torch runtime sets (the entry point hands itself to torchrun)."""
+    spec_file = tmp / f"{job_id}.json"
+    spec_file.write_text(json.dumps(spec or _spec(job_id, batch_size)))
+    worker = ["-m", "strop.trainer_svc.dist_worker", "--spec", str(spec_file), "--model-root", str(model_root),
+              "--artifact-root", str(tmp / "artifacts"), "--data-root", str(tmp / "data"),
+              "--work-dir", str(tmp / "work"), "--events", str(tmp / f"{job_id}.events")]  # fmt: skip
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("RANK", None)
+    if operator_env:
+        launcher = []
+        env.update(PET_NNODES="1", PET_NPROC_PER_NODE=str(nproc), PET_NODE_RANK="0",
+                   PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(_free_port()))  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, *launcher, *worker], cwd=ROOT, env=env,
+        stdout=open(tmp / f"{job_id}.log", "w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def _events(tmp: Path, job_id: str) -> list[dict]:
+    return [json.loads(line) for line in (tmp / f"{job_id}.events").read_text().splitlines()]
+
+
+def _initial_adapter(model_root: Path) -> dict:
+    """The adapter before training, as every rank attaches it (``attach_lora`` is seeded)."""
+    from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
+    from strop.trainer_svc.core import models
+
+    req = LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE, dtype="float32")
+    loaded = models.load_model(req, model_root=model_root, device="cpu")
+    models.attach_lora(loaded, LoraConfig(**LORA))
+    return {
+        n.replace(".default", ""): p.detach().clone()
+        for n, p in loaded.model.named_parameters()
+        if p.requires_grad
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(model_root, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    (tmp / "data").mkdir()
+    config = json.loads((model_root / "tiny-llama" / "config.json").read_text())
+    rng = random.Random(0)
+    with open(tmp / "data" / "tokens.jsonl", "w") as f:
+        for _ in range(ROWS):
+            row = [rng.randrange(3, config["vocab_size"]) for _ in range(ROW_TOKENS)]
+            f.write(json.dumps({"input_ids": row}) + "\n")
+    procs = {
+        "job-one": _launch(tmp, model_root, "job-one", batch_size=2, nproc=1),
+        "job-ddp": _launch(tmp, model_root, "job-ddp", batch_size=1, nproc=2, operator_env=True),
+    }
+    initial = _initial_adapter(model_root)  # while the two runs train
+    for job_id, proc in procs.items():
+        assert proc.wait(timeout=300) == 0, (tmp / f"{job_id}.log").read_text()[-4000:]
+    return tmp, config, initial
+
+
+def _adapter(tmp: Path, events: list[dict]) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    from strop.common.artifacts import ArtifactStore
+
+    (artifact_id,) = [e["adapter"]["artifact_id"] for e in events if e["adapter"]]
+    store = ArtifactStore(tmp / "artifacts")
+    artifact = store.verify(artifact_id)
+    return load_file(str(store.path_of(artifact_id) / "adapter_model.safetensors")), artifact.metadata
+
+
+def _bounds(config: dict) -> tuple[float, float]:
+    s = 8 * config["num_hidden_layers"] * 2 + 4
+    k = max(config["hidden_size"], config["intermediate_size"], config["vocab_size"], 2 * ROW_TOKENS)
+    loss_bound = s * math.sqrt(k) * U
+    return loss_bound, STEPS * (s * math.sqrt(k) + 1) * U
+
+
+@pytest.mark.parity
+def test_ddp_losses_and_adapter_equal_one_process_on_the_global_batch(runs):
+    tmp, config, initial = runs
+    loss_bound, update_bound = _bounds(config)
+    one, ddp = _events(tmp, "job-one"), _events(tmp, "job-ddp")
+    losses_one = [e["step"]["loss"] for e in one if e["step"]]
+    losses_ddp = [e["step"]["loss"] for e in ddp if e["step"]]
+    assert len(losses_one) == len(losses_ddp) == STEPS  # one event a step, from rank 0 only
+    worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses_ddp, losses_one, strict=True))
+    assert worst_loss <= loss_bound, (losses_ddp, losses_one, loss_bound)
+
+    adapter_one, _ = _adapter(tmp, one)
+    adapter_ddp, _ = _adapter(tmp, ddp)
+    assert sorted(adapter_ddp) == sorted(adapter_one) == sorted(initial)
+    import torch
+
+    def norm(tensors) -> float:
+        return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
+
+    update = norm(adapter_one[n] - initial[n] for n in initial)
+    delta = norm(adapter_ddp[n] - adapter_one[n] for n in initial)
+    # the update is real (a fresh adapter's B is zero: what B holds now, SGD put there), and DDP's equals it
+    assert update > 0.01 * norm(initial.values()), (update, norm(initial.values()))
+    assert delta / update <= update_bound, (delta / update, update_bound)
+
+
+def test_ddp_rank_zero_alone_publishes_with_the_single_process_metadata(runs):
+    tmp, _, initial = runs
+    one, ddp = _events(tmp, "job-one"), _events(tmp, "job-ddp")
+    # rank 0's events only: a second rank's would double every step, checkpoint and adapter
+    assert _kinds(ddp) == [
+        "state",
+        "log",
+        "step",
+        "step",
+        "checkpoint",
+        "step",
+        "step",
+        "checkpoint",
+        "adapter",
+        "state",
+    ]
+    assert [e["seq"] for e in ddp] == list(range(1, len(ddp) + 1))
+    assert ddp[-1]["state"] == {"state": "SUCCEEDED", "message": f"finished at step {STEPS}"}
+    # DDP all-reduces the adapters only: 2 layers x 7 projections x (A, B)
+    assert ddp[1]["log"]["message"].startswith(
+        f"DDP over 2 processes synchronises {len(initial)} adapter tensors"
+    )
+    _, meta_one = _adapter(tmp, one)
+    _, meta_ddp = _adapter(tmp, ddp)
+    assert meta_ddp == {**meta_one, "job_id": "job-ddp", "world_size": "2"}
+    assert meta_ddp["tenant"] == "team-a" and meta_ddp["step"] == str(STEPS)
+    from strop.common.artifacts import ArtifactStore
+
+    store = ArtifactStore(tmp / "artifacts")
+    for e in (e for e in ddp if e["checkpoint"]):
+        artifact = store.verify(e["checkpoint"]["artifact"]["artifact_id"])
+        assert artifact.metadata["job_id"] == "job-ddp" and artifact.metadata["tenant"] == "team-a"
+        assert (store.path_of(artifact.artifact_id) / "adapter_model.safetensors").is_file()
+
+
+def _kinds(events: list[dict]) -> list[str]:
+    return [next(k for k in ("state", "step", "checkpoint", "adapter", "log") if e[k]) for e in events]
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_interrupted_and_the_job_resumes(runs, model_root):
+    import signal
+    import time
+
+    import psutil
+
+    tmp, _, _ = runs
+    spec = _spec("job-stop", batch_size=1)
+    spec["config"].update(max_steps=10_000, checkpoint_every_steps=0)  # runs until stopped
+    proc = _launch(tmp, model_root, "job-stop", batch_size=1, nproc=2, spec=spec)
+    events = tmp / "job-stop.events"
+    deadline = time.monotonic() + 120
+    while not (events.is_file() and '"step": {' in events.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp / "job-stop.log").read_text()[-4000:]
+        time.sleep(0.1)
+    (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
+    rank1.send_signal(signal.SIGTERM)  # rank 1 alone: rank 0 learns it through the stop agreement
+    assert proc.wait(timeout=120) == 0, (tmp / "job-stop.log").read_text()[-4000:]
+    stopped = _events(tmp, "job-stop")
+    steps = [e["step"]["step"] for e in stopped if e["step"]]
+    stop_step = steps[-1]
+    # both ranks stopped after the same step: had rank 1 stopped alone, rank 0 would wait in an all-reduce
+    # and torchrun would fail the run; one checkpoint (at the step reached) and one adapter, from rank 0
+    assert _kinds(stopped)[-3:] == ["checkpoint", "adapter", "state"]
+    assert stopped[-1]["state"] == {"state": "INTERRUPTED", "message": f"stopped at step {stop_step}"}
+    ckpt = stopped[-3]["checkpoint"]
+    assert ckpt["step"] == stop_step and steps == list(range(1, stop_step + 1))
+
+    resumed_spec = _spec("job-resumed", batch_size=1)
+    resumed_spec["config"].update(max_steps=stop_step + 2, checkpoint_every_steps=0)
+    resumed_spec["resume_from"] = ckpt["artifact"]["artifact_id"]
+    proc = _launch(tmp, model_root, "job-resumed", batch_size=1, nproc=2, spec=resumed_spec)
+    assert proc.wait(timeout=300) == 0, (tmp / "job-resumed.log").read_text()[-4000:]
+    resumed = _events(tmp, "job-resumed")
+    assert [e["step"]["step"] for e in resumed if e["step"]] == [stop_step + 1, stop_step + 2]
+    assert resumed[-1]["state"]["state"] == "SUCCEEDED"
+
+
+def _service_config(**overrides):
+    from strop.common.trainer_types import TrainConfig, TrainMethod
+
+    settings = {**_spec("", batch_size=1)["config"], "method": TrainMethod.SFT, "num_devices": 2, **overrides}
+    return TrainConfig(**settings)
+
+
+@pytest.fixture
+def ddp_session(client, runs):
+    from strop.client import LoraConfig, Quantization
+
+    tmp, _, _ = runs
+    s = client.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32", max_seq_length=64)
+    client.attach_lora(s.session_id, LoraConfig(**LORA))
+    ds = client.upload_dataset((tmp / "data" / "tokens.jsonl").read_bytes(), name="tokens.jsonl")
+    yield s.session_id, ds.dataset_id
+    client.close_session(s.session_id)
+
+
+def test_the_service_runs_a_num_devices_job_on_torchrun_ranks_and_the_session_holds_what_they_trained(
+    client, trainer, runs, ddp_session
+):
+    from safetensors.torch import load_file
+
+    from strop.common.artifacts import ArtifactStore
+
+    tmp, config, _ = runs
+    session_id, dataset_id = ddp_session
+    events = list(client.train(session_id, dataset_id, _service_config()))
+    losses = [e.step.loss for e in events if e.step]
+    reference = [e["step"]["loss"] for e in _events(tmp, "job-one") if e["step"]]
+    loss_bound, _ = _bounds(config)
+    assert len(losses) == STEPS  # rank 0's, once each
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True)) <= loss_bound
+    job = client.list_jobs(session_id)[-1]
+    assert job.state.value == "SUCCEEDED" and job.step == STEPS and job.last_checkpoint.step == STEPS
+    assert job.adapter.metadata["world_size"] == "2"
+    # the session now holds rank 0's adapter: what SaveAdapter writes is what the ranks trained, bit for bit
+    saved = client.save_adapter(session_id)
+    store = ArtifactStore(trainer[2].artifact_root)
+    ranks = load_file(str(store.path_of(job.adapter.artifact_id) / "adapter_model.safetensors"))
+    session = load_file(str(store.path_of(saved.artifact_id) / "adapter_model.safetensors"))
+    assert sorted(ranks) == sorted(session) and all(bool((ranks[k] == session[k]).all()) for k in ranks)
+
+
+def test_cancelling_a_num_devices_job_stops_every_rank_with_a_checkpoint(client, ddp_session):
+    import psutil
+
+    session_id, dataset_id = ddp_session
+    stream = client.train(session_id, dataset_id, _service_config(max_steps=10_000, checkpoint_every_steps=0))
+    for event in stream:
+        if event.step:
+            client.cancel_job(event.job_id)
+            break
+    stream.close()  # detach; the job goes on to its end
+    job = client.wait_job(event.job_id, timeout=180)
+    assert job.state.value == "CANCELLED", job.error
+    assert job.last_checkpoint is not None and job.last_checkpoint.step == job.step > 0
+    # every rank (and torchrun) has exited: none is left training, or waiting in an all-reduce
+    workers = [
+        p for p in psutil.Process().children(recursive=True) if "strop.trainer_svc.dist_worker" in p.cmdline()
+    ]
+    assert workers == []
+
+
+def test_a_job_asking_for_more_devices_than_the_node_has_is_refused_before_it_starts(client, ddp_session):
+    from strop.client import FailedPreconditionError, InvalidArgumentError
+
+    session_id, dataset_id = ddp_session
+    cores = os.cpu_count()
+    with pytest.raises(
+        FailedPreconditionError, match=f"num_devices {cores + 1}: this trainer has {cores} CPU cores"
+    ):
+        list(client.train(session_id, dataset_id, _service_config(num_devices=cores + 1)))
+    with pytest.raises(InvalidArgumentError, match=r"num_devices must be in 0\.\.1024, got -1"):
+        list(client.train(session_id, dataset_id, _service_config(num_devices=-1)))
+    assert client.list_jobs(session_id) == []  # nothing was created

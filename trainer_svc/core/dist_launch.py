@@ -1,0 +1,196 @@
+"""A session's job on several devices of this node: torchrun launches ``strop.trainer_svc.dist_worker`` ranks.
+
+The job's ``num_devices`` > 1 makes ``Jobs`` run it here instead of in the session's process. The ranks load
+the session's base and adapter configuration themselves (each its own copy, on its own device), train with
+DDP, and rank 0 publishes the checkpoints and the adapter; this side follows rank 0's event file (one JSON
+``JobEvent`` a line) into the job's events, stops every rank between steps by writing the stop file
+(``cancel`` or ``interrupt``), and when the job is over loads the trained adapter into the session, so the
+session's Generate and SaveAdapter see what the ranks trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from strop.common import serde
+from strop.common.artifacts import ArtifactStore
+from strop.common.errors import FailedPrecondition
+from strop.common.trainer_types import (
+    Artifact,
+    DatasetFormat,
+    JobEvent,
+    JobState,
+    KernelMode,
+    LoadModelRequest,
+    LoraConfig,
+    Quantization,
+    TrainConfig,
+)
+
+if TYPE_CHECKING:
+    from strop.trainer_svc.core.models import LoadedModel
+    from strop.trainer_svc.core.sessions import Session
+    from strop.trainer_svc.core.training import JobControl
+
+POLL_SECONDS = 0.2
+STOP_GRACE_SECONDS = 120.0  # a stop waits for the step in flight; past this the ranks are killed
+
+
+@dataclass
+class DistributedJob:
+    """What a distributed job trains: the same request types as the service's LoadModel, AttachLora and Train
+    (read from JSON with ``common.serde``). ``dataset_path`` is under the data root; ``resume_from`` is a
+    checkpoint artifact id."""
+
+    job_id: str = ""
+    model: LoadModelRequest = field(default_factory=LoadModelRequest)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    config: TrainConfig = field(default_factory=TrainConfig)
+    dataset_path: str = ""
+    dataset_format: DatasetFormat = DatasetFormat.UNSPECIFIED
+    resume_from: str = ""
+    tenant: str = ""
+
+
+_QUANTIZATION = {  # a session's facts.quantization → the LoadModel request that reloads it the same way
+    "none": Quantization.NONE,
+    "bnb-nf4-on-load": Quantization.NF4,
+    "bnb-nf4-prequantized": Quantization.UNSPECIFIED,
+}
+
+
+def check_devices(num_devices: int, device: str) -> None:
+    """Refuse a job asking for more devices than this node has: CUDA devices, or CPU cores for gloo ranks."""
+    if num_devices <= 1:
+        return
+    if device.startswith("cuda"):
+        import torch
+
+        have, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        have, what = os.cpu_count() or 1, "CPU cores (one gloo rank each)"
+    if num_devices > have:
+        raise FailedPrecondition(f"num_devices {num_devices}: this trainer has {have} {what}")
+
+
+def spec_for(
+    sess: Session, job_id: str, cfg: TrainConfig, fmt: DatasetFormat, resume_from: str
+) -> DistributedJob:
+    loaded = sess.loaded
+    facts = loaded.facts
+    return DistributedJob(
+        job_id=job_id,
+        model=LoadModelRequest(
+            model_path=loaded.model_rel,
+            quantization=_QUANTIZATION[facts.quantization],
+            dtype=facts.compute_dtype,
+            max_seq_length=facts.max_seq_length,
+            kernels=KernelMode.ON if facts.kernels_enabled else KernelMode.OFF,
+        ),
+        lora=loaded.lora,
+        config=cfg,
+        dataset_path="rows.jsonl",
+        dataset_format=fmt,
+        resume_from=resume_from,
+        tenant=sess.info.tenant,
+    )
+
+
+def run_distributed(
+    sess: Session,
+    job_id: str,
+    cfg: TrainConfig,
+    fmt: DatasetFormat,
+    rows: list[dict],
+    control: JobControl,
+    resume_dir: Path | None,
+    *,
+    work_dir: Path,
+    artifacts: ArtifactStore,
+    model_root: Path,
+    on_event: Callable[[JobEvent], None],
+) -> tuple[int, Artifact]:
+    """Launch ``cfg.num_devices`` ranks with torchrun and follow rank 0's events until they exit.
+
+    Returns:
+        The step reached and the adapter rank 0 published.
+
+    Raises:
+        RuntimeError: the ranks failed (rank 0's message, or the launcher's exit status and log tail).
+    """
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "data").mkdir(exist_ok=True)
+    with open(work_dir / "data" / "rows.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    spec = spec_for(
+        sess, job_id, cfg, fmt, resume_dir.name if resume_dir else ""
+    )  # the store's dir is its id
+    (work_dir / "spec.json").write_text(json.dumps(serde.to_dict(spec)))
+    events, stop_file, log_path = work_dir / "events.jsonl", work_dir / "stop", work_dir / "ranks.log"
+    events.touch()
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.num_devices}",
+        "-m", "strop.trainer_svc.dist_worker", "--spec", str(work_dir / "spec.json"),
+        "--model-root", str(model_root), "--artifact-root", str(artifacts.root),
+        "--data-root", str(work_dir / "data"), "--work-dir", str(work_dir / "ranks"),
+        "--events", str(events), "--stop-file", str(stop_file),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    step, adapter, final, stop_asked_at, pending = 0, None, None, None, ""
+    with open(events) as follow:
+        while True:
+            exited = proc.poll() is not None
+            *lines, pending = (pending + follow.read()).split("\n")  # whole lines only
+            for line in lines:
+                event = serde.from_dict(JobEvent, json.loads(line))
+                event.job_id, event.seq = job_id, 0  # the job's store numbers its events
+                if event.step is not None:
+                    step = event.step.step
+                if event.checkpoint is not None:
+                    step = max(step, event.checkpoint.step)
+                if event.adapter is not None:
+                    adapter = event.adapter
+                if event.state is not None:
+                    final = event.state
+                    continue  # the job's own state changes are Jobs' to make
+                on_event(event)
+            if exited:
+                break
+            if control.stop is not None and stop_asked_at is None:
+                stop_file.write_text(control.stop.reason)
+                stop_asked_at = time.monotonic()
+            if stop_asked_at is not None and time.monotonic() - stop_asked_at > STOP_GRACE_SECONDS:
+                proc.kill()
+            time.sleep(POLL_SECONDS)
+    if proc.returncode != 0 or adapter is None:
+        if final is not None and final.state is JobState.FAILED:
+            raise RuntimeError(f"rank 0: {final.message}")
+        tail = log_path.read_text()[-2000:]
+        raise RuntimeError(f"the distributed ranks exited with status {proc.returncode}: {tail}")
+    load_adapter_into_session(sess.loaded, artifacts.path_of(adapter.artifact_id))
+    return step, adapter
+
+
+def load_adapter_into_session(loaded: LoadedModel, adapter_dir: Path) -> None:
+    """The ranks' trained adapter weights into the session's PEFT model (same LoRA configuration)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(adapter_dir / "adapter_model.safetensors"), device=loaded.device)
+    result = set_peft_model_state_dict(loaded.model, state)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise RuntimeError(f"the ranks' adapter has tensors the session's does not: {unexpected[:4]}")
