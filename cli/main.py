@@ -129,6 +129,12 @@ def _add_train(sub) -> None:
         help="max_speed: device memory the job may use; 0: 90%% of the device",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-devices",
+        type=int,
+        default=0,
+        help="devices of the trainer's node the job trains on (DDP through torchrun); 0 or 1: one",
+    )
     p.add_argument("--save-adapter", default="", help="also save the adapter under this artifact id")
     p.add_argument(
         "--keep-session",
@@ -173,6 +179,7 @@ def _cmd_train(a) -> int:
         gradient_checkpointing=a.gradient_checkpointing,
         memory_mode=MemoryMode(a.memory_mode),
         memory_budget_gib=a.memory_budget_gib,
+        num_devices=a.num_devices,
     )
     with TrainerClient(a.target) as tc:
         session = tc.load_model(a.model, quantization=quant)
