@@ -90,6 +90,8 @@ def _stop_agreement(control, device: str, world_size: int, stop_file: Path | Non
             if stop_file is not None and stop_file.is_file():
                 asked = stop_file.read_text().strip()
                 control.request_stop(asked if asked in ("cancel", "interrupt") else "interrupt")
+            if launcher_gone():  # the service that launched the job died (SIGKILL): checkpoint and stop
+                control.request_stop("interrupt")
             code = STOP_CODES[control.stop.reason if control.stop else None]
             if world_size > 1:
                 flag = torch.tensor([code], device=device)
@@ -103,6 +105,21 @@ def _stop_agreement(control, device: str, world_size: int, stop_file: Path | Non
             return control_
 
     return StopAgreement()
+
+
+def launcher_gone(env: dict[str, str] | None = None) -> bool:
+    """Whether the trainer service that launched this job (``STROP_LAUNCHER_PID``, set by ``core/dist_launch.py``)
+    has died: a service killed hard cannot write the stop file, and ranks left training would hold its devices."""
+    pid = (os.environ if env is None else env).get("STROP_LAUNCHER_PID", "")
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def frozen_names(model) -> list[str]:

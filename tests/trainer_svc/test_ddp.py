@@ -347,3 +347,15 @@ def test_a_job_asking_for_more_devices_than_the_node_has_is_refused_before_it_st
     with pytest.raises(InvalidArgumentError, match=r"num_devices must be in 0\.\.1024, got -1"):
         list(client.train(session_id, dataset_id, _service_config(num_devices=-1)))
     assert client.list_jobs(session_id) == []  # nothing was created
+
+
+def test_ranks_notice_when_the_service_that_launched_them_is_gone():
+    import subprocess
+
+    from strop.trainer_svc.dist_worker import launcher_gone
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert launcher_gone({"STROP_LAUNCHER_PID": str(dead.pid)})
+    assert not launcher_gone({"STROP_LAUNCHER_PID": str(os.getpid())})
+    assert not launcher_gone({})  # started by an operator or torchrun: no launcher to watch

@@ -145,6 +145,7 @@ def run_distributed(
         "--events", str(events), "--stop-file", str(stop_file),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["STROP_LAUNCHER_PID"] = str(os.getpid())  # the ranks stop (checkpointed) if this service dies
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
             argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
