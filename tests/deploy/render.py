@@ -174,3 +174,19 @@ def split_image(ref: str) -> tuple[str, str, str]:
     if colon > slash:
         return ref[:colon], ref[colon + 1 :], digest
     return ref, "", digest
+
+
+def record_parsed_options(monkeypatch) -> set[str]:
+    """Every option string of each argparse parser that parses from now on (the set fills as they parse): the
+    manifests' flags are checked against the flags the real parsers know."""
+    import argparse
+
+    options: set[str] = set()
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def recording_parse(self, *args, **kwargs):
+        options.update(self._option_string_actions)
+        return real_parse(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", recording_parse)
+    return options

@@ -3,7 +3,6 @@ services' real flags: what must hold in every overlay for the pods to start, sta
 
 from __future__ import annotations
 
-import argparse
 import copy
 import re
 from pathlib import Path
@@ -12,7 +11,7 @@ import kubernetes_validate
 import pytest
 
 from strop.common.grpc_server import SHUTDOWN_SLACK_S
-from tests.deploy.render import RenderError, apply_operation, render
+from tests.deploy.render import RenderError, apply_operation, record_parsed_options, render
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -76,14 +75,7 @@ def test_args_are_the_servers_real_flags_and_bind_every_interface(rendered, monk
     from strop.export_svc.server import parse_args as export_args
     from strop.trainer_svc.server import parse_args as trainer_args
 
-    options: set[str] = set()
-    real_parse = argparse.ArgumentParser.parse_args
-
-    def recording_parse(self, *args, **kwargs):
-        options.update(self._option_string_actions)
-        return real_parse(self, *args, **kwargs)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", recording_parse)
+    options = record_parsed_options(monkeypatch)
     _, docs = rendered
     for svc, parse in (("trainer", trainer_args), ("export", export_args)):
         c = container(workloads(docs)[svc])

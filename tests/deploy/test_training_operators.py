@@ -4,7 +4,6 @@ worker itself: its argument parser, the environment it reads, and what each oper
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -20,7 +19,7 @@ from strop.common import serde
 from strop.common.trainer_types import JobState
 from strop.trainer_svc import dist_worker
 from strop.trainer_svc.core.dist_launch import DistributedJob
-from tests.deploy.render import render
+from tests.deploy.render import record_parsed_options, render
 from tests.deploy.test_manifests import KUBERNETES_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,14 +271,7 @@ def test_the_jobs_name_their_operators_runtime_and_roles():
 
 
 def test_the_pods_run_the_dist_worker_with_its_real_flags(monkeypatch):
-    options: set[str] = set()
-    real_parse = argparse.ArgumentParser.parse_args
-
-    def recording_parse(self, *args, **kwargs):
-        options.update(self._option_string_actions)
-        return real_parse(self, *args, **kwargs)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", recording_parse)
+    options = record_parsed_options(monkeypatch)
     containerfile = (ROOT / "deploy" / "Containerfile.trainer").read_text()
     assert "/opt/strop/bin" in containerfile, "the trainer image's venv is /opt/strop"
     for doc in jobs():
