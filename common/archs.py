@@ -54,6 +54,16 @@ class Arch:
         mlp_bias: when gate/up/down projections carry a bias.
         qk_norm: per-head RMSNorm on q and k before RoPE (``self_attn.q_norm``/``k_norm``).
         sliding_window: where the attention forward reads its sliding window.
+        gemma_norms: Gemma's RMSNorm: the weight is stored as an offset (``x̂ · (1 + w)``), normalized and
+            scaled in fp32 and cast to the input's dtype last (Llama casts x̂ before scaling by w).
+        sandwich_norms: each sublayer's output is normalized before its residual add
+            (``post_attention_layernorm`` on the attention output, ``post_feedforward_layernorm`` on the
+            MLP's), and ``pre_feedforward_layernorm`` feeds the MLP.
+        embed_scale: the embedding output is multiplied by ``√hidden_size`` (rounded to the weights' dtype).
+        rope_per_layer_type: ``config.rope_parameters`` holds one RoPE per layer type
+            (``{"full_attention": …, "sliding_attention": …}``).
+        attn_softcap: the attention forward passes ``softcap=config.attn_logit_softcapping`` to the attention
+            interface (Gemma 2; Gemma 3's config has the key but its forward never passes it).
     """
 
     model_type: str
@@ -66,6 +76,11 @@ class Arch:
     mlp_bias: Bias = Bias.NEVER
     qk_norm: bool = False
     sliding_window: SlidingWindow = SlidingWindow.NONE
+    gemma_norms: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    rope_per_layer_type: bool = False
+    attn_softcap: bool = False
 
 
 ARCHS: dict[str, Arch] = {
@@ -110,6 +125,38 @@ ARCHS: dict[str, Arch] = {
             qk_norm=True,
             sliding_window=SlidingWindow.LAYER,
         ),
+        # Gemma 2 and Gemma 3 (text): GeGLU (tanh), (1 + w) RMSNorms around each sublayer, √hidden embedding
+        # scale, tied embeddings, alternating sliding-window layers; Gemma 2 soft-caps attention and final
+        # logits (config values), Gemma 3 has per-head q/k norms and a RoPE per layer type instead.
+        Arch(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            "Gemma2Config",
+            "gemma2",
+            permute_qk=False,
+            qkv_bias=Bias.ATTENTION_BIAS,
+            o_bias=Bias.ATTENTION_BIAS,
+            sliding_window=SlidingWindow.LAYER,
+            gemma_norms=True,
+            sandwich_norms=True,
+            embed_scale=True,
+            attn_softcap=True,
+        ),
+        Arch(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            "Gemma3TextConfig",
+            "gemma3",
+            permute_qk=False,
+            qkv_bias=Bias.ATTENTION_BIAS,
+            o_bias=Bias.ATTENTION_BIAS,
+            qk_norm=True,
+            sliding_window=SlidingWindow.LAYER,
+            gemma_norms=True,
+            sandwich_norms=True,
+            embed_scale=True,
+            rope_per_layer_type=True,
+        ),
     )
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHS)
@@ -142,6 +189,9 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
+        if arch.sandwich_norms:
+            out[p + "pre_feedforward_layernorm.weight"] = (h,)
+            out[p + "post_feedforward_layernorm.weight"] = (h,)
         out[p + "self_attn.q_proj.weight"] = (nh * hd, h)
         out[p + "self_attn.k_proj.weight"] = (nkv * hd, h)
         out[p + "self_attn.v_proj.weight"] = (nkv * hd, h)

@@ -20,8 +20,10 @@ from strop.common.export_types import DEFAULT_GGUF_LORA_TYPE
 from strop.export_svc.core.errors import TargetRefused, UnknownFormat
 from strop.export_svc.core.gguf_arch import (
     add_model_metadata,
+    check_gguf_model,
     gguf_tensor_name,
     llama3_rope_factors,
+    norm_offset,
     permute_qk,
     qk_heads,
     rope_of,
@@ -49,6 +51,7 @@ def write_gguf_model(
 
     Raises:
         UnknownFormat: ``gguf_type`` is not one gguf-py writes directly (F32, F16, BF16, Q8_0).
+        TargetRefused: a setting llama.cpp's arch would not reproduce (``gguf_arch.gguf_refusals``).
     """
     t = GGUF_TYPES.get(gguf_type)
     if t is None or t.qtype is None:
@@ -56,6 +59,7 @@ def write_gguf_model(
         raise UnknownFormat(f"GGUF type {gguf_type!r} is not written directly; choose from {sorted(direct)}")
     model_type = t.qtype
     arch = base.arch
+    check_gguf_model(base.config, arch)
     name_map = tensor_name_map(base)
     w = GgufStreamWriter(path, arch.gguf_arch)
     try:
@@ -76,6 +80,8 @@ def write_gguf_model(
         for gname, arr in extra:
             w.plan(gname, arr.shape, QT.F32)
         names = [n for n in base.tensors if "rotary_emb.inv_freq" not in n]
+        if base.config.get("tie_word_embeddings") and not (adapter and "lm_head.weight" in adapter.modules):
+            names = [n for n in names if n != "lm_head.weight"]  # llama.cpp reads token_embd as the output
         gnames = {n: gguf_tensor_name(name_map, n) for n in names}
         for n in names:
             shape = base.tensors[n].shape
@@ -87,6 +93,9 @@ def write_gguf_model(
             heads = qk_heads(base, n)
             if heads is not None:
                 x = permute_qk(x, heads)
+            offset = norm_offset(arch, n)
+            if offset:
+                x = x.to(torch.float32) + offset  # 1-D norms are written F32: the shift is exact
             w.write(gnames[n], encode(x, w.planned[len(extra) + i].qtype))
             if after_tensor is not None:
                 after_tensor(n, i, w.bytes_written, w.bytes_total)

@@ -103,10 +103,13 @@ def write_merged_dir(
     ``after_tensor(name, index, bytes_written, bytes_total)`` reports progress after each tensor.
     """
     target = DTYPES[dtype]
-    plan = [PlannedTensor(t.name, target, t.shape) for t in base.tensors.values()]
+    names = list(base.tensors)
+    if base.config.get("tie_word_embeddings") and not (adapter and "lm_head.weight" in adapter.modules):
+        names = [n for n in names if n != "lm_head.weight"]  # a copy of the table vLLM and transformers tie
+    plan = [PlannedTensor(n, target, base.tensors[n].shape) for n in names]
     writer = ShardedSafetensorsWriter(out_dir, plan, max_shard_bytes)
     try:
-        for i, (name, w) in enumerate(iter_merged(base, adapter, before_tensor=before_tensor)):
+        for i, (name, w) in enumerate(iter_merged(base, adapter, names=names, before_tensor=before_tensor)):
             writer.write(name, w.to(target))
             del w
             if after_tensor is not None:

@@ -26,6 +26,16 @@ LORA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 # What vLLM's LoRA loader accepts for these models: the seven projections, plus the embedding modules
 # its Llama/Qwen model classes declare (`embedding_modules`).
 VLLM_LORA_MODULES = frozenset({*LORA_LINEAR_MODULES, "embed_tokens", "lm_head"})
+# vLLM's Gemma2ForCausalLM / Gemma3ForCausalLM declare no `embedding_modules` (only the packed qkv_proj and
+# gate_up_proj): LoRA on their embeddings or lm_head is not served.
+_NO_EMBEDDING_LORA = frozenset({"gemma2", "gemma3_text"})
+
+
+def vllm_lora_modules(model_type: str | None = None) -> frozenset[str]:
+    """The module leaf names vLLM's LoRA loader accepts for ``model_type`` (None: the Llama family's)."""
+    return frozenset(LORA_LINEAR_MODULES) if model_type in _NO_EMBEDDING_LORA else VLLM_LORA_MODULES
+
+
 # vLLM's `--max-lora-rank` choices (vllm/config/lora.py, MaxLoRARanks).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -40,8 +50,11 @@ def vllm_max_lora_rank(r: int) -> int | None:
     return None
 
 
-def refusals(adapter: Adapter) -> list[str]:
-    """Why this adapter cannot be served by vLLM's LoRA loader as it is (empty: it can)."""
+def refusals(adapter: Adapter, model_type: str | None = None) -> list[str]:
+    """Why this adapter cannot be served by vLLM's LoRA loader as it is (empty: it can).
+
+    ``model_type``: the base's (``config.model_type``); the modules vLLM accepts depend on it.
+    """
     out = []
     if adapter.use_dora:
         out.append("it uses DoRA, which vLLM does not support (export a merged model instead)")
@@ -51,9 +64,13 @@ def refusals(adapter: Adapter) -> list[str]:
         )
     if adapter.config.get("bias", "none") != "none":
         out.append(f"bias={adapter.config.get('bias')!r}; vLLM only supports bias='none'")
-    unknown = sorted({m.module.rsplit(".", 1)[-1] for m in adapter.modules.values()} - VLLM_LORA_MODULES)
+    unknown = sorted(
+        {m.module.rsplit(".", 1)[-1] for m in adapter.modules.values()} - vllm_lora_modules(model_type)
+    )
     if unknown:
-        out.append(f"it adapts modules vLLM's Llama-family classes do not support: {unknown}")
+        out.append(
+            f"it adapts modules vLLM's {model_type or 'Llama-family'} classes do not support: {unknown}"
+        )
     r_max = max((m.r for m in adapter.modules.values()), default=0)
     if vllm_max_lora_rank(r_max) is None:
         out.append(f"rank {r_max} exceeds vLLM's largest --max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}")
@@ -94,7 +111,7 @@ def write_peft_dir(out_dir: Path, adapter: Adapter, base: BaseModel, tokenizer_d
     Raises:
         TargetRefused: the adapter uses something vLLM refuses (see ``refusals``).
     """
-    why = refusals(adapter)
+    why = refusals(adapter, base.arch.model_type)
     if why:
         raise TargetRefused(f"adapter {adapter.label!r} cannot be a vLLM LoRA adapter: " + "; ".join(why))
     tensors = {}
@@ -183,8 +200,9 @@ def check_vllm_lora_dir(d: Path, base: BaseModel) -> tuple[list[str], int | None
         kind, module = suffixes[found], k.removesuffix(found)
         leaf = module.rsplit(".", 1)[-1]
         seen_modules.add(leaf)
-        if leaf not in VLLM_LORA_MODULES:
-            problems.append(f"module {module!r} is not one vLLM supports ({sorted(VLLM_LORA_MODULES)})")
+        accepted = vllm_lora_modules(base.arch.model_type)
+        if leaf not in accepted:
+            problems.append(f"module {module!r} is not one vLLM supports ({sorted(accepted)})")
         bt = base.tensors.get(module + ".weight")
         if bt is None:
             problems.append(f"module {module!r} does not exist in the base")

@@ -163,7 +163,10 @@ class _Exporter:
         inputs = self.inputs
         gen = generation_config_for(inputs.base).get("eos_token_id") or []
         self.probe = V.build_probe(
-            self.req.verify, inputs.tokenizer_dir, gen if isinstance(gen, list) else [gen]
+            self.req.verify,
+            inputs.tokenizer_dir,
+            gen if isinstance(gen, list) else [gen],
+            sliding_window=V.sliding_window_of(inputs.base.config),
         )
         before, _ = self.hooks("reference", "reference", len(inputs.base.tensors))
         model = V.reference_model(inputs.base, inputs.adapter, before_tensor=before)

@@ -4,7 +4,8 @@
    defaults filled in (:data:`strop.common.export_types.DEFAULT_GGUF_TYPE` and its siblings);
 2. the inputs: the adapter and the base opened (paths confined under the model/artifact roots), the
    adapter checked against the base and against the base it was trained on, the tokenizer found;
-3. per target: that it can express the adapter (DoRA for vLLM, embedding LoRA for GGUF, ...), its
+3. per target: that it can express the adapter (DoRA for vLLM, embedding LoRA for GGUF, ...) and the base
+   (a Gemma setting llama.cpp hard-codes otherwise refuses GGUF), its
    artifact id (generated when not given) not taken unless ``overwrite``, the dtype of a merged
    directory (default: the base's);
 4. for GGUF targets, the tokenizer read into GGUF metadata (an unsupported tokenizer fails here).
@@ -43,6 +44,7 @@ from strop.export_svc.core.errors import (
     TargetRefused,
     UnknownFormat,
 )
+from strop.export_svc.core.gguf_arch import check_gguf_model
 from strop.export_svc.core.gguf_out import check_gguf_lora
 from strop.export_svc.core.gguf_types import GGUF_TYPES, LORA_TYPES
 from strop.export_svc.core.gguf_vocab import GgufVocab, load_vocab
@@ -260,7 +262,7 @@ def preflight(
             )
         if t.kind is K.PEFT_ADAPTER:
             assert inputs.adapter is not None
-            why = refusals(inputs.adapter)
+            why = refusals(inputs.adapter, inputs.base.arch.model_type)
             if why:
                 raise TargetRefused(
                     f"adapter {inputs.adapter.label!r} cannot be a vLLM LoRA adapter: " + "; ".join(why)
@@ -268,6 +270,8 @@ def preflight(
         if t.kind is K.GGUF_LORA:
             assert inputs.adapter is not None
             check_gguf_lora(inputs.adapter)
+        if t.kind in (K.GGUF, K.GGUF_LORA):
+            check_gguf_model(inputs.base.config, inputs.base.arch)
         t.artifact_id = t.artifact_id or _artifact_id(t)
         if store.exists(t.artifact_id) and not overwrite:
             raise AlreadyExists(f"artifact {t.artifact_id!r} already exists (ask to overwrite to replace it)")

@@ -55,7 +55,8 @@ def arch_of(config: dict[str, Any], *, where: str = "model") -> Arch:
     """The architecture of a config dict (``strop.common.archs``).
 
     Raises:
-        UnsupportedModel: ``model_type`` is not one of llama, mistral, qwen2, qwen3.
+        UnsupportedModel: ``model_type`` is not in ``strop.common.archs.ARCHS`` (llama, mistral, qwen2, qwen3,
+            gemma2, gemma3_text).
     """
     model_type = config.get("model_type")
     arch = ARCHS.get(str(model_type))

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from strop.common.archs import ARCHS, SlidingWindow
 from strop.common.export_types import Comparison, Verification, VerifyOptions
 from strop.common.serde import to_dict
 from strop.export_svc.core.errors import ConsumerRejected
@@ -52,6 +53,10 @@ DEFAULT_PROMPTS = (
     "Our team counts twelve apples every single day.",
     "The library explains a long letter near the harbour.",
     "1 + 2 = 3, and 20 + 21 = 41.",
+    # longer than a small sliding window (the Gemma fixtures' 16 tokens): sliding layers see a truncated context
+    # here, so a GGUF whose window, layer pattern or local RoPE differs from HF's shows in the logits
+    "The river follows the morning train for the first time, and a quiet town remembers the secret map at the "
+    "end of the week while every sailor finds a golden key without a sound.",
 )
 DEFAULT_HELDOUT = (
     "The river follows the morning train for the first time. A quiet town remembers the secret map "
@@ -114,6 +119,7 @@ class Probe:
     ref_qa: np.ndarray | None = None
     ref_generated: str = ""
     tokenizer: Any = None
+    sliding_window: int | None = None  # the model's attention window, when some layer has one
     trained_label: str = ""  # the as-trained reference, in words ("" until it is filled)
     trained_prompts: list[np.ndarray] = field(default_factory=list)
     trained_heldout: list[np.ndarray] = field(default_factory=list)
@@ -130,8 +136,29 @@ def _load_tokenizer(tok_dir: Path):
     return AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
 
 
-def build_probe(options: VerifyOptions, tok_dir: Path, generation_eos: Sequence[int]) -> Probe:
-    """Tokenize the prompt set, held-out text and the probe question/answer with the HF tokenizer."""
+def sliding_window_of(config: dict[str, Any]) -> int | None:
+    """The attention window of ``config``'s sliding layers, or None when every layer attends fully."""
+    arch = ARCHS.get(str(config.get("model_type")))
+    window = config.get("sliding_window")
+    if arch is None or not isinstance(window, int) or window <= 0:
+        return None
+    if arch.sliding_window is SlidingWindow.CONFIG:
+        return window
+    if arch.sliding_window is SlidingWindow.LAYER and "sliding_attention" in (
+        config.get("layer_types") or []
+    ):
+        return window
+    return None
+
+
+def build_probe(
+    options: VerifyOptions, tok_dir: Path, generation_eos: Sequence[int], *, sliding_window: int | None = None
+) -> Probe:
+    """Tokenize the prompt set, held-out text and the probe question/answer with the HF tokenizer.
+
+    ``sliding_window``: the model's (:func:`sliding_window_of`); a comparison whose prompts all fit in it
+    says so in its notes, since sliding layers then compute what full attention would.
+    """
     tok = _load_tokenizer(tok_dir)
     prompts = list(options.prompts or DEFAULT_PROMPTS)
     heldout = list(options.heldout_texts or DEFAULT_HELDOUT)
@@ -145,6 +172,7 @@ def build_probe(options: VerifyOptions, tok_dir: Path, generation_eos: Sequence[
         heldout=[tok(t)["input_ids"] for t in heldout],
         eos_ids=eos,
         tokenizer=tok,
+        sliding_window=sliding_window,
     )
     if options.has_probe:
         question, answer = options.question, options.answer
@@ -295,6 +323,12 @@ def compare(
         [o.argmax(-1) == r.argmax(-1) for o, r in zip(outs, probe.ref_prompts, strict=True)]
     )
     v.positions = int(agree.size)
+    longest = max(len(ids) for ids in probe.prompts)
+    if probe.sliding_window is not None and longest <= probe.sliding_window:
+        v.notes.append(
+            f"sliding-window layers were compared within their window only ({probe.sliding_window} tokens; the "
+            f"longest prompt has {longest}): give longer prompts to compare them past it"
+        )
     v.max_abs_logit_delta = float(deltas.max())
     v.mean_abs_logit_delta = float(deltas.mean())
     v.top1_agreement = float(agree.mean())

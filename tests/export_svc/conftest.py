@@ -3,12 +3,14 @@
 Everything is generated here (nothing downloaded). The expensive pieces are built once per session:
 
 - ``export_models``: a model root holding tiny llama / mistral / qwen2 / qwen3 models with the BPE
-  tokenizer, a llama with the SentencePiece tokenizer, and an NF4 (bitsandbytes, double-quant)
-  prequantized copy of the BPE llama; hidden 256 / intermediate 512 so K-quants apply.
+  tokenizer, a llama with the SentencePiece tokenizer, Gemma 2 and Gemma 3 (text) with the SentencePiece
+  tokenizer (sliding window 16; Gemma 3 with six layers, so that layer 5 attends fully with its own RoPE
+  base), and an NF4 (bitsandbytes, double-quant) prequantized copy of the BPE llama; hidden 256 /
+  intermediate 512 so K-quants apply.
 - random adapters (non-zero B) for every architecture, saved with PEFT next to their bases;
 - two adapters trained with plain PEFT + torch on the CPU to answer one fixed question: on the NF4
-  llama (trained on its fp32 dequantized weights, i.e. the QLoRA objective) and on the SentencePiece
-  llama. ``QUESTION``/``ANSWER`` are what they were trained on.
+  llama (trained on its fp32 dequantized weights, i.e. the QLoRA objective), on the SentencePiece
+  llama and on the Gemmas. ``QUESTION``/``ANSWER`` are what they were trained on.
 """
 
 from __future__ import annotations
@@ -36,8 +38,13 @@ def fp32_model_from_dir(base_dir: Path):
 
     base = BaseModel(base_dir, base_dir.name)
     cfg = {k: v for k, v in base.config.items() if k not in ("quantization_config", "transformers_version")}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
-    model.load_state_dict({n: base.read_fp32(n) for n in base.tensors}, strict=True)
+    config = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({n: base.read_fp32(n) for n in base.tensors}, strict=False)
+    tied = ["lm_head.weight"] if config.tie_word_embeddings else []  # the embedding table, tied below
+    assert missing == tied and unexpected == [], (missing, unexpected)
+    if tied:
+        model.tie_weights()
     return model
 
 
@@ -146,10 +153,22 @@ def export_models(tmp_path_factory) -> Path:
     return root
 
 
+# transformers' default layer types: Gemma 2 alternates sliding and full; Gemma 3 has five sliding layers, then one
+# full (six layers, so that the full-attention layer and its RoPE base are exercised)
+GEMMA_LAYERS = {"gemma2": 2, "gemma3_text": 6}
+GEMMA_BASES = {"gemma2": "gemma2-spm", "gemma3_text": "gemma3-spm"}
+
+
 def _build(root: Path, make_tiny_model, quantize_4bit) -> None:
+    from strop.fixtures.models import TinyShape
+
     for arch in ("llama", "mistral", "qwen2", "qwen3"):
         make_tiny_model(root / f"{arch}-bpe", arch=arch, tokenizer="bpe", seed=1)
     make_tiny_model(root / "llama-spm", arch="llama", tokenizer="spm", seed=2)
+    for i, (arch, name) in enumerate(GEMMA_BASES.items()):
+        shape = TinyShape(num_layers=GEMMA_LAYERS[arch])
+        make_tiny_model(root / name, arch=arch, tokenizer="spm", shape=shape, seed=3 + i)
+        make_random_adapter(root / name, root / f"{name}-lora", seed=30 + i)
     quantize_4bit(root / "llama-bpe", root / "llama-bpe-nf4")
     for i, arch in enumerate(("llama", "mistral", "qwen2", "qwen3")):
         make_random_adapter(root / f"{arch}-bpe", root / f"{arch}-bpe-lora", seed=10 + i)
@@ -157,6 +176,8 @@ def _build(root: Path, make_tiny_model, quantize_4bit) -> None:
     make_random_adapter(root / "llama-bpe-nf4", root / "llama-bpe-nf4-lora", use_rslora=True, seed=21)
     train_adapter(root / "llama-bpe-nf4", root / "trained-nf4-lora")
     train_adapter(root / "llama-spm", root / "trained-spm-lora")
+    train_adapter(root / "gemma2-spm", root / "trained-gemma2-lora")
+    train_adapter(root / "gemma3-spm", root / "trained-gemma3-lora")
 
 
 @pytest.fixture

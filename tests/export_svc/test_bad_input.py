@@ -111,7 +111,7 @@ def _dotdot_path(models: Path, root: Path) -> ExportRequest:
 def _unsupported_arch(models: Path, root: Path) -> ExportRequest:
     base = _copy(models, root, "llama-bpe")
     cfg = json.loads((base / "config.json").read_text())
-    cfg.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
+    cfg.update(model_type="phi3", architectures=["Phi3ForCausalLM"])
     (base / "config.json").write_text(json.dumps(cfg))
     return ExportRequest(targets=_targets(), base_model_path="llama-bpe")
 
@@ -173,7 +173,8 @@ CASES = {
     "unsupported_arch": Case(
         _unsupported_arch,
         "UNIMPLEMENTED",
-        r"architecture 'gemma2' .* not supported for export; supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]",
+        r"architecture 'phi3' .* not supported for export; supported: "
+        r"\['gemma2', 'gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3'\]",
     ),
     "pickle_weights_only": Case(_pickle_only, "INVALID_ARGUMENT", r"only pickle weights .*safetensors only"),
     "dora_adapter_to_vllm_lora": Case(

@@ -236,7 +236,7 @@ def test_health_reflection_capabilities_and_listing(client, server):
         assert SERVICE_NAME in {s.name for s in answer.list_services_response.service}
     caps = client.capabilities()
     assert {"Q4_K_M", "Q5_K_M", "Q6_K", "F16", "Q8_0"} <= set(caps.gguf_types)
-    assert caps.architectures == ["llama", "mistral", "qwen2", "qwen3"]
+    assert caps.architectures == ["gemma2", "gemma3_text", "llama", "mistral", "qwen2", "qwen3"]
     with pytest.raises(E.NotFoundError, match="not found"):
         client.get_export("exp-missing")
     assert client.list_exports() == []

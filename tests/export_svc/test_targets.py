@@ -1,14 +1,19 @@
 """Every target, every architecture, both tokenizer kinds: written, checked as its consumer would, and
-loaded by that consumer (transformers, PEFT, llama.cpp) with logits close to the merged fp32 model."""
+loaded by that consumer (transformers, PEFT, llama.cpp) with logits close to the merged fp32 model.
+
+The Gemma bases (sliding window 16, tied embeddings, Gemma 2's soft-caps, Gemma 3's RoPE per layer type) run
+the same matrix; what is particular to their GGUF is in ``test_gemma``."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import gguf
 import pytest
 
+from strop.common.archs import ARCHS
 from strop.common.export_types import (
     ExportRequest,
     ExportTarget,
@@ -47,7 +52,16 @@ BOUNDS = {
 
 @pytest.mark.parametrize(
     "base_name",
-    ["llama-bpe", "mistral-bpe", "qwen2-bpe", "qwen3-bpe", "llama-spm", "llama-bpe-nf4"],
+    [
+        "llama-bpe",
+        "mistral-bpe",
+        "qwen2-bpe",
+        "qwen3-bpe",
+        "llama-spm",
+        "llama-bpe-nf4",
+        "gemma2-spm",
+        "gemma3-spm",
+    ],
 )
 def test_every_target_loads_in_its_consumer_and_matches_the_merged_model(export_models, store, base_name):
     req = ExportRequest(
@@ -75,6 +89,10 @@ def test_every_target_loads_in_its_consumer_and_matches_the_merged_model(export_
             assert abs(v.perplexity_delta) < 0.02 * v.perplexity_reference, (
                 f"{label}: perplexity moved {v.perplexity_delta:.4g}"
             )
+            # the model as trained (base + adapter unmerged, by PEFT) is the merged function in fp32
+            assert v.as_trained.max_abs_logit_delta < BOUNDS[label], (
+                f"{base_name} {label}: max |Δlogit| against HF+PEFT {v.as_trained.max_abs_logit_delta:.3g}"
+            )
         if label.startswith("gguf"):
             assert v.tokens_match, (
                 f"{base_name} {label}: llama.cpp tokenizes {v.token_mismatches} differently from HF"
@@ -89,6 +107,12 @@ def test_every_target_loads_in_its_consumer_and_matches_the_merged_model(export_
         )
     merged_dir = store.path_of(by["merged_safetensors:bfloat16"].artifact.artifact_id)
     assert check_vllm_model_dir(merged_dir) == []
+    config = json.loads((merged_dir / "config.json").read_text())
+    assert config["architectures"] == [ARCHS[config["model_type"]].hf_class], "what vLLM's registry looks up"
+    weight_map = json.loads((merged_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert ("lm_head.weight" in weight_map) != bool(config.get("tie_word_embeddings")), (
+        "a tied model's output projection is its embedding table, written once"
+    )
     base = BaseModel(export_models / base_name, base_name)
     problems, rank = check_vllm_lora_dir(store.path_of(by["peft_adapter"].artifact.artifact_id), base)
     assert problems == [] and rank == 8, "r=8 needs vLLM's --max-lora-rank 8"
