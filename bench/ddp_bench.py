@@ -11,8 +11,17 @@ which DDP keeps equal), the scaling efficiency tokens/s(N) / (N · tokens/s(1)) 
     python3 bench/ddp_bench.py --devices 2 --json $OUT/ddp.json      # on a node with >= 2 GPUs (NCCL)
     python3 bench/ddp_bench.py --smoke                               # the harness on the CPU: gloo, tiny shape
 
-``--smoke`` checks the harness (2 gloo ranks on the CPU, the tiny shape, numbers meaningless). FSDP2 for bases over
-one device's memory is not part of strop yet, so it has no point here.
+``--fsdp`` adds a third point: the same ``--devices`` ranks with ``parallelism`` FSDP (FSDP2: the bf16 base sharded
+over the ranks; strop refuses FSDP on a 4-bit base, so this point is bf16 LoRA whatever ``--bf16`` says). With
+``--device-cap-gib G`` every rank of every point may use only G GiB of its GPU
+(``torch.cuda.set_per_process_memory_fraction``, set by a ``sitecustomize`` the ranks import), which makes the
+base "over one device's budget": pick G under the bf16 base's size (16 GB for the 8B shape) and above its
+1/N, and the 1-device and DDP points fail out of memory while the FSDP point trains.
+
+    python3 bench/ddp_bench.py --devices 2 --fsdp --bf16 --device-cap-gib 12 --json $OUT/fsdp.json
+
+``--smoke`` checks the harness (2 gloo ranks on the CPU, the tiny shape, numbers meaningless; with ``--fsdp``, the
+FSDP2 point on gloo too).
 """
 
 from __future__ import annotations
@@ -41,12 +50,12 @@ def _dataset(path: Path, rows: int, seq: int, vocab: int, seed: int = 0) -> None
             f.write(json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(seq)]}) + "\n")
 
 
-def _spec(job_id: str, a, model_path: str) -> dict:
+def _spec(job_id: str, a, model_path: str, fsdp: bool = False, n: int = 1) -> dict:
     return {
         "job_id": job_id,
         "model": {
             "model_path": model_path,
-            "quantization": "NONE" if a.bf16 or a.smoke else "NF4",
+            "quantization": "NONE" if a.bf16 or a.smoke or fsdp else "NF4",
             "dtype": "float32" if a.smoke else "bfloat16",
             "max_seq_length": a.seq,
         },
@@ -59,15 +68,26 @@ def _spec(job_id: str, a, model_path: str) -> dict:
             "max_length": a.seq,
             "lr_scheduler": "constant",
             "seed": 0,
+            **({"parallelism": "FSDP", "num_devices": n} if fsdp else {}),
         },
         "dataset_path": "tokens.jsonl",
     }
 
 
-def run_point(n: int, a, work: Path, model_root: Path, model_path: str) -> dict:
-    job = f"ddp-{n}"
+_CAP = """
+import os
+import torch
+torch.cuda.set_per_process_memory_fraction(
+    min(1.0, {gib} * 2**30 / torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory),
+    int(os.environ.get("LOCAL_RANK", "0")),
+)
+"""
+
+
+def run_point(n: int, a, work: Path, model_root: Path, model_path: str, fsdp: bool = False) -> dict:
+    job = f"{'fsdp' if fsdp else 'ddp'}-{n}"
     spec = work / f"{job}.json"
-    spec.write_text(json.dumps(_spec(job, a, model_path)))
+    spec.write_text(json.dumps(_spec(job, a, model_path, fsdp, n)))
     events = work / f"{job}.events"
     worker = ["-m", "strop.trainer_svc.dist_worker", "--spec", str(spec), "--model-root", str(model_root),
               "--artifact-root", str(work / "artifacts"), "--data-root", str(work / "data"),
@@ -77,6 +97,10 @@ def run_point(n: int, a, work: Path, model_root: Path, model_path: str) -> dict:
     env.pop("RANK", None)
     if a.smoke:
         env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    if a.device_cap_gib and not a.smoke:
+        (work / "cap").mkdir(exist_ok=True)
+        (work / "cap" / "sitecustomize.py").write_text(_CAP.format(gib=a.device_cap_gib))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "cap"), env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     with open(work / f"{job}.log", "w") as log:
         proc = subprocess.run([sys.executable, *launcher, *worker], cwd=ROOT, env=env, stdout=log,
@@ -88,7 +112,8 @@ def run_point(n: int, a, work: Path, model_root: Path, model_path: str) -> dict:
             ev = json.loads(line)
             if ev.get("step"):
                 steps.append(ev["step"])
-    point = {"devices": n, "rc": proc.returncode, "wall_s": round(wall, 1), "steps": len(steps)}
+    point = {"devices": n, "parallelism": "FSDP" if fsdp else "DDP" if n > 1 else "-", "rc": proc.returncode,
+             "wall_s": round(wall, 1), "steps": len(steps)}  # fmt: skip
     timed = [s["step_seconds"] for s in steps[a.warmup :]]
     if proc.returncode != 0 or not timed:
         point["error"] = (work / f"{job}.log").read_text()[-1500:]
@@ -114,6 +139,8 @@ def main() -> int:
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="the harness on the CPU: gloo, tiny shape")
+    p.add_argument("--fsdp", action="store_true", help="add the FSDP2 point (--devices ranks, bf16 base)")
+    p.add_argument("--device-cap-gib", type=float, default=0.0, help="GPU memory each rank may use (0: all)")
     a = p.parse_args()
     if a.smoke:
         train_bench.DEVICE, train_bench.DTYPE = "cpu", "float32"
@@ -128,22 +155,34 @@ def main() -> int:
         (work / "data").mkdir()
         _dataset(work / "data" / "tokens.jsonl", a.devices * a.batch * (a.steps + 1), a.seq, vocab)
         points = [run_point(n, a, work, model_dir.parent, model_dir.name) for n in (1, a.devices)]
+        if a.fsdp:
+            points.append(run_point(a.devices, a, work, model_dir.parent, model_dir.name, fsdp=True))
     one = points[0].get("tokens_per_s")
     for pt in points[1:]:
         if one and pt.get("tokens_per_s"):
             pt["efficiency"] = round(pt["tokens_per_s"] / (pt["devices"] * one), 3)
-    what = "fp32 LoRA (tiny shape)" if a.smoke else "bf16 LoRA" if a.bf16 else "QLoRA"
+    what = (
+        "fp32 LoRA (tiny shape)"
+        if a.smoke
+        else "bf16 LoRA"
+        if a.bf16
+        else "QLoRA (FSDP point: bf16 LoRA)"
+        if a.fsdp
+        else "QLoRA"
+    )
     print(
         f"{what}, {a.batch} x {a.seq} tokens per device per step, {'smoke (CPU, gloo)' if a.smoke else 'CUDA, NCCL'}"
     )
-    print("| devices | tokens/s | ms/step | scaling efficiency | rank 0 peak GiB | first losses | rc |")
-    print("|---:|---:|---:|---:|---:|---|---:|")
+    print(
+        "| devices | parallelism | tokens/s | ms/step | scaling efficiency | rank 0 peak GiB | first losses | rc |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---|---:|")
     for pt in points:
-        print(f"| {pt['devices']} | {pt.get('tokens_per_s', '-')} | {pt.get('step_ms', '-')} | "
+        print(f"| {pt['devices']} | {pt['parallelism']} | {pt.get('tokens_per_s', '-')} | {pt.get('step_ms', '-')} | "
               f"{pt.get('efficiency', '-')} | {pt.get('peak_gib', '-')} | {pt.get('losses', '-')} | {pt['rc']} |")  # fmt: skip
     for pt in points:
         if "error" in pt:
-            print(f"\n## {pt['devices']} devices failed\n{pt['error']}")
+            print(f"\n## {pt['devices']} devices ({pt['parallelism']}) failed\n{pt['error']}")
     if a.json:
         Path(a.json).write_text(json.dumps(points, indent=1))
     return 0 if all(pt["rc"] == 0 and "error" not in pt for pt in points) else 1

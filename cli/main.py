@@ -15,7 +15,7 @@ from strop.cli import export
 from strop.cli.output import print_json
 from strop.client.errors import StropClientError
 from strop.client.progress import follow
-from strop.common.trainer_types import MemoryMode, TrainMethod
+from strop.common.trainer_types import MemoryMode, Parallelism, TrainMethod
 
 DEFAULT_TRAINER = os.environ.get("STROP_TRAINER", "127.0.0.1:50051")
 
@@ -135,6 +135,12 @@ def _add_train(sub) -> None:
         default=0,
         help="devices of the trainer's node the job trains on (DDP through torchrun); 0 or 1: one",
     )
+    p.add_argument(
+        "--parallelism",
+        default="ddp",
+        choices=[m.value.lower() for m in Parallelism if m is not Parallelism.UNSPECIFIED],
+        help="--num-devices > 1: ddp (a whole base a device) or fsdp (FSDP2: the 16-bit base sharded)",
+    )
     p.add_argument("--save-adapter", default="", help="also save the adapter under this artifact id")
     p.add_argument(
         "--keep-session",
@@ -180,6 +186,7 @@ def _cmd_train(a) -> int:
         memory_mode=MemoryMode(a.memory_mode),
         memory_budget_gib=a.memory_budget_gib,
         num_devices=a.num_devices,
+        parallelism=Parallelism(a.parallelism.upper()),
     )
     with TrainerClient(a.target) as tc:
         session = tc.load_model(a.model, quantization=quant)

@@ -63,6 +63,14 @@ METHOD_DATASET_FORMAT = {
 }
 
 
+class Parallelism(enum.StrEnum):
+    """How a job on several devices splits the work (``num_devices`` > 1; ``trainer_svc/core/fsdp.py``)."""
+
+    UNSPECIFIED = "UNSPECIFIED"  # DDP
+    DDP = "DDP"  # every rank holds the whole base; the adapters' gradients are averaged
+    FSDP = "FSDP"  # FSDP2: the frozen 16-bit base sharded over the ranks (a base over one device's memory)
+
+
 class MemoryMode(enum.StrEnum):
     """How a job trades device memory for speed; :data:`MEMORY_MODES` says what each installs."""
 
@@ -305,6 +313,7 @@ class TrainConfig:
     kto_undesirable_weight: float = 0.0
     simpo_beta: float = 0.0
     simpo_gamma: float = 0.0
+    parallelism: Parallelism = Parallelism.UNSPECIFIED  # num_devices > 1: DDP (UNSPECIFIED) or FSDP
 
 
 @dataclass

@@ -13,14 +13,23 @@ trainer (``training.run_training``: TRL's trainer, strop's callback, the gradien
 transformers' own, through accelerate: each rank takes every ``WORLD_SIZE``-th batch of the one shuffled order,
 and the gradients are averaged. Only the adapters are synchronised: the frozen base and the buffers are listed
 in ``_ddp_params_and_buffers_to_ignore``, so DDP neither broadcasts them at the start nor all-reduces anything
-but the LoRA tensors (each rank read the same base from the same files). Rank 0 alone writes the adapter and
-the checkpoints into the artifact store (``sessions.publish_adapter``, ``jobs.publish_checkpoint``: the
+but the LoRA tensors (each rank read the same base from the same files). A job with ``parallelism`` FSDP is
+sharded with FSDP2 instead (``core/fsdp.py``): the base and the adapters over the ranks. Rank 0 alone writes
+the adapter and the checkpoints into the artifact store (``sessions.publish_adapter``, ``jobs.publish_checkpoint``: the
 single-process path's metadata) and writes the job's events, one JSON ``JobEvent`` a line.
 
 Stopping: SIGTERM (what torchrun and Kubernetes send) stops the job INTERRUPTED, SIGINT CANCELLED, at a step
 boundary, with a checkpoint; so does a ``--stop-file`` appearing with ``cancel`` or ``interrupt`` in it (how the
 trainer service, ``core/dist_launch.py``, stops the job it launched). Every rank must stop after the same step (a rank that stops alone leaves the
 others waiting in an all-reduce), so at each step end the ranks agree on the stop flag with one all-reduce.
+
+A rank that does not finish. One whose training raises records its failure (message and code) in the job's
+work dir for the launcher and in torch.distributed's store for rank 0, and exits 1. Its peers' next collective
+then fails (gloo: "Connection reset by peer" once its sockets close), or torchrun, seeing it exit, SIGTERMs
+them: a peer takes that for a lost peer (``lost_peer``), not a failure of its own, and rank 0 reports the job
+FAILED with the failed rank's message if one was recorded, INTERRUPTED otherwise (a rank SIGKILLed: the OOM
+killer, a lost node), and exits ``EXIT_LOST_PEER``. A collective waits at most ``COLLECTIVE_TIMEOUT_S`` for a
+peer that vanished without closing its sockets (a node lost), instead of gloo's default 30 minutes.
 """
 
 from __future__ import annotations
@@ -31,21 +40,32 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from strop.common import serde
 from strop.common.artifacts import ArtifactStore
 from strop.common.paths import confine
 from strop.common.trainer_types import JobEvent, JobState, LogMessage, StateChange, StepMetrics
-from strop.trainer_svc.core.dist_launch import DistributedJob
+from strop.trainer_svc.core.dist_launch import DistributedJob, RankFailure, record_failure
 
 log = logging.getLogger("strop.trainer.dist")
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 STOP_CODES = {None: 0, "cancel": 1, "interrupt": 2}  # all-reduced with MAX: an interrupt outranks a cancel
 STOP_REASONS = {v: k for k, v in STOP_CODES.items()}
+# the longest a collective waits for a peer; a step's all-reduces take well under a second, but the first one
+# also waits for the slowest rank to finish loading its copy of the base
+COLLECTIVE_TIMEOUT_S = 600
+EXIT_LOST_PEER = 75  # EX_TEMPFAIL: the job stopped because a peer was lost; it resumes from its checkpoint
+_FAILURE_KEY = "strop/failure/{rank}"  # a failed rank's RankFailure in torch.distributed's store
+
+
+class PeerLost(Exception):
+    """This rank stopped because a peer rank is gone (``lost_peer``); the job resumes from its checkpoint."""
 
 
 @dataclass
@@ -141,21 +161,60 @@ def _init_distributed(rank: Rank) -> str:
     else:
         device, backend = "cpu", "gloo"
     if rank.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return device
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because a peer rank is gone, not this rank's own failure:
+    torch.distributed's ``DistError`` (timeouts, NCCL's aborts), or a transport error, which gloo raises as a
+    plain RuntimeError (seen here when a peer was SIGKILLed: "[.../gloo/transport/tcp/pair.cc:537] Read error
+    [127.0.0.1]:21897: Connection reset by peer", from accelerate's all_gather of the step's token count)."""
+    import torch.distributed as dist
+
+    while exc is not None:
+        if isinstance(exc, dist.DistError):
+            return True
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and ("gloo/transport" in text or "NCCL" in text):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _share_failure(failure: RankFailure) -> None:
+    """This rank's failure into the job's store, where rank 0 reads it (``_peer_failure``) on another node."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()  # the rendezvous store torchrun's agent holds
+        store.set(_FAILURE_KEY.format(rank=failure.rank), json.dumps(serde.to_dict(failure)))
+    except Exception as exc:  # no store (one process, or torchrun gone): the work dir's record still tells
+        log.warning("could not share rank %d's failure: %s", failure.rank, exc)
+
+
+def _peer_failure(world_size: int) -> RankFailure | None:
+    """The first recorded failure of another rank, if one failed (rather than being killed)."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        keys = [_FAILURE_KEY.format(rank=r) for r in range(world_size)]
+        found = [serde.from_dict(RankFailure, json.loads(store.get(k))) for k in keys if store.check([k])]
+    except Exception:
+        return None
+    return min(found, key=lambda f: f.time) if found else None
 
 
 def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_root: Path, work_dir: Path,
         events_path: str = "", stop_file: Path | None = None) -> JobState:  # fmt: skip
     """Train ``spec`` as this rank; returns how the job ended (every rank returns the same state)."""
-    from strop.trainer_svc.core import job_config, models, training
+    from strop.trainer_svc.core import fsdp, job_config, models, training
     from strop.trainer_svc.core.datasets import Limits, validate_jsonl
-    from strop.trainer_svc.core.guard import BrokenTraining
-    from strop.trainer_svc.core.jobs import publish_checkpoint
+    from strop.trainer_svc.core.jobs import failure_of, publish_checkpoint
     from strop.trainer_svc.core.sessions import publish_adapter
 
     rank = rank_from_env()
-    device = _init_distributed(rank)
     events = EventWriter(spec.job_id, events_path) if rank.is_main else None
 
     def emit(**payload) -> None:
@@ -163,11 +222,19 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
             events.emit(**payload)
 
     control = training.JobControl()
-    signal.signal(signal.SIGTERM, lambda *_: control.request_stop("interrupt"))
+    # torchrun SIGTERMs the ranks left when one exits, as Kubernetes does a pod's
+    terminated = threading.Event()
+
+    def on_sigterm(*_) -> None:
+        terminated.set()
+        control.request_stop("interrupt")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, lambda *_: control.request_stop("cancel"))
     artifacts = ArtifactStore(artifact_root)
-    loaded = None
+    loaded, reached = None, 0
     try:
+        device = _init_distributed(rank)
         emit(
             state=StateChange(
                 JobState.RUNNING, f"{rank.world_size} process" + ("es" if rank.world_size > 1 else "")
@@ -180,6 +247,10 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
         models.attach_lora(loaded, spec.lora)  # seeded: the same adapter on every rank
         cfg = job_config.with_defaults(spec.config, session_max_len=loaded.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds.format, ds.rows, loaded.facts.vocab_size)
+        sharded = fsdp.is_fsdp(cfg) and rank.world_size > 1
+        fsdp.check_supported(cfg, loaded.facts)
+        if sharded:
+            fsdp.prepare(device)
         resume_dir = None
         if spec.resume_from:
             artifacts.verify(spec.resume_from)
@@ -187,7 +258,12 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
         ignored = frozen_names(loaded.model)
         loaded.model._ddp_params_and_buffers_to_ignore = ignored
         synced = [n for n, p in loaded.model.named_parameters() if p.requires_grad]
-        if rank.world_size > 1:
+        if sharded:
+            text = (
+                f"FSDP2 over {rank.world_size} processes shards the frozen base and {len(synced)} adapter tensors; "
+                "rank 0 writes the adapter whole"
+            )
+        elif rank.world_size > 1:
             text = (
                 f"DDP over {rank.world_size} processes synchronises {len(synced)} adapter tensors; "
                 f"{len(ignored)} frozen tensors and buffers are left alone"
@@ -198,6 +274,8 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
         tenant = spec.tenant
 
         def on_step(m: StepMetrics) -> None:
+            nonlocal reached
+            reached = m.step
             emit(step=m)
 
         def on_checkpoint(step: int, path: Path) -> None:
@@ -214,6 +292,8 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
         step = training.run_training(
             loaded, ds.rows, ds.format, cfg, scratch, control, sinks, resume_dir, callbacks
         )
+        if sharded:
+            fsdp.unshard_adapter(loaded.model)  # every rank: a collective
         if rank.is_main:
             adapter = publish_adapter(
                 artifacts, loaded, tenant=tenant, artifact_id=None,
@@ -228,17 +308,33 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
             state, message = JobState.INTERRUPTED, f"stopped at step {step}"
         emit(state=StateChange(state, message))
         return state
-    except BrokenTraining as exc:
-        emit(state=StateChange(JobState.FAILED, f"BrokenTraining: {exc}"))
-        raise
     except Exception as exc:
-        emit(state=StateChange(JobState.FAILED, f"{type(exc).__name__}: {exc}"))
+        if rank.world_size > 1 and (lost_peer(exc) or terminated.is_set()):
+            # a peer is gone (or torchrun is stopping this rank because one is): its failure, if it recorded
+            # one, is the job's; this rank's own exception is only the consequence
+            peer = _peer_failure(rank.world_size)
+            if peer is not None:
+                emit(state=StateChange(JobState.FAILED, f"rank {peer.rank}: {peer.message}"))
+                return JobState.FAILED
+            log.warning("rank %d: a peer rank is gone: %s", rank.rank, _first_line(exc))
+            emit(state=StateChange(JobState.INTERRUPTED, f"a peer rank was lost after step {reached}"))
+            raise PeerLost(str(exc)) from exc
+        message, code = failure_of(exc)
+        failure = RankFailure(rank=rank.rank, message=message, code=code, time=time.time())
+        record_failure(work_dir, failure)
+        if rank.world_size > 1:
+            _share_failure(failure)
+        emit(state=StateChange(JobState.FAILED, message))
         raise
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def _relaunch_with_torchrun() -> None:
@@ -279,11 +375,15 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = serde.from_dict(DistributedJob, json.loads(Path(a.spec).read_text()))
-    state = run(
-        spec, model_root=Path(a.model_root), artifact_root=Path(a.artifact_root), data_root=Path(a.data_root),
-        work_dir=Path(a.work_dir) / (spec.job_id or "job"), events_path=a.events,
-        stop_file=Path(a.stop_file) if a.stop_file else None,
-    )  # fmt: skip
+    try:
+        state = run(
+            spec, model_root=Path(a.model_root), artifact_root=Path(a.artifact_root), data_root=Path(a.data_root),
+            work_dir=Path(a.work_dir) / (spec.job_id or "job"), events_path=a.events,
+            stop_file=Path(a.stop_file) if a.stop_file else None,
+        )  # fmt: skip
+    except PeerLost as exc:
+        log.warning("stopped: a peer rank was lost (%s)", _first_line(exc))
+        sys.exit(EXIT_LOST_PEER)
     sys.exit(0 if state is not JobState.FAILED else 1)
 
 

@@ -359,3 +359,191 @@ def test_ranks_notice_when_the_service_that_launched_them_is_gone():
     assert launcher_gone({"STROP_LAUNCHER_PID": str(dead.pid)})
     assert not launcher_gone({"STROP_LAUNCHER_PID": str(os.getpid())})
     assert not launcher_gone({})  # started by an operator or torchrun: no launcher to watch
+
+
+def _rank_process(rank: int):
+    """The service's dist_worker process of ``rank`` (torchrun's child, under this test's trainer service)."""
+    import psutil
+
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "strop.trainer_svc.dist_worker" in p.cmdline() and p.environ().get("RANK") == str(rank):
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def _workers() -> list:
+    import psutil
+
+    return [
+        p for p in psutil.Process().children(recursive=True) if "strop.trainer_svc.dist_worker" in p.cmdline()
+    ]
+
+
+# torchrun notices a rank's exit within its 0.1 s monitor interval and SIGTERMs the rest, SIGKILLing them 30 s
+# later; rank 0's next collective fails at once (the killed rank's sockets closed). 60 s is that worst case, twice.
+LOST_RANK_SECONDS = 60.0
+
+
+def test_a_sigkilled_rank_ends_the_job_interrupted_at_its_last_checkpoint_and_it_resumes(
+    client, trainer, ddp_session
+):
+    import signal
+    import time
+
+    from safetensors.torch import load_file
+
+    from strop.common.artifacts import ArtifactStore
+
+    session_id, dataset_id = ddp_session
+    stream = client.train(session_id, dataset_id, _service_config(max_steps=10_000, checkpoint_every_steps=2))
+    for event in stream:
+        if event.checkpoint:
+            break
+    rank1 = _rank_process(1)
+    assert rank1 is not None
+    rank1.send_signal(signal.SIGKILL)  # what the OOM killer does: no handler runs, nothing is saved
+    killed_at = time.monotonic()
+    stream.close()
+    job = client.wait_job(event.job_id, timeout=120)
+    took = time.monotonic() - killed_at
+    assert took < LOST_RANK_SECONDS, took
+    # not FAILED (nothing in the job is wrong; it resumes) and never SUCCEEDED: INTERRUPTED, no error code
+    assert job.state.value == "INTERRUPTED" and job.error == "" and job.error_code == "", job
+    ckpt = job.last_checkpoint
+    assert ckpt is not None and 2 <= ckpt.step <= job.step and ckpt.step % 2 == 0, job
+    (end,) = [
+        e.state for e in client.watch_job(job.job_id) if e.state and e.state.state.value == "INTERRUPTED"
+    ]
+    assert end.message == (
+        f"rank 1 exited with SIGKILL at step {job.step}; resume from the checkpoint at step {ckpt.step}"
+    )
+    assert _workers() == []  # torchrun stopped rank 0 too: nothing holds the devices
+    store = ArtifactStore(trainer[2].artifact_root)
+    store.verify(ckpt.artifact.artifact_id)  # intact: every file's sha256 as published
+    # the session holds the checkpoint's adapter (what a resume continues from), bit for bit
+    saved = client.save_adapter(session_id)
+    at_ckpt = load_file(str(store.path_of(ckpt.artifact.artifact_id) / "adapter_model.safetensors"))
+    session = load_file(str(store.path_of(saved.artifact_id) / "adapter_model.safetensors"))
+    assert sorted(at_ckpt) == sorted(session) and all(bool((at_ckpt[k] == session[k]).all()) for k in session)
+
+    config = _service_config(max_steps=ckpt.step + 2, checkpoint_every_steps=0)
+    resumed = list(client.train(session_id, dataset_id, config, resume_from_job_id=job.job_id))
+    assert [e.step.step for e in resumed if e.step] == [ckpt.step + 1, ckpt.step + 2]
+    assert client.get_job(resumed[0].job_id).state.value == "SUCCEEDED"
+
+
+# Rank 1 alone fails inside its 2nd training step, as a rank that alone sees a bad row would: the hook is
+# installed by a sitecustomize on PYTHONPATH, which the service's torchrun and ranks inherit.
+_FAIL_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    import transformers
+    from strop.common.errors import InvalidArgument
+
+    step = transformers.Trainer.training_step
+    calls = []
+
+    def training_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise InvalidArgument("row 3 of this rank's batch is bad")
+        return step(self, *args, **kwargs)
+
+    transformers.Trainer.training_step = training_step
+"""
+
+
+def test_a_rank_whose_training_fails_fails_the_job_with_that_ranks_message_and_code(
+    client, ddp_session, monkeypatch, tmp_path
+):
+    session_id, dataset_id = ddp_session
+    (tmp_path / "sitecustomize.py").write_text(_FAIL_ON_RANK_1)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    )
+    events = list(client.train(session_id, dataset_id, _service_config()))
+    job = client.get_job(events[0].job_id)
+    # rank 0's own error (its collective failing when rank 1 exited) is a consequence, not the job's error
+    assert job.state.value == "FAILED", job
+    assert job.error == "rank 1: InvalidArgument: row 3 of this rank's batch is bad"
+    assert job.error_code == "INVALID_ARGUMENT"
+    assert [e.step.step for e in events if e.step] == [1]  # rank 0 logged step 1; step 2 never completed
+    assert _workers() == []
+
+
+def test_fsdp2_losses_and_adapter_equal_one_process_on_the_global_batch(runs, model_root):
+    """FSDP2 over 2 gloo ranks against the same one-process run (``runs``' job-one) as DDP, with the same bounds:
+    the frozen base and the adapters are sharded, so each forward all-gathers each layer's weights (exact copies)
+    and each backward reduce-scatters the gradients (one fp32 rounding an element, as DDP's all-reduce), the rest
+    is the same fp32 function summed in another order. A rank training its own shard unsynchronised, or a rank 0
+    that wrote its shard instead of the whole tensor, is off by O(1) (or has the wrong shapes)."""
+    import torch
+
+    tmp, config, initial = runs
+    spec = _spec("job-fsdp", batch_size=1)
+    spec["config"].update(parallelism="FSDP", num_devices=2)
+    proc = _launch(tmp, model_root, "job-fsdp", batch_size=1, nproc=2, spec=spec)
+    assert proc.wait(timeout=300) == 0, (tmp / "job-fsdp.log").read_text()[-4000:]
+    one, fsdp = _events(tmp, "job-one"), _events(tmp, "job-fsdp")
+    assert fsdp[1]["log"]["message"].startswith(
+        f"FSDP2 over 2 processes shards the frozen base and {len(initial)}"
+    )
+    loss_bound, update_bound = _bounds(config)
+    losses_one = [e["step"]["loss"] for e in one if e["step"]]
+    losses_fsdp = [e["step"]["loss"] for e in fsdp if e["step"]]
+    assert len(losses_fsdp) == STEPS
+    worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses_fsdp, losses_one, strict=True))
+    assert worst_loss <= loss_bound, (losses_fsdp, losses_one, loss_bound)
+
+    adapter_one, meta_one = _adapter(tmp, one)
+    adapter_fsdp, meta_fsdp = _adapter(tmp, fsdp)
+    # the single-process format: the same names, whole shapes and dtypes (rank 0 gathered every shard)
+    assert {k: (v.shape, v.dtype) for k, v in adapter_fsdp.items()} == {
+        k: (v.shape, v.dtype) for k, v in adapter_one.items()
+    }
+    assert meta_fsdp == {**meta_one, "job_id": "job-fsdp", "world_size": "2"}
+
+    def norm(tensors) -> float:
+        return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
+
+    update = norm(adapter_one[n] - initial[n] for n in initial)
+    delta = norm(adapter_fsdp[n] - adapter_one[n] for n in initial)
+    assert update > 0.01 * norm(initial.values()), (update, norm(initial.values()))
+    assert delta / update <= update_bound, (delta / update, update_bound)
+    # checkpoints too hold the whole adapter (and FSDP's resume state, adapter-sized: never the base)
+    from safetensors.torch import load_file
+
+    from strop.common.artifacts import ArtifactStore
+
+    store = ArtifactStore(tmp / "artifacts")
+    (last,) = [e["checkpoint"] for e in fsdp if e["checkpoint"] and e["checkpoint"]["step"] == STEPS]
+    ckpt_dir = store.path_of(last["artifact"]["artifact_id"])
+    ckpt = load_file(str(ckpt_dir / "adapter_model.safetensors"))
+    assert sorted(ckpt) == sorted(adapter_fsdp) and all(
+        bool((ckpt[k] == adapter_fsdp[k]).all()) for k in ckpt
+    )
+    base_bytes = (model_root / "tiny-llama" / "model.safetensors").stat().st_size
+    assert all(f.stat().st_size < base_bytes / 4 for f in ckpt_dir.iterdir())
+    assert (ckpt_dir / "pytorch_model_fsdp.bin").is_file()  # written by transformers' FSDP path only
+
+
+def test_fsdp_is_refused_on_a_4bit_base_and_on_one_device_before_the_job_starts(client, ddp_session):
+    from strop.client import FailedPreconditionError, InvalidArgumentError, LoraConfig, Parallelism
+
+    session_id, dataset_id = ddp_session
+    with pytest.raises(InvalidArgumentError, match="parallelism FSDP shards the base over num_devices > 1"):
+        list(
+            client.train(session_id, dataset_id, _service_config(parallelism=Parallelism.FSDP, num_devices=1))
+        )
+    s4 = client.load_model("tiny-llama-4bit")
+    client.attach_lora(s4.session_id, LoraConfig(**LORA))
+    try:
+        with pytest.raises(FailedPreconditionError, match=r"needs a 16-bit base; this session's is 4-bit"):
+            list(client.train(s4.session_id, dataset_id, _service_config(parallelism=Parallelism.FSDP)))
+        assert client.list_jobs(s4.session_id) == []
+    finally:
+        client.close_session(s4.session_id)
+    assert client.list_jobs(session_id) == []  # nothing was created

@@ -6,12 +6,22 @@ DDP, and rank 0 publishes the checkpoints and the adapter; this side follows ran
 ``JobEvent`` a line) into the job's events, stops every rank between steps by writing the stop file
 (``cancel`` or ``interrupt``), and when the job is over loads the trained adapter into the session, so the
 session's Generate and SaveAdapter see what the ranks trained.
+
+How a job on ranks ends when a rank does not finish. A rank whose training raises (bad data only it sees, its
+device out of memory) records the failure (``RankFailure``: its message and gRPC code, as ``jobs.failure_of``
+gives them) in the job's ``failures`` directory before it exits; its peers' collectives then fail, which they
+take for a lost peer, not a failure of their own (``dist_worker.lost_peer``). The job ends FAILED with the first
+recorded failure (``RankFailed``). A rank that dies without a record (SIGKILL: the OOM killer, a lost node)
+makes torchrun stop the others (SIGTERM, SIGKILL 30 s later) and exit non-zero: the job ends INTERRUPTED
+(``RanksLost``) with the last checkpoint rank 0 published, which it resumes from; never SUCCEEDED, even when
+rank 0 reached the last step, since its peers' share of the steps is not accounted for.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +35,7 @@ from strop.common.artifacts import ArtifactStore
 from strop.common.errors import FailedPrecondition
 from strop.common.trainer_types import (
     Artifact,
+    Checkpoint,
     DatasetFormat,
     JobEvent,
     JobState,
@@ -42,6 +53,68 @@ if TYPE_CHECKING:
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 120.0  # a stop waits for the step in flight; past this the ranks are killed
+
+
+@dataclass
+class RankFailure:
+    """What a rank that failed records (``failures/rank-<N>.json`` in the job's work dir): how the job fails."""
+
+    rank: int = 0
+    message: str = ""
+    code: str = "INTERNAL"  # the gRPC status code the job's error carries
+    time: float = 0.0
+
+
+class RankFailed(Exception):
+    """A rank's training failed; the job fails with that rank's message and code."""
+
+    def __init__(self, failure: RankFailure) -> None:
+        super().__init__(f"rank {failure.rank}: {failure.message}")
+        self.grpc_code = failure.code
+
+
+class RanksLost(Exception):
+    """A rank died without a failure of its own (killed); the job is INTERRUPTED at its last checkpoint."""
+
+    def __init__(self, message: str, step: int, checkpoint: Checkpoint | None) -> None:
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
+FAILURES_DIR = "failures"
+
+
+def record_failure(job_work_dir: Path, failure: RankFailure) -> None:
+    """A rank's failure, written atomically (the launcher may read the directory while ranks exit)."""
+    out = job_work_dir / FAILURES_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".rank-{failure.rank}.json.tmp"
+    tmp.write_text(json.dumps(serde.to_dict(failure)))
+    tmp.replace(out / f"rank-{failure.rank}.json")
+
+
+def read_failures(job_work_dir: Path) -> list[RankFailure]:
+    """The recorded rank failures, first to fail first."""
+    found = [
+        serde.from_dict(RankFailure, json.loads(f.read_text()))
+        for f in sorted((job_work_dir / FAILURES_DIR).glob("rank-*.json"))
+    ]
+    return sorted(found, key=lambda f: f.time)
+
+
+# torchrun's summary of a failed run: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: 123)  (SIGKILL)"
+_ROOT_CAUSE = re.compile(
+    r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n(]*(?:\(pid: \d+\))?\s*(\(\w+\))?", re.S
+)
+
+
+def lost_rank_summary(launcher_log: str) -> str:
+    """Which rank torchrun saw die first, and how ("rank 1 exited with SIGKILL"), from its failure summary."""
+    m = _ROOT_CAUSE.search(launcher_log)
+    if m is None:
+        return "a rank exited without a failure of its own"
+    rank, code, sig = m.groups()
+    return f"rank {rank} exited with " + (sig.strip("()") if sig else f"status {code}")
 
 
 @dataclass
@@ -124,7 +197,10 @@ def run_distributed(
         The step reached and the adapter rank 0 published.
 
     Raises:
-        RuntimeError: the ranks failed (rank 0's message, or the launcher's exit status and log tail).
+        RankFailed: a rank's training failed (the first to fail: its message and code).
+        RanksLost: a rank died without a failure of its own (killed); the session then holds the adapter of the
+            last checkpoint, the one the job resumes from.
+        RuntimeError: the ranks failed before any could record why (the launcher's exit status and log tail).
     """
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "data").mkdir(exist_ok=True)
@@ -150,7 +226,7 @@ def run_distributed(
         proc = subprocess.Popen(
             argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
-    step, adapter, final, stop_asked_at, pending = 0, None, None, None, ""
+    step, adapter, final, stop_asked_at, pending, checkpoint = 0, None, None, None, "", None
     with open(events) as follow:
         while True:
             exited = proc.poll() is not None
@@ -161,7 +237,7 @@ def run_distributed(
                 if event.step is not None:
                     step = event.step.step
                 if event.checkpoint is not None:
-                    step = max(step, event.checkpoint.step)
+                    step, checkpoint = max(step, event.checkpoint.step), event.checkpoint
                 if event.adapter is not None:
                     adapter = event.adapter
                 if event.state is not None:
@@ -176,11 +252,23 @@ def run_distributed(
             if stop_asked_at is not None and time.monotonic() - stop_asked_at > STOP_GRACE_SECONDS:
                 proc.kill()
             time.sleep(POLL_SECONDS)
+    failures = read_failures(work_dir / "ranks" / job_id)
+    if failures:
+        raise RankFailed(failures[0])
     if proc.returncode != 0 or adapter is None:
         if final is not None and final.state is JobState.FAILED:
             raise RuntimeError(f"rank 0: {final.message}")
-        tail = log_path.read_text()[-2000:]
-        raise RuntimeError(f"the distributed ranks exited with status {proc.returncode}: {tail}")
+        if proc.returncode == 0 or final is None:
+            # rank 0 never started (torchrun failed), or ended well without an adapter: not a resumable stop
+            tail = log_path.read_text()[-2000:]
+            raise RuntimeError(f"the distributed ranks exited with status {proc.returncode}: {tail}")
+        lost = lost_rank_summary(log_path.read_text()[-20_000:])
+        if checkpoint is not None:
+            load_adapter_into_session(sess.loaded, artifacts.path_of(checkpoint.artifact.artifact_id))
+            resume = f"resume from the checkpoint at step {checkpoint.step}"
+        else:
+            resume = "no checkpoint to resume from"
+        raise RanksLost(f"{lost} at step {step}; {resume}", step, checkpoint)
     load_adapter_into_session(sess.loaded, artifacts.path_of(adapter.artifact_id))
     return step, adapter
 

@@ -44,7 +44,17 @@ def make_guard(model):
     from transformers import TrainerCallback
 
     def max_abs(tensors) -> list[float]:
-        return torch.stack(torch._foreach_norm(tensors, float("inf"))).float().cpu().tolist()
+        from torch.distributed.tensor import DTensor
+
+        sharded = any(isinstance(t, DTensor) for t in tensors)
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        norms = torch.stack(torch._foreach_norm(local, float("inf"))).float()
+        if sharded:
+            # FSDP2: each rank holds a shard (maybe empty) of each tensor; the max over the ranks is the tensor's,
+            # the same on every rank, so they all raise together. NaN becomes inf first: NCCL's MAX drops NaNs.
+            norms = torch.nan_to_num(norms, nan=math.inf)
+            torch.distributed.all_reduce(norms, op=torch.distributed.ReduceOp.MAX)
+        return norms.cpu().tolist()
 
     class GradientGuard(TrainerCallback):
         def __init__(self) -> None:
@@ -83,7 +93,7 @@ def make_guard(model):
             self.never_nonzero &= set(zero)
             for n in zero:
                 partner = self.partner.get(n)
-                if partner is None or bool(partner.detach().any()):
+                if partner is None or max_abs([partner.detach()])[0] != 0.0:  # the same on every rank
                     self.unexcused_zero.add(n)
             if self.steps == GUARD_WINDOW_STEPS:
                 self._check_window(step)

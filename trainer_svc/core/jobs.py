@@ -37,7 +37,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import dist_launch, job_config, loss_curve, models, training
+from strop.trainer_svc.core import dist_launch, fsdp, job_config, loss_curve, models, training
 from strop.trainer_svc.core.datasets import Datasets
 from strop.trainer_svc.core.guard import BrokenTraining
 from strop.trainer_svc.core.sessions import Session, Sessions
@@ -62,6 +62,20 @@ def publish_checkpoint(
         if loaded.facts.quantization == "bnb-nf4-on-load":  # exports from a checkpoint are exact too
             models.write_nf4_stats(loaded.model, pending.dir / models.NF4_STATS_FILE)
     return Checkpoint(step=step, artifact=artifacts.get(pending.artifact_id))
+
+
+def failure_of(exc: BaseException) -> tuple[str, str]:
+    """How a job whose training raised ``exc`` ends FAILED: its message and gRPC code (a job on ranks: the
+    first failed rank's, ``dist_launch.RankFailed``; each rank describes its own failure with this too)."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"out of device memory: {str(exc).splitlines()[0]}", "RESOURCE_EXHAUSTED"
+    if isinstance(exc, BrokenTraining):
+        return f"BrokenTraining: {exc}", exc.code
+    if isinstance(exc, dist_launch.RankFailed):
+        return str(exc), exc.grpc_code
+    return f"{type(exc).__name__}: {exc}", getattr(exc, "grpc_code", "INTERNAL")
 
 
 @dataclass
@@ -142,6 +156,7 @@ class Jobs:
         cfg = job_config.with_defaults(config, session_max_len=sess.info.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds_info.format, rows, sess.info.facts.vocab_size)
         dist_launch.check_devices(cfg.num_devices, sess.loaded.device)
+        fsdp.check_supported(cfg, sess.info.facts)
         if resume_from_job_id:
             self._check_resume_compatible(sess, resume_dir)
         job = JobInfo(
@@ -281,20 +296,22 @@ class Jobs:
                 outcome = JobState.CANCELLED, f"cancelled at step {step}", ""
             else:
                 outcome = JobState.INTERRUPTED, f"service shutting down; stopped at step {step}", ""
-        except torch.OutOfMemoryError as exc:
-            log.warning("job %s: out of device memory", job_id)
-            outcome = (
-                JobState.FAILED,
-                f"out of device memory: {str(exc).splitlines()[0]}",
-                "RESOURCE_EXHAUSTED",
-            )
-        except BrokenTraining as exc:
+        except dist_launch.RanksLost as exc:  # a rank was killed: resumable from the last checkpoint
             log.warning("job %s: %s", job_id, exc)
-            outcome = JobState.FAILED, f"BrokenTraining: {exc}", exc.code
+            lost = (
+                JobState.CANCELLED
+                if control.stop and control.stop.reason == "cancel"
+                else JobState.INTERRUPTED
+            )
+            outcome = lost, str(exc), ""
+        except (torch.OutOfMemoryError, BrokenTraining, dist_launch.RankFailed) as exc:
+            log.warning("job %s: %s", job_id, exc)
+            message, code = failure_of(exc)
+            outcome = JobState.FAILED, self._scrub(message), code
         except Exception as exc:
             log.exception("job %s failed", job_id)
-            code = getattr(exc, "grpc_code", "INTERNAL")
-            outcome = JobState.FAILED, self._scrub(f"{type(exc).__name__}: {exc}"), code
+            message, code = failure_of(exc)
+            outcome = JobState.FAILED, self._scrub(message), code
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
             if sess.loaded.device.startswith("cuda"):

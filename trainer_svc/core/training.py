@@ -30,6 +30,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
+from strop.trainer_svc.core import fsdp
 from strop.trainer_svc.core.guard import BrokenTraining, make_guard, names
 from strop.trainer_svc.core.job_config import OPTIMIZERS, sft_rows
 from strop.trainer_svc.core.models import LoadedModel, repacked_4bit_layers
@@ -174,6 +175,7 @@ def _training_args(cfg: TrainConfig, loaded: LoadedModel, work_dir: Path) -> dic
         dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding",
         dataset_num_proc=None,
+        **fsdp.training_args(cfg, loaded.model),  # FSDP2 for a job on ranks that asks for it; else nothing
     )
 
 

@@ -1,0 +1,149 @@
+"""FSDP2 for a job on ranks (``TrainConfig.parallelism`` FSDP): the frozen 16-bit base sharded over the ranks.
+
+DDP (the default) keeps a whole copy of the base on every device, so the base must fit one device. With FSDP2
+(``torch.distributed.fsdp.fully_shard``) each rank holds 1/N of every parameter, the frozen base and the LoRA
+tensors alike, and gathers one decoder layer's at a time for its forward and backward. The engine is the same
+as DDP's: transformers' Trainer through accelerate (``fsdp_config["version"] = 2``: accelerate's
+``fsdp2_prepare_model`` shards each decoder layer, the embeddings and the root), and gradients are
+reduce-scattered instead of all-reduced. Rank 0 alone writes adapters and checkpoints, with full (gathered) LoRA
+tensors in the single-process format: ``adapter_state_dict`` gathers the trainable tensors only, never the base.
+
+Three things strop adds to the engines:
+
+- accelerate turns FSDP on for accelerators only (``AcceleratorState`` upgrades MULTI_GPU, not MULTI_CPU); torch's
+  FSDP2 itself runs on the CPU with gloo, so on the CPU (the test tier) ``enable_on_cpu`` turns it on the same way.
+- transformers saves an FSDP checkpoint's model from ``Accelerator.get_state_dict``, which gathers the whole model
+  (base included) onto rank 0; ``use_adapter_state_dict`` makes it gather the adapter only, which is all a LoRA
+  checkpoint holds (on the CPU the whole-model path also fails outright: the gathered tensors alias FSDP's
+  freed all-gather buffers, "Attempted to access the data pointer on an invalid python storage").
+- strop's gradient guard reduces each tensor's max |grad| over the shards (``guard.py``).
+
+4-bit bases are refused (``check_supported``): see its docstring.
+"""
+
+from __future__ import annotations
+
+from strop.common.errors import FailedPrecondition, InvalidArgument
+from strop.common.trainer_types import ModelFacts, Parallelism, TrainConfig
+
+
+def is_fsdp(cfg: TrainConfig) -> bool:
+    return cfg.parallelism is Parallelism.FSDP and cfg.num_devices > 1
+
+
+def check_supported(cfg: TrainConfig, facts: ModelFacts) -> None:
+    """Refuse FSDP where it cannot run: on one device, or on a 4-bit base.
+
+    4-bit bases: bitsandbytes' ``Params4bit`` keeps its NF4 codes as a uint8 tensor with a quant state (absmax,
+    block size, shape) beside it. ``fully_shard`` turns every parameter into a DTensor sharded on dim 0, which
+    drops the quant state and splits the packed codes, so the layer cannot dequantize; accelerate therefore leaves
+    uint8 ``Params4bit`` out of the sharding (``ignored_params``), i.e. every rank still holds the whole 4-bit
+    base and FSDP saves nothing over DDP. Sharding them needs the base quantized with a floating
+    ``bnb_4bit_quant_storage`` (the codes stored as bf16 words, which FSDP can shard) and a quant state rebuilt
+    on each rank; strop's NF4 path (quantized on load with uint8 storage, its kernels and its exporter reading the
+    uint8 codes) does not do that, so the combination is refused rather than run without its point. (The same
+    findings: accelerate issue #3983 and PR #3987, which added the exclusion; axolotl PR #2992, which patches
+    FSDP2's all-gather to rebuild ``Params4bit``; bitsandbytes PR #970, which added ``quant_storage``.)
+    """
+    if cfg.parallelism is not Parallelism.FSDP:
+        return
+    if cfg.num_devices <= 1:
+        raise InvalidArgument(
+            f"parallelism FSDP shards the base over num_devices > 1; got num_devices {cfg.num_devices}"
+        )
+    if facts.quantization != "none":
+        raise FailedPrecondition(
+            f"parallelism FSDP needs a 16-bit base; this session's is 4-bit ({facts.quantization}): FSDP2 cannot "
+            "shard bitsandbytes' uint8 NF4 weights (their quant state does not survive fully_shard's DTensor "
+            "conversion), so every rank would still hold the whole base; use DDP (each rank holds the 4-bit base) "
+            "or load the base with quantization NONE"
+        )
+
+
+def training_args(cfg: TrainConfig, model) -> dict:
+    """transformers' TrainingArguments that make its Trainer shard ``model`` with FSDP2 (empty without FSDP)."""
+    if not is_fsdp(cfg):
+        return {}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = list(getattr(base, "_no_split_modules", None) or [])
+    config = {
+        "version": 2,
+        "reshard_after_forward": True,  # ZeRO-3: a layer's gathered weights are freed after its forward
+        "state_dict_type": "FULL_STATE_DICT",  # rank 0 writes whole tensors (of the adapter only, see above)
+        "cpu_ram_efficient_loading": False,  # every rank loaded the base itself
+    }
+    if layers:
+        config.update(auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_layer_cls_to_wrap=layers)
+    return {"fsdp": "full_shard", "fsdp_config": config}
+
+
+def enable_on_cpu() -> None:
+    """Let accelerate run FSDP on CPU ranks (gloo), as it does on accelerators; a no-op once installed."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if getattr(AcceleratorState.__init__, "_strop_fsdp_on_cpu", False):
+        return
+    init = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        # every later AcceleratorState() (a singleton) copies PartialState's MULTI_CPU back in: upgrade it again
+        plugin = fsdp_plugin or self.__dict__.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+
+    __init__._strop_fsdp_on_cpu = True
+    AcceleratorState.__init__ = __init__
+
+
+def adapter_state_dict(model) -> dict:
+    """The trainable (LoRA) tensors, whole, by state-dict name; a collective: every rank must call it."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            out[name] = full.detach().to("cpu", copy=True)  # never an alias of FSDP's gather buffers
+    return out
+
+
+def unshard_adapter(model) -> None:
+    """Replace each sharded LoRA tensor by its whole, so rank 0's ``save_pretrained`` (``publish_adapter``) writes
+    what a single process writes; a collective, after training: the model trains no more."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for name, full in adapter_state_dict(model).items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if isinstance(getattr(module, leaf), DTensor):
+            setattr(module, leaf, torch.nn.Parameter(full, requires_grad=False))
+
+
+def use_adapter_state_dict() -> None:
+    """Make transformers' FSDP checkpoints gather the adapter only (``Accelerator.get_state_dict``, whose result
+    PEFT's ``save_pretrained`` filters to the adapter anyway); a no-op once installed. The rank process is this
+    job's alone, so patching the class touches no other job."""
+    from accelerate import Accelerator
+
+    if getattr(Accelerator.get_state_dict, "_strop_adapter_only", False):
+        return
+    whole = Accelerator.get_state_dict
+
+    def get_state_dict(self, model, unwrap=True):
+        if not self.is_fsdp2:
+            return whole(self, model, unwrap=unwrap)
+        return adapter_state_dict(model)
+
+    get_state_dict._strop_adapter_only = True
+    Accelerator.get_state_dict = get_state_dict
+
+
+def prepare(device: str) -> None:
+    """What a rank installs before its FSDP job's trainer is built."""
+    if not device.startswith("cuda"):
+        enable_on_cpu()
+    use_adapter_state_dict()
