@@ -362,16 +362,18 @@ def memory_system(system: str):
 
     ``strop-standard`` (checkpointed layer inputs in pinned host memory, what the trainer's default mode does
     on CUDA), ``strop-long-context`` (+ the tiled MLP), ``strop-max-speed`` (budgeted recompute under
-    ``FAST_BUDGET_GIB``); ``-sN``: N evenly spaced layers skip the recompute, their activations in host memory.
-    None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
+    ``FAST_BUDGET_GIB``); ``-sN``: N evenly spaced layers skip the recompute, their activations in host memory;
+    ``-a1``/``-a0``: offloaded layers keep (or do not keep) their attention output for the recompute, whatever
+    the mode's default (``MemoryFeatures.save_attention``); the third item is None without it. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
     these were called strop-offload[-sN], strop-mem and strop-fast.
     """
     from strop.common.trainer_types import MemoryMode
 
-    m = re.fullmatch(r"strop-(standard|long-context|max-speed)(?:-s(\d+))?", system)
+    m = re.fullmatch(r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?", system)
     if m is None:
         return None
-    return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0)
+    attention = None if m.group(3) is None else m.group(3) == "1"
+    return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0), attention
 
 
 def apply_memory(model, system: str):
@@ -384,7 +386,7 @@ def apply_memory(model, system: str):
     spec = memory_system(system)
     if spec is None:
         return None
-    mode, save_layers = spec
+    mode, save_layers, save_attention = spec
     if DEVICE != "cuda" and mode is MemoryMode.MAX_SPEED:
         return None  # --smoke: budgeted recompute measures CUDA memory
     budget = FAST_BUDGET_GIB * 2**30
@@ -392,7 +394,9 @@ def apply_memory(model, system: str):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     smoke = {} if DEVICE == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}  # --smoke
-    return apply_memory_mode(model, mode, budget_bytes=budget, save_layers=save_layers, **smoke)
+    return apply_memory_mode(
+        model, mode, budget_bytes=budget, save_layers=save_layers, save_attention=save_attention, **smoke
+    )
 
 
 def run_worker(a) -> Result:

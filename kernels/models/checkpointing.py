@@ -76,6 +76,7 @@ def enable_offloaded_checkpointing(
     offload_cpu_tensors: bool = False,
     preserve_rng_state: bool = True,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    save_attention: bool = False,
     trace: bool = False,
 ) -> ActivationOffloader:
     """Make an HF (or PEFT-wrapped HF) model checkpoint its decoder layers with offloaded inputs.
@@ -97,6 +98,8 @@ def enable_offloaded_checkpointing(
         offload_cpu_tensors: Exercise the offload path with CPU tensors (tests).
         preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
         max_inflight_bytes: Device-to-host copies queued at once before a save waits for the oldest.
+        save_attention: Offloaded layers also keep their attention output in host memory, so the recompute
+            skips attention's forward (``kernels/models/saved_attention.py``).
         trace: Record the schedule in ``offloader.stats.trace``.
 
     Returns:
@@ -125,6 +128,7 @@ def enable_offloaded_checkpointing(
         offload_cpu_tensors=offload_cpu_tensors,
         preserve_rng_state=preserve_rng_state,
         max_inflight_bytes=max_inflight_bytes,
+        save_attention=save_attention,
         trace=trace,
     )
     flags = [bool(layer.gradient_checkpointing) for layer in layers]

@@ -108,6 +108,7 @@ def enable_memory_features(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     keep_last_layers: int = 1,
     save_layers: int = 0,
+    save_attention: bool = False,
     offload_cpu_tensors: bool = False,
     preserve_rng_state: bool = True,
     trace: bool = False,
@@ -123,6 +124,8 @@ def enable_memory_features(
         keep_last_layers: Checkpointed layers at the end whose inputs stay on the GPU.
         save_layers: Evenly spaced checkpointed layers that skip the recompute, their saved activations in
             pinned host memory (:func:`~strop.kernels.models.enable_offloaded_checkpointing`).
+        save_attention: Offloaded layers keep their attention output in host memory; the recompute skips
+            attention's forward.
         offload_cpu_tensors: Exercise the offload path with CPU tensors (tests, the CPU smoke benchmark).
         preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
         trace: Record the offload schedule in ``offloader.stats.trace``.
@@ -137,6 +140,7 @@ def enable_memory_features(
             report.offloader = enable_offloaded_checkpointing(
                 model, min_offload_bytes=min_offload_bytes, keep_last=keep_last_layers, save_layers=save_layers,
                 offload_cpu_tensors=offload_cpu_tensors, preserve_rng_state=preserve_rng_state, trace=trace,
+                save_attention=save_attention,
             )  # fmt: skip
         except ValueError as e:
             report.skipped["offload_activations"] = str(e)
@@ -198,6 +202,7 @@ def apply_memory_mode(
     budget_bytes: int = 0,
     allow_offload: bool = True,
     save_layers: int = 0,
+    save_attention: bool | None = None,
     offload_cpu_tensors: bool = False,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
 ) -> InstalledMode:
@@ -210,6 +215,8 @@ def apply_memory_mode(
         allow_offload: False when the caller found no host room for a step's layer inputs (modes whose
             offload needs host room then keep them on the device).
         save_layers: Layers that skip the recompute, their activations in host memory (with offload).
+        save_attention: Offloaded layers keep their attention output for the recompute; None: the mode's own
+            setting (``MemoryFeatures.save_attention``).
         offload_cpu_tensors: Exercise the offload path on the CPU (tests, the CPU smoke benchmark).
         min_offload_bytes: Layer inputs and activations smaller than this stay on their device.
     """
@@ -226,6 +233,7 @@ def apply_memory_mode(
             installed.memory = enable_memory_features(
                 model, offload_activations=offload, tiled_mlp_chunks="auto" if features.tiled_mlp else None,
                 save_layers=save_layers, offload_cpu_tensors=offload_cpu_tensors, min_offload_bytes=min_offload_bytes,
+                save_attention=features.save_attention if save_attention is None else save_attention,
             )  # fmt: skip
         if features.budgeted_recompute:
             installed.recompute = enable_budgeted_recompute(model, budget_bytes)

@@ -81,8 +81,10 @@ import torch
 from torch import nn
 
 from ..lora.mlp import recompute_outputs_unused
+from . import saved_attention
 from .offload_records import InputRecord, SavedGroup
 from .replay import ReplayState, checkpoint_reference
+from .saved_attention import AttentionSaves
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -125,6 +127,7 @@ class OffloadStats:
             and keyword tensors, alive anyway, not counted).
         saved_prefetched: Of ``saved_offloaded``, those reloaded ahead of need.
         copy_waits: Times the forward waited for a device-to-host copy (backlog over ``max_inflight_bytes``).
+        attention_saved: Attention outputs kept in host memory for the recompute (``save_attention``).
         trace: ``(event, layer)`` pairs in order, when tracing is on (tests): ``save:offload``,
             ``save:keep``, ``save:activations`` (a no-recompute layer's forward ended), ``prefetch``,
         ``fetch:hit``, ``fetch:miss``, ``fetch:kept``.
@@ -143,6 +146,7 @@ class OffloadStats:
     saved_kept_bytes: int = 0
     saved_prefetched: int = 0
     copy_waits: int = 0
+    attention_saved: int = 0
     trace: list[tuple[str, int | None]] | None = None
 
 
@@ -159,6 +163,8 @@ class ActivationOffloader:
         preserve_rng_state: Replay the forward's RNG state in the recompute (needed for dropout).
         max_inflight_bytes: Device-to-host copies allowed to be queued at once; a save beyond it waits for
             the oldest (bounds the GPU memory a forward that outruns the host link holds).
+        save_attention: Keep each offloaded layer's attention output and log-sum-exp in host memory, so its
+            recompute skips attention's forward (``kernels/models/saved_attention.py``).
         trace: Record the schedule in ``stats.trace``.
     """
 
@@ -169,6 +175,7 @@ class ActivationOffloader:
         offload_cpu_tensors: bool = False,
         preserve_rng_state: bool = True,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        save_attention: bool = False,
         trace: bool = False,
     ) -> None:
         if min_offload_bytes < 0:
@@ -176,6 +183,7 @@ class ActivationOffloader:
         if max_inflight_bytes < 0:
             raise ValueError(f"max_inflight_bytes must be ≥ 0, got {max_inflight_bytes}")
         self.max_inflight_bytes = max_inflight_bytes
+        self.save_attention = save_attention
         self._inflight: collections.deque[tuple[torch.cuda.Event, int]] = collections.deque()
         self._inflight_bytes = 0
         self.min_offload_bytes = min_offload_bytes
@@ -478,7 +486,10 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         ctx.tensor_slots = [i for i, a in enumerate(args) if i > 0 and isinstance(a, torch.Tensor)]
         ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_slots))
-        with torch.no_grad():
+        ctx.attention = (
+            AttentionSaves(offloader) if offloader.save_attention and ctx.record.offloaded else None
+        )
+        with torch.no_grad(), saved_attention.recording(ctx.attention):
             out = function(*args)
         tensors, meta["template"] = _flatten(out)
         return tuple(tensors)
@@ -494,8 +505,14 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
             args[slot] = t.detach().requires_grad_(ctx.needs_input_grad[4 + slot])
         # the recompute rebuilds what the layer's ops saved; its output's value is never read (only its graph),
         # so a patched MLP that is the layer's last op skips its down projection (kernels/lora/mlp.py)
-        with ctx.replay.replay(), torch.enable_grad(), recompute_outputs_unused():
+        with (
+            ctx.replay.replay(),
+            torch.enable_grad(),
+            recompute_outputs_unused(),
+            saved_attention.replaying(ctx.attention),
+        ):
             out = ctx.function(*args)
+        ctx.attention = None
         tensors, _ = _flatten(out)
         pairs = [(o, g) for o, g in zip(tensors, grads, strict=True) if g is not None and o.requires_grad]
         if pairs:

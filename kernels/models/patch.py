@@ -59,6 +59,7 @@ from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
 from ..lora.linear import LoRAProj, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
 from .hf import Swaps, previous_forward, unwrap_peft
+from .saved_attention import attention_call
 
 __all__ = ["COMPONENTS", "SUPPORTED_MODEL_TYPES", "PatchReport", "patch_model", "unpatch_model"]
 
@@ -305,8 +306,8 @@ def _attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) ->
         )
         if sliding is not None:
             kwargs["sliding_window"] = sliding(self)
-        out, weights = interface(
-            self, q, k, v, attention_mask,
+        out, weights = attention_call(  # HF's interface, or the output saved for a checkpointed layer's recompute
+            interface, self, q, k, v, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
         )  # fmt: skip
         out = out.reshape(*input_shape, -1).contiguous()

@@ -1,0 +1,179 @@
+"""Saved attention outputs (``kernels/models/saved_attention.py``): an offloaded layer's recompute skips attention's
+forward and trains exactly as the full recompute; every case it does not cover recomputes, saying why.
+
+CPU tier: the tiny Llama of ``test_offload.py`` (fp32, SDPA, 4 heads over 2 KV heads), patched onto strop's kernels,
+with LoRA, every layer offloaded (``offload_cpu_tensors``). The saved path runs the CPU flash kernel that SDPA itself
+dispatches to on these inputs, once, and its backward on the same (q, k, v, o, lse) autograd would use; so losses
+and gradients must equal the full recompute's bit for bit.
+
+GPU tier: the ~1B shape at 16K tokens in bf16: the same losses and gradients up to bf16 rounding of the attention
+kernels, never more device memory, and a faster step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import strop.kernels.models.saved_attention as sa  # noqa: E402
+from strop.kernels.models import disable_offloaded_checkpointing, enable_offloaded_checkpointing, patch_model  # noqa: E402
+from tests.kernels.test_offload import LAYERS, VOCAB, _gpu_model_1b, _ids, _lora, _step, _tiny_llama  # noqa: E402
+
+
+def _counting(monkeypatch) -> dict[str, int]:
+    calls = {"forward": 0}
+    real = sa._forward
+
+    def forward(*args, **kwargs):
+        calls["forward"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sa, "_forward", forward)
+    return calls
+
+
+# The forward is the kernel SDPA runs, so the loss is bitwise the same. The backward sums the key/value gradients
+# of each group's query heads in another order than SDPA's GQA path (it repeats k, v and sums back): each element
+# is a sum of T·rep fp32 products either way, so they differ by at most ~T·rep·u relative to the sum of magnitudes
+# (u = 2^-24); through the rest of the layer and the layers below that stays a few times larger, bounded here as
+# 16·T·rep·u of each gradient's largest element.
+BACKWARD_BOUND = 16 * 37 * 2 * 2**-24
+
+
+def _assert_same_up_to_fp32_attention_backward(actual, expected) -> None:
+    (loss, grads), (loss_ref, grads_ref) = actual, expected
+    assert torch.equal(loss, loss_ref), (loss.item(), loss_ref.item())
+    assert grads.keys() == grads_ref.keys()
+    worst = 0.0
+    for name, g in grads.items():
+        err = ((g - grads_ref[name]).abs().max() / grads_ref[name].abs().max().clamp_min(1e-30)).item()
+        worst = max(worst, err)
+        assert err <= BACKWARD_BOUND, f"{name}: {err:.3g} of its largest element > {BACKWARD_BOUND:.3g}"
+    print(f"largest relative gradient difference {worst:.3g} (bound {BACKWARD_BOUND:.3g})")
+
+
+def _model():
+    model = _lora(_tiny_llama(attn_implementation="sdpa"))
+    report = patch_model(model)
+    assert len(report.patched["rope"]) == LAYERS, report
+    return model
+
+
+def test_the_recompute_skips_attention_forward_and_trains_as_the_full_recompute(monkeypatch):
+    model = _model()
+    ids = _ids()
+    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
+    full = _step(model, ids)
+    disable_offloaded_checkpointing(model)
+    calls = _counting(monkeypatch)
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True
+    )
+    saved = _step(model, ids)
+    assert off.stats.attention_saved == LAYERS, off.stats
+    assert calls["forward"] == LAYERS, "attention's forward ran again in the recompute"
+    assert off.stats.host_bytes == 0, "every saved output is released by the end of backward"
+    _assert_same_up_to_fp32_attention_backward(saved, full)
+    disable_offloaded_checkpointing(model)
+
+
+def test_layers_kept_on_the_device_and_masked_batches_recompute_with_a_logged_reason(monkeypatch, caplog):
+    model = _model()
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding: HF passes a mask tensor, which the saved path does not reproduce
+    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0)
+    model.zero_grad(set_to_none=True)
+    ref = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    disable_offloaded_checkpointing(model)
+    calls = _counting(monkeypatch)
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, save_attention=True
+    )
+    model.zero_grad(set_to_none=True)
+    sa._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="strop.kernels"):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+    assert calls["forward"] == 0 and off.stats.attention_saved == 0
+    assert "an attention mask tensor" in caplog.text
+    assert torch.equal(loss, ref)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(p.grad, ref_grads[n]), n
+    # unmasked: the last layer keeps its input on the device (keep_last=1), so only the others save
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert off.stats.attention_saved == LAYERS - 1
+    disable_offloaded_checkpointing(model)
+
+
+def test_outside_a_checkpointed_layer_attention_is_the_interface_itself():
+    model = _model()
+    ids = _ids()
+    with torch.no_grad():
+        a = model(input_ids=ids).logits
+    assert sa._MODE.get() is None
+    with torch.no_grad():
+        b = model(input_ids=ids).logits
+    assert torch.equal(a, b) and a.shape[-1] == VOCAB
+
+
+# ---- GPU --------------------------------------------------------------------------------------------------
+
+
+def _gpu_1b(seq: int):
+    model = _gpu_model_1b(seq)  # test_offload's ~1B Llama shape with LoRA
+    patch_model(model)
+    return model
+
+
+@pytest.mark.gpu
+def test_gpu_saved_attention_trains_the_same_in_less_time_and_no_more_memory():
+    seq = 16384
+    model = _gpu_1b(seq)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def run(save: bool):
+        off = enable_offloaded_checkpointing(model, save_attention=save)
+        times = []
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        stats = off.stats
+        disable_offloaded_checkpointing(model)
+        return sorted(times[1:])[1], torch.cuda.max_memory_allocated(), float(loss), grads, stats
+
+    t_full, peak_full, loss_full, g_full, _ = run(False)
+    t_saved, peak_saved, loss_saved, g_saved, stats = run(True)
+    print(
+        f"\n1B, {seq} tokens: full recompute {t_full * 1e3:.0f} ms {peak_full / 2**30:.2f} GiB; saved attention "
+        f"{t_saved * 1e3:.0f} ms {peak_saved / 2**30:.2f} GiB; saved {stats.attention_saved} outputs"
+    )
+    assert stats.attention_saved == 4 * 15, stats
+    # forward: the same model, attention by another kernel of the same algorithm (bf16 outputs): the loss
+    # moves by bf16 rounding of the logits at most (u = 2^-8 relative)
+    assert abs(loss_saved - loss_full) <= 2**-8 * abs(loss_full), (loss_saved, loss_full)
+    for n, g in g_full.items():
+        err = (g_saved[n] - g).norm() / g.norm().clamp_min(1e-30)
+        assert err <= 2e-2, (
+            f"{n}: relative gradient difference {err:.3g}"
+        )  # bf16 attention backward, 16 layers
+    assert peak_saved <= peak_full + (64 << 20), (peak_saved / 2**30, peak_full / 2**30)
+    assert t_saved < t_full, (t_saved, t_full)
