@@ -289,16 +289,19 @@ def ddp_session(client, runs):
     client.close_session(s.session_id)
 
 
+@pytest.mark.parametrize("parallelism", ["DDP", "FSDP"])
 def test_the_service_runs_a_num_devices_job_on_torchrun_ranks_and_the_session_holds_what_they_trained(
-    client, trainer, runs, ddp_session
+    client, trainer, runs, ddp_session, parallelism
 ):
     from safetensors.torch import load_file
 
     from strop.common.artifacts import ArtifactStore
+    from strop.common.trainer_types import Parallelism
 
     tmp, config, _ = runs
     session_id, dataset_id = ddp_session
-    events = list(client.train(session_id, dataset_id, _service_config()))
+    events = list(client.train(session_id, dataset_id, _service_config(parallelism=Parallelism(parallelism))))
+    assert events[-1].state.state.value == "SUCCEEDED", events[-1].state.message
     losses = [e.step.loss for e in events if e.step]
     reference = [e["step"]["loss"] for e in _events(tmp, "job-one") if e["step"]]
     loss_bound, _ = _bounds(config)
