@@ -39,7 +39,9 @@ recompute needs x, e, g and u_d from this Function and nothing of ``out``. Under
 (entered by strop's checkpoint around its recompute) an MLP built with ``output_unused_in_recompute`` skips
 ``h W_dᵀ`` and the down adapter's product, a third of the MLP's forward GEMM work, and returns uninitialised
 memory of out's shape. The gradients are bitwise those of the full recompute: backward reads only the saved
-tensors, which are computed the same way.
+tensors, which are computed the same way. Not so in Gemma's layer, ``residual + post_feedforward_layernorm(mlp(…))``:
+the norm saves the MLP's output for its backward, so ``patch_model`` never sets the flag there
+(``Arch.sandwich_norms``), and its recompute computes the down projection.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Forward, for a batch of 2B sequences (rows 0..B−1 chosen, B..2B−1 rejected, 
 final hidden states h [2B, T, H], a frozen LM head W [V, H] and labels y [2B, T] (−100 on prompt and
 padding; unshifted, so position t is scored against y[t+1] as in HF's causal LM loss):
 
-    logp_{s,t} = log_softmax(h_{s,t} Wᵀ)[y_{s,t+1}]       fp32 log-softmax of the head's logits
+    z_{s,t}    = h_{s,t} Wᵀ  (→ c · tanh(z / c) with a soft-cap c: Gemma's final_logit_softcapping)
+    logp_{s,t} = log_softmax(z_{s,t})[y_{s,t+1}]            fp32 log-softmax of the head's logits
     logps_s    = Σ_t logp_{s,t} over labelled positions     per-sequence sum (TRL's "logps")
     ratio_s    = logps_s − ref_logps_s                      ref_logps from the reference model
     δ          = ratio_chosen − ratio_rejected
@@ -21,7 +22,8 @@ Chunking. Only labelled positions are scored: their rows are gathered into [M, H
 and processed C rows at a time, so only a [C, V] logits buffer exists (C sized like the fused linear CE:
 ~256 MiB of logits). Per chunk, the fused linear CE's Triton kernel (``kernels/fused_linear_ce.py``,
 reused, with denominator 1) computes nll = logsumexp(z) − z_y in fp32 and overwrites the buffer with
-∂nll/∂z = softmax(z) − onehot(y), and one GEMM gives g_row = ∂nll/∂h_row = (softmax − onehot) W.
+∂nll/∂ℓ = softmax(z) − onehot(y) (times 1 − tanh²(ℓ/c) under a soft-cap, ℓ the head's raw logits), and
+one GEMM gives g_row = ∂nll/∂h_row = (∂nll/∂ℓ) W.
 
 Gradients in forward, not recomputed in backward. A token's log-prob depends only on its own hidden row,
 and the DPO loss depends on the tokens only through the per-sequence sums, so
@@ -192,9 +194,13 @@ def sequence_logps_reference(
     bias: torch.Tensor | None = None,
     *,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Per-sequence Σ log p(label) from the full ``[S, T−1, V]`` logits, upcast to fp32 (TRL's semantics)."""
+    """Per-sequence Σ log p(label) from the full ``[S, T−1, V]`` logits, upcast to fp32 (TRL's semantics),
+    soft-capped as HF's Gemma forward does when ``softcap`` is given."""
     logits = F.linear(hidden[:, :-1], weight, bias).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     targets = labels[:, 1:]
     mask = targets != ignore_index
     per_token = logits.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -215,12 +221,13 @@ def chunked_dpo_loss_reference(
     loss_weights: Sequence[float] | None = None,
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> DPOLossOutput:
     """:func:`strop_dpo_loss` computed from full logits, in plain torch."""
-    logps = sequence_logps_reference(hidden, weight, labels, bias, ignore_index=ignore_index)
+    logps = sequence_logps_reference(hidden, weight, labels, bias, ignore_index=ignore_index, softcap=softcap)
     ref = _reference_logps(
         ref_chosen_logps, ref_rejected_logps, ref_hidden,
-        lambda h: sequence_logps_reference(h, weight, labels, bias, ignore_index=ignore_index),
+        lambda h: sequence_logps_reference(h, weight, labels, bias, ignore_index=ignore_index, softcap=softcap),
     )  # fmt: skip
     return dpo_loss_on_pairs(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)
 
@@ -264,15 +271,20 @@ def _use_triton(device: torch.device) -> bool:
 
 
 def _nll_and_dlogits_torch(
-    logits: torch.Tensor, targets: torch.Tensor, nll: torch.Tensor, grad: bool
+    logits: torch.Tensor, targets: torch.Tensor, nll: torch.Tensor, grad: bool, softcap: float | None = None
 ) -> None:
-    """The kernel's math in torch (hosts without Triton): nll rows, and logits overwritten by ∂nll/∂z."""
+    """The kernel's math in torch (hosts without Triton): nll rows, and logits overwritten by ∂nll/∂logits."""
     z = logits.float()
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
     lse = torch.logsumexp(z, dim=-1)
     nll.copy_(lse - z.gather(1, targets.unsqueeze(1)).squeeze(1))
     if grad:
         d = torch.exp(z - lse.unsqueeze(1))
         d[torch.arange(len(targets), device=z.device), targets] -= 1.0
+        if softcap is not None:
+            d *= 1.0 - t * t
         logits.copy_(d)
 
 
@@ -285,6 +297,7 @@ def _sequence_logps_fwd(
     num_seqs: int,
     chunk_size: int | None,
     grad: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-sequence log-probs [S] (fp32) and, when ``grad``, ∂nll/∂row for every row [M, H]."""
     device = rows.device
@@ -312,11 +325,11 @@ def _sequence_logps_fwd(
             if triton_ok:
                 fused_linear_ce_fwd_kernel[(end - start,)](
                     logits, logits.stride(0), targets[start:end], nll[start:end], ones, vocab, -100,
-                    1.0, 1.0, HAS_SOFTCAP=False, COMPUTE_GRAD=grad, BLOCK_V=block_v,
-                    N_BLOCKS=triton.cdiv(vocab, block_v), num_warps=NUM_WARPS,
+                    1.0, float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, COMPUTE_GRAD=grad,
+                    BLOCK_V=block_v, N_BLOCKS=triton.cdiv(vocab, block_v), num_warps=NUM_WARPS,
                 )  # fmt: skip
             else:
-                _nll_and_dlogits_torch(logits, targets[start:end], nll[start:end], grad)
+                _nll_and_dlogits_torch(logits, targets[start:end], nll[start:end], grad, softcap)
             if grad:
                 torch.mm(logits, w, out=d_rows[start:end])  # logits now hold ∂nll/∂z
     logps = torch.zeros(num_seqs, dtype=torch.float32, device=device).index_add_(
@@ -326,16 +339,17 @@ def _sequence_logps_fwd(
 
 
 class SequenceLogProbFunction(torch.autograd.Function):
-    """``apply(rows, weight, bias, targets, seq_index, num_seqs, chunk_size)`` → per-sequence log-probs [S].
+    """``apply(rows, weight, bias, targets, seq_index, num_seqs, chunk_size[, softcap])`` → per-sequence
+    log-probs [S].
 
     Gradients w.r.t. the rows are computed in forward (∂nll/∂row) and scaled per sequence in backward.
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, bias, targets, seq_index, num_seqs, chunk_size):
+    def forward(ctx, rows, weight, bias, targets, seq_index, num_seqs, chunk_size, softcap=None):
         grad = ctx.needs_input_grad[0]
         logps, d_rows = _sequence_logps_fwd(
-            rows, weight, bias, targets, seq_index, num_seqs, chunk_size, grad
+            rows, weight, bias, targets, seq_index, num_seqs, chunk_size, grad, softcap
         )
         ctx.rows_dtype = rows.dtype
         ctx.save_for_backward(d_rows, seq_index)
@@ -349,7 +363,13 @@ class SequenceLogProbFunction(torch.autograd.Function):
             # logps_s = −Σ nll_row  ⇒  ∂L/∂row = −(∂L/∂logps_s) · ∂nll/∂row; the scale stays fp32 until the product
             scale = -grad_logps.float()[seq_index].unsqueeze(1)
             grad_rows = (d_rows.float() * scale).to(ctx.rows_dtype)
-        return grad_rows, None, None, None, None, None, None
+        return grad_rows, None, None, None, None, None, None, None
+
+
+def _check_softcap(softcap: float | None) -> float | None:
+    if softcap is not None and not (isinstance(softcap, int | float) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    return None if softcap is None else float(softcap)
 
 
 def _check(
@@ -390,6 +410,7 @@ def sequence_logps_rows(
     bias: torch.Tensor | None = None,
     *,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-sequence log-probs from already-selected rows: ``Σ_{rows of s} log_softmax(row Wᵀ + b)[target]``.
 
@@ -401,10 +422,13 @@ def sequence_logps_rows(
         num_seqs: S.
         bias: Optional frozen ``[V]`` head bias.
         chunk_size: Rows per chunk (default: ~256 MiB of logits).
+        softcap: Soft-cap c of the logits (``c · tanh(logits / c)`` before the log-softmax), as the
+            model's config has it (``final_logit_softcapping``); None for none.
 
     Returns:
         ``[S]`` fp32 log-probs; sequences without rows get 0.
     """
+    softcap = _check_softcap(softcap)
     if rows.dim() != 2 or targets.shape != rows.shape[:1] or seq_index.shape != rows.shape[:1]:
         raise ValueError(
             f"rows [M, H], targets [M] and seq_index [M] expected, got {tuple(rows.shape)}, "
@@ -417,7 +441,9 @@ def sequence_logps_rows(
         ((targets >= 0) & (targets < weight.shape[0])).all() if targets.numel() else torch.tensor(True),
         "targets must be in [0, vocab)",
     )
-    return SequenceLogProbFunction.apply(rows, weight, bias, targets, seq_index.long(), num_seqs, chunk_size)
+    return SequenceLogProbFunction.apply(
+        rows, weight, bias, targets, seq_index.long(), num_seqs, chunk_size, softcap
+    )
 
 
 def sequence_logps(
@@ -428,6 +454,7 @@ def sequence_logps(
     *,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-sequence Σ log p(label) of a causal LM's final hidden states, chunked (see the module docstring).
 
@@ -438,6 +465,7 @@ def sequence_logps(
         bias: Optional frozen ``[V]`` head bias.
         ignore_index: Label value that is not scored.
         chunk_size: Rows per chunk (default: ~256 MiB of logits).
+        softcap: The model's final-logit soft-cap (Gemma's ``final_logit_softcapping``), or None.
 
     Returns:
         ``[S]`` fp32, differentiable w.r.t. ``hidden``.
@@ -449,7 +477,7 @@ def sequence_logps(
     rows = hidden[:, :-1][mask]
     seq_index = torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1).expand_as(mask)[mask]
     return sequence_logps_rows(
-        rows, weight, targets[mask], seq_index, hidden.shape[0], bias, chunk_size=chunk_size
+        rows, weight, targets[mask], seq_index, hidden.shape[0], bias, chunk_size=chunk_size, softcap=softcap
     )
 
 
@@ -468,6 +496,7 @@ def strop_dpo_loss(
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> DPOLossOutput:
     """DPO loss of [chosen; rejected] final hidden states without materialising their logits.
 
@@ -484,13 +513,17 @@ def strop_dpo_loss(
         label_smoothing: ε of the robust loss.
         ignore_index: Label value that is not scored.
         chunk_size: Rows per chunk (default: ~256 MiB of logits).
+        softcap: The model's final-logit soft-cap (Gemma's ``final_logit_softcapping``), or None.
 
     Returns:
         A :class:`DPOLossOutput`; ``.metrics()`` gives TRL's logged values.
     """
-    logps = sequence_logps(hidden, weight, labels, bias, ignore_index=ignore_index, chunk_size=chunk_size)
+    kw = {"ignore_index": ignore_index, "chunk_size": chunk_size, "softcap": softcap}
+    logps = sequence_logps(hidden, weight, labels, bias, **kw)
     ref = _reference_logps(
-        ref_chosen_logps, ref_rejected_logps, ref_hidden,
-        lambda h: sequence_logps(h, weight, labels, bias, ignore_index=ignore_index, chunk_size=chunk_size),
-    )  # fmt: skip
+        ref_chosen_logps,
+        ref_rejected_logps,
+        ref_hidden,
+        lambda h: sequence_logps(h, weight, labels, bias, **kw),
+    )
     return dpo_loss_on_pairs(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)

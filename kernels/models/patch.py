@@ -1,22 +1,32 @@
-"""Patch a Llama-family HF model (plain or PEFT-wrapped) onto strop's kernels, per instance and reversibly.
+"""Patch a Llama-family or Gemma HF model (plain or PEFT-wrapped) onto strop's kernels, per instance and reversibly.
 
 ``patch_model`` swaps the ``forward`` of individual module instances (``types.MethodType``), never a
-class and never HF source, for model_type llama, mistral, qwen2 (q/k/v bias) and qwen3 (per-head q/k
-RMSNorm before RoPE), transformers 5.17 – 5.24:
+class and never HF source, for model_type llama, mistral, qwen2 (q/k/v bias), qwen3 (per-head q/k
+RMSNorm before RoPE), gemma2 and gemma3_text, transformers 5.17 – 5.24:
 
-    rms_norm             every decoder RMSNorm (and Qwen3's q_norm/k_norm) → ``rms_norm``
+    rms_norm             every decoder RMSNorm (Qwen3's and Gemma 3's q_norm/k_norm, Gemma's four per layer)
+                         → ``rms_norm`` (Gemma's in GEMMA mode: x̂ · (1 + w) in fp32, cast last)
     rope, lora_qkv       the attention forward: fused LoRA Q/K/V (``lora_qkv``), RoPE in place
                          (``rope_qk``), then HF's own attention interface (eager/SDPA/flash/flex, with
-                         Mistral's and Qwen's sliding window) and o_proj
+                         Mistral's, Qwen's and Gemma's sliding window, Gemma's ``query_pre_attn_scalar``
+                         scaling and Gemma 2's ``softcap``, exactly as HF's forward passes them) and o_proj
     lora_o               o_proj → ``lora_linear``
-    lora_mlp             the MLP → ``lora_mlp`` (SwiGLU; GeGLU for gelu configs)
+    lora_mlp             the MLP → ``lora_mlp`` (SwiGLU; GeGLU for gelu configs: Gemma's
+                         ``hidden_activation`` gelu_pytorch_tanh)
     fused_cross_entropy  the *ForCausalLM forward, only when called with ``labels``: the loss comes from
                          ``fused_linear_cross_entropy`` (labels shifted as HF's ForCausalLMLoss does,
-                         ``num_items_in_batch`` as HF's denominator) and ``logits`` is None. Without labels
+                         ``num_items_in_batch`` as HF's denominator, Gemma's ``final_logit_softcapping``
+                         applied in the kernel) and ``logits`` is None. Without labels
                          (generation, DPO's logits) or with ``logits_to_keep``/``return_dict=False`` the
                          original forward runs and returns logits as usual. Code that needs logits *and*
                          a loss from one call (HF ``Trainer`` with ``compute_metrics``) should patch with
                          ``fused_cross_entropy=False``.
+
+Gemma. The embedding (HF's ScaledWordEmbedding, × √hidden) is left as HF's; a tied head is the embedding
+weight (frozen under LoRA, so no head gradient is computed; a trainable one gets its gradient from the
+fused CE into the one shared parameter). Gemma 3's per-layer-type RoPE needs nothing here: the decoder layer
+hands each attention its own (cos, sin). Because ``post_feedforward_layernorm`` follows the MLP, the MLP is
+not its layer's last op, so the recompute never skips its down projection (``kernels/lora/mlp.py``).
 
 Fallbacks, never silently wrong. A part whose fast path does not apply keeps the reference (HF/PEFT)
 path and says why: in the returned :class:`PatchReport` and on ``logging.getLogger("strop.kernels")``.
@@ -58,6 +68,7 @@ from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
 
 from ..lora.linear import LoRAProj, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
+from ..ops.rmsnorm import RMSNormMode
 from .hf import Swaps, previous_forward, unwrap_peft
 from .saved_attention import attention_call
 
@@ -233,14 +244,21 @@ def _specs(state: _State, owner: nn.Module, layers, x) -> list[LoRAProj] | None:
 # ---- forwards --------------------------------------------------------------------------------------
 
 
-def _norm_forward(inplace_backward: bool) -> Callable:
+# the attribute each HF RMSNorm keeps its epsilon in
+_NORM_EPS = {RMSNormMode.LLAMA: "variance_epsilon", RMSNormMode.GEMMA: "eps"}
+
+
+def _norm_forward(inplace_backward: bool, mode: RMSNormMode) -> Callable:
     from ..ops.rmsnorm import rms_norm
+
+    eps_attr = _NORM_EPS[mode]
 
     def forward(self, hidden_states, *args, **kwargs):
         state, prev = _ours(self)
         if not state.active or args or kwargs:
             return prev(hidden_states, *args, **kwargs)
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, inplace_backward=inplace_backward)
+        eps = getattr(self, eps_attr)
+        return rms_norm(hidden_states, self.weight, eps, inplace_backward=inplace_backward, mode=mode)
 
     return forward
 
@@ -278,7 +296,8 @@ def _mlp_forward(activation: str, inplace: bool, output_unused_in_recompute: boo
 def _attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> Callable:
     from ..ops.rope import rope_qk
 
-    sliding, qk_norm = _WINDOW[ARCHS[model_type].sliding_window], ARCHS[model_type].qk_norm
+    arch = ARCHS[model_type]
+    sliding, qk_norm, softcap = _WINDOW[arch.sliding_window], arch.qk_norm, arch.attn_softcap
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         state, prev = _ours(self)
@@ -306,6 +325,8 @@ def _attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) ->
         )
         if sliding is not None:
             kwargs["sliding_window"] = sliding(self)
+        if softcap:  # Gemma 2 (eager, flash and flex honour it; HF's SDPA refuses it, as HF's forward would)
+            kwargs["softcap"] = self.attn_logit_softcapping
         out, weights = attention_call(  # HF's interface, or the output saved for a checkpointed layer's recompute
             interface, self, q, k, v, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
@@ -325,9 +346,13 @@ def _ce_reason(hf: nn.Module) -> str | None:
     if "_loss_function" in hf.__dict__ or getattr(hf, "loss_type", None) not in (None, "ForCausalLM"):
         return "custom loss function"
     cfg = hf.config
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier"):
+    # final_logit_softcapping (Gemma) is applied in the kernel; these scalings are not
+    for attr in ("logit_scale", "logits_scaling", "output_multiplier"):
         if getattr(cfg, attr, None) not in (None, 1.0):
             return f"config.{attr} is set"
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    if softcap is not None and not (isinstance(softcap, int | float) and softcap > 0):
+        return f"config.final_logit_softcapping={softcap!r} is not a positive number"
     return None
 
 
@@ -366,10 +391,12 @@ def _causal_lm_forward() -> Callable:
         head = self.get_output_embeddings()
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype  # fmt: skip
         bias = None if head.bias is None else head.bias.to(dtype)
+        softcap = getattr(self.config, "final_logit_softcapping", None)  # HF: c · tanh(logits / c)
         loss = fused_linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]).to(dtype), head.weight.to(dtype),
             shift_labels.reshape(-1).to(hidden.device), bias,
             ignore_index=ignore_index, reduction="mean", num_items_in_batch=num_items,
+            softcap=None if softcap is None else float(softcap),
         )  # fmt: skip
         extra = {name: getattr(outputs, name, None) for name in cache_fields}
         return CausalLMOutputWithPast(
@@ -408,14 +435,14 @@ def patch_model(
     fused_cross_entropy: bool = True,
     inplace_dx: bool = True,
 ) -> PatchReport:
-    """Swap module forwards of a Llama-family model (plain HF or PEFT-wrapped) for strop's kernels.
+    """Swap module forwards of a Llama-family or Gemma model (plain HF or PEFT-wrapped) for strop's kernels.
 
     Patching a patched model first undoes the earlier patch. See the module docstring for what each
     component covers and when a part keeps the reference path.
 
     Args:
-        model: A ``*ForCausalLM`` (or its backbone) of model_type llama/mistral/qwen2/qwen3, or a PEFT
-            model wrapping one.
+        model: A ``*ForCausalLM`` (or its backbone) of a model_type in ``SUPPORTED_MODEL_TYPES`` (llama,
+            mistral, qwen2, qwen3, gemma2, gemma3_text), or a PEFT model wrapping one.
         rms_norm: Patch the RMSNorms.
         rope: Apply RoPE with the in-place kernel (replaces the attention forward).
         lora_mlp: Fused LoRA MLP.
@@ -457,17 +484,29 @@ def patch_model(
         return report
 
     hf._strop_patch = state
+    arch = ARCHS[model_type]
     names = {m: n for n, m in hf.named_modules()}
-    activation = _ACTIVATIONS.get(getattr(hf.config, "hidden_act", None))
+    # Gemma's MLP reads config.hidden_activation, the others' config.hidden_act
+    act_key = "hidden_activation" if hasattr(hf.config, "hidden_activation") else "hidden_act"
+    act_name = getattr(hf.config, act_key, None)
+    activation = _ACTIVATIONS.get(act_name)
+    norm_mode = RMSNormMode.GEMMA if arch.gemma_norms else RMSNormMode.LLAMA
     for layer in backbone.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if rms_norm:
-            norms = [(layer.input_layernorm, True), (layer.post_attention_layernorm, True)]
-            if ARCHS[model_type].qk_norm:
+            # In-place dx only where the norm's output gradient is read by nothing else: pre-norms, whose dy
+            # comes from the projections' backward. Not Gemma's post-norms (their output feeds a residual add,
+            # which hands one gradient tensor to both branches), nor q/k norms.
+            if arch.sandwich_norms:
+                norms = [(layer.input_layernorm, True), (layer.post_attention_layernorm, False),
+                         (layer.pre_feedforward_layernorm, True), (layer.post_feedforward_layernorm, False)]  # fmt: skip
+            else:
+                norms = [(layer.input_layernorm, True), (layer.post_attention_layernorm, True)]
+            if arch.qk_norm:
                 norms += [(attn.q_norm, False), (attn.k_norm, False)]
             for norm, inplace in norms:
-                if _is_hf_forward(norm, "RMSNorm") and hasattr(norm, "variance_epsilon"):
-                    _swap(state, norm, _norm_forward(inplace))
+                if _is_hf_forward(norm, "RMSNorm") and hasattr(norm, _NORM_EPS[norm_mode]):
+                    _swap(state, norm, _norm_forward(inplace, norm_mode))
                     report.patched["rms_norm"].append(names[norm])
                 else:
                     skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
@@ -482,11 +521,13 @@ def patch_model(
                 skip(c, names[owner], reasons[0])
         if ok["lora_mlp"] and (activation is None or not _is_hf_forward(mlp, "MLP")):
             ok["lora_mlp"] = False
-            why = f"activation {hf.config.hidden_act!r}" if activation is None else "MLP forward is not HF's"
+            why = f"activation {act_key}={act_name!r}" if activation is None else "MLP forward is not HF's"
             skip("lora_mlp", names[mlp], why)
         if ok["lora_mlp"]:
-            # HF's decoder layer ends in ``residual + mlp(...)``: the MLP's output is the layer's (kernels/lora/mlp.py)
-            last_op = _is_hf_forward(layer, "DecoderLayer")
+            # HF's Llama-family decoder layer ends in ``residual + mlp(...)``: the MLP's output is the layer's
+            # (kernels/lora/mlp.py). Gemma's ends in ``residual + post_feedforward_layernorm(mlp(...))``: the
+            # norm saves the MLP's output for its backward, so the recompute must compute it.
+            last_op = _is_hf_forward(layer, "DecoderLayer") and not arch.sandwich_norms
             _swap(state, mlp, _mlp_forward(activation, inplace_dx, last_op))
             report.patched["lora_mlp"].append(names[mlp])
         if ok["lora_o"]:
@@ -506,9 +547,11 @@ def patch_model(
                         skip(c, names[attn], f"{type(attn).__name__}'s forward is not HF's")
     if rms_norm:
         norm = getattr(backbone, "norm", None)
-        if norm is not None and _is_hf_forward(norm, "RMSNorm"):
-            _swap(state, norm, _norm_forward(False))
+        if norm is not None and _is_hf_forward(norm, "RMSNorm") and hasattr(norm, _NORM_EPS[norm_mode]):
+            _swap(state, norm, _norm_forward(False, norm_mode))
             report.patched["rms_norm"].append(names[norm])
+        elif norm is not None:
+            skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
     if fused_cross_entropy:
         reason = "the model is a bare backbone" if backbone is hf else _ce_reason(hf)
         if reason:

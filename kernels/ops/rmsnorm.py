@@ -1,23 +1,30 @@
-"""RMSNorm with Llama/Qwen semantics: forward and hand-written backward, dX and dW.
+"""RMSNorm with Llama/Qwen or Gemma semantics: forward and hand-written backward, dX and dW.
 
 Forward, per row x ∈ R^H (all leading dims are rows):
 
     r = rsqrt(mean(x_f32²) + eps)              fp32, one per row
     n = x_f32 · r                               fp32
-    y = w · cast_{x.dtype}(n)                   in the promoted dtype of (x, w)
+    y = w · cast_{x.dtype}(n)                   LLAMA: in the promoted dtype of (x, w)
+    y = cast_{x.dtype}(n · (1 + w_f32))         GEMMA: fp32 product, cast last, in x's dtype
 
-exactly as HF ``LlamaRMSNorm`` computes it: the normalised row is cast back to the input dtype *before*
-the weight multiply, and the product takes torch's promoted dtype (bf16·bf16 → bf16, bf16·fp32 → fp32).
+LLAMA is exactly HF ``LlamaRMSNorm`` (and Mistral's, Qwen's): the normalised row is cast back to the input
+dtype *before* the weight multiply, and the product takes torch's promoted dtype (bf16·bf16 → bf16,
+bf16·fp32 → fp32). GEMMA is exactly HF ``Gemma2RMSNorm``/``Gemma3RMSNorm``: the weight is stored as an
+offset from 1 (HF initialises it to zeros), the whole row is scaled in fp32 and rounded once, to x's dtype
+(HF's comment there cites transformers PR 29402 for this order).
 
 Shapes and dtypes: x [..., H] (fp32/bf16/fp16, any leading dims, rows may be strided), w [H]. y has x's
-shape and dtype ``torch.promote_types(x.dtype, w.dtype)``. All arithmetic inside the kernels is fp32.
+shape and dtype ``torch.promote_types(x.dtype, w.dtype)`` (LLAMA) or x's dtype (GEMMA). All arithmetic
+inside the kernels is fp32.
 
 Saved for backward: x, w and r (one fp32 per row). Not y, not n.
 
-Backward (the cast is the identity for autograd, as it is in HF's graph). With g = dy · w:
+Backward (the casts are the identity for autograd, as they are in HF's graph). With s = w (LLAMA) or
+s = 1 + w (GEMMA) and g = dy · s:
 
-    dW = Σ_rows dy · cast_{x.dtype}(n)                          the exact derivative of HF's forward
-    dx = r · (g − n · mean(g · n))                              since ∂r/∂x_j = −r³ x_j / H
+    dW = Σ_rows dy · cast_{x.dtype}(n)      LLAMA    the exact derivatives of HF's forwards
+    dW = Σ_rows dy · n                      GEMMA    (d(1 + w)/dw = 1; n is never rounded there)
+    dx = r · (g − n · mean(g · n))                   since ∂r/∂x_j = −r³ x_j / H
 
 dx is written to a fresh buffer, or into dy when ``inplace_backward=True`` (safe only when nothing else
 reads dy afterwards: true for Llama's pre-norms, whose dy comes from the q/k/v or gate/up projections'
@@ -27,6 +34,8 @@ by torch afterwards, and returned whenever ``weight.requires_grad`` — never si
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 import triton
@@ -44,6 +53,7 @@ from .utils import (
 
 __all__ = [
     "RMSNormFunction",
+    "RMSNormMode",
     "rms_norm",
     "rms_norm_bwd",
     "rms_norm_bwd_reference",
@@ -52,41 +62,61 @@ __all__ = [
 ]
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """HF ``LlamaRMSNorm.forward`` in plain torch (fp32 statistics; pass fp32 tensors for an fp32 reference)."""
+class RMSNormMode(enum.StrEnum):
+    """Which HF RMSNorm the op reproduces (module docstring)."""
+
+    LLAMA = "llama"  # w · cast(x̂): Llama, Mistral, Qwen2, Qwen3
+    GEMMA = "gemma"  # cast(x̂ · (1 + w)) in fp32: Gemma 2, Gemma 3
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, mode: RMSNormMode = RMSNormMode.LLAMA
+) -> torch.Tensor:
+    """HF ``LlamaRMSNorm.forward`` (LLAMA) or ``Gemma2RMSNorm.forward`` (GEMMA) in plain torch (fp32
+    statistics; pass fp32 tensors for an fp32 reference)."""
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
+    if RMSNormMode(mode) is RMSNormMode.GEMMA:
+        return (h * (1.0 + weight.float())).to(input_dtype)
     return weight * h.to(input_dtype)
 
 
 def rms_norm_bwd_reference(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    mode: RMSNormMode = RMSNormMode.LLAMA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The derived backward of the module docstring in fp32 torch: returns (dx, dW) in fp32."""
+    gemma = RMSNormMode(mode) is RMSNormMode.GEMMA
     xf, wf, dyf = x.float(), weight.float(), dy.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     n = xf * r
-    g = dyf * wf
+    g = dyf * (1.0 + wf if gemma else wf)
     dx = r * (g - n * (g * n).mean(-1, keepdim=True))
-    dw = (dyf * n.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
+    dw = (dyf * (n if gemma else n.to(x.dtype).float())).reshape(-1, x.shape[-1]).sum(0)
     return dx, dw
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, x_row_stride, y_row_stride, n_cols, eps, BLOCK_SIZE: tl.constexpr
-):
+    x_ptr, w_ptr, y_ptr, rstd_ptr, x_row_stride, y_row_stride, n_cols, eps,
+    BLOCK_SIZE: tl.constexpr, GEMMA: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    # HF casts the normalised row to the input dtype before the weight multiply; round the same way.
-    n = cast_to(x * rstd, x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * y_row_stride + cols, cast_to(n * w, y_ptr.dtype.element_ty), mask=mask)
+    if GEMMA:  # fp32 all the way, one rounding at the store
+        y = x * rstd * (1.0 + w)
+    else:  # HF casts the normalised row to the input dtype before the weight multiply; round the same way.
+        y = cast_to(x * rstd, x_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(y_ptr + row * y_row_stride + cols, cast_to(y, y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
 
 
@@ -124,12 +154,15 @@ def _rms_norm_bwd_kernel(
     dx_row_stride,
     n_cols,
     BLOCK_SIZE: tl.constexpr,
+    GEMMA: tl.constexpr,
 ):
     """Frozen weight: one row per program, dx only."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = 1.0 + w
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + row)
@@ -157,6 +190,7 @@ def _rms_norm_bwd_dw_kernel(
     ROWS_PER_PROGRAM: tl.constexpr,
     ROWS_PER_STEP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    GEMMA: tl.constexpr,
 ):
     """Trainable weight: each program walks ROWS_PER_PROGRAM rows, ROWS_PER_STEP at a time as one
     [rows, cols] tile, loads software-pipelined NUM_STAGES deep, and writes one row of fp32 dW partials."""
@@ -164,6 +198,8 @@ def _rms_norm_bwd_dw_kernel(
     cols = tl.arange(0, BLOCK_SIZE)
     col_mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if GEMMA:
+        w = 1.0 + w
     dw_acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
     # A constexpr trip count: triton 3.6's interpreter cannot loop to a runtime bound under numpy ≥ 2.4.
     for i in tl.range(0, ROWS_PER_PROGRAM, ROWS_PER_STEP, num_stages=NUM_STAGES):
@@ -184,7 +220,10 @@ def _rms_norm_bwd_dw_kernel(
             cast_to(dx, dx_ptr.dtype.element_ty),
             mask=mask,
         )
-        dw_acc += tl.sum(dy * cast_to(n, x_ptr.dtype.element_ty).to(tl.float32), axis=0)
+        if GEMMA:  # the forward scaled the fp32 row: no rounding of n in its derivative either
+            dw_acc += tl.sum(dy * n, axis=0)
+        else:
+            dw_acc += tl.sum(dy * cast_to(n, x_ptr.dtype.element_ty).to(tl.float32), axis=0)
     tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
@@ -226,30 +265,38 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         raise ValueError(f"eps must be a non-negative float, got {eps}")
 
 
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, mode: RMSNormMode) -> torch.dtype:
+    return x.dtype if mode is RMSNormMode.GEMMA else torch.promote_types(x.dtype, weight.dtype)
+
+
 def rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, mode: RMSNormMode = RMSNormMode.LLAMA
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
     Args:
         x: Input ``[..., H]``.
-        weight: Scale ``[H]``.
+        weight: Scale ``[H]`` (GEMMA: the offset from 1).
         eps: Added to the mean square before the rsqrt.
+        mode: LLAMA or GEMMA semantics (module docstring).
 
     Returns:
-        ``(y, rstd)``: y ``[..., H]`` in the promoted dtype of (x, weight); rstd ``[rows]`` fp32.
+        ``(y, rstd)``: y ``[..., H]`` in the promoted dtype of (x, weight) (GEMMA: x's dtype); rstd
+        ``[rows]`` fp32.
     """
+    mode = RMSNormMode(mode)
     _check(x, weight, eps)
     n_cols = x.shape[-1]
     x2 = _rows_or_copy(x) if x.numel() else x.reshape(-1, n_cols)
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y = torch.empty(x.shape, dtype=_out_dtype(x, weight, mode), device=x.device)
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return y, rstd
     block, num_warps = calculate_settings(n_cols)
     _rms_norm_fwd_kernel[(x2.shape[0],)](
-        x2, weight, y, rstd, x2.stride(0), n_cols, n_cols, eps, BLOCK_SIZE=block, num_warps=num_warps
-    )
+        x2, weight, y, rstd, x2.stride(0), n_cols, n_cols, eps,
+        BLOCK_SIZE=block, GEMMA=mode is RMSNormMode.GEMMA, num_warps=num_warps,
+    )  # fmt: skip
     return y, rstd
 
 
@@ -261,6 +308,7 @@ def rms_norm_bwd(
     *,
     compute_dw: bool = True,
     inplace: bool = False,
+    mode: RMSNormMode = RMSNormMode.LLAMA,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernel.
 
@@ -271,10 +319,12 @@ def rms_norm_bwd(
         rstd: The per-row fp32 rstd returned by :func:`rms_norm_fwd`.
         compute_dw: Also reduce dW (returned in weight's dtype).
         inplace: Write dx into dy's storage (needs dy in x's dtype and writable row by row).
+        mode: The forward's mode.
 
     Returns:
         ``(dx, dW or None)``.
     """
+    gemma = RMSNormMode(mode) is RMSNormMode.GEMMA
     _check(x, weight, 0.0)
     if dy.shape != x.shape:
         raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
@@ -310,6 +360,7 @@ def rms_norm_bwd(
             dx2.stride(0),
             n_cols,
             BLOCK_SIZE=block,
+            GEMMA=gemma,
             num_warps=num_warps,
         )
         return dx, None
@@ -338,6 +389,7 @@ def rms_norm_bwd(
         ROWS_PER_PROGRAM=rows_per_program,
         ROWS_PER_STEP=rows_per_step,
         NUM_STAGES=stages,
+        GEMMA=gemma,
         num_warps=DW_NUM_WARPS or num_warps,
     )
     dw = torch.empty_like(weight)
@@ -358,10 +410,12 @@ class RMSNormFunction(torch.autograd.Function):
         weight: torch.Tensor,
         eps: float = 1e-6,
         inplace_backward: bool = False,
+        mode: RMSNormMode = RMSNormMode.LLAMA,
     ) -> torch.Tensor:
-        y, rstd = rms_norm_fwd(x, weight, eps)
+        y, rstd = rms_norm_fwd(x, weight, eps, mode)
         ctx.save_for_backward(x, weight, rstd)
         ctx.inplace_backward = inplace_backward
+        ctx.mode = mode
         return y
 
     @staticmethod
@@ -374,23 +428,32 @@ class RMSNormFunction(torch.autograd.Function):
             and as_rows(dy) is not None
             and is_writable_in_place(dy)
         )
-        dx, dw = rms_norm_bwd(dy, x, weight, rstd, compute_dw=ctx.needs_input_grad[1], inplace=inplace)
-        return (dx if ctx.needs_input_grad[0] else None), dw, None, None
+        dx, dw = rms_norm_bwd(
+            dy, x, weight, rstd, compute_dw=ctx.needs_input_grad[1], inplace=inplace, mode=ctx.mode
+        )
+        return (dx if ctx.needs_input_grad[0] else None), dw, None, None, None
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, inplace_backward: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    inplace_backward: bool = False,
+    mode: RMSNormMode = RMSNormMode.LLAMA,
 ) -> torch.Tensor:
-    """RMSNorm exactly as HF ``LlamaRMSNorm`` computes it, with a Triton forward and backward.
+    """RMSNorm exactly as HF ``LlamaRMSNorm`` (or, with GEMMA, ``Gemma2RMSNorm``) computes it, with a
+    Triton forward and backward.
 
     Args:
         x: Input ``[..., H]`` (fp32/bf16/fp16).
-        weight: Scale ``[H]``; dW is computed when it requires grad.
+        weight: Scale ``[H]`` (GEMMA: the offset from 1); dW is computed when it requires grad.
         eps: Added to the mean square.
         inplace_backward: Write dx into the incoming gradient (see the module docstring for when it is
             safe). Off by default.
+        mode: :class:`RMSNormMode` (LLAMA by default).
 
     Returns:
-        ``[..., H]`` in ``torch.promote_types(x.dtype, weight.dtype)``.
+        ``[..., H]`` in ``torch.promote_types(x.dtype, weight.dtype)`` (GEMMA: in x's dtype).
     """
-    return RMSNormFunction.apply(x, weight, eps, inplace_backward)
+    return RMSNormFunction.apply(x, weight, eps, inplace_backward, RMSNormMode(mode))

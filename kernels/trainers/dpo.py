@@ -9,54 +9,31 @@ This is the room that reads ``DPOTrainer`` internals; the loss itself knows noth
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from typing import Any
 
 import torch
 
 from ..losses.dpo import LOSS_TYPES, dpo_loss_on_pairs, sequence_logps
-from ..models.hf import Swaps, previous_forward, unwrap_peft
+from ._glue import (
+    add_hidden_states_head,
+    final_logit_softcap,
+    head_unsupported_reason,
+    hf_model,
+    reference_adapter,
+    remove_hidden_states_head,
+    start_chunked_loss,
+    trl_reference_helpers,
+)
 
 __all__ = ["StropDPOMixin", "add_hidden_states_head", "remove_hidden_states_head", "strop_dpo_trainer_class"]
 
-logger = logging.getLogger("strop.kernels")
-
 # ---- trainer glue: TRL's DPOTrainer on the backbone's hidden states + this loss ---------------------------
 
-_HEAD_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head")
 
+def _dpo_trl_helpers() -> tuple[Any, Any]:
+    from trl.trainer.dpo_trainer import disable_gradient_checkpointing, use_adapter
 
-def add_hidden_states_head(model: Any) -> None:
-    """Let ``model(..., strop_hidden_states=True)`` return the backbone output (``last_hidden_state``, after the
-    final norm) without running the LM head. Other calls run the model's forward unchanged.
-
-    ``model`` is the transformers causal LM (for PEFT, ``peft_model.get_base_model()``: PEFT forwards the
-    keyword through). Idempotent; undone by :func:`remove_hidden_states_head`. The swapped forward keeps the
-    original's signature, which HF's ``generate`` validates keyword arguments against.
-    """
-    if "_strop_hidden_head" in model.__dict__:
-        return
-    swaps = Swaps("hidden_head")
-
-    def forward(self, *args, strop_hidden_states: bool = False, **kwargs):
-        owner, previous = previous_forward(self, "hidden_head")
-        if not strop_hidden_states or not owner.active:
-            return previous(*args, **kwargs)
-        for key in _HEAD_KWARGS:
-            kwargs.pop(key, None)
-        kwargs["use_cache"] = False
-        return self.base_model(*args, **kwargs)
-
-    swaps.forward(model, forward)
-    model.__dict__["_strop_hidden_head"] = swaps
-
-
-def remove_hidden_states_head(model: Any) -> None:
-    """Undo :func:`add_hidden_states_head` (a no-op when it is not installed)."""
-    swaps = model.__dict__.pop("_strop_hidden_head", None)
-    if swaps is not None:
-        swaps.undo()
+    return disable_gradient_checkpointing, use_adapter
 
 
 class StropDPOMixin:
@@ -76,24 +53,24 @@ class StropDPOMixin:
 
     Configurations the chunked loss does not cover run TRL's own ``compute_loss``, with the reason logged
     once: loss types other than sigmoid/hinge/ipo/robust, ``f_divergence_type`` other than reverse_kl,
-    ``ld_alpha``, ``use_weighting``, MoE aux loss, a trainable or scaled/soft-capped LM head, prompt
-    learning, and ``return_outputs=True`` (evaluation with logits).
+    ``ld_alpha``, ``use_weighting``, MoE aux loss, a trainable or scaled LM head, prompt learning, and
+    ``return_outputs=True`` (evaluation with logits). A final-logit soft-cap (Gemma's
+    ``final_logit_softcapping``) is applied inside the chunked loss, as HF's forward applies it to the logits.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._strop_dpo_reason = self._strop_unsupported_reason()
-        if self._strop_dpo_reason:
-            logger.warning("strop.kernels chunked DPO off, TRL's loss runs: %s", self._strop_dpo_reason)
-            return
-        add_hidden_states_head(self._strop_hf_model(self.model))
-        if getattr(self, "ref_model", None) is not None:
-            add_hidden_states_head(self._strop_hf_model(self.ref_model))
+        start_chunked_loss(self, "DPO", self._strop_dpo_reason)
 
     # -- helpers
 
     def _strop_hf_model(self, model: Any) -> Any:
-        return unwrap_peft(self.accelerator.unwrap_model(model))
+        return hf_model(self.accelerator, model)
+
+    def _strop_softcap(self, model: Any) -> float | None:
+        """The model's final-logit soft-cap (HF: ``logits = c · tanh(logits / c)``), or None."""
+        return final_logit_softcap(self._strop_hf_model(model))
 
     def _strop_unsupported_reason(self) -> str | None:
         bad = [t for t in getattr(self, "loss_types", ["?"]) if t not in LOSS_TYPES]
@@ -107,35 +84,10 @@ class StropDPOMixin:
             return "use_weighting (WPO)"
         if getattr(self, "aux_loss_enabled", False):
             return "MoE router aux loss"
-        hf = self._strop_hf_model(self.model)
-        head = hf.get_output_embeddings()
-        if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-            return "no plain LM head weight"
-        if head.weight.requires_grad or (getattr(head, "bias", None) is not None and head.bias.requires_grad):
-            return "trainable LM head"
-        cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-        for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier", "logits_scaling"):
-            if getattr(cfg, attr, None) not in (None, 1.0):
-                return f"config.{attr}={getattr(cfg, attr)} (chunked DPO scores unscaled logits)"
-        peft_cfg = getattr(self.accelerator.unwrap_model(self.model), "peft_config", {})
-        if any(getattr(c, "is_prompt_learning", False) for c in peft_cfg.values()):
-            return "PEFT prompt learning (virtual tokens)"
-        return None
+        return head_unsupported_reason(self.accelerator, self.model, "chunked DPO scores")
 
-    def _strop_trl_helpers(self) -> tuple[Any, Any]:
-        try:
-            from trl.trainer.dpo_trainer import disable_gradient_checkpointing, use_adapter
-        except ImportError:  # other TRL layouts: same behaviour, simpler means
-            use_adapter = None
-
-            @contextlib.contextmanager
-            def disable_gradient_checkpointing(model, kwargs=None):
-                yield
-
-        return disable_gradient_checkpointing, use_adapter
-
-    def _strop_reference_hidden(self, model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-        disable_gc, use_adapter = self._strop_trl_helpers()
+    def _strop_reference_hidden(self, model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, float | None]:
+        disable_gc, use_adapter = trl_reference_helpers(_dpo_trl_helpers)
         with torch.no_grad(), disable_gc(self.model, self.args.gradient_checkpointing_kwargs):
             if self.ref_model is None:
                 unwrapped = self.accelerator.unwrap_model(self.model)
@@ -144,17 +96,17 @@ class StropDPOMixin:
                     raise ValueError(
                         "chunked DPO needs a ref_model, a PEFT model, or precomputed reference log-probs"
                     )
-                name = "ref" if "ref" in peft_cfg else None
-                ctx = (
-                    use_adapter(unwrapped, adapter_name=name) if use_adapter else unwrapped.disable_adapter()
-                )
-                with ctx:
+                with reference_adapter(unwrapped, peft_cfg, use_adapter):
                     out = self.model(**model_kwargs, strop_hidden_states=True)
                 head_model = self.model
             else:
                 out = self.ref_model(**model_kwargs, strop_hidden_states=True)
                 head_model = self.ref_model
-        return out.last_hidden_state, self._strop_hf_model(head_model).get_output_embeddings()
+        return (
+            out.last_hidden_state,
+            self._strop_hf_model(head_model).get_output_embeddings(),
+            self._strop_softcap(head_model),
+        )
 
     # -- the loss
 
@@ -172,15 +124,18 @@ class StropDPOMixin:
         head = self._strop_hf_model(self.model).get_output_embeddings()
         hidden = hidden.to(head.weight.device)
         labels = labels.to(head.weight.device)
-        logps = sequence_logps(hidden, head.weight, labels, head.bias)
+        logps = sequence_logps(
+            hidden, head.weight, labels, head.bias, softcap=self._strop_softcap(self.model)
+        )
         if getattr(self, "precompute_ref_logps", False) or "ref_chosen_logps" in inputs:
             ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).float()
         else:
-            ref_hidden, ref_head = self._strop_reference_hidden(model_kwargs)
+            ref_hidden, ref_head, ref_softcap = self._strop_reference_hidden(model_kwargs)
             with torch.no_grad():
                 ref = sequence_logps(
-                    ref_hidden.to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias
-                )
+                    ref_hidden.to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias,
+                    softcap=ref_softcap,
+                )  # fmt: skip
         out = dpo_loss_on_pairs(
             logps, ref.to(logps.device), labels, -100, self.beta, self.loss_types,
             getattr(self, "loss_weights", None), self.label_smoothing,

@@ -86,6 +86,7 @@ CASES = {
     "num_items_int": {"num_items_in_batch": 61},
     "num_items_tensor": {"num_items_in_batch": torch.tensor(61)},
     "scale_softcap": {"logit_scale": 0.7, "softcap": 3.0},
+    "gemma_softcap": {"softcap": 1.5},  # Gemma 2's final_logit_softcapping alone (30 in the released models)
     "chunk_default": {"chunk_size": None},
 }
 
@@ -128,6 +129,24 @@ def test_bf16_error_is_within_twice_torch_bf16_error():
     assert_bf16_within_torch_bound(loss, torch_loss, truth_loss, "loss")
     for name, g, t, r in zip(("d_hidden", "d_weight", "d_bias"), grads, torch_grads, truth, strict=True):
         assert_bf16_within_torch_bound(g, t, r, name)
+
+
+@cpu_tier
+def test_bf16_softcapped_error_is_within_twice_torch_bf16_error():
+    # Gemma 2 soft-caps its logits (c · tanh(z / c)); HF does it on the bf16 logits, the kernel in fp32
+    hidden, weight, _, labels = _inputs(dtype=torch.bfloat16)
+    hidden = 4 * hidden  # logits of several units: the cap of 1.5 binds
+    kw = {"softcap": 1.5}
+    truth_loss, truth = _grads(fused_linear_cross_entropy_reference, hidden.float(), weight.float(), None, labels, **kw)  # fmt: skip
+    torch_loss, torch_grads = _grads(fused_linear_cross_entropy_reference, hidden, weight, None, labels, **kw)
+    # one chunk: on the CPU each chunk's dW product is rounded to bf16 before the fp32 sum (the CUDA path
+    # accumulates in fp32), which the no-softcap bf16 test above covers; here the soft-cap's math is the subject
+    loss, grads = _grads(fused_linear_cross_entropy, hidden, weight, None, labels, chunk_size=None, **kw)
+    uncapped, _ = _grads(fused_linear_cross_entropy_reference, hidden.float(), weight.float(), None, labels)
+    assert abs(uncapped - truth_loss) > 0.1 * truth_loss, "the fixture's logits must reach the cap"
+    assert_bf16_within_torch_bound(loss, torch_loss, truth_loss, "softcapped loss")
+    for name, g, t, r in zip(("d_hidden", "d_weight"), grads, torch_grads, truth, strict=True):
+        assert_bf16_within_torch_bound(g, t, r, f"softcapped {name}")
 
 
 @cpu_tier

@@ -30,6 +30,7 @@ import os
 import pytest
 import torch
 
+from strop.common.archs import ARCHS
 from strop.common.trainer_types import DEFAULT_TARGET_MODULES
 
 if not torch.cuda.is_available():
@@ -145,19 +146,28 @@ def _loss_and_grads(model, ids):
     return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _check_parity(model, model_type, steps=STEPS, prepare_twin=None):
+def expected_patched(model_type: str, layers: int) -> dict[str, int]:
+    """Modules each component patches on a model of ``layers`` decoder layers, from the architecture table:
+    per layer two RMSNorms (four with Gemma's sandwich norms) plus q/k norms, and the final norm."""
+    arch = ARCHS[model_type]
+    norms = 2 + 2 * arch.sandwich_norms + 2 * arch.qk_norm
+    return {"rms_norm": norms * layers + 1, "rope": layers, "lora_qkv": layers, "lora_o": layers,
+            "lora_mlp": layers, "fused_cross_entropy": 1}  # fmt: skip
+
+
+def _check_parity(model, model_type, steps=STEPS, prepare_twin=None, batches=None, bound=None):
     """Train ``model`` unpatched; at every step its patched twin must give the same loss and gradients.
 
     ``prepare_twin(twin)`` runs after patching (checkpointing, offloading: the twin's machinery, compared
-    with the plain reference); its return value is returned.
+    with the plain reference); its return value is returned. ``batches`` default to :func:`_batches`,
+    ``bound`` to :func:`parity_bound` of the model's config.
     """
     config = model.get_base_model().config
-    bound = parity_bound(config)
+    bound = parity_bound(config) if bound is None else bound
     twin = copy.deepcopy(model)
     report = patch_model(twin)
     extra = prepare_twin(twin) if prepare_twin is not None else None
-    expected = {"rms_norm": 5 + 4 * (model_type == "qwen3"), "rope": 2, "lora_qkv": 2, "lora_o": 2,
-                "lora_mlp": 2, "fused_cross_entropy": 1}  # fmt: skip
+    expected = expected_patched(model_type, config.num_hidden_layers)
     assert {c: len(v) for c, v in report.patched.items()} == expected, report
     assert not any(report.skipped.values()), report
     model.train()
@@ -165,7 +175,7 @@ def _check_parity(model, model_type, steps=STEPS, prepare_twin=None):
     start = _adapter_state(model)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(params.values(), lr=1e-3)
-    batches = _batches()
+    batches = _batches() if batches is None else batches
     ref_losses, worst = [], (0.0, "")
     for step in range(steps):
         ids = batches[step % len(batches)]

@@ -1,4 +1,5 @@
-"""RMSNorm: the derived backward against autograd, then the Triton op against HF's LlamaRMSNorm.
+"""RMSNorm: the derived backward against autograd, then the Triton op against HF's LlamaRMSNorm, and in
+GEMMA mode against HF's Gemma2RMSNorm / Gemma3RMSNorm (weight stored as an offset from 1, fp32 product).
 
 CPU tier: Triton interpreter (TRITON_INTERPRET=1), small odd shapes. GPU tier: 16,384 × 4,096 bf16.
 """
@@ -7,9 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from strop.kernels.ops.rmsnorm import (
+    RMSNormMode,
     rms_norm,
     rms_norm_bwd,
     rms_norm_bwd_reference,
@@ -32,16 +36,16 @@ def _inputs(shape, dtype, device="cpu", seed=0):
     return x, w, dy
 
 
-def assert_bf16_fwd_bwd_within_torch_bound(x, w, dy) -> torch.Tensor:
+def assert_bf16_fwd_bwd_within_torch_bound(x, w, dy, mode=RMSNormMode.LLAMA) -> torch.Tensor:
     """y, dx and dW of bf16 inputs: ours within 2× torch's bf16 error against fp32; returns our y."""
     truth_x, truth_w = x.float().requires_grad_(), w.float().requires_grad_()
-    y_truth = rms_norm_reference(truth_x, truth_w)
+    y_truth = rms_norm_reference(truth_x, truth_w, mode=mode)
     dx_truth, dw_truth = torch.autograd.grad(y_truth, (truth_x, truth_w), dy.float())
     tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y_torch = rms_norm_reference(tx, tw)
+    y_torch = rms_norm_reference(tx, tw, mode=mode)
     dx_torch, dw_torch = torch.autograd.grad(y_torch, (tx, tw), dy)
     ox, ow = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = rms_norm(ox, ow)
+    y = rms_norm(ox, ow, mode=mode)
     dx, dw = torch.autograd.grad(y, (ox, ow), dy)
     assert_bf16_within_torch_bound(y, y_torch, y_truth.detach(), "forward")
     assert_bf16_within_torch_bound(dx, dx_torch, dx_truth, "dx")
@@ -50,11 +54,12 @@ def assert_bf16_fwd_bwd_within_torch_bound(x, w, dy) -> torch.Tensor:
 
 
 @cpu_tier
-def test_derived_backward_matches_autograd_of_reference():
+@pytest.mark.parametrize("mode", list(RMSNormMode))
+def test_derived_backward_matches_autograd_of_reference(mode):
     x, w, dy = _inputs((3, 5, 67), torch.float32)
     x.requires_grad_(), w.requires_grad_()
-    dx_auto, dw_auto = torch.autograd.grad(rms_norm_reference(x, w, 1e-6), (x, w), dy)
-    dx, dw = rms_norm_bwd_reference(dy, x.detach(), w.detach(), 1e-6)
+    dx_auto, dw_auto = torch.autograd.grad(rms_norm_reference(x, w, 1e-6, mode), (x, w), dy)
+    dx, dw = rms_norm_bwd_reference(dy, x.detach(), w.detach(), 1e-6, mode)
     assert_close_fp32(dx, dx_auto, "derived dx")
     assert_close_fp32(dw, dw_auto, "derived dW")
 
@@ -76,6 +81,58 @@ def test_forward_and_both_gradients_match_hf_llama_rmsnorm_in_fp32(shape):
     assert_close_fp32(y, y_ref, "forward")
     assert_close_fp32(dx, dx_ref, "dx")
     assert_close_fp32(dw, dw_ref, "dW (weight is trainable, so it must be returned)")
+
+
+@cpu_tier
+@pytest.mark.parametrize("hf_class", [Gemma2RMSNorm, Gemma3RMSNorm], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gemma_mode_matches_hf_gemma_rmsnorm_forward_and_both_gradients_in_fp32(shape, hf_class):
+    x, w, dy = _inputs(shape, torch.float32)
+    w = w - 1  # Gemma stores the offset from 1: a weight around 0 (HF initialises it to exactly 0)
+    hf = hf_class(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    x_ref = x.clone().requires_grad_()
+    y_ref = hf(x_ref)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, hf.weight), dy)
+
+    x.requires_grad_(), w.requires_grad_()
+    y = rms_norm(x, w, 1e-6, mode=RMSNormMode.GEMMA)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert_close_fp32(y, y_ref, "Gemma forward")
+    assert_close_fp32(dx, dx_ref, "Gemma dx")
+    assert_close_fp32(dw, dw_ref, "Gemma dW")
+    # the offset matters: Llama semantics on the same weight are a different function
+    assert (rms_norm(x.detach(), w.detach(), 1e-6) - y_ref).abs().max() > 0.5
+
+
+@cpu_tier
+def test_gemma_mode_bf16_within_twice_torch_error_rounds_once_and_keeps_the_input_dtype():
+    x, w, dy = _inputs((37, 200), torch.bfloat16)
+    w = (w.float() - 1).to(torch.bfloat16)
+    y = assert_bf16_fwd_bwd_within_torch_bound(x, w, dy, RMSNormMode.GEMMA)
+    assert y.dtype == torch.bfloat16
+    # HF Gemma scales the fp32 row and rounds once; so do we: only fp32 ties on a bf16 boundary may differ
+    same = (y == rms_norm_reference(x, w, mode=RMSNormMode.GEMMA)).float().mean().item()
+    assert same >= 0.99, f"only {same:.1%} of bf16 outputs equal HF Gemma's; expected ≥ 99%"
+    # an fp32 weight under a bf16 input still gives x's dtype (HF: output.type_as(x))
+    assert rms_norm(x, w.float(), mode=RMSNormMode.GEMMA).dtype == torch.bfloat16
+
+
+@cpu_tier
+def test_gemma_mode_frozen_weight_and_inplace_backward_give_the_derived_dx():
+    x, w, dy = _inputs((6, 67), torch.float32)
+    w = w - 1
+    _, rstd = rms_norm_fwd(x, w, mode=RMSNormMode.GEMMA)
+    dx_expected, dw_expected = rms_norm_bwd_reference(dy, x, w, mode=RMSNormMode.GEMMA)
+    dx, no_dw = rms_norm_bwd(dy.clone(), x, w, rstd, compute_dw=False, mode=RMSNormMode.GEMMA)
+    assert no_dw is None
+    assert_close_fp32(dx, dx_expected, "Gemma dx, frozen weight")
+    dy2 = dy.clone()
+    dx2, dw2 = rms_norm_bwd(dy2, x, w, rstd, compute_dw=True, inplace=True, mode=RMSNormMode.GEMMA)
+    assert dx2.data_ptr() == dy2.data_ptr()
+    assert_close_fp32(dx2, dx_expected, "Gemma in-place dx")
+    assert_close_fp32(dw2, dw_expected, "Gemma dW alongside in-place dx")
 
 
 @cpu_tier
@@ -173,3 +230,10 @@ def test_bad_inputs_raise_named_errors():
 def test_gpu_bf16_llama_shape_fwd_and_bwd_within_twice_torch_error():
     x, w, dy = _inputs((16384, 4096), torch.bfloat16, device="cuda")
     assert_bf16_fwd_bwd_within_torch_bound(x, w, dy)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bf16_gemma_shape_fwd_and_bwd_within_twice_torch_error():
+    x, w, dy = _inputs((16384, 1152), torch.bfloat16, device="cuda")  # Gemma 3 1B's hidden size
+    assert_bf16_fwd_bwd_within_torch_bound(x, (w.float() - 1).to(torch.bfloat16), dy, RMSNormMode.GEMMA)

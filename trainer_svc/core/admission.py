@@ -11,12 +11,15 @@ T = rows × the longest tokenized row, capped at max_length; H hidden, I interme
                                                          fp32 copies, q/k and their rotations, the MLP's gate, up,
                                                          activation and product), strop's fused kernels
                                                          (12, 4, 4: the inputs, q/k/v, the attention output,
-                                                         the MLP's gate and up)
+                                                         the MLP's gate and up); Gemma's two extra RMSNorms per
+                                                         layer add 16 to a on HF's path (each keeps fp32 x and
+                                                         x̂) and 4 on the kernels' (each keeps its bf16 input)
     layers kept        L · one layer                     without checkpointing
                        L · T·H·2 + 2 · one layer         checkpointed: every layer input, one layer recomputed
                                                          and its backward's transients
                        2 · T·H·2 + 2 · one layer         inputs offloaded to the host: two on the device
     logits             T · V · 10                        HF: bf16 logits, their fp32 copy and its gradient
+                                                         (+ 2: Gemma's soft-cap keeps tanh's bf16 output)
                        3 · 256 MiB + 4 · T·H             strop's fused linear + cross-entropy: one chunk of
                                                          logits and its temporaries, the hidden states' gradient
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from strop.common.archs import ARCHS
 from strop.common.errors import ResourceExhausted
 from strop.common.trainer_types import TrainConfig, TrainMethod
 
@@ -78,6 +82,9 @@ def estimate(
     rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     t = rows * min(longest_row, cfg.max_length)
     a, b, c = (12, 4, 4) if kernels else (40, 8, 8)
+    arch = ARCHS.get(str(getattr(text, "model_type", "")))
+    if arch is not None and arch.sandwich_norms:
+        a += 4 if kernels else 16
     one_layer = t * (a * h + b * kv + c * inter)
     if not checkpointed:
         layers = n_layers * one_layer
@@ -90,7 +97,8 @@ def estimate(
 
         logits = 3 * _CHUNK_LOGITS_BYTES + 4 * t * h
     else:
-        logits = t * vocab * 10
+        softcapped = getattr(text, "final_logit_softcapping", None) is not None
+        logits = t * vocab * (12 if softcapped else 10)
     per_param = 6 if "8bit" in cfg.optimizer else 12
     return Estimate(t, per_param * n_trainable, layers, logits)
 

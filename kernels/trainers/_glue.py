@@ -1,0 +1,140 @@
+"""What the TRL glue mixins share: the hidden-states head (the model surgery: a reversible forward swap that
+returns the backbone output), the PEFT/accelerate unwrapping, the LM-head and config checks that decide
+whether a chunked loss can replace TRL's, the model's final-logit soft-cap, and the reference forward's context
+(the PEFT model with its adapters disabled, or its "ref" adapter).
+
+Plain functions of a trainer or its accelerator and model, so each mixin keeps its own method names while the
+chunked DPO and preference losses install, check and score a model the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..models.hf import Swaps, previous_forward, unwrap_peft
+
+__all__ = [
+    "add_hidden_states_head",
+    "final_logit_softcap",
+    "head_unsupported_reason",
+    "hf_model",
+    "reference_adapter",
+    "remove_hidden_states_head",
+    "start_chunked_loss",
+    "trl_reference_helpers",
+]
+
+logger = logging.getLogger("strop.kernels")
+
+_HEAD_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head")
+
+
+def add_hidden_states_head(model: Any) -> None:
+    """Let ``model(..., strop_hidden_states=True)`` return the backbone output (``last_hidden_state``, after the
+    final norm) without running the LM head. Other calls run the model's forward unchanged.
+
+    ``model`` is the transformers causal LM (for PEFT, ``peft_model.get_base_model()``: PEFT forwards the
+    keyword through). Idempotent; undone by :func:`remove_hidden_states_head`. The swapped forward keeps the
+    original's signature, which HF's ``generate`` validates keyword arguments against.
+    """
+    if "_strop_hidden_head" in model.__dict__:
+        return
+    swaps = Swaps("hidden_head")
+
+    def forward(self, *args, strop_hidden_states: bool = False, **kwargs):
+        owner, previous = previous_forward(self, "hidden_head")
+        if not strop_hidden_states or not owner.active:
+            return previous(*args, **kwargs)
+        for key in _HEAD_KWARGS:
+            kwargs.pop(key, None)
+        kwargs["use_cache"] = False
+        return self.base_model(*args, **kwargs)
+
+    swaps.forward(model, forward)
+    model.__dict__["_strop_hidden_head"] = swaps
+
+
+def remove_hidden_states_head(model: Any) -> None:
+    """Undo :func:`add_hidden_states_head` (a no-op when it is not installed)."""
+    swaps = model.__dict__.pop("_strop_hidden_head", None)
+    if swaps is not None:
+        swaps.undo()
+
+
+def start_chunked_loss(trainer: Any, method: str, reason: str | None) -> None:
+    """At a mixin's construction: log ``reason`` (TRL's loss runs), or, when it is None, let the trainer's model
+    and ``ref_model`` (if any) return their hidden states (:func:`add_hidden_states_head`)."""
+    if reason:
+        logger.warning("strop.kernels chunked %s off, TRL's loss runs: %s", method, reason)
+        return
+    add_hidden_states_head(hf_model(trainer.accelerator, trainer.model))
+    if getattr(trainer, "ref_model", None) is not None:
+        add_hidden_states_head(hf_model(trainer.accelerator, trainer.ref_model))
+
+
+def hf_model(accelerator: Any, model: Any) -> Any:
+    """The transformers model under accelerate's wrapper and PEFT's."""
+    return unwrap_peft(accelerator.unwrap_model(model))
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def final_logit_softcap(hf: Any) -> float | None:
+    """The model's final-logit soft-cap (HF: ``logits = c · tanh(logits / c)``), or None."""
+    softcap = getattr(_text_config(hf.config), "final_logit_softcapping", None)
+    return None if softcap is None else float(softcap)
+
+
+def head_unsupported_reason(accelerator: Any, model: Any, scorer: str) -> str | None:
+    """Why a chunked loss cannot score ``model``'s LM head (None: it can).
+
+    Args:
+        accelerator: The trainer's accelerator (``unwrap_model``).
+        model: The trainer's (possibly wrapped, possibly PEFT) model.
+        scorer: Subject of the scaled-logits reason, e.g. ``"chunked DPO scores"``.
+    """
+    hf = hf_model(accelerator, model)
+    head = hf.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return "no plain LM head weight"
+    if head.weight.requires_grad or (getattr(head, "bias", None) is not None and head.bias.requires_grad):
+        return "trainable LM head"
+    cfg = _text_config(hf.config)
+    for attr in ("logit_scale", "output_multiplier", "logits_scaling"):
+        if getattr(cfg, attr, None) not in (None, 1.0):
+            return f"config.{attr}={getattr(cfg, attr)} ({scorer} unscaled logits)"
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    if softcap is not None and not (isinstance(softcap, int | float) and softcap > 0):
+        return f"config.final_logit_softcapping={softcap!r} is not a positive number"
+    peft_cfg = getattr(accelerator.unwrap_model(model), "peft_config", {})
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_cfg.values()):
+        return "PEFT prompt learning (virtual tokens)"
+    return None
+
+
+@contextlib.contextmanager
+def _gradient_checkpointing_as_is(model: Any, kwargs: Any = None) -> Iterator[None]:
+    yield
+
+
+def trl_reference_helpers(load: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``load()``'s TRL (``disable_gradient_checkpointing``, ``use_adapter``); on other TRL layouts (ImportError)
+    the same behaviour by simpler means: checkpointing left as is, and no ``use_adapter`` (None)."""
+    try:
+        return load()
+    except ImportError:
+        return _gradient_checkpointing_as_is, None
+
+
+def reference_adapter(unwrapped: Any, peft_cfg: dict[str, Any], use_adapter: Any) -> Any:
+    """The context in which the PEFT model ``unwrapped`` is its own reference: its "ref" adapter if it has one,
+    else its adapters disabled (TRL's ``use_adapter`` where available, else PEFT's ``disable_adapter``)."""
+    name = "ref" if "ref" in peft_cfg else None
+    return use_adapter(unwrapped, adapter_name=name) if use_adapter else unwrapped.disable_adapter()
