@@ -25,6 +25,12 @@ completion 512 per step. Every step trains on the same 4 pairs (the dataset is t
 per step), so the reward margin can trend; each step's margin is recorded and the report says whether
 the last is above the first.
 
+ORPO, KTO and SimPO parts: the same shape and fixed batch with TRL's ORPOTrainer, KTOTrainer and
+CPOTrainer(loss_type="simpo", cpo_alpha=0) on HF + PEFT (baseline) vs the same trainers on strop's chunked
+losses (``strop_{orpo,kto,cpo}_trainer_class``); hyperparameters from the trainer service's defaults table
+(``TRAIN_DEFAULTS``), lr ``DPO_LR``. KTO unpairs the 4 pairs into 8 rows (4 desirable, 4 undesirable: the
+same 8 sequences per step, plus TRL's 8 mismatched KL rows, scored without gradients); its rate is rows/s.
+
 FLOP accounting (stated so MFU can be checked):
     N      = parameters in matmuls per token (7 projections x 32 layers + lm_head)
     attn   = causal attention per token, forward: 2 * 2 * layers * seq/2 * hidden (QK^T and PV, half masked)
@@ -39,6 +45,7 @@ Usage (on the GPU machine)::
 
     python bench/train_bench.py --parts qlora,lora --systems baseline,strop --steps 8 --json bench/out/train.json
     python bench/train_bench.py --parts dpo --systems baseline,strop --steps 8 --warmup 0
+    python bench/train_bench.py --parts orpo,kto,simpo --systems baseline,strop-standard --steps 8 --warmup 0
     python bench/train_bench.py --parts context --systems baseline,strop-long-context --context 65536,131072,262144,524288
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``, plain checkpointing), and the trainer's memory
@@ -79,7 +86,9 @@ SMOKE_SHAPE = dict(hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=6
 DEVICE = "cuda"
 DTYPE = "bfloat16"  # --smoke: float32, the dtype strop's kernels run in under the CPU interpreter
 FAST_BUDGET_GIB = 80  # the memory-allowed mode's cap (issue 5)
-QLORA_PARTS = ("qlora", "context", "dpo")
+QLORA_PARTS = ("qlora", "context", "dpo", "orpo", "kto", "simpo")
+# trained by TRL's preference trainers on the fixed batch of DPO pairs (run_dpo_worker, run_preference_worker)
+PREFERENCE_PARTS = ("dpo", "orpo", "kto", "simpo")
 MAX_POSITIONS = 524288  # the longest context point (512K tokens at batch 1); default RoPE ignores it
 MODEL_ROOT = "/tmp/strop-bench-models"
 # prompt and completion tokens of a DPO pair (--smoke: 24, the CPU runs the kernels interpreted)
@@ -108,7 +117,8 @@ class Result:
     mfu: float = 0.0
     hfu: float = 0.0
     losses: list[float] = field(default_factory=list)
-    margins: list[float] = field(default_factory=list)  # DPO: rewards/margins of every step, warm-up included
+    # DPO, ORPO, KTO, SimPO: rewards/margins of every step, warm-up included
+    margins: list[float] = field(default_factory=list)
     build_s: float = 0.0
     notes: str = ""
     profile: str = ""
@@ -568,6 +578,22 @@ def dpo_dataset(n_rows: int, prompt_tokens: int, completion_tokens: int):
     return tok, Dataset.from_list(rows)
 
 
+def train_preference(res: Result, a, trainer, model, t0: float, times: list[float], rows: int) -> None:
+    """Apply ``a.system``'s memory features, train, and record into ``res`` the build time (since ``t0``), peak
+    memory, per-step losses and reward margins (NaN where a step logs none) and ``rows`` per second."""
+    memory = apply_memory(model, a.system)
+    res.build_s = time.perf_counter() - t0
+    res.notes += reset_peak_memory()
+    trainer.train()
+    record_peak_memory(res)
+    if memory is not None:
+        res.notes += "\n" + str(memory)  # after training: what was offloaded
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    res.losses = [round(float(h["loss"]), 5) for h in logs]
+    res.margins = [round(float(h.get("rewards/margins", float("nan"))), 5) for h in logs]
+    record_speed(res, times, a.warmup, rows, None)
+
+
 def run_dpo_worker(a) -> Result:
     """TRL DPOTrainer on HF + PEFT (baseline, as TRL users run it) vs strop's DPO path, 8B QLoRA.
 
@@ -603,17 +629,75 @@ def run_dpo_worker(a) -> Result:
     )
     if strop:
         upcast_adapters_(model)
-    memory = apply_memory(model, a.system)
-    res.build_s = time.perf_counter() - t0
-    res.notes += reset_peak_memory()
-    trainer.train()
-    record_peak_memory(res)
-    if memory is not None:
-        res.notes += "\n" + str(memory)  # after training: what was offloaded
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    res.losses = [round(float(h["loss"]), 5) for h in logs]
-    res.margins = [round(float(h["rewards/margins"]), 5) for h in logs]
-    record_speed(res, times, a.warmup, a.batch, None)  # pairs per second for this part
+    train_preference(res, a, trainer, model, t0, times, a.batch)  # pairs per second for this part
+    return res
+
+
+def preference_trainer(part: str):
+    """(TRL trainer, its config, strop's trainer class builder, config fields) of an ORPO, KTO or SimPO part."""
+    from strop.common.trainer_types import TRAIN_DEFAULTS as D
+    from strop.kernels import trainers
+
+    if part == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        # ORPOConfig.beta is the paper's λ
+        return ORPOTrainer, ORPOConfig, trainers.strop_orpo_trainer_class, dict(beta=D["orpo_lambda"])
+    if part == "simpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        fields = dict(loss_type="simpo", cpo_alpha=0.0, beta=D["simpo_beta"], simpo_gamma=D["simpo_gamma"])
+        return CPOTrainer, CPOConfig, trainers.strop_cpo_trainer_class, fields
+    from trl import KTOConfig, KTOTrainer
+
+    fields = dict(
+        beta=D["kto_beta"],
+        desirable_weight=D["kto_desirable_weight"],
+        undesirable_weight=D["kto_undesirable_weight"],
+    )
+    return KTOTrainer, KTOConfig, trainers.strop_kto_trainer_class, fields
+
+
+def run_preference_worker(a) -> Result:
+    """TRL's ORPO / KTO / SimPO trainer on HF + PEFT (baseline) vs the same trainer on strop's chunked loss, 8B
+    QLoRA, ``a.batch`` pairs of prompt 512 + completion 512 (KTO: their 2·``a.batch`` rows), the same every
+    step; the rest as ``run_dpo_worker`` (KTO's reference: the base with the adapter disabled)."""
+    res = Result(part=a.part, system=a.system, seq=a.seq, batch=a.batch)
+    t0 = time.perf_counter()
+    model = attach_lora(load_model(qlora=True))
+    half = a.seq // 2
+    tok, data = dpo_dataset(a.batch, half, half)
+    rows = a.batch
+    if a.part == "kto":
+        from datasets import Dataset
+
+        unpaired = [
+            {"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+            for r in data
+            for k in ("chosen", "rejected")
+        ]
+        data, rows = Dataset.from_list(unpaired), 2 * a.batch
+    trainer_cls, config_cls, strop_class, fields = preference_trainer(a.part)
+    strop = a.system.startswith("strop")
+    if strop:
+        from strop.kernels.models import patch_model
+
+        res.notes = str(patch_model(model))
+        trainer_cls = strop_class()
+    times: list[float] = []
+    args = trl_args(config_cls, a, learning_rate=DPO_LR, max_length=2 * half, **fields)
+    args.per_device_train_batch_size = rows
+    trainer = trainer_cls(
+        model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[step_timer(times)]
+    )
+    if a.part == "kto" and "ref" in getattr(model, "peft_config", {}):
+        model.delete_adapter("ref")  # the reference is the base (adapter disabled), as in the trainer service
+        model.set_adapter("default")
+    if strop:
+        upcast_adapters_(model)
+        if getattr(trainer, "_strop_reason", None):
+            res.notes += f"\nchunked loss off: {trainer._strop_reason}"
+    train_preference(res, a, trainer, model, t0, times, rows)  # pairs (KTO: rows) per second
     return res
 
 
@@ -624,7 +708,7 @@ def part_points(part: str, a) -> list[tuple[int, int]]:
     """(seq, batch) points of a part; DPO's seq is a pair's prompt + completion."""
     if part == "context":
         return [(int(s), 1) for s in a.context.split(",")]
-    if part == "dpo":
+    if part in PREFERENCE_PARTS:
         return [(2 * DPO_HALF, 4)]  # 4 pairs per step
     return [(a.seq, a.batch)]
 
@@ -674,8 +758,10 @@ def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
 
 
 def rate(r: Result) -> str:
-    """tokens/s, or pairs/s (a few per second) for DPO."""
-    return f"{r.tokens_per_s:.2f} pairs/s" if r.part == "dpo" else f"{r.tokens_per_s:,.0f} tok/s"
+    """tokens/s, or pairs/s (a few per second) for DPO, ORPO and SimPO (KTO: rows/s)."""
+    if r.part in PREFERENCE_PARTS:
+        return f"{r.tokens_per_s:.2f} {'rows' if r.part == 'kto' else 'pairs'}/s"
+    return f"{r.tokens_per_s:,.0f} tok/s"
 
 
 def margin_rose(r: Result) -> str:
@@ -705,13 +791,14 @@ def table(results: list[Result]) -> str:
     if dpo:
         rows += [
             "",
-            "DPO reward margin on the fixed batch, every step (warm-up included):",
+            "Reward margin on the fixed batch, every step (warm-up included):",
             "",
-            "| system | margins | last > first |",
-            "|---|---|---|",
+            "| part | system | margins | last > first |",
+            "|---|---|---|---|",
         ]
         rows += [
-            f"| {r.system} | {', '.join(f'{m:.5f}' for m in r.margins)} | {margin_rose(r)} |" for r in dpo
+            f"| {r.part} | {r.system} | {', '.join(f'{m:.5f}' for m in r.margins)} | {margin_rose(r)} |"
+            for r in dpo
         ]
     return "\n".join(rows)
 
@@ -753,6 +840,8 @@ def main() -> None:
         try:
             if a.part == "dpo":
                 res = run_dpo_worker(a)
+            elif a.part in PREFERENCE_PARTS:
+                res = run_preference_worker(a)
             elif a.system in ("service", "trl-lib"):
                 res = run_trl_worker(a)
             else:

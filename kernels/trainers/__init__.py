@@ -1,5 +1,24 @@
 """Trainer glue: TRL's trainers on strop's chunked losses (the only room that reads TRL internals)."""
 
 from .dpo import StropDPOMixin, add_hidden_states_head, remove_hidden_states_head, strop_dpo_trainer_class
+from .preference import (
+    StropCPOMixin,
+    StropKTOMixin,
+    StropORPOMixin,
+    strop_cpo_trainer_class,
+    strop_kto_trainer_class,
+    strop_orpo_trainer_class,
+)
 
-__all__ = ["StropDPOMixin", "add_hidden_states_head", "remove_hidden_states_head", "strop_dpo_trainer_class"]
+__all__ = [
+    "StropCPOMixin",
+    "StropDPOMixin",
+    "StropKTOMixin",
+    "StropORPOMixin",
+    "add_hidden_states_head",
+    "remove_hidden_states_head",
+    "strop_cpo_trainer_class",
+    "strop_dpo_trainer_class",
+    "strop_kto_trainer_class",
+    "strop_orpo_trainer_class",
+]

@@ -41,6 +41,14 @@ from strop.kernels.losses.dpo import (
 )
 from strop.kernels.trainers import add_hidden_states_head, remove_hidden_states_head, strop_dpo_trainer_class
 
+from ._chunked_losses import (
+    cuda_loss_grad_and_extra_bytes,
+    preference_pairs,
+    tiny_peft_llama,
+    tiny_tokenizer,
+    train_recording_losses,
+)
+
 S, T, H, V = 6, 23, 37, 301
 PROMPT = 7
 
@@ -236,52 +244,18 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from strop.fixtures.models import make_tokenizer
-
-    return make_tokenizer("bpe", 320)
-
-
-def _tiny_peft_llama(tokenizer):
-    from strop.fixtures.models import TinyShape, build_config
-
-    shape = TinyShape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(build_config("llama", shape, len(tokenizer), tokenizer)).float()
-    cfg = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]
-    )
-    return peft.get_peft_model(model, cfg)
-
-
-def _dataset():
-    from datasets import Dataset
-
-    rows = [
-        {"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f" It is {2 * i}.", "rejected": f" Maybe {i + 3}, or not."}
-        for i in range(8)
-    ]  # fmt: skip
-    return Dataset.from_list(rows)
+    return tiny_tokenizer()
 
 
 def _train(trainer_cls, tokenizer, tmp_path, steps=3, **config):
-    losses = []
-
-    class Recording(trainer_cls):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            losses.append(loss.item())
-            return loss
+    from datasets import Dataset
 
     args = trl.DPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=steps, learning_rate=0.5, optim="sgd",
         logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=True, bf16=False,
         max_length=64, dataloader_num_workers=0, disable_tqdm=True, **config,
     )  # fmt: skip
-    trainer = Recording(
-        model=_tiny_peft_llama(tokenizer), args=args, train_dataset=_dataset(), processing_class=tokenizer
-    )
-    trainer.train()
-    return trainer, losses
+    return train_recording_losses(trainer_cls, args, tokenizer, Dataset.from_list(preference_pairs()))
 
 
 @pytest.mark.parity
@@ -317,7 +291,7 @@ def test_glue_leaves_unsupported_configs_to_trl(tokenizer, tmp_path):
 
 
 def test_hidden_states_head_returns_backbone_output_and_passes_other_calls(tokenizer):
-    model = _tiny_peft_llama(tokenizer).eval()
+    model = tiny_peft_llama(tokenizer).eval()
     hf = model.get_base_model()
     ids = torch.randint(0, len(tokenizer), (2, 9), generator=torch.Generator().manual_seed(0))
     logits = model(input_ids=ids).logits
@@ -345,14 +319,7 @@ def test_gpu_chunked_dpo_memory_and_accuracy_at_8b_vocab():
     ref = dict(ref_chosen_logps=ref_lp[0], ref_rejected_logps=ref_lp[1], beta=0.1)
 
     def run(fn, h, w):
-        h = h.clone().requires_grad_()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = fn(h, w, labels, **ref)
-        (g,) = torch.autograd.grad(out.loss, h)
-        torch.cuda.synchronize()
-        return out.loss.detach(), g, torch.cuda.max_memory_allocated() - base
+        return cuda_loss_grad_and_extra_bytes(fn, h, w, labels, **ref)
 
     truth_loss, truth_g, _ = run(chunked_dpo_loss_reference, hidden, weight)
     hb, wb = hidden.bfloat16(), weight.bfloat16()

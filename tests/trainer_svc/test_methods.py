@@ -58,7 +58,7 @@ CASES = {
 }
 
 
-def _strop_run(model_root, tmp_path, method):
+def _strop_run(model_root, tmp_path, method, optimizer="adamw_torch", kernels=False):
     rows, fields, _ = CASES[method]
     loaded = models.load_model(
         LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE),
@@ -66,6 +66,9 @@ def _strop_run(model_root, tmp_path, method):
         device="cpu",
     )
     models.attach_lora(loaded, LORA)
+    # the service turns the kernels on only on CUDA; forced here after loading, the job runs strop's chunked
+    # loss inside the TRL trainer (what a CUDA job does) on the CPU's unpatched model
+    loaded.facts.kernels_enabled = kernels
     cfg = job_config.with_defaults(
         TrainConfig(
             method=method,
@@ -75,6 +78,7 @@ def _strop_run(model_root, tmp_path, method):
             batch_size=BATCH,
             max_length=MAX_LEN,
             seed=0,
+            optimizer=optimizer,
             **fields,
         ),
         session_max_len=MAX_LEN,
@@ -85,10 +89,12 @@ def _strop_run(model_root, tmp_path, method):
     fmt = DatasetFormat.UNPAIRED_PREFERENCE if method is TrainMethod.KTO else DatasetFormat.PREFERENCE
     job_config.check_dataset_fits(cfg, fmt, data, loaded.facts.vocab_size)
     training.run_training(loaded, data, fmt, cfg, tmp_path / "strop", training.JobControl(), sinks)
+    hidden_head = "_strop_hidden_head" in loaded.model.get_base_model().__dict__
+    assert hidden_head is kernels, "strop's chunked loss runs exactly when the kernels are on"
     return steps, _adapter(loaded.model)
 
 
-def _trl_run(model_root, tmp_path, method):
+def _trl_run(model_root, tmp_path, method, optim="adamw_torch"):
     """What a user writes: HF + PEFT, TRL's trainer and config for the method, the same hyperparameters."""
     from datasets import Dataset
     from peft import LoraConfig as PeftLoraConfig
@@ -126,7 +132,7 @@ def _trl_run(model_root, tmp_path, method):
         lr_scheduler_type="constant",
         max_steps=STEPS,
         max_length=MAX_LEN,
-        optim="adamw_torch",
+        optim=optim,
         seed=0,
         logging_steps=1,
         save_strategy="no",
@@ -176,6 +182,36 @@ def test_strop_trains_like_trl_on_hf_peft(model_root, tmp_path, method):
     assert not differ, f"{len(differ)} of {len(trl_adapter)} adapter tensors differ, e.g. {differ[:3]}"
     moved = [n for n in trl_adapter if "lora_B" in n and strop_adapter[n].abs().sum() > 0]
     assert moved, "lora_B starts at zero; a trained adapter has moved it"
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("method", list(CASES), ids=lambda m: m.value.lower())
+def test_with_kernels_on_each_method_runs_strops_chunked_loss_like_trl(model_root, tmp_path, method):
+    from strop.kernels.trainers import StropCPOMixin, StropKTOMixin, StropORPOMixin
+
+    mixin = {
+        TrainMethod.ORPO: StropORPOMixin,
+        TrainMethod.SIMPO: StropCPOMixin,
+        TrainMethod.KTO: StropKTOMixin,
+    }
+    assert issubclass(training.strop_preference_trainer_class(method), mixin[method])
+    steps, strop_adapter = _strop_run(model_root, tmp_path, method, optimizer="sgd", kernels=True)
+    trl_losses, trl_adapter = _trl_run(model_root, tmp_path, method, optim="sgd")
+    # the same loss from per-sequence sums taken in another order (tests/kernels/test_chunked_preference.py):
+    # fp32 rounding ≈1e-7 relative per step, carried forward linearly by SGD; 1e-5 holds with a wide margin
+    for step, (a, b) in enumerate(zip([s.loss for s in steps], trl_losses, strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-5), f"step {step + 1}: strop {a} vs TRL {b}"
+    assert strop_adapter.keys() == trl_adapter.keys() and strop_adapter
+    for name, ref in trl_adapter.items():
+        torch.testing.assert_close(strop_adapter[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    streamed = steps[-1].dpo
+    assert streamed.logps_chosen != 0 and streamed.logps_rejected != 0, (
+        "each step streams the method's metrics"
+    )
+    if method is TrainMethod.ORPO:
+        assert streamed.nll_loss > 0 and streamed.log_odds_ratio < 0
+    if method is TrainMethod.KTO:
+        assert streamed.kl >= 0 and streamed.reward_margin != 0
 
 
 # ---- through gRPC: each method moves its metric the right way on the tiny 4-bit model ---------------------

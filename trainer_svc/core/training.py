@@ -1,11 +1,12 @@
 """Running one SFT, DPO, ORPO, KTO or SimPO job with TRL on a session's PEFT model.
 
 TRL's ``SFTTrainer``/``DPOTrainer``/``ORPOTrainer``/``KTOTrainer``/``CPOTrainer`` (SimPO is its ``loss_type="simpo"``
-without the BC term: ``trl_preference_config``) are the engines; a callback turns their logs into step events,
-publishes each checkpoint into the artifact store, and stops the loop between steps when the job is
-cancelled or the service drains (saving a checkpoint at the step reached). The reference model for
-DPO and KTO is the same model with the adapter disabled (or, on request, a frozen snapshot of the adapter),
-so no second copy of the base weights is ever loaded.
+without the BC term: ``trl_preference_config``) are the engines (with the kernels on, DPO, ORPO, KTO and SimPO
+run strop's chunked losses inside them: ``strop_dpo_trainer_class``, ``strop_preference_trainer_class``); a
+callback turns their logs into step events, publishes each checkpoint into the artifact store, and stops the
+loop between steps when the job is cancelled or the service drains (saving a checkpoint at the step reached).
+The reference model for DPO and KTO is the same model with the adapter disabled (or, on request, a frozen
+snapshot of the adapter), so no second copy of the base weights is ever loaded.
 """
 
 from __future__ import annotations
@@ -321,6 +322,20 @@ def trl_preference_config(cfg: TrainConfig, args: dict):
     raise ValueError(f"not an ORPO, KTO or SimPO job: {cfg.method}")
 
 
+def strop_preference_trainer_class(method: TrainMethod) -> type:
+    """The TRL trainer of ``trl_preference_config`` with strop's chunked loss mixed in (SimPO: CPO's)."""
+    from strop.kernels import trainers
+
+    builders = {
+        TrainMethod.ORPO: trainers.strop_orpo_trainer_class,
+        TrainMethod.SIMPO: trainers.strop_cpo_trainer_class,
+        TrainMethod.KTO: trainers.strop_kto_trainer_class,
+    }
+    if method not in builders:
+        raise ValueError(f"not an ORPO, KTO or SimPO job: {method}")
+    return builders[method]()
+
+
 def preference_rows(rows: list[dict], method: TrainMethod) -> list[dict]:
     """Rows as the TRL trainer of ``method`` reads them."""
     keys = (
@@ -343,6 +358,10 @@ def _build_preference_trainer(loaded: LoadedModel, rows: list[dict], cfg: TrainC
     from datasets import Dataset
 
     trainer_cls, trl_args = trl_preference_config(cfg, args)
+    if loaded.facts.kernels_enabled:
+        # strop's chunked losses on the hidden states (never full logits, gradients computed in the forward)
+        # inside the same TRL trainer and config
+        trainer_cls = strop_preference_trainer_class(cfg.method)
     if cfg.method in (TrainMethod.ORPO, TrainMethod.SIMPO):
         trainer_cls = type(trainer_cls.__name__, (_PairTokens, trainer_cls), {})
     kwargs = {"ref_model": None} if cfg.method in REFERENCE_METHODS else {}
