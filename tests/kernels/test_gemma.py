@@ -35,7 +35,7 @@ peft = pytest.importorskip("peft")
 from strop.common.archs import ARCHS  # noqa: E402
 from strop.kernels.models import patch_model  # noqa: E402
 
-from .test_patch import UNIT_ROUNDOFF, _check_parity, _peft, _rel  # noqa: E402
+from .test_patch import UNIT_ROUNDOFF, _check_parity, _peft, _rel, nf4_reload  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WINDOW, T, VOCAB = 4, 10, 300
@@ -71,15 +71,7 @@ def gemma_model(model_type: str, qlora: bool = False, tmp_path=None, **overrides
             if "norm" in name:  # (1 + w) with w ≠ 0: a wrong offset or cast order shows
                 p.copy_(0.3 * torch.randn(p.shape))
     if qlora:
-        model.save_pretrained(tmp_path / model_type)
-        quant = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )  # fmt: skip
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / model_type, quantization_config=quant, dtype=torch.float32,
-            attn_implementation=ATTN[model_type],
-        )  # fmt: skip
+        model = nf4_reload(model, tmp_path / model_type, ATTN[model_type])
     return model.to(DEVICE)
 
 
@@ -177,17 +169,11 @@ def test_gemma_offloaded_recompute_keeps_the_down_projection_and_trains_like_the
     the recompute must compute the down projection (the skip for Llama layers, whose MLP is the last op,
     must not apply). Offloaded checkpointing (every layer recomputed) must give the reference's gradients,
     with two down GEMMs per layer and step (forward and recompute)."""
-    import strop.kernels.lora.mlp as mlp_mod
     from strop.kernels.models import enable_offloaded_checkpointing
 
-    downs = {"n": 0}
-    real = mlp_mod.forward_projections
+    from .test_offload import count_down_projections
 
-    def counting(x, projs, dtype):
-        downs["n"] += len(projs) == 1  # the down projection; gate/up go in as a pair
-        return real(x, projs, dtype)
-
-    monkeypatch.setattr(mlp_mod, "forward_projections", counting)
+    downs = count_down_projections(monkeypatch)
 
     def offloaded(twin):
         return enable_offloaded_checkpointing(

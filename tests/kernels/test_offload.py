@@ -592,27 +592,34 @@ def test_gpu_layers_without_recompute_reload_ahead_of_need_and_train_the_same():
 # ---- recompute without the down projection ---------------------------------------------------------------
 
 
+def count_down_projections(monkeypatch) -> dict[str, int]:
+    """Count the fused MLP's down-projection GEMMs (``["n"]``; gate/up go in as a pair, down alone)."""
+    import strop.kernels.lora.mlp as mlp_mod
+
+    downs = {"n": 0}
+    real = mlp_mod.forward_projections
+
+    def counting(x, projs, dtype):
+        downs["n"] += len(projs) == 1
+        return real(x, projs, dtype)
+
+    monkeypatch.setattr(mlp_mod, "forward_projections", counting)
+    return downs
+
+
 def test_patched_mlps_skip_the_down_projection_in_recompute_with_bitwise_equal_gradients(monkeypatch):
     """A checkpointed layer's recompute never reads its output; the patched MLP (the layer's last op) skips
     its down GEMM there. Gradients equal the full recompute's bit for bit, and the down GEMM runs once per
     layer (the forward) instead of twice."""
     import contextlib
 
-    import strop.kernels.lora.mlp as mlp_mod
     import strop.kernels.models.offload as offload_mod
     from strop.kernels.models import patch_model
 
     model = _lora(_tiny_llama())
     report = patch_model(model)
     assert len(report.patched["lora_mlp"]) == LAYERS, report
-    downs = {"n": 0}
-    real = mlp_mod.forward_projections
-
-    def counting(x, projs, dtype):
-        downs["n"] += len(projs) == 1  # the down projection; gate/up go in as a pair
-        return real(x, projs, dtype)
-
-    monkeypatch.setattr(mlp_mod, "forward_projections", counting)
+    downs = count_down_projections(monkeypatch)
     ids = _ids()
     enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
     skipped = _step(model, ids)

@@ -65,19 +65,25 @@ def _config(model_type: str, **overrides):
     return transformers.AutoConfig.for_model(model_type, **{**common, **extra, **overrides})
 
 
+def nf4_reload(model, path, attn_implementation: str = "sdpa"):
+    """``model`` saved to ``path`` and loaded back as a user loads a QLoRA base: bitsandbytes NF4, double quant,
+    fp32 compute."""
+    model.save_pretrained(path)
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=quant, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+
+
 def _model(model_type: str, qlora: bool, tmp_path, **overrides):
     torch.manual_seed(0)
     cfg = _config(model_type, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
     if qlora:
-        model.save_pretrained(tmp_path / model_type)
-        quant = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )  # fmt: skip
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / model_type, quantization_config=quant, dtype=torch.float32, attn_implementation="sdpa"
-        )
+        model = nf4_reload(model, tmp_path / model_type)
     return model.to(DEVICE)
 
 

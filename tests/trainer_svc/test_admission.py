@@ -35,18 +35,10 @@ def _saved_bytes_of_a_real_step(model, tokens: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def test_the_estimate_bounds_what_a_real_forward_saves_and_is_not_loose():
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
-    rows, length = 2, 384
+def assert_estimate_bounds_a_real_step(config, model, rows: int, length: int):
+    """The estimate of keeping every layer (HF + PEFT, no checkpointing) against what a real forward of ``model``
+    on ``rows`` × ``length`` random tokens saves for backward: at least that, and at most twice it. Returns the
+    job config, the trainable parameter count and the estimate."""
     tokens = torch.randint(0, 1000, (rows, length))
     measured = _saved_bytes_of_a_real_step(model, tokens)
     cfg = TrainConfig(method=TrainMethod.SFT, batch_size=rows, max_length=length, optimizer="adamw_torch")
@@ -62,6 +54,22 @@ def test_the_estimate_bounds_what_a_real_forward_saves_and_is_not_loose():
     )
     predicted = est.layers + est.logits
     assert measured <= predicted <= 2.0 * measured, (measured, predicted, str(est))
+    return cfg, n_trainable, est
+
+
+def test_the_estimate_bounds_what_a_real_forward_saves_and_is_not_loose():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    rows, length = 2, 384
+    cfg, n_trainable, est = assert_estimate_bounds_a_real_step(config, model, rows, length)
     assert est.adapter_state == 12 * n_trainable
     # checkpointing keeps one input per layer and one layer's activations: far below keeping every layer
     ckpt = admission.estimate(

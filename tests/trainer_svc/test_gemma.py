@@ -89,10 +89,7 @@ def test_the_admission_estimate_bounds_what_a_gemma_step_saves():
     from peft import get_peft_model
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from strop.common.trainer_types import TrainConfig as CoreTrainConfig
-    from strop.common.trainer_types import TrainMethod as CoreMethod
-    from strop.trainer_svc.core import admission
-    from tests.trainer_svc.test_admission import _saved_bytes_of_a_real_step
+    from tests.trainer_svc.test_admission import assert_estimate_bounds_a_real_step
 
     config = Gemma3TextConfig(
         hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
@@ -103,19 +100,4 @@ def test_the_admission_estimate_bounds_what_a_gemma_step_saves():
     model = Gemma3ForCausalLM(config).to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"
     model = get_peft_model(model, PeftLoraConfig(r=8, target_modules="all-linear"))
-    rows, length = 2, 384
-    tokens = torch.randint(0, 1000, (rows, length))
-    measured = _saved_bytes_of_a_real_step(model, tokens)
-    cfg = CoreTrainConfig(method=CoreMethod.SFT, batch_size=rows, max_length=length, optimizer="adamw_torch")
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    est = admission.estimate(
-        config,
-        cfg,
-        longest_row=length,
-        n_trainable=n_trainable,
-        checkpointed=False,
-        offloaded=False,
-        kernels=False,
-    )
-    predicted = est.layers + est.logits
-    assert measured <= predicted <= 2.0 * measured, (measured, predicted, str(est))
+    assert_estimate_bounds_a_real_step(config, model, rows=2, length=384)
