@@ -378,11 +378,17 @@ def _rank_process(rank: int):
 
 
 def _workers() -> list:
+    """The dist_worker processes still alive under this test (one exiting meanwhile, or a zombie, holds nothing)."""
     import psutil
 
-    return [
-        p for p in psutil.Process().children(recursive=True) if "strop.trainer_svc.dist_worker" in p.cmdline()
-    ]
+    alive = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "strop.trainer_svc.dist_worker" in p.cmdline():
+                alive.append(p)
+        except psutil.NoSuchProcess:  # ZombieProcess included
+            continue
+    return alive
 
 
 # torchrun notices a rank's exit within its 0.1 s monitor interval and SIGTERMs the rest, SIGKILLing them 30 s
@@ -390,8 +396,9 @@ def _workers() -> list:
 LOST_RANK_SECONDS = 60.0
 
 
+@pytest.mark.parametrize("parallelism", ["DDP", "FSDP"])
 def test_a_sigkilled_rank_ends_the_job_interrupted_at_its_last_checkpoint_and_it_resumes(
-    client, trainer, ddp_session
+    client, trainer, ddp_session, parallelism
 ):
     import signal
     import time
@@ -399,9 +406,13 @@ def test_a_sigkilled_rank_ends_the_job_interrupted_at_its_last_checkpoint_and_it
     from safetensors.torch import load_file
 
     from strop.common.artifacts import ArtifactStore
+    from strop.common.trainer_types import Parallelism
 
     session_id, dataset_id = ddp_session
-    stream = client.train(session_id, dataset_id, _service_config(max_steps=10_000, checkpoint_every_steps=2))
+    split = Parallelism(parallelism)
+    stream = client.train(
+        session_id, dataset_id, _service_config(max_steps=10_000, checkpoint_every_steps=2, parallelism=split)
+    )
     for event in stream:
         if event.checkpoint:
             break
@@ -432,9 +443,9 @@ def test_a_sigkilled_rank_ends_the_job_interrupted_at_its_last_checkpoint_and_it
     session = load_file(str(store.path_of(saved.artifact_id) / "adapter_model.safetensors"))
     assert sorted(at_ckpt) == sorted(session) and all(bool((at_ckpt[k] == session[k]).all()) for k in session)
 
-    config = _service_config(max_steps=ckpt.step + 2, checkpoint_every_steps=0)
+    config = _service_config(max_steps=ckpt.step + 2, checkpoint_every_steps=0, parallelism=split)
     resumed = list(client.train(session_id, dataset_id, config, resume_from_job_id=job.job_id))
-    assert [e.step.step for e in resumed if e.step] == [ckpt.step + 1, ckpt.step + 2]
+    assert [e.step.step for e in resumed if e.step] == [ckpt.step + 1, ckpt.step + 2], resumed[-1].state
     assert client.get_job(resumed[0].job_id).state.value == "SUCCEEDED"
 
 

@@ -8,7 +8,7 @@ as DDP's: transformers' Trainer through accelerate (``fsdp_config["version"] = 2
 reduce-scattered instead of all-reduced. Rank 0 alone writes adapters and checkpoints, with full (gathered) LoRA
 tensors in the single-process format: ``adapter_state_dict`` gathers the trainable tensors only, never the base.
 
-Three things strop adds to the engines:
+Four things strop adds to the engines:
 
 - accelerate turns FSDP on for accelerators only (``AcceleratorState`` upgrades MULTI_GPU, not MULTI_CPU); torch's
   FSDP2 itself runs on the CPU with gloo, so on the CPU (the test tier) ``enable_on_cpu`` turns it on the same way.
@@ -17,6 +17,8 @@ Three things strop adds to the engines:
   checkpoint holds (on the CPU the whole-model path also fails outright: the gathered tensors alias FSDP's
   freed all-gather buffers, "Attempted to access the data pointer on an invalid python storage").
 - strop's gradient guard reduces each tensor's max |grad| over the shards (``guard.py``).
+- resuming with an optimizer that keeps no state (plain SGD) skips accelerate's optimizer load, which cannot
+  handle an empty state (``skip_stateless_optimizer_load``).
 
 4-bit bases are refused (``check_supported``): see its docstring.
 """
@@ -142,8 +144,37 @@ def use_adapter_state_dict() -> None:
     Accelerator.get_state_dict = get_state_dict
 
 
+def stateless(optimizer) -> bool:
+    """Whether ``optimizer`` keeps no per-parameter state (plain SGD: no momentum), so a checkpoint holds none."""
+    import torch
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    return isinstance(inner, torch.optim.SGD) and all(not g.get("momentum") for g in inner.param_groups)
+
+
+def skip_stateless_optimizer_load() -> None:
+    """Resuming an FSDP job whose optimizer keeps no state: transformers calls accelerate's ``load_fsdp_optimizer``,
+    whose ``set_optimizer_state_dict`` needs at least one state tensor to learn the device from and raises
+    ("Expected device to be set", torch 2.13) when there is none. There is nothing to load then: skip it (the
+    scheduler is loaded after it as usual). A no-op once installed; the rank process is this job's alone."""
+    import transformers.trainer as hf_trainer
+
+    load = hf_trainer.load_fsdp_optimizer
+    if getattr(load, "_strop_skips_stateless", False):
+        return
+
+    def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, *args, **kwargs):
+        if stateless(optimizer):
+            return None
+        return load(fsdp_plugin, accelerator, optimizer, model, input_dir, *args, **kwargs)
+
+    load_fsdp_optimizer._strop_skips_stateless = True
+    hf_trainer.load_fsdp_optimizer = load_fsdp_optimizer
+
+
 def prepare(device: str) -> None:
     """What a rank installs before its FSDP job's trainer is built."""
     if not device.startswith("cuda"):
         enable_on_cpu()
     use_adapter_state_dict()
+    skip_stateless_optimizer_load()
