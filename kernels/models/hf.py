@@ -2,6 +2,8 @@
 
 - :func:`unwrap_peft`: the transformers ``PreTrainedModel`` inside a PEFT wrapper (or the model itself).
 - :func:`checkpoint_layers`: the decoder layers HF's gradient checkpointing runs (``GradientCheckpointingLayer``).
+- :func:`scaled_logits_reason`: why an LM head's logits are more than ``h Wᵀ + b`` (and Gemma's final soft-cap),
+  which strop's fused CE and chunked losses compute.
 - :class:`Swaps`: reversible per-instance attribute replacements — forwards (kernel patching, MLP tiling, the
   hidden-states head for DPO) and checkpoint functions (offloading). Each user holds one ``Swaps``; ``undo``
   restores in reverse order, and a replacement that something else wrapped again after ours is left in place
@@ -21,9 +23,34 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Swaps", "checkpoint_layers", "keep_trainable_fp32", "previous_forward", "unwrap_peft"]
+__all__ = [
+    "Swaps",
+    "checkpoint_layers",
+    "keep_trainable_fp32",
+    "previous_forward",
+    "scaled_logits_reason",
+    "unwrap_peft",
+]
 
 _MISSING = object()
+
+
+# config attributes by which some architectures scale the LM head's logits
+_LOGIT_SCALINGS = ("logit_scale", "logits_scaling", "output_multiplier")
+
+
+def scaled_logits_reason(config: Any) -> str | None:
+    """Why the logits of a model of ``config`` are not ``h Wᵀ + b``, optionally soft-capped by a positive
+    ``final_logit_softcapping`` (Gemma), which is all strop's fused CE and chunked losses apply; None if they are."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in _LOGIT_SCALINGS:
+        value = getattr(config, attr, None)
+        if value not in (None, 1.0):
+            return f"config.{attr} is set ({value!r}: scaled logits)"
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None and not (isinstance(softcap, int | float) and softcap > 0):
+        return f"config.final_logit_softcapping={softcap!r} is not a positive number"
+    return None
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

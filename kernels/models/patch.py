@@ -69,7 +69,7 @@ from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
 from ..lora.linear import LoRAProj, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
 from ..ops.rmsnorm import RMSNormMode
-from .hf import Swaps, previous_forward, unwrap_peft
+from .hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
 from .saved_attention import attention_call
 
 __all__ = ["COMPONENTS", "SUPPORTED_MODEL_TYPES", "PatchReport", "patch_model", "unpatch_model"]
@@ -345,15 +345,7 @@ def _ce_reason(hf: nn.Module) -> str | None:
         return f"LM head is {type(head).__name__} (PEFT-wrapped or custom), not nn.Linear"
     if "_loss_function" in hf.__dict__ or getattr(hf, "loss_type", None) not in (None, "ForCausalLM"):
         return "custom loss function"
-    cfg = hf.config
-    # final_logit_softcapping (Gemma) is applied in the kernel; these scalings are not
-    for attr in ("logit_scale", "logits_scaling", "output_multiplier"):
-        if getattr(cfg, attr, None) not in (None, 1.0):
-            return f"config.{attr} is set"
-    softcap = getattr(cfg, "final_logit_softcapping", None)
-    if softcap is not None and not (isinstance(softcap, int | float) and softcap > 0):
-        return f"config.final_logit_softcapping={softcap!r} is not a positive number"
-    return None
+    return scaled_logits_reason(hf.config)  # Gemma's final soft-cap is applied in the kernel
 
 
 def _causal_lm_forward() -> Callable:

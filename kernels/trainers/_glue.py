@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..models.hf import Swaps, previous_forward, unwrap_peft
+from ..models.hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
 
 __all__ = [
     "add_hidden_states_head",
@@ -106,13 +106,9 @@ def head_unsupported_reason(accelerator: Any, model: Any, scorer: str) -> str | 
         return "no plain LM head weight"
     if head.weight.requires_grad or (getattr(head, "bias", None) is not None and head.bias.requires_grad):
         return "trainable LM head"
-    cfg = _text_config(hf.config)
-    for attr in ("logit_scale", "output_multiplier", "logits_scaling"):
-        if getattr(cfg, attr, None) not in (None, 1.0):
-            return f"config.{attr}={getattr(cfg, attr)} ({scorer} unscaled logits)"
-    softcap = getattr(cfg, "final_logit_softcapping", None)
-    if softcap is not None and not (isinstance(softcap, int | float) and softcap > 0):
-        return f"config.final_logit_softcapping={softcap!r} is not a positive number"
+    scaled = scaled_logits_reason(hf.config)
+    if scaled:
+        return f"{scaled}; {scorer} unscaled logits"
     peft_cfg = getattr(accelerator.unwrap_model(model), "peft_config", {})
     if any(getattr(c, "is_prompt_learning", False) for c in peft_cfg.values()):
         return "PEFT prompt learning (virtual tokens)"

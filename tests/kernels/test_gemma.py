@@ -213,7 +213,9 @@ def test_gemma_parts_without_a_fast_path_keep_the_reference_and_say_why(caplog):
     with caplog.at_level(logging.WARNING, logger="strop.kernels"):
         report = patch_model(model)
     assert set(report.skipped["lora_mlp"].values()) == {"activation hidden_activation='relu'"}, report
-    assert "config.logit_scale is set" in report.skipped["fused_cross_entropy"].values(), report
+    assert (
+        "config.logit_scale is set (0.5: scaled logits)" in report.skipped["fused_cross_entropy"].values()
+    ), report
     assert "hidden_activation='relu'" in caplog.text and "logit_scale" in caplog.text
     assert len(report.patched["rms_norm"]) == 9 and len(report.patched["lora_qkv"]) == 2, report
     with torch.no_grad():

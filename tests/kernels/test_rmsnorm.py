@@ -64,11 +64,8 @@ def test_derived_backward_matches_autograd_of_reference(mode):
     assert_close_fp32(dw, dw_auto, "derived dW")
 
 
-@cpu_tier
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_and_both_gradients_match_hf_llama_rmsnorm_in_fp32(shape):
-    x, w, dy = _inputs(shape, torch.float32)
-    hf = LlamaRMSNorm(shape[-1], eps=1e-5)
+def _check_against_hf(hf, x, w, dy, eps: float, mode: RMSNormMode, what: str):
+    """strop's forward, dx and dW against HF's module ``hf`` holding weight ``w``, in fp32; returns HF's output."""
     with torch.no_grad():
         hf.weight.copy_(w)
     x_ref = x.clone().requires_grad_()
@@ -76,11 +73,19 @@ def test_forward_and_both_gradients_match_hf_llama_rmsnorm_in_fp32(shape):
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, hf.weight), dy)
 
     x.requires_grad_(), w.requires_grad_()
-    y = rms_norm(x, w, 1e-5)
+    y = rms_norm(x, w, eps, mode=mode)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
-    assert_close_fp32(y, y_ref, "forward")
-    assert_close_fp32(dx, dx_ref, "dx")
-    assert_close_fp32(dw, dw_ref, "dW (weight is trainable, so it must be returned)")
+    assert_close_fp32(y, y_ref, f"{what}forward")
+    assert_close_fp32(dx, dx_ref, f"{what}dx")
+    assert_close_fp32(dw, dw_ref, f"{what}dW (weight is trainable, so it must be returned)")
+    return y_ref
+
+
+@cpu_tier
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_both_gradients_match_hf_llama_rmsnorm_in_fp32(shape):
+    x, w, dy = _inputs(shape, torch.float32)
+    _check_against_hf(LlamaRMSNorm(shape[-1], eps=1e-5), x, w, dy, 1e-5, RMSNormMode.LLAMA, "")
 
 
 @cpu_tier
@@ -89,19 +94,7 @@ def test_forward_and_both_gradients_match_hf_llama_rmsnorm_in_fp32(shape):
 def test_gemma_mode_matches_hf_gemma_rmsnorm_forward_and_both_gradients_in_fp32(shape, hf_class):
     x, w, dy = _inputs(shape, torch.float32)
     w = w - 1  # Gemma stores the offset from 1: a weight around 0 (HF initialises it to exactly 0)
-    hf = hf_class(shape[-1], eps=1e-6)
-    with torch.no_grad():
-        hf.weight.copy_(w)
-    x_ref = x.clone().requires_grad_()
-    y_ref = hf(x_ref)
-    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, hf.weight), dy)
-
-    x.requires_grad_(), w.requires_grad_()
-    y = rms_norm(x, w, 1e-6, mode=RMSNormMode.GEMMA)
-    dx, dw = torch.autograd.grad(y, (x, w), dy)
-    assert_close_fp32(y, y_ref, "Gemma forward")
-    assert_close_fp32(dx, dx_ref, "Gemma dx")
-    assert_close_fp32(dw, dw_ref, "Gemma dW")
+    y_ref = _check_against_hf(hf_class(shape[-1], eps=1e-6), x, w, dy, 1e-6, RMSNormMode.GEMMA, "Gemma ")
     # the offset matters: Llama semantics on the same weight are a different function
     assert (rms_norm(x.detach(), w.detach(), 1e-6) - y_ref).abs().max() > 0.5
 
