@@ -113,6 +113,7 @@ class _Mode:
 
 _MODE: contextvars.ContextVar[_Mode | None] = contextvars.ContextVar("strop_saved_attention", default=None)
 _LOGGED: set[str] = set()
+_CUDNN_REFUSED: set[tuple] = set()  # (heads, kv heads, head dim, dtype) cuDNN's attention refused
 
 
 @contextlib.contextmanager
@@ -190,11 +191,13 @@ def _forward(
         k, v = _expand_kv(q, k, v)
         o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return "cpu_flash", (o, lse), (q.device,)
-    if torch.backends.cuda.cudnn_sdp_enabled():
+    shape = (q.shape[1], k.shape[1], q.shape[-1], q.dtype)  # what cuDNN accepts or refuses, every layer alike
+    if torch.backends.cuda.cudnn_sdp_enabled() and shape not in _CUDNN_REFUSED:
         try:
             r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
             return "cudnn", (r[0], r[1]), (q.device, r[6], r[7], r[2], r[3], r[4], r[5])
-        except RuntimeError as e:  # e.g. a head count or dtype cuDNN does not take
+        except RuntimeError as e:  # e.g. a head count or dtype cuDNN does not take: asked once per shape
+            _CUDNN_REFUSED.add(shape)
             _log_once(f"cuDNN attention refused ({str(e).splitlines()[0][:120]}); FlashAttention-2 instead")
     k, v = _expand_kv(q, k, v)
     r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
