@@ -31,9 +31,14 @@ losses (``strop_{orpo,kto,cpo}_trainer_class``); hyperparameters from the traine
 (``TRAIN_DEFAULTS``), lr ``DPO_LR``. KTO unpairs the 4 pairs into 8 rows (4 desirable, 4 undesirable: the
 same 8 sequences per step, plus TRL's 8 mismatched KL rows, scored without gradients); its rate is rows/s.
 
+Gemma part (``--parts gemma``): Gemma 3 1B's shape (hidden 1152, inter 6912, 26 layers, 4 heads / 1 KV head
+of 256, vocab 262,144, tied embeddings, window 512 on five of every six layers), saved and loaded the same
+way, bf16 LoRA with the same adapter config and loop; systems ``baseline``, ``strop``, ``strop-standard``.
+
 FLOP accounting (stated so MFU can be checked):
     N      = parameters in matmuls per token (7 projections x 32 layers + lm_head)
-    attn   = causal attention per token, forward: 2 * 2 * layers * seq/2 * hidden (QK^T and PV, half masked)
+    attn   = causal attention per token, forward: 2 * 2 * layers * seq/2 * heads*head_dim (QK^T and PV, half
+             masked; a sliding layer's keys per query are its window w less w²/(2·seq), not seq/2)
     model FLOPs/token    = 2N + 2N (forward, backward dX; the frozen base has no weight gradient)
                            + 3 * attn (attention forward + backward dQ, dK, dV) + LoRA (negligible, counted)
     hardware FLOPs/token = model FLOPs + 2N_layers + attn (gradient checkpointing recomputes each layer's forward;
@@ -46,6 +51,7 @@ Usage (on the GPU machine)::
     python bench/train_bench.py --parts qlora,lora --systems baseline,strop --steps 8 --json bench/out/train.json
     python bench/train_bench.py --parts dpo --systems baseline,strop --steps 8 --warmup 0
     python bench/train_bench.py --parts orpo,kto,simpo --systems baseline,strop-standard --steps 8 --warmup 0
+    python bench/train_bench.py --parts gemma --systems baseline,strop,strop-standard --profile
     python bench/train_bench.py --parts context --systems baseline,strop-long-context --context 65536,131072,262144,524288
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``, plain checkpointing), and the trainer's memory
@@ -80,9 +86,27 @@ from dataclasses import asdict, dataclass, field
 from strop.common.trainer_types import DEFAULT_TARGET_MODULES
 
 PEAK_TFLOPS = 790.0  # measured bf16 matmul ceiling on the H200 (DESIGN.md, KINDS.md)
-SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, head_dim=128)
+LLAMA_SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, head_dim=128)
+SHAPE = dict(LLAMA_SHAPE)  # the model of the part in hand (use_shape)
 # --smoke: a tiny shape on the CPU, to check the harness itself without a GPU (numbers meaningless)
 SMOKE_SHAPE = dict(hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=640, head_dim=32)
+# The gemma part: Gemma 3 1B's shape (the GPU tier's parity test, tests/kernels/test_gemma.py), bf16 LoRA.
+# window: the sliding layers' attention window; full_every: every 6th layer attends to the whole sequence.
+GEMMA_SHAPE = dict(
+    hidden=1152,
+    inter=6912,
+    layers=26,
+    heads=4,
+    kv_heads=1,
+    vocab=262144,
+    head_dim=256,
+    window=512,
+    full_every=6,
+)
+SMOKE_GEMMA_SHAPE = dict(
+    hidden=128, inter=256, layers=6, heads=4, kv_heads=1, vocab=640, head_dim=32, window=16, full_every=6
+)
+GEMMA_PARTS = ("gemma",)
 DEVICE = "cuda"
 DTYPE = "bfloat16"  # --smoke: float32, the dtype strop's kernels run in under the CPU interpreter
 FAST_BUDGET_GIB = 80  # the memory-allowed mode's cap (issue 5)
@@ -125,13 +149,21 @@ class Result:
 
 
 def flops_per_token(seq: int, r: int = 16, recompute: float = 1.0) -> tuple[float, float]:
-    """(model, hardware) FLOPs per token; ``recompute`` is the fraction of layers whose forward reruns."""
+    """(model, hardware) FLOPs per token; ``recompute`` is the fraction of layers whose forward reruns.
+
+    Attention counts the keys a query sees on average: seq/2 causally, and for a sliding layer (Gemma) the
+    window less the positions before it fills, w - w²/(2·seq)."""
     h, i, L, v = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"], SHAPE["vocab"]
-    kv = SHAPE["kv_heads"] * SHAPE["head_dim"]
-    n_layer = L * (h * h + 2 * h * kv + h * h + 3 * h * i)
+    q, kv = SHAPE["heads"] * SHAPE["head_dim"], SHAPE["kv_heads"] * SHAPE["head_dim"]
+    n_layer = L * (h * q + 2 * h * kv + q * h + 3 * h * i)
     n = n_layer + h * v
-    lora = L * r * ((h + h) * 2 + (h + kv) * 2 + 2 * (h + i) + (i + h))
-    attn = 2 * 2 * L * (seq / 2) * h
+    lora = L * r * ((h + q) * 2 + (h + kv) * 2 + 2 * (h + i) + (i + h))
+    window, every = SHAPE.get("window"), SHAPE.get("full_every", 1)
+    full = L if window is None else L // every
+    keys = full * seq / 2 + (L - full) * (
+        min(window, seq) - min(window, seq) ** 2 / (2 * seq) if window else 0
+    )
+    attn = 2 * 2 * keys * q
     model = 4 * n + 3 * attn + 6 * lora
     hardware = model + recompute * (2 * n_layer + attn + 2 * lora)
     return model, hardware
@@ -140,9 +172,20 @@ def flops_per_token(seq: int, r: int = 16, recompute: float = 1.0) -> tuple[floa
 # -------------------------------------------------------------------------------------------- the model
 
 
+def use_shape(part: str, smoke: bool) -> None:
+    """Set SHAPE to the part's model: Gemma 3 1B's for the gemma part, else the 8B Llama's (--smoke: tiny)."""
+    SHAPE.clear()
+    if part in GEMMA_PARTS:
+        SHAPE.update(SMOKE_GEMMA_SHAPE if smoke else GEMMA_SHAPE)
+    else:
+        SHAPE.update(SMOKE_SHAPE if smoke else LLAMA_SHAPE)
+
+
 def model_config() -> dict:
-    """LlamaConfig arguments of the saved model, less max_position_embeddings (also what a saved dir must match)."""
-    return dict(
+    """``AutoConfig.for_model`` arguments of SHAPE's saved model, less max_position_embeddings (also what a
+    saved dir must match)."""
+    common = dict(
+        model_type="gemma3_text" if "window" in SHAPE else "llama",
         vocab_size=SHAPE["vocab"],
         hidden_size=SHAPE["hidden"],
         intermediate_size=SHAPE["inter"],
@@ -150,22 +193,42 @@ def model_config() -> dict:
         num_attention_heads=SHAPE["heads"],
         num_key_value_heads=SHAPE["kv_heads"],
         head_dim=SHAPE["head_dim"],
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        tie_word_embeddings=False,
         use_cache=False,
         dtype="bfloat16",
+    )
+    if "window" not in SHAPE:
+        return dict(
+            common,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            tie_word_embeddings=False,
+        )
+    return dict(  # Gemma 3 1B's: tied embeddings, GeGLU, soft-capping off, five sliding layers per full one
+        common,
+        rms_norm_eps=1e-6,
+        sliding_window=SHAPE["window"],
+        sliding_window_pattern=SHAPE["full_every"],
+        query_pre_attn_scalar=SHAPE["head_dim"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        tie_word_embeddings=True,
     )
 
 
 def saved_model_dir() -> str:
-    """The saved random model's HF dir (the smoke shape has its own, so neither overwrites the other)."""
-    return os.path.join(MODEL_ROOT, "llama-smoke-shape" if DEVICE == "cpu" else "llama-8b-shape")
+    """SHAPE's saved random model's HF dir (each shape has its own, so none overwrites another)."""
+    name = "gemma3-1b" if "window" in SHAPE else "llama-8b"
+    return os.path.join(
+        MODEL_ROOT, f"{name.split('-')[0]}-smoke-shape" if DEVICE == "cpu" else f"{name}-shape"
+    )
 
 
-def ensure_saved_model(longest: int) -> None:
-    """Orchestrator: unless this machine's saved dir matches and covers ``longest`` positions, write it in a
-    child process (which frees its device memory on exit) and wait for it, before any worker is spawned."""
+def ensure_saved_model(longest: int, part: str) -> None:
+    """Orchestrator: unless this machine's saved dir of ``part``'s shape matches and covers ``longest``
+    positions, write it in a child process (which frees its device memory on exit) and wait for it, before
+    any worker is spawned."""
     try:
         with open(os.path.join(saved_model_dir(), "config.json")) as f:
             saved = json.load(f)
@@ -177,14 +240,15 @@ def ensure_saved_model(longest: int) -> None:
         return
     t0 = time.perf_counter()
     cmd = [sys.executable, os.path.abspath(__file__), "--write-model", str(max(MAX_POSITIONS, longest))]
-    subprocess.run([*cmd, *(["--smoke"] if DEVICE == "cpu" else [])], check=True)
+    subprocess.run([*cmd, "--part", part, *(["--smoke"] if DEVICE == "cpu" else [])], check=True)
     print(f"wrote {saved_model_dir()} in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def write_saved_model(positions: int) -> None:
-    """The random model (seed 0) as a bf16 safetensors HF dir, built on DEVICE; renamed into place when complete."""
+    """SHAPE's random model (seed 0) as a bf16 safetensors HF dir, built on DEVICE; renamed into place when
+    complete."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
 
@@ -193,8 +257,9 @@ def write_saved_model(positions: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted write
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
+    config = AutoConfig.for_model(**model_config(), max_position_embeddings=positions)
     with torch.device(DEVICE):
-        model = LlamaForCausalLM(LlamaConfig(**model_config(), max_position_embeddings=positions))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(tmp)
     make_bpe_tokenizer().save_pretrained(tmp)  # for the trainer service and TRL: ids are a vocab subset
     shutil.rmtree(path, ignore_errors=True)  # a dir that did not match
@@ -346,21 +411,33 @@ def trl_args(config_cls, a, **kw):
 
 
 def profile_step(step) -> str:
-    """One step under torch.profiler: the top GPU kernels by total time, and the step's GPU busy time."""
+    """One step under torch.profiler: the step's wall and GPU busy time, the top GPU kernels by total time, and
+    the top host ops by self CPU time (a step whose GPU idles waits on them: Python, launches, syncs)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    events = [e for e in averages if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events)
     events.sort(key=lambda e: -e.self_device_time_total)
-    lines = [f"GPU busy {total / 1e3:.0f} ms in {sum(e.count for e in events)} kernels; top 25 by self time:"]
+    lines = [
+        f"step {wall * 1e3:.0f} ms under the profiler; GPU busy {total / 1e3:.0f} ms in "
+        f"{sum(e.count for e in events)} kernels; top 25 by self time:"
+    ]
     for e in events[:25]:
         share = e.self_device_time_total / total
         lines.append(f"  {e.self_device_time_total / 1e3:8.1f} ms {share:6.1%} x{e.count:<5d} {e.key[:110]}")
+    host = sorted((e for e in averages if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+    lines.append("top 15 host ops by self CPU time (total, per call):")
+    for e in host[:15]:
+        per = e.self_cpu_time_total / max(e.count, 1)
+        lines.append(f"  {e.self_cpu_time_total / 1e3:8.1f} ms {per:8.1f} us x{e.count:<5d} {e.key[:100]}")
     return "\n".join(lines)
 
 
@@ -829,7 +906,7 @@ def main() -> None:
     if a.smoke:
         global DEVICE, DTYPE, DPO_HALF
         DEVICE, DTYPE, DPO_HALF = "cpu", "float32", 24
-        SHAPE.update(SMOKE_SHAPE)
+    use_shape(a.part, a.smoke)  # a worker's (and --write-model's) part; the orchestrator sets it per part
     # --smoke: few tokens, as the Triton interpreter runs strop's kernels at ~10 s a step for 64 x 2
     a.seq = a.seq or (64 if a.smoke else 2048)
     a.batch = a.batch or (2 if a.smoke else 8)
@@ -855,7 +932,10 @@ def main() -> None:
         print("RESULT " + json.dumps(asdict(res)), flush=True)
         return
     parts = {part: part_points(part, a) for part in a.parts.split(",")}
-    ensure_saved_model(max(seq for points in parts.values() for seq, _ in points))
+    for family in ({p for p in parts if p in GEMMA_PARTS}, {p for p in parts if p not in GEMMA_PARTS}):
+        if family:
+            use_shape(min(family), a.smoke)
+            ensure_saved_model(max(seq for p in family for seq, _ in parts[p]), min(family))
     results: list[Result] = []
     for part, points in parts.items():
         for system in a.systems.split(","):
