@@ -139,7 +139,7 @@ def _add_train(sub) -> None:
         "--parallelism",
         default="ddp",
         choices=[m.value.lower() for m in Parallelism if m is not Parallelism.UNSPECIFIED],
-        help="--num-devices > 1: ddp (a whole base a device) or fsdp (FSDP2: the 16-bit base sharded)",
+        help="--num-devices > 1: ddp (a whole base a device) or fsdp (FSDP2: the base sharded, 16-bit or 4-bit)",
     )
     p.add_argument("--save-adapter", default="", help="also save the adapter under this artifact id")
     p.add_argument(

@@ -68,7 +68,7 @@ class Parallelism(enum.StrEnum):
 
     UNSPECIFIED = "UNSPECIFIED"  # DDP
     DDP = "DDP"  # every rank holds the whole base; the adapters' gradients are averaged
-    FSDP = "FSDP"  # FSDP2: the frozen 16-bit base sharded over the ranks (a base over one device's memory)
+    FSDP = "FSDP"  # FSDP2: the frozen base (16-bit or 4-bit) and the adapters sharded over the ranks
 
 
 class MemoryMode(enum.StrEnum):

@@ -209,6 +209,8 @@ def _peer_failure(world_size: int) -> RankFailure | None:
 def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_root: Path, work_dir: Path,
         events_path: str = "", stop_file: Path | None = None) -> JobState:  # fmt: skip
     """Train ``spec`` as this rank; returns how the job ended (every rank returns the same state)."""
+    import torch
+
     from strop.trainer_svc.core import fsdp, job_config, models, training
     from strop.trainer_svc.core.datasets import Limits, validate_jsonl
     from strop.trainer_svc.core.jobs import failure_of, publish_checkpoint
@@ -251,6 +253,10 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
         fsdp.check_supported(cfg, loaded.facts)
         if sharded:
             fsdp.prepare(device)
+            models.loaded_base_quant(
+                loaded
+            )  # the adapter's metadata, read from the base before it is sharded
+            fsdp.shard_4bit_as_compute_dtype(loaded.model, getattr(torch, loaded.facts.compute_dtype))
         resume_dir = None
         if spec.resume_from:
             artifacts.verify(spec.resume_from)
@@ -285,7 +291,16 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
                 )
                 emit(checkpoint=ckpt)
 
-        sinks = training.Sinks(on_step=on_step, on_checkpoint=on_checkpoint, on_start=lambda total: None)
+        def on_start(total: int) -> None:
+            if sharded:  # the engine has sharded the model by now
+                held, whole = fsdp.base_bytes_held(loaded.model)
+                emit(
+                    log=LogMessage(
+                        "info", f"FSDP2: this rank holds {held:,} of the frozen base's {whole:,} bytes"
+                    )
+                )
+
+        sinks = training.Sinks(on_step=on_step, on_checkpoint=on_checkpoint, on_start=on_start)
         callbacks = [_stop_agreement(control, device, rank.world_size, stop_file)]
         # one scratch directory a rank: a rank that finishes first removes its own, never one rank 0 still reads
         scratch = work_dir / f"rank-{rank.rank}"

@@ -217,8 +217,8 @@ def nf4_digest(packed: torch.Tensor, qs) -> str:
 
     h = hashlib.sha256()
     parts = [packed, qs.absmax] + ([qs.state2.absmax, qs.offset] if qs.nested else [])
-    for t in parts:
-        h.update(t.detach().contiguous().cpu().reshape(-1).numpy().tobytes())
+    for t in parts:  # as bytes, whatever the codes' storage dtype (bnb_4bit_quant_storage)
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

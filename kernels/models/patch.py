@@ -156,8 +156,24 @@ def _is_lora(m: nn.Module) -> bool:
     return hasattr(m, "lora_A") and hasattr(m, "base_layer") and hasattr(m, "scaling")
 
 
-def _base_reason(base: nn.Module) -> str | None:
+def _base_weight(base: nn.Module) -> torch.Tensor | None:
+    """``base.weight``, with its NF4 quant state where FSDP2 has gathered it as a plain tensor.
+
+    ``fully_shard`` holds a bitsandbytes ``Params4bit`` as a sharded DTensor, and the whole weight it gathers for
+    a forward or backward is a plain tensor without the ``quant_state`` (absmax, block size, shape) beside the
+    codes. ``Linear4bit`` keeps its own reference to that state for this case (bitsandbytes' forward restores it
+    with ``fix_4bit_weight_quant_state_from_module``); the fast path puts it back the same way, on the gathered
+    tensor, which FSDP2 keeps from step to step.
+    """
     w = getattr(base, "weight", None)
+    qs = getattr(base, "quant_state", None)
+    if w is not None and qs is not None and getattr(w, "quant_state", None) is None:
+        w.quant_state = qs
+    return w
+
+
+def _base_reason(base: nn.Module) -> str | None:
+    w = _base_weight(base)
     qs = getattr(w, "quant_state", None)
     if qs is not None:
         if qs.quant_type != "nf4":
@@ -194,7 +210,7 @@ def _spec(layer: nn.Module, x: torch.Tensor | None = None) -> LoRAProj | str:
     reason = _base_reason(base)
     if reason:
         return reason
-    proj = LoRAProj(base.weight, None, None, 1.0, base.bias)
+    proj = LoRAProj(_base_weight(base), None, None, 1.0, base.bias)
     if _is_lora(layer) and not layer.merged and not layer.disable_adapters:
         active = [a for a in layer.active_adapters if a in layer.lora_A]
         if len(active) > 1:
@@ -217,7 +233,7 @@ def _spec(layer: nn.Module, x: torch.Tensor | None = None) -> LoRAProj | str:
 
 
 def _dtype_reason(base: nn.Module, proj: LoRAProj, dtype: torch.dtype) -> str | None:
-    if getattr(base.weight, "quant_state", None) is not None:
+    if getattr(proj.base, "quant_state", None) is not None:
         # bitsandbytes' Linear4bit computes in compute_dtype, which it sets to x's dtype on its first
         # fp32/bf16 call (Linear4bit.set_compute_type).
         cdt = base.compute_dtype if getattr(base, "compute_type_is_set", False) else None
@@ -225,8 +241,8 @@ def _dtype_reason(base: nn.Module, proj: LoRAProj, dtype: torch.dtype) -> str | 
             cdt = dtype if dtype in (torch.float32, torch.bfloat16) else base.compute_dtype
         if (cdt or dtype) != dtype:
             return f"without autocast Linear4bit computes in {cdt}, the input is {dtype}"
-    elif base.weight.dtype != dtype:
-        return f"without autocast the base weight is {base.weight.dtype}, the input {dtype}"
+    elif proj.base.dtype != dtype:
+        return f"without autocast the base weight is {proj.base.dtype}, the input {dtype}"
     if proj.lora_A is not None and (proj.lora_A.dtype != dtype or proj.lora_B.dtype != dtype):
         return f"without autocast PEFT computes the LoRA term in {proj.lora_A.dtype}, the input is {dtype}"
     return None

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -544,20 +545,67 @@ def test_fsdp2_losses_and_adapter_equal_one_process_on_the_global_batch(runs, mo
     assert (ckpt_dir / "pytorch_model_fsdp.bin").is_file()  # written by transformers' FSDP path only
 
 
-def test_fsdp_is_refused_on_a_4bit_base_and_on_one_device_before_the_job_starts(client, ddp_session):
-    from strop.client import FailedPreconditionError, InvalidArgumentError, LoraConfig, Parallelism
+def test_fsdp2_shards_a_4bit_base_and_trains_what_ddp_trains(runs, model_root):
+    """A prequantized NF4 base (``tiny-llama-4bit``, double quant) under FSDP2 over 2 gloo ranks against DDP over 2
+    ranks of the same batches, with the bounds of the 16-bit case: the codes are relabelled as fp32 words
+    (``fsdp.shard_4bit_as_compute_dtype``), sharded and gathered as bytes, so each rank dequantizes exactly the
+    weights a DDP rank does; gradients are reduce-scattered instead of all-reduced (one rounding an element either
+    way). Each rank must hold about half the base, the 4-bit codes included (accelerate leaves uint8 codes out of
+    the sharding: every rank would hold them whole, 74% of this base), and the adapter's metadata must describe the
+    base as loaded (its codes' digest read before sharding).
+
+    Against DDP, not one process: on this 4-bit base, DDP (and FSDP) over 2 ranks of batch 1 and one process of
+    batch 2 end 0.2% apart in the adapter (losses within 1e-5), where the 16-bit base agrees to 5e-7; the model's
+    own gradients are batch-independent here to 1.3e-7 (checked by hand), so the gap is in the 4-bit training
+    setup, not in FSDP (an open finding)."""
+    import torch
+
+    tmp, config, initial = runs
+    specs = {"job-ddp-4bit": _spec("job-ddp-4bit", 1), "job-fsdp-4bit": _spec("job-fsdp-4bit", 1)}
+    for spec in specs.values():
+        spec["model"].update(model_path="tiny-llama-4bit", quantization="UNSPECIFIED")
+        spec["config"].update(num_devices=2)
+    specs["job-fsdp-4bit"]["config"].update(parallelism="FSDP")
+    procs = {
+        job: _launch(tmp, model_root, job, batch_size=1, nproc=2, spec=spec) for job, spec in specs.items()
+    }
+    for job, proc in procs.items():
+        assert proc.wait(timeout=300) == 0, (tmp / f"{job}.log").read_text()[-4000:]
+    ddp, fsdp = _events(tmp, "job-ddp-4bit"), _events(tmp, "job-fsdp-4bit")
+    (held,) = [
+        e["log"]["message"] for e in fsdp if e["log"] and e["log"]["message"].startswith("FSDP2: this rank")
+    ]
+    mine, whole = (int(x.replace(",", "")) for x in re.findall(r"[\d,]+(?= of| bytes)", held))
+    # 2 ranks: half of every tensor, each dim 0 padded to an even length at most
+    assert whole > 0 and mine <= 0.5 * whole + 4 * config["vocab_size"], held
+    loss_bound, update_bound = _bounds(config)
+    losses_ddp = [e["step"]["loss"] for e in ddp if e["step"]]
+    losses_fsdp = [e["step"]["loss"] for e in fsdp if e["step"]]
+    assert len(losses_fsdp) == len(losses_ddp) == STEPS
+    worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses_fsdp, losses_ddp, strict=True))
+    assert worst_loss <= loss_bound, (losses_fsdp, losses_ddp, loss_bound)
+    adapter_ddp, meta_ddp = _adapter(tmp, ddp)
+    adapter_fsdp, meta_fsdp = _adapter(tmp, fsdp)
+    assert meta_fsdp == {**meta_ddp, "job_id": "job-fsdp-4bit"}
+    assert meta_ddp["base_quant.quant_storage"] == "uint8" and meta_ddp["base_quant.digest"]
+
+    def norm(tensors) -> float:
+        return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
+
+    names = sorted(adapter_ddp)
+    assert names == sorted(initial)
+    update = norm(adapter_ddp[n] - initial[n] for n in names)
+    delta = norm(adapter_fsdp[n] - adapter_ddp[n] for n in names)
+    assert update > 0.01 * norm(initial.values()), (update, norm(initial.values()))
+    assert delta / update <= update_bound, (delta / update, update_bound)
+
+
+def test_fsdp_is_refused_on_one_device_before_the_job_starts(client, ddp_session):
+    from strop.client import InvalidArgumentError, Parallelism
 
     session_id, dataset_id = ddp_session
     with pytest.raises(InvalidArgumentError, match="parallelism FSDP shards the base over num_devices > 1"):
         list(
             client.train(session_id, dataset_id, _service_config(parallelism=Parallelism.FSDP, num_devices=1))
         )
-    s4 = client.load_model("tiny-llama-4bit")
-    client.attach_lora(s4.session_id, LoraConfig(**LORA))
-    try:
-        with pytest.raises(FailedPreconditionError, match=r"needs a 16-bit base; this session's is 4-bit"):
-            list(client.train(s4.session_id, dataset_id, _service_config(parallelism=Parallelism.FSDP)))
-        assert client.list_jobs(s4.session_id) == []
-    finally:
-        client.close_session(s4.session_id)
     assert client.list_jobs(session_id) == []  # nothing was created

@@ -1,4 +1,4 @@
-"""FSDP2 for a job on ranks (``TrainConfig.parallelism`` FSDP): the frozen 16-bit base sharded over the ranks.
+"""FSDP2 for a job on ranks (``TrainConfig.parallelism`` FSDP): the frozen base (16-bit or 4-bit) sharded over the ranks.
 
 DDP (the default) keeps a whole copy of the base on every device, so the base must fit one device. With FSDP2
 (``torch.distributed.fsdp.fully_shard``) each rank holds 1/N of every parameter, the frozen base and the LoRA
@@ -20,7 +20,19 @@ Four things strop adds to the engines:
 - resuming with an optimizer that keeps no state (plain SGD) skips accelerate's optimizer load, which cannot
   handle an empty state (``skip_stateless_optimizer_load``).
 
-4-bit bases are refused (``check_supported``): see its docstring.
+4-bit bases (bitsandbytes NF4) are sharded too. fully_shard turns each ``Params4bit`` into a DTensor sharded on
+dim 0, which splits the packed codes evenly (the codes are bytes; the gathered tensor is the same bytes) and drops
+the quant state (absmax, block size, shape) beside them; ``Linear4bit`` keeps its own reference to that state, from
+which bitsandbytes' forward (and strop's fast path, ``kernels.models.patch._base_weight``) puts it back on the
+gathered weight. What stops the engines is the storage dtype: accelerate leaves uint8 ``Params4bit`` out of the
+sharding (``ignored_params``: every rank would still hold the whole 4-bit base), and FSDP2's mixed precision casts
+every sharded parameter to the compute dtype for its all-gather, which would turn packed bytes into numbers.
+``shard_4bit_as_compute_dtype`` therefore re-labels each layer's packed bytes as words of the compute dtype (a
+view, no copy: the same bytes, which bitsandbytes and strop's kernels read as bytes whatever the storage dtype, as
+``bnb_4bit_quant_storage`` does at quantization time); FSDP2 then shards and gathers them with the rest and casts
+nothing. As with a 16-bit base, every rank loads the whole base onto its device before sharding it, so the base must
+fit one device as loaded; the steps then hold 1/N of it (``base_bytes_held``) beside their activations. (Findings behind this: accelerate
+issue #3983 and PR #3987, which added the exclusion; bitsandbytes PR #970, which added ``quant_storage``.)
 """
 
 from __future__ import annotations
@@ -34,32 +46,64 @@ def is_fsdp(cfg: TrainConfig) -> bool:
 
 
 def check_supported(cfg: TrainConfig, facts: ModelFacts) -> None:
-    """Refuse FSDP where it cannot run: on one device, or on a 4-bit base.
-
-    4-bit bases: bitsandbytes' ``Params4bit`` keeps its NF4 codes as a uint8 tensor with a quant state (absmax,
-    block size, shape) beside it. ``fully_shard`` turns every parameter into a DTensor sharded on dim 0, which
-    drops the quant state and splits the packed codes, so the layer cannot dequantize; accelerate therefore leaves
-    uint8 ``Params4bit`` out of the sharding (``ignored_params``), i.e. every rank still holds the whole 4-bit
-    base and FSDP saves nothing over DDP. Sharding them needs the base quantized with a floating
-    ``bnb_4bit_quant_storage`` (the codes stored as bf16 words, which FSDP can shard) and a quant state rebuilt
-    on each rank; strop's NF4 path (quantized on load with uint8 storage, its kernels and its exporter reading the
-    uint8 codes) does not do that, so the combination is refused rather than run without its point. (The same
-    findings: accelerate issue #3983 and PR #3987, which added the exclusion; axolotl PR #2992, which patches
-    FSDP2's all-gather to rebuild ``Params4bit``; bitsandbytes PR #970, which added ``quant_storage``.)
-    """
+    """Refuse FSDP where it cannot run: on one device."""
     if cfg.parallelism is not Parallelism.FSDP:
         return
     if cfg.num_devices <= 1:
         raise InvalidArgument(
             f"parallelism FSDP shards the base over num_devices > 1; got num_devices {cfg.num_devices}"
         )
-    if facts.quantization != "none":
-        raise FailedPrecondition(
-            f"parallelism FSDP needs a 16-bit base; this session's is 4-bit ({facts.quantization}): FSDP2 cannot "
-            "shard bitsandbytes' uint8 NF4 weights (their quant state does not survive fully_shard's DTensor "
-            "conversion), so every rank would still hold the whole base; use DDP (each rank holds the 4-bit base) "
-            "or load the base with quantization NONE"
-        )
+
+
+def shard_4bit_as_compute_dtype(model, dtype) -> int:
+    """Store each bitsandbytes 4-bit layer's packed codes as ``dtype`` words (a view of the same bytes), so that
+    FSDP2 shards them and its mixed precision (which casts to ``dtype``) leaves them alone; the number of layers
+    relabelled. Before ``fully_shard``; every rank the same.
+
+    Raises:
+        FailedPrecondition: A layer's packed bytes do not fill whole ``dtype`` words.
+    """
+    import torch
+
+    try:
+        from bitsandbytes.nn import Linear4bit, Params4bit
+    except ImportError:  # no bitsandbytes: no 4-bit layers either
+        return 0
+    count = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, Linear4bit) or mod.weight.dtype == dtype:
+            continue
+        w = mod.weight
+        qs = w.quant_state
+        data = w.data.reshape(-1).view(torch.uint8)
+        width = torch.empty((), dtype=dtype).element_size()
+        if data.numel() % width:
+            raise FailedPrecondition(
+                f"FSDP cannot shard {name}: its {data.numel()} bytes of NF4 codes are not whole {dtype} words"
+            )
+        mod.weight = Params4bit(
+            data.view(dtype).reshape(-1, 1), requires_grad=False, quant_state=qs, blocksize=qs.blocksize,
+            compress_statistics=qs.nested, quant_type=qs.quant_type, quant_storage=dtype, module=mod,
+            bnb_quantized=True,
+        )  # fmt: skip
+        mod.quant_state, mod.quant_storage = qs, dtype  # what the forward restores the gathered weight from
+        count += 1
+    return count
+
+
+def base_bytes_held(model) -> tuple[int, int]:
+    """(bytes of the frozen base this rank holds, bytes of the whole frozen base), counting each sharded tensor's
+    local shard against its global size: the measure of what FSDP2 sharded."""
+    from torch.distributed.tensor import DTensor
+
+    held = whole = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        held += local.numel() * local.element_size()
+        whole += p.numel() * p.element_size()
+    return held, whole
 
 
 def training_args(cfg: TrainConfig, model) -> dict:

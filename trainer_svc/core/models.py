@@ -438,7 +438,7 @@ def write_nf4_stats(model, path: Path) -> int:
     for name, mod in model.named_modules():
         if not isinstance(mod, Linear4bit):
             continue
-        qs = mod.weight.quant_state
+        qs = quant_state_of(mod)
         key = name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
         out[key + ".absmax"] = qs.absmax.detach().cpu().contiguous()
         if qs.nested:
@@ -462,8 +462,22 @@ def adapter_metadata(loaded: LoadedModel) -> dict[str, str]:
         "base_quantization": loaded.facts.quantization,
         "base_architecture": loaded.facts.architecture,
         "r": str(loaded.lora.r if loaded.lora else 0),
-        **base_quant_metadata(loaded.model),
+        **loaded_base_quant(loaded),
     }
+
+
+def loaded_base_quant(loaded: LoadedModel) -> dict[str, str]:
+    """``base_quant_metadata`` of the session's model as loaded, computed once: FSDP shards the base later (the
+    digest then has only a rank's share of the codes to read) and relabels the codes' storage dtype."""
+    if "base_quant" not in loaded.extra:
+        loaded.extra["base_quant"] = base_quant_metadata(loaded.model)
+    return loaded.extra["base_quant"]
+
+
+def quant_state_of(mod):
+    """A ``Linear4bit``'s quant state: its weight's, or (under FSDP2, whose sharded weight does not carry it) the
+    module's own reference to the same state."""
+    return getattr(mod.weight, "quant_state", None) or mod.quant_state
 
 
 def base_quant_metadata(model) -> dict[str, str]:
@@ -479,7 +493,7 @@ def base_quant_metadata(model) -> dict[str, str]:
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear4bit)]
     if not layers:
         return {}
-    qs = layers[0][1].weight.quant_state
+    qs = quant_state_of(layers[0][1])
     first = layers[0][0].removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
     return {
         **_nf4_digest(first, layers[0][1].weight),
@@ -506,13 +520,15 @@ def _nf4_digest(name: str, weight) -> dict[str, str]:
     """
     import hashlib
 
+    import torch
+
     qs = weight.quant_state
     if getattr(qs, "packing_format_for_cpu", False):
         return {}
     h = hashlib.sha256()
     parts = [weight.data, qs.absmax] + ([qs.state2.absmax, qs.offset] if qs.nested else [])
-    for t in parts:
-        h.update(t.detach().contiguous().cpu().reshape(-1).numpy().tobytes())
+    for t in parts:  # as bytes: the codes' storage dtype need not be uint8 (bnb_4bit_quant_storage)
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return {"base_quant.digest_tensor": name, "base_quant.digest": h.hexdigest()}
 
 
