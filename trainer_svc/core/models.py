@@ -172,6 +172,8 @@ def load_model(req: LoadModelRequest, *, model_root: Path, device: str) -> Loade
         raise InvalidArgument(f"cannot load model {req.model_path!r}: {exc}") from None
     model.config.use_cache = False
     keep_4bit_layers_trainable(model)
+    if existing == "bnb-4bit":
+        compute_prequantized_in(model, dtype)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
@@ -214,6 +216,29 @@ def keep_4bit_layers_trainable(model) -> int:
             module.support_avx512bf16_for_cpu = False
             n += 1
     return n
+
+
+def compute_prequantized_in(model, dtype) -> int:
+    """Make a prequantized 4-bit model compute in ``dtype``, the session's compute dtype; returns how many
+    16-bit tensors were cast.
+
+    transformers loads a prequantized bitsandbytes checkpoint's other weights (embeddings, norms, the head) in
+    the dtype they were saved in and keeps its ``Linear4bit`` layers on the saved ``bnb_4bit_compute_dtype``,
+    whatever ``dtype`` (and the BitsAndBytesConfig) asks (transformers 5.17; its issue #47378). A bf16 checkpoint
+    loaded "in float32" then runs bf16 activations throughout while the session reports float32. The 4-bit codes
+    and their scales are left as they are; buffers too (RoPE's inv_freq is fp32 by design).
+    """
+    from bitsandbytes.nn import Linear4bit, Params4bit
+
+    for mod in model.modules():
+        if isinstance(mod, Linear4bit):
+            mod.compute_dtype, mod.compute_type_is_set = dtype, True
+    cast = 0
+    for p in model.parameters():
+        if not isinstance(p, Params4bit) and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            cast += 1
+    return cast
 
 
 def repacked_4bit_layers(model) -> list[str]:
