@@ -609,3 +609,27 @@ def test_fsdp_is_refused_on_one_device_before_the_job_starts(client, ddp_session
             client.train(session_id, dataset_id, _service_config(parallelism=Parallelism.FSDP, num_devices=1))
         )
     assert client.list_jobs(session_id) == []  # nothing was created
+
+
+def test_fsdp_jobs_gather_parameters_as_stored_where_accelerate_would_cast_them_to_bf16():
+    """What a bf16 FSDP job on GPUs gets from accelerate (its policy for ``mixed_precision="bf16"``) and what
+    ``fsdp.gather_as_stored`` makes of it before training shards the model: no cast, so the fp32 adapters train
+    under autocast and reduce in fp32 as in one process (the H200 check of the difference is in
+    ``tests/kernels/test_fsdp_nf4.py``). The CPU tier's FSDP jobs run without mixed precision, where both agree."""
+    import types
+
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from strop.trainer_svc.core import fsdp
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16  # accelerate's, for a bf16 job
+    trainer = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin))
+    )
+    assert fsdp.gather_as_stored(trainer)
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (None, None, None)
+    assert not fsdp.gather_as_stored(types.SimpleNamespace(accelerator=types.SimpleNamespace(state=object())))

@@ -19,14 +19,17 @@ Four things strop adds to the engines:
 - strop's gradient guard reduces each tensor's max |grad| over the shards (``guard.py``).
 - resuming with an optimizer that keeps no state (plain SGD) skips accelerate's optimizer load, which cannot
   handle an empty state (``skip_stateless_optimizer_load``).
+- parameters are gathered as stored (``gather_as_stored``), not cast to bf16 as accelerate's policy for a bf16
+  job would: the adapters stay fp32 under autocast and their gradients reduce in fp32, as in one process.
 
 4-bit bases (bitsandbytes NF4) are sharded too. fully_shard turns each ``Params4bit`` into a DTensor sharded on
 dim 0, which splits the packed codes evenly (the codes are bytes; the gathered tensor is the same bytes) and drops
 the quant state (absmax, block size, shape) beside them; ``Linear4bit`` keeps its own reference to that state, from
 which bitsandbytes' forward (and strop's fast path, ``kernels.models.patch._base_weight``) puts it back on the
 gathered weight. What stops the engines is the storage dtype: accelerate leaves uint8 ``Params4bit`` out of the
-sharding (``ignored_params``: every rank would still hold the whole 4-bit base), and FSDP2's mixed precision casts
-every sharded parameter to the compute dtype for its all-gather, which would turn packed bytes into numbers.
+sharding (``ignored_params``: every rank would still hold the whole 4-bit base), and an FSDP2 mixed-precision
+policy casts every sharded parameter to its ``param_dtype`` for the all-gather, which would turn packed bytes of
+another dtype into numbers.
 ``shard_4bit_as_compute_dtype`` therefore re-labels each layer's packed bytes as words of the compute dtype (a
 view, no copy: the same bytes, which bitsandbytes and strop's kernels read as bytes whatever the storage dtype, as
 ``bnb_4bit_quant_storage`` does at quantization time); FSDP2 then shards and gathers them with the rest and casts
@@ -121,6 +124,27 @@ def training_args(cfg: TrainConfig, model) -> dict:
     if layers:
         config.update(auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_layer_cls_to_wrap=layers)
     return {"fsdp": "full_shard", "fsdp_config": config}
+
+
+def gather_as_stored(trainer) -> bool:
+    """Make FSDP2 gather every parameter in the dtype it is stored in (``MixedPrecisionPolicy()``) for ``trainer``;
+    True where the trainer shards with FSDP2. Before ``train()``, which shards the model.
+
+    For a bf16 job accelerate sets ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``: the fp32 adapters
+    are rounded to bf16 before each step's matmuls and their gradients reduced in bf16. One process and DDP keep
+    the adapters fp32 under autocast (which rounds inside each matmul) and reduce fp32 gradients; measured on the
+    H200 (``tests/kernels/test_fsdp_nf4.py``), accelerate's policy moves the LoRA gradients by 2% where the gather
+    as stored gives them bitwise. Autocast (the Trainer's, for bf16) still computes in bf16, and the 4-bit codes,
+    stored as compute-dtype words, are gathered as they are either way.
+    """
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        return False
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin.mixed_precision_policy = MixedPrecisionPolicy()
+    return True
 
 
 def enable_on_cpu() -> None:

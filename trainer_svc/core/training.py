@@ -198,6 +198,7 @@ def build_trainer(
     from strop.kernels.models.hf import keep_trainable_fp32
 
     keep_trainable_fp32(loaded.model)  # TRL casts adapters to bf16 on 4-bit bases
+    fsdp.gather_as_stored(trainer)  # an FSDP job computes what one process computes
     trainer.add_callback(make_guard(loaded.model))
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
