@@ -11,8 +11,8 @@ which DDP keeps equal), the scaling efficiency tokens/s(N) / (N · tokens/s(1)) 
     python3 bench/ddp_bench.py --devices 2 --json $OUT/ddp.json      # on a node with >= 2 GPUs (NCCL)
     python3 bench/ddp_bench.py --smoke                               # the harness on the CPU: gloo, tiny shape
 
-``--fsdp`` adds a third point: the same ``--devices`` ranks with ``parallelism`` FSDP (FSDP2: the bf16 base sharded
-over the ranks; strop refuses FSDP on a 4-bit base, so this point is bf16 LoRA whatever ``--bf16`` says). With
+``--fsdp`` adds a third point: the same ``--devices`` ranks with ``parallelism`` FSDP (FSDP2: the base, NF4 or bf16
+as the workload's, sharded over the ranks, its 4-bit codes included). With
 ``--device-cap-gib G`` every rank of every point may use only G GiB of its GPU
 (``torch.cuda.set_per_process_memory_fraction``, set by a ``sitecustomize`` the ranks import), which makes the
 base "over one device's budget": pick G under the bf16 base's size (16 GB for the 8B shape) and above its
@@ -55,7 +55,7 @@ def _spec(job_id: str, a, model_path: str, fsdp: bool = False, n: int = 1) -> di
         "job_id": job_id,
         "model": {
             "model_path": model_path,
-            "quantization": "NONE" if a.bf16 or a.smoke or fsdp else "NF4",
+            "quantization": "NONE" if a.bf16 or a.smoke else "NF4",
             "dtype": "float32" if a.smoke else "bfloat16",
             "max_seq_length": a.seq,
         },
@@ -139,7 +139,7 @@ def main() -> int:
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="the harness on the CPU: gloo, tiny shape")
-    p.add_argument("--fsdp", action="store_true", help="add the FSDP2 point (--devices ranks, bf16 base)")
+    p.add_argument("--fsdp", action="store_true", help="add the FSDP2 point (--devices ranks, the same base)")
     p.add_argument("--device-cap-gib", type=float, default=0.0, help="GPU memory each rank may use (0: all)")
     a = p.parse_args()
     if a.smoke:
@@ -161,15 +161,7 @@ def main() -> int:
     for pt in points[1:]:
         if one and pt.get("tokens_per_s"):
             pt["efficiency"] = round(pt["tokens_per_s"] / (pt["devices"] * one), 3)
-    what = (
-        "fp32 LoRA (tiny shape)"
-        if a.smoke
-        else "bf16 LoRA"
-        if a.bf16
-        else "QLoRA (FSDP point: bf16 LoRA)"
-        if a.fsdp
-        else "QLoRA"
-    )
+    what = "fp32 LoRA (tiny shape)" if a.smoke else "bf16 LoRA" if a.bf16 else "QLoRA"
     print(
         f"{what}, {a.batch} x {a.seq} tokens per device per step, {'smoke (CPU, gloo)' if a.smoke else 'CUDA, NCCL'}"
     )
