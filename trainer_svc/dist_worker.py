@@ -250,7 +250,7 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
         cfg = job_config.with_defaults(spec.config, session_max_len=loaded.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds.format, ds.rows, loaded.facts.vocab_size)
         sharded = fsdp.is_fsdp(cfg) and rank.world_size > 1
-        fsdp.check_supported(cfg, loaded.facts)
+        fsdp.check_supported(cfg)
         if sharded:
             fsdp.prepare(device)
             models.loaded_base_quant(

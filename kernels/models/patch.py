@@ -172,8 +172,8 @@ def _base_weight(base: nn.Module) -> torch.Tensor | None:
     return w
 
 
-def _base_reason(base: nn.Module) -> str | None:
-    w = _base_weight(base)
+def _base_reason(base: nn.Module, w: torch.Tensor | None) -> str | None:
+    """Why the fast path cannot run ``base`` (whose weight, from ``_base_weight``, is ``w``), or None."""
     qs = getattr(w, "quant_state", None)
     if qs is not None:
         if qs.quant_type != "nf4":
@@ -207,10 +207,11 @@ def _adapter_reason(layer: nn.Module, adapter: str) -> str | None:
 def _spec(layer: nn.Module, x: torch.Tensor | None = None) -> LoRAProj | str:
     """The layer's projection as a ``LoRAProj`` for this call, or the reason PEFT/HF must run it."""
     base = layer.get_base_layer() if _is_lora(layer) else layer
-    reason = _base_reason(base)
+    w = _base_weight(base)
+    reason = _base_reason(base, w)
     if reason:
         return reason
-    proj = LoRAProj(_base_weight(base), None, None, 1.0, base.bias)
+    proj = LoRAProj(w, None, None, 1.0, base.bias)
     if _is_lora(layer) and not layer.merged and not layer.disable_adapters:
         active = [a for a in layer.active_adapters if a in layer.lora_A]
         if len(active) > 1:

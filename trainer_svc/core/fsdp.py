@@ -1,4 +1,4 @@
-"""FSDP2 for a job on ranks (``TrainConfig.parallelism`` FSDP): the frozen base (16-bit or 4-bit) sharded over the ranks.
+"""FSDP2 for a job on ranks (``TrainConfig.parallelism`` FSDP): the frozen base (16-bit or 4-bit) sharded.
 
 DDP (the default) keeps a whole copy of the base on every device, so the base must fit one device. With FSDP2
 (``torch.distributed.fsdp.fully_shard``) each rank holds 1/N of every parameter, the frozen base and the LoRA
@@ -33,22 +33,23 @@ another dtype into numbers.
 ``shard_4bit_as_compute_dtype`` therefore re-labels each layer's packed bytes as words of the compute dtype (a
 view, no copy: the same bytes, which bitsandbytes and strop's kernels read as bytes whatever the storage dtype, as
 ``bnb_4bit_quant_storage`` does at quantization time); FSDP2 then shards and gathers them with the rest and casts
-nothing. As with a 16-bit base, every rank loads the whole base onto its device before sharding it, so the base must
-fit one device as loaded; the steps then hold 1/N of it (``base_bytes_held``) beside their activations. (Findings behind this: accelerate
-issue #3983 and PR #3987, which added the exclusion; bitsandbytes PR #970, which added ``quant_storage``.)
+nothing. As with a 16-bit base, every rank loads the whole base onto its device before sharding it, so the base
+must fit one device as loaded; the steps then hold 1/N of it (``base_bytes_held``) beside their activations.
+(Findings behind this: accelerate issue #3983 and PR #3987, which added the exclusion; bitsandbytes PR #970, which
+added ``quant_storage``.)
 """
 
 from __future__ import annotations
 
 from strop.common.errors import FailedPrecondition, InvalidArgument
-from strop.common.trainer_types import ModelFacts, Parallelism, TrainConfig
+from strop.common.trainer_types import Parallelism, TrainConfig
 
 
 def is_fsdp(cfg: TrainConfig) -> bool:
     return cfg.parallelism is Parallelism.FSDP and cfg.num_devices > 1
 
 
-def check_supported(cfg: TrainConfig, facts: ModelFacts) -> None:
+def check_supported(cfg: TrainConfig) -> None:
     """Refuse FSDP where it cannot run: on one device."""
     if cfg.parallelism is not Parallelism.FSDP:
         return
@@ -60,8 +61,9 @@ def check_supported(cfg: TrainConfig, facts: ModelFacts) -> None:
 
 def shard_4bit_as_compute_dtype(model, dtype) -> int:
     """Store each bitsandbytes 4-bit layer's packed codes as ``dtype`` words (a view of the same bytes), so that
-    FSDP2 shards them and its mixed precision (which casts to ``dtype``) leaves them alone; the number of layers
-    relabelled. Before ``fully_shard``; every rank the same.
+    accelerate shards them with the rest (it leaves uint8 codes out) and a mixed-precision cast to ``dtype``, if
+    one were set, would leave them alone; the number of layers relabelled. Before ``fully_shard``; every rank the
+    same.
 
     Raises:
         FailedPrecondition: A layer's packed bytes do not fill whole ``dtype`` words.
@@ -72,14 +74,13 @@ def shard_4bit_as_compute_dtype(model, dtype) -> int:
         from bitsandbytes.nn import Linear4bit, Params4bit
     except ImportError:  # no bitsandbytes: no 4-bit layers either
         return 0
-    count = 0
+    count, width = 0, dtype.itemsize
     for name, mod in model.named_modules():
         if not isinstance(mod, Linear4bit) or mod.weight.dtype == dtype:
             continue
         w = mod.weight
         qs = w.quant_state
         data = w.data.reshape(-1).view(torch.uint8)
-        width = torch.empty((), dtype=dtype).element_size()
         if data.numel() % width:
             raise FailedPrecondition(
                 f"FSDP cannot shard {name}: its {data.numel()} bytes of NF4 codes are not whole {dtype} words"

@@ -156,7 +156,7 @@ class Jobs:
         cfg = job_config.with_defaults(config, session_max_len=sess.info.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds_info.format, rows, sess.info.facts.vocab_size)
         dist_launch.check_devices(cfg.num_devices, sess.loaded.device)
-        fsdp.check_supported(cfg, sess.info.facts)
+        fsdp.check_supported(cfg)
         if resume_from_job_id:
             self._check_resume_compatible(sess, resume_dir)
         job = JobInfo(
