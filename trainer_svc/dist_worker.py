@@ -7,7 +7,8 @@ only torchrun's ``PET_*`` variables (Kubeflow Trainer's torch runtime: ``PET_NNO
 ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``) is re-run through torchrun, which reads them. With
 none of these it trains as one process.
 
-Every rank loads the base the way a session does (``models.load_model``), attaches the same LoRA (seeded, so
+Every rank loads the base the way a session does (``models.load_model``; into host memory for a sharded job on
+GPUs, which FSDP2 moves to the device as it shards it, ``core/fsdp.py``), attaches the same LoRA (seeded, so
 every rank starts from the same adapter), validates the dataset, and trains with the single-process path's
 trainer (``training.run_training``: TRL's trainer, strop's callback, the gradient guard). DDP is TRL's and
 transformers' own, through accelerate: each rank takes every ``WORLD_SIZE``-th batch of the one shuffled order,
@@ -245,8 +246,12 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
         dataset = confine(data_root, spec.dataset_path, what="dataset path")
         with open(dataset, "rb") as f:
             ds = validate_jsonl(iter(lambda: f.read(1 << 20), b""), spec.dataset_format, Limits())
-        loaded = models.load_model(spec.model, model_root=model_root, device=device)
+        # a sharded job on accelerators loads into host memory: FSDP2 moves each layer to the device as it shards
+        load_device = fsdp.staging_device(spec.config, device, rank.world_size)
+        loaded = models.load_model(spec.model, model_root=model_root, device=device, load_device=load_device)
         models.attach_lora(loaded, spec.lora)  # seeded: the same adapter on every rank
+        if load_device != device:
+            loaded.pending_device_bytes = fsdp.device_bytes_after_sharding(loaded.model, rank.world_size)
         cfg = job_config.with_defaults(spec.config, session_max_len=loaded.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds.format, ds.rows, loaded.facts.vocab_size)
         sharded = fsdp.is_fsdp(cfg) and rank.world_size > 1

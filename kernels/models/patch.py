@@ -426,11 +426,13 @@ def _is_hf_forward(module: nn.Module, class_suffix: str) -> bool:
     return type(module).__name__.endswith(class_suffix) and "forward" not in module.__dict__
 
 
-def _kernels_can_run(model: nn.Module) -> str | None:
+def _kernels_can_run(model: nn.Module, device: str | torch.device | None) -> str | None:
     p = next(model.parameters(), None)
-    if p is None or p.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    where = torch.device(device).type if device is not None else p.device.type if p is not None else None
+    if where in (None, "cuda") or os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    return f"parameters on {p.device.type}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 in tests)"
+    what = f"the model runs on {where}" if device is not None else f"parameters on {where}"
+    return f"{what}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 in tests)"
 
 
 def patch_model(
@@ -443,6 +445,7 @@ def patch_model(
     lora_o: bool = True,
     fused_cross_entropy: bool = True,
     inplace_dx: bool = True,
+    device: str | torch.device | None = None,
 ) -> PatchReport:
     """Swap module forwards of a Llama-family or Gemma model (plain HF or PEFT-wrapped) for strop's kernels.
 
@@ -459,6 +462,8 @@ def patch_model(
         lora_o: LoRA o_proj.
         fused_cross_entropy: Fused linear cross-entropy for calls with ``labels``.
         inplace_dx: Let the fused QKV/MLP write dx over their input (safe here; see module docstring).
+        device: Where the model will run; default: where its parameters are. A model held in host memory
+            until FSDP2 moves it to the GPU as it shards it (``trainer_svc.core.fsdp``) is patched for the GPU.
 
     Returns:
         A :class:`PatchReport`.
@@ -485,7 +490,7 @@ def patch_model(
     elif not hasattr(backbone, "layers"):
         blocker = "no decoder layers found"
     else:
-        blocker = _kernels_can_run(hf)
+        blocker = _kernels_can_run(hf, device)
     if blocker:
         for c in COMPONENTS:
             if wanted[c]:

@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from strop.kernels.models import patch_model  # noqa: E402
 from strop.trainer_svc.core.fsdp import shard_4bit_as_compute_dtype  # noqa: E402
 
-from .test_patch import _loss_and_grads, _model, _peft, _rel, parity_bound  # noqa: E402
+from .test_patch import _config, _loss_and_grads, _model, _peft, _rel, nf4_reload, parity_bound  # noqa: E402
 
 
 @pytest.fixture
@@ -109,5 +109,72 @@ def test_on_cuda_bf16_codes_sharded_by_fsdp2_train_like_the_unsharded_patched_mo
         for name, g in ref.items():
             mine = ours[name].full_tensor() if isinstance(ours[name], DTensor) else ours[name]
             assert _rel(mine.float(), g.float()) <= u, (name, _rel(mine.float(), g.float()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_4bit_base_staged_in_host_memory_is_moved_by_fsdp2_and_trains_like_one_loaded_on_the_device(
+    tmp_path,
+):
+    """How a rank of a sharded job loads a base larger than its device (``trainer_svc.core.fsdp.staging_device``):
+    into host memory, patched, with the trainer's default memory mode installed there, codes relabelled; then
+    ``fully_shard``, layer by layer as accelerate calls it, moves each layer to the device, and ``Params4bit.to``
+    carries its quant state along. Everything the steps read must end up on the device (parameters, buffers, quant
+    states), and the staged model must compute what the same model loaded on the device computes: the same bytes
+    under the same kernels, so within one bf16 rounding (one NCCL rank; the sharding itself is
+    ``test_on_cuda_bf16_codes_sharded_by_fsdp2_train_like_the_unsharded_patched_model``'s)."""
+    import torch.distributed as dist
+    from bitsandbytes.nn import Linear4bit
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from strop.common.trainer_types import MemoryMode
+    from strop.kernels.models import apply_memory_mode
+    from strop.trainer_svc.core.fsdp import base_bytes_held
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        cfg = _config("llama")
+        staged = _peft(
+            nf4_reload(
+                transformers.AutoModelForCausalLM.from_config(cfg).float(),
+                tmp_path / "m",
+                device_map={"": "cpu"},
+            )
+        ).train()
+        for m in staged.modules():  # bf16 compute, as the trainer loads a CUDA base
+            if hasattr(m, "compute_dtype"):
+                m.compute_dtype = torch.bfloat16
+        assert all(p.device.type == "cpu" for p in staged.parameters())
+        on_device = copy.deepcopy(staged).to("cuda")
+        for model in (on_device, staged):
+            report = patch_model(model, device="cuda")  # where it will run: staged is still in host memory
+            assert not any(report.skipped.values()), report
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        installed = [apply_memory_mode(m, MemoryMode.STANDARD) for m in (on_device, staged)]
+        assert shard_4bit_as_compute_dtype(staged, torch.bfloat16) > 0
+        torch.cuda.reset_peak_memory_stats()
+        for layer in staged.get_base_model().model.layers:
+            fully_shard(layer, mp_policy=MixedPrecisionPolicy())
+        fully_shard(staged, mp_policy=MixedPrecisionPolicy())
+        assert all(p.device.type == "cuda" for p in staged.parameters())
+        assert all(b.device.type == "cuda" for b in staged.buffers())
+        four_bit = [m for m in staged.modules() if isinstance(m, Linear4bit)]
+        assert four_bit and all(m.quant_state.absmax.device.type == "cuda" for m in four_bit)
+        held, whole = base_bytes_held(staged)
+        assert held == whole > 0  # one rank holds it all; 2 ranks hold half (test_ddp's gloo test)
+        ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_loss, ref = _loss_and_grads(on_device, ids)
+            loss, ours = _loss_and_grads(staged, ids)
+        u = 2.0**-8
+        assert abs(loss - ref_loss) <= u * abs(ref_loss), (loss, ref_loss)
+        for name, g in ref.items():
+            mine = ours[name].full_tensor() if hasattr(ours[name], "full_tensor") else ours[name]
+            assert _rel(mine.float(), g.float()) <= u, (name, _rel(mine.float(), g.float()))
+        for i in installed:
+            i.remove()
     finally:
         dist.destroy_process_group()

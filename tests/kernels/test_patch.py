@@ -65,17 +65,18 @@ def _config(model_type: str, **overrides):
     return transformers.AutoConfig.for_model(model_type, **{**common, **extra, **overrides})
 
 
-def nf4_reload(model, path, attn_implementation: str = "sdpa"):
+def nf4_reload(model, path, attn_implementation: str = "sdpa", device_map=None):
     """``model`` saved to ``path`` and loaded back as a user loads a QLoRA base: bitsandbytes NF4, double quant,
-    fp32 compute."""
+    fp32 compute (onto ``device_map``: transformers' default where None)."""
     model.save_pretrained(path)
     quant = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.float32,
     )  # fmt: skip
     return transformers.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quant, dtype=torch.float32, attn_implementation=attn_implementation
-    )
+        path, quantization_config=quant, dtype=torch.float32, attn_implementation=attn_implementation,
+        device_map=device_map,
+    )  # fmt: skip
 
 
 def _model(model_type: str, qlora: bool, tmp_path, **overrides):
@@ -359,6 +360,22 @@ def test_unknown_architecture_is_left_alone_with_a_reason(caplog):
     assert all("not supported" in r for v in report.skipped.values() for r in v.values())
     assert "'gpt2' is not supported" in caplog.text
     assert not any(_forward_kinds(model).values())
+
+
+def test_kernels_are_decided_by_where_the_model_will_run_when_told(monkeypatch):
+    """Without CUDA (and outside the interpreter) a model is left unpatched, with the reason; told it will run on
+    CUDA (``device=``), a model still in host memory is patched: how an FSDP2 rank patches a base it holds on the
+    host until the sharding moves it to its GPU (``trainer_svc.core.fsdp.staging_device``)."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = _peft(_model("llama", False, None))
+    report = patch_model(model)
+    assert not any(report.patched.values())
+    assert all("parameters on cpu" in r for v in report.skipped.values() for r in v.values()), report
+    report = patch_model(model, device="cpu")
+    assert all("the model runs on cpu" in r for v in report.skipped.values() for r in v.values()), report
+    report = patch_model(model, device="cuda:0")
+    assert not any(report.skipped.values()) and all(report.patched.values()), report
+    unpatch_model(model)
 
 
 def test_runtime_dtype_mismatch_falls_back_and_says_so(caplog):

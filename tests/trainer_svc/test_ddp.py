@@ -633,3 +633,39 @@ def test_fsdp_jobs_gather_parameters_as_stored_where_accelerate_would_cast_them_
     policy = plugin.mixed_precision_policy
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (None, None, None)
     assert not fsdp.gather_as_stored(types.SimpleNamespace(accelerator=types.SimpleNamespace(state=object())))
+
+
+def test_sharded_jobs_on_accelerators_stage_the_base_in_host_memory_and_admission_counts_what_fsdp_will_place(
+    model_root,
+):
+    """Where a rank loads the base (``fsdp.staging_device``): host memory for an FSDP job on several accelerators,
+    so the base need not fit one device (FSDP2 moves each layer there as it shards it: the H200 check is in
+    ``tests/kernels/test_fsdp_nf4.py``); the rank's device otherwise. Admission must count what the sharding will
+    place on the device before it is there: 1/N of every parameter plus two layers gathered whole."""
+    from strop.common.trainer_types import (
+        LoadModelRequest,
+        LoraConfig,
+        Parallelism,
+        Quantization,
+        TrainConfig,
+    )
+    from strop.trainer_svc.core import fsdp, models
+
+    sharded = TrainConfig(parallelism=Parallelism.FSDP, num_devices=4)
+    assert fsdp.staging_device(sharded, "cuda:1", 4) == "cpu"
+    assert fsdp.staging_device(sharded, "cpu", 4) == "cpu"
+    assert (
+        fsdp.staging_device(TrainConfig(num_devices=4), "cuda:1", 4) == "cuda:1"
+    )  # DDP: a whole copy a device
+    assert fsdp.staging_device(sharded, "cuda:0", 1) == "cuda:0"
+
+    req = LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE, dtype="float32")
+    loaded = models.load_model(req, model_root=model_root, device="cpu", load_device="cpu")
+    models.attach_lora(loaded, LoraConfig(**LORA))
+    params = list(loaded.model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)
+    layer = sum(
+        p.numel() * p.element_size() for p in loaded.model.get_base_model().model.layers[0].parameters()
+    )
+    assert fsdp.device_bytes_after_sharding(loaded.model, 4) == -(-total // 4) + 2 * layer
+    assert fsdp.device_bytes_after_sharding(loaded.model, 1) == total + 2 * layer

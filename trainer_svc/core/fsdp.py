@@ -33,10 +33,18 @@ another dtype into numbers.
 ``shard_4bit_as_compute_dtype`` therefore re-labels each layer's packed bytes as words of the compute dtype (a
 view, no copy: the same bytes, which bitsandbytes and strop's kernels read as bytes whatever the storage dtype, as
 ``bnb_4bit_quant_storage`` does at quantization time); FSDP2 then shards and gathers them with the rest and casts
-nothing. As with a 16-bit base, every rank loads the whole base onto its device before sharding it, so the base
-must fit one device as loaded; the steps then hold 1/N of it (``base_bytes_held``) beside their activations.
-(Findings behind this: accelerate issue #3983 and PR #3987, which added the exclusion; bitsandbytes PR #970, which
-added ``quant_storage``.)
+nothing. (Findings behind this: accelerate issue #3983 and PR #3987, which added the exclusion; bitsandbytes PR
+#970, which added ``quant_storage``.)
+
+Bases larger than one device. A rank of a sharded job on accelerators loads the base into host memory
+(``staging_device``), not onto its device. accelerate's ``fsdp2_prepare_model`` then calls ``fully_shard`` decoder
+layer by decoder layer, bottom up, and each call moves that layer's parameters to the device and keeps 1/N of them
+there (torch's ``_move_states_to_device``; a ``Params4bit``'s ``to`` moves its quant state along, the same object
+``Linear4bit`` keeps). So the device holds 1/N of the base plus one layer whole while it is sharded, and 1/N plus
+the gathered layers during the steps (``base_bytes_held``); admission counts those bytes before they arrive
+(``device_bytes_after_sharding``). Until the sharding each rank holds a copy of the base in host memory, which the
+sharding frees. (accelerate's own answer, ``cpu_ram_efficient_loading`` — rank 0 loads, the others build on meta
+and receive their shards by broadcast — is disabled by accelerate for bitsandbytes models; strop does not use it.)
 """
 
 from __future__ import annotations
@@ -57,6 +65,28 @@ def check_supported(cfg: TrainConfig) -> None:
         raise InvalidArgument(
             f"parallelism FSDP shards the base over num_devices > 1; got num_devices {cfg.num_devices}"
         )
+
+
+def staging_device(cfg: TrainConfig, device: str, world_size: int) -> str:
+    """Where a rank loads the base: host memory for a sharded job on accelerators (FSDP2 moves each layer to the
+    device as it shards it, so the base need not fit one device), else the rank's device."""
+    if is_fsdp(cfg) and world_size > 1 and not device.startswith("cpu"):
+        return "cpu"
+    return device
+
+
+def device_bytes_after_sharding(model, world_size: int) -> int:
+    """What FSDP2 will place on a rank's device for a model still whole in host memory: 1/N of every parameter
+    (base and adapters) plus two decoder layers gathered whole (the one computing and the one prefetched)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [
+        sum(p.numel() * p.element_size() for p in m.parameters())
+        for m in model.modules()
+        if type(m).__name__ in names
+    ]
+    return -(-total // world_size) + 2 * max(layers, default=0)
 
 
 def shard_4bit_as_compute_dtype(model, dtype) -> int:

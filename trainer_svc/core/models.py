@@ -56,6 +56,9 @@ class LoadedModel:
     lora: LoraConfig | None = None
     kernel_report: Any = None
     extra: dict = field(default_factory=dict)
+    # bytes the engine will still move onto ``device`` (a base staged in host memory for FSDP2, fsdp.py):
+    # admission counts them against the device's free memory
+    pending_device_bytes: int = 0
 
 
 def pick_device(requested: str = "auto") -> str:
@@ -95,8 +98,14 @@ def detect_quantization(config: dict) -> str:
     return "none"
 
 
-def load_model(req: LoadModelRequest, *, model_root: Path, device: str) -> LoadedModel:
-    """Load ``req.model_path`` (confined under ``model_root``) onto ``device``.
+def load_model(
+    req: LoadModelRequest, *, model_root: Path, device: str, load_device: str | None = None
+) -> LoadedModel:
+    """Load ``req.model_path`` (confined under ``model_root``) for ``device``.
+
+    The weights are placed on ``load_device`` (default: ``device``); everything else (dtype defaults, kernels,
+    the session's device) follows ``device``. A rank of a sharded job loads into host memory this way and FSDP2
+    moves each layer to ``device`` as it shards it (``fsdp.staging_device``).
 
     Raises:
         InvalidArgument: path outside the root, not a model dir, only pickle weights, bad dtype, or a
@@ -136,7 +145,7 @@ def load_model(req: LoadModelRequest, *, model_root: Path, device: str) -> Loade
         raise FailedPrecondition(f"device {device} requested but CUDA is not available")
 
     kwargs: dict[str, Any] = dict(
-        dtype=dtype, device_map={"": device}, trust_remote_code=False, use_safetensors=True
+        dtype=dtype, device_map={"": load_device or device}, trust_remote_code=False, use_safetensors=True
     )
     if existing == "bnb-4bit":
         quant_label = "bnb-nf4-prequantized"
@@ -348,7 +357,9 @@ def apply_kernels(loaded: LoadedModel):
     """Patch strop's kernels into the PEFT model; the report's summary goes into the session facts."""
     from strop.kernels.models import patch_model
 
-    report = patch_model(loaded.model)
+    report = patch_model(
+        loaded.model, device=loaded.device
+    )  # the device it trains on, wherever it is held now
     text = ", ".join(f"{component} {state}" for component, state in report.summary().items())
     loaded.facts.kernels_reason = f"{loaded.facts.kernels_reason}; {text}"
     return report

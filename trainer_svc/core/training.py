@@ -470,6 +470,9 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
     dev = torch.device(loaded.device)
     free, _ = torch.cuda.mem_get_info(dev)
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # cached, reusable by this job
+    free -= (
+        loaded.pending_device_bytes
+    )  # a base in host memory that FSDP2 moves onto the device when it shards it
     admission.admit(est, free)
 
 
