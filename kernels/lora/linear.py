@@ -53,6 +53,7 @@ import torch
 
 from ..ops.nf4 import dequantize_shared, dequantize_weight, is_nf4
 from ..ops.small_k import addmm_small_k_
+from ..ops.swiglu import LowRank
 
 __all__ = [
     "LoRALinearFunction",
@@ -178,9 +179,12 @@ def _stacked_A(projs: Sequence[LoRAProj], spans, dtype: torch.dtype) -> torch.Te
 
 
 def forward_projections(
-    x: torch.Tensor, projs: Sequence[LoRAProj], dtype: torch.dtype
+    x: torch.Tensor, projs: Sequence[LoRAProj], dtype: torch.dtype, *, add_lora: bool = True
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Forward of several projections of one 2-D ``x`` (in ``dtype``): returns ([y_i], stacked u or None)."""
+    """Forward of several projections of one 2-D ``x`` (in ``dtype``): returns ([y_i], stacked u or None).
+
+    ``add_lora=False`` leaves each y_i the base's alone and returns u for the caller to add ``s · u_i B_iᵀ``
+    where it reads y_i (the fused MLP's activation kernel does, ``lora_terms``)."""
     ys = []
     for p in projs:
         w = weight(p.base, dtype)  # consumed by the next GEMM before the scratch buffer is reused
@@ -189,9 +193,18 @@ def forward_projections(
     if not spans:
         return ys, None
     u = x @ _stacked_A(projs, spans, dtype).t()  # one read of x for every adapter
-    for i, lo, hi in spans:
-        addmm_small_k_(ys[i], u[:, lo:hi], projs[i].lora_B.to(dtype).t(), alpha=projs[i].scaling)
+    if add_lora:
+        for i, lo, hi in spans:
+            addmm_small_k_(ys[i], u[:, lo:hi], projs[i].lora_B.to(dtype).t(), alpha=projs[i].scaling)
     return ys, u
+
+
+def lora_terms(projs: Sequence[LoRAProj], u: torch.Tensor | None, dtype: torch.dtype) -> list[LowRank | None]:
+    """Each projection's LoRA term ``s · u_i B_iᵀ`` (None without an adapter), from forward_projections' u."""
+    terms: list[LowRank | None] = [None] * len(projs)
+    for i, lo, hi in _adapters(projs):
+        terms[i] = LowRank(u[:, lo:hi], projs[i].lora_B.to(dtype).t(), projs[i].scaling)
+    return terms
 
 
 def backward_projections(

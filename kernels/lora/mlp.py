@@ -9,14 +9,17 @@ Forward, x [N, H] (leading dims flattened), each projection as in ``kernels/lora
     out = h W_dᵀ + b_d + s_d (h A_dᵀ) B_dᵀ        [N, H]   down
 
 The gate and up adapters share one GEMM, u_gu = x [A_g; A_u]ᵀ. The activation is
-``kernels/swiglu.py``'s fused kernel.
+``kernels/swiglu.py``'s fused kernel, and it adds the adapters' terms: e and g are held as the base GEMMs'
+outputs x W_gᵀ + b_g and x W_uᵀ + b_u, and the kernel adds s_g u_g B_gᵀ and s_u u_u B_uᵀ in fp32 to each tile as
+it reads it (``swiglu.LowRank``), in the forward and again in the backward, so e and g with their LoRA terms
+are never written (nor rounded to the compute dtype) and no separate pass over them updates them.
 
 Saved for backward: x, e, g and the small LoRA factors u_gu = x[A_g; A_u]ᵀ and u_d = h A_dᵀ. Never h:
 the backward recomputes it. Every base weight is dequantized again in the backward (NF4), never kept.
 
 Backward, dout [N, H]:
 
-    dh   = dout W_d + g_d A_d,           g_d = s_d · dout B_d        [N, r_d]
+    dh   = dout W_d + g_d A_d,           g_d = s_d · dout B_d        [N, r_d]   (g_d A_d added by act_bwd)
     dB_d = s_d · doutᵀ u_d
     de, dg, h = act_bwd(dh, e, g)        one kernel, written over e, g and dh (see below)
     dA_d = g_dᵀ h
@@ -52,8 +55,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..ops.small_k import addmm_small_k_
-from ..ops.swiglu import geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
+from ..ops.swiglu import LowRank, geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
 from .linear import (
     Frozen,
     LoRAProj,
@@ -63,6 +65,7 @@ from .linear import (
     compute_dtype,
     forward_projections,
     lora_linear_reference,
+    lora_terms,
     mm_scaled,
     no_autocast,
     out_features,
@@ -101,19 +104,24 @@ def lora_mlp_reference(
     return lora_linear_reference(a * g, *LoRAProj(*down))
 
 
-def _act_fwd(e: torch.Tensor, g: torch.Tensor, activation: str) -> torch.Tensor:
+def _act_fwd(e: torch.Tensor, g: torch.Tensor, activation: str, terms: Sequence) -> torch.Tensor:
+    gate_term, up_term = terms
     if activation == "swiglu":
-        return swiglu_fwd(e, g)
-    return geglu_fwd(e, g, approximate="tanh" if activation == "geglu_tanh" else "none")
+        return swiglu_fwd(e, g, gate_term=gate_term, up_term=up_term)
+    approximate = "tanh" if activation == "geglu_tanh" else "none"
+    return geglu_fwd(e, g, approximate=approximate, gate_term=gate_term, up_term=up_term)
 
 
-def _act_bwd(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, activation: str) -> None:
+def _act_bwd(
+    dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor, activation: str, terms: Sequence, dh_term
+) -> None:
     # de over e, dg over g, recomputed h over dh.
+    gate_term, up_term = terms
+    kw = dict(inplace=True, h_out=dh, gate_term=gate_term, up_term=up_term, dh_term=dh_term)
     if activation == "swiglu":
-        swiglu_bwd(dh, e, g, inplace=True, h_out=dh)
+        swiglu_bwd(dh, e, g, **kw)
     else:
-        approximate = "tanh" if activation == "geglu_tanh" else "none"
-        geglu_bwd(dh, e, g, approximate=approximate, inplace=True, h_out=dh)
+        geglu_bwd(dh, e, g, approximate="tanh" if activation == "geglu_tanh" else "none", **kw)
 
 
 class _MLPFrozen(Frozen):
@@ -136,8 +144,9 @@ class LoRAMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, ga, gb, ua, ub, da, db, frozen: _MLPFrozen) -> torch.Tensor:
         gate, up, down = with_factors(frozen, (ga, gb, ua, ub, da, db))
-        (e, g), u_gu = forward_projections(x, (gate, up), frozen.dtype)
-        h = _act_fwd(e, g, frozen.activation)
+        # e and g stay the base's outputs: the activation adds their LoRA terms as it reads them
+        (e, g), u_gu = forward_projections(x, (gate, up), frozen.dtype, add_lora=False)
+        h = _act_fwd(e, g, frozen.activation, lora_terms((gate, up), u_gu, frozen.dtype))
         if frozen.output_unused_in_recompute and _OUTPUTS_UNUSED.get():
             u_d = None if down.lora_A is None else h @ down.lora_A.to(frozen.dtype).t()
             out = h.new_empty(h.shape[0], out_features(down.base))  # never read: see the module docstring
@@ -156,12 +165,12 @@ class LoRAMLPFunction(torch.autograd.Function):
         with no_autocast(x.device.type):
             dout = dout.to(dtype)
             dh = dout @ weight(down.base, dtype)
-            d_a_down = d_b_down = None
+            d_a_down = d_b_down = dh_term = None
             if down.lora_A is not None:
                 g_d = mm_scaled(dout, down.lora_B.to(dtype), down.scaling)
-                addmm_small_k_(dh, g_d, down.lora_A.to(dtype))
+                dh_term = LowRank(g_d, down.lora_A.to(dtype))  # dh += g_d A_d, added as the kernel reads dh
                 d_b_down = mm_scaled(dout.t(), u_d, down.scaling).to(down.lora_B.dtype)
-            _act_bwd(dh, e, g, frozen.activation)
+            _act_bwd(dh, e, g, frozen.activation, lora_terms((gate, up), u_gu, dtype), dh_term)
             for t in (e, g):
                 torch.autograd.graph.increment_version(t)
             de, dg, h = e, g, dh

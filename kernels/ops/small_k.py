@@ -24,12 +24,39 @@ import triton.language as tl
 
 from .utils import INTERPRETER, cast_to
 
-__all__ = ["MAX_SMALL_K", "addmm_small_k_"]
+__all__ = ["MAX_SMALL_K", "addmm_small_k_", "block_k", "small_k_tile"]
 
 MAX_SMALL_K = 128
 # Tile of y per program and warps, from bench/small_k.py on the H200 (bench/RESULTS.md): 64 × 128 with 8 warps
 # ran the gate/up update at 89% of copy bandwidth (cuBLAS addmm_: 59%), q/o at 86% (58%).
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
+
+
+@triton.jit
+def small_k_tile(
+    a_ptr, b_ptr, rm, rn, m_mask, n_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """``a[rm, :K] @ b[:K, rn]`` for one [BLOCK_M, BLOCK_N] tile, K ≤ BLOCK_K in one ``tl.dot``, fp32 result."""
+    rk = tl.arange(0, BLOCK_K)
+    k_mask = rk < K
+    a = tl.load(
+        a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+        mask=m_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
+        mask=k_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+    if IEEE or INTERPRETER:
+        # fp32, or the interpreter (whose bf16 dot is wrong in triton 3.6): bf16 products are exact in
+        # fp32, so an IEEE fp32 dot of the upcast tiles is the compiled bf16 dot's math
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(a, b)
+    return acc
 
 
 @triton.jit
@@ -55,30 +82,20 @@ def _addmm_small_k_kernel(
     pid_n = tl.program_id(1).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
-    k_mask = rk < K
-    a = tl.load(
-        a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
-        mask=m_mask[:, None] & k_mask[None, :],
-        other=0.0,
+    acc = small_k_tile(
+        a_ptr, b_ptr, rm, rn, m_mask, n_mask, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, IEEE
     )
-    b = tl.load(
-        b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
-        mask=k_mask[:, None] & n_mask[None, :],
-        other=0.0,
-    )
-    if IEEE or INTERPRETER:
-        # fp32, or the interpreter (whose bf16 dot is wrong in triton 3.6): bf16 products are exact in
-        # fp32, so an IEEE fp32 dot of the upcast tiles is the compiled bf16 dot's math
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(a, b)
     mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, cast_to(y + alpha * acc, y_ptr.dtype.element_ty), mask=mask)
+
+
+def block_k(k: int) -> int:
+    """The ``tl.dot`` width for an inner dimension k ≤ MAX_SMALL_K: a power of two ≥ 16, masked past k."""
+    return max(16, triton.next_power_of_2(k))
 
 
 def _triton_ok(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -115,13 +132,12 @@ def addmm_small_k_(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: flo
     (m, n), k = y.shape, a.shape[1]
     if m * n * k == 0:
         return y
-    block_k = max(16, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _addmm_small_k_kernel[grid](
         y, a, b, m, n, k,
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         float(alpha),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, IEEE=y.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), IEEE=y.dtype == torch.float32,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return y

@@ -13,7 +13,7 @@ Forward, elementwise over gate g and up u (HF ``LlamaMLP``: ``act_fn(gate_proj(x
 Shapes and dtypes: gate and up have one shape [..., I] and one dtype (fp32/bf16/fp16); rows may be
 strided (a column half of a fused gate/up buffer is used where it lies). h is contiguous, same dtype.
 
-Saved for backward: gate and up only. The product h is never saved; the backward recomputes act(g).
+Saved for backward: gate and up only (base outputs, without their terms). The product h is never saved; the backward recomputes act(g).
 
 Backward, with dh the gradient of h:
 
@@ -26,18 +26,32 @@ Backward, with dh the gradient of h:
 ``swiglu_bwd``/``geglu_bwd`` can write dgate/dup into gate/up's storage (``inplace=True``) and also
 recompute h into a caller's buffer (``h_out``, which may be dh itself): the fused LoRA MLP needs h for
 the down projection's LoRA gradients and has no other use for dh, gate or up afterwards.
+
+Low-rank terms (``LowRank``: ``scale · a @ b``, K ≤ 128). The fused LoRA MLP passes gate and up as the base
+projections' outputs and their adapters' terms ``s · (x Aᵀ) Bᵀ`` beside them; the backward also takes dh's term
+``g_d A_d`` from the down adapter. Each kernel adds a term in fp32 to the tile it has just read (one ``tl.dot``
+of [64, K] by [K, 128]), so gate' = gate + term is never written or rounded, and the forward and backward above
+apply to gate', up' and dh'. What that saves: one read-modify-write of each [N, I] operand per pass, which
+``small_k.addmm_small_k_`` spends otherwise (8B shape at 16K tokens: 0.26 ms each, four a layer in the forward and
+recompute, one in the backward); what it costs: the dots, which take more than their arithmetic (a tile's fixed
+cost: 0.19 ms a forward with two terms, 0.5 ms a backward with three, bench/swiglu_tiles.py). Net, on the H200, a
+layer's two forwards and one backward take 2.29 ms instead of 2.70.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .small_k import MAX_SMALL_K, block_k, small_k_tile
 from .utils import as_rows, cast_to, check_float_tensor, check_same_device, is_writable_in_place, tanh
 
 __all__ = [
     "GeGLUFunction",
+    "LowRank",
     "SwiGLUFunction",
     "geglu",
     "geglu_bwd",
@@ -55,13 +69,11 @@ _SQRT_2_OVER_PI = 0.7978845608028654
 _INV_SQRT_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 _GELU_K1 = 0.044715
-# untuned: 2,048 columns over 4 warps is 16 per lane (two 16-byte bf16 vector loads per tensor), and
-# Llama-3's intermediate 14,336 is exactly 7 blocks, so no lane idles on padding; sweep on the H200.
-_BLOCK_SIZE, _NUM_WARPS = 2048, 4
-
-
-def _block(n_cols: int) -> int:
-    return min(_BLOCK_SIZE, triton.next_power_of_2(n_cols))
+# One [32, 128] tile of the [rows, I] operands per program over 4 warps, the best of bench/swiglu_tiles.py's sweep
+# on the H200 (bench/RESULTS.md, session 8): without terms as fast as the earlier one-row kernel (0.346 ms forward,
+# 0.71 ms backward at 16,384 × 14,336 bf16); with two terms the forward takes 0.54 ms and with three the backward
+# 1.22 ms, against 0.87 and 0.97 ms for the row kernel plus small_k's separate updates.
+_BLOCK_M, _BLOCK_N, _NUM_WARPS = 32, 128, 4
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -106,40 +118,107 @@ def _activation(g, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(
-    g_ptr, u_ptr, h_ptr, g_row_stride, u_row_stride, h_row_stride, n_cols,
-    ACTIVATION: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+def _low_rank(
+    t, a_ptr, b_ptr, scale, rm, rn, m_mask, n_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = cols < n_cols
-    g = tl.load(g_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    """t + scale · a @ b on one fp32 tile (the fp32 accumulator scaled, nothing rounded)."""
+    return t + scale * small_k_tile(
+        a_ptr, b_ptr, rm, rn, m_mask, n_mask, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, IEEE
+    )
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    g_ptr, u_ptr, h_ptr, M, N, g_row_stride, u_row_stride, h_row_stride,
+    ga_ptr, gb_ptr, g_scale, g_k, ga_sm, ga_sk, gb_sk, gb_sn,
+    ua_ptr, ub_ptr, u_scale, u_k, ua_sm, ua_sk, ub_sk, ub_sn,
+    ACTIVATION: tl.constexpr, GATE_TERM: tl.constexpr, UP_TERM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KG: tl.constexpr, BLOCK_KU: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = rm < M, rn < N
+    mask = m_mask[:, None] & n_mask[None, :]
+    g = tl.load(g_ptr + rm[:, None] * g_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rm[:, None] * u_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATE_TERM:
+        g = _low_rank(g, ga_ptr, gb_ptr, g_scale, rm, rn, m_mask, n_mask, g_k, ga_sm, ga_sk, gb_sk, gb_sn, BLOCK_KG, IEEE)  # fmt: skip
+    if UP_TERM:
+        u = _low_rank(u, ua_ptr, ub_ptr, u_scale, rm, rn, m_mask, n_mask, u_k, ua_sm, ua_sk, ub_sk, ub_sn, BLOCK_KU, IEEE)  # fmt: skip
     a, _ = _activation(g, ACTIVATION)
     # Round the activation to the input dtype before the product, as HF's two separate ops do.
     a = cast_to(a, h_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(h_ptr + row * h_row_stride + cols, cast_to(a * u, h_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        h_ptr + rm[:, None] * h_row_stride + rn[None, :], cast_to(a * u, h_ptr.dtype.element_ty), mask=mask
+    )
 
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr,
-    dh_row_stride, g_row_stride, u_row_stride, dg_row_stride, du_row_stride, h_row_stride, n_cols,
-    ACTIVATION: tl.constexpr, STORE_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, M, N,
+    dh_row_stride, g_row_stride, u_row_stride, dg_row_stride, du_row_stride, h_row_stride,
+    ga_ptr, gb_ptr, g_scale, g_k, ga_sm, ga_sk, gb_sk, gb_sn,
+    ua_ptr, ub_ptr, u_scale, u_k, ua_sm, ua_sk, ub_sk, ub_sn,
+    da_ptr, db_ptr, d_scale, d_k, da_sm, da_sk, db_sk, db_sn,
+    ACTIVATION: tl.constexpr, STORE_H: tl.constexpr,
+    GATE_TERM: tl.constexpr, UP_TERM: tl.constexpr, DH_TERM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_KG: tl.constexpr, BLOCK_KU: tl.constexpr, BLOCK_KD: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = cols < n_cols
-    dh = tl.load(dh_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = rm < M, rn < N
+    mask = m_mask[:, None] & n_mask[None, :]
+    dh = tl.load(dh_ptr + rm[:, None] * dh_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rm[:, None] * g_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rm[:, None] * u_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if DH_TERM:
+        dh = _low_rank(dh, da_ptr, db_ptr, d_scale, rm, rn, m_mask, n_mask, d_k, da_sm, da_sk, db_sk, db_sn, BLOCK_KD, IEEE)  # fmt: skip
+    if GATE_TERM:
+        g = _low_rank(g, ga_ptr, gb_ptr, g_scale, rm, rn, m_mask, n_mask, g_k, ga_sm, ga_sk, gb_sk, gb_sn, BLOCK_KG, IEEE)  # fmt: skip
+    if UP_TERM:
+        u = _low_rank(u, ua_ptr, ub_ptr, u_scale, rm, rn, m_mask, n_mask, u_k, ua_sm, ua_sk, ub_sk, ub_sn, BLOCK_KU, IEEE)  # fmt: skip
     a, da = _activation(g, ACTIVATION)
     a = cast_to(a, g_ptr.dtype.element_ty).to(tl.float32)
-    # dg/du/h may alias g/u/dh: every element is loaded before any is stored, by this program only.
-    tl.store(dg_ptr + row * dg_row_stride + cols, cast_to(dh * u * da, dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + row * du_row_stride + cols, cast_to(dh * a, du_ptr.dtype.element_ty), mask=mask)
+    # dg/du/h may alias g/u/dh: every element of the tile is loaded before any is stored, by this program only.
+    tl.store(dg_ptr + rm[:, None] * dg_row_stride + rn[None, :], cast_to(dh * u * da, dg_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(du_ptr + rm[:, None] * du_row_stride + rn[None, :], cast_to(dh * a, du_ptr.dtype.element_ty), mask=mask)  # fmt: skip
     if STORE_H:
-        tl.store(h_ptr + row * h_row_stride + cols, cast_to(a * u, h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + rm[:, None] * h_row_stride + rn[None, :], cast_to(a * u, h_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+class LowRank(NamedTuple):
+    """A rank-K term ``scale · a @ b`` that the kernels add, in fp32, to an ``[M, N]`` operand as they read it.
+
+    ``a`` is ``[M, K]`` and ``b`` ``[K, N]`` (any strides; ``b`` is typically ``lora_B.t()``), K ≤ 128, in the
+    operand's dtype and on its device: LoRA's ``s · (x Aᵀ) Bᵀ`` on a gate or up projection's base output, or
+    ``g_d A_d`` on the down projection's dh. Adding it inside the activation saves the separate read-modify-write
+    of the ``[M, N]`` operand (``small_k.addmm_small_k_``) and its rounding to the operand's dtype.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float = 1.0
+
+
+def _term_args(term: LowRank | None, like: torch.Tensor, rows: int, cols: int, name: str) -> tuple[list, int]:
+    """The kernel arguments (pointers, scale, K, strides) of one optional term, and its BLOCK_K."""
+    if term is None:
+        return [like, like, 0.0, 0, 0, 0, 0, 0], 16
+    a, b = term.a, term.b
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rows or b.shape != (a.shape[1], cols):
+        raise ValueError(
+            f"{name} must be a [{rows}, K] @ [K, {cols}] term, got {tuple(a.shape)} @ {tuple(b.shape)}"
+        )
+    if a.shape[1] > MAX_SMALL_K:
+        raise ValueError(f"{name} has K = {a.shape[1]} > {MAX_SMALL_K}")
+    if a.dtype != like.dtype or b.dtype != like.dtype:
+        raise TypeError(f"{name} must be {like.dtype}, got {a.dtype} and {b.dtype}")
+    check_same_device(**{name: a, "operand": like, f"{name}.b": b})
+    args = [a, b, float(term.scale), a.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1)]
+    return args, block_k(a.shape[1])
 
 
 def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -174,17 +253,31 @@ def _out(out: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tenso
     return out
 
 
-def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None, activation: int) -> torch.Tensor:
+def _grid(n_rows: int, n_cols: int) -> tuple[int, int]:
+    return triton.cdiv(n_rows, _BLOCK_M), triton.cdiv(n_cols, _BLOCK_N)
+
+
+def _glu_fwd(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    out: torch.Tensor | None,
+    activation: int,
+    gate_term: LowRank | None = None,
+    up_term: LowRank | None = None,
+) -> torch.Tensor:
     _check_pair(gate, up)
     h = _out(out, gate, "out")
     if gate.numel() == 0:
         return h
     g2, u2, h2 = _rows(gate, "gate"), _rows(up, "up"), _rows(h, "out", writable=True)
     n_rows, n_cols = g2.shape
-    block = _block(n_cols)
-    _swiglu_fwd_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        g2, u2, h2, g2.stride(0), u2.stride(0), h2.stride(0), n_cols,
-        ACTIVATION=activation, BLOCK_SIZE=block, num_warps=_NUM_WARPS,
+    g_args, bkg = _term_args(gate_term, g2, n_rows, n_cols, "gate_term")
+    u_args, bku = _term_args(up_term, g2, n_rows, n_cols, "up_term")
+    _swiglu_fwd_kernel[_grid(n_rows, n_cols)](
+        g2, u2, h2, n_rows, n_cols, g2.stride(0), u2.stride(0), h2.stride(0), *g_args, *u_args,
+        ACTIVATION=activation, GATE_TERM=gate_term is not None, UP_TERM=up_term is not None,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_KG=bkg, BLOCK_KU=bku, IEEE=gate.dtype == torch.float32,
+        num_warps=_NUM_WARPS,
     )  # fmt: skip
     return h
 
@@ -196,6 +289,9 @@ def _glu_bwd(
     activation: int,
     inplace: bool,
     h_out: torch.Tensor | None,
+    gate_term: LowRank | None = None,
+    up_term: LowRank | None = None,
+    dh_term: LowRank | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_pair(gate, up)
     check_float_tensor(dh, "dh")
@@ -210,11 +306,19 @@ def _glu_bwd(
     dg2, du2 = _rows(dgate, "dgate", writable=True), _rows(dup, "dup", writable=True)
     h2 = _rows(h_out, "h_out", writable=True) if h_out is not None else dg2
     n_rows, n_cols = g2.shape
-    block = _block(n_cols)
-    _swiglu_bwd_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        dh2, g2, u2, dg2, du2, h2,
-        dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0), h2.stride(0), n_cols,
-        ACTIVATION=activation, STORE_H=h_out is not None, BLOCK_SIZE=block, num_warps=_NUM_WARPS,
+    if dh_term is not None and dh2.dtype != g2.dtype:
+        raise TypeError(f"a dh_term needs dh in gate's dtype {g2.dtype}, got {dh2.dtype}")
+    g_args, bkg = _term_args(gate_term, g2, n_rows, n_cols, "gate_term")
+    u_args, bku = _term_args(up_term, g2, n_rows, n_cols, "up_term")
+    d_args, bkd = _term_args(dh_term, g2, n_rows, n_cols, "dh_term")
+    _swiglu_bwd_kernel[_grid(n_rows, n_cols)](
+        dh2, g2, u2, dg2, du2, h2, n_rows, n_cols,
+        dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0), h2.stride(0),
+        *g_args, *u_args, *d_args,
+        ACTIVATION=activation, STORE_H=h_out is not None,
+        GATE_TERM=gate_term is not None, UP_TERM=up_term is not None, DH_TERM=dh_term is not None,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_KG=bkg, BLOCK_KU=bku, BLOCK_KD=bkd,
+        IEEE=gate.dtype == torch.float32, num_warps=_NUM_WARPS,
     )  # fmt: skip
     return dgate, dup
 
@@ -225,9 +329,17 @@ def _approximate(approximate: str) -> int:
     return _APPROXIMATE[approximate]
 
 
-def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` into ``out`` (a fresh contiguous tensor when None; may be gate or up itself)."""
-    return _glu_fwd(gate, up, out, _SILU)
+def swiglu_fwd(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    gate_term: LowRank | None = None,
+    up_term: LowRank | None = None,
+) -> torch.Tensor:
+    """``silu(gate') * up'`` into ``out`` (a fresh contiguous tensor when None; may be gate or up itself), where
+    ``gate' = gate + gate_term`` and ``up' = up + up_term`` in fp32 (each term optional, see :class:`LowRank`)."""
+    return _glu_fwd(gate, up, out, _SILU, gate_term, up_term)
 
 
 def swiglu_bwd(
@@ -237,8 +349,11 @@ def swiglu_bwd(
     *,
     inplace: bool = False,
     h_out: torch.Tensor | None = None,
+    gate_term: LowRank | None = None,
+    up_term: LowRank | None = None,
+    dh_term: LowRank | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``silu(gate) * up``, recomputing the activation.
+    """Gradients of ``silu(gate') * up'``, recomputing the activation.
 
     Args:
         dh: Gradient of the output.
@@ -246,18 +361,27 @@ def swiglu_bwd(
         up: The forward up.
         inplace: Write dgate into gate and dup into up (their contents are lost).
         h_out: If given, also write the recomputed forward output here (may be ``dh``).
+        gate_term: As in :func:`swiglu_fwd`: the gradients are those with respect to ``gate'`` and ``up'``.
+        up_term: Likewise.
+        dh_term: Added to dh in fp32 as it is read (the down projection's LoRA term of dh).
 
     Returns:
         ``(dgate, dup)``.
     """
-    return _glu_bwd(dh, gate, up, _SILU, inplace, h_out)
+    return _glu_bwd(dh, gate, up, _SILU, inplace, h_out, gate_term, up_term, dh_term)
 
 
 def geglu_fwd(
-    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None, *, approximate: str = "none"
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    approximate: str = "none",
+    gate_term: LowRank | None = None,
+    up_term: LowRank | None = None,
 ) -> torch.Tensor:
-    """``gelu(gate, approximate) * up`` into ``out``; see :func:`swiglu_fwd`."""
-    return _glu_fwd(gate, up, out, _approximate(approximate))
+    """``gelu(gate', approximate) * up'`` into ``out``; see :func:`swiglu_fwd`."""
+    return _glu_fwd(gate, up, out, _approximate(approximate), gate_term, up_term)
 
 
 def geglu_bwd(
@@ -268,9 +392,12 @@ def geglu_bwd(
     approximate: str = "none",
     inplace: bool = False,
     h_out: torch.Tensor | None = None,
+    gate_term: LowRank | None = None,
+    up_term: LowRank | None = None,
+    dh_term: LowRank | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``gelu(gate, approximate) * up``; see :func:`swiglu_bwd`."""
-    return _glu_bwd(dh, gate, up, _approximate(approximate), inplace, h_out)
+    """Gradients of ``gelu(gate', approximate) * up'``; see :func:`swiglu_bwd`."""
+    return _glu_bwd(dh, gate, up, _approximate(approximate), inplace, h_out, gate_term, up_term, dh_term)
 
 
 class SwiGLUFunction(torch.autograd.Function):

@@ -599,9 +599,9 @@ def count_down_projections(monkeypatch) -> dict[str, int]:
     downs = {"n": 0}
     real = mlp_mod.forward_projections
 
-    def counting(x, projs, dtype):
+    def counting(x, projs, dtype, **kw):
         downs["n"] += len(projs) == 1
-        return real(x, projs, dtype)
+        return real(x, projs, dtype, **kw)
 
     monkeypatch.setattr(mlp_mod, "forward_projections", counting)
     return downs

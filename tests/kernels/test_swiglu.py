@@ -10,6 +10,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from strop.kernels.ops.swiglu import (
+    LowRank,
     geglu,
     geglu_bwd,
     geglu_fwd,
@@ -147,6 +148,57 @@ def test_inplace_backward_through_autograd_gives_the_same_gradients(name, fn):
     assert_close_fp32(grads_inplace[0], grads_fresh[0], f"{name} dgate (in-place vs fresh)")
     assert_close_fp32(grads_inplace[1], grads_fresh[1], f"{name} dup (in-place vs fresh)")
     assert_close_fp32(g2n, grads_fresh[0], "the in-place backward left dgate in the gate buffer")
+
+
+_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
+
+
+def _term(rows: int, cols: int, k: int, dtype, seed: int, device="cpu", scale=0.5):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(rows, 2 * k, generator=gen)[:, k:].to(
+        device=device, dtype=dtype
+    )  # strided, as u_gu's halves
+    b = torch.randn(cols, k, generator=gen).to(device=device, dtype=dtype).t()  # lora_B.t()
+    return LowRank(a, b, scale)
+
+
+def _plus(t: torch.Tensor, term: LowRank) -> torch.Tensor:
+    return t.double() + term.scale * (term.a.double() @ term.b.double())
+
+
+@cpu_tier
+@pytest.mark.parametrize(("name", "act_key", "op"), ACTIVATIONS, ids=ACT_IDS)
+@pytest.mark.parametrize("k", [1, 16, 33])
+def test_low_rank_terms_are_added_to_gate_up_and_dh_as_they_are_read(name, act_key, op, k):
+    """The fused LoRA MLP hands the kernels the base's gate and up outputs and the adapters' rank-k terms
+    (``LowRank``): forward and backward must be those of the activation on gate + term and up + term, with dh +
+    its term (the down adapter's), against fp64 autograd of HF's activation, to fp32 rounding. 70 rows and 2,500
+    columns: partial tiles on both axes; k = 1, 16, 33: below, at and above one tl.dot width."""
+    gate, up, dh = _inputs((70, 2500), torch.float32)
+    gt, ut, dt = (_term(70, 2500, k, torch.float32, seed) for seed in (1, 2, 3))
+    g64, u64 = _plus(gate, gt).requires_grad_(), _plus(up, ut).requires_grad_()
+    truth = _hf(act_key, g64, u64)
+    dg_truth, du_truth = torch.autograd.grad(truth, (g64, u64), _plus(dh, dt))
+    fwd = swiglu_fwd if name == "silu" else lambda *a, **kw: geglu_fwd(*a, approximate=_APPROX[name], **kw)
+    bwd = swiglu_bwd if name == "silu" else lambda *a, **kw: geglu_bwd(*a, approximate=_APPROX[name], **kw)
+    h = fwd(gate, up, gate_term=gt, up_term=ut)
+    assert_close_fp32(h, truth.detach().float(), f"{name} forward with terms")
+    h_out = torch.empty_like(dh)
+    dgate, dup = bwd(dh, gate, up, gate_term=gt, up_term=ut, dh_term=dt, h_out=h_out)
+    assert_close_fp32(dgate, dg_truth.float(), f"{name} dgate with terms")
+    assert_close_fp32(dup, du_truth.float(), f"{name} dup with terms")
+    assert_close_fp32(h_out, truth.detach().float(), f"{name} recomputed h with terms")
+
+
+@cpu_tier
+def test_low_rank_terms_are_checked():
+    gate, up, dh = _inputs((6, 40), torch.float32)
+    with pytest.raises(ValueError, match=r"gate_term must be a \[6, K\] @ \[K, 40\] term"):
+        swiglu_fwd(gate, up, gate_term=_term(5, 40, 4, torch.float32, 1))
+    with pytest.raises(TypeError, match=r"up_term must be torch\.float32"):
+        swiglu_fwd(gate, up, up_term=_term(6, 40, 4, torch.bfloat16, 1))
+    with pytest.raises(ValueError, match="dh_term has K = 129 > 128"):
+        swiglu_bwd(dh, gate, up, dh_term=_term(6, 40, 129, torch.float32, 1))
 
 
 @cpu_tier
