@@ -30,8 +30,9 @@ setup: $(VENV)/.setup-done
 demo: setup
 	HF_HUB_OFFLINE=1 $(VPY) -P -m strop.demo
 
+# --durations: every run's log names its slowest tests (the tier's 25-minute budget is watched per CPU).
 test: setup check-protos lint postgres
-	$(TIER) $(VPY) -m pytest -m "not gpu" -q
+	$(TIER) $(VPY) -m pytest -m "not gpu" -q --durations=20
 	$(MAKE) --no-print-directory test-parity
 
 # The state-store tests run against a real PostgreSQL (tests/pg.py starts one per session): Debian's server

@@ -369,20 +369,38 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def step_timer(times: list[float]):
-    """A TrainerCallback appending each optimizer step's wall time (device synchronised) to ``times``."""
+def step_timer(times: list[float], profile_into: Result | None = None):
+    """A TrainerCallback appending each optimizer step's wall time (device synchronised) to ``times``; with
+    ``profile_into``, the trainer's last step runs under the profiler instead (``trl_args`` adds that step for
+    ``--profile``), its summary goes to ``profile_into.profile`` and its time is not recorded."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             sync()
+            self.profiler = None
+            if profile_into is not None and state.global_step + 1 == state.max_steps:
+                from torch.profiler import ProfilerActivity, profile
+
+                self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self.profiler.__enter__()
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             sync()
-            times.append(time.perf_counter() - self.t)
+            wall = time.perf_counter() - self.t
+            if self.profiler is None:
+                times.append(wall)
+                return
+            self.profiler.__exit__(None, None, None)
+            profile_into.profile = profile_summary(self.profiler, wall)
 
     return StepTimer()
+
+
+def profiled(a) -> int:
+    """1 where this TRL-trainer worker profiles one extra, last step (``--profile`` on CUDA), else 0."""
+    return int(bool(a.profile) and DEVICE == "cuda")
 
 
 def trl_args(config_cls, a, **kw):
@@ -393,7 +411,7 @@ def trl_args(config_cls, a, **kw):
     return config_cls(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=a.batch,
-        max_steps=a.warmup + a.steps,
+        max_steps=a.warmup + a.steps + profiled(a),  # the profiled step is the last, not timed
         lr_scheduler_type="constant",
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False},
@@ -411,8 +429,7 @@ def trl_args(config_cls, a, **kw):
 
 
 def profile_step(step) -> str:
-    """One step under torch.profiler: the step's wall and GPU busy time, the top GPU kernels by total time, and
-    the top host ops by self CPU time (a step whose GPU idles waits on them: Python, launches, syncs)."""
+    """One step under torch.profiler, summarised by :func:`profile_summary`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -421,7 +438,12 @@ def profile_step(step) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    return profile_summary(prof, time.perf_counter() - t0)
+
+
+def profile_summary(prof, wall: float) -> str:
+    """A profiled step's wall and GPU busy time, the top GPU kernels by total time, and the top host ops by self
+    CPU time (a step whose GPU idles waits on them: Python, launches, syncs)."""
     averages = prof.key_averages()
     events = [e for e in averages if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events)
@@ -618,7 +640,7 @@ def run_trl_worker(a) -> Result:
             args=trl_args(SFTConfig, a, learning_rate=1e-4, max_length=a.seq),
             train_dataset=Dataset.from_list(rows),
             processing_class=AutoTokenizer.from_pretrained(saved_model_dir()),
-            callbacks=[step_timer(times)],
+            callbacks=[step_timer(times, res if profiled(a) else None)],
         )
         upcast_adapters_(model)
         res.build_s = time.perf_counter() - t0
@@ -702,7 +724,7 @@ def run_dpo_worker(a) -> Result:
         args=trl_args(DPOConfig, a, learning_rate=DPO_LR, beta=0.1, max_length=2 * half),
         train_dataset=data,
         processing_class=tok,
-        callbacks=[step_timer(times)],
+        callbacks=[step_timer(times, res if profiled(a) else None)],
     )
     if strop:
         upcast_adapters_(model)
@@ -765,7 +787,11 @@ def run_preference_worker(a) -> Result:
     args = trl_args(config_cls, a, learning_rate=DPO_LR, max_length=2 * half, **fields)
     args.per_device_train_batch_size = rows
     trainer = trainer_cls(
-        model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[step_timer(times)]
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[step_timer(times, res if profiled(a) else None)],
     )
     if a.part == "kto" and "ref" in getattr(model, "peft_config", {}):
         model.delete_adapter("ref")  # the reference is the base (adapter disabled), as in the trainer service
