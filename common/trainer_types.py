@@ -318,6 +318,13 @@ class TrainConfig:
     simpo_beta: float = 0.0
     simpo_gamma: float = 0.0
     parallelism: Parallelism = Parallelism.UNSPECIFIED  # num_devices > 1: DDP (UNSPECIFIED) or FSDP
+    num_nodes: int = (
+        0  # > 1: nodes of num_devices processes each (a training operator's job, not the service's)
+    )
+
+    def ranks(self) -> int:
+        """Processes the job trains on: num_nodes × num_devices (0 counts as 1)."""
+        return max(self.num_nodes, 1) * max(self.num_devices, 1)
 
 
 @dataclass

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from strop.common import serde
 from strop.common.artifacts import ArtifactStore
+from strop.common.errors import InvalidArgument
 from strop.common.paths import confine
 from strop.common.trainer_types import JobEvent, JobState, LogMessage, StateChange, StepMetrics
 from strop.trainer_svc.core.dist_launch import DistributedJob, RankFailure, record_failure
@@ -238,6 +239,13 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
     loaded, reached = None, 0
     try:
         device = _init_distributed(rank)
+        declared = spec.config.ranks()
+        if (spec.config.num_devices or spec.config.num_nodes) and declared != rank.world_size:
+            # the global batch is batch_size x the world: a job must not silently train another one
+            raise InvalidArgument(
+                f"the job declares {declared} processes (num_nodes {max(spec.config.num_nodes, 1)} x num_devices "
+                f"{max(spec.config.num_devices, 1)}) but {rank.world_size} joined: launch it with as many"
+            )
         emit(
             state=StateChange(
                 JobState.RUNNING, f"{rank.world_size} process" + ("es" if rank.world_size > 1 else "")

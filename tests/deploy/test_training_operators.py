@@ -360,7 +360,9 @@ def test_each_rank_sees_the_environment_the_worker_expects(kind, monkeypatch, tm
             assert exc.code == 0
     ranks = [r for r, _ in seen]
     world = {r.world_size for r in ranks}
-    assert len(world) == 1 and sorted(r.rank for r in ranks) == list(range(world.pop()))
+    assert len(world) == 1 and sorted(r.rank for r in ranks) == list(range(next(iter(world))))
+    # the world the spec declares (num_nodes x num_devices), which each rank checks before it trains
+    assert serde.from_dict(DistributedJob, json.loads(spec_file.read_text())).config.ranks() == world.pop()
     assert {kw["job_id"] for _, kw in seen} == {json.loads(spec_file.read_text())["job_id"]}
     assert {str(kw["artifact_root"]) for _, kw in seen} == {"/data/artifacts"}
     if kind == "TrainJob":

@@ -350,7 +350,28 @@ def test_a_job_asking_for_more_devices_than_the_node_has_is_refused_before_it_st
         list(client.train(session_id, dataset_id, _service_config(num_devices=cores + 1)))
     with pytest.raises(InvalidArgumentError, match=r"num_devices must be in 0\.\.1024, got -1"):
         list(client.train(session_id, dataset_id, _service_config(num_devices=-1)))
+    with pytest.raises(
+        FailedPreconditionError, match="num_nodes 2: the trainer service trains on its own node"
+    ):
+        list(client.train(session_id, dataset_id, _service_config(num_nodes=2, num_devices=1)))
+    with pytest.raises(InvalidArgumentError, match=r"num_nodes must be in 0\.\.1024, got -3"):
+        list(client.train(session_id, dataset_id, _service_config(num_nodes=-3)))
     assert client.list_jobs(session_id) == []  # nothing was created
+
+
+def test_ranks_refuse_a_world_other_than_the_one_the_job_declares(runs, model_root):
+    """A job's global batch is batch_size x its processes, so a spec that declares num_nodes x num_devices must
+    train in exactly that world: one process started with a spec of 2 devices (an operator's manifest that
+    disagrees with its job) fails before it loads anything, with both numbers."""
+    tmp, _, _ = runs
+    spec = _spec("job-wrong-world", 1)
+    spec["config"].update(num_nodes=2, num_devices=1)
+    proc = _launch(tmp, model_root, "job-wrong-world", batch_size=1, nproc=1, spec=spec)
+    assert proc.wait(timeout=120) != 0
+    (failed,) = [
+        e["state"] for e in _events(tmp, "job-wrong-world") if e["state"] and e["state"]["state"] == "FAILED"
+    ]
+    assert "declares 2 processes (num_nodes 2 x num_devices 1) but 1 joined" in failed["message"], failed
 
 
 def test_ranks_notice_when_the_service_that_launched_them_is_gone():

@@ -54,16 +54,17 @@ from strop.common.trainer_types import Parallelism, TrainConfig
 
 
 def is_fsdp(cfg: TrainConfig) -> bool:
-    return cfg.parallelism is Parallelism.FSDP and cfg.num_devices > 1
+    return cfg.parallelism is Parallelism.FSDP and cfg.ranks() > 1
 
 
 def check_supported(cfg: TrainConfig) -> None:
-    """Refuse FSDP where it cannot run: on one device."""
+    """Refuse FSDP where it cannot run: on one process."""
     if cfg.parallelism is not Parallelism.FSDP:
         return
-    if cfg.num_devices <= 1:
+    if cfg.ranks() <= 1:
         raise InvalidArgument(
-            f"parallelism FSDP shards the base over num_devices > 1; got num_devices {cfg.num_devices}"
+            "parallelism FSDP shards the base over num_devices > 1 (or num_nodes > 1); "
+            f"got num_devices {cfg.num_devices} on {max(cfg.num_nodes, 1)} node(s)"
         )
 
 

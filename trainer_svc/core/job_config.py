@@ -116,6 +116,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         ),
         (c.max_prompt_length >= 0, f"max_prompt_length must be >= 0, got {c.max_prompt_length}"),
         (0 <= c.num_devices <= 1024, f"num_devices must be in 0..1024, got {c.num_devices}"),
+        (0 <= c.num_nodes <= 1024, f"num_nodes must be in 0..1024, got {c.num_nodes}"),
         (not (c.packing and preference), "packing applies to SFT only"),
         (c.orpo_lambda > 0, f"orpo_lambda must be > 0, got {c.orpo_lambda}"),
         (c.kto_beta > 0, f"kto_beta must be > 0, got {c.kto_beta}"),

@@ -155,6 +155,11 @@ class Jobs:
         ds_info, rows = self.datasets.rows(dataset_id)
         cfg = job_config.with_defaults(config, session_max_len=sess.info.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds_info.format, rows, sess.info.facts.vocab_size)
+        if cfg.num_nodes > 1:
+            raise FailedPrecondition(
+                f"num_nodes {cfg.num_nodes}: the trainer service trains on its own node; run a job over several "
+                "nodes as a training operator's job (strop.trainer_svc.dist_worker, deploy/k8s/training-operators)"
+            )
         dist_launch.check_devices(cfg.num_devices, sess.loaded.device)
         fsdp.check_supported(cfg)
         if resume_from_job_id:
