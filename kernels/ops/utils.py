@@ -121,6 +121,75 @@ def is_writable_in_place(t: torch.Tensor) -> bool:
 INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
+def _interpreter_skips_redundant_patching() -> bool:
+    """Under ``TRITON_INTERPRET=1``, let a ``@triton.jit`` helper called from a running kernel skip re-patching
+    the language modules the launch has patched already; True once installed.
+
+    Triton 3.6's interpreter patches the language module of a kernel's globals (``_patch_lang``: ``triton.language``
+    or ``triton.language.core``; every builtin of it, of its ``tensor`` and ``math``, the reduce/scan ops) once per
+    launch and restores it when the launch ends; then at every call of a nested jit function
+    (``InterpretedFunction.__call__``) it patches the modules of that function's globals again and discards the
+    record. For a module the launch has patched that is the same assignment again, and it costs ~4.5 ms a call;
+    strop's kernels call small helpers (``cast_to``, the RoPE head loop, the activations) per program, and on a
+    2-core CI machine 60% of the CPU tier's library example went to it. A nested call whose modules are all patched
+    in this launch now only runs the rewritten function; one that names another module (``tl.max`` is a jit
+    function of ``triton.language.standard``, whose globals hold ``core``) is patched as before, and the launch
+    remembers that module. Outside a launch, or on a Triton whose interpreter lacks these names, nothing changes;
+    compiled kernels never get here.
+    """
+    try:
+        import inspect
+
+        from triton.runtime import interpreter as it
+
+        grid_call, nested_call, patch = (
+            it.GridExecutor.__call__,
+            it.InterpretedFunction.__call__,
+            it._patch_lang,
+        )
+        error = it.InterpreterError
+    except (ImportError, AttributeError):
+        return False
+    if getattr(nested_call, "_strop_skips_patching", False):
+        return True
+    langs_of: dict[int, frozenset] = {}
+    patched: list[set] = []  # per running launch: the language modules it has patched
+
+    def langs(fn) -> frozenset:
+        key = id(fn.__globals__)
+        if key not in langs_of:
+            mods = (v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+            langs_of[key] = frozenset(id(m) for m in mods)
+        return langs_of[key]
+
+    def launch(self, *args, **kwargs):
+        patched.append(set(langs(self.fn)))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def nested(self, *args, **kwargs):
+        if not patched:
+            return nested_call(self, *args, **kwargs)
+        mine = langs(self.fn)
+        if not mine <= patched[-1]:
+            patch(self.fn)  # as the interpreter does: patched until the launch restores them
+            patched[-1] |= mine
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise error(repr(e)) from e
+
+    nested._strop_skips_patching = True
+    it.GridExecutor.__call__, it.InterpretedFunction.__call__ = launch, nested
+    return True
+
+
+if INTERPRETER:
+    _interpreter_skips_redundant_patching()
+
+
 @triton.jit
 def cast_to(x, dtype: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` rounding to nearest even, on the GPU and in the interpreter alike."""

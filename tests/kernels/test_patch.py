@@ -44,7 +44,7 @@ from strop.kernels.models.patch import PatchReport  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TARGETS = list(DEFAULT_TARGET_MODULES)
-STEPS = 10  # teacher-forced: each step compares one forward + backward on the same weights
+STEPS = 6  # teacher-forced: each step compares one forward + backward on the same weights
 RTOL = 1e-5
 
 
