@@ -147,7 +147,8 @@ def main() -> int:
         a.steps, a.warmup = min(a.steps, 4), min(a.warmup, 1)
     a.seq = a.seq or (32 if a.smoke else 2048)
     a.batch = a.batch or (2 if a.smoke else 8)
-    train_bench.ensure_saved_model(a.seq)
+    train_bench.use_shape("qlora", a.smoke)  # the standard workload's Llama shape (--smoke: the tiny one)
+    train_bench.ensure_saved_model(a.seq, "qlora")
     model_dir = Path(train_bench.saved_model_dir())
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
