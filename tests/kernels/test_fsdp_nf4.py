@@ -73,6 +73,22 @@ def test_patched_nf4_layers_sharded_by_fsdp2_run_the_kernels_like_the_unsharded_
         assert _rel(mine, g) <= bound, (name, _rel(mine, g), bound)
 
 
+def _assert_same_bf16_step(reference, model) -> None:
+    """One bf16-autocast step of ``model`` (sharded or not) against ``reference``'s: loss and LoRA gradients within
+    one bf16 rounding (u = 2⁻⁸ relative), DTensor gradients gathered whole first."""
+    from torch.distributed.tensor import DTensor
+
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_loss, ref = _loss_and_grads(reference, ids)
+        loss, ours = _loss_and_grads(model, ids)
+    u = 2.0**-8
+    assert abs(loss - ref_loss) <= u * abs(ref_loss), (loss, ref_loss)
+    for name, g in ref.items():
+        mine = ours[name].full_tensor() if isinstance(ours[name], DTensor) else ours[name]
+        assert _rel(mine.float(), g.float()) <= u, (name, _rel(mine.float(), g.float()))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_bf16_codes_sharded_by_fsdp2_train_like_the_unsharded_patched_model(tmp_path):
@@ -85,7 +101,6 @@ def test_on_cuda_bf16_codes_sharded_by_fsdp2_train_like_the_unsharded_patched_mo
     2.2e-2, loss 2e-5): a different computation from DDP's, not checked here."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
@@ -100,15 +115,7 @@ def test_on_cuda_bf16_codes_sharded_by_fsdp2_train_like_the_unsharded_patched_mo
         for layer in twin.get_base_model().model.layers:
             fully_shard(layer, mp_policy=MixedPrecisionPolicy())
         fully_shard(twin, mp_policy=MixedPrecisionPolicy())
-        ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ref_loss, ref = _loss_and_grads(model, ids)
-            loss, ours = _loss_and_grads(twin, ids)
-        u = 2.0**-8
-        assert abs(loss - ref_loss) <= u * abs(ref_loss), (loss, ref_loss)
-        for name, g in ref.items():
-            mine = ours[name].full_tensor() if isinstance(ours[name], DTensor) else ours[name]
-            assert _rel(mine.float(), g.float()) <= u, (name, _rel(mine.float(), g.float()))
+        _assert_same_bf16_step(model, twin)
     finally:
         dist.destroy_process_group()
 
@@ -165,15 +172,7 @@ def test_on_cuda_a_4bit_base_staged_in_host_memory_is_moved_by_fsdp2_and_trains_
         assert four_bit and all(m.quant_state.absmax.device.type == "cuda" for m in four_bit)
         held, whole = base_bytes_held(staged)
         assert held == whole > 0  # one rank holds it all; 2 ranks hold half (test_ddp's gloo test)
-        ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ref_loss, ref = _loss_and_grads(on_device, ids)
-            loss, ours = _loss_and_grads(staged, ids)
-        u = 2.0**-8
-        assert abs(loss - ref_loss) <= u * abs(ref_loss), (loss, ref_loss)
-        for name, g in ref.items():
-            mine = ours[name].full_tensor() if hasattr(ours[name], "full_tensor") else ours[name]
-            assert _rel(mine.float(), g.float()) <= u, (name, _rel(mine.float(), g.float()))
+        _assert_same_bf16_step(on_device, staged)
         for i in installed:
             i.remove()
     finally:
