@@ -318,9 +318,7 @@ class TrainConfig:
     simpo_beta: float = 0.0
     simpo_gamma: float = 0.0
     parallelism: Parallelism = Parallelism.UNSPECIFIED  # num_devices > 1: DDP (UNSPECIFIED) or FSDP
-    num_nodes: int = (
-        0  # > 1: nodes of num_devices processes each (a training operator's job, not the service's)
-    )
+    num_nodes: int = 0  # > 1: nodes of num_devices processes each (an operator's job, not the service's)
 
     def ranks(self) -> int:
         """Processes the job trains on: num_nodes × num_devices (0 counts as 1)."""

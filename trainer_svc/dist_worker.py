@@ -246,6 +246,7 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
                 f"the job declares {declared} processes (num_nodes {max(spec.config.num_nodes, 1)} x num_devices "
                 f"{max(spec.config.num_devices, 1)}) but {rank.world_size} joined: launch it with as many"
             )
+        fsdp.check_supported(spec.config)  # before the base is loaded: it reads only the job's world
         emit(
             state=StateChange(
                 JobState.RUNNING, f"{rank.world_size} process" + ("es" if rank.world_size > 1 else "")
@@ -263,7 +264,6 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
         cfg = job_config.with_defaults(spec.config, session_max_len=loaded.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds.format, ds.rows, loaded.facts.vocab_size)
         sharded = fsdp.is_fsdp(cfg) and rank.world_size > 1
-        fsdp.check_supported(cfg)
         if sharded:
             fsdp.prepare(device)
             models.loaded_base_quant(

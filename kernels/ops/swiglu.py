@@ -30,7 +30,7 @@ the down projection's LoRA gradients and has no other use for dh, gate or up aft
 Low-rank terms (``LowRank``: ``scale · a @ b``, K ≤ 128). The fused LoRA MLP passes gate and up as the base
 projections' outputs and their adapters' terms ``s · (x Aᵀ) Bᵀ`` beside them; the backward also takes dh's term
 ``g_d A_d`` from the down adapter. Each kernel adds a term in fp32 to the tile it has just read (one ``tl.dot``
-of [64, K] by [K, 128]), so gate' = gate + term is never written or rounded, and the forward and backward above
+of [32, K] by [K, 128] a tile), so gate' = gate + term is never written or rounded, and the forward and backward above
 apply to gate', up' and dh'. What that saves: one read-modify-write of each [N, I] operand per pass, which
 ``small_k.addmm_small_k_`` spends otherwise (8B shape at 16K tokens: 0.26 ms each, four a layer in the forward and
 recompute, one in the backward); what it costs: the dots, which take more than their arithmetic (a tile's fixed
