@@ -467,22 +467,24 @@ def profile_summary(prof, wall: float) -> str:
 
 
 def memory_system(system: str):
-    """``strop-<mode>[-sN]`` → (MemoryMode, N): the trainer's memory modes by the names the service uses.
+    """``strop-<mode>[-sN][-aB][-tB]`` → (MemoryMode, N, attention, tiled): the trainer's memory modes by the names the service uses.
 
     ``strop-standard`` (checkpointed layer inputs in pinned host memory, what the trainer's default mode does
     on CUDA), ``strop-long-context`` (+ the tiled MLP), ``strop-max-speed`` (budgeted recompute under
     ``FAST_BUDGET_GIB``); ``-sN``: N evenly spaced layers skip the recompute, their activations in host memory;
     ``-a1``/``-a0``: offloaded layers keep (or do not keep) their attention output for the recompute, whatever
-    the mode's default (``MemoryFeatures.save_attention``); the third item is None without it. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
+    the mode's default (``MemoryFeatures.save_attention``); the third item is None without it. ``-t1``/``-t0``:
+    the MLPs run tiled (or not), whatever the mode's default (``MemoryFeatures.tiled_mlp``); the fourth item. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
     these were called strop-offload[-sN], strop-mem and strop-fast.
     """
     from strop.common.trainer_types import MemoryMode
 
-    m = re.fullmatch(r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?", system)
+    m = re.fullmatch(r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?", system)
     if m is None:
         return None
     attention = None if m.group(3) is None else m.group(3) == "1"
-    return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0), attention
+    tiled = None if m.group(4) is None else m.group(4) == "1"
+    return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0), attention, tiled
 
 
 def apply_memory(model, system: str):
@@ -495,7 +497,7 @@ def apply_memory(model, system: str):
     spec = memory_system(system)
     if spec is None:
         return None
-    mode, save_layers, save_attention = spec
+    mode, save_layers, save_attention, tiled = spec
     if DEVICE != "cuda" and mode is MemoryMode.MAX_SPEED:
         return None  # --smoke: budgeted recompute measures CUDA memory
     budget = FAST_BUDGET_GIB * 2**30
@@ -504,8 +506,9 @@ def apply_memory(model, system: str):
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     smoke = {} if DEVICE == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}  # --smoke
     return apply_memory_mode(
-        model, mode, budget_bytes=budget, save_layers=save_layers, save_attention=save_attention, **smoke
-    )
+        model, mode, budget_bytes=budget, save_layers=save_layers, save_attention=save_attention,
+        tiled_mlp=tiled, **smoke,
+    )  # fmt: skip
 
 
 def run_worker(a) -> Result:
@@ -521,6 +524,8 @@ def run_worker(a) -> Result:
         res.notes = str(patch_model(model))
     installed = apply_memory(model, a.system)
     model.train()
+    if a.progress:
+        log_layer_progress(model, a.progress)
     res.build_s = time.perf_counter() - t0
     g = torch.Generator(device=DEVICE).manual_seed(1234)
     data = torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device=DEVICE, generator=g)
@@ -553,6 +558,36 @@ def run_worker(a) -> Result:
         recompute = 1 - min(saved_layers, SHAPE["layers"] - 1) / SHAPE["layers"]
     record_speed(res, times, a.warmup, a.batch * a.seq, recompute)
     return res
+
+
+def log_layer_progress(model, path: str) -> None:
+    """Append a line to ``path`` as each decoder layer ends its forward and as backward reaches it (before its
+    recompute), after a device sync: the time, the peak GPU memory so far and the host's peak RSS. A step too
+    long for the caller's time limit still leaves how far it got and the peaks on the way."""
+    import torch
+
+    from strop.kernels.models.hf import checkpoint_layers, unwrap_peft
+
+    t0 = time.perf_counter()
+
+    def log(i: int, kind: str) -> None:
+        sync()
+        peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
+        with open(path, "a") as f:
+            f.write(f"{time.perf_counter() - t0:9.1f} s  layer {i:2d} {kind:8s}  GPU peak {peak:6.1f} GiB  "
+                    f"host peak RSS {host_peak_rss_gib():6.1f} GiB\n")  # fmt: skip
+
+    def hook(i):
+        def post(module, args, out):
+            log(i, "forward")
+            h = out[0] if isinstance(out, tuple) else out
+            if isinstance(h, torch.Tensor) and h.requires_grad:
+                h.register_hook(lambda g: log(i, "backward"))
+
+        return post
+
+    for i, layer in enumerate(checkpoint_layers(unwrap_peft(model))):
+        layer.register_forward_hook(hook(i))
 
 
 def train_step(model, opt, data):
@@ -729,6 +764,8 @@ def run_dpo_worker(a) -> Result:
     if strop:
         upcast_adapters_(model)
     train_preference(res, a, trainer, model, t0, times, a.batch)  # pairs per second for this part
+    if strop:
+        res.notes += f"\nbatches with each pair's prompt run once: {trainer.strop_shared_batches}"
     return res
 
 
@@ -838,6 +875,7 @@ def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
         str(a.warmup),
         *(["--smoke"] if a.smoke else []),
         *(["--profile"] if a.profile else []),
+        *(["--progress", a.progress] if a.progress else []),
     ]
     t0 = time.perf_counter()
     try:
@@ -925,6 +963,9 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--json")
     p.add_argument("--profile", action="store_true", help="also profile one step per system (GPU kernels)")
+    p.add_argument(
+        "--progress", help="append each decoder layer's start (time, peaks) to this file (SFT parts)"
+    )
     p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )

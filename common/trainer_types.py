@@ -102,6 +102,8 @@ class MemoryFeatures:
         default_budget_fraction: The budget when the job gives none, as a fraction of the device's memory.
         save_attention: Offloaded layers keep their attention output and log-sum-exp in host memory, so the
             recompute in backward skips attention's forward.
+        host_budget_fraction: The share of the host's available memory (at install) the offloaded copies may
+            hold; past it, layer inputs stay on the device and attention is recomputed (0: unbounded).
     """
 
     gradient_checkpointing: bool | None
@@ -111,6 +113,7 @@ class MemoryFeatures:
     budgeted_recompute: bool
     default_budget_fraction: float = 0.0
     save_attention: bool = False
+    host_budget_fraction: float = 0.0
 
 
 MEMORY_MODES: dict[MemoryMode, MemoryFeatures] = {
@@ -118,7 +121,11 @@ MEMORY_MODES: dict[MemoryMode, MemoryFeatures] = {
     # takes 27% off peak memory on 8B QLoRA, so the standard mode does it when the host has room
     MemoryMode.STANDARD: MemoryFeatures(None, True, True, False, False),
     # saved attention outputs: at 128K tokens the step is 14% shorter; at 8 × 2048 tokens 3% longer (bench/RESULTS.md)
-    MemoryMode.LONG_CONTEXT: MemoryFeatures(True, True, False, True, False, save_attention=True),
+    # what host memory holds goes there, the rest stays on the device (512K tokens of an 8B model: 128 GiB of
+    # layer inputs and as much again of attention outputs, against a 128 GiB host)
+    MemoryMode.LONG_CONTEXT: MemoryFeatures(
+        True, True, False, True, False, save_attention=True, host_budget_fraction=0.8
+    ),
     MemoryMode.MAX_SPEED: MemoryFeatures(False, False, False, False, True, default_budget_fraction=0.9),
 }
 DEFAULT_MEMORY_MODE = MemoryMode.STANDARD

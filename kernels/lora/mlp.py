@@ -73,7 +73,14 @@ from .linear import (
     with_factors,
 )
 
-__all__ = ["ACTIVATIONS", "LoRAMLPFunction", "lora_mlp", "lora_mlp_reference", "recompute_outputs_unused"]
+__all__ = [
+    "ACTIVATIONS",
+    "LoRAMLPFunction",
+    "lora_mlp",
+    "lora_mlp_reference",
+    "recompute_outputs_unused",
+    "recompute_outputs_unused_now",
+]
 
 _OUTPUTS_UNUSED = contextvars.ContextVar("strop_recompute_outputs_unused", default=False)
 
@@ -86,6 +93,11 @@ def recompute_outputs_unused() -> Iterator[None]:
         yield
     finally:
         _OUTPUTS_UNUSED.reset(token)
+
+
+def recompute_outputs_unused_now() -> bool:
+    """Whether the code running now is a recompute under :func:`recompute_outputs_unused`."""
+    return _OUTPUTS_UNUSED.get()
 
 
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")

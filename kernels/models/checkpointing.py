@@ -77,6 +77,7 @@ def enable_offloaded_checkpointing(
     preserve_rng_state: bool = True,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     save_attention: bool = False,
+    host_budget_bytes: int | None = None,
     trace: bool = False,
 ) -> ActivationOffloader:
     """Make an HF (or PEFT-wrapped HF) model checkpoint its decoder layers with offloaded inputs.
@@ -100,6 +101,8 @@ def enable_offloaded_checkpointing(
         max_inflight_bytes: Device-to-host copies queued at once before a save waits for the oldest.
         save_attention: Offloaded layers also keep their attention output in host memory, so the recompute
             skips attention's forward (``kernels/models/saved_attention.py``).
+        host_budget_bytes: Host memory the copies may hold at once (None: unbounded); past it, inputs stay on
+            the device and attention is recomputed, layer by layer as the forward reaches them.
         trace: Record the schedule in ``offloader.stats.trace``.
 
     Returns:
@@ -129,6 +132,7 @@ def enable_offloaded_checkpointing(
         preserve_rng_state=preserve_rng_state,
         max_inflight_bytes=max_inflight_bytes,
         save_attention=save_attention,
+        host_budget_bytes=host_budget_bytes,
         trace=trace,
     )
     flags = [bool(layer.gradient_checkpointing) for layer in layers]

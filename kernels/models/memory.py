@@ -41,9 +41,49 @@ __all__ = [
     "apply_memory_mode",
     "disable_memory_features",
     "enable_memory_features",
+    "host_available_bytes",
 ]
 
 logger = logging.getLogger("strop.kernels")
+
+# cgroup v2, then v1: a container's limit and usage (a pod sees the node's /proc/meminfo)
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_available_bytes() -> int:
+    """Host memory this process can still take: ``MemAvailable``, capped by the container's cgroup limit less
+    its usage (0 when neither can be read)."""
+    available = _meminfo_available()
+    for limit_path, usage_path in _CGROUP_FILES:
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes ~2^63 for no limit
+            room = max(0, limit - usage)
+            available = room if available is None else min(available, room)
+            break
+    return available or 0
 
 
 @dataclass
@@ -109,6 +149,7 @@ def enable_memory_features(
     keep_last_layers: int = 1,
     save_layers: int = 0,
     save_attention: bool = False,
+    host_budget_bytes: int | None = None,
     offload_cpu_tensors: bool = False,
     preserve_rng_state: bool = True,
     trace: bool = False,
@@ -126,6 +167,8 @@ def enable_memory_features(
             pinned host memory (:func:`~strop.kernels.models.enable_offloaded_checkpointing`).
         save_attention: Offloaded layers keep their attention output in host memory; the recompute skips
             attention's forward.
+        host_budget_bytes: Host memory the offloaded copies may hold at once (None: unbounded); past it, layer
+            inputs stay on the GPU (``ActivationOffloader``).
         offload_cpu_tensors: Exercise the offload path with CPU tensors (tests, the CPU smoke benchmark).
         preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
         trace: Record the offload schedule in ``offloader.stats.trace``.
@@ -140,7 +183,7 @@ def enable_memory_features(
             report.offloader = enable_offloaded_checkpointing(
                 model, min_offload_bytes=min_offload_bytes, keep_last=keep_last_layers, save_layers=save_layers,
                 offload_cpu_tensors=offload_cpu_tensors, preserve_rng_state=preserve_rng_state, trace=trace,
-                save_attention=save_attention,
+                save_attention=save_attention, host_budget_bytes=host_budget_bytes,
             )  # fmt: skip
         except ValueError as e:
             report.skipped["offload_activations"] = str(e)
@@ -203,6 +246,8 @@ def apply_memory_mode(
     allow_offload: bool = True,
     save_layers: int = 0,
     save_attention: bool | None = None,
+    tiled_mlp: bool | None = None,
+    host_budget_bytes: int | None = None,
     offload_cpu_tensors: bool = False,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
 ) -> InstalledMode:
@@ -217,6 +262,9 @@ def apply_memory_mode(
         save_layers: Layers that skip the recompute, their activations in host memory (with offload).
         save_attention: Offloaded layers keep their attention output for the recompute; None: the mode's own
             setting (``MemoryFeatures.save_attention``).
+        tiled_mlp: The MLPs run tiled ("auto" chunks); None: the mode's own setting (``MemoryFeatures.tiled_mlp``).
+        host_budget_bytes: Host memory the offloaded copies may hold; None: the mode's
+            ``host_budget_fraction`` of :func:`host_available_bytes` now (unbounded for a fraction of 0).
         offload_cpu_tensors: Exercise the offload path on the CPU (tests, the CPU smoke benchmark).
         min_offload_bytes: Layer inputs and activations smaller than this stay on their device.
     """
@@ -228,12 +276,18 @@ def apply_memory_mode(
         installed.notes.append("layer inputs stay on the device: no host room for a step's worth")
     if features.budgeted_recompute and budget_bytes <= 0:
         raise ValueError(f"memory mode {mode.value} needs a positive budget_bytes")
+    if host_budget_bytes is None and offload and features.host_budget_fraction > 0:
+        host_budget_bytes = int(features.host_budget_fraction * host_available_bytes())
+    if host_budget_bytes is not None and offload:
+        installed.notes.append(f"host budget {host_budget_bytes / 2**30:.1f} GiB")
+    tiled = features.tiled_mlp if tiled_mlp is None else tiled_mlp
     try:
-        if offload or features.tiled_mlp:
+        if offload or tiled:
             installed.memory = enable_memory_features(
-                model, offload_activations=offload, tiled_mlp_chunks="auto" if features.tiled_mlp else None,
+                model, offload_activations=offload, tiled_mlp_chunks="auto" if tiled else None,
                 save_layers=save_layers, offload_cpu_tensors=offload_cpu_tensors, min_offload_bytes=min_offload_bytes,
                 save_attention=features.save_attention if save_attention is None else save_attention,
+                host_budget_bytes=host_budget_bytes,
             )  # fmt: skip
         if features.budgeted_recompute:
             installed.recompute = enable_budgeted_recompute(model, budget_bytes)

@@ -128,6 +128,8 @@ class OffloadStats:
         saved_prefetched: Of ``saved_offloaded``, those reloaded ahead of need.
         copy_waits: Times the forward waited for a device-to-host copy (backlog over ``max_inflight_bytes``).
         attention_saved: Attention outputs kept in host memory for the recompute (``save_attention``).
+        host_full: Layer inputs, saved activations and attention outputs left on the device because host memory
+            was at ``host_budget_bytes``.
         trace: ``(event, layer)`` pairs in order, when tracing is on (tests): ``save:offload``,
             ``save:keep``, ``save:activations`` (a no-recompute layer's forward ended), ``prefetch``,
         ``fetch:hit``, ``fetch:miss``, ``fetch:kept``.
@@ -147,6 +149,7 @@ class OffloadStats:
     saved_prefetched: int = 0
     copy_waits: int = 0
     attention_saved: int = 0
+    host_full: int = 0
     trace: list[tuple[str, int | None]] | None = None
 
 
@@ -165,6 +168,10 @@ class ActivationOffloader:
             the oldest (bounds the GPU memory a forward that outruns the host link holds).
         save_attention: Keep each offloaded layer's attention output and log-sum-exp in host memory, so its
             recompute skips attention's forward (``kernels/models/saved_attention.py``).
+        host_budget_bytes: The host memory the copies may hold at once (None: no bound). A copy that would pass
+            it stays on its device instead: the input of a layer recomputes from device memory, an attention
+            output is recomputed, an activation of a no-recompute layer stays where it is. Counted as the pinned
+            allocator holds them (blocks rounded up to a power of two).
         trace: Record the schedule in ``stats.trace``.
     """
 
@@ -176,8 +183,13 @@ class ActivationOffloader:
         preserve_rng_state: bool = True,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         save_attention: bool = False,
+        host_budget_bytes: int | None = None,
         trace: bool = False,
     ) -> None:
+        if host_budget_bytes is not None and host_budget_bytes < 0:
+            raise ValueError(f"host_budget_bytes must be ≥ 0, got {host_budget_bytes}")
+        self.host_budget_bytes = host_budget_bytes
+        self._host_blocks = 0  # what the copies hold in the pinned allocator's blocks
         if min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be ≥ 0, got {min_offload_bytes}")
         if max_inflight_bytes < 0:
@@ -203,7 +215,8 @@ class ActivationOffloader:
             f"ActivationOffloader(offloaded={s.offloaded}, kept={s.kept}, host_bytes={s.host_bytes}, "
             f"peak_host_bytes={s.peak_host_bytes}, prefetch_hits={s.prefetch_hits}, "
             f"prefetch_misses={s.prefetch_misses}, saved_offloaded={s.saved_offloaded}, "
-            f"saved_kept={s.saved_kept}, saved_prefetched={s.saved_prefetched}, copy_waits={s.copy_waits})"
+            f"saved_kept={s.saved_kept}, saved_prefetched={s.saved_prefetched}, copy_waits={s.copy_waits}, "
+            f"attention_saved={s.attention_saved}, host_full={s.host_full}, host_budget_bytes={self.host_budget_bytes})"
         )
 
     # -- bookkeeping
@@ -222,6 +235,36 @@ class ActivationOffloader:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
+    # -- host memory accounting (every copy to the host goes through these)
+
+    @staticmethod
+    def _block(nbytes: int, pinned: bool) -> int:
+        # torch's caching host allocator rounds a pinned block up to a power of two
+        return 1 << max(0, nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+
+    def host_room(self, nbytes: int | tuple[int, ...], pinned: bool = True) -> bool:
+        """Whether copies of ``nbytes`` (one size or several) to the host stay within ``host_budget_bytes``;
+        counts a refusal."""
+        if self.host_budget_bytes is None:
+            return True
+        sizes = nbytes if isinstance(nbytes, tuple) else (nbytes,)
+        if self._host_blocks + sum(self._block(n, pinned) for n in sizes) <= self.host_budget_bytes:
+            return True
+        self.stats.host_full += 1
+        return False
+
+    def hold_host(self, nbytes: int, pinned: bool = True) -> None:
+        """A copy of ``nbytes`` now lives in host memory."""
+        s = self.stats
+        s.host_bytes += nbytes
+        s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
+        self._host_blocks += self._block(nbytes, pinned)
+
+    def release_host(self, nbytes: int, pinned: bool = True) -> None:
+        """A host copy of ``nbytes`` is gone (reloaded, or its graph freed)."""
+        self.stats.host_bytes -= nbytes
+        self._host_blocks -= self._block(nbytes, pinned)
+
     def keep_reason(self, x: torch.Tensor, offload: bool) -> str | None:
         """Why ``x`` stays on its device (plain recompute), or None when it goes to host memory."""
         if not offload:
@@ -233,6 +276,10 @@ class ActivationOffloader:
         nbytes = x.numel() * x.element_size()
         if nbytes < self.min_offload_bytes:
             return f"input of {nbytes} bytes < min_offload_bytes={self.min_offload_bytes}: plain recompute"
+        if not self.host_room(nbytes, x.is_cuda):
+            return (
+                f"host memory at host_budget_bytes={self.host_budget_bytes}: plain recompute from the device"
+            )
         return None
 
     # -- copies (side stream on CUDA; plain clones for CPU tensors under offload_cpu_tensors)
@@ -337,8 +384,7 @@ class ActivationOffloader:
         s = self.stats
         s.offloaded += 1
         s.offloaded_bytes += rec.nbytes
-        s.host_bytes += rec.nbytes
-        s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
+        self.hold_host(rec.nbytes, x.is_cuda)
         self._event("save:offload", layer)
         return rec
 

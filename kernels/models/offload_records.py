@@ -50,7 +50,7 @@ class InputRecord:
     def drop_host(self) -> None:
         if self.host is not None:
             self.host = None
-            self.offloader.stats.host_bytes -= self.nbytes
+            self.offloader.release_host(self.nbytes, self.device.type == "cuda")
 
     def __del__(
         self,
@@ -87,7 +87,7 @@ class SavedTensor:
     def drop_host(self) -> None:
         if self.host is not None:
             self.host = None
-            self.group.offloader.stats.host_bytes -= self.nbytes
+            self.group.offloader.release_host(self.nbytes, self.device.type == "cuda")
 
     def __del__(self) -> None:  # a graph freed without backward returns its host memory
         with contextlib.suppress(Exception):
@@ -161,6 +161,7 @@ class SavedGroup:
             or not t.is_floating_point()
             or t.numel() * t.element_size() < off.min_offload_bytes
             or not (t.is_cuda or (t.device.type == "cpu" and off.offload_cpu_tensors))
+            or not off.host_room(t.numel() * t.element_size(), t.is_cuda)
         ):
             off.stats.saved_kept += 1
             if not outlives:
@@ -183,8 +184,7 @@ class SavedGroup:
         s = off.stats
         s.saved_offloaded += 1
         s.offloaded_bytes += item.nbytes
-        s.host_bytes += item.nbytes
-        s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
+        off.hold_host(item.nbytes, t.is_cuda)
         return self, item, t._version
 
     def seal(self) -> None:

@@ -79,8 +79,7 @@ class AttentionSaves:
         off = self.offloader
         for t in tensors:
             s.host.append(off.copy_to_host(t))
-            off.stats.host_bytes += t.numel() * t.element_size()
-        off.stats.peak_host_bytes = max(off.stats.peak_host_bytes, off.stats.host_bytes)
+            off.hold_host(t.numel() * t.element_size(), t.is_cuda)
 
     def reload(self) -> None:
         """Start reloading every saved tensor (as the layer's recompute starts)."""
@@ -91,7 +90,7 @@ class AttentionSaves:
             for t in s.host:
                 buf, s.ready = off.copy_to_device(t, s.extra[0])
                 s.device.append(buf)
-                off.stats.host_bytes -= t.numel() * t.element_size()
+                off.release_host(t.numel() * t.element_size(), buf.is_cuda)
             s.host = []
 
     def take(self) -> _Saved:
@@ -279,6 +278,11 @@ def attention_call(
         o = _SavedAttentionFunction.apply(q, k, v, [s], scaling)
         return o.transpose(1, 2), None
     reason = _reason(module, q, k, mask, dropout, kwargs)
+    # o is q-shaped in q's dtype, lse [B, H, T] fp32
+    if reason is None and not mode.saves.offloader.host_room(
+        (q.numel() * q.element_size(), q[..., 0].numel() * 4), q.is_cuda
+    ):
+        reason = "host memory at the offloader's host_budget_bytes: attention recomputed"
     if reason is not None:
         _log_once(reason)
         mode.saves.saved.append(_Saved("none"))

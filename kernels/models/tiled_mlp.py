@@ -23,9 +23,19 @@ intermediates, the full output y (forward) or dx (backward), and the fp32 parame
 accumulators (LoRA-sized).
 
 Cost: one extra MLP forward per step (each chunk runs forward twice; untiled runs it once then
-differentiates the saved graph). Under activation checkpointing the layer recompute runs the tiled
-forward once more, so use tiling where the memory is needed: ``num_chunks="auto"`` picks 1 (no tiling,
-``f(x)`` called directly) until a chunk's intermediates pass ``budget_bytes``.
+differentiates the saved graph). Use tiling where the memory is needed: ``num_chunks="auto"`` picks 1 (no
+tiling, ``f(x)`` called directly) until a chunk's intermediates pass ``budget_bytes``.
+
+Under strop's activation checkpointing the layer's recompute in backward would run the tiled forward once more,
+but it saves nothing a chunk needs except x, and the recompute never reads the layer's output (only its graph:
+``kernels/lora/mlp.py``, "Recompute without the down projection"). Where the MLP's output is the layer's output
+up to the residual add (HF's Llama-family layer; not Gemma's, whose post-feedforward norm saves it), and no
+dropout draws random numbers in it, :func:`enable_tiled_mlp` lets that forward skip every chunk and return
+uninitialised memory of the output's shape: the backward recomputes each chunk from x as before, so the
+gradients are bitwise the same, for one MLP forward less per layer and step (three GEMMs over every token).
+The backward's own recompute of a chunk is differentiated, never read, so it runs under the same context: a
+patched (fused LoRA) MLP skips its down projection there, whatever the layer. Under checkpointing a tiled MLP
+then costs the GEMMs of an untiled one, and holds one chunk's backward intermediates instead of all tokens'.
 
 The MLP is an opaque callable: anything ``f(x)`` that maps ``[..., N, H]`` to ``[..., N, H']`` token by
 token, with its trainable parameters passed explicitly (taken from the module when ``f`` is an
@@ -43,6 +53,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from strop.common.archs import ARCHS
+
+from ..lora.mlp import recompute_outputs_unused, recompute_outputs_unused_now
 from .hf import Swaps, checkpoint_layers, previous_forward, unwrap_peft
 from .replay import ReplayState
 
@@ -107,18 +120,28 @@ def _trainable_params(fn: Callable) -> list[torch.Tensor]:
 
 
 class TiledMLPFunction(torch.autograd.Function):
-    """``apply(fn, num_chunks, preserve_rng, x, *params)`` → ``fn(x)``, tiled (see the module docstring)."""
+    """``apply(fn, num_chunks, preserve_rng, out_features, x, *params)`` → ``fn(x)``, tiled (module docstring).
+
+    ``out_features``: fn's output width when the caller's layer never reads fn's output in a recompute (then such
+    a forward computes nothing), else None.
+    """
 
     @staticmethod
-    def forward(ctx, fn, num_chunks, preserve_rng, x, *params):
+    def forward(ctx, fn, num_chunks, preserve_rng, out_features, x, *params):
         rows = x.reshape(-1, x.shape[-1])
         view = (1,) * (x.dim() - 2) if x.dim() > 2 else ()
         n = rows.shape[0]
         bounds = _chunk_bounds(n, num_chunks)
         replays: list[ReplayState] = []
         out = None
+        run = bounds
+        if out_features is not None and recompute_outputs_unused_now():
+            # a recompute that reads nothing of the output (module docstring): x is all backward needs
+            replays = [ReplayState.capture(x.device, preserve_rng) for _ in bounds]
+            out = rows.new_empty(n, out_features)
+            run = []
         with torch.no_grad():
-            for start, end in bounds:
+            for start, end in run:
                 replays.append(ReplayState.capture(x.device, preserve_rng))
                 y = fn(rows[start:end].view(*view, end - start, rows.shape[1]))
                 y = y.reshape(end - start, -1)
@@ -132,15 +155,16 @@ class TiledMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[3]
-        need = [p for p, n in zip(params, ctx.needs_input_grad[4:], strict=True) if n]
+        need_x = ctx.needs_input_grad[4]
+        need = [p for p, n in zip(params, ctx.needs_input_grad[5:], strict=True) if n]
         rows = x.detach().reshape(-1, x.shape[-1])
         dy = dy.reshape(rows.shape[0], -1)
         dx = torch.empty_like(rows) if need_x else None
         acc: list[torch.Tensor | None] = [None] * len(need)
         for (start, end), replay in zip(ctx.bounds, ctx.replays, strict=True):
             xc = rows[start:end].view(*ctx.view, end - start, rows.shape[1]).detach().requires_grad_(need_x)
-            with replay.replay(), torch.enable_grad():
+            # only yc's graph is differentiated, never its value: a patched MLP skips its down projection
+            with replay.replay(), torch.enable_grad(), recompute_outputs_unused():
                 yc = ctx.fn(xc)
             wrt = ([xc] if need_x else []) + need
             if not wrt:
@@ -159,8 +183,8 @@ class TiledMLPFunction(torch.autograd.Function):
             a.to(p.dtype) if a is not None and a.dtype != p.dtype else a
             for a, p in zip(acc, need, strict=True)
         )
-        param_grads = [next(it) if n else None for n in ctx.needs_input_grad[4:]]
-        return (None, None, None, None if dx is None else dx.view(x.shape), *param_grads)
+        param_grads = [next(it) if n else None for n in ctx.needs_input_grad[5:]]
+        return (None, None, None, None, None if dx is None else dx.view(x.shape), *param_grads)
 
 
 def _chunk_bounds(n: int, num_chunks: int) -> list[tuple[int, int]]:
@@ -177,6 +201,7 @@ def tiled_mlp(
     intermediate_size: int | None = None,
     budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
     preserve_rng_state: bool = True,
+    output_unused_in_recompute: bool = False,
 ) -> torch.Tensor:
     """Run the token-wise ``fn`` over ``x`` in sequence chunks, recomputing each chunk in backward.
 
@@ -191,6 +216,9 @@ def tiled_mlp(
             ``intermediate_size`` attribute, else 4·H.
         budget_bytes: ``"auto"``'s bound on one chunk's forward intermediates.
         preserve_rng_state: Replay each chunk's RNG state in the recompute (dropout inside ``fn``).
+        output_unused_in_recompute: The caller's layer reads nothing of the output but its graph when strop's
+            checkpoint recomputes it (its last op, up to a residual add): such a forward then computes nothing
+            (module docstring). Applies to modules with a ``down_proj`` and no active dropout.
 
     Returns:
         ``fn(x)``, shape ``[..., H']``.
@@ -217,8 +245,27 @@ def tiled_mlp(
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         # Nothing to differentiate: the chunked forward alone (inference at long context).
         with torch.no_grad():
-            return TiledMLPFunction.forward(_NoCtx(), fn, num_chunks, False, x)
-    return TiledMLPFunction.apply(fn, num_chunks, preserve_rng_state, x, *params)
+            return TiledMLPFunction.forward(_NoCtx(), fn, num_chunks, False, None, x)
+    if output_unused_in_recompute and not _draws_random_numbers(fn):
+        out_features = _out_features(fn)
+    else:
+        out_features = None
+    return TiledMLPFunction.apply(fn, num_chunks, preserve_rng_state, out_features, x, *params)
+
+
+def _draws_random_numbers(fn: Callable) -> bool:
+    """Whether ``fn``'s module has an active dropout (its chunks' RNG states must come from running them)."""
+    module = _module_of(fn)
+    if module is None:
+        return True  # an opaque callable: assume it may
+    return any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in module.modules())
+
+
+def _out_features(fn: Callable) -> int | None:
+    """The output width of a gated MLP module (its ``down_proj``), or None when it cannot be told."""
+    down = getattr(_module_of(fn), "down_proj", None)
+    width = getattr(down, "out_features", None)
+    return width if isinstance(width, int) else None
 
 
 class _NoCtx:
@@ -246,14 +293,26 @@ class TiledMLPReport:
     num_chunks: int | str = "auto"
 
 
-def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The ``mlp`` child of every decoder layer (Llama, Mistral, Qwen2/3, Gemma name it so)."""
+def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(name, the ``mlp`` child, its decoder layer) of every decoder layer (Llama, Mistral, Qwen2/3, Gemma name
+    it so)."""
     layers = {id(m) for m in checkpoint_layers(model)}
     return [
-        (f"{name}.mlp" if name else "mlp", module.mlp)
+        (f"{name}.mlp" if name else "mlp", module.mlp, module)
         for name, module in model.named_modules()
         if id(module) in layers and isinstance(getattr(module, "mlp", None), nn.Module)
     ]
+
+
+class _Bound:
+    """``prev`` (the MLP's forward before tiling) called as the module ``owner``'s: what the tiled function reads
+    of the module (dropout, ``down_proj``) is the owner's."""
+
+    def __init__(self, prev: Callable, owner: nn.Module) -> None:
+        self.prev, self.__self__ = prev, owner
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.prev(x)
 
 
 def enable_tiled_mlp(
@@ -284,7 +343,10 @@ def enable_tiled_mlp(
         disable_tiled_mlp(model)
     swaps = Swaps("tiled")
     report = TiledMLPReport(num_chunks=num_chunks)
-    for name, mlp in _mlp_modules(hf):
+    arch = ARCHS.get(getattr(getattr(hf, "config", None), "model_type", None))
+    for name, mlp, layer in _mlp_modules(hf):
+        # HF's Llama-family layer ends in ``residual + mlp(...)``; Gemma's post-feedforward norm saves the output
+        last_op = arch is not None and not arch.sandwich_norms and "forward" not in layer.__dict__
         if "forward" in mlp.__dict__ and getattr(mlp.__dict__["forward"], "_strop_tiled", False):
             report.skipped[name] = "already tiled"
             continue
@@ -292,13 +354,13 @@ def enable_tiled_mlp(
             getattr(mlp, "config", None), "intermediate_size", None
         )
 
-        def forward(self, x, *args, _inter=inter, **kwargs):
+        def forward(self, x, *args, _inter=inter, _last=last_op, **kwargs):
             owner, prev = previous_forward(self, "tiled")
             if not owner.active or args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
                 return prev(x, *args, **kwargs)
             return tiled_mlp(
-                prev, x, num_chunks=num_chunks, params=_trainable_params(self),
-                intermediate_size=_inter, budget_bytes=budget_bytes,
+                _Bound(prev, self), x, num_chunks=num_chunks, params=_trainable_params(self),
+                intermediate_size=_inter, budget_bytes=budget_bytes, output_unused_in_recompute=_last,
             )  # fmt: skip
 
         forward._strop_tiled = True

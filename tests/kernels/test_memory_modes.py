@@ -48,3 +48,38 @@ def test_standard_keeps_inputs_on_the_device_when_the_host_has_no_room_but_long_
 def test_max_speed_needs_a_budget():
     with pytest.raises(ValueError, match="needs a positive budget_bytes"):
         _install(MemoryMode.MAX_SPEED)
+
+
+def test_long_context_bounds_host_memory_by_a_share_of_what_the_host_has(monkeypatch):
+    import strop.kernels.models.memory as memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 10 << 30)
+    _, installed = _install(MemoryMode.LONG_CONTEXT)
+    fraction = MEMORY_MODES[MemoryMode.LONG_CONTEXT].host_budget_fraction
+    assert installed.memory.offloader.host_budget_bytes == int(
+        fraction * (10 << 30)
+    ) and "host budget 8.0 GiB" in str(installed)
+    installed.remove()
+    _, standard = _install(MemoryMode.STANDARD)  # whole-step room is checked by the caller (allow_offload)
+    assert standard.memory.offloader.host_budget_bytes is None
+    standard.remove()
+    _, given = _install(MemoryMode.LONG_CONTEXT, host_budget_bytes=123)
+    assert given.memory.offloader.host_budget_bytes == 123
+
+
+def test_host_available_bytes_is_capped_by_the_container_limit(monkeypatch, tmp_path):
+    import strop.kernels.models.memory as memory
+
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(f"{3 << 30}\n")
+    usage.write_text(f"{1 << 30}\n")
+    monkeypatch.setattr(memory, "_CGROUP_FILES", ((str(limit), str(usage)),))
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: 5 << 30)
+    assert (
+        memory.host_available_bytes() == 2 << 30
+    )  # the pod's limit less its usage, under the node's MemAvailable
+    limit.write_text("max\n")  # cgroup v2: no limit
+    assert memory.host_available_bytes() == 5 << 30
+    monkeypatch.setattr(memory, "_CGROUP_FILES", ())
+    monkeypatch.setattr(memory, "_meminfo_available", lambda: None)
+    assert memory.host_available_bytes() == 0

@@ -401,6 +401,62 @@ def test_small_inputs_stay_on_device_below_min_offload_bytes():
     assert any("min_offload_bytes" in r for r in offloader.stats.kept), offloader.stats.kept
 
 
+def test_a_host_budget_offloads_the_inputs_it_holds_and_keeps_the_rest_on_the_device():
+    model = _tiny_llama()
+    ids = _ids()
+    expected = _step(model, ids)
+    size = B * T * H * 4  # one layer input (fp32)
+    offloader = enable_offloaded_checkpointing(
+        model,
+        offload_cpu_tensors=True,
+        min_offload_bytes=0,
+        keep_last=0,
+        host_budget_bytes=2 * size,
+        trace=True,
+    )
+    got = _step(model, ids)
+    s = offloader.stats
+    # in forward order: two inputs fill the budget, the third recomputes from its device copy
+    assert [e for e in s.trace if e[0].startswith("save:")] == [
+        ("save:offload", 0),
+        ("save:offload", 1),
+        ("save:keep", 2),
+    ]
+    assert s.host_full == 1 and s.peak_host_bytes == 2 * size and s.host_bytes == 0
+    assert any("host_budget_bytes" in r for r in s.kept), s.kept
+    _assert_same_step(got, expected, "host-budgeted offload vs no checkpointing")
+    disable_offloaded_checkpointing(model)
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        enable_offloaded_checkpointing(model, host_budget_bytes=-1)
+
+
+def test_a_host_budget_keeps_a_saved_layers_activations_on_the_device_once_full():
+    model = _lora(_tiny_llama(), 0.0)
+    ids = _ids()
+    expected = _step(model, ids)
+    budget = B * T * H * 4 + 1  # room for layer 0's input only: layer 1 is saved (no recompute), layer 2 kept
+    offloader = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, save_layers=1, host_budget_bytes=budget
+    )
+    got = _step(model, ids)
+    s = offloader.stats
+    assert s.offloaded == 1 and s.saved_offloaded == 0 and s.saved_kept > 0 and s.host_full > 0, s
+    assert s.peak_host_bytes <= budget
+    _assert_same_step(got, expected, "saved layer kept on the device vs no checkpointing")
+    disable_offloaded_checkpointing(model)
+
+
+def test_pinned_copies_count_as_the_power_of_two_blocks_they_take():
+    from strop.kernels.models.offload import ActivationOffloader
+
+    off = ActivationOffloader(host_budget_bytes=3 << 20)
+    assert off.host_room(3 << 20, pinned=False) and not off.host_room(3 << 20)  # a 3 MiB copy pins 4 MiB
+    off.hold_host(1 << 20)
+    assert off.host_room((1 << 20, 1 << 20)) and not off.host_room((1 << 20, 1 << 20, 1))
+    off.release_host(1 << 20)
+    assert off.stats.host_bytes == 0 and off.host_room(2 << 20)
+
+
 def test_keyword_tensor_requiring_grad_runs_torch_checkpoint(caplog):
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(5, 8, requires_grad=True)

@@ -239,6 +239,112 @@ def test_tiles_strop_patched_lora_mlp():
     patch.unpatch_model(model)
 
 
+def _offloaded_tiled_step(model, ids, skip: bool, monkeypatch):
+    """One training step under strop's offloaded checkpointing with 3-chunk tiled MLPs; the loss, the gradients
+    and how many times each layer's down projection ran."""
+    import importlib
+
+    from strop.kernels.models.checkpointing import (
+        disable_offloaded_checkpointing,
+        enable_offloaded_checkpointing,
+    )
+
+    if not skip:
+        tm = importlib.import_module(
+            "strop.kernels.models.tiled_mlp"
+        )  # the package exports a function of its name
+        monkeypatch.setattr(tm, "_out_features", lambda fn: None)
+    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
+    enable_tiled_mlp(model, 3)
+    calls = [0, 0]
+    hooks = [
+        layer.mlp.down_proj.register_forward_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+        for i, layer in enumerate(model.get_base_model().model.layers)
+    ]
+    try:
+        loss, grads = _model_step(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        disable_tiled_mlp(model)
+        disable_offloaded_checkpointing(model)
+        monkeypatch.undo()
+    return loss, grads, calls
+
+
+def test_under_offloaded_checkpointing_the_recompute_skips_the_tiled_forward_with_bitwise_equal_gradients(
+    monkeypatch,
+):
+    # per layer and chunk: forward (no grad), recompute in backward, the tiled backward's own recompute; the
+    # recompute's output is never read (kernels/lora/mlp.py), so its 3 chunk forwards need not run
+    model = _tiny_lora_llama()
+    ids = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(4))
+    loss_full, grads_full, calls_full = _offloaded_tiled_step(model, ids, skip=False, monkeypatch=monkeypatch)
+    loss, grads, calls = _offloaded_tiled_step(model, ids, skip=True, monkeypatch=monkeypatch)
+    assert calls_full == [9, 9] and calls == [6, 6], (calls_full, calls)
+    assert torch.equal(loss, loss_full)
+    assert grads.keys() == grads_full.keys() and any("mlp" in n for n in grads)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_full[name]), f"{name} differs"
+    expected = _model_step(model, ids)  # and both are the plain (untiled, unchecked) step's
+    for name, g in grads.items():
+        _assert_fp32_close(g, expected[1][name], name)
+
+
+def test_a_patched_mlp_skips_its_down_projection_in_the_tiled_backward_with_bitwise_equal_gradients(
+    monkeypatch,
+):
+    # the tiled backward differentiates each chunk's recompute and never reads its value: the fused LoRA MLP
+    # then skips h W_d^T (kernels/lora/mlp.py); counted as forward_projections calls over the down projection
+    import contextlib
+    import importlib
+
+    patch = pytest.importorskip("strop.kernels.models.patch")
+    lora_mlp = importlib.import_module("strop.kernels.lora.mlp")
+    tm = importlib.import_module("strop.kernels.models.tiled_mlp")
+    model = _tiny_lora_llama()
+    patch.patch_model(model)
+    ids = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(4))
+    enable_tiled_mlp(model, 3)
+    downs = [0]
+    real = lora_mlp.forward_projections
+
+    def counting(x, projs, *args, **kwargs):
+        downs[0] += len(projs) == 1
+        return real(x, projs, *args, **kwargs)
+
+    monkeypatch.setattr(lora_mlp, "forward_projections", counting)
+    monkeypatch.setattr(tm, "recompute_outputs_unused", contextlib.nullcontext)
+    full = _model_step(model, ids)
+    assert downs == [2 * 3 * 2], downs  # 2 layers x 3 chunks, forward and backward
+    monkeypatch.undo()
+    monkeypatch.setattr(lora_mlp, "forward_projections", counting)
+    downs[0] = 0
+    got = _model_step(model, ids)
+    assert downs == [2 * 3], downs  # the forward's only
+    assert torch.equal(got[0], full[0])
+    for name, g in got[1].items():
+        assert torch.equal(g, full[1][name]), name
+    disable_tiled_mlp(model)
+    patch.unpatch_model(model)
+
+
+def test_the_recompute_keeps_the_tiled_forward_where_the_layer_reads_the_mlp_output(monkeypatch):
+    # Gemma's decoder layer normalises the MLP's output before its residual add (the norm saves it)
+    from strop.fixtures.models import TinyShape, build_config
+
+    shape = TinyShape(hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2)
+    torch.manual_seed(0)
+    cfg = build_config("gemma3_text", shape, 300)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "down_proj"])
+    )
+    ids = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(4))
+    _, _, calls = _offloaded_tiled_step(model.train(), ids, skip=True, monkeypatch=monkeypatch)
+    assert calls == [9, 9]
+
+
 @pytest.mark.gpu
 def test_gpu_tiled_mlp_peak_memory_at_long_sequence():
     cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, hidden_act="silu")

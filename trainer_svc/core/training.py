@@ -384,17 +384,6 @@ def cleanup_reference_adapter(loaded: LoadedModel) -> None:
         model.set_adapter("default")
 
 
-def _host_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _host_has_room(loaded: LoadedModel, cfg: TrainConfig) -> bool:
     """Whether one step's checkpointed layer inputs fit in half the host's available memory."""
     hf_cfg = loaded.model.config
@@ -404,7 +393,9 @@ def _host_has_room(loaded: LoadedModel, cfg: TrainConfig) -> bool:
     rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     itemsize = loaded.model.get_input_embeddings().weight.element_size()  # the residual stream's dtype
     need = layers * rows * cfg.max_length * hidden * itemsize
-    available = _host_available_bytes()
+    from strop.kernels.models.memory import host_available_bytes
+
+    available = host_available_bytes()
     if need > available // 2:
         log.info("%.1f GiB of layer inputs, %.1f GiB host available", need / 2**30, available / 2**30)
         return False
