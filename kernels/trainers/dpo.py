@@ -24,6 +24,7 @@ from ._glue import (
     start_chunked_loss,
     trl_reference_helpers,
 )
+from .shared_prompt import PromptSharing
 
 __all__ = ["StropDPOMixin", "add_hidden_states_head", "remove_hidden_states_head", "strop_dpo_trainer_class"]
 
@@ -58,9 +59,14 @@ class StropDPOMixin:
     ``final_logit_softcapping``) is applied inside the chunked loss, as HF's forward applies it to the logits.
     """
 
+    # Run each pair's prompt once, chosen and rejected completions after it (``shared_prompt.py``); exact up to
+    # rounding. Set False on the class or instance to run TRL's [chosen; rejected] rows as they are.
+    strop_share_prompts: bool = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._strop_dpo_reason = self._strop_unsupported_reason()
+        self._strop_sharing = PromptSharing("DPO")
         start_chunked_loss(self, "DPO", self._strop_dpo_reason)
 
     # -- helpers
@@ -85,6 +91,11 @@ class StropDPOMixin:
         if getattr(self, "aux_loss_enabled", False):
             return "MoE router aux loss"
         return head_unsupported_reason(self.accelerator, self.model, "chunked DPO scores")
+
+    @property
+    def strop_shared_batches(self) -> int:
+        """Batches whose pairs ran their prompt once."""
+        return self._strop_sharing.batches
 
     def _strop_reference_hidden(self, model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, float | None]:
         disable_gc, use_adapter = trl_reference_helpers(_dpo_trl_helpers)
@@ -120,7 +131,15 @@ class StropDPOMixin:
         completion_mask = inputs["completion_mask"]
         labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
 
-        hidden = model(**model_kwargs, strop_hidden_states=True).last_hidden_state
+        shared = None
+        if self.strop_share_prompts:
+            shared = self._strop_sharing.layout(
+                self._strop_hf_model(self.model), model_kwargs, completion_mask
+            )
+        if shared is not None:
+            model_kwargs = {**shared.model_kwargs(), "use_cache": False}
+        unshare = (lambda h: h) if shared is None else shared.unshare
+        hidden = unshare(model(**model_kwargs, strop_hidden_states=True).last_hidden_state)
         head = self._strop_hf_model(self.model).get_output_embeddings()
         hidden = hidden.to(head.weight.device)
         labels = labels.to(head.weight.device)
@@ -133,7 +152,7 @@ class StropDPOMixin:
             ref_hidden, ref_head, ref_softcap = self._strop_reference_hidden(model_kwargs)
             with torch.no_grad():
                 ref = sequence_logps(
-                    ref_hidden.to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias,
+                    unshare(ref_hidden).to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias,
                     softcap=ref_softcap,
                 )  # fmt: skip
         out = dpo_loss_on_pairs(

@@ -34,6 +34,7 @@ from ._glue import (
     start_chunked_loss,
     trl_reference_helpers,
 )
+from .shared_prompt import PromptSharing
 
 __all__ = [
     "StropCPOMixin",
@@ -49,11 +50,19 @@ class _StropPreferenceMixin:
     """What the three mixins share: the reason check at construction, the hidden-states head, the LM head."""
 
     _strop_method = "?"
+    # ORPO and CPO: run each pair's prompt once (``shared_prompt.py``); False runs TRL's rows as they are
+    strop_share_prompts: bool = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._strop_reason = self._strop_unsupported_reason()
+        self._strop_sharing = PromptSharing(self._strop_method)
         start_chunked_loss(self, self._strop_method, self._strop_reason)
+
+    @property
+    def strop_shared_batches(self) -> int:
+        """Batches whose pairs ran their prompt once (ORPO, CPO)."""
+        return self._strop_sharing.batches
 
     def _strop_hf_model(self, model: Any) -> Any:
         return hf_model(self.accelerator, model)
@@ -92,6 +101,27 @@ class _StropPreferenceMixin:
             batch, is_encoder_decoder=False, padding_value=padding_value, device=self.accelerator.device
         )
 
+    def _strop_pair_hidden(self, model: Any, head: Any, cb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[2B, T, H]`` hidden states of the concatenated pairs, each pair's prompt run once where it can be."""
+        kwargs = {
+            "input_ids": cb["concatenated_input_ids"],
+            "attention_mask": cb["concatenated_attention_mask"],
+        }
+        kwargs["use_cache"] = False
+        shared = None
+        if not self.strop_share_prompts:
+            pass
+        elif self._strop_softcap() is None and not bool(kwargs["attention_mask"].all()):
+            # TRL's logits/* metrics average every position, padding included, whose states a shared batch
+            # does not compute: exact metrics need a batch without padding
+            self._strop_sharing.unshared("padding positions enter TRL's logits/* means")
+        else:
+            completion = cb["concatenated_labels"] != -100  # TRL masks prompt and padding labels with -100
+            shared = self._strop_sharing.layout(self._strop_hf_model(self.model), kwargs, completion)
+        if shared is None:
+            return self._strop_hidden(model, head, **kwargs)
+        return shared.unshare(self._strop_hidden(model, head, **shared.model_kwargs(), use_cache=False))
+
 
 class StropORPOMixin(_StropPreferenceMixin):
     """Mix into TRL's ``ORPOTrainer``: :func:`strop_orpo_loss` on the backbone's hidden states (NLL and odds
@@ -108,7 +138,7 @@ class StropORPOMixin(_StropPreferenceMixin):
         head = self._strop_head()
         dev = head.weight.device
         ids, mask = cb["concatenated_input_ids"], cb["concatenated_attention_mask"]
-        hidden = self._strop_hidden(model, head, ids, attention_mask=mask, use_cache=False)
+        hidden = self._strop_pair_hidden(model, head, cb)
         out = strop_orpo_loss(
             hidden, head.weight, ids.to(dev), mask.to(dev), cb["concatenated_labels"].to(dev), head.bias,
             beta=self.beta, softcap=self._strop_softcap(),
@@ -136,10 +166,7 @@ class StropCPOMixin(_StropPreferenceMixin):
             return super().get_batch_loss_metrics(model, batch, train_eval)
         cb = self._strop_pairs(batch, self.pad_token_id)
         head = self._strop_head()
-        hidden = self._strop_hidden(
-            model, head, cb["concatenated_input_ids"], attention_mask=cb["concatenated_attention_mask"],
-            use_cache=False,
-        )  # fmt: skip
+        hidden = self._strop_pair_hidden(model, head, cb)
         out = strop_cpo_loss(
             hidden, head.weight, cb["concatenated_labels"].to(head.weight.device), head.bias, beta=self.beta,
             loss_type=self.loss_type, label_smoothing=self.label_smoothing,

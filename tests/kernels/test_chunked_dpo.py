@@ -7,7 +7,7 @@ completion token. fp32 agreement to ≈1e-5 relative: the chunked path sums the 
 in a different order (online softmax over vocab blocks, per-sequence index_add).
 
 Trainer parity: a tiny PEFT Llama trained 3 steps by TRL 1.16's DPOTrainer and by the same trainer with
-``StropDPOMixin``, same seed, data and fp32 (bf16=False): per-step losses, logged reward metrics and the
+``StropDPOMixin`` (each pair's prompt run once, or as TRL lays the rows out), same seed, data and fp32 (bf16=False): per-step losses, logged reward metrics and the
 final adapter must agree to 1e-5 relative (observed ≈4e-7 under AVX512, AVX2 and scalar ATen). The optimizer
 is plain SGD, so rounding differences carry forward linearly rather than through AdamW's m/√v (which turns
 the rounding of nearly cancelling gradients into whole-step differences); 3 steps of ≈2e-7 per-step rounding
@@ -259,11 +259,14 @@ def _train(trainer_cls, tokenizer, tmp_path, steps=3, **config):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_trl_dpo_trainer_and_strop_glue_train_identically(tokenizer, tmp_path, loss_type):
+@pytest.mark.parametrize(("loss_type", "share"), [("sigmoid", True), ("ipo", False)])
+def test_trl_dpo_trainer_and_strop_glue_train_identically(tokenizer, tmp_path, loss_type, share):
+    """With ``share``, strop runs each pair's prompt once (``shared_prompt.py``); TRL runs it in both rows."""
     trl_trainer, trl_losses = _train(trl.DPOTrainer, tokenizer, tmp_path / "trl", loss_type=[loss_type])
-    ours, our_losses = _train(strop_dpo_trainer_class(), tokenizer, tmp_path / "strop", loss_type=[loss_type])
+    cls = type("Trainer", (strop_dpo_trainer_class(),), {"strop_share_prompts": share})
+    ours, our_losses = _train(cls, tokenizer, tmp_path / "strop", loss_type=[loss_type])
     assert ours._strop_dpo_reason is None, ours._strop_dpo_reason
+    assert ours.strop_shared_batches == (3 if share else 0), ours._strop_sharing.reasons
     assert len(our_losses) == len(trl_losses) == 3
     for step, (a, b) in enumerate(zip(our_losses, trl_losses, strict=True)):
         assert math.isclose(a, b, rel_tol=1e-5), f"step {step}: strop {a} vs TRL {b}"

@@ -323,6 +323,11 @@ def _dataset(method):
     from datasets import Dataset
 
     pairs = preference_pairs()
+    if method == "orpo":
+        # rows of one token length (no padding), so its pairs run each prompt once: TRL's logits/* metrics average
+        # padding positions too, which a shared batch does not compute (SimPO's padded pairs run unshared)
+        pairs = [{**p, "chosen": f" Yes {i}.", "rejected": f" Yes {i}!"} for i, p in enumerate(pairs)]
+        return Dataset.from_list(pairs)
     if method != "kto":
         return Dataset.from_list(pairs)
     rows = []
@@ -367,6 +372,10 @@ def test_trl_trainer_and_strop_glue_train_identically(tokenizer, tmp_path, metho
     trl_trainer, trl_losses = _train(method, trl_cls, tokenizer, tmp_path / "trl")
     ours, our_losses = _train(method, strop_cls(), tokenizer, tmp_path / "strop")
     assert ours._strop_reason is None, ours._strop_reason
+    # ORPO's unpadded pairs run each prompt once (shared_prompt.py), SimPO's padded ones do not; KTO's are unpaired
+    assert ours.strop_shared_batches == (3 if method == "orpo" else 0), ours._strop_sharing.reasons
+    if method == "simpo":
+        assert ours._strop_sharing.reasons == {"padding positions enter TRL's logits/* means"}
     assert len(our_losses) == len(trl_losses) == 3
     for step, (a, b) in enumerate(zip(our_losses, trl_losses, strict=True)):
         assert math.isclose(a, b, rel_tol=1e-5), f"step {step}: strop {a} vs TRL {b}"

@@ -1,0 +1,144 @@
+"""Preference pairs sharing their prompt (``kernels/trainers/shared_prompt.py``): the shared batch's hidden states,
+gathered back, are the unshared batch's, and so are the gradients of a loss on them.
+
+Reference: the same tiny fp32 Llama (HF's sdpa and eager attention, and strop's patched kernels under
+TRITON_INTERPRET=1) run on TRL's ``[chosen; rejected]`` rows. Bound: fp32 rounding of a 2-layer, 64-wide model
+whose GEMMs and attention change shape (and attention runs with a mask instead of ``is_causal``): observed
+≈1e-6 absolute on O(1) states; 1e-4 leaves room for other CPUs' reduction orders and stays far under a wrong
+mask's error (a chosen token visible to a rejected one moves states by O(0.1)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from strop.kernels.trainers.shared_prompt import share_prompts
+
+from ._chunked_losses import tiny_peft_llama, tiny_tokenizer
+
+ATOL = 1e-4
+
+
+def _batch(prompts=(5, 9, 3), chosen=(4, 6, 2), rejected=(7, 1, 5), seed=0, vocab=300):
+    """TRL's collation of three pairs: rows [prompt + chosen] then [prompt + rejected], right-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, comp = [], []
+    prompt_ids = [torch.randint(3, vocab, (p,), generator=gen) for p in prompts]
+    for answers in (chosen, rejected):
+        for p_ids, c in zip(prompt_ids, answers, strict=True):
+            rows.append(torch.cat([p_ids, torch.randint(3, vocab, (c,), generator=gen)]))
+            comp.append([0] * len(p_ids) + [1] * c)
+    t = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    cm = torch.zeros_like(ids)
+    for i, (r, c) in enumerate(zip(rows, comp, strict=True)):
+        ids[i, : len(r)], am[i, : len(r)], cm[i, : len(r)] = r, 1, torch.tensor(c)
+    return ids, am, cm
+
+
+def _model(attn: str, patched: bool):
+    model = tiny_peft_llama(tiny_tokenizer())
+    hf = model.get_base_model()
+    hf.config._attn_implementation = attn
+    if patched:
+        from strop.kernels.models import patch_model
+
+        patch_model(model)
+    for name, p in model.named_parameters():  # a non-zero adapter, so its gradients are not trivially equal
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def _hidden_and_grads(model, kwargs, unshare, weights, valid):
+    model.zero_grad()
+    hidden = unshare(model.get_base_model().model(**kwargs).last_hidden_state)
+    (hidden[valid] * weights[valid]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return hidden.detach(), grads
+
+
+@pytest.mark.parametrize(("attn", "patched"), [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(attn, patched):
+    ids, am, cm = _batch()
+    model = _model(attn, patched)
+    shared = share_prompts(ids, am, cm, attn_implementation=attn)
+    assert not isinstance(shared, str), shared
+    # 3 pairs of widths 9+7 / 15+10 / 5+8 (padded to 15) run as widths 16 / 16 / 10 (padded to 16)
+    assert shared.input_ids.shape == (3, 16) and shared.saved == pytest.approx(1 - 48 / 90)
+    valid = am.bool()
+    weights = torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(2))
+    ref_h, ref_g = _hidden_and_grads(
+        model, {"input_ids": ids, "attention_mask": am}, lambda h: h, weights, valid
+    )
+    h, g = _hidden_and_grads(model, shared.model_kwargs(), shared.unshare, weights, valid)
+    torch.testing.assert_close(h[valid], ref_h[valid], rtol=0, atol=ATOL)
+    assert ref_g, "the model has trainable adapters"
+    for name, ref in ref_g.items():
+        torch.testing.assert_close(g[name], ref, rtol=1e-4, atol=ATOL * ref.abs().max().item(), msg=name)
+
+
+def test_a_mask_that_lets_rejected_tokens_see_the_chosen_ones_is_caught_by_the_bound():
+    """The test's bound separates a right layout from a wrong one: the same shared batch with the chosen
+    completion visible to the rejected tokens (plain causal) moves the rejected states far past it."""
+    ids, am, cm = _batch()
+    model = _model("sdpa", False)
+    shared = share_prompts(ids, am, cm, attn_implementation="sdpa")
+    causal = torch.ones_like(shared.attention_mask).tril_()
+    leaky = {**shared.model_kwargs(), "attention_mask": causal}
+    ref = model.get_base_model().model(input_ids=ids, attention_mask=am).last_hidden_state
+    h = shared.unshare(model.get_base_model().model(**leaky).last_hidden_state)
+    rejected = am.bool() & (cm.bool()) & (torch.arange(6) >= 3)[:, None]
+    assert (h[rejected] - ref[rejected]).abs().max() > 100 * ATOL
+
+
+def test_batches_that_cannot_share_say_why():
+    ids, am, cm = _batch()
+    other = ids.clone()
+    other[3, 0] += 1  # pair 0's rejected row starts with another prompt
+    assert "different prompt tokens" in share_prompts(other, am, cm, attn_implementation="sdpa")
+    shorter = cm.clone()
+    shorter[3, 4] = 1  # pair 0's rejected prompt is a token shorter
+    assert "different lengths" in share_prompts(ids, am, shorter, attn_implementation="sdpa")
+    left = am.flip(1)
+    assert "right padding" in share_prompts(ids, left, cm, attn_implementation="sdpa")
+    holes = cm.clone()
+    holes[0, 6] = 0
+    assert "contiguous" in share_prompts(ids, am, holes, attn_implementation="sdpa")
+    assert "4-D mask" in share_prompts(ids, am, cm, attn_implementation="flash_attention_2")
+    assert "not [chosen; rejected] rows" in share_prompts(ids[:5], am[:5], cm[:5], attn_implementation="sdpa")
+    ids2, am2, cm2 = _batch(prompts=(1, 1, 1), chosen=(9, 9, 9), rejected=(9, 9, 9))
+    assert "would save" in share_prompts(ids2, am2, cm2, attn_implementation="sdpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_shared_prompts_in_bf16_stay_within_the_unshared_bf16_error():
+    # CUDA, strop's kernels, bf16 autocast: SDPA runs the boolean mask on CUDA's kernels (not is_causal's flash
+    # path); the shared states' error against the fp32 unshared truth must stay within 2x the unshared bf16 run's
+    ids, am, cm = _batch(prompts=(200, 310, 96), chosen=(150, 64, 300), rejected=(90, 250, 128))
+    ids, am, cm = ids.cuda(), am.cuda(), cm.cuda()
+    model = _model("sdpa", patched=False).cuda()
+    from strop.kernels.models import patch_model
+
+    patch_model(model)
+    shared = share_prompts(ids, am, cm, attn_implementation="sdpa")
+    assert not isinstance(shared, str), shared
+    backbone = model.get_base_model().model
+    valid = am.bool()
+    with torch.no_grad():
+        truth = backbone(input_ids=ids, attention_mask=am).last_hidden_state
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            plain = backbone(input_ids=ids, attention_mask=am).last_hidden_state.float()
+            ours = shared.unshare(backbone(**shared.model_kwargs()).last_hidden_state).float()
+    err_plain = (plain[valid] - truth[valid]).abs().max().item()
+    err_ours = (ours[valid] - truth[valid]).abs().max().item()
+    print(f"bf16 error against fp32: unshared {err_plain:.3g}, shared {err_ours:.3g}")
+    assert err_ours <= 2 * err_plain + 1e-6
