@@ -9,11 +9,16 @@ so both rows compute the same prompt states. This module re-lays such a batch as
     positions 0 … p−1           | p … p+c−1                    | p … p+r−1                    | 0
     attends  causal             | causal over prompt + chosen  | causal over prompt + rejected | itself
 
-with a 4-D attention mask (a rejected token never sees a chosen one) and position ids that restart the rejected
-completion where the prompt ends, so every token's hidden state is the one the unshared batch computes, up to
-floating-point rounding (the GEMMs have other shapes, attention runs with a mask instead of ``is_causal``). The
-hidden states are then gathered back to the ``[2B, T, H]`` layout the losses expect (:meth:`SharedPrompts.unshare`);
-its backward adds a prompt position's two gradients, which is the chain rule of the shared computation.
+and position ids that restart the rejected completion where the prompt ends. Every token-wise op (projections,
+norms, MLP, RoPE at those positions) then runs on each prompt token once; attention is the one op that mixes
+tokens, and it runs on TRL's rows: q, k and v are gathered into the ``[2B, T]`` layout, attention runs there as
+HF would run it (SDPA's causal flash kernel, or HF's causal-and-padding mask), and its output is gathered back
+(:meth:`SharedPrompts.attend`, reached through a pass-through wrapper of HF's registered ``sdpa`` function that
+acts only on the marker mask this module builds). So every hidden state is the unshared batch's up to the
+GEMMs' rounding (other shapes), and attention's FLOPs are the unshared batch's. Under ``eager`` attention the
+mask is a dense ``[B, 1, L, L]`` one instead (a rejected token never sees a chosen one). The hidden states are
+then gathered back to the ``[2B, T, H]`` layout the losses expect (:meth:`SharedPrompts.unshare`); the gathers'
+backward adds a prompt position's two gradients, which is the chain rule of the shared computation.
 
 Why. The pass costs scale with tokens: a batch of prompt length P and completions C runs 2(P + C) tokens per
 pair unshared and P + 2C shared. DPO's benchmark shape (512 + 512) does 25% less GEMM work per forward, in
@@ -21,9 +26,9 @@ the policy pass, its recompute and the reference pass.
 
 When. Only when it is exact and pays: every pair's chosen and rejected rows start with the same prompt tokens
 (TRL's ``keep_end`` truncation can cut them differently), rows are right-padded with contiguous completions,
-the model's attention takes a 4-D mask (``sdpa``: a boolean one; ``eager``: an additive one), the shared batch
-has at least :data:`MIN_SAVING` fewer positions, and its mask stays under :data:`MAX_MASK_BYTES`. Otherwise
-:func:`share_prompts` returns the reason and the caller runs the batch as TRL laid it out.
+the model's attention is ``sdpa`` or ``eager`` (whose dense mask must stay under :data:`MAX_MASK_BYTES`), and the
+shared batch has at least :data:`MIN_SAVING` fewer positions. Otherwise :func:`share_prompts` returns the reason
+and the caller runs the batch as TRL laid it out.
 """
 
 from __future__ import annotations
@@ -51,10 +56,13 @@ class SharedPrompts:
 
     Attributes:
         input_ids: ``[B, L]`` token ids, ``[prompt | chosen | rejected | pad]`` per pair.
-        attention_mask: ``[B, 1, L, L]``: boolean (True attends) or additive (0 or the dtype's minimum).
+        attention_mask: ``[B, 1, L, L]``. Under ``sdpa`` a marker (an all-False broadcast view that carries this
+            object; HF's wrapped SDPA function runs :meth:`attend` on it); under ``eager`` the dense additive mask.
         position_ids: ``[B, L]``.
         index: ``[2B, T]`` flat index into the ``B·L`` shared positions for each position of the original rows
             (padding positions point at position 0 of their pair's row; their labels are masked).
+        source: ``[B, L]`` flat index into the ``2B·T`` original positions for each shared position (padding: 0).
+        rows_mask: The original ``[2B, T]`` attention mask, or None when no row has padding.
         saved: Fraction of positions (padding counted) the shared batch does not run.
     """
 
@@ -62,6 +70,8 @@ class SharedPrompts:
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     index: torch.Tensor
+    source: torch.Tensor
+    rows_mask: torch.Tensor | None
     saved: float
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
@@ -76,6 +86,55 @@ class SharedPrompts:
         rows = hidden.reshape(-1, hidden.shape[-1])
         index = self.index.to(rows.device)
         return rows.index_select(0, index.reshape(-1)).view(*index.shape, hidden.shape[-1])
+
+    def attend(
+        self, sdpa: Any, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs
+    ):
+        """HF's SDPA attention function ``sdpa`` on TRL's rows: q/k/v ``[B, heads, L, d]`` of the shared batch are
+        gathered to ``[2B, heads, T, d]``, attended causally there (with the rows' padding mask, if any), and the
+        output ``[2B, T, heads, d]`` gathered back to ``[B, L, heads, d]``; returns (output, None) as HF's does."""
+        index = self.index.to(q.device).reshape(-1)
+        two_b, t = self.index.shape
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            b, heads, length, d = x.shape
+            flat = x.transpose(1, 2).reshape(b * length, heads, d)
+            return flat.index_select(0, index).view(two_b, t, heads, d).transpose(1, 2)
+
+        mask = None
+        if self.rows_mask is not None:  # HF's own sdpa mask: causal, padding keys masked
+            valid = self.rows_mask.to(q.device).bool()
+            pos = torch.arange(t, device=q.device)
+            mask = ((pos[:, None] >= pos[None, :])[None] & valid[:, None, :]).unsqueeze(1)
+        out, _ = sdpa(module, rows(q), rows(k), rows(v), mask, *args, **kwargs)
+        b, length = self.source.shape
+        flat = out.reshape(two_b * t, *out.shape[2:])
+        return flat.index_select(0, self.source.to(q.device).reshape(-1)).view(
+            b, length, *out.shape[2:]
+        ), None
+
+
+_SDPA_WRAPPED = False
+
+
+def _wrap_hf_sdpa() -> None:
+    """Register a pass-through wrapper of HF's ``sdpa`` attention function that runs :meth:`SharedPrompts.attend`
+    when the mask is this module's marker (any other call is HF's function, unchanged). Idempotent."""
+    global _SDPA_WRAPPED
+    if _SDPA_WRAPPED:
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    hf_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def sdpa_or_shared(module, query, key, value, attention_mask, *args, **kwargs):
+        layout = getattr(attention_mask, "_strop_shared_prompts", None)
+        if layout is None:
+            return hf_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+        return layout.attend(hf_sdpa, module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("sdpa", sdpa_or_shared)
+    _SDPA_WRAPPED = True
 
 
 def _prompt_and_length(
@@ -138,8 +197,8 @@ def share_prompts(
     saved = 1.0 - (b * width) / (two_b * t)
     if saved < MIN_SAVING:
         return f"sharing would save {saved:.0%} of the positions (< {MIN_SAVING:.0%})"
-    mask_bytes = b * width * width * 2
-    if mask_bytes > MAX_MASK_BYTES:
+    mask_bytes = b * width * width * torch.finfo(dtype).bits // 8
+    if attn_implementation == "eager" and mask_bytes > MAX_MASK_BYTES:
         return (
             f"a [{b}, 1, {width}, {width}] mask ({mask_bytes >> 20} MiB) is over {MAX_MASK_BYTES >> 20} MiB"
         )
@@ -153,20 +212,7 @@ def share_prompts(
     valid = in_chosen | in_rejected
     ids = torch.where(valid, input_ids[src_row, src_col.clamp(max=t - 1)], pad_token_id)
     position_ids = torch.where(valid, src_col, 0)
-    # segment: 0 prompt, 1 chosen completion, 2 rejected completion, 3 padding
-    seg = torch.where(j < pp[:, None], 0, torch.where(in_chosen, 1, torch.where(in_rejected, 2, 3)))
-    causal = j[..., None] >= j[:, None, :]  # [1, L(q), L(k)]
-    sq, sk = seg[:, :, None], seg[:, None, :]
-    allowed = causal & (sq != 3) & ((sk == 0) | (sk == sq))
-    allowed |= torch.eye(
-        width, dtype=torch.bool, device=ids.device
-    )  # padding attends to itself (no empty rows)
-    if attn_implementation == "eager":
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )
-    else:
-        mask = allowed
+    source = torch.where(valid, src_row * t + src_col.clamp(max=t - 1), 0)
     # original (row, column) → flat shared position
     col = pos[None, :]
     rows_b = torch.arange(two_b, device=input_ids.device) % b
@@ -176,7 +222,25 @@ def share_prompts(
     shared_col = torch.where(is_rejected & (col >= p_row), col - p_row + nc_row, col)
     shared_col = torch.where(col < n[:, None], shared_col, 0)
     index = rows_b[:, None] * width + shared_col
-    return SharedPrompts(ids, mask.unsqueeze(1), position_ids, index, saved)
+    rows_mask = None if bool(attention_mask.bool().all()) else attention_mask
+    layout = SharedPrompts(ids, ids.new_empty(0), position_ids, index, source, rows_mask, saved)
+    if attn_implementation == "eager":
+        # segment: 0 prompt, 1 chosen completion, 2 rejected completion, 3 padding
+        seg = torch.where(j < pp[:, None], 0, torch.where(in_chosen, 1, torch.where(in_rejected, 2, 3)))
+        causal = j[..., None] >= j[:, None, :]  # [1, L(q), L(k)]
+        sq, sk = seg[:, :, None], seg[:, None, :]
+        allowed = causal & (sq != 3) & ((sk == 0) | (sk == sq))
+        allowed |= torch.eye(width, dtype=torch.bool, device=ids.device)  # padding attends to itself
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device)
+        layout.attention_mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+    else:
+        _wrap_hf_sdpa()
+        # HF passes a 4-D mask on as it is: a function other than the wrapped SDPA would read "attend to nothing"
+        # and produce NaN, never a silently wrong result
+        marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(b, 1, width, width)
+        marker._strop_shared_prompts = layout
+        layout.attention_mask = marker
+    return layout
 
 
 class PromptSharing:

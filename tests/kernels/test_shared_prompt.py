@@ -1,5 +1,6 @@
 """Preference pairs sharing their prompt (``kernels/trainers/shared_prompt.py``): the shared batch's hidden states,
-gathered back, are the unshared batch's, and so are the gradients of a loss on them.
+gathered back, are the unshared batch's, and so are the gradients of a loss on them (under sdpa attention runs
+on TRL's rows through the wrapped function; under eager on the dense mask).
 
 Reference: the same tiny fp32 Llama (HF's sdpa and eager attention, and strop's patched kernels under
 TRITON_INTERPRET=1) run on TRL's ``[chosen; rejected]`` rows. Bound: fp32 rounding of a 2-layer, 64-wide model
@@ -18,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from strop.kernels.trainers.shared_prompt import share_prompts
+from strop.kernels.trainers.shared_prompt import SharedPrompts, share_prompts
 
 from ._chunked_losses import tiny_peft_llama, tiny_tokenizer
 
@@ -66,11 +67,14 @@ def _hidden_and_grads(model, kwargs, unshare, weights, valid):
 
 
 @pytest.mark.parametrize(("attn", "patched"), [("sdpa", False), ("eager", False), ("sdpa", True)])
-def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(attn, patched):
+def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(attn, patched, monkeypatch):
     ids, am, cm = _batch()
     model = _model(attn, patched)
     shared = share_prompts(ids, am, cm, attn_implementation=attn)
     assert not isinstance(shared, str), shared
+    calls = []  # sdpa: attention runs on TRL's rows through the wrapped function; eager: on the dense mask
+    real = SharedPrompts.attend
+    monkeypatch.setattr(SharedPrompts, "attend", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     # 3 pairs of widths 9+7 / 15+10 / 5+8 (padded to 15) run as widths 16 / 16 / 10 (padded to 16)
     assert shared.input_ids.shape == (3, 16) and shared.saved == pytest.approx(1 - 48 / 90)
     valid = am.bool()
@@ -79,6 +83,7 @@ def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(attn, patc
         model, {"input_ids": ids, "attention_mask": am}, lambda h: h, weights, valid
     )
     h, g = _hidden_and_grads(model, shared.model_kwargs(), shared.unshare, weights, valid)
+    assert len(calls) == (2 if attn == "sdpa" else 0)  # one per layer
     torch.testing.assert_close(h[valid], ref_h[valid], rtol=0, atol=ATOL)
     assert ref_g, "the model has trainable adapters"
     for name, ref in ref_g.items():
