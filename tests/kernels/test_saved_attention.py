@@ -84,6 +84,20 @@ def test_the_recompute_skips_attention_forward_and_trains_as_the_full_recompute(
     assert off.stats.host_bytes == 0, "every saved output is released by the end of backward"
     _assert_same_up_to_fp32_attention_backward(saved, full)
     disable_offloaded_checkpointing(model)
+    # past a host budget with room for every layer input and one layer's o and lse: the first layer saves its
+    # attention output, the others recompute attention, and the training is the same
+    x = ids.numel() * model.config.hidden_size * 4
+    o_lse = x + ids.numel() * model.config.num_attention_heads * 4
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True,
+        host_budget_bytes=LAYERS * x + o_lse,
+    )  # fmt: skip
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        budgeted = _step(model, ids)
+    assert off.stats.offloaded == LAYERS and off.stats.attention_saved == 1 and off.stats.host_full, off.stats
+    assert off.stats.peak_host_bytes <= LAYERS * x + o_lse and off.stats.host_bytes == 0
+    _assert_same_up_to_fp32_attention_backward(budgeted, full)
+    disable_offloaded_checkpointing(model)
 
 
 def test_layers_kept_on_the_device_and_masked_batches_recompute_with_a_logged_reason(monkeypatch, caplog):
@@ -116,28 +130,6 @@ def test_layers_kept_on_the_device_and_masked_batches_recompute_with_a_logged_re
     model.zero_grad(set_to_none=True)
     model(input_ids=ids, labels=ids).loss.backward()
     assert off.stats.attention_saved == LAYERS - 1
-    disable_offloaded_checkpointing(model)
-
-
-def test_past_the_host_budget_attention_is_recomputed_and_trains_the_same(monkeypatch):
-    model = _model()
-    ids = _ids()
-    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        full = _step(model, ids)
-    disable_offloaded_checkpointing(model)
-    # room for every layer input and one layer's o and lse: the first layer saves, the others recompute
-    x = ids.numel() * model.config.hidden_size * 4
-    o_lse = ids.numel() * model.config.hidden_size * 4 + ids.numel() * model.config.num_attention_heads * 4
-    off = enable_offloaded_checkpointing(
-        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True,
-        host_budget_bytes=LAYERS * x + o_lse,
-    )  # fmt: skip
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        saved = _step(model, ids)
-    assert off.stats.offloaded == LAYERS and off.stats.attention_saved == 1, off.stats
-    assert off.stats.peak_host_bytes <= LAYERS * x + o_lse and off.stats.host_bytes == 0
-    _assert_same_up_to_fp32_attention_backward(saved, full)
     disable_offloaded_checkpointing(model)
 
 
