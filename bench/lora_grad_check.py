@@ -17,6 +17,16 @@ import torch
 sys.path.insert(0, ".")
 
 
+def wide_llama_config(layers: int):
+    """A Llama config of Llama-3.1-8B's widths with ``layers`` decoder layers (32K vocabulary), SDPA attention."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
 def main() -> None:
     import peft
     import transformers
@@ -24,9 +34,7 @@ def main() -> None:
     from strop.common.trainer_types import MemoryMode
     from strop.kernels.models import apply_memory_mode, patch_model
 
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
-                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)  # fmt: skip
-    cfg._attn_implementation = "sdpa"
+    cfg = wide_llama_config(2)
     torch.manual_seed(0)
     dense = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     dense.save_pretrained("/tmp/lora-grad-check")

@@ -9,22 +9,23 @@ one kernel family left out at a time.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
     import peft
     import transformers
+    from lora_grad_check import wide_llama_config
 
     from strop.kernels.models import patch_model
 
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
-                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)  # fmt: skip
-    cfg._attn_implementation = "sdpa"
+    cfg = wide_llama_config(4)
     torch.manual_seed(0)
     state = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).state_dict()
     ids = torch.randint(0, 32000, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
