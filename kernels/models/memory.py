@@ -46,10 +46,14 @@ __all__ = [
 
 logger = logging.getLogger("strop.kernels")
 
-# cgroup v2, then v1: a container's limit and usage (a pod sees the node's /proc/meminfo)
+# cgroup v2, then v1: a container's limit, usage and usage breakdown (a pod sees the node's /proc/meminfo)
 _CGROUP_FILES = (
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat"),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "/sys/fs/cgroup/memory/memory.stat",
+    ),
 )
 
 
@@ -73,17 +77,28 @@ def _meminfo_available() -> int | None:
     return None
 
 
-def host_available_bytes() -> int:
-    """Host memory this process can still take: ``MemAvailable``, capped by the container's cgroup limit less
-    its usage (0 when neither can be read)."""
+def _inactive_file(stat_path: str) -> int:
+    """Reclaimable page cache in a cgroup's usage (``inactive_file``; v1: ``total_inactive_file``), 0 if unread."""
+    try:
+        with open(stat_path) as f:
+            fields = dict(line.split()[:2] for line in f if line.strip())
+    except (OSError, ValueError):
+        return 0
+    value = fields.get("inactive_file", fields.get("total_inactive_file", "0"))
+    return int(value) if value.isdigit() else 0
+
+
+def host_available_bytes() -> int | None:
+    """Host memory this process can still take: ``MemAvailable``, capped by the container's cgroup limit less its
+    working set (usage less reclaimable page cache, as the kubelet counts it); None when neither can be read."""
     available = _meminfo_available()
-    for limit_path, usage_path in _CGROUP_FILES:
+    for limit_path, usage_path, stat_path in _CGROUP_FILES:
         limit, usage = _read_int(limit_path), _read_int(usage_path)
         if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes ~2^63 for no limit
-            room = max(0, limit - usage)
+            room = max(0, limit - max(0, usage - _inactive_file(stat_path)))
             available = room if available is None else min(available, room)
             break
-    return available or 0
+    return available
 
 
 @dataclass
@@ -264,7 +279,8 @@ def apply_memory_mode(
             setting (``MemoryFeatures.save_attention``).
         tiled_mlp: The MLPs run tiled ("auto" chunks); None: the mode's own setting (``MemoryFeatures.tiled_mlp``).
         host_budget_bytes: Host memory the offloaded copies may hold; None: the mode's
-            ``host_budget_fraction`` of :func:`host_available_bytes` now (unbounded for a fraction of 0).
+            ``host_budget_fraction`` of :func:`host_available_bytes` now (unbounded for a fraction of 0, or when
+            the host's memory cannot be read).
         offload_cpu_tensors: Exercise the offload path on the CPU (tests, the CPU smoke benchmark).
         min_offload_bytes: Layer inputs and activations smaller than this stay on their device.
     """
@@ -276,8 +292,9 @@ def apply_memory_mode(
         installed.notes.append("layer inputs stay on the device: no host room for a step's worth")
     if features.budgeted_recompute and budget_bytes <= 0:
         raise ValueError(f"memory mode {mode.value} needs a positive budget_bytes")
-    if host_budget_bytes is None and offload and features.host_budget_fraction > 0:
-        host_budget_bytes = int(features.host_budget_fraction * host_available_bytes())
+    available = host_available_bytes() if host_budget_bytes is None and offload else None
+    if available is not None and features.host_budget_fraction > 0:
+        host_budget_bytes = int(features.host_budget_fraction * available)
     if host_budget_bytes is not None and offload:
         installed.notes.append(f"host budget {host_budget_bytes / 2**30:.1f} GiB")
     tiled = features.tiled_mlp if tiled_mlp is None else tiled_mlp

@@ -161,15 +161,8 @@ class SavedGroup:
             or not t.is_floating_point()
             or t.numel() * t.element_size() < off.min_offload_bytes
             or not (t.is_cuda or (t.device.type == "cpu" and off.offload_cpu_tensors))
-            or not off.host_room(t.numel() * t.element_size(), t.is_cuda)
         ):
-            off.stats.saved_kept += 1
-            if not outlives:
-                off.stats.saved_kept_bytes += t.numel() * t.element_size()
-            # Detached: a saved output returned with its grad_fn would make a cycle through the graph
-            # (node → packed value → tensor → node) that Python's collector cannot see, leaking the graph.
-            # The detached alias shares t's version counter, so in-place writes are still seen at unpack.
-            return self, t.detach(), t._version
+            return self._keep(t, outlives)
         # The same memory seen again (the same tensor, or another view with the same layout, e.g. each
         # projection's 2-D view of the normed input): one copy. Every indexed original is held until seal,
         # so an address cannot be reused for other data in between.
@@ -177,6 +170,8 @@ class SavedGroup:
         hit = self.index.get(key)
         if hit is not None and hit[1].version == t._version:
             return self, hit[1], t._version
+        if not off.host_room(t.numel() * t.element_size(), t.is_cuda):
+            return self._keep(t, False)
         item = SavedTensor(self, t)
         item.host = off.copy_to_host(t)
         self.items.append(weakref.ref(item))
@@ -186,6 +181,17 @@ class SavedGroup:
         s.offloaded_bytes += item.nbytes
         off.hold_host(item.nbytes, t.is_cuda)
         return self, item, t._version
+
+    def _keep(self, t: torch.Tensor, outlives: bool) -> tuple[SavedGroup, Any, int]:
+        """A saved tensor left where it is (see :meth:`pack`)."""
+        off = self.offloader
+        off.stats.saved_kept += 1
+        if not outlives:
+            off.stats.saved_kept_bytes += t.numel() * t.element_size()
+        # Detached: a saved output returned with its grad_fn would make a cycle through the graph
+        # (node → packed value → tensor → node) that Python's collector cannot see, leaking the graph.
+        # The detached alias shares t's version counter, so in-place writes are still seen at unpack.
+        return self, t.detach(), t._version
 
     def seal(self) -> None:
         """End of the layer's forward: check for in-place writes after saving, drop the dedup index."""

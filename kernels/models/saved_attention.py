@@ -93,6 +93,15 @@ class AttentionSaves:
                 off.release_host(t.numel() * t.element_size(), buf.is_cuda)
             s.host = []
 
+    def __del__(
+        self,
+    ) -> None:  # a graph freed without backward (eval with grad on, an error) returns its host memory
+        with contextlib.suppress(Exception):
+            for s in self.saved:
+                for t in s.host:
+                    self.offloader.release_host(t.numel() * t.element_size(), t.is_pinned())
+                s.host = []
+
     def take(self) -> _Saved:
         if self.cursor >= len(self.saved):
             raise RuntimeError("saved attention: the recompute ran more attention calls than the forward")

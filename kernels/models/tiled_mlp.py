@@ -34,8 +34,9 @@ dropout draws random numbers in it, :func:`enable_tiled_mlp` lets that forward s
 uninitialised memory of the output's shape: the backward recomputes each chunk from x as before, so the
 gradients are bitwise the same, for one MLP forward less per layer and step (three GEMMs over every token).
 The backward's own recompute of a chunk is differentiated, never read, so it runs under the same context: a
-patched (fused LoRA) MLP skips its down projection there, whatever the layer. Under checkpointing a tiled MLP
-then costs the GEMMs of an untiled one, and holds one chunk's backward intermediates instead of all tokens'.
+patched (fused LoRA) MLP built to skip it (``output_unused_in_recompute``: the Llama family) skips its down
+projection there. Under checkpointing a tiled MLP then costs the GEMMs of an untiled one, and holds one chunk's
+backward intermediates instead of all tokens'.
 
 The MLP is an opaque callable: anything ``f(x)`` that maps ``[..., N, H]`` to ``[..., N, H']`` token by
 token, with its trainable parameters passed explicitly (taken from the module when ``f`` is an
@@ -163,7 +164,7 @@ class TiledMLPFunction(torch.autograd.Function):
         acc: list[torch.Tensor | None] = [None] * len(need)
         for (start, end), replay in zip(ctx.bounds, ctx.replays, strict=True):
             xc = rows[start:end].view(*ctx.view, end - start, rows.shape[1]).detach().requires_grad_(need_x)
-            # only yc's graph is differentiated, never its value: a patched MLP skips its down projection
+            # only yc's graph is differentiated, never its value: a patched Llama-family MLP skips its down projection
             with replay.replay(), torch.enable_grad(), recompute_outputs_unused():
                 yc = ctx.fn(xc)
             wrt = ([xc] if need_x else []) + need

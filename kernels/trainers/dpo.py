@@ -131,6 +131,7 @@ class StropDPOMixin:
         completion_mask = inputs["completion_mask"]
         labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
 
+        plain_kwargs = model_kwargs
         shared = None
         if self.strop_share_prompts:
             shared = self._strop_sharing.layout(
@@ -149,10 +150,14 @@ class StropDPOMixin:
         if getattr(self, "precompute_ref_logps", False) or "ref_chosen_logps" in inputs:
             ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).float()
         else:
-            ref_hidden, ref_head, ref_softcap = self._strop_reference_hidden(model_kwargs)
+            # a separate ref_model runs TRL's rows: the layout was made for the policy's attention and device
+            separate = self.ref_model is not None and shared is not None
+            ref_kwargs = plain_kwargs if separate else model_kwargs
+            ref_hidden, ref_head, ref_softcap = self._strop_reference_hidden(ref_kwargs)
+            ref_unshare = (lambda h: h) if separate else unshare
             with torch.no_grad():
                 ref = sequence_logps(
-                    unshare(ref_hidden).to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias,
+                    ref_unshare(ref_hidden).to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias,
                     softcap=ref_softcap,
                 )  # fmt: skip
         out = dpo_loss_on_pairs(

@@ -243,6 +243,19 @@ def share_prompts(
     return layout
 
 
+def _model_reason(hf: Any, length: int) -> str | None:
+    """Why ``hf`` cannot run a shared layout of rows of ``length`` positions (None: it can)."""
+    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True) is not False and window < length:
+        # the marker and the dense mask are plain causal: a window over the rows would need its band too
+        return f"sliding-window attention (window {window} < {length} positions)"
+    devices = set(getattr(hf, "hf_device_map", {}).values())
+    if len(devices) > 1:
+        return f"a model split over {len(devices)} devices (the mask marker would be copied between them)"
+    return None
+
+
 class PromptSharing:
     """One trainer's use of :func:`share_prompts`: the batches it shared, and each reason not to logged once.
 
@@ -263,10 +276,12 @@ class PromptSharing:
         extra = sorted(set(model_kwargs) - {"input_ids", "attention_mask", "use_cache"})
         mask = model_kwargs.get("attention_mask")
         if extra:
-            reason: SharedPrompts | str = f"model inputs {extra} besides input_ids/attention_mask"
+            reason: SharedPrompts | str | None = f"model inputs {extra} besides input_ids/attention_mask"
         elif not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             reason = "no 2-D attention mask"
         else:
+            reason = _model_reason(hf, mask.shape[1])
+        if reason is None:
             reason = share_prompts(
                 model_kwargs["input_ids"], mask, completion_mask.to(mask.device),
                 attn_implementation=getattr(hf.config, "_attn_implementation", None), dtype=hf.dtype,

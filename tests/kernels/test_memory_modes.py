@@ -67,19 +67,26 @@ def test_long_context_bounds_host_memory_by_a_share_of_what_the_host_has(monkeyp
     assert given.memory.offloader.host_budget_bytes == 123
 
 
-def test_host_available_bytes_is_capped_by_the_container_limit(monkeypatch, tmp_path):
+def test_host_available_bytes_is_capped_by_the_container_working_set(monkeypatch, tmp_path):
     import strop.kernels.models.memory as memory
 
-    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit, usage, stat = tmp_path / "memory.max", tmp_path / "memory.current", tmp_path / "memory.stat"
     limit.write_text(f"{3 << 30}\n")
-    usage.write_text(f"{1 << 30}\n")
-    monkeypatch.setattr(memory, "_CGROUP_FILES", ((str(limit), str(usage)),))
+    usage.write_text(f"{2 << 30}\n")
+    stat.write_text(f"anon {1 << 30}\ninactive_file {1 << 30}\nactive_file 0\n")
+    monkeypatch.setattr(memory, "_CGROUP_FILES", ((str(limit), str(usage), str(stat)),))
     monkeypatch.setattr(memory, "_meminfo_available", lambda: 5 << 30)
-    assert (
-        memory.host_available_bytes() == 2 << 30
-    )  # the pod's limit less its usage, under the node's MemAvailable
+    # the pod's limit less its working set (usage less reclaimable page cache), under the node's MemAvailable
+    assert memory.host_available_bytes() == 2 << 30
+    stat.unlink()  # no breakdown: all of the usage counts
+    assert memory.host_available_bytes() == 1 << 30
     limit.write_text("max\n")  # cgroup v2: no limit
     assert memory.host_available_bytes() == 5 << 30
     monkeypatch.setattr(memory, "_CGROUP_FILES", ())
     monkeypatch.setattr(memory, "_meminfo_available", lambda: None)
-    assert memory.host_available_bytes() == 0
+    assert memory.host_available_bytes() is None
+    _, installed = _install(
+        MemoryMode.LONG_CONTEXT
+    )  # unknown host memory: no bound rather than none offloaded
+    assert installed.memory.offloader.host_budget_bytes is None
+    installed.remove()

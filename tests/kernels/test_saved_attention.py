@@ -133,6 +133,19 @@ def test_layers_kept_on_the_device_and_masked_batches_recompute_with_a_logged_re
     disable_offloaded_checkpointing(model)
 
 
+def test_a_graph_freed_without_backward_returns_the_saved_outputs_host_memory():
+    model = _model()
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True,
+        host_budget_bytes=1 << 40,
+    )  # fmt: skip
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    assert off.stats.attention_saved == LAYERS and off.stats.host_bytes > 0
+    del loss  # e.g. an evaluation with grad on, or an error before backward
+    assert off.stats.host_bytes == 0 and off._host_blocks == 0, "the budget would stay taken for good"
+    disable_offloaded_checkpointing(model)
+
+
 def test_outside_a_checkpointed_layer_attention_is_the_interface_itself():
     model = _model()
     ids = _ids()

@@ -147,3 +147,31 @@ def test_gpu_shared_prompts_in_bf16_stay_within_the_unshared_bf16_error():
     err_ours = (ours[valid] - truth[valid]).abs().max().item()
     print(f"bf16 error against fp32: unshared {err_plain:.3g}, shared {err_ours:.3g}")
     assert err_ours <= 2 * err_plain + 1e-6
+
+
+def test_models_whose_attention_the_layout_cannot_carry_run_unshared():
+    from types import SimpleNamespace
+
+    from strop.kernels.trainers.shared_prompt import PromptSharing
+
+    ids, am, cm = _batch()
+    kwargs = {"input_ids": ids, "attention_mask": am, "use_cache": False}
+
+    def model(**config):
+        cfg = SimpleNamespace(**{"_attn_implementation": "sdpa", "sliding_window": None, **config})
+        return SimpleNamespace(config=cfg, dtype=torch.float32)
+
+    sharing = PromptSharing("DPO")
+    assert sharing.layout(model(), kwargs, cm) is not None and sharing.batches == 1
+    assert sharing.layout(model(sliding_window=8), kwargs, cm) is None  # Gemma's, Mistral's windows
+    assert (
+        sharing.layout(model(sliding_window=8, use_sliding_window=False), kwargs, cm) is not None
+    )  # Qwen2's off
+    assert sharing.layout(model(sliding_window=64), kwargs, cm) is not None  # wider than the rows: no effect
+    split = model()
+    split.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+    assert sharing.layout(split, kwargs, cm) is None
+    assert sharing.batches == 3 and len(sharing.reasons) == 2, sharing.reasons
+    assert any("sliding-window" in r for r in sharing.reasons) and any(
+        "split over 2" in r for r in sharing.reasons
+    )

@@ -395,7 +395,7 @@ def _host_has_room(loaded: LoadedModel, cfg: TrainConfig) -> bool:
     need = layers * rows * cfg.max_length * hidden * itemsize
     from strop.kernels.models.memory import host_available_bytes
 
-    available = host_available_bytes()
+    available = host_available_bytes() or 0  # unknown: no room claimed
     if need > available // 2:
         log.info("%.1f GiB of layer inputs, %.1f GiB host available", need / 2**30, available / 2**30)
         return False
