@@ -305,17 +305,6 @@ def _mlp_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
     ]
 
 
-class _Bound:
-    """``prev`` (the MLP's forward before tiling) called as the module ``owner``'s: what the tiled function reads
-    of the module (dropout, ``down_proj``) is the owner's."""
-
-    def __init__(self, prev: Callable, owner: nn.Module) -> None:
-        self.prev, self.__self__ = prev, owner
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.prev(x)
-
-
 def enable_tiled_mlp(
     model: nn.Module,
     num_chunks: int | str = "auto",
@@ -360,7 +349,7 @@ def enable_tiled_mlp(
             if not owner.active or args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
                 return prev(x, *args, **kwargs)
             return tiled_mlp(
-                _Bound(prev, self), x, num_chunks=num_chunks, params=_trainable_params(self),
+                prev, x, num_chunks=num_chunks, params=_trainable_params(self),
                 intermediate_size=_inter, budget_bytes=budget_bytes, output_unused_in_recompute=_last,
             )  # fmt: skip
 

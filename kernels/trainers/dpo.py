@@ -151,13 +151,13 @@ class StropDPOMixin:
             ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).float()
         else:
             # a separate ref_model runs TRL's rows: the layout was made for the policy's attention and device
-            separate = self.ref_model is not None and shared is not None
-            ref_kwargs = plain_kwargs if separate else model_kwargs
-            ref_hidden, ref_head, ref_softcap = self._strop_reference_hidden(ref_kwargs)
-            ref_unshare = (lambda h: h) if separate else unshare
+            own = self.ref_model is None
+            ref_hidden, ref_head, ref_softcap = self._strop_reference_hidden(
+                model_kwargs if own else plain_kwargs
+            )
             with torch.no_grad():
                 ref = sequence_logps(
-                    ref_unshare(ref_hidden).to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias,
+                    (unshare(ref_hidden) if own else ref_hidden).to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias,
                     softcap=ref_softcap,
                 )  # fmt: skip
         out = dpo_loss_on_pairs(

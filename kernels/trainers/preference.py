@@ -103,19 +103,14 @@ class _StropPreferenceMixin:
 
     def _strop_pair_hidden(self, model: Any, head: Any, cb: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[2B, T, H]`` hidden states of the concatenated pairs, each pair's prompt run once where it can be."""
-        kwargs = {
-            "input_ids": cb["concatenated_input_ids"],
-            "attention_mask": cb["concatenated_attention_mask"],
-        }
-        kwargs["use_cache"] = False
+        mask = cb["concatenated_attention_mask"]
+        kwargs = {"input_ids": cb["concatenated_input_ids"], "attention_mask": mask, "use_cache": False}
         shared = None
-        if not self.strop_share_prompts:
-            pass
-        elif self._strop_softcap() is None and not bool(kwargs["attention_mask"].all()):
+        if self.strop_share_prompts and self._strop_softcap() is None and not bool(mask.all()):
             # TRL's logits/* metrics average every position, padding included, whose states a shared batch
             # does not compute: exact metrics need a batch without padding
             self._strop_sharing.unshared("padding positions enter TRL's logits/* means")
-        else:
+        elif self.strop_share_prompts:
             completion = cb["concatenated_labels"] != -100  # TRL masks prompt and padding labels with -100
             shared = self._strop_sharing.layout(self._strop_hf_model(self.model), kwargs, completion)
         if shared is None:

@@ -62,7 +62,8 @@ class SharedPrompts:
         index: ``[2B, T]`` flat index into the ``B·L`` shared positions for each position of the original rows
             (padding positions point at position 0 of their pair's row; their labels are masked).
         source: ``[B, L]`` flat index into the ``2B·T`` original positions for each shared position (padding: 0).
-        rows_mask: The original ``[2B, T]`` attention mask, or None when no row has padding.
+        rows_mask: HF's SDPA mask of the original rows, ``[2B, 1, T, T]`` (causal, padding keys masked), or None
+            when no row has padding (SDPA then runs ``is_causal``).
         saved: Fraction of positions (padding counted) the shared batch does not run.
     """
 
@@ -101,11 +102,7 @@ class SharedPrompts:
             flat = x.transpose(1, 2).reshape(b * length, heads, d)
             return flat.index_select(0, index).view(two_b, t, heads, d).transpose(1, 2)
 
-        mask = None
-        if self.rows_mask is not None:  # HF's own sdpa mask: causal, padding keys masked
-            valid = self.rows_mask.to(q.device).bool()
-            pos = torch.arange(t, device=q.device)
-            mask = ((pos[:, None] >= pos[None, :])[None] & valid[:, None, :]).unsqueeze(1)
+        mask = None if self.rows_mask is None else self.rows_mask.to(q.device)
         out, _ = sdpa(module, rows(q), rows(k), rows(v), mask, *args, **kwargs)
         b, length = self.source.shape
         flat = out.reshape(two_b * t, *out.shape[2:])
@@ -222,7 +219,9 @@ def share_prompts(
     shared_col = torch.where(is_rejected & (col >= p_row), col - p_row + nc_row, col)
     shared_col = torch.where(col < n[:, None], shared_col, 0)
     index = rows_b[:, None] * width + shared_col
-    rows_mask = None if bool(attention_mask.bool().all()) else attention_mask
+    rows_mask = None  # built once here, not in every layer's attention call
+    if not bool(attention_mask.bool().all()):
+        rows_mask = ((pos[:, None] >= pos[None, :])[None] & attention_mask.bool()[:, None, :]).unsqueeze(1)
     layout = SharedPrompts(ids, ids.new_empty(0), position_ids, index, source, rows_mask, saved)
     if attn_implementation == "eager":
         # segment: 0 prompt, 1 chosen completion, 2 rejected completion, 3 padding
