@@ -45,10 +45,17 @@ memory of out's shape. The gradients are bitwise those of the full recompute: ba
 tensors, which are computed the same way. Not so in Gemma's layer, ``residual + post_feedforward_layernorm(mlp(…))``:
 the norm saves the MLP's output for its backward, so ``patch_model`` never sets the flag there
 (``Arch.sandwich_norms``), and its recompute computes the down projection.
+
+Such a recompute computes h only for u_d = h A_dᵀ ([N, r]): one activation pass over [N, I] and a GEMM reading
+h, ~0.7 ms a layer at 16K tokens of an 8B shape on the H200. So the forward that strop's checkpoint runs under
+:func:`recording_for_recompute` stashes its u_d (N·r values, 0.5 MiB at 16K tokens and r = 16), and the recompute
+takes it from the :class:`RecomputeStash` instead of making h. u_d is the same tensor the recompute would compute
+(the same ops on the same inputs), so the gradients stay bitwise those of the full recompute.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
@@ -76,19 +83,67 @@ from .linear import (
 __all__ = [
     "ACTIVATIONS",
     "LoRAMLPFunction",
+    "RecomputeStash",
     "lora_mlp",
     "lora_mlp_reference",
     "recompute_outputs_unused",
     "recompute_outputs_unused_now",
+    "recording_for_recompute",
 ]
 
-_OUTPUTS_UNUSED = contextvars.ContextVar("strop_recompute_outputs_unused", default=False)
+class RecomputeStash:
+    """Small tensors the ops of a checkpointed layer computed in its forward, for the same ops in its recompute.
+
+    The recompute runs the layer's ops again in the same order, so the stash is first in, first out. Each item
+    carries a tag (the op and the shape it stands for); a take whose tag differs from the next item's raises,
+    since it would mean the recompute is not running the forward's ops.
+    """
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[tuple, torch.Tensor]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, tag: tuple, t: torch.Tensor) -> None:
+        self._items.append((tag, t))
+
+    def take(self, tag: tuple) -> torch.Tensor | None:
+        """The next item, which must carry ``tag``; None when the stash is empty (the op recomputes it)."""
+        if not self._items:
+            return None
+        got, t = self._items.popleft()
+        if got != tag:
+            raise RuntimeError(f"recompute stash: the recompute asked for {tag}, the forward stashed {got}")
+        return t
+
+
+# The stash a checkpointed layer's forward puts into (None: nothing is stashed), and, during its recompute,
+# a one-item tuple with the stash to take from (None when the recompute has none).
+_RECORDING: contextvars.ContextVar[RecomputeStash | None] = contextvars.ContextVar(
+    "strop_recompute_recording", default=None
+)
+_OUTPUTS_UNUSED: contextvars.ContextVar[tuple[RecomputeStash | None] | None] = contextvars.ContextVar(
+    "strop_recompute_outputs_unused", default=None
+)
 
 
 @contextlib.contextmanager
-def recompute_outputs_unused() -> Iterator[None]:
-    """While a checkpointed layer is recomputed for its backward: its output's value will not be read."""
-    token = _OUTPUTS_UNUSED.set(True)
+def recording_for_recompute(stash: RecomputeStash | None) -> Iterator[None]:
+    """Around a checkpointed layer's forward: ops that can spare their recompute some work stash it in ``stash``
+    (None: they stash nothing, e.g. inside a tiled MLP, whose chunks recompute on their own)."""
+    token = _RECORDING.set(stash)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+
+
+@contextlib.contextmanager
+def recompute_outputs_unused(stash: RecomputeStash | None = None) -> Iterator[None]:
+    """While a checkpointed layer is recomputed for its backward: its output's value will not be read, and ops
+    may take what the layer's forward stashed for them in ``stash``."""
+    token = _OUTPUTS_UNUSED.set((stash,))
     try:
         yield
     finally:
@@ -97,7 +152,7 @@ def recompute_outputs_unused() -> Iterator[None]:
 
 def recompute_outputs_unused_now() -> bool:
     """Whether the code running now is a recompute under :func:`recompute_outputs_unused`."""
-    return _OUTPUTS_UNUSED.get()
+    return _OUTPUTS_UNUSED.get() is not None
 
 
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
@@ -158,12 +213,24 @@ class LoRAMLPFunction(torch.autograd.Function):
         gate, up, down = with_factors(frozen, (ga, gb, ua, ub, da, db))
         # e and g stay the base's outputs: the activation adds their LoRA terms as it reads them
         (e, g), u_gu = forward_projections(x, (gate, up), frozen.dtype, add_lora=False)
-        h = _act_fwd(e, g, frozen.activation, lora_terms((gate, up), u_gu, frozen.dtype))
-        if frozen.output_unused_in_recompute and _OUTPUTS_UNUSED.get():
-            u_d = None if down.lora_A is None else h @ down.lora_A.to(frozen.dtype).t()
-            out = h.new_empty(h.shape[0], out_features(down.base))  # never read: see the module docstring
+        terms = lora_terms((gate, up), u_gu, frozen.dtype)
+        recompute = _OUTPUTS_UNUSED.get() if frozen.output_unused_in_recompute else None
+        if recompute is not None:
+            # backward reads x, e, g, u_gu and u_d, never h: h is made only for u_d, and not at all when the
+            # forward stashed u_d (see the module docstring)
+            stash, u_d = recompute[0], None
+            if down.lora_A is not None:
+                tag = ("lora_mlp.u_d", x.shape[0], down.lora_A.shape[0])
+                u_d = None if stash is None else stash.take(tag)
+                if u_d is None:
+                    u_d = _act_fwd(e, g, frozen.activation, terms) @ down.lora_A.to(frozen.dtype).t()
+            out = e.new_empty(e.shape[0], out_features(down.base))  # never read: see the module docstring
         else:
+            h = _act_fwd(e, g, frozen.activation, terms)
             (out,), u_d = forward_projections(h, (down,), frozen.dtype)
+            stash = _RECORDING.get() if frozen.output_unused_in_recompute else None
+            if stash is not None and u_d is not None:
+                stash.put(("lora_mlp.u_d", x.shape[0], down.lora_A.shape[0]), u_d)
         ctx.save_for_backward(x, e, g, u_gu, u_d, ga, gb, ua, ub, da, db)
         ctx.frozen = frozen
         return out

@@ -80,7 +80,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..lora.mlp import recompute_outputs_unused
+from ..lora.mlp import RecomputeStash, recompute_outputs_unused, recording_for_recompute
 from . import saved_attention
 from .offload_records import InputRecord, SavedGroup
 from .replay import ReplayState, checkpoint_reference
@@ -535,7 +535,8 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         ctx.attention = (
             AttentionSaves(offloader) if offloader.save_attention and ctx.record.offloaded else None
         )
-        with torch.no_grad(), saved_attention.recording(ctx.attention):
+        ctx.stash = RecomputeStash()  # what the layer's ops can hand their recompute (kernels/lora/mlp.py)
+        with torch.no_grad(), saved_attention.recording(ctx.attention), recording_for_recompute(ctx.stash):
             out = function(*args)
         tensors, meta["template"] = _flatten(out)
         return tuple(tensors)
@@ -554,11 +555,11 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         with (
             ctx.replay.replay(),
             torch.enable_grad(),
-            recompute_outputs_unused(),
+            recompute_outputs_unused(ctx.stash),
             saved_attention.replaying(ctx.attention),
         ):
             out = ctx.function(*args)
-        ctx.attention = None
+        ctx.attention = ctx.stash = None
         tensors, _ = _flatten(out)
         pairs = [(o, g) for o, g in zip(tensors, grads, strict=True) if g is not None and o.requires_grad]
         if pairs:

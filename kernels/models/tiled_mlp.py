@@ -56,7 +56,7 @@ from torch import nn
 
 from strop.common.archs import ARCHS
 
-from ..lora.mlp import recompute_outputs_unused, recompute_outputs_unused_now
+from ..lora.mlp import recompute_outputs_unused, recompute_outputs_unused_now, recording_for_recompute
 from .hf import Swaps, checkpoint_layers, previous_forward, unwrap_peft
 from .replay import ReplayState
 
@@ -141,7 +141,8 @@ class TiledMLPFunction(torch.autograd.Function):
             replays = [ReplayState.capture(x.device, preserve_rng) for _ in bounds]
             out = rows.new_empty(n, out_features)
             run = []
-        with torch.no_grad():
+        # the chunks recompute in this function's backward, not in the layer's: they stash nothing for it
+        with torch.no_grad(), recording_for_recompute(None):
             for start, end in run:
                 replays.append(ReplayState.capture(x.device, preserve_rng))
                 y = fn(rows[start:end].view(*view, end - start, rows.shape[1]))

@@ -686,3 +686,50 @@ def test_patched_mlps_skip_the_down_projection_in_recompute_with_bitwise_equal_g
     assert downs["n"] == 2 * LAYERS
     _assert_same_step(skipped, full, "skipping the down projection in recompute")
     disable_offloaded_checkpointing(model)
+
+
+def test_the_recompute_takes_the_down_adapters_factor_from_the_forward_instead_of_a_second_activation(
+    monkeypatch,
+):
+    """The recompute needs h only for the down adapter's u_d = h A_dᵀ, which the forward stashed: no activation
+    pass runs in any layer's recompute, and loss and gradients equal those of a recompute that makes h again,
+    bit for bit (u_d is the same ops' output on the same inputs)."""
+    import strop.kernels.lora.mlp as mlp_mod
+    import strop.kernels.models.offload as offload_mod
+    from strop.kernels.models import patch_model
+
+    model = _lora(_tiny_llama())
+    patch_model(model)
+    acts = {"n": 0}
+    real = mlp_mod._act_fwd
+
+    def counting(*args, **kw):
+        acts["n"] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mlp_mod, "_act_fwd", counting)
+    ids = _ids()
+    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
+    stashed = _step(model, ids)
+    assert acts["n"] == LAYERS, f"{acts['n']} activation passes: the recompute made h again"
+    acts["n"] = 0
+    # a forward that stashes nothing: the recompute makes h for u_d, as before the stash
+    real_record = offload_mod.recording_for_recompute
+    monkeypatch.setattr(offload_mod, "recording_for_recompute", lambda stash: real_record(None))
+    remade = _step(model, ids)
+    assert acts["n"] == 2 * LAYERS
+    _assert_same_step(stashed, remade, "u_d from the stash")
+    disable_offloaded_checkpointing(model)
+
+
+def test_a_recompute_stash_hands_items_back_in_order_and_refuses_a_mismatched_take():
+    from strop.kernels.lora.mlp import RecomputeStash
+
+    stash = RecomputeStash()
+    a, b = torch.ones(2), torch.zeros(3)
+    stash.put(("op", 2), a)
+    stash.put(("op", 3), b)
+    assert stash.take(("op", 2)) is a
+    with pytest.raises(RuntimeError, match="asked for"):
+        stash.take(("other", 3))
+    assert stash.take(("op", 2)) is None  # empty: the op computes what it needs itself
