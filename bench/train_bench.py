@@ -445,7 +445,7 @@ def profile_summary(prof, wall: float) -> str:
     """A profiled step's wall and GPU busy time, the top GPU kernels by total time, and the top host ops by self
     CPU time (a step whose GPU idles waits on them: Python, launches, syncs)."""
     averages = prof.key_averages()
-    events = [e for e in averages if e.device_type.name == "CUDA"]
+    events = [e for e in averages if e.device_type.name == "CUDA" and not e.key.startswith("phase:")]
     total = sum(e.self_device_time_total for e in events)
     events.sort(key=lambda e: -e.self_device_time_total)
     lines = [
@@ -482,7 +482,14 @@ def gpu_timeline(prof) -> list[str]:
     import bisect
 
     events = prof.events()
-    kernels = [e for e in events if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    kernels = [  # record_function ranges (the phases) are mirrored on the device timeline: not kernels
+        e
+        for e in events
+        if e.device_type.name == "CUDA"
+        and e.time_range.end > e.time_range.start
+        and not e.name.startswith("phase:")
+        and not getattr(e, "is_user_annotation", False)
+    ]
     if not kernels:
         return []
     kinds: dict[str, float] = {}
@@ -560,13 +567,13 @@ def memory_at_peak(step, top: int = 14) -> str:
             cur += ev["size"]
             if cur > peak:
                 peak, peak_at = cur, i
-        elif ev["action"] == "free_completed" and ev["addr"] in sizes:
+        elif ev["action"] == "free_requested" and ev["addr"] in sizes:  # what the allocator stops counting
             cur -= sizes.pop(ev["addr"])
     live: dict[int, dict] = {}
     for ev in trace[: peak_at + 1]:
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
-        elif ev["action"] == "free_completed":
+        elif ev["action"] == "free_requested":
             live.pop(ev["addr"], None)
     ours = re.compile(r"strop|/kernels/|transformers/|peft/|trl/|train_bench")
     groups: dict[str, list[int]] = {}

@@ -33,11 +33,18 @@ counter, so a second backward or any other saved use of x raises instead of read
 Dtype contract. The compute dtype c is the autocast dtype when autocast is on for x's device, else
 x.dtype. x is cast to c outside the autograd Function (so dx comes back in x's dtype through the cast);
 W (dequantized: rounded to ``quant_state.dtype`` first, as bitsandbytes does), b, A and B are cast to c
-per call; every GEMM runs in c (fp32 accumulation on GPUs), y is in c. This is what HF + PEFT compute
+(A and B once per Function call and, under strop's checkpoint, once per layer and step: :func:`factors_of`);
+every GEMM runs in c (fp32 accumulation on GPUs), y is in c. This is what HF + PEFT compute
 under bf16 autocast with fp32 adapters (F.linear casts weight and input to bf16), except that the LoRA
 term is added inside one addmm (one rounding instead of PEFT's three), which is closer to the fp32
 result. dA/dB are formed in c and returned in the adapters' own dtype (fp32 in strop), as autocast's cast
 backward returns them. Without autocast, an fp32 x runs everything in fp32 (the CPU test tier).
+
+Stacked NF4 bases. Projections of one x whose bases are NF4 without bias (the fused MLP's gate and up) can be
+dequantized one under the other (:func:`stacked_weight`): one GEMM then gives every y_i as a column block of one
+output, and the backward's Σ_i dy_i W_i is one GEMM with K = Σ out_i instead of a GEMM and a beta = 1 GEMM per
+further projection. Only for callers that keep the y_i private (``forward_projections(stack=True)``); the fused
+QKV returns q, k, v as separate tensors, which the caller rotates in place.
 
 The GEMMs are cuBLAS's, the NF4 dequant is ``kernels/nf4.py``, and the rank-r updates of large outputs
 (y += s·u Bᵀ, dx += g A) are ``kernels/small_k.py``'s memory-bound kernel (cuBLAS's beta=1 GEMM with K = r
@@ -51,15 +58,18 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.nf4 import dequantize_shared, dequantize_weight, is_nf4
+from ..ops.nf4 import dequantize_shared, dequantize_shared_stacked, dequantize_weight, is_nf4
 from ..ops.small_k import addmm_small_k_
 from ..ops.swiglu import LowRank
+from .stash import stash, take_stashed
 
 __all__ = [
+    "Factors",
     "LoRALinearFunction",
     "LoRAProj",
     "LoRAQKVFunction",
     "compute_dtype",
+    "factors_of",
     "lora_linear",
     "lora_linear_reference",
     "lora_qkv",
@@ -158,52 +168,115 @@ def weight(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return base if base.dtype == dtype else base.to(dtype)
 
 
+def stacked_weight(projs: Sequence[LoRAProj], dtype: torch.dtype) -> torch.Tensor | None:
+    """The projections' bases one under the other, ``[Σ out_i, in]`` in the shared scratch buffer, when they are
+    NF4 without bias (the dequant writes them there anyway); None otherwise (dense bases would need a copy)."""
+    if len(projs) < 2 or not all(p.bias is None and is_nf4(p.base) for p in projs):
+        return None
+    return dequantize_shared_stacked(tuple(p.base for p in projs), dtype)
+
+
+def _one_buffer(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``[N, Σ w_i]`` when the 2-D ``ts`` are adjacent column blocks of one row-major buffer, in order; else None."""
+    width = sum(t.shape[1] for t in ts)
+    rows, item = ts[0].shape[0], ts[0].element_size()
+    ptr = ts[0].data_ptr()
+    for t in ts:
+        if t.dim() != 2 or t.shape[0] != rows or t.stride() != (width, 1) or t.data_ptr() != ptr:
+            return None
+        ptr += t.shape[1] * item
+    return ts[0].as_strided((rows, width), (width, 1))
+
+
 def mm_scaled(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale · (a @ b)`` rounded once: the scale is applied to the fp32 accumulator (addmm's alpha)."""
     return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
 
 
-def _adapters(projs: Sequence[LoRAProj]) -> list[tuple[int, int, int]]:
+def _adapters(projs: Sequence[LoRAProj]) -> tuple[tuple[int, int, int], ...]:
     """(projection index, first column, end column) of each adapter in the stacked [N, Σr] factor."""
     spans, col = [], 0
     for i, p in enumerate(projs):
         if p.lora_A is not None:
             spans.append((i, col, col + p.lora_A.shape[0]))
             col += p.lora_A.shape[0]
-    return spans
+    return tuple(spans)
 
 
-def _stacked_A(projs: Sequence[LoRAProj], spans, dtype: torch.dtype) -> torch.Tensor:
-    mats = [projs[i].lora_A.to(dtype) for i, _, _ in spans]
-    return mats[0] if len(mats) == 1 else torch.cat(mats)
+class Factors(NamedTuple):
+    """The adapters of one call's projections in the compute dtype (see :func:`factors_of`).
+
+    Attributes:
+        a: Every adapter's A stacked, ``[Σr, in]`` (the one GEMM ``u = x aᵀ`` reads them all), or None.
+        b: Each projection's B, ``[out_i, r_i]``, or None where it has no adapter.
+        spans: (projection index, first column, end column) of each adapter in ``a``'s rows / u's columns.
+    """
+
+    a: torch.Tensor | None
+    b: tuple[torch.Tensor | None, ...]
+    spans: tuple[tuple[int, int, int], ...]
+
+
+def factors_of(projs: Sequence[LoRAProj], dtype: torch.dtype) -> Factors:
+    """The projections' adapter factors cast to ``dtype``: once per Function call, whose backward reuses them, and
+    once per layer and step under strop's checkpoint, whose recompute takes them from the forward
+    (``kernels/lora/stash.py``): each cast or stack is a kernel launch, some sixteen a layer and pass."""
+    spans = _adapters(projs)
+    if not spans:
+        return Factors(None, (None,) * len(projs), spans)
+    tensors = [t for p in projs for t in (p.lora_A, p.lora_B) if t is not None]
+    tag = ("lora.factors", dtype, *((id(t), t._version) for t in tensors))
+    factors = take_stashed(tag)
+    if factors is None:
+        mats = [projs[i].lora_A.to(dtype) for i, _, _ in spans]
+        a = mats[0] if len(mats) == 1 else torch.cat(mats)
+        b = tuple(None if p.lora_B is None else p.lora_B.to(dtype) for p in projs)
+        factors = Factors(a, b, spans)
+        stash(tag, factors)
+    return factors
 
 
 def forward_projections(
-    x: torch.Tensor, projs: Sequence[LoRAProj], dtype: torch.dtype, *, add_lora: bool = True
+    x: torch.Tensor,
+    projs: Sequence[LoRAProj],
+    dtype: torch.dtype,
+    factors: Factors,
+    *,
+    add_lora: bool = True,
+    stack: bool = False,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Forward of several projections of one 2-D ``x`` (in ``dtype``): returns ([y_i], stacked u or None).
 
     ``add_lora=False`` leaves each y_i the base's alone and returns u for the caller to add ``s · u_i B_iᵀ``
-    where it reads y_i (the fused MLP's activation kernel does, ``lora_terms``)."""
-    ys = []
-    for p in projs:
-        w = weight(p.base, dtype)  # consumed by the next GEMM before the scratch buffer is reused
-        ys.append(x @ w.t() if p.bias is None else torch.addmm(p.bias.to(dtype), x, w.t()))
-    spans = _adapters(projs)
-    if not spans:
+    where it reads y_i (the fused MLP's activation kernel does, ``lora_terms``). ``stack=True`` lets the y_i be
+    adjacent column blocks of one output where the bases stack (:func:`stacked_weight`): one GEMM for all, and
+    :func:`backward_projections` then forms dx in one GEMM too. For a caller that keeps the y_i private (a view
+    returned from an autograd Function could not be modified in place)."""
+    w_all = stacked_weight(projs, dtype) if stack else None
+    if w_all is not None:
+        y_all, ys, col = x @ w_all.t(), [], 0
+        for p in projs:
+            ys.append(y_all[:, col : col + out_features(p.base)])
+            col += out_features(p.base)
+    else:
+        ys = []
+        for p in projs:
+            w = weight(p.base, dtype)  # consumed by the next GEMM before the scratch buffer is reused
+            ys.append(x @ w.t() if p.bias is None else torch.addmm(p.bias.to(dtype), x, w.t()))
+    if factors.a is None:
         return ys, None
-    u = x @ _stacked_A(projs, spans, dtype).t()  # one read of x for every adapter
+    u = x @ factors.a.t()  # one read of x for every adapter
     if add_lora:
-        for i, lo, hi in spans:
-            addmm_small_k_(ys[i], u[:, lo:hi], projs[i].lora_B.to(dtype).t(), alpha=projs[i].scaling)
+        for i, lo, hi in factors.spans:
+            addmm_small_k_(ys[i], u[:, lo:hi], factors.b[i].t(), alpha=projs[i].scaling)
     return ys, u
 
 
-def lora_terms(projs: Sequence[LoRAProj], u: torch.Tensor | None, dtype: torch.dtype) -> list[LowRank | None]:
+def lora_terms(projs: Sequence[LoRAProj], u: torch.Tensor | None, factors: Factors) -> list[LowRank | None]:
     """Each projection's LoRA term ``s · u_i B_iᵀ`` (None without an adapter), from forward_projections' u."""
     terms: list[LowRank | None] = [None] * len(projs)
-    for i, lo, hi in _adapters(projs):
-        terms[i] = LowRank(u[:, lo:hi], projs[i].lora_B.to(dtype).t(), projs[i].scaling)
+    for i, lo, hi in factors.spans:
+        terms[i] = LowRank(u[:, lo:hi], factors.b[i].t(), projs[i].scaling)
     return terms
 
 
@@ -213,6 +286,7 @@ def backward_projections(
     dys: Sequence[torch.Tensor],
     projs: Sequence[LoRAProj],
     dtype: torch.dtype,
+    factors: Factors,
     need_dx: bool,
     dx_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -220,30 +294,34 @@ def backward_projections(
 
     ``dx_out`` may alias ``x``: x's last read (the dA GEMM) happens before the first write to dx.
     """
-    spans = _adapters(projs)
+    spans = factors.spans
     d_a: list[torch.Tensor | None] = [None] * len(projs)
     d_b: list[torch.Tensor | None] = [None] * len(projs)
-    g = a_stack = None
+    g = None
     if spans:
-        gs = [mm_scaled(dys[i], projs[i].lora_B.to(dtype), projs[i].scaling) for i, _, _ in spans]
+        gs = [mm_scaled(dys[i], factors.b[i], projs[i].scaling) for i, _, _ in spans]
         g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)  # [N, Σr]
         d_a_stack = g.t() @ x  # [Σr, in]: the only read of x in the backward
         for i, lo, hi in spans:
             p = projs[i]
             d_a[i] = d_a_stack[lo:hi].to(p.lora_A.dtype)
             d_b[i] = mm_scaled(dys[i].t(), u[:, lo:hi], p.scaling).to(p.lora_B.dtype)
-        a_stack = _stacked_A(projs, spans, dtype)
     if not need_dx:
         return None, d_a, d_b
-    dx = None
-    for dy, p in zip(dys, projs, strict=True):
-        w = weight(p.base, dtype)
-        if dx is None:
-            dx = torch.mm(dy, w, out=dx_out) if dx_out is not None else dy @ w
-        else:
-            dx.addmm_(dy, w)
+    dy_all = _one_buffer(dys) if len(dys) > 1 else None
+    w_all = None if dy_all is None else stacked_weight(projs, dtype)
+    if w_all is not None:  # Σ_i dy_i W_i as one GEMM over the stacked bases
+        dx = torch.mm(dy_all, w_all, out=dx_out) if dx_out is not None else dy_all @ w_all
+    else:
+        dx = None
+        for dy, p in zip(dys, projs, strict=True):
+            w = weight(p.base, dtype)
+            if dx is None:
+                dx = torch.mm(dy, w, out=dx_out) if dx_out is not None else dy @ w
+            else:
+                dx.addmm_(dy, w)
     if g is not None:
-        addmm_small_k_(dx, g, a_stack)
+        addmm_small_k_(dx, g, factors.a)
     return dx, d_a, d_b
 
 
@@ -269,9 +347,10 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, lora_A, lora_B, frozen: Frozen) -> torch.Tensor:
         projs = with_factors(frozen, (lora_A, lora_B))
-        (y,), u = forward_projections(x, projs, frozen.dtype)
+        factors = factors_of(projs, frozen.dtype)
+        (y,), u = forward_projections(x, projs, frozen.dtype, factors)
         ctx.save_for_backward(x, u, lora_A, lora_B)
-        ctx.frozen = frozen
+        ctx.frozen, ctx.factors = frozen, factors
         return y
 
     @staticmethod
@@ -281,9 +360,10 @@ class LoRALinearFunction(torch.autograd.Function):
         projs = with_factors(frozen, (lora_A, lora_B))
         with no_autocast(x.device.type):
             dx, (d_a,), (d_b,) = backward_projections(
-                x, u, [dy.to(frozen.dtype)], projs, frozen.dtype, ctx.needs_input_grad[0],
+                x, u, [dy.to(frozen.dtype)], projs, frozen.dtype, ctx.factors, ctx.needs_input_grad[0],
                 dx_out=x if frozen.inplace_dx else None,
             )  # fmt: skip
+        ctx.factors = None
         return dx, d_a, d_b, None
 
 
@@ -293,9 +373,10 @@ class LoRAQKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, qa, qb, ka, kb, va, vb, frozen: Frozen):
         projs = with_factors(frozen, (qa, qb, ka, kb, va, vb))
-        ys, u = forward_projections(x, projs, frozen.dtype)
+        factors = factors_of(projs, frozen.dtype)
+        ys, u = forward_projections(x, projs, frozen.dtype, factors)
         ctx.save_for_backward(x, u, qa, qb, ka, kb, va, vb)
-        ctx.frozen = frozen
+        ctx.frozen, ctx.factors = frozen, factors
         return tuple(ys)
 
     @staticmethod
@@ -312,14 +393,10 @@ class LoRAQKVFunction(torch.autograd.Function):
         ]
         with no_autocast(x.device.type):
             dx, d_a, d_b = backward_projections(
-                x,
-                u,
-                dys,
-                projs,
-                frozen.dtype,
-                ctx.needs_input_grad[0],
+                x, u, dys, projs, frozen.dtype, ctx.factors, ctx.needs_input_grad[0],
                 dx_out=x if frozen.inplace_dx else None,
-            )
+            )  # fmt: skip
+        ctx.factors = None
         return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a[2], d_b[2], None
 
 

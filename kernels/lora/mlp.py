@@ -47,18 +47,20 @@ the norm saves the MLP's output for its backward, so ``patch_model`` never sets 
 (``Arch.sandwich_norms``), and its recompute computes the down projection.
 
 Such a recompute computes h only for u_d = h A_dᵀ ([N, r]): one activation pass over [N, I] and a GEMM reading
-h, ~0.7 ms a layer at 16K tokens of an 8B shape on the H200. So the forward that strop's checkpoint runs under
-:func:`recording_for_recompute` stashes its u_d (N·r values, 0.5 MiB at 16K tokens and r = 16), and the recompute
-takes it from the :class:`RecomputeStash` instead of making h. u_d is the same tensor the recompute would compute
-(the same ops on the same inputs), so the gradients stay bitwise those of the full recompute.
+h, ~0.7 ms a layer at 16K tokens of an 8B shape on the H200. So the forward that strop's checkpoint runs stashes
+its u_d (N·r values, 0.5 MiB at 16K tokens and r = 16) and the recompute takes it back instead of making h
+(``kernels/lora/stash.py``). u_d is the same tensor the recompute would compute (the same ops on the same inputs),
+so the gradients stay bitwise those of the full recompute.
+
+Backward in token chunks. The activation backward needs dh = dout W_d + g_d A_d for every token, an [N, I] buffer
+beside e and g, the largest the layer's backward holds. dh is made and consumed :data:`DH_CHUNK_BYTES` at a time
+(the dh GEMM, the activation backward and the dA_d product per chunk of tokens, dA_d summed in fp32): the peak is
+e, g and one chunk, 0.33 GiB less at 16K tokens of an 8B shape; the GEMMs keep M ≥ 4,096 rows there.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -70,6 +72,7 @@ from .linear import (
     backward_projections,
     check_proj,
     compute_dtype,
+    factors_of,
     forward_projections,
     lora_linear_reference,
     lora_terms,
@@ -79,80 +82,18 @@ from .linear import (
     weight,
     with_factors,
 )
+from .stash import recompute_outputs_unused_now, stash, take_stashed
 
 __all__ = [
     "ACTIVATIONS",
+    "DH_CHUNK_BYTES",
     "LoRAMLPFunction",
-    "RecomputeStash",
     "lora_mlp",
     "lora_mlp_reference",
-    "recompute_outputs_unused",
-    "recompute_outputs_unused_now",
-    "recording_for_recompute",
 ]
 
-class RecomputeStash:
-    """Small tensors the ops of a checkpointed layer computed in its forward, for the same ops in its recompute.
-
-    The recompute runs the layer's ops again in the same order, so the stash is first in, first out. Each item
-    carries a tag (the op and the shape it stands for); a take whose tag differs from the next item's raises,
-    since it would mean the recompute is not running the forward's ops.
-    """
-
-    def __init__(self) -> None:
-        self._items: collections.deque[tuple[tuple, torch.Tensor]] = collections.deque()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, tag: tuple, t: torch.Tensor) -> None:
-        self._items.append((tag, t))
-
-    def take(self, tag: tuple) -> torch.Tensor | None:
-        """The next item, which must carry ``tag``; None when the stash is empty (the op recomputes it)."""
-        if not self._items:
-            return None
-        got, t = self._items.popleft()
-        if got != tag:
-            raise RuntimeError(f"recompute stash: the recompute asked for {tag}, the forward stashed {got}")
-        return t
-
-
-# The stash a checkpointed layer's forward puts into (None: nothing is stashed), and, during its recompute,
-# a one-item tuple with the stash to take from (None when the recompute has none).
-_RECORDING: contextvars.ContextVar[RecomputeStash | None] = contextvars.ContextVar(
-    "strop_recompute_recording", default=None
-)
-_OUTPUTS_UNUSED: contextvars.ContextVar[tuple[RecomputeStash | None] | None] = contextvars.ContextVar(
-    "strop_recompute_outputs_unused", default=None
-)
-
-
-@contextlib.contextmanager
-def recording_for_recompute(stash: RecomputeStash | None) -> Iterator[None]:
-    """Around a checkpointed layer's forward: ops that can spare their recompute some work stash it in ``stash``
-    (None: they stash nothing, e.g. inside a tiled MLP, whose chunks recompute on their own)."""
-    token = _RECORDING.set(stash)
-    try:
-        yield
-    finally:
-        _RECORDING.reset(token)
-
-
-@contextlib.contextmanager
-def recompute_outputs_unused(stash: RecomputeStash | None = None) -> Iterator[None]:
-    """While a checkpointed layer is recomputed for its backward: its output's value will not be read, and ops
-    may take what the layer's forward stashed for them in ``stash``."""
-    token = _OUTPUTS_UNUSED.set((stash,))
-    try:
-        yield
-    finally:
-        _OUTPUTS_UNUSED.reset(token)
-
-
-def recompute_outputs_unused_now() -> bool:
-    """Whether the code running now is a recompute under :func:`recompute_outputs_unused`."""
-    return _OUTPUTS_UNUSED.get() is not None
+# The dh buffer of the chunked backward: 128 MiB is 4,681 tokens of Llama-3-8B's 14,336 in bf16 (4 chunks at 16K).
+DH_CHUNK_BYTES = 128 << 20
 
 
 ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
@@ -205,34 +146,37 @@ class _MLPFrozen(Frozen):
         self.output_unused_in_recompute = output_unused_in_recompute
 
 
+def _rows(term: LowRank | None, start: int, end: int) -> LowRank | None:
+    """The rows [start, end) of a term (its ``a`` is per token; ``b`` is shared)."""
+    return None if term is None else term._replace(a=term.a[start:end])
+
+
 class LoRAMLPFunction(torch.autograd.Function):
     """The fused gated MLP of the module docstring over 2-D x in the compute dtype."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, ga, gb, ua, ub, da, db, frozen: _MLPFrozen) -> torch.Tensor:
         gate, up, down = with_factors(frozen, (ga, gb, ua, ub, da, db))
+        dtype = frozen.dtype
+        f_gu, f_d = factors_of((gate, up), dtype), factors_of((down,), dtype)
         # e and g stay the base's outputs: the activation adds their LoRA terms as it reads them
-        (e, g), u_gu = forward_projections(x, (gate, up), frozen.dtype, add_lora=False)
-        terms = lora_terms((gate, up), u_gu, frozen.dtype)
-        recompute = _OUTPUTS_UNUSED.get() if frozen.output_unused_in_recompute else None
-        if recompute is not None:
+        (e, g), u_gu = forward_projections(x, (gate, up), dtype, f_gu, add_lora=False, stack=True)
+        terms = lora_terms((gate, up), u_gu, f_gu)
+        u_d_tag = None if f_d.a is None else ("lora_mlp.u_d", x.shape[0], f_d.a.shape[0])
+        if frozen.output_unused_in_recompute and recompute_outputs_unused_now():
             # backward reads x, e, g, u_gu and u_d, never h: h is made only for u_d, and not at all when the
             # forward stashed u_d (see the module docstring)
-            stash, u_d = recompute[0], None
-            if down.lora_A is not None:
-                tag = ("lora_mlp.u_d", x.shape[0], down.lora_A.shape[0])
-                u_d = None if stash is None else stash.take(tag)
-                if u_d is None:
-                    u_d = _act_fwd(e, g, frozen.activation, terms) @ down.lora_A.to(frozen.dtype).t()
+            u_d = None if u_d_tag is None else take_stashed(u_d_tag)
+            if u_d is None and u_d_tag is not None:
+                u_d = _act_fwd(e, g, frozen.activation, terms) @ f_d.a.t()
             out = e.new_empty(e.shape[0], out_features(down.base))  # never read: see the module docstring
         else:
             h = _act_fwd(e, g, frozen.activation, terms)
-            (out,), u_d = forward_projections(h, (down,), frozen.dtype)
-            stash = _RECORDING.get() if frozen.output_unused_in_recompute else None
-            if stash is not None and u_d is not None:
-                stash.put(("lora_mlp.u_d", x.shape[0], down.lora_A.shape[0]), u_d)
+            (out,), u_d = forward_projections(h, (down,), dtype, f_d)
+            if frozen.output_unused_in_recompute and u_d_tag is not None:
+                stash(u_d_tag, u_d)
         ctx.save_for_backward(x, e, g, u_gu, u_d, ga, gb, ua, ub, da, db)
-        ctx.frozen = frozen
+        ctx.frozen, ctx.factors = frozen, (f_gu, f_d)
         return out
 
     @staticmethod
@@ -240,24 +184,39 @@ class LoRAMLPFunction(torch.autograd.Function):
         x, e, g, u_gu, u_d, *factors = ctx.saved_tensors
         frozen = ctx.frozen
         dtype = frozen.dtype
+        f_gu, f_d = ctx.factors
+        ctx.factors = None
         gate, up, down = with_factors(frozen, factors)
         with no_autocast(x.device.type):
             dout = dout.to(dtype)
-            dh = dout @ weight(down.base, dtype)
-            d_a_down = d_b_down = dh_term = None
-            if down.lora_A is not None:
-                g_d = mm_scaled(dout, down.lora_B.to(dtype), down.scaling)
-                dh_term = LowRank(g_d, down.lora_A.to(dtype))  # dh += g_d A_d, added as the kernel reads dh
+            n, inter = e.shape
+            w_d = weight(
+                down.base, dtype
+            )  # one dequant for every chunk: nothing else dequantizes before they end
+            d_a_down = d_b_down = g_d = None
+            if f_d.a is not None:
+                g_d = mm_scaled(dout, f_d.b[0], down.scaling)
                 d_b_down = mm_scaled(dout.t(), u_d, down.scaling).to(down.lora_B.dtype)
-            _act_bwd(dh, e, g, frozen.activation, lora_terms((gate, up), u_gu, dtype), dh_term)
+            terms = lora_terms((gate, up), u_gu, f_gu)
+            rows = max(1, min(n, DH_CHUNK_BYTES // (inter * e.element_size())))
+            dh = e.new_empty(rows, inter)
+            for start in range(0, n, rows):
+                end = min(start + rows, n)
+                dh_c = torch.mm(dout[start:end], w_d, out=dh[: end - start])
+                # dh += g_d A_d as the kernel reads it; de over e, dg over g, the recomputed h over dh
+                dh_term = None if g_d is None else LowRank(g_d[start:end], f_d.a)
+                chunk_terms = [_rows(t, start, end) for t in terms]
+                _act_bwd(dh_c, e[start:end], g[start:end], frozen.activation, chunk_terms, dh_term)
+                if g_d is not None:
+                    part = g_d[start:end].t() @ dh_c
+                    d_a_down = part.float() if d_a_down is None else d_a_down.add_(part)
+            del dh, dh_c
             for t in (e, g):
                 torch.autograd.graph.increment_version(t)
-            de, dg, h = e, g, dh
-            if down.lora_A is not None:
-                d_a_down = (g_d.t() @ h).to(down.lora_A.dtype)
-            del h, dh
+            if d_a_down is not None:
+                d_a_down = d_a_down.to(down.lora_A.dtype)
             dx, d_a, d_b = backward_projections(
-                x, u_gu, (de, dg), (gate, up), dtype, ctx.needs_input_grad[0],
+                x, u_gu, (e, g), (gate, up), dtype, f_gu, ctx.needs_input_grad[0],
                 dx_out=x if frozen.inplace_dx else None,
             )  # fmt: skip
         return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a_down, d_b_down, None

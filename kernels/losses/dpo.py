@@ -53,9 +53,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from ..ops.fused_linear_ce import MAX_BLOCK_V, NUM_WARPS, default_chunk_size, fused_linear_ce_fwd_kernel
+from ..ops.utils import cdiv, next_power_of_2
 
 __all__ = [
     "LOSS_TYPES",
@@ -312,7 +312,7 @@ def _sequence_logps_fwd(
     buf = torch.empty(chunk, vocab, dtype=dtype, device=device)
     ones = torch.ones((), dtype=torch.float32, device=device)  # the CE kernel's denominator: no mean here
     triton_ok = _use_triton(device)
-    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    block_v = min(MAX_BLOCK_V, next_power_of_2(vocab))
     with torch.autocast(device.type, enabled=False):
         for start in range(0, m, chunk):
             end = min(start + chunk, m)
@@ -326,7 +326,7 @@ def _sequence_logps_fwd(
                 fused_linear_ce_fwd_kernel[(end - start,)](
                     logits, logits.stride(0), targets[start:end], nll[start:end], ones, vocab, -100,
                     1.0, float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, COMPUTE_GRAD=grad,
-                    BLOCK_V=block_v, N_BLOCKS=triton.cdiv(vocab, block_v), num_warps=NUM_WARPS,
+                    BLOCK_V=block_v, N_BLOCKS=cdiv(vocab, block_v), num_warps=NUM_WARPS,
                 )  # fmt: skip
             else:
                 _nll_and_dlogits_torch(logits, targets[start:end], nll[start:end], grad, softcap)

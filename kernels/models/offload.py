@@ -80,7 +80,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..lora.mlp import RecomputeStash, recompute_outputs_unused, recording_for_recompute
+from ..lora.stash import RecomputeStash, recompute_outputs_unused, recording_for_recompute
 from . import saved_attention
 from .offload_records import InputRecord, SavedGroup
 from .replay import ReplayState, checkpoint_reference
@@ -535,7 +535,7 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         ctx.attention = (
             AttentionSaves(offloader) if offloader.save_attention and ctx.record.offloaded else None
         )
-        ctx.stash = RecomputeStash()  # what the layer's ops can hand their recompute (kernels/lora/mlp.py)
+        ctx.stash = RecomputeStash()  # what the layer's ops hand their recompute (kernels/lora/stash.py)
         with torch.no_grad(), saved_attention.recording(ctx.attention), recording_for_recompute(ctx.stash):
             out = function(*args)
         tensors, meta["template"] = _flatten(out)

@@ -152,8 +152,33 @@ def _ours(module: nn.Module) -> tuple[_State, Callable]:
 # ---- projections: which fast-path spec a (PEFT) linear layer has right now, or why not ----------------
 
 
+# Every patched forward builds its projections' specs on every call (adapters can be switched, disabled or merged
+# between calls), so these read submodules, parameters and PEFT's per-adapter dicts from the module's own tables:
+# ``module.name`` for a submodule or parameter goes through ``nn.Module.__getattr__``, and ``hasattr`` of a missing
+# name raises inside it, ~1-3 µs each, some twenty times per projection and call.
+
+
+def _submodule(m: nn.Module, name: str) -> nn.Module | None:
+    return m._modules.get(name)
+
+
+def _param(m: nn.Module, name: str) -> torch.Tensor | None:
+    """``m.name`` for a parameter (FSDP2 swaps its unsharded parameter into this table), else the attribute."""
+    if name in m._parameters:
+        return m._parameters[name]
+    return getattr(m, name, None)
+
+
 def _is_lora(m: nn.Module) -> bool:
-    return hasattr(m, "lora_A") and hasattr(m, "base_layer") and hasattr(m, "scaling")
+    mods = m._modules
+    return "lora_A" in mods and "base_layer" in mods and hasattr(m, "scaling")
+
+
+def _base_layer(m: nn.Module) -> nn.Module:
+    """PEFT's ``get_base_layer``: the innermost ``base_layer`` of tuner layers wrapping one another."""
+    while "base_layer" in m._modules:
+        m = m._modules["base_layer"]
+    return m
 
 
 def _base_weight(base: nn.Module) -> torch.Tensor | None:
@@ -165,8 +190,8 @@ def _base_weight(base: nn.Module) -> torch.Tensor | None:
     with ``fix_4bit_weight_quant_state_from_module``); the fast path puts it back the same way, on the gathered
     tensor, which FSDP2 keeps from step to step.
     """
-    w = getattr(base, "weight", None)
-    qs = getattr(base, "quant_state", None)
+    w = _param(base, "weight")
+    qs = base.__dict__.get("quant_state")
     if w is not None and qs is not None and getattr(w, "quant_state", None) is None:
         w.quant_state = qs
     return w
@@ -182,49 +207,58 @@ def _base_reason(base: nn.Module, w: torch.Tensor | None) -> str | None:
         return f"base layer {type(base).__name__} is neither nn.Linear nor an NF4 Linear4bit"
     if w.requires_grad:
         return "trainable base weight (the fast path computes no base-weight gradient)"
-    if base.bias is not None and base.bias.requires_grad:
+    bias = _param(base, "bias")
+    if bias is not None and bias.requires_grad:
         return "trainable base bias (PEFT bias != 'none')"
     return None
 
 
 def _adapter_reason(layer: nn.Module, adapter: str) -> str | None:
-    drop = layer.lora_dropout[adapter]
+    d = layer.__dict__
+    drop = _submodule(layer, "lora_dropout")._modules[adapter]
     if isinstance(drop, nn.Dropout) and drop.p > 0:
         return f"lora_dropout={drop.p} > 0"
-    if getattr(layer, "use_dora", {}).get(adapter, False):
+    if d.get("use_dora", {}).get(adapter, False):
         return "DoRA (use_dora=True)"
-    if adapter in getattr(layer, "lora_variant", {}):
-        return f"LoRA variant {type(layer.lora_variant[adapter]).__name__}"
-    if getattr(layer, "lora_bias", {}).get(adapter, False):
+    variants = d.get("lora_variant", {})
+    if adapter in variants:
+        return f"LoRA variant {type(variants[adapter]).__name__}"
+    if d.get("lora_bias", {}).get(adapter, False):
         return "PEFT lora_bias=True"
-    if type(layer.lora_A[adapter]) is not nn.Linear or type(layer.lora_B[adapter]) is not nn.Linear:
+    factor_a = _submodule(layer, "lora_A")._modules[adapter]
+    factor_b = _submodule(layer, "lora_B")._modules[adapter]
+    if type(factor_a) is not nn.Linear or type(factor_b) is not nn.Linear:
         return "adapter factors are not nn.Linear"
-    if getattr(layer, "fan_in_fan_out", False):
+    if d.get("fan_in_fan_out", False):
         return "fan_in_fan_out"
     return None
 
 
 def _spec(layer: nn.Module, x: torch.Tensor | None = None) -> LoRAProj | str:
     """The layer's projection as a ``LoRAProj`` for this call, or the reason PEFT/HF must run it."""
-    base = layer.get_base_layer() if _is_lora(layer) else layer
+    lora = _is_lora(layer)
+    base = _base_layer(layer) if lora else layer
     w = _base_weight(base)
     reason = _base_reason(base, w)
     if reason:
         return reason
-    proj = LoRAProj(w, None, None, 1.0, base.bias)
-    if _is_lora(layer) and not layer.merged and not layer.disable_adapters:
-        active = [a for a in layer.active_adapters if a in layer.lora_A]
+    bias = _param(base, "bias")
+    proj = LoRAProj(w, None, None, 1.0, bias)
+    if lora and not layer.merged and not layer.disable_adapters:
+        factors_a = _submodule(layer, "lora_A")._modules
+        active = [a for a in layer.active_adapters if a in factors_a]
         if len(active) > 1:
             return f"{len(active)} active adapters"
         if active:
-            reason = _adapter_reason(layer, active[0])
+            a = active[0]
+            reason = _adapter_reason(layer, a)
             if reason:
                 return reason
-            a = active[0]
-            proj = proj._replace(
-                lora_A=layer.lora_A[a].weight, lora_B=layer.lora_B[a].weight, scaling=float(layer.scaling[a])
+            factor_b = _submodule(layer, "lora_B")._modules[a]
+            proj = LoRAProj(
+                w, _param(factors_a[a], "weight"), _param(factor_b, "weight"), float(layer.scaling[a]), bias
             )
-    elif _is_lora(layer) and layer.merged and layer.disable_adapters:
+    elif lora and layer.merged and layer.disable_adapters:
         return "adapters disabled while merged (PEFT unmerges in its forward)"
     if x is not None and not torch.is_autocast_enabled(x.device.type):
         reason = _dtype_reason(base, proj, x.dtype)

@@ -56,7 +56,7 @@ from torch import nn
 
 from strop.common.archs import ARCHS
 
-from ..lora.mlp import recompute_outputs_unused, recompute_outputs_unused_now, recording_for_recompute
+from ..lora.stash import recompute_outputs_unused, recompute_outputs_unused_now, recording_for_recompute
 from .hf import Swaps, checkpoint_layers, previous_forward, unwrap_peft
 from .replay import ReplayState
 

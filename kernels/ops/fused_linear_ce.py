@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .utils import cast_to, check_float_tensor, check_same_device, tanh
+from .utils import cast_to, cdiv, check_float_tensor, check_same_device, next_power_of_2, tanh
 
 __all__ = [
     "FusedLinearCrossEntropyFunction",
@@ -270,7 +270,7 @@ def fused_linear_cross_entropy_fwd(
     d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if grad_weight else None
     d_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
     logits_buf = torch.empty(chunk, vocab, dtype=dtype, device=device)
-    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    block_v = min(MAX_BLOCK_V, next_power_of_2(vocab))
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         x = hidden[start:end]
@@ -282,7 +282,7 @@ def fused_linear_cross_entropy_fwd(
         fused_linear_ce_fwd_kernel[(end - start,)](
             logits, logits.stride(0), labels[start:end], loss_rows[start:end], denom, vocab, ignore_index,
             float(logit_scale), float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
-            COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, N_BLOCKS=triton.cdiv(vocab, block_v),
+            COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, N_BLOCKS=cdiv(vocab, block_v),
             num_warps=NUM_WARPS,
         )  # fmt: skip
         # From here `logits` holds dloss/dlogits for the chunk.
@@ -319,7 +319,7 @@ def fused_linear_cross_entropy_bwd(
         out = torch.empty_like(g)
         if g.numel():
             # untuned: a plain streaming scale, 4,096 elements per program.
-            _fused_linear_ce_bwd_kernel[(triton.cdiv(g.numel(), 4096),)](
+            _fused_linear_ce_bwd_kernel[(cdiv(g.numel(), 4096),)](
                 g, out, grad_output, g.numel(), BLOCK_SIZE=4096
             )
         scaled.append(out)

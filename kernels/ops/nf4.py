@@ -41,9 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .utils import cdiv
+
 __all__ = [
     "NF4_CODE",
     "dequantize_shared",
+    "dequantize_shared_stacked",
     "dequantize_weight",
     "is_nf4",
     "nf4_dequantize",
@@ -252,7 +255,7 @@ def nf4_dequantize(
     half_bs = quant_state.blocksize // 2
     rows = max(1, _BYTES_PER_PROGRAM // half_bs)
     n_bytes = (n + 1) // 2
-    grid = (triton.cdiv(triton.cdiv(n, quant_state.blocksize), rows),)
+    grid = (cdiv(cdiv(n, quant_state.blocksize), rows),)
     absmax = quant_state.absmax.reshape(-1)
     if quant_state.nested:
         s2 = quant_state.state2
@@ -280,6 +283,15 @@ def nf4_dequantize(
 _SHARED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
+def _shared_buffer(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
+    key = (device, dtype)
+    buf = _SHARED.get(key)
+    if buf is None or buf.numel() < n:
+        _SHARED.pop(key, None)  # free the smaller buffer before allocating the larger one
+        buf = _SHARED[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf
+
+
 def dequantize_shared(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Dequantize an NF4 ``Params4bit`` into the shared per-device scratch buffer.
 
@@ -293,16 +305,29 @@ def dequantize_shared(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Returns:
         A ``quant_state.shape`` view into the scratch buffer.
     """
-    if not is_nf4(param):
-        raise TypeError(f"expected an NF4 Params4bit, got {type(param).__name__}")
-    qs = param.quant_state
-    n = _numel(qs.shape)
-    key = (param.device, dtype)
-    buf = _SHARED.get(key)
-    if buf is None or buf.numel() < n:
-        _SHARED.pop(key, None)  # free the smaller buffer before allocating the larger one
-        buf = _SHARED[key] = torch.empty(n, dtype=dtype, device=param.device)
-    return nf4_dequantize(param, qs, out=buf[:n], dtype=dtype)
+    return dequantize_shared_stacked((param,), dtype)
+
+
+def dequantize_shared_stacked(params: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize NF4 weights of one input width, one under the other, into the shared scratch buffer.
+
+    ``[Σ out_i, in]``: one GEMM against it computes every projection of an input at once (a fused MLP's gate and
+    up), and one GEMM with it computes the sum of their input gradients. Aliases the buffer as
+    :func:`dequantize_shared` does.
+    """
+    for p in params:
+        if not is_nf4(p):
+            raise TypeError(f"expected NF4 Params4bit weights, got {type(p).__name__}")
+    shapes = [tuple(p.quant_state.shape) for p in params]
+    if len({s[1:] for s in shapes}) != 1:
+        raise ValueError(f"stacked weights need one input width, got shapes {shapes}")
+    sizes = [_numel(s) for s in shapes]
+    buf = _shared_buffer(params[0].device, dtype, sum(sizes))
+    start = 0
+    for p, n in zip(params, sizes, strict=True):
+        nf4_dequantize(p, p.quant_state, out=buf[start : start + n], dtype=dtype)
+        start += n
+    return buf[:start].view(sum(s[0] for s in shapes), *shapes[0][1:])
 
 
 def dequantize_weight(

@@ -45,9 +45,11 @@ from .utils import (
     as_rows,
     calculate_settings,
     cast_to,
+    cdiv,
     check_float_tensor,
     check_same_device,
     is_writable_in_place,
+    next_power_of_2,
     num_sms,
 )
 
@@ -133,7 +135,7 @@ DW_SMEM_BYTES = 100 * 1024
 
 def _dw_pipeline(block: int, itemsize: int, n_rows: int) -> tuple[int, int]:
     """(rows per step, stages) within DW_SMEM_BYTES of pipelined loads."""
-    rows = min(DW_ROWS_PER_STEP, triton.next_power_of_2(n_rows))
+    rows = min(DW_ROWS_PER_STEP, next_power_of_2(n_rows))
     stages = DW_NUM_STAGES
     while rows > 1 and stages * rows * 2 * block * itemsize > DW_SMEM_BYTES:
         rows //= 2
@@ -369,9 +371,9 @@ def rms_norm_bwd(
     # two (≥ the rows per step) so varying token counts compile few variants.
     rows_per_step, stages = _dw_pipeline(block, max(x2.element_size(), dy2.element_size()), n_rows)
     rows_per_program = max(
-        rows_per_step, triton.next_power_of_2(triton.cdiv(n_rows, DW_PROGRAMS_PER_SM * num_sms(x.device)))
+        rows_per_step, next_power_of_2(cdiv(n_rows, DW_PROGRAMS_PER_SM * num_sms(x.device)))
     )
-    n_programs = triton.cdiv(n_rows, rows_per_program)
+    n_programs = cdiv(n_rows, rows_per_program)
     partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
     _rms_norm_bwd_dw_kernel[(n_programs,)](
         dy2,
@@ -393,8 +395,8 @@ def rms_norm_bwd(
         num_warps=DW_NUM_WARPS or num_warps,
     )
     dw = torch.empty_like(weight)
-    steps = triton.next_power_of_2(triton.cdiv(n_programs, 32))
-    _sum_partials_kernel[(triton.cdiv(n_cols, 64),)](
+    steps = next_power_of_2(cdiv(n_programs, 32))
+    _sum_partials_kernel[(cdiv(n_cols, 64),)](
         partial, dw, n_programs, n_cols, BLOCK_COLS=64, BLOCK_ROWS=32, STEPS=steps
     )
     return dx, dw

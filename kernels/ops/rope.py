@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import cast_to, check_float_tensor, check_same_device, is_writable_in_place
+from .utils import cast_to, check_float_tensor, check_same_device, is_writable_in_place, next_power_of_2
 
 __all__ = [
     "RoPEQKFunction",
@@ -159,14 +159,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     half = d // 2
     # untuned: ≤ 16 heads × 64 fp32 pairs per tile is 2,048 values per half for 4 warps (16 per lane),
     # so Hq=32 takes two tiles and Hk=8 one, and no lane idles on padding heads.
-    block_hq = min(triton.next_power_of_2(hq), 16)
-    block_hk = min(triton.next_power_of_2(k.shape[1]), 16)
+    block_hq = min(next_power_of_2(hq), 16)
+    block_hk = min(next_power_of_2(k.shape[1]), 16)
     _rope_qk_fwd_kernel[(b * t,)](
         q, k, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         c_sb, cos.stride(1), cos.stride(2), s_sb, sin.stride(1), sin.stride(2),
-        t, HALF=half, N_Q_HEADS=hq, N_K_HEADS=k.shape[1], BLOCK_D=triton.next_power_of_2(half),
+        t, HALF=half, N_Q_HEADS=hq, N_K_HEADS=k.shape[1], BLOCK_D=next_power_of_2(half),
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, num_warps=4,
     )  # fmt: skip
 

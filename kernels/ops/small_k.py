@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import INTERPRETER, cast_to
+from .utils import INTERPRETER, cast_to, cdiv, next_power_of_2
 
 __all__ = ["MAX_SMALL_K", "addmm_small_k_", "block_k", "small_k_tile"]
 
@@ -95,7 +95,7 @@ def _addmm_small_k_kernel(
 
 def block_k(k: int) -> int:
     """The ``tl.dot`` width for an inner dimension k ≤ MAX_SMALL_K: a power of two ≥ 16, masked past k."""
-    return max(16, triton.next_power_of_2(k))
+    return max(16, next_power_of_2(k))
 
 
 def _triton_ok(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -132,7 +132,7 @@ def addmm_small_k_(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: flo
     (m, n), k = y.shape, a.shape[1]
     if m * n * k == 0:
         return y
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
     _addmm_small_k_kernel[grid](
         y, a, b, m, n, k,
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),

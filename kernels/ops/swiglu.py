@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .small_k import MAX_SMALL_K, block_k, small_k_tile
-from .utils import as_rows, cast_to, check_float_tensor, check_same_device, is_writable_in_place, tanh
+from .utils import as_rows, cast_to, cdiv, check_float_tensor, check_same_device, is_writable_in_place, tanh
 
 __all__ = [
     "GeGLUFunction",
@@ -254,7 +254,7 @@ def _out(out: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tenso
 
 
 def _grid(n_rows: int, n_cols: int) -> tuple[int, int]:
-    return triton.cdiv(n_rows, _BLOCK_M), triton.cdiv(n_cols, _BLOCK_N)
+    return cdiv(n_rows, _BLOCK_M), cdiv(n_cols, _BLOCK_N)
 
 
 def _glu_fwd(

@@ -21,6 +21,17 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_FUSED_SIZE = 65536
 
 
+def cdiv(a: int, b: int) -> int:
+    """``⌈a / b⌉`` for launch grids. Host code uses this, not ``triton.cdiv``: Triton 3.6 makes that a
+    ``ConstexprFunction``, whose call from Python costs ~2 µs, several times per launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ≥ n (0 for 0), as ``triton.next_power_of_2`` without its call cost (see cdiv)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 def calculate_settings(n: int) -> tuple[int, int]:
     """Block size and warp count for a kernel that keeps one row of ``n`` elements in registers.
 
@@ -35,7 +46,7 @@ def calculate_settings(n: int) -> tuple[int, int]:
     """
     if n < 1:
         raise ValueError(f"row length must be positive, got {n}")
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     if block > MAX_FUSED_SIZE:
         raise ValueError(f"row length {n} exceeds the fused limit of {MAX_FUSED_SIZE} elements per row")
     # untuned: chosen so each thread holds ≤ 16 elements (H=4096 → 8 warps × 32 lanes × 16), which keeps

@@ -391,3 +391,62 @@ def test_lora_mlp_and_qkv_at_8b_shapes_in_bf16(nf4):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ys = lora_qkv(x, q, k, v)
     _compare(ys, x, [q, k, v], [torch.randn_like(y) for y in ys], _qkv_reference, _qkv_bf16)
+
+
+def test_mlp_backward_in_token_chunks_gives_the_unchunked_gradients(monkeypatch):
+    """dh is made and consumed a chunk of tokens at a time: the same products, only the GEMMs' sums grouped
+    differently (a BLAS may order a row's K-sum by the row count; the down adapter's dA sums its tokens per chunk).
+    Bound: two orderings of a K-term fp32 sum differ by at most 2·K·u of its magnitude, K ≤ 200 here."""
+    import strop.kernels.lora.mlp as mlp_mod
+
+    gate, up, down = _mlp_projs()  # fp32, hidden 67, intermediate 200, r 8
+    x = torch.randn(2, 7, 67, device=DEVICE, requires_grad=True)
+    dout = torch.randn(2, 7, 67, device=DEVICE)
+    params = [x, *_factors(gate, up, down)]  # x, gate A, B, up A, B, down A, B
+
+    def grads():
+        return torch.autograd.grad(lora_mlp(x, gate, up, down), params, dout)
+
+    whole = grads()
+    calls = []
+    real = mlp_mod._act_bwd
+    monkeypatch.setattr(
+        mlp_mod, "_act_bwd", lambda dh, *a, **k: calls.append(dh.shape[0]) or real(dh, *a, **k)
+    )
+    monkeypatch.setattr(mlp_mod, "DH_CHUNK_BYTES", 5 * 200 * 4)  # 5 tokens a chunk
+    chunked = grads()
+    assert calls == [5, 5, 4]
+    bound = 2 * 200 * 2.0**-24
+    for i, (got, ref) in enumerate(zip(chunked, whole, strict=True)):
+        assert _rel(got, ref) < bound, (i, _rel(got, ref))
+
+
+def test_nf4_gate_and_up_run_as_one_gemm_each_way_with_the_per_projection_results(monkeypatch):
+    """NF4 gate and up bases are dequantized one under the other: one GEMM gives e and g, one GEMM with K = 2I
+    gives dx. Against the per-projection GEMMs only sums are regrouped (dx's K = 2·200 terms at most)."""
+    import strop.kernels.lora.linear as linear_mod
+
+    gate = _proj(200, 67, 8, dtype=torch.float32, nf4=True, seed=1)
+    up = _proj(200, 67, 8, dtype=torch.float32, nf4=True, seed=2)
+    down = _proj(67, 200, 8, dtype=torch.float32, nf4=True, seed=3)
+    x = torch.randn(3, 5, 67, device=DEVICE, requires_grad=True)
+    dout = torch.randn(3, 5, 67, device=DEVICE)
+    params = [x, *_factors(gate, up, down)]
+    stacks = []
+    real = linear_mod.stacked_weight
+
+    def counting(projs, dtype):
+        w = real(projs, dtype)
+        stacks.append(w is not None)
+        return w
+
+    monkeypatch.setattr(linear_mod, "stacked_weight", counting)
+    out = lora_mlp(x, gate, up, down)
+    stacked = [out, *torch.autograd.grad(out, params, dout)]
+    assert stacks == [True, True]  # forward (e, g) and backward (dx)
+    monkeypatch.setattr(linear_mod, "stacked_weight", lambda projs, dtype: None)
+    out = lora_mlp(x, gate, up, down)
+    separate = [out, *torch.autograd.grad(out, params, dout)]
+    bound = 2 * 400 * 2.0**-24
+    for i, (got, ref) in enumerate(zip(stacked, separate, strict=True)):
+        assert _rel(got, ref) < bound, (i, _rel(got, ref))

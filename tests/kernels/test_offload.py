@@ -655,9 +655,9 @@ def count_down_projections(monkeypatch) -> dict[str, int]:
     downs = {"n": 0}
     real = mlp_mod.forward_projections
 
-    def counting(x, projs, dtype, **kw):
+    def counting(x, projs, *args, **kw):
         downs["n"] += len(projs) == 1
-        return real(x, projs, dtype, **kw)
+        return real(x, projs, *args, **kw)
 
     monkeypatch.setattr(mlp_mod, "forward_projections", counting)
     return downs
@@ -723,7 +723,7 @@ def test_the_recompute_takes_the_down_adapters_factor_from_the_forward_instead_o
 
 
 def test_a_recompute_stash_hands_items_back_in_order_and_refuses_a_mismatched_take():
-    from strop.kernels.lora.mlp import RecomputeStash
+    from strop.kernels.lora.stash import RecomputeStash
 
     stash = RecomputeStash()
     a, b = torch.ones(2), torch.zeros(3)
@@ -733,3 +733,35 @@ def test_a_recompute_stash_hands_items_back_in_order_and_refuses_a_mismatched_ta
     with pytest.raises(RuntimeError, match="asked for"):
         stash.take(("other", 3))
     assert stash.take(("op", 2)) is None  # empty: the op computes what it needs itself
+
+
+def test_the_recompute_takes_the_adapters_cast_factors_from_the_forward(monkeypatch):
+    """Each LoRA Function casts its adapter factors to the compute dtype once per layer and step: the forward
+    stashes them and the recompute takes them back (q/k/v, o, gate/up and down: four a layer); the step is
+    bitwise the one whose recompute casts again."""
+    import strop.kernels.lora.linear as linear_mod
+    import strop.kernels.models.offload as offload_mod
+    from strop.kernels.models import patch_model
+
+    model = _lora(_tiny_llama())
+    patch_model(model)
+    taken = []
+    real_take = linear_mod.take_stashed
+
+    def counting(tag):
+        got = real_take(tag)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(linear_mod, "take_stashed", counting)
+    ids = _ids()
+    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
+    stashed = _step(model, ids)
+    assert sum(taken) == 4 * LAYERS, taken
+    real_record = offload_mod.recording_for_recompute
+    monkeypatch.setattr(offload_mod, "recording_for_recompute", lambda stash: real_record(None))
+    taken.clear()
+    recast = _step(model, ids)
+    assert not any(taken)
+    _assert_same_step(stashed, recast, "factors from the stash")
+    disable_offloaded_checkpointing(model)

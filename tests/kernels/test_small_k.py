@@ -74,3 +74,14 @@ def test_gpu_8b_shapes_in_bf16(n, k):
     ours = y
     addmm_small_k_(ours, a, b_rows.t(), alpha=0.5)
     assert_bf16_within_torch_bound(ours, torch_path, truth.float(), f"bf16 16384x{n}x{k}")
+
+
+def test_host_side_grid_helpers_agree_with_tritons():
+    import triton
+
+    from strop.kernels.ops.utils import cdiv, next_power_of_2
+
+    for a in (0, 1, 2, 3, 7, 8, 9, 127, 128, 129, 16384, 16385, 131072 * 4096 + 3):
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 64, 128, 4096):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
