@@ -413,7 +413,7 @@ def test_mlp_backward_in_token_chunks_gives_the_unchunked_gradients(monkeypatch)
     monkeypatch.setattr(
         mlp_mod, "_act_bwd", lambda dh, *a, **k: calls.append(dh.shape[0]) or real(dh, *a, **k)
     )
-    monkeypatch.setattr(mlp_mod, "DH_CHUNK_BYTES", 5 * 200 * 4)  # 5 tokens a chunk
+    monkeypatch.setattr(mlp_mod, "DH_CHUNK_BYTES", 6 * 200 * 4)  # at most 6 tokens a chunk: 3 equal chunks
     chunked = grads()
     assert calls == [5, 5, 4]
     bound = 2 * 200 * 2.0**-24
