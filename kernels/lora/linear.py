@@ -225,7 +225,7 @@ def factors_of(projs: Sequence[LoRAProj], dtype: torch.dtype) -> Factors:
     if not spans:
         return Factors(None, (None,) * len(projs), spans)
     tensors = [t for p in projs for t in (p.lora_A, p.lora_B) if t is not None]
-    tag = ("lora.factors", dtype, *((id(t), t._version) for t in tensors))
+    tag = ("lora.factors", dtype, *((id(t), t.shape) for t in tensors))
     factors = take_stashed(tag)
     if factors is None:
         mats = [projs[i].lora_A.to(dtype) for i, _, _ in spans]

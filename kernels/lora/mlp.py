@@ -163,7 +163,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         # e and g stay the base's outputs: the activation adds their LoRA terms as it reads them
         (e, g), u_gu = forward_projections(x, (gate, up), dtype, f_gu, add_lora=False, stack=True)
         terms = lora_terms((gate, up), u_gu, f_gu)
-        u_d_tag = None if f_d.a is None else ("lora_mlp.u_d", x.shape[0], f_d.a.shape[0])
+        u_d_tag = None if f_d.a is None else ("lora_mlp.u_d", id(down.lora_A), x.shape[0])
         if frozen.output_unused_in_recompute and recompute_outputs_unused_now():
             # backward reads x, e, g, u_gu and u_d, never h: h is made only for u_d, and not at all when the
             # forward stashed u_d (see the module docstring)

@@ -13,11 +13,12 @@ and some of them cost host launches or device passes out of proportion to their 
 
 Under :func:`recording_for_recompute` (around the first run) the ops :func:`stash` such values in a
 :class:`RecomputeStash`; under :func:`recompute_outputs_unused` (around the recompute) they :func:`take_stashed` them
-back, first in, first out, since the recompute runs the same ops in the same order. Every item carries a tag naming
-what it stands for (the op, its shapes, the identity and version of the parameters it was made from); a take whose
-tag is not the next item's raises, since the recompute would then not be running the forward's ops. The values
-taken are the ones the recompute would compute (the same ops on the same inputs and parameters), so the gradients
-do not change by a bit. The stash lives on the layer's checkpoint node and is freed with it.
+back. Every item is filed under a tag naming what it stands for: the op, the identity of the parameters it was made
+from, its shapes; a take finds the items of its tag first in, first out, and None where there is none (the op then
+computes the value, as without a stash). The tag holds no parameter version: FSDP2 gathers a sharded parameter
+again for the backward, into the same tensor, which counts as a write; the values are the forward's either way.
+The values taken are the ones the recompute would compute (the same ops on the same inputs and parameters), so the
+gradients do not change by a bit. The stash lives on the layer's checkpoint node and is freed with it.
 """
 
 from __future__ import annotations
@@ -39,24 +40,26 @@ __all__ = [
 
 
 class RecomputeStash:
-    """Values the ops of a checkpointed layer computed in its forward, for the same ops in its recompute (FIFO)."""
+    """Values the ops of a checkpointed layer computed in its forward, for the same ops in its recompute: filed
+    by tag, first in, first out under each tag."""
 
     def __init__(self) -> None:
-        self._items: collections.deque[tuple[tuple, Any]] = collections.deque()
+        self._items: dict[tuple, collections.deque[Any]] = {}
 
     def __len__(self) -> int:
-        return len(self._items)
+        return sum(len(q) for q in self._items.values())
 
     def put(self, tag: tuple, value: Any) -> None:
-        self._items.append((tag, value))
+        self._items.setdefault(tag, collections.deque()).append(value)
 
     def take(self, tag: tuple) -> Any:
-        """The next item, which must carry ``tag``; None when the stash is empty (the op computes it itself)."""
-        if not self._items:
+        """The oldest item filed under ``tag``, or None (the op computes the value itself)."""
+        queue = self._items.get(tag)
+        if not queue:
             return None
-        got, value = self._items.popleft()
-        if got != tag:
-            raise RuntimeError(f"recompute stash: the recompute asked for {tag}, the forward stashed {got}")
+        value = queue.popleft()
+        if not queue:
+            del self._items[tag]
         return value
 
 

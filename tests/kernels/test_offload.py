@@ -722,17 +722,20 @@ def test_the_recompute_takes_the_down_adapters_factor_from_the_forward_instead_o
     disable_offloaded_checkpointing(model)
 
 
-def test_a_recompute_stash_hands_items_back_in_order_and_refuses_a_mismatched_take():
+def test_a_recompute_stash_hands_items_back_by_tag_in_order():
     from strop.kernels.lora.stash import RecomputeStash
 
     stash = RecomputeStash()
-    a, b = torch.ones(2), torch.zeros(3)
-    stash.put(("op", 2), a)
-    stash.put(("op", 3), b)
-    assert stash.take(("op", 2)) is a
-    with pytest.raises(RuntimeError, match="asked for"):
-        stash.take(("other", 3))
-    assert stash.take(("op", 2)) is None  # empty: the op computes what it needs itself
+    a, b, c = torch.ones(2), torch.zeros(3), torch.full((2,), 2.0)
+    stash.put(("op", 1), a)
+    stash.put(("other", 1), b)
+    stash.put(("op", 1), c)
+    assert len(stash) == 3
+    assert stash.take(("other", 1)) is b
+    assert stash.take(("op", 1)) is a
+    assert stash.take(("op", 1)) is c
+    assert stash.take(("op", 1)) is None  # none left: the op computes the value itself
+    assert stash.take(("op", 2)) is None and len(stash) == 0
 
 
 def test_the_recompute_takes_the_adapters_cast_factors_from_the_forward(monkeypatch):
