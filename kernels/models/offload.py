@@ -204,6 +204,7 @@ class ActivationOffloader:
         self.stats = OffloadStats(trace=[] if trace else None)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: weakref.ref[InputRecord | SavedGroup] | None = None
+        self._last_attention: weakref.ref[AttentionSaves] | None = None
         self._logged: set[str] = set()
         # Zero-size leaves that require grad, one per device: passed to every call so the layer output
         # requires grad (and backward reaches the layer's LoRA parameters) even when its input does not.
@@ -340,6 +341,13 @@ class ActivationOffloader:
         return buf, ready
 
     # -- forward: save
+
+    def attention_saves(self) -> AttentionSaves:
+        """A layer call's saved attention outputs, linked to the previous call's, whose reload its attention
+        backward starts (``kernels/models/saved_attention.py``)."""
+        saves = AttentionSaves(self, prev=self._last_attention)
+        self._last_attention = weakref.ref(saves)
+        return saves
 
     def _link(self, item: InputRecord | SavedGroup) -> None:
         """Append to the reload chain: backward reaching ``item`` starts reloading the call saved before it."""
@@ -532,9 +540,9 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         ctx.tensor_slots = [i for i, a in enumerate(args) if i > 0 and isinstance(a, torch.Tensor)]
         ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_slots))
-        ctx.attention = (
-            AttentionSaves(offloader) if offloader.save_attention and ctx.record.offloaded else None
-        )
+        ctx.attention = None
+        if offloader.save_attention and ctx.record.offloaded:
+            ctx.attention = offloader.attention_saves()
         ctx.stash = RecomputeStash()  # what the layer's ops hand their recompute (kernels/lora/stash.py)
         with torch.no_grad(), saved_attention.recording(ctx.attention), recording_for_recompute(ctx.stash):
             out = function(*args)

@@ -9,13 +9,17 @@ for all the layer's projections. This module keeps o and lse from the layer's fi
     forward (no grad)   o, lse = attention(q, k, v); o and lse go to pinned host memory on the offloader's side
                         stream, as the layer input does (o: B·T·H·d·2 bytes, the size of the layer input; lse:
                         B·H·T·4 bytes)
-    recompute           their reload starts as the recompute starts (it overlaps the norm and the q/k/v
-                        projections); attention's forward is replaced by a node that returns the reloaded o and
-                        whose backward is attention's backward on (q, k, v, o, lse)
+    backward            their reload starts when the layer above (in forward order, the next) ends its attention
+                        backward, into the memory its o and lse leave: it overlaps the rest of that layer's backward
+                        (RoPE, the q/k/v projections and norm) and this layer's norm and q/k/v recompute. A layer
+                        with no such neighbour (the last one) reloads as its recompute starts
+    recompute           attention's forward is replaced by a node that returns the reloaded o and whose backward is
+                        attention's backward on (q, k, v, o, lse)
 
 The gradients are those of attention's forward and backward run once: q, k, v are recomputed bitwise (the same
-ops on the same input), o and lse are the forward's own. GPU memory is unchanged: the reloaded o takes the place
-of the o the recompute would have made, and it is reloaded only when the layer's recompute starts.
+ops on the same input), o and lse are the forward's own. GPU memory at the step's peak is unchanged: the reloaded o
+takes the place of the o the recompute would have made, and it is reloaded only when the layer above has freed its
+own o (its attention backward done, past the MLP backward, where a layer's backward holds the most).
 
 When it pays (H200, bench/RESULTS.md, 2026-12-01 session 6): at 128K tokens on the 8B QLoRA shape the step went
 from 49.4 s to 42.6 s (44.8% → 51.9% MFU) at the same 24.3 GiB; on a 1B shape at 16K tokens from 543 to 519 ms; on
@@ -36,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -68,11 +73,15 @@ class _Saved:
 
 @dataclass
 class AttentionSaves:
-    """The attention outputs of one checkpointed layer call, in call order (one per attention module)."""
+    """The attention outputs of one checkpointed layer call, in call order (one per attention module).
+
+    ``prev``: the saves of the layer call before this one in the forward (whose backward comes next), reloaded
+    when this layer's attention backward starts (module docstring)."""
 
     offloader: ActivationOffloader
     saved: list[_Saved] = field(default_factory=list)
     cursor: int = 0
+    prev: weakref.ref[AttentionSaves] | None = None
 
     def keep(self, s: _Saved, tensors: tuple[torch.Tensor, ...]) -> None:
         """Start copying ``tensors`` of ``s`` to the host (forward)."""
@@ -246,7 +255,7 @@ class _SavedAttentionFunction(torch.autograd.Function):
         s: _Saved = holder[0]
         o, lse = s.device[0], s.device[1]
         del s.device[:2]
-        ctx.info, ctx.scale, ctx.o, ctx.lse = s, scale, o, lse
+        ctx.info, ctx.scale, ctx.o, ctx.lse, ctx.saves = s, scale, o, lse, holder[1]
         ctx.save_for_backward(q, k, v)
         return o.view_as(o)
 
@@ -258,6 +267,12 @@ class _SavedAttentionFunction(torch.autograd.Function):
             g = torch.empty_like(o).copy_(g)
         dq, dk, dv = _backward(ctx.info, g, q, k, v, o, lse, ctx.scale)
         ctx.o = ctx.lse = None
+        del o, lse, g
+        # the layer whose backward comes next: its o and lse start back now, into the memory this layer's just left
+        prev = ctx.saves.prev() if ctx.saves.prev is not None else None
+        ctx.saves = None
+        if prev is not None:
+            prev.reload()
         return dq, dk, dv, None, None
 
 
@@ -284,7 +299,7 @@ def attention_call(
         s = mode.saves.take()
         if s.kernel == "none":
             return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
-        o = _SavedAttentionFunction.apply(q, k, v, [s], scaling)
+        o = _SavedAttentionFunction.apply(q, k, v, [s, mode.saves], scaling)
         return o.transpose(1, 2), None
     reason = _reason(module, q, k, mask, dropout, kwargs)
     # o is q-shaped in q's dtype, lse [B, H, T] fp32

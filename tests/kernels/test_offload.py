@@ -688,37 +688,44 @@ def test_patched_mlps_skip_the_down_projection_in_recompute_with_bitwise_equal_g
     disable_offloaded_checkpointing(model)
 
 
-def test_the_recompute_takes_the_down_adapters_factor_from_the_forward_instead_of_a_second_activation(
-    monkeypatch,
-):
-    """The recompute needs h only for the down adapter's u_d = h A_dᵀ, which the forward stashed: no activation
-    pass runs in any layer's recompute, and loss and gradients equal those of a recompute that makes h again,
-    bit for bit (u_d is the same ops' output on the same inputs)."""
+def test_the_recompute_takes_u_d_and_the_cast_adapter_factors_from_the_forward(monkeypatch):
+    """What a layer's forward stashes for its recompute (kernels/lora/stash.py): the down adapter's u_d = h A_dᵀ, so
+    no activation pass runs in any layer's recompute, and each LoRA Function's adapter factors in the compute
+    dtype (q/k/v, o, gate/up and down: four a layer), so the recompute casts none. Loss and gradients are bitwise
+    those of a recompute that computes both again (the same ops on the same inputs)."""
+    import strop.kernels.lora.linear as linear_mod
     import strop.kernels.lora.mlp as mlp_mod
     import strop.kernels.models.offload as offload_mod
     from strop.kernels.models import patch_model
 
     model = _lora(_tiny_llama())
     patch_model(model)
-    acts = {"n": 0}
-    real = mlp_mod._act_fwd
+    acts, taken = [0], []
+    real_act, real_take = mlp_mod._act_fwd, linear_mod.take_stashed
 
-    def counting(*args, **kw):
-        acts["n"] += 1
-        return real(*args, **kw)
+    def act(*args, **kw):
+        acts[0] += 1
+        return real_act(*args, **kw)
 
-    monkeypatch.setattr(mlp_mod, "_act_fwd", counting)
+    def take(tag):
+        got = real_take(tag)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(mlp_mod, "_act_fwd", act)
+    monkeypatch.setattr(linear_mod, "take_stashed", take)
     ids = _ids()
     enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
     stashed = _step(model, ids)
-    assert acts["n"] == LAYERS, f"{acts['n']} activation passes: the recompute made h again"
-    acts["n"] = 0
-    # a forward that stashes nothing: the recompute makes h for u_d, as before the stash
+    assert acts == [LAYERS], f"{acts[0]} activation passes: the recompute made h again"
+    assert sum(taken) == 4 * LAYERS, taken
+    acts[0], taken[:] = 0, []
+    # a forward that stashes nothing: the recompute makes h for u_d and casts the factors, as before the stash
     real_record = offload_mod.recording_for_recompute
     monkeypatch.setattr(offload_mod, "recording_for_recompute", lambda stash: real_record(None))
     remade = _step(model, ids)
-    assert acts["n"] == 2 * LAYERS
-    _assert_same_step(stashed, remade, "u_d from the stash")
+    assert acts == [2 * LAYERS] and not any(taken)
+    _assert_same_step(stashed, remade, "u_d and factors from the stash")
     disable_offloaded_checkpointing(model)
 
 
@@ -736,35 +743,3 @@ def test_a_recompute_stash_hands_items_back_by_tag_in_order():
     assert stash.take(("op", 1)) is c
     assert stash.take(("op", 1)) is None  # none left: the op computes the value itself
     assert stash.take(("op", 2)) is None and len(stash) == 0
-
-
-def test_the_recompute_takes_the_adapters_cast_factors_from_the_forward(monkeypatch):
-    """Each LoRA Function casts its adapter factors to the compute dtype once per layer and step: the forward
-    stashes them and the recompute takes them back (q/k/v, o, gate/up and down: four a layer); the step is
-    bitwise the one whose recompute casts again."""
-    import strop.kernels.lora.linear as linear_mod
-    import strop.kernels.models.offload as offload_mod
-    from strop.kernels.models import patch_model
-
-    model = _lora(_tiny_llama())
-    patch_model(model)
-    taken = []
-    real_take = linear_mod.take_stashed
-
-    def counting(tag):
-        got = real_take(tag)
-        taken.append(got is not None)
-        return got
-
-    monkeypatch.setattr(linear_mod, "take_stashed", counting)
-    ids = _ids()
-    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
-    stashed = _step(model, ids)
-    assert sum(taken) == 4 * LAYERS, taken
-    real_record = offload_mod.recording_for_recompute
-    monkeypatch.setattr(offload_mod, "recording_for_recompute", lambda stash: real_record(None))
-    taken.clear()
-    recast = _step(model, ids)
-    assert not any(taken)
-    _assert_same_step(stashed, recast, "factors from the stash")
-    disable_offloaded_checkpointing(model)

@@ -203,3 +203,55 @@ def test_gpu_saved_attention_trains_the_same_with_no_more_memory():
             f"{n}: relative gradient difference {err:.3g}"
         )  # bf16 attention backward, 16 layers
     assert peak_saved <= peak_full + (64 << 20), (peak_saved / 2**30, peak_full / 2**30)
+
+
+def test_a_layers_saved_attention_reloads_as_the_layer_above_ends_its_attention_backward(monkeypatch):
+    """Backward runs the layers last to first. The last layer's o and lse reload as its recompute starts; every other
+    layer's reload starts earlier, as the layer above ends its attention backward (into the memory that layer's o
+    leaves), so it overlaps the rest of that backward instead of holding up the recompute."""
+    import contextlib
+
+    from strop.kernels.models.offload import ActivationOffloader
+
+    model = _model()
+    order, events = [], []
+    real_saves, real_reload, real_replaying = (
+        ActivationOffloader.attention_saves,
+        sa.AttentionSaves.reload,
+        sa.replaying,
+    )
+
+    def saves(self):
+        s = real_saves(self)
+        order.append(s)
+        return s
+
+    def index(saves):  # by identity (the dataclass's == compares tensors)
+        return next(i for i, s in enumerate(order) if s is saves)
+
+    def reload(self):
+        if any(s.host for s in self.saved):  # a reload that copies something
+            events.append(("reload", index(self)))
+        return real_reload(self)
+
+    @contextlib.contextmanager
+    def replaying(saves):
+        if saves is not None:
+            events.append(("recompute", index(saves)))
+        with real_replaying(saves):
+            yield
+
+    monkeypatch.setattr(ActivationOffloader, "attention_saves", saves)
+    monkeypatch.setattr(sa.AttentionSaves, "reload", reload)
+    monkeypatch.setattr(sa, "replaying", replaying)
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True
+    )
+    _step(model, _ids())
+    last = LAYERS - 1
+    expected = [("recompute", last), ("reload", last)]
+    for i in range(last - 1, -1, -1):
+        expected += [("reload", i), ("recompute", i)]
+    assert events == expected, events
+    assert off.stats.attention_saved == LAYERS and off.stats.host_bytes == 0, off.stats
+    disable_offloaded_checkpointing(model)
