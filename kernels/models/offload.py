@@ -343,8 +343,8 @@ class ActivationOffloader:
     # -- forward: save
 
     def attention_saves(self) -> AttentionSaves:
-        """A layer call's saved attention outputs, linked to the previous call's, whose reload its attention
-        backward starts (``kernels/models/saved_attention.py``)."""
+        """A layer call's saved attention outputs, linked to the previous call's, whose reload the end of its
+        attention backward starts (``kernels/models/saved_attention.py``)."""
         saves = AttentionSaves(self, prev=self._last_attention)
         self._last_attention = weakref.ref(saves)
         return saves

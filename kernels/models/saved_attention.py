@@ -76,7 +76,7 @@ class AttentionSaves:
     """The attention outputs of one checkpointed layer call, in call order (one per attention module).
 
     ``prev``: the saves of the layer call before this one in the forward (whose backward comes next), reloaded
-    when this layer's attention backward starts (module docstring)."""
+    as this layer's attention backward ends (module docstring)."""
 
     offloader: ActivationOffloader
     saved: list[_Saved] = field(default_factory=list)
@@ -91,7 +91,8 @@ class AttentionSaves:
             off.hold_host(t.numel() * t.element_size(), t.is_cuda)
 
     def reload(self) -> None:
-        """Start reloading every saved tensor (as the layer's recompute starts)."""
+        """Start reloading every saved tensor not reloading yet (as the layer above ends its attention backward, or
+        as this layer's recompute starts)."""
         off = self.offloader
         for s in self.saved:
             if not s.host:
