@@ -200,10 +200,10 @@ class LoRAMLPFunction(torch.autograd.Function):
                 d_b_down = mm_scaled(dout.t(), u_d, down.scaling).to(down.lora_B.dtype)
             terms = lora_terms((gate, up), u_gu, f_gu)
             # equal chunks of at most DH_CHUNK_BYTES (a small last chunk runs its GEMM at a poor tile fill)
-            chunks = -(-n // max(1, DH_CHUNK_BYTES // (inter * e.element_size())))
-            rows = -(-n // chunks)
+            chunks = max(1, -(-n // max(1, DH_CHUNK_BYTES // (inter * e.element_size()))))
+            rows = max(1, -(-n // chunks))
             dh = e.new_empty(rows, inter)
-            for start in range(0, n, rows):
+            for start in range(0, max(n, 1), rows):  # no tokens: one empty chunk (dA_d is then zeros)
                 end = min(start + rows, n)
                 dh_c = torch.mm(dout[start:end], w_d, out=dh[: end - start])
                 # dh += g_d A_d as the kernel reads it; de over e, dg over g, the recomputed h over dh
@@ -213,7 +213,7 @@ class LoRAMLPFunction(torch.autograd.Function):
                 if g_d is not None:
                     part = g_d[start:end].t() @ dh_c
                     d_a_down = part.float() if d_a_down is None else d_a_down.add_(part)
-            del dh, dh_c
+            del dh
             for t in (e, g):
                 torch.autograd.graph.increment_version(t)
             if d_a_down is not None:

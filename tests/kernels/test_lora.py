@@ -450,3 +450,13 @@ def test_nf4_gate_and_up_run_as_one_gemm_each_way_with_the_per_projection_result
     bound = 2 * 400 * 2.0**-24
     for i, (got, ref) in enumerate(zip(stacked, separate, strict=True)):
         assert _rel(got, ref) < bound, (i, _rel(got, ref))
+
+
+def test_an_mlp_over_no_tokens_gives_zero_adapter_gradients():
+    gate, up, down = _mlp_projs()
+    x = torch.randn(0, 67, device=DEVICE, requires_grad=True)
+    out = lora_mlp(x, gate, up, down)
+    grads = torch.autograd.grad(out.sum(), [x, *_factors(gate, up, down)])
+    assert out.shape == (0, 67) and grads[0].shape == (0, 67)
+    for g, p in zip(grads[1:], _factors(gate, up, down), strict=True):
+        assert g.shape == p.shape and not g.any()
