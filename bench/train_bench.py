@@ -530,8 +530,8 @@ def gpu_timeline(prof) -> list[str]:
         by_phase[phase] = by_phase.get(phase, 0.0) + length
         if length < 20:  # µs: launch latency, not worth naming
             continue
-        inner = None
-        for e in reversed(cpu[max(0, bisect.bisect_right(starts, t) - 400) : bisect.bisect_right(starts, t)]):
+        inner, end = None, bisect.bisect_right(starts, t)
+        for e in reversed(cpu[max(0, end - 400) : end]):  # the innermost op started last; 400 back is plenty
             if e.time_range.end >= t and not e.name.startswith("phase:"):
                 inner = e.name
                 break

@@ -162,17 +162,16 @@ class LoRAMLPFunction(torch.autograd.Function):
         f_gu, f_d = factors_of((gate, up), dtype), factors_of((down,), dtype)
         # e and g stay the base's outputs: the activation adds their LoRA terms as it reads them
         (e, g), u_gu = forward_projections(x, (gate, up), dtype, f_gu, add_lora=False, stack=True)
-        terms = lora_terms((gate, up), u_gu, f_gu)
         u_d_tag = None if f_d.a is None else ("lora_mlp.u_d", id(down.lora_A), x.shape[0])
         if frozen.output_unused_in_recompute and recompute_outputs_unused_now():
             # backward reads x, e, g, u_gu and u_d, never h: h is made only for u_d, and not at all when the
             # forward stashed u_d (see the module docstring)
             u_d = None if u_d_tag is None else take_stashed(u_d_tag)
             if u_d is None and u_d_tag is not None:
-                u_d = _act_fwd(e, g, frozen.activation, terms) @ f_d.a.t()
+                u_d = _act_fwd(e, g, frozen.activation, lora_terms((gate, up), u_gu, f_gu)) @ f_d.a.t()
             out = e.new_empty(e.shape[0], out_features(down.base))  # never read: see the module docstring
         else:
-            h = _act_fwd(e, g, frozen.activation, terms)
+            h = _act_fwd(e, g, frozen.activation, lora_terms((gate, up), u_gu, f_gu))
             (out,), u_d = forward_projections(h, (down,), dtype, f_d)
             if frozen.output_unused_in_recompute and u_d_tag is not None:
                 stash(u_d_tag, u_d)
@@ -191,9 +190,8 @@ class LoRAMLPFunction(torch.autograd.Function):
         with no_autocast(x.device.type):
             dout = dout.to(dtype)
             n, inter = e.shape
-            w_d = weight(
-                down.base, dtype
-            )  # one dequant for every chunk: nothing else dequantizes before they end
+            # one dequant for every chunk: nothing else dequantizes before the chunks end
+            w_d = weight(down.base, dtype)
             d_a_down = d_b_down = g_d = None
             if f_d.a is not None:
                 g_d = mm_scaled(dout, f_d.b[0], down.scaling)

@@ -305,7 +305,11 @@ def dequantize_shared(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Returns:
         A ``quant_state.shape`` view into the scratch buffer.
     """
-    return dequantize_shared_stacked((param,), dtype)
+    if not is_nf4(param):
+        raise TypeError(f"expected an NF4 Params4bit, got {type(param).__name__}")
+    qs = param.quant_state
+    n = _numel(qs.shape)
+    return nf4_dequantize(param, qs, out=_shared_buffer(param.device, dtype, n)[:n], dtype=dtype)
 
 
 def dequantize_shared_stacked(params: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
