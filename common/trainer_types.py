@@ -94,7 +94,8 @@ class MemoryFeatures:
             job's ``gradient_checkpointing`` setting.
         offload_layer_inputs: Checkpointed layer inputs live in pinned host memory between forward and backward.
         offload_needs_host_room: Offload only when a step's layer inputs fit in half the host's available
-            memory (otherwise the inputs stay on the device).
+            memory (otherwise the inputs stay on the device); attention outputs are saved only when they fit
+            there too.
         tiled_mlp: Each decoder MLP runs over sequence chunks (``"auto"``: only when a chunk's intermediates
             would pass ~1 GiB).
         budgeted_recompute: The first step measures one layer's activations; then only as many layers
@@ -119,8 +120,11 @@ class MemoryFeatures:
 MEMORY_MODES: dict[MemoryMode, MemoryFeatures] = {
     # measured on the H200 (bench/RESULTS.md): offloading the inputs costs no step time at 16K tokens and
     # takes 27% off peak memory on 8B QLoRA, so the standard mode does it when the host has room
-    MemoryMode.STANDARD: MemoryFeatures(None, True, True, False, False),
-    # saved attention outputs: at 128K tokens the step is 14% shorter; at 8 × 2048 tokens 3% longer (bench/RESULTS.md)
+    # and keeps the offloaded layers' attention outputs for the recompute (their reload started one layer early:
+    # 8 × 2048 bf16 LoRA 13,197 vs 13,057 tok/s, QLoRA 13,048 vs 12,923, the same peak, ~4 GiB more host memory;
+    # bench/RESULTS.md, session 11) when the host has room for those too (the trainer's _host_room)
+    MemoryMode.STANDARD: MemoryFeatures(None, True, True, False, False, save_attention=True),
+    # saved attention outputs: at 128K tokens the step is 14% shorter (bench/RESULTS.md)
     # what host memory holds goes there, the rest stays on the device (512K tokens of an 8B model: 128 GiB of
     # layer inputs and as much again of attention outputs, against a 128 GiB host)
     MemoryMode.LONG_CONTEXT: MemoryFeatures(
