@@ -62,7 +62,8 @@ recomputed: their saved activations go to pinned host memory and come back ahead
 recompute saved), ``strop-long-context`` (+ the MLP tiled over the sequence), ``strop-max-speed`` (budgeted
 recompute under an 80 GiB budget, enforced on the process with ``torch.cuda.set_per_process_memory_fraction``:
 only as many layers recompute as the budget needs; the first warm-up step calibrates),
-``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
+``…-f8`` after any strop system: the frozen bases' GEMMs in FP8 (``patch_model(fp8_base=True)``, opt-in and
+inexact; its MFU is nominal: bf16-equivalent FLOPs over the bf16 ceiling), ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
 and ``service`` (the same through the trainer service over gRPC on localhost).
 
 Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line. Peak
@@ -626,12 +627,19 @@ def memory_system(system: str):
     """
     from strop.common.trainer_types import MemoryMode
 
+    system = system.removesuffix("-f8")  # FP8 base GEMMs (fp8_system) combine with any mode
     m = re.fullmatch(r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?", system)
     if m is None:
         return None
     attention = None if m.group(3) is None else m.group(3) == "1"
     tiled = None if m.group(4) is None else m.group(4) == "1"
     return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0), attention, tiled
+
+
+def fp8_system(system: str) -> bool:
+    """``strop…-f8``: ``patch_model(fp8_base=True)``, the opt-in FP8 GEMMs for the frozen bases (inexact; MFU and
+    HFU still count bf16-equivalent FLOPs against the bf16 ceiling, so they are nominal for these systems)."""
+    return system.startswith("strop") and system.endswith("-f8")
 
 
 def apply_memory(model, system: str):
@@ -668,7 +676,7 @@ def run_worker(a) -> Result:
     if a.system.startswith("strop"):
         from strop.kernels.models import patch_model
 
-        res.notes = str(patch_model(model))
+        res.notes = str(patch_model(model, fp8_base=fp8_system(a.system)))
     installed = apply_memory(model, a.system)
     model.train()
     if a.progress:

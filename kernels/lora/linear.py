@@ -58,6 +58,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..ops.fp8 import Fp8Weight, fp8_weight, quantize_rows
 from ..ops.nf4 import dequantize_shared, dequantize_shared_stacked, dequantize_weight, is_nf4
 from ..ops.small_k import addmm_small_k_
 from ..ops.swiglu import LowRank
@@ -68,8 +69,11 @@ __all__ = [
     "LoRALinearFunction",
     "LoRAProj",
     "LoRAQKVFunction",
+    "attach_fp8",
     "compute_dtype",
+    "detach_fp8",
     "factors_of",
+    "fp8_of",
     "lora_linear",
     "lora_linear_reference",
     "lora_qkv",
@@ -170,10 +174,45 @@ def weight(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def stacked_weight(projs: Sequence[LoRAProj], dtype: torch.dtype) -> torch.Tensor | None:
     """The projections' bases one under the other, ``[Σ out_i, in]`` in the shared scratch buffer, when they are
-    NF4 without bias (the dequant writes them there anyway); None otherwise (dense bases would need a copy)."""
-    if len(projs) < 2 or not all(p.bias is None and is_nf4(p.base) for p in projs):
+    NF4 without bias (the dequant writes them there anyway) and run no FP8 GEMMs; None otherwise (dense bases
+    would need a copy)."""
+    if len(projs) < 2 or not all(
+        p.bias is None and is_nf4(p.base) and fp8_of(p.base, dtype) is None for p in projs
+    ):
         return None
     return dequantize_shared_stacked(tuple(p.base for p in projs), dtype)
+
+
+# The attribute of a frozen base weight that holds its FP8 copies (``kernels/ops/fp8.py``); set by attach_fp8.
+FP8_ATTR = "strop_fp8"
+
+
+def attach_fp8(base: torch.Tensor) -> Fp8Weight:
+    """Give a frozen base weight (dense or NF4) its two e4m3 copies: from then on its projections' base GEMMs run
+    in FP8 under bf16 compute (``kernels/ops/fp8.py``). Opt-in (``patch_model(fp8_base=True)``); undone by
+    :func:`detach_fp8`."""
+    if base.requires_grad:
+        raise ValueError("FP8 copies are for frozen base weights; this one requires grad")
+    dense = dequantize_weight(base, dtype=torch.bfloat16) if is_nf4(base) else base
+    copies = fp8_weight(dense)
+    base.__dict__[FP8_ATTR] = copies
+    return copies
+
+
+def detach_fp8(base: torch.Tensor) -> None:
+    """Drop a base weight's FP8 copies: its GEMMs are exact again."""
+    base.__dict__.pop(FP8_ATTR, None)
+
+
+def fp8_of(base: torch.Tensor, dtype: torch.dtype) -> Fp8Weight | None:
+    """The base's FP8 copies when its GEMMs run in FP8 at this compute dtype (bf16 only: the scaled GEMM's output
+    dtype), else None."""
+    return base.__dict__.get(FP8_ATTR) if dtype is torch.bfloat16 else None
+
+
+def quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` of a 2-D activation or gradient, made unit-column-stride first if it is not."""
+    return quantize_rows(t if t.stride(-1) == 1 else t.contiguous())
 
 
 def _one_buffer(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -259,8 +298,14 @@ def forward_projections(
             ys.append(y_all[:, col : col + out_features(p.base)])
             col += out_features(p.base)
     else:
-        ys = []
+        ys, xq = [], None
         for p in projs:
+            f8 = fp8_of(p.base, dtype)
+            if f8 is not None:
+                xq = quantized(x) if xq is None else xq  # one quantization of x for every FP8 base
+                y = f8.forward(*xq, dtype)
+                ys.append(y if p.bias is None else y.add_(p.bias.to(dtype)))
+                continue
             w = weight(p.base, dtype)  # consumed by the next GEMM before the scratch buffer is reused
             ys.append(x @ w.t() if p.bias is None else torch.addmm(p.bias.to(dtype), x, w.t()))
     if factors.a is None:
@@ -315,6 +360,11 @@ def backward_projections(
     else:
         dx = None
         for dy, p in zip(dys, projs, strict=True):
+            f8 = fp8_of(p.base, dtype)
+            if f8 is not None:  # the scaled GEMM has no beta: a later projection's product is added
+                part = f8.backward(*quantized(dy), dtype, out=dx_out if dx is None else None)
+                dx = part if dx is None else dx.add_(part)
+                continue
             w = weight(p.base, dtype)
             if dx is None:
                 dx = torch.mm(dy, w, out=dx_out) if dx_out is not None else dy @ w

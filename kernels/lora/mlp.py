@@ -74,11 +74,13 @@ from .linear import (
     compute_dtype,
     factors_of,
     forward_projections,
+    fp8_of,
     lora_linear_reference,
     lora_terms,
     mm_scaled,
     no_autocast,
     out_features,
+    quantized,
     weight,
     with_factors,
 )
@@ -190,8 +192,11 @@ class LoRAMLPFunction(torch.autograd.Function):
         with no_autocast(x.device.type):
             dout = dout.to(dtype)
             n, inter = e.shape
-            # one dequant for every chunk: nothing else dequantizes before the chunks end
-            w_d = weight(down.base, dtype)
+            # one dequant (or one quantization of dout, FP8) for every chunk: nothing else dequantizes before the
+            # chunks end
+            f8 = fp8_of(down.base, dtype)
+            w_d = weight(down.base, dtype) if f8 is None else None
+            dout_q = None if f8 is None else quantized(dout)
             d_a_down = d_b_down = g_d = None
             if f_d.a is not None:
                 g_d = mm_scaled(dout, f_d.b[0], down.scaling)
@@ -203,7 +208,12 @@ class LoRAMLPFunction(torch.autograd.Function):
             dh = e.new_empty(rows, inter)
             for start in range(0, max(n, 1), rows):  # no tokens: one empty chunk (dA_d is then zeros)
                 end = min(start + rows, n)
-                dh_c = torch.mm(dout[start:end], w_d, out=dh[: end - start])
+                if f8 is None:
+                    dh_c = torch.mm(dout[start:end], w_d, out=dh[: end - start])
+                else:
+                    dh_c = f8.backward(
+                        dout_q[0][start:end], dout_q[1][start:end], dtype, out=dh[: end - start]
+                    )
                 # dh += g_d A_d as the kernel reads it; de over e, dg over g, the recomputed h over dh
                 dh_term = None if g_d is None else LowRank(g_d[start:end], f_d.a)
                 chunk_terms = [_rows(t, start, end) for t in terms]

@@ -66,7 +66,7 @@ from torch import nn
 
 from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
 
-from ..lora.linear import LoRAProj, lora_linear, lora_qkv
+from ..lora.linear import LoRAProj, attach_fp8, detach_fp8, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
 from ..ops.rmsnorm import RMSNormMode
 from .hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
@@ -129,6 +129,8 @@ class _State:
     swaps: Swaps = field(default_factory=lambda: Swaps("patch"))
     logged: set = field(default_factory=set)
     report: PatchReport = field(default_factory=PatchReport)
+    fp8_bases: list = field(default_factory=list)  # base weights given FP8 copies (fp8_base=True)
+    fp8_bytes: int = 0
 
     @property
     def active(self) -> bool:
@@ -479,6 +481,7 @@ def patch_model(
     lora_o: bool = True,
     fused_cross_entropy: bool = True,
     inplace_dx: bool = True,
+    fp8_base: bool = False,
     device: str | torch.device | None = None,
 ) -> PatchReport:
     """Swap module forwards of a Llama-family or Gemma model (plain HF or PEFT-wrapped) for strop's kernels.
@@ -496,6 +499,10 @@ def patch_model(
         lora_o: LoRA o_proj.
         fused_cross_entropy: Fused linear cross-entropy for calls with ``labels``.
         inplace_dx: Let the fused QKV/MLP write dx over their input (safe here; see module docstring).
+        fp8_base: Opt-in, inexact: the patched projections' frozen base GEMMs (forward, recompute and the
+            backward's dx) run in FP8 e4m3 with rowwise scales under bf16 compute, each base holding two e4m3
+            copies (``kernels/ops/fp8.py``: ~2 bytes a base weight more). LoRA products, attention, norms and the
+            LM head stay exact. Off by default: the default path is HF + PEFT's computation.
         device: Where the model will run; default: where its parameters are. A model held in host memory
             until FSDP2 moves it to the GPU as it shards it (``trainer_svc.core.fsdp``) is patched for the GPU.
 
@@ -571,6 +578,13 @@ def patch_model(
             ok["lora_mlp"] = False
             why = f"activation {act_key}={act_name!r}" if activation is None else "MLP forward is not HF's"
             skip("lora_mlp", names[mlp], why)
+        if fp8_base:
+            for c, (_, mods) in projections.items():
+                if ok[c] and (c != "lora_qkv" or _is_hf_forward(attn, "Attention")):
+                    for m in mods:
+                        base = _spec(m).base
+                        state.fp8_bytes += attach_fp8(base).nbytes
+                        state.fp8_bases.append(base)
         if ok["lora_mlp"]:
             # HF's Llama-family decoder layer ends in ``residual + mlp(...)``: the MLP's output is the layer's
             # (kernels/lora/mlp.py). Gemma's ends in ``residual + post_feedforward_layernorm(mlp(...))``: the
@@ -600,6 +614,11 @@ def patch_model(
             report.patched["rms_norm"].append(names[norm])
         elif norm is not None:
             skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
+    if fp8_base:
+        report.notes.append(
+            f"FP8 base GEMMs (opt-in, inexact) on {len(state.fp8_bases)} projections: "
+            f"{state.fp8_bytes / 2**30:.2f} GiB of e4m3 copies"
+        )
     if fused_cross_entropy:
         reason = "the model is a bare backbone" if backbone is hf else _ce_reason(hf)
         if reason:
@@ -625,3 +644,6 @@ def unpatch_model(model: nn.Module) -> None:
     state = hf.__dict__.pop("_strop_patch", None)
     if state is not None:
         state.swaps.undo()
+        for base in state.fp8_bases:
+            detach_fp8(base)
+        state.fp8_bases.clear()
