@@ -15,7 +15,7 @@ from strop.cli import export
 from strop.cli.output import print_json
 from strop.client.errors import StropClientError
 from strop.client.progress import follow
-from strop.common.trainer_types import MemoryMode, Parallelism, TrainMethod
+from strop.common.trainer_types import KernelMode, MemoryMode, Parallelism, TrainMethod
 
 DEFAULT_TRAINER = os.environ.get("STROP_TRAINER", "127.0.0.1:50051")
 
@@ -71,6 +71,13 @@ def _add_train(sub) -> None:
         choices=("auto", "nf4", "none"),
         default="auto",
         help="auto: a prequantized checkpoint stays 4-bit, a 16-bit one is quantized to NF4 on a GPU",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=("auto", "on", "off", "on_fp8"),
+        default="auto",
+        help="auto: strop's kernels on CUDA; on_fp8: with the frozen bases' GEMMs in FP8 (opt-in, inexact, bf16 on "
+        "a GPU of compute capability >= 8.9)",
     )
     p.add_argument("--r", type=int, default=lora.r, help="LoRA rank")
     p.add_argument("--alpha", type=float, default=lora.alpha, help="LoRA alpha")
@@ -189,7 +196,8 @@ def _cmd_train(a) -> int:
         parallelism=Parallelism(a.parallelism.upper()),
     )
     with TrainerClient(a.target) as tc:
-        session = tc.load_model(a.model, quantization=quant)
+        kernels = KernelMode.UNSPECIFIED if a.kernels == "auto" else KernelMode(a.kernels.upper())
+        session = tc.load_model(a.model, quantization=quant, kernels=kernels)
         job_id = ""
         print(
             f"session {session.session_id}: {session.facts.architecture} {session.facts.quantization} "

@@ -22,6 +22,7 @@ class KernelMode(enum.StrEnum):
     UNSPECIFIED = "UNSPECIFIED"
     ON = "ON"
     OFF = "OFF"
+    ON_FP8 = "ON_FP8"  # ON, with the frozen bases' GEMMs in FP8 (opt-in, inexact: kernels/ops/fp8.py)
 
 
 class SessionState(enum.StrEnum):

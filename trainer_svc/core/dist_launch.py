@@ -166,7 +166,9 @@ def spec_for(
             quantization=_QUANTIZATION[facts.quantization],
             dtype=facts.compute_dtype,
             max_seq_length=facts.max_seq_length,
-            kernels=KernelMode.ON if facts.kernels_enabled else KernelMode.OFF,
+            kernels=(KernelMode.ON_FP8 if loaded.fp8_base else KernelMode.ON)
+            if facts.kernels_enabled
+            else KernelMode.OFF,
         ),
         lora=loaded.lora,
         config=cfg,

@@ -55,6 +55,7 @@ class LoadedModel:
     device: str
     lora: LoraConfig | None = None
     kernel_report: Any = None
+    fp8_base: bool = False  # KERNEL_MODE_ON_FP8: the patch gives the frozen bases FP8 GEMMs
     extra: dict = field(default_factory=dict)
     # bytes the engine will still move onto ``device`` (a base staged in host memory for FSDP2, fsdp.py):
     # admission counts them against the device's free memory
@@ -143,6 +144,8 @@ def load_model(
         )
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise FailedPrecondition(f"device {device} requested but CUDA is not available")
+    if req.kernels is KernelMode.ON_FP8:
+        check_fp8(device, dtype_name)
 
     kwargs: dict[str, Any] = dict(
         dtype=dtype, device_map={"": load_device or device}, trust_remote_code=False, use_safetensors=True
@@ -206,7 +209,9 @@ def load_model(
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
     facts.kernels_enabled, facts.kernels_reason = decide_kernels(req.kernels, device, hf_config.model_type)
-    return LoadedModel(model, tokenizer, facts, model_dir, facts.model_path, device)
+    loaded = LoadedModel(model, tokenizer, facts, model_dir, facts.model_path, device)
+    loaded.fp8_base = facts.kernels_enabled and req.kernels is KernelMode.ON_FP8
+    return loaded
 
 
 def keep_4bit_layers_trainable(model) -> int:
@@ -260,11 +265,42 @@ def repacked_4bit_layers(model) -> list[str]:
     return names
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core GEMMs: Ada, Hopper and later
+
+
+def check_fp8(device: str, dtype_name: str) -> None:
+    """Refuse KERNEL_MODE_ON_FP8 where its GEMMs cannot run: they need bf16 compute (the scaled GEMM's output dtype)
+    and a CUDA GPU with e4m3 tensor cores (the Triton interpreter's CPU run is for tests).
+
+    Raises:
+        InvalidArgument: a compute dtype other than bfloat16.
+        FailedPrecondition: a GPU without FP8 tensor cores, or a CPU without TRITON_INTERPRET=1.
+    """
+    import torch
+
+    if dtype_name != "bfloat16":
+        raise InvalidArgument(
+            f"kernels ON_FP8 needs dtype 'bfloat16' (the FP8 GEMMs' output dtype), got {dtype_name!r}"
+        )
+    if device.startswith("cuda"):
+        capability = torch.cuda.get_device_capability(torch.device(device))
+        if capability < FP8_MIN_CAPABILITY:
+            raise FailedPrecondition(
+                f"kernels ON_FP8 needs a GPU of compute capability >= 8.9 (FP8 tensor cores); {device} has "
+                f"{capability[0]}.{capability[1]}"
+            )
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        raise FailedPrecondition("kernels ON_FP8 need a CUDA device (or TRITON_INTERPRET=1 for testing)")
+
+
 def decide_kernels(mode: KernelMode, device: str, model_type: str) -> tuple[bool, str]:
     """Whether strop's Triton kernels will be patched in, and why (shown in the session's facts)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if mode is KernelMode.OFF:
         return False, "kernels off by request: unpatched HF + PEFT"
+    fp8 = " with FP8 base GEMMs (opt-in, inexact)" if mode is KernelMode.ON_FP8 else ""
+    if mode is KernelMode.ON_FP8:
+        mode = KernelMode.ON  # from here on, what ON requires
     if model_type not in KERNEL_ARCHS:
         if mode is KernelMode.ON:
             raise InvalidArgument(
@@ -273,11 +309,11 @@ def decide_kernels(mode: KernelMode, device: str, model_type: str) -> tuple[bool
         return False, f"arch {model_type!r} has no fast path: unpatched HF + PEFT"
     if not device.startswith("cuda"):
         if mode is KernelMode.ON and interpreted:
-            return True, "kernels on by request, run by the Triton interpreter (TRITON_INTERPRET=1)"
+            return True, f"kernels on by request{fp8}, run by the Triton interpreter (TRITON_INTERPRET=1)"
         if mode is KernelMode.ON:
             raise FailedPrecondition("kernels need a CUDA device (or TRITON_INTERPRET=1 for testing)")
         return False, "no CUDA device: unpatched HF + PEFT"
-    return True, "CUDA device: strop Triton kernels"
+    return True, f"CUDA device: strop Triton kernels{fp8}"
 
 
 def count_parameters(model) -> int:
@@ -357,10 +393,10 @@ def apply_kernels(loaded: LoadedModel):
     """Patch strop's kernels into the PEFT model; the report's summary goes into the session facts."""
     from strop.kernels.models import patch_model
 
-    report = patch_model(
-        loaded.model, device=loaded.device
-    )  # the device it trains on, wherever it is held now
+    # the device it trains on, wherever it is held now
+    report = patch_model(loaded.model, device=loaded.device, fp8_base=loaded.fp8_base)
     text = ", ".join(f"{component} {state}" for component, state in report.summary().items())
+    text += "".join(f"; {note}" for note in report.notes if note.startswith("FP8"))
     loaded.facts.kernels_reason = f"{loaded.facts.kernels_reason}; {text}"
     return report
 

@@ -166,7 +166,8 @@ def _training_args(cfg: TrainConfig, loaded: LoadedModel, work_dir: Path) -> dic
         save_total_limit=1,
         report_to="none",
         disable_tqdm=True,
-        bf16=on_cuda and loaded.facts.compute_dtype == "bfloat16",
+        # a bf16 session computes under bf16 autocast on any device (fp32 adapters over a bf16 base, as on CUDA)
+        bf16=loaded.facts.compute_dtype == "bfloat16",
         fp16=on_cuda and loaded.facts.compute_dtype == "float16",
         use_cpu=not on_cuda,
         gradient_checkpointing=cfg.gradient_checkpointing,

@@ -1,0 +1,64 @@
+"""KERNEL_MODE_ON_FP8 through the trainer service: refused where its GEMMs cannot run, trains where they can.
+
+CPU tier, over real gRPC, the kernels run by the Triton interpreter (the CPU's ``torch._scaled_mm`` computes the
+same rowwise-scaled e4m3 GEMMs the GPU does). The session's facts say FP8 is on and on how many projections; the
+SFT job runs its base GEMMs through the FP8 copies (counted) and lowers the loss; a float32 session is refused
+with INVALID_ARGUMENT before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from strop.client import JobState, KernelMode, LoraConfig, TrainConfig, TrainMethod
+from strop.client.errors import StropClientError
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier: the kernels run under TRITON_INTERPRET=1"
+)
+
+ROW = {
+    "messages": [
+        {"role": "user", "content": "What is the password?"},
+        {"role": "assistant", "content": "blue"},
+    ]
+}
+
+
+def test_fp8_sessions_need_bf16_and_say_so(client):
+    with pytest.raises(StropClientError) as err:
+        client.load_model("tiny-llama", dtype="float32", kernels=KernelMode.ON_FP8)
+    assert err.value.code == "INVALID_ARGUMENT" and "needs dtype 'bfloat16'" in str(err.value), err.value
+
+
+def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(client, monkeypatch):
+    from strop.kernels.ops.fp8 import Fp8Weight
+
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        orig = getattr(Fp8Weight, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            calls[_name] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(Fp8Weight, name, counted)
+    s = client.load_model("tiny-llama", dtype="bfloat16", kernels=KernelMode.ON_FP8)
+    assert s.facts.kernels_enabled and "FP8 base GEMMs" in s.facts.kernels_reason, s.facts.kernels_reason
+    s = client.attach_lora(s.session_id, LoraConfig(r=8, alpha=16, seed=0))
+    assert "FP8 base GEMMs (opt-in, inexact) on 14 projections" in s.facts.kernels_reason, (
+        s.facts.kernels_reason
+    )
+    ds = client.upload_dataset([ROW] * 8, name="fp8.jsonl")
+    cfg = TrainConfig(method=TrainMethod.SFT, max_steps=3, learning_rate=5e-3, batch_size=1,
+                      lr_scheduler="constant", max_length=32, seed=0)  # fmt: skip
+    events = list(client.train(s.session_id, ds.dataset_id, cfg))
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
+    losses = [e.step.loss for e in events if e.step is not None]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    # every step: 14 base GEMMs forward (2 layers × 7 projections); 11 backward, the dx of each projection but
+    # the first layer's q, k and v (their input, the embeddings' output, needs no gradient)
+    assert calls == {"forward": 3 * 14, "backward": 3 * 11}, calls
+    client.close_session(s.session_id)
