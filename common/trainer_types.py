@@ -126,8 +126,9 @@ MEMORY_MODES: dict[MemoryMode, MemoryFeatures] = {
     # bench/RESULTS.md, session 11) when the host has room for those too (the trainer's _host_room)
     MemoryMode.STANDARD: MemoryFeatures(None, True, True, False, False, save_attention=True),
     # saved attention outputs: at 128K tokens the step is 14% shorter (bench/RESULTS.md)
-    # what host memory holds goes there, the rest stays on the device (512K tokens of an 8B model: 128 GiB of
-    # layer inputs and as much again of attention outputs, against a 128 GiB host)
+    # what host memory holds goes there, layer inputs first (an attention output is saved only with room left for
+    # the inputs still to come), the rest stays on the device (512K tokens of an 8B model: 128 GiB of layer inputs
+    # and as much again of attention outputs, against a 128 GiB host)
     MemoryMode.LONG_CONTEXT: MemoryFeatures(
         True, True, False, True, False, save_attention=True, host_budget_fraction=0.8
     ),

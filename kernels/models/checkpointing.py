@@ -45,6 +45,7 @@ class _Install:
         keep = set(on[max(0, len(on) - self.keep_last) :]) if self.keep_last else set()
         # never the last checkpointed layer: backward needs its activations first, no reload could hide
         saved = set(spread([i for i in on[:-1] if i not in keep], self.save_layers))
+        offloaded = [i for i in on if i not in keep and i not in saved]
         for i in on:
             self.layers[i]._gradient_checkpointing_func = functools.partial(
                 self.offloader.checkpoint,
@@ -52,6 +53,7 @@ class _Install:
                 offload=i not in keep,
                 save=i in saved,
                 module=self.layers[i] if i in saved else None,
+                inputs_after=sum(j > i for j in offloaded),
             )
         return len(on), len(keep), len(saved)
 

@@ -243,13 +243,14 @@ class ActivationOffloader:
         # torch's caching host allocator rounds a pinned block up to a power of two
         return 1 << max(0, nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
 
-    def host_room(self, nbytes: int | tuple[int, ...], pinned: bool = True) -> bool:
-        """Whether copies of ``nbytes`` (one size or several) to the host stay within ``host_budget_bytes``;
-        counts a refusal."""
+    def host_room(self, nbytes: int | tuple[int, ...], pinned: bool = True, reserve: int = 0) -> bool:
+        """Whether copies of ``nbytes`` (one size or several) to the host stay within ``host_budget_bytes`` with
+        ``reserve`` bytes still free after them (what the forward's later layer inputs will need); counts a
+        refusal."""
         if self.host_budget_bytes is None:
             return True
         sizes = nbytes if isinstance(nbytes, tuple) else (nbytes,)
-        if self._host_blocks + sum(self._block(n, pinned) for n in sizes) <= self.host_budget_bytes:
+        if self._host_blocks + sum(self._block(n, pinned) for n in sizes) + reserve <= self.host_budget_bytes:
             return True
         self.stats.host_full += 1
         return False
@@ -342,10 +343,12 @@ class ActivationOffloader:
 
     # -- forward: save
 
-    def attention_saves(self) -> AttentionSaves:
+    def attention_saves(self, reserve: int = 0) -> AttentionSaves:
         """A layer call's saved attention outputs, linked to the previous call's, whose reload the end of its
-        attention backward starts (``kernels/models/saved_attention.py``)."""
-        saves = AttentionSaves(self, prev=self._last_attention)
+        attention backward starts (``kernels/models/saved_attention.py``). ``reserve``: host bytes its saves must
+        leave free for the layer inputs the forward offloads after it (inputs come first: an input kept on the
+        device costs device memory, an attention output not saved only its recompute)."""
+        saves = AttentionSaves(self, prev=self._last_attention, reserve=reserve)
         self._last_attention = weakref.ref(saves)
         return saves
 
@@ -465,6 +468,7 @@ class ActivationOffloader:
         offload: bool = True,
         save: bool = False,
         module: nn.Module | None = None,
+        inputs_after: int = 0,
         **_: Any,
     ) -> Any:
         """Checkpoint ``function(*args)`` with its first positional input offloaded to host memory.
@@ -477,6 +481,8 @@ class ActivationOffloader:
             save: Do not recompute this layer: run it with grad and keep its saved activations in host
                 memory (:meth:`run_saved`), trading link bandwidth and host memory for the recompute.
             module: The layer, whose weights a saved layer keeps rather than copies.
+            inputs_after: Layer inputs the forward offloads after this one, for which this layer's saved attention
+                output leaves host room (``attention_saves``).
             **_: ``torch.utils.checkpoint`` options (``use_reentrant``, …) are accepted and ignored.
 
         Returns:
@@ -491,7 +497,7 @@ class ActivationOffloader:
             self.stats.torch_checkpoint[reason] = self.stats.torch_checkpoint.get(reason, 0) + 1
             self._log_once(f"torch.utils.checkpoint for this call: {reason}", logging.WARNING)
             return checkpoint_reference(function, *args)
-        meta: dict[str, Any] = {}
+        meta: dict[str, Any] = {"inputs_after": inputs_after}
         device = args[0].device
         if device not in self._anchors:
             self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
@@ -542,7 +548,8 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_slots))
         ctx.attention = None
         if offloader.save_attention and ctx.record.offloaded:
-            ctx.attention = offloader.attention_saves()
+            block = offloader._block(ctx.record.nbytes, x.is_cuda)
+            ctx.attention = offloader.attention_saves(reserve=meta["inputs_after"] * block)
         ctx.stash = RecomputeStash()  # what the layer's ops hand their recompute (kernels/lora/stash.py)
         with torch.no_grad(), saved_attention.recording(ctx.attention), recording_for_recompute(ctx.stash):
             out = function(*args)

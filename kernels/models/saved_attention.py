@@ -82,6 +82,9 @@ class AttentionSaves:
     saved: list[_Saved] = field(default_factory=list)
     cursor: int = 0
     prev: weakref.ref[AttentionSaves] | None = None
+    reserve: int = (
+        0  # host bytes the saves leave free for later layer inputs (ActivationOffloader.attention_saves)
+    )
 
     def keep(self, s: _Saved, tensors: tuple[torch.Tensor, ...]) -> None:
         """Start copying ``tensors`` of ``s`` to the host (forward)."""
@@ -305,7 +308,7 @@ def attention_call(
     reason = _reason(module, q, k, mask, dropout, kwargs)
     # o is q-shaped in q's dtype, lse [B, H, T] fp32
     if reason is None and not mode.saves.offloader.host_room(
-        (q.numel() * q.element_size(), q[..., 0].numel() * 4), q.is_cuda
+        (q.numel() * q.element_size(), q[..., 0].numel() * 4), q.is_cuda, reserve=mode.saves.reserve
     ):
         reason = "host memory at the offloader's host_budget_bytes: attention recomputed"
     if reason is not None:
