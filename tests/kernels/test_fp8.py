@@ -39,6 +39,7 @@ from strop.kernels.ops.fp8 import (
     quantize_rows_reference,
 )
 from strop.kernels.ops.nf4 import dequantize_weight
+from tests.kernels.test_lora import _nf4, _rel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
@@ -49,9 +50,18 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.detach().double(), ref.detach().double()
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+def count_fp8_gemms(monkeypatch) -> dict[str, int]:
+    """Count the FP8 base GEMMs run from now on: {"forward": x Wᵀ calls, "backward": dy W calls}."""
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        orig = getattr(Fp8Weight, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            calls[_name] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(Fp8Weight, name, counted)
+    return calls
 
 
 def _deq(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -147,13 +157,6 @@ def test_scaled_gemms_match_their_codes_and_the_exact_product_within_the_roundin
         assert ((y.double() - a64 @ b64).abs() <= bound).all()
 
 
-def _nf4(w: torch.Tensor) -> torch.Tensor:
-    bnb = pytest.importorskip("bitsandbytes")
-    return bnb.nn.Params4bit(w.cpu(), requires_grad=False, quant_type="nf4", compress_statistics=True).to(
-        w.device
-    )
-
-
 def _proj(out_f, in_f, r=8, *, nf4=False, bias=False, seed=0):
     """A frozen bf16 (or NF4) base with fp32 adapters, non-zero B, and its FP8 copies attached."""
     g = torch.Generator().manual_seed(seed)
@@ -220,15 +223,7 @@ def test_fp8_runs_only_under_bf16_compute():
 def test_fused_mlp_runs_every_base_gemm_in_fp8_within_the_rounding_bound(monkeypatch):
     hidden, inter = 64, 128
     gate, up, down = _proj(inter, hidden, seed=1), _proj(inter, hidden, seed=2), _proj(hidden, inter, seed=3)
-    calls = {"forward": 0, "backward": 0}
-    for name in calls:
-        orig = getattr(Fp8Weight, name)
-
-        def counted(self, *a, _orig=orig, _name=name, **k):
-            calls[_name] += 1
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(Fp8Weight, name, counted)
+    calls = count_fp8_gemms(monkeypatch)
     x = torch.randn(15, hidden, device=DEVICE, dtype=BF16, requires_grad=True)
     out = lora_mlp(x, gate, up, down)
     dout = torch.randn_like(out)

@@ -34,17 +34,9 @@ def test_fp8_sessions_need_bf16_and_say_so(client):
 
 
 def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(client, monkeypatch):
-    from strop.kernels.ops.fp8 import Fp8Weight
+    from tests.kernels.test_fp8 import count_fp8_gemms
 
-    calls = {"forward": 0, "backward": 0}
-    for name in calls:
-        orig = getattr(Fp8Weight, name)
-
-        def counted(self, *a, _orig=orig, _name=name, **k):
-            calls[_name] += 1
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(Fp8Weight, name, counted)
+    calls = count_fp8_gemms(monkeypatch)
     s = client.load_model("tiny-llama", dtype="bfloat16", kernels=KernelMode.ON_FP8)
     assert s.facts.kernels_enabled and "FP8 base GEMMs" in s.facts.kernels_reason, s.facts.kernels_reason
     s = client.attach_lora(s.session_id, LoraConfig(r=8, alpha=16, seed=0))
