@@ -1,0 +1,1 @@
+python3 bench/train_bench.py --parts context --systems strop-long-context-a0 --context 524288 --steps 1 --warmup 0 --progress /tmp/strop-detached/k512.progress --json /tmp/strop-detached/k512.json 
