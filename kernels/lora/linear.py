@@ -74,6 +74,7 @@ __all__ = [
     "detach_fp8",
     "factors_of",
     "fp8_of",
+    "fp8_reason",
     "lora_linear",
     "lora_linear_reference",
     "lora_qkv",
@@ -187,12 +188,32 @@ def stacked_weight(projs: Sequence[LoRAProj], dtype: torch.dtype) -> torch.Tenso
 FP8_ATTR = "strop_fp8"
 
 
+# e4m3 tensor-core GEMMs need both matrix dims of each operand in multiples of 16 (the base's in and out features;
+# the token count is free)
+FP8_ALIGN = 16
+
+
+def fp8_reason(base: torch.Tensor) -> str | None:
+    """Why ``base`` cannot have FP8 GEMMs (its GEMMs then stay exact), or None."""
+    if base.requires_grad:
+        return "a trainable base weight"
+    dims = (out_features(base), in_features(base))
+    if any(d % FP8_ALIGN for d in dims):
+        return f"[out, in] = {list(dims)}: not multiples of {FP8_ALIGN}"
+    return None
+
+
 def attach_fp8(base: torch.Tensor) -> Fp8Weight:
     """Give a frozen base weight (dense or NF4) its two e4m3 copies: from then on its projections' base GEMMs run
     in FP8 under bf16 compute (``kernels/ops/fp8.py``). Opt-in (``patch_model(fp8_base=True)``); undone by
-    :func:`detach_fp8`."""
-    if base.requires_grad:
-        raise ValueError("FP8 copies are for frozen base weights; this one requires grad")
+    :func:`detach_fp8`.
+
+    Raises:
+        ValueError: For a base :func:`fp8_reason` refuses.
+    """
+    reason = fp8_reason(base)
+    if reason is not None:
+        raise ValueError(f"no FP8 copies for this base weight: {reason}")
     dense = dequantize_weight(base, dtype=torch.bfloat16) if is_nf4(base) else base
     copies = fp8_weight(dense)
     base.__dict__[FP8_ATTR] = copies

@@ -66,7 +66,7 @@ from torch import nn
 
 from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
 
-from ..lora.linear import LoRAProj, attach_fp8, detach_fp8, lora_linear, lora_qkv
+from ..lora.linear import LoRAProj, attach_fp8, detach_fp8, fp8_reason, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
 from ..ops.rmsnorm import RMSNormMode
 from .hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
@@ -131,6 +131,7 @@ class _State:
     report: PatchReport = field(default_factory=PatchReport)
     fp8_bases: list = field(default_factory=list)  # base weights given FP8 copies (fp8_base=True)
     fp8_bytes: int = 0
+    fp8_exact: dict = field(default_factory=dict)  # why → projections fp8_base=True left exact
 
     @property
     def active(self) -> bool:
@@ -583,6 +584,10 @@ def patch_model(
                 if ok[c] and (c != "lora_qkv" or _is_hf_forward(attn, "Attention")):
                     for m in mods:
                         base = _spec(m).base
+                        why = fp8_reason(base)
+                        if why is not None:
+                            state.fp8_exact[why] = state.fp8_exact.get(why, 0) + 1
+                            continue
                         state.fp8_bytes += attach_fp8(base).nbytes
                         state.fp8_bases.append(base)
         if ok["lora_mlp"]:
@@ -615,9 +620,10 @@ def patch_model(
         elif norm is not None:
             skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
     if fp8_base:
+        exact = "".join(f"; {n} kept exact ({why})" for why, n in state.fp8_exact.items())
         report.notes.append(
             f"FP8 base GEMMs (opt-in, inexact) on {len(state.fp8_bases)} projections: "
-            f"{state.fp8_bytes / 2**30:.2f} GiB of e4m3 copies"
+            f"{state.fp8_bytes / 2**30:.2f} GiB of e4m3 copies{exact}"
         )
     if fused_cross_entropy:
         reason = "the model is a bare backbone" if backbone is hf else _ce_reason(hf)

@@ -216,8 +216,10 @@ def test_fp8_runs_only_under_bf16_compute():
     exact = lora_linear(x, *p)  # fp32 input, no autocast: the exact fp32 path
     ref = x.double() @ base.double().t() + 0.75 * (x.double() @ p[1].double().t()) @ p[2].double().t()
     assert _rel(exact, ref) <= 1e-5
-    with pytest.raises(ValueError, match="frozen"):
-        attach_fp8(torch.randn(4, 4, requires_grad=True))
+    with pytest.raises(ValueError, match="trainable"):
+        attach_fp8(torch.randn(16, 16, requires_grad=True))
+    with pytest.raises(ValueError, match=r"\[out, in\] = \[48, 40\]: not multiples of 16"):
+        attach_fp8(torch.randn(48, 40, dtype=BF16))  # e4m3 tensor-core GEMMs need multiples of 16
 
 
 def test_fused_mlp_runs_every_base_gemm_in_fp8_within_the_rounding_bound(monkeypatch):
