@@ -192,11 +192,11 @@ class LoRAMLPFunction(torch.autograd.Function):
         with no_autocast(x.device.type):
             dout = dout.to(dtype)
             n, inter = e.shape
-            # one dequant (or one quantization of dout, FP8) for every chunk: nothing else dequantizes before the
-            # chunks end
+            # one dequant for every chunk: nothing else dequantizes before the chunks end (FP8: each chunk's dout
+            # rows are quantized as it runs; a row slice of one [N, 1] scale would start off cuBLASLt's 16-byte
+            # alignment of scale vectors)
             f8 = fp8_of(down.base, dtype)
             w_d = weight(down.base, dtype) if f8 is None else None
-            dout_q = None if f8 is None else quantized(dout)
             d_a_down = d_b_down = g_d = None
             if f_d.a is not None:
                 g_d = mm_scaled(dout, f_d.b[0], down.scaling)
@@ -211,9 +211,7 @@ class LoRAMLPFunction(torch.autograd.Function):
                 if f8 is None:
                     dh_c = torch.mm(dout[start:end], w_d, out=dh[: end - start])
                 else:
-                    dh_c = f8.backward(
-                        dout_q[0][start:end], dout_q[1][start:end], dtype, out=dh[: end - start]
-                    )
+                    dh_c = f8.backward(*quantized(dout[start:end]), dtype, out=dh[: end - start])
                 # dh += g_d A_d as the kernel reads it; de over e, dg over g, the recomputed h over dh
                 dh_term = None if g_d is None else LowRank(g_d[start:end], f_d.a)
                 chunk_terms = [_rows(t, start, end) for t in terms]
