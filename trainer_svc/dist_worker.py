@@ -51,7 +51,7 @@ from strop.common import serde
 from strop.common.artifacts import ArtifactStore
 from strop.common.errors import InvalidArgument
 from strop.common.paths import confine
-from strop.common.trainer_types import JobEvent, JobState, LogMessage, StateChange, StepMetrics
+from strop.common.trainer_types import JobEvent, JobState, KernelMode, LogMessage, StateChange, StepMetrics
 from strop.trainer_svc.core.dist_launch import DistributedJob, RankFailure, record_failure
 
 log = logging.getLogger("strop.trainer.dist")
@@ -246,7 +246,8 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
                 f"the job declares {declared} processes (num_nodes {max(spec.config.num_nodes, 1)} x num_devices "
                 f"{max(spec.config.num_devices, 1)}) but {rank.world_size} joined: launch it with as many"
             )
-        fsdp.check_supported(spec.config)  # before the base is loaded: it reads only the job's world
+        # before the base is loaded: it reads only the job's world and kernels
+        fsdp.check_supported(spec.config, fp8=spec.model.kernels is KernelMode.ON_FP8)
         emit(
             state=StateChange(
                 JobState.RUNNING, f"{rank.world_size} process" + ("es" if rank.world_size > 1 else "")

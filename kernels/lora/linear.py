@@ -62,6 +62,7 @@ from ..ops.fp8 import Fp8Weight, fp8_weight, quantize_rows
 from ..ops.nf4 import dequantize_shared, dequantize_shared_stacked, dequantize_weight, is_nf4
 from ..ops.small_k import addmm_small_k_
 from ..ops.swiglu import LowRank
+from ..ops.utils import MAX_FUSED_SIZE
 from .stash import stash, take_stashed
 
 __all__ = [
@@ -200,6 +201,8 @@ def fp8_reason(base: torch.Tensor) -> str | None:
     dims = (out_features(base), in_features(base))
     if any(d % FP8_ALIGN for d in dims):
         return f"[out, in] = {list(dims)}: not multiples of {FP8_ALIGN}"
+    if max(dims) > MAX_FUSED_SIZE:
+        return f"[out, in] = {list(dims)}: a row longer than the quantizer's {MAX_FUSED_SIZE}"
     return None
 
 

@@ -58,6 +58,7 @@ import dataclasses
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,7 +67,7 @@ from torch import nn
 
 from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
 
-from ..lora.linear import LoRAProj, attach_fp8, detach_fp8, fp8_reason, lora_linear, lora_qkv
+from ..lora.linear import FP8_ATTR, LoRAProj, attach_fp8, detach_fp8, fp8_reason, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
 from ..ops.rmsnorm import RMSNormMode
 from .hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
@@ -103,6 +104,7 @@ class PatchReport:
     patched: dict[str, list[str]] = field(default_factory=lambda: {c: [] for c in COMPONENTS})
     skipped: dict[str, dict[str, str]] = field(default_factory=lambda: {c: {} for c in COMPONENTS})
     notes: list[str] = field(default_factory=list)
+    fp8_bytes: int = 0  # device memory of the FP8 copies (fp8_base=True)
 
     def summary(self) -> dict[str, str]:
         """One line per component, e.g. ``{"lora_mlp": "patched 32/32", "rope": "off: ..."}``."""
@@ -129,7 +131,9 @@ class _State:
     swaps: Swaps = field(default_factory=lambda: Swaps("patch"))
     logged: set = field(default_factory=set)
     report: PatchReport = field(default_factory=PatchReport)
-    fp8_bases: list = field(default_factory=list)  # base weights given FP8 copies (fp8_base=True)
+    fp8_bases: list = field(
+        default_factory=list
+    )  # weak references to the bases given FP8 copies (fp8_base=True)
     fp8_bytes: int = 0
     fp8_exact: dict = field(default_factory=dict)  # why → projections fp8_base=True left exact
 
@@ -247,6 +251,8 @@ def _spec(layer: nn.Module, x: torch.Tensor | None = None) -> LoRAProj | str:
         return reason
     bias = _param(base, "bias")
     proj = LoRAProj(w, None, None, 1.0, bias)
+    if lora and layer.merged and FP8_ATTR in w.__dict__:
+        detach_fp8(w)  # merging wrote the adapter into the base: its FP8 copies are of the unmerged weight
     if lora and not layer.merged and not layer.disable_adapters:
         factors_a = _submodule(layer, "lora_A")._modules
         active = [a for a in layer.active_adapters if a in factors_a]
@@ -540,6 +546,9 @@ def patch_model(
         return report
 
     hf._strop_patch = state
+    target = (
+        torch.device(device) if device is not None else None
+    )  # where the model trains, if not where it is
     arch = ARCHS[model_type]
     names = {m: n for n, m in hf.named_modules()}
     # Gemma's MLP reads config.hidden_activation, the others' config.hidden_act
@@ -585,11 +594,14 @@ def patch_model(
                     for m in mods:
                         base = _spec(m).base
                         why = fp8_reason(base)
+                        if why is None and target is not None and base.device.type != target.type:
+                            # held elsewhere until FSDP2 shards it: the weights it gathers carry no copies
+                            why = f"base held on {base.device.type}, trained on {target.type}"
                         if why is not None:
                             state.fp8_exact[why] = state.fp8_exact.get(why, 0) + 1
                             continue
                         state.fp8_bytes += attach_fp8(base).nbytes
-                        state.fp8_bases.append(base)
+                        state.fp8_bases.append(weakref.ref(base))
         if ok["lora_mlp"]:
             # HF's Llama-family decoder layer ends in ``residual + mlp(...)``: the MLP's output is the layer's
             # (kernels/lora/mlp.py). Gemma's ends in ``residual + post_feedforward_layernorm(mlp(...))``: the
@@ -620,6 +632,7 @@ def patch_model(
         elif norm is not None:
             skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
     if fp8_base:
+        report.fp8_bytes = state.fp8_bytes
         exact = "".join(f"; {n} kept exact ({why})" for why, n in state.fp8_exact.items())
         report.notes.append(
             f"FP8 base GEMMs (opt-in, inexact) on {len(state.fp8_bases)} projections: "
@@ -650,6 +663,8 @@ def unpatch_model(model: nn.Module) -> None:
     state = hf.__dict__.pop("_strop_patch", None)
     if state is not None:
         state.swaps.undo()
-        for base in state.fp8_bases:
-            detach_fp8(base)
+        for ref in state.fp8_bases:
+            base = ref()
+            if base is not None:
+                detach_fp8(base)
         state.fp8_bases.clear()

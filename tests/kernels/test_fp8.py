@@ -352,3 +352,39 @@ def test_fp8_bases_train_an_8b_shaped_layer_stack_like_the_exact_path():
     exact, fp8 = runs
     assert all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(fp8, exact, strict=True)), (fp8, exact)
     assert exact[0] - exact[-1] > 0 and fp8[0] - fp8[-1] >= 0.9 * (exact[0] - exact[-1]), (fp8, exact)
+
+
+def test_an_empty_batch_runs_the_fp8_path_to_zero_adapter_gradients():
+    p = _proj(48, 64)
+    x = torch.randn(0, 64, device=DEVICE, dtype=BF16, requires_grad=True)
+    y = lora_linear(x, *p)
+    d_x, d_a, d_b = torch.autograd.grad(y.sum(), [x, p[1], p[2]])  # dy of y.sum() over no rows: any strides
+    assert y.shape == (0, 48) and d_x.shape == (0, 64)
+    assert not d_a.abs().sum() and not d_b.abs().sum()
+    detach_fp8(p[0])
+
+
+def test_a_base_over_the_quantizers_row_limit_keeps_exact_gemms():
+    from strop.kernels.lora.linear import fp8_reason
+    from strop.kernels.ops.utils import MAX_FUSED_SIZE
+
+    wide = torch.empty(16, 2 * MAX_FUSED_SIZE, dtype=BF16, device="meta")
+    assert "longer than the quantizer's" in fp8_reason(wide)
+
+
+def test_merging_the_adapter_drops_the_copies_of_the_unmerged_base():
+    from strop.kernels.models import patch_model, unpatch_model
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    patch_model(model, fp8_base=True)
+    model.merge_adapter()  # PEFT writes B·A·s into each base weight in place
+
+    def logits():
+        with torch.no_grad(), torch.autocast(DEVICE, dtype=BF16):
+            return model(input_ids=ids, use_cache=False).logits.float()
+
+    patched = logits()  # copies of the unmerged bases would drop every adapter's term (~1.4 relative off)
+    unpatch_model(model)
+    assert _rel(patched, logits()) <= 0.02
+    assert all(fp8_of(m.weight, BF16) is None for n, m in model.named_modules() if n.endswith("base_layer"))

@@ -138,6 +138,22 @@ def test_past_the_host_budget_attention_is_not_saved_and_a_graph_freed_without_b
     disable_offloaded_checkpointing(model)
 
 
+def test_layer_inputs_take_the_host_budget_before_attention_outputs():
+    # room for every layer input and half of one more: a greedy order (layer 0's input, its attention output,
+    # layer 1's input, ...) would leave the last layers' inputs on the device; each layer's attention save leaves
+    # room for the inputs still to come, so every input goes to the host and no attention output is saved
+    model = _model()
+    ids = _ids()
+    x = ids.numel() * model.config.hidden_size * 4
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True,
+        host_budget_bytes=LAYERS * x + x // 2,
+    )  # fmt: skip
+    _step(model, ids)
+    assert off.stats.offloaded == LAYERS and not off.stats.kept and off.stats.attention_saved == 0, off.stats
+    disable_offloaded_checkpointing(model)
+
+
 def test_outside_a_checkpointed_layer_attention_is_the_interface_itself():
     model = _model()
     ids = _ids()

@@ -54,3 +54,18 @@ def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(client, mon
     # the first layer's q, k and v (their input, the embeddings' output, needs no gradient)
     assert calls == {"forward": 3 * 14, "backward": 3 * 11}, calls
     client.close_session(s.session_id)
+
+
+def test_an_fp8_session_refuses_fsdp_jobs_before_they_start(client):
+    from strop.client import Parallelism
+
+    s = client.load_model("tiny-llama", dtype="bfloat16", kernels=KernelMode.ON_FP8)
+    s = client.attach_lora(s.session_id, LoraConfig(r=8, alpha=16, seed=0))
+    ds = client.upload_dataset([ROW] * 4, name="fp8-fsdp.jsonl")
+    cfg = TrainConfig(method=TrainMethod.SFT, max_steps=1, num_devices=2, parallelism=Parallelism.FSDP)
+    with pytest.raises(StropClientError) as err:
+        list(client.train(s.session_id, ds.dataset_id, cfg))
+    assert err.value.code == "FAILED_PRECONDITION" and "does not combine with kernels ON_FP8" in str(
+        err.value
+    )
+    client.close_session(s.session_id)

@@ -57,10 +57,16 @@ def is_fsdp(cfg: TrainConfig) -> bool:
     return cfg.parallelism is Parallelism.FSDP and cfg.ranks() > 1
 
 
-def check_supported(cfg: TrainConfig) -> None:
-    """Refuse FSDP where it cannot run: on one process."""
+def check_supported(cfg: TrainConfig, fp8: bool = False) -> None:
+    """Refuse FSDP where it cannot run: on one process, or over a session whose kernels run FP8 base GEMMs
+    (``fp8``: the weights FSDP2 gathers carry no FP8 copies)."""
     if cfg.parallelism is not Parallelism.FSDP:
         return
+    if fp8:
+        raise FailedPrecondition(
+            "parallelism FSDP does not combine with kernels ON_FP8 (the sharded weights FSDP2 gathers carry no "
+            "FP8 copies): use DDP, or a session with kernels ON"
+        )
     if cfg.ranks() <= 1:
         raise InvalidArgument(
             "parallelism FSDP shards the base over num_devices > 1 (or num_nodes > 1); "

@@ -383,18 +383,34 @@ def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
     model = get_peft_model(loaded.model, peft_cfg, autocast_adapter_dtype=True)
     keep_trainable_fp32(model)
     loaded.model = model
+    if loaded.facts.kernels_enabled:
+        try:
+            loaded.kernel_report = apply_kernels(loaded)
+        except BaseException:
+            from strop.kernels.models import unpatch_model
+
+            unpatch_model(model)
+            loaded.model = model.unload()  # the session stays as it was: no adapter
+            raise
     loaded.lora = cfg
     loaded.facts.num_trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if loaded.facts.kernels_enabled:
-        loaded.kernel_report = apply_kernels(loaded)
 
 
 def apply_kernels(loaded: LoadedModel):
     """Patch strop's kernels into the PEFT model; the report's summary goes into the session facts."""
-    from strop.kernels.models import patch_model
+    import torch
 
-    # the device it trains on, wherever it is held now
-    report = patch_model(loaded.model, device=loaded.device, fp8_base=loaded.fp8_base)
+    from strop.kernels.models import patch_model, unpatch_model
+
+    try:  # the device it trains on, wherever it is held now
+        report = patch_model(loaded.model, device=loaded.device, fp8_base=loaded.fp8_base)
+    except torch.OutOfMemoryError as exc:  # only the FP8 copies allocate device memory here
+        unpatch_model(loaded.model)
+        torch.cuda.empty_cache()
+        raise ResourceExhausted(
+            f"the FP8 copies of the base weights do not fit on {loaded.device}: {exc}"
+        ) from None
+    loaded.facts.device_memory_bytes += report.fp8_bytes
     text = ", ".join(f"{component} {state}" for component, state in report.summary().items())
     text += "".join(f"; {note}" for note in report.notes if note.startswith("FP8"))
     loaded.facts.kernels_reason = f"{loaded.facts.kernels_reason}; {text}"

@@ -396,8 +396,13 @@ def _host_room(loaded: LoadedModel, cfg: TrainConfig) -> tuple[bool, bool]:
     # preference methods: chosen and rejected rows (KTO: each row and its KL row)
     rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     itemsize = loaded.model.get_input_embeddings().weight.element_size()  # the residual stream's dtype
-    per_token = layers * rows * cfg.max_length * itemsize
-    need, attention = per_token * hidden, per_token * heads * head_dim
+    tokens = rows * cfg.max_length
+
+    def pinned(nbytes: int) -> int:  # torch's pinned host allocator rounds each block up to a power of two
+        return 1 << max(0, nbytes - 1).bit_length()
+
+    need = layers * pinned(tokens * hidden * itemsize)
+    attention = layers * (pinned(tokens * heads * head_dim * itemsize) + pinned(tokens * heads * 4))  # o, lse
     from strop.kernels.models.memory import host_available_bytes
 
     available = host_available_bytes() or 0  # unknown: no room claimed
