@@ -509,7 +509,10 @@ def patch_model(
         fp8_base: Opt-in, inexact: the patched projections' frozen base GEMMs (forward, recompute and the
             backward's dx) run in FP8 e4m3 with rowwise scales under bf16 compute, each base holding two e4m3
             copies (``kernels/ops/fp8.py``: ~2 bytes a base weight more). LoRA products, attention, norms and the
-            LM head stay exact. Off by default: the default path is HF + PEFT's computation.
+            LM head stay exact. Off by default: the default path is HF + PEFT's computation. Generation through
+            the patched forwards uses them too. Needs a GPU of compute capability >= 8.9 (ValueError otherwise);
+            bases whose dims are not multiples of 16, or held off the training device (FSDP2 staging), or merged
+            with their adapter later, keep exact GEMMs.
         device: Where the model will run; default: where its parameters are. A model held in host memory
             until FSDP2 moves it to the GPU as it shards it (``trainer_svc.core.fsdp``) is patched for the GPU.
 
@@ -545,10 +548,13 @@ def patch_model(
                 skip(c, "model", blocker)
         return report
 
+    target = torch.device(device) if device is not None else None  # where it trains, if not where it is
+    if fp8_base:
+        where = target or next((p.device for p in hf.parameters()), None)
+        if where is not None and where.type == "cuda" and torch.cuda.get_device_capability(where) < (8, 9):
+            raise ValueError(f"fp8_base needs FP8 tensor cores (compute capability >= 8.9); {where} has "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(where)))}")  # fmt: skip
     hf._strop_patch = state
-    target = (
-        torch.device(device) if device is not None else None
-    )  # where the model trains, if not where it is
     arch = ARCHS[model_type]
     names = {m: n for n, m in hf.named_modules()}
     # Gemma's MLP reads config.hidden_activation, the others' config.hidden_act
