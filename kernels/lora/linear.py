@@ -234,11 +234,6 @@ def fp8_of(base: torch.Tensor, dtype: torch.dtype) -> Fp8Weight | None:
     return base.__dict__.get(FP8_ATTR) if dtype is torch.bfloat16 else None
 
 
-def quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows`` of a 2-D activation or gradient, made unit-column-stride first if it is not."""
-    return quantize_rows(t if t.stride(-1) == 1 else t.contiguous())
-
-
 def _one_buffer(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """``[N, Σ w_i]`` when the 2-D ``ts`` are adjacent column blocks of one row-major buffer, in order; else None."""
     width = sum(t.shape[1] for t in ts)
@@ -326,7 +321,7 @@ def forward_projections(
         for p in projs:
             f8 = fp8_of(p.base, dtype)
             if f8 is not None:
-                xq = quantized(x) if xq is None else xq  # one quantization of x for every FP8 base
+                xq = quantize_rows(x) if xq is None else xq  # one quantization of x for every FP8 base
                 y = f8.forward(*xq, dtype)
                 ys.append(y if p.bias is None else y.add_(p.bias.to(dtype)))
                 continue
@@ -386,7 +381,7 @@ def backward_projections(
         for dy, p in zip(dys, projs, strict=True):
             f8 = fp8_of(p.base, dtype)
             if f8 is not None:  # the scaled GEMM has no beta: a later projection's product is added
-                part = f8.backward(*quantized(dy), dtype, out=dx_out if dx is None else None)
+                part = f8.backward(*quantize_rows(dy), dtype, out=dx_out if dx is None else None)
                 dx = part if dx is None else dx.add_(part)
                 continue
             w = weight(p.base, dtype)

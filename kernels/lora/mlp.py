@@ -64,6 +64,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..ops.fp8 import quantize_rows
 from ..ops.swiglu import LowRank, geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
 from .linear import (
     Frozen,
@@ -80,7 +81,6 @@ from .linear import (
     mm_scaled,
     no_autocast,
     out_features,
-    quantized,
     weight,
     with_factors,
 )
@@ -211,7 +211,7 @@ class LoRAMLPFunction(torch.autograd.Function):
                 if f8 is None:
                     dh_c = torch.mm(dout[start:end], w_d, out=dh[: end - start])
                 else:
-                    dh_c = f8.backward(*quantized(dout[start:end]), dtype, out=dh[: end - start])
+                    dh_c = f8.backward(*quantize_rows(dout[start:end]), dtype, out=dh[: end - start])
                 # dh += g_d A_d as the kernel reads it; de over e, dg over g, the recomputed h over dh
                 dh_term = None if g_d is None else LowRank(g_d[start:end], f_d.a)
                 chunk_terms = [_rows(t, start, end) for t in terms]

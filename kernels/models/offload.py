@@ -107,6 +107,12 @@ DEFAULT_MAX_INFLIGHT_BYTES = 2 << 30
 # ---- the offloader: side stream, saved inputs, reload schedule -------------------------------------------
 
 
+def host_block_bytes(nbytes: int) -> int:
+    """The pinned host memory a copy of ``nbytes`` takes: torch's caching host allocator rounds a block up to a
+    power of two."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 @dataclass
 class OffloadStats:
     """Counters of an :class:`ActivationOffloader` (host memory in bytes of the saved copies).
@@ -240,8 +246,7 @@ class ActivationOffloader:
 
     @staticmethod
     def _block(nbytes: int, pinned: bool) -> int:
-        # torch's caching host allocator rounds a pinned block up to a power of two
-        return 1 << max(0, nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+        return host_block_bytes(nbytes) if pinned else nbytes
 
     def host_room(self, nbytes: int | tuple[int, ...], pinned: bool = True, reserve: int = 0) -> bool:
         """Whether copies of ``nbytes`` (one size or several) to the host stay within ``host_budget_bytes`` with

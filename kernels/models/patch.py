@@ -69,6 +69,7 @@ from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
 
 from ..lora.linear import FP8_ATTR, LoRAProj, attach_fp8, detach_fp8, fp8_reason, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
+from ..ops.fp8 import fp8_device_reason
 from ..ops.rmsnorm import RMSNormMode
 from .hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
 from .saved_attention import attention_call
@@ -131,11 +132,9 @@ class _State:
     swaps: Swaps = field(default_factory=lambda: Swaps("patch"))
     logged: set = field(default_factory=set)
     report: PatchReport = field(default_factory=PatchReport)
-    fp8_bases: list = field(
-        default_factory=list
-    )  # weak references to the bases given FP8 copies (fp8_base=True)
-    fp8_bytes: int = 0
-    fp8_exact: dict = field(default_factory=dict)  # why → projections fp8_base=True left exact
+    # fp8_base=True: weak references to the bases given FP8 copies, and why → projections left exact
+    fp8_bases: list = field(default_factory=list)
+    fp8_exact: dict = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -550,10 +549,9 @@ def patch_model(
 
     target = torch.device(device) if device is not None else None  # where it trains, if not where it is
     if fp8_base:
-        where = target or next((p.device for p in hf.parameters()), None)
-        if where is not None and where.type == "cuda" and torch.cuda.get_device_capability(where) < (8, 9):
-            raise ValueError(f"fp8_base needs FP8 tensor cores (compute capability >= 8.9); {where} has "
-                             f"{'.'.join(map(str, torch.cuda.get_device_capability(where)))}")  # fmt: skip
+        where = target or next((p.device for p in hf.parameters()), torch.device("cpu"))
+        if why := fp8_device_reason(where):
+            raise ValueError(f"fp8_base: {why}")
     hf._strop_patch = state
     arch = ARCHS[model_type]
     names = {m: n for n, m in hf.named_modules()}
@@ -606,7 +604,7 @@ def patch_model(
                         if why is not None:
                             state.fp8_exact[why] = state.fp8_exact.get(why, 0) + 1
                             continue
-                        state.fp8_bytes += attach_fp8(base).nbytes
+                        report.fp8_bytes += attach_fp8(base).nbytes
                         state.fp8_bases.append(weakref.ref(base))
         if ok["lora_mlp"]:
             # HF's Llama-family decoder layer ends in ``residual + mlp(...)``: the MLP's output is the layer's
@@ -638,11 +636,10 @@ def patch_model(
         elif norm is not None:
             skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
     if fp8_base:
-        report.fp8_bytes = state.fp8_bytes
         exact = "".join(f"; {n} kept exact ({why})" for why, n in state.fp8_exact.items())
         report.notes.append(
             f"FP8 base GEMMs (opt-in, inexact) on {len(state.fp8_bases)} projections: "
-            f"{state.fp8_bytes / 2**30:.2f} GiB of e4m3 copies{exact}"
+            f"{report.fp8_bytes / 2**30:.2f} GiB of e4m3 copies{exact}"
         )
     if fused_cross_entropy:
         reason = "the model is a bare backbone" if backbone is hf else _ce_reason(hf)

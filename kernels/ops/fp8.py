@@ -41,7 +41,9 @@ __all__ = [
     "EPS",
     "FP8",
     "FP8_MAX",
+    "FP8_MIN_CAPABILITY",
     "Fp8Weight",
+    "fp8_device_reason",
     "fp8_weight",
     "mm_fp8",
     "quantize_rows",
@@ -50,6 +52,7 @@ __all__ = [
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core GEMMs: Ada, Hopper and later
 EPS = 1e-12  # amax floor: an all-zero row gets codes 0 and a scale of EPS / 448, not a division by zero
 _SUBNORMAL = tl.constexpr(2.0**-6)  # smallest normal e4m3 magnitude; below it the code step is 2⁻⁹
 # an fp32 constant whose ulp is 2⁻⁹: (v + c) − c rounds a subnormal-range v to a multiple of 2⁻⁹, ties to even
@@ -97,20 +100,20 @@ def _quantize_rows_kernel(
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise e4m3 quantization of a 2-D ``x`` (unit column stride, any row stride): ``(Q(x) [M, K], s [M, 1])``,
-    bitwise :func:`quantize_rows_reference`.
+    """Rowwise e4m3 quantization of a 2-D ``x``: ``(Q(x) [M, K], s [M, 1])``, bitwise :func:`quantize_rows_reference`.
+    Any row stride is read in place; a column stride other than 1 costs a contiguous copy first.
 
     Raises:
         TypeError: If x is not a float tensor.
-        ValueError: If x is not 2-D with unit column stride.
+        ValueError: If x is not 2-D.
     """
     check_float_tensor(x, "x", ndim=2)
-    if x.numel() == 0:  # no rows (an empty batch's gradient may have any strides)
+    if x.numel() == 0 or not (
+        x.is_cuda or INTERPRETER
+    ):  # no rows: an empty batch's gradient may have any strides
         return quantize_rows_reference(x)
     if x.stride(1) != 1 and x.shape[1] > 1:
-        raise ValueError(f"x must have unit column stride, got strides {tuple(x.stride())}")
-    if not (x.is_cuda or INTERPRETER):
-        return quantize_rows_reference(x)
+        x = x.contiguous()
     m, k = x.shape
     block, warps = calculate_settings(k)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
@@ -129,9 +132,7 @@ def mm_fp8(
 ) -> torch.Tensor:
     """``(scale_a ⊙ a) @ (b ⊙ scale_b)`` in ``out_dtype``: a [M, K] e4m3 row-major with scale_a [M, 1], b [K, N]
     e4m3 column-major (the transpose of a row-major [N, K]) with scale_b [1, N]; fp32 accumulation, one rounding."""
-    if out is not None:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
 
 
 class Fp8Weight(NamedTuple):
@@ -160,6 +161,16 @@ class Fp8Weight(NamedTuple):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self)
+
+
+def fp8_device_reason(device: torch.device) -> str | None:
+    """Why the scaled GEMMs cannot run on a CUDA ``device`` (no e4m3 tensor cores), or None (other devices: None)."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        return f"FP8 GEMMs need compute capability >= 8.9 (FP8 tensor cores); {device} has {capability[0]}.{capability[1]}"
+    return None
 
 
 def fp8_weight(w: torch.Tensor) -> Fp8Weight:

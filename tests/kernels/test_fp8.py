@@ -112,14 +112,15 @@ def test_quantize_rows_is_bitwise_the_reference_and_within_half_a_step(dtype):
     assert q[4].float().abs().sum() == 0 and torch.isfinite(s).all()
 
 
-def test_quantize_rows_reads_a_row_strided_view():
+def test_quantize_rows_reads_row_and_column_strided_views():
     wide = torch.randn(9, 160, device=DEVICE, dtype=BF16)
     view = wide[:, 32:96]
     q, s = quantize_rows(view)
     qr, sr = quantize_rows_reference(view.contiguous())
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
-    with pytest.raises(ValueError, match="unit column stride"):
-        quantize_rows(wide.t())
+    q, s = quantize_rows(wide.t())  # column-strided: quantized from a contiguous copy
+    qr, sr = quantize_rows_reference(wide.t().contiguous())
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
 
 
 def test_the_two_weight_copies_are_the_rows_of_w_and_of_its_transpose():
@@ -272,17 +273,16 @@ def test_stacked_nf4_gate_and_up_are_not_stacked_when_they_run_fp8():
     assert torch.equal(dequantize_weight(gate[0], dtype=BF16), linear_mod.stacked_weight(projs, BF16)[:128])
 
 
-def _tiny_llama(**overrides):
+def _tiny_llama():
+    """test_patch's 2-layer Llama with its adapters on all seven projections, bf16 base."""
     transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, **overrides,
-    )  # fmt: skip
+    from tests.kernels.test_patch import _config, _peft
+
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=BF16)
-    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    return peft.get_peft_model(model, lora).to(DEVICE)
+    model = transformers.AutoModelForCausalLM.from_config(
+        _config("llama"), attn_implementation="sdpa", dtype=BF16
+    )
+    return _peft(model).to(DEVICE)
 
 
 def _loss_and_grads(model, ids):

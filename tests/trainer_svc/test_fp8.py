@@ -12,8 +12,10 @@ import os
 
 import pytest
 
-from strop.client import JobState, KernelMode, LoraConfig, TrainConfig, TrainMethod
+from strop.client import JobState, KernelMode
 from strop.client.errors import StropClientError
+
+from .conftest import FAST_LORA, sft_config
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier: the kernels run under TRITON_INTERPRET=1"
@@ -39,13 +41,12 @@ def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(client, mon
     calls = count_fp8_gemms(monkeypatch)
     s = client.load_model("tiny-llama", dtype="bfloat16", kernels=KernelMode.ON_FP8)
     assert s.facts.kernels_enabled and "FP8 base GEMMs" in s.facts.kernels_reason, s.facts.kernels_reason
-    s = client.attach_lora(s.session_id, LoraConfig(r=8, alpha=16, seed=0))
+    s = client.attach_lora(s.session_id, FAST_LORA)
     assert "FP8 base GEMMs (opt-in, inexact) on 14 projections" in s.facts.kernels_reason, (
         s.facts.kernels_reason
     )
     ds = client.upload_dataset([ROW] * 8, name="fp8.jsonl")
-    cfg = TrainConfig(method=TrainMethod.SFT, max_steps=3, learning_rate=5e-3, batch_size=1,
-                      lr_scheduler="constant", max_length=32, seed=0)  # fmt: skip
+    cfg = sft_config(3, learning_rate=5e-3, batch_size=1, max_length=32)
     events = list(client.train(s.session_id, ds.dataset_id, cfg))
     assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
     losses = [e.step.loss for e in events if e.step is not None]
@@ -60,9 +61,9 @@ def test_an_fp8_session_refuses_fsdp_jobs_before_they_start(client):
     from strop.client import Parallelism
 
     s = client.load_model("tiny-llama", dtype="bfloat16", kernels=KernelMode.ON_FP8)
-    s = client.attach_lora(s.session_id, LoraConfig(r=8, alpha=16, seed=0))
+    s = client.attach_lora(s.session_id, FAST_LORA)
     ds = client.upload_dataset([ROW] * 4, name="fp8-fsdp.jsonl")
-    cfg = TrainConfig(method=TrainMethod.SFT, max_steps=1, num_devices=2, parallelism=Parallelism.FSDP)
+    cfg = sft_config(1, num_devices=2, parallelism=Parallelism.FSDP)
     with pytest.raises(StropClientError) as err:
         list(client.train(s.session_id, ds.dataset_id, cfg))
     assert err.value.code == "FAILED_PRECONDITION" and "does not combine with kernels ON_FP8" in str(

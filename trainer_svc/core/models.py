@@ -265,9 +265,6 @@ def repacked_4bit_layers(model) -> list[str]:
     return names
 
 
-FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core GEMMs: Ada, Hopper and later
-
-
 def check_fp8(device: str, dtype_name: str) -> None:
     """Refuse KERNEL_MODE_ON_FP8 where its GEMMs cannot run: they need bf16 compute (the scaled GEMM's output dtype)
     and a CUDA GPU with e4m3 tensor cores (the Triton interpreter's CPU run is for tests).
@@ -282,13 +279,12 @@ def check_fp8(device: str, dtype_name: str) -> None:
         raise InvalidArgument(
             f"kernels ON_FP8 needs dtype 'bfloat16' (the FP8 GEMMs' output dtype), got {dtype_name!r}"
         )
+    from strop.kernels.ops.fp8 import fp8_device_reason
+
     if device.startswith("cuda"):
-        capability = torch.cuda.get_device_capability(torch.device(device))
-        if capability < FP8_MIN_CAPABILITY:
-            raise FailedPrecondition(
-                f"kernels ON_FP8 needs a GPU of compute capability >= 8.9 (FP8 tensor cores); {device} has "
-                f"{capability[0]}.{capability[1]}"
-            )
+        reason = fp8_device_reason(torch.device(device))
+        if reason:
+            raise FailedPrecondition(f"kernels ON_FP8: {reason}")
     elif os.environ.get("TRITON_INTERPRET") != "1":
         raise FailedPrecondition("kernels ON_FP8 need a CUDA device (or TRITON_INTERPRET=1 for testing)")
 
@@ -386,11 +382,16 @@ def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
     if loaded.facts.kernels_enabled:
         try:
             loaded.kernel_report = apply_kernels(loaded)
-        except BaseException:
+        except BaseException as exc:
             from strop.kernels.models import unpatch_model
 
-            unpatch_model(model)
+            unpatch_model(model)  # drops any FP8 copies made
             loaded.model = model.unload()  # the session stays as it was: no adapter
+            if isinstance(exc, torch.OutOfMemoryError):  # only the FP8 copies allocate device memory there
+                torch.cuda.empty_cache()
+                raise ResourceExhausted(
+                    f"the FP8 copies of the base weights do not fit on {loaded.device}: {exc}"
+                ) from None
             raise
     loaded.lora = cfg
     loaded.facts.num_trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -398,18 +399,10 @@ def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
 
 def apply_kernels(loaded: LoadedModel):
     """Patch strop's kernels into the PEFT model; the report's summary goes into the session facts."""
-    import torch
+    from strop.kernels.models import patch_model
 
-    from strop.kernels.models import patch_model, unpatch_model
-
-    try:  # the device it trains on, wherever it is held now
-        report = patch_model(loaded.model, device=loaded.device, fp8_base=loaded.fp8_base)
-    except torch.OutOfMemoryError as exc:  # only the FP8 copies allocate device memory here
-        unpatch_model(loaded.model)
-        torch.cuda.empty_cache()
-        raise ResourceExhausted(
-            f"the FP8 copies of the base weights do not fit on {loaded.device}: {exc}"
-        ) from None
+    # the device it trains on, wherever it is held now
+    report = patch_model(loaded.model, device=loaded.device, fp8_base=loaded.fp8_base)
     loaded.facts.device_memory_bytes += report.fp8_bytes
     text = ", ".join(f"{component} {state}" for component, state in report.summary().items())
     text += "".join(f"; {note}" for note in report.notes if note.startswith("FP8"))

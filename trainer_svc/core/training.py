@@ -397,13 +397,11 @@ def _host_room(loaded: LoadedModel, cfg: TrainConfig) -> tuple[bool, bool]:
     rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     itemsize = loaded.model.get_input_embeddings().weight.element_size()  # the residual stream's dtype
     tokens = rows * cfg.max_length
-
-    def pinned(nbytes: int) -> int:  # torch's pinned host allocator rounds each block up to a power of two
-        return 1 << max(0, nbytes - 1).bit_length()
+    from strop.kernels.models.memory import host_available_bytes
+    from strop.kernels.models.offload import host_block_bytes as pinned
 
     need = layers * pinned(tokens * hidden * itemsize)
     attention = layers * (pinned(tokens * heads * head_dim * itemsize) + pinned(tokens * heads * 4))  # o, lse
-    from strop.kernels.models.memory import host_available_bytes
 
     available = host_available_bytes() or 0  # unknown: no room claimed
     if need > available // 2:
