@@ -3,7 +3,7 @@
 For each projection of Llama-3-8B (q, k/v, o, gate/up, down) and direction (forward x Wᵀ, backward dy W): the bf16
 GEMM cuBLAS runs on the exact path, the e4m3 rowwise-scaled GEMM alone, and the same with the rowwise quantization
 of its activation operand (what the FP8 path pays per GEMM: ``quantize_rows`` then ``torch._scaled_mm``). Also the
-quantizer's bandwidth. CUDA-event timing, median of 20 after 5 warm-ups.
+quantizer's bandwidth. CUDA-event timing (``kernels_lora._time_ms``), median of 20 after 5 warm-ups.
 
     python3 bench/fp8_gemm.py [--tokens 16384]
 """
@@ -11,11 +11,14 @@ quantizer's bandwidth. CUDA-event timing, median of 20 after 5 warm-ups.
 from __future__ import annotations
 
 import argparse
-import statistics
+from functools import partial
 
 import torch
+from kernels_lora import _time_ms  # bench/: the CUDA-event median every kernel bench uses
 
 from strop.kernels.ops.fp8 import fp8_weight, quantize_rows
+
+_ms = partial(_time_ms, iters=20, warmup=5)
 
 SHAPES = {
     "q/o": (4096, 4096),
@@ -23,20 +26,6 @@ SHAPES = {
     "gate/up": (14336, 4096),
     "down": (4096, 14336),
 }  # (out, in)
-
-
-def _ms(fn, reps: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
