@@ -4,7 +4,8 @@ Method. The quantizer is checked bit for bit against its torch reference (the CP
 under the interpreter) and against the rounding bound of e4m3: a normal value keeps 3 mantissa bits, so round to
 nearest is off by at most half a step, 2⁻⁴ of its magnitude; a subnormal (|v| < 2⁻⁶ after scaling) by at most
 half of the 2⁻⁹ step; scaled back by s: |s·Q(x) − x| ≤ 2⁻⁴|x| + 2⁻¹⁰ s. The scaled GEMM is checked against the
-same product in fp64 from the codes (fp32 accumulation and one bf16 rounding: ≤ 2⁻⁸|y| + K·2⁻²³ Σ|â||b̂|), and
+same product in fp64 from the codes (one bf16 rounding and at most K accumulator roundings: ≤ 2⁻⁸|y| + K·u Σ|â||b̂|,
+u = 2⁻²³ for fp32, 2⁻¹³ for Hopper's FP8 tensor cores), and
 against the exact product within the bound those per-operand errors give, elementwise: Σ_k |δa||b| + |a||δb| +
 |δa||δb| plus the first bound.
 
@@ -35,6 +36,7 @@ from strop.kernels.ops.fp8 import (
     FP8,
     Fp8Weight,
     fp8_weight,
+    mm_fp8,
     quantize_rows,
     quantize_rows_reference,
 )
@@ -135,6 +137,29 @@ def test_the_two_weight_copies_are_the_rows_of_w_and_of_its_transpose():
     assert f.nbytes == 2 * 48 * 80 + 4 * (48 + 80)
 
 
+def _accumulation_unit() -> float:
+    """The unit roundoff of the scaled GEMM's accumulator: fp32 on the CPU; on Hopper the FP8 tensor cores keep
+    13 mantissa bits (an e8m13 accumulator, truncated: DeepSeek-V3 §3.3.2, PyTorch's FP8 notes), 2⁻¹³ per add."""
+    return 2.0**-13 if DEVICE == "cuda" else 2.0**-23
+
+
+@pytest.mark.parametrize("m,k,n", [(33, 64, 48), (16, 224, 96)])
+def test_scaled_gemms_apply_the_rowwise_scales_exactly(m, k, n):
+    """Integer codes |c| ≤ 8 make every partial sum an integer below 8 · 8 · 224 < 2¹⁴, exact in any accumulator
+    with 14 significant bits, so the GPU's result is the fp64 product of the dequantized operands within the fp32
+    scaling and one bf16 rounding (2⁻⁸) — whatever its accumulator. The CPU's kernel scales the operands to fp32
+    before its fp32 GEMM: K roundings of 2⁻²³ each on Σ|â||b̂| more (cancellations make exact zeros 1e-6)."""
+    a = torch.randint(-8, 9, (m, k), device=DEVICE).to(FP8)
+    b = torch.randint(-8, 9, (n, k), device=DEVICE).to(FP8)  # row-major [N, K]: the GEMM reads its transpose
+    sa = torch.rand(m, 1, device=DEVICE) * 3 + 0.25
+    sb = torch.rand(1, n, device=DEVICE) * 3 + 0.25
+    y = mm_fp8(a, sa, b.t(), sb, BF16)
+    emu = _deq(a, sa) @ _deq(b, sb.t()).t()
+    assert y.dtype == BF16 and y.shape == (m, n)
+    cpu_scaling = k * 2.0**-23 * (_deq(a, sa).abs() @ _deq(b, sb.t()).abs().t())
+    assert ((y.double() - emu).abs() <= 2.0**-8 * emu.abs() + cpu_scaling).all()
+
+
 @pytest.mark.parametrize("m,k,n", [(33, 64, 48), (16, 224, 96)])
 def test_scaled_gemms_match_their_codes_and_the_exact_product_within_the_rounding_bound(m, k, n):
     x = torch.randn(m, k, device=DEVICE, dtype=BF16)
@@ -150,7 +175,8 @@ def test_scaled_gemms_match_their_codes_and_the_exact_product_within_the_roundin
         a_hat = _deq(aq, sa)
         emu = a_hat @ b_hat
         inner = a.shape[1]
-        acc = inner * 2.0**-23 * (a_hat.abs() @ b_hat.abs())
+        # at most one accumulator rounding per product, each within one unit of the running sum ≤ Σ|â||b̂|
+        acc = inner * _accumulation_unit() * (a_hat.abs() @ b_hat.abs())
         assert ((y.double() - emu).abs() <= 2.0**-8 * emu.abs() + acc + 1e-30).all()
         a64, b64 = a.double(), b.double()
         da, db = (a_hat - a64).abs(), (b_hat - b64).abs()
