@@ -63,7 +63,8 @@ recompute saved), ``strop-long-context`` (+ the MLP tiled over the sequence), ``
 recompute under an 80 GiB budget, enforced on the process with ``torch.cuda.set_per_process_memory_fraction``:
 only as many layers recompute as the budget needs; the first warm-up step calibrates),
 ``…-f8`` after any strop system: the frozen bases' GEMMs in FP8 (``patch_model(fp8_base=True)``, opt-in and
-inexact; its MFU is nominal: bf16-equivalent FLOPs over the bf16 ceiling), ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
+inexact; its MFU is nominal: bf16-equivalent FLOPs over the bf16 ceiling), ``…-f8dx``: only their backward dx GEMMs
+(``fp8_base="dx"``), ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
 and ``service`` (the same through the trainer service over gRPC on localhost).
 
 Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line. Peak
@@ -627,7 +628,7 @@ def memory_system(system: str):
     """
     from strop.common.trainer_types import MemoryMode
 
-    system = system.removesuffix("-f8")  # FP8 base GEMMs (fp8_system) combine with any mode
+    system = re.sub(r"-f8(dx)?$", "", system)  # FP8 base GEMMs (fp8_system) combine with any mode
     m = re.fullmatch(r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?", system)
     if m is None:
         return None
@@ -636,10 +637,13 @@ def memory_system(system: str):
     return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0), attention, tiled
 
 
-def fp8_system(system: str) -> bool:
-    """``strop…-f8``: ``patch_model(fp8_base=True)``, the opt-in FP8 GEMMs for the frozen bases (inexact; MFU and
-    HFU still count bf16-equivalent FLOPs against the bf16 ceiling, so they are nominal for these systems)."""
-    return system.startswith("strop") and system.endswith("-f8")
+def fp8_system(system: str) -> bool | str:
+    """``patch_model``'s ``fp8_base`` for a system: ``strop…-f8`` True, ``strop…-f8dx`` "dx" (the opt-in FP8 GEMMs
+    for the frozen bases, all or the backward's dx; inexact; MFU and HFU still count bf16-equivalent FLOPs against
+    the bf16 ceiling, so they are nominal for these systems), else False."""
+    if not system.startswith("strop"):
+        return False
+    return "dx" if system.endswith("-f8dx") else system.endswith("-f8")
 
 
 def apply_memory(model, system: str):

@@ -74,10 +74,10 @@ def _add_train(sub) -> None:
     )
     p.add_argument(
         "--kernels",
-        choices=("auto", "on", "off", "on_fp8"),
+        choices=("auto", "on", "off", "on_fp8", "on_fp8_dx"),
         default="auto",
         help="auto: strop's kernels on CUDA; on_fp8: with the frozen bases' GEMMs in FP8 (opt-in, inexact, bf16 on "
-        "a GPU of compute capability >= 8.9)",
+        "a GPU of compute capability >= 8.9); on_fp8_dx: only their backward dx GEMMs (the forward stays exact)",
     )
     p.add_argument("--r", type=int, default=lora.r, help="LoRA rank")
     p.add_argument("--alpha", type=float, default=lora.alpha, help="LoRA alpha")

@@ -23,6 +23,11 @@ class KernelMode(enum.StrEnum):
     ON = "ON"
     OFF = "OFF"
     ON_FP8 = "ON_FP8"  # ON, with the frozen bases' GEMMs in FP8 (opt-in, inexact: kernels/ops/fp8.py)
+    ON_FP8_DX = "ON_FP8_DX"  # ON, with the frozen bases' backward dx GEMMs in FP8 (forward exact)
+
+
+# the kernel modes that run FP8 base GEMMs → patch_model's fp8_base
+FP8_KERNEL_MODES: dict[KernelMode, bool | str] = {KernelMode.ON_FP8: True, KernelMode.ON_FP8_DX: "dx"}
 
 
 class SessionState(enum.StrEnum):

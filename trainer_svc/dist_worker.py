@@ -51,7 +51,14 @@ from strop.common import serde
 from strop.common.artifacts import ArtifactStore
 from strop.common.errors import InvalidArgument
 from strop.common.paths import confine
-from strop.common.trainer_types import JobEvent, JobState, KernelMode, LogMessage, StateChange, StepMetrics
+from strop.common.trainer_types import (
+    FP8_KERNEL_MODES,
+    JobEvent,
+    JobState,
+    LogMessage,
+    StateChange,
+    StepMetrics,
+)
 from strop.trainer_svc.core.dist_launch import DistributedJob, RankFailure, record_failure
 
 log = logging.getLogger("strop.trainer.dist")
@@ -247,7 +254,7 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
                 f"{max(spec.config.num_devices, 1)}) but {rank.world_size} joined: launch it with as many"
             )
         # before the base is loaded: it reads only the job's world and kernels
-        fsdp.check_supported(spec.config, fp8=spec.model.kernels is KernelMode.ON_FP8)
+        fsdp.check_supported(spec.config, fp8=spec.model.kernels in FP8_KERNEL_MODES)
         emit(
             state=StateChange(
                 JobState.RUNNING, f"{rank.world_size} process" + ("es" if rank.world_size > 1 else "")

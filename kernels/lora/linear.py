@@ -174,13 +174,18 @@ def weight(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return base if base.dtype == dtype else base.to(dtype)
 
 
-def stacked_weight(projs: Sequence[LoRAProj], dtype: torch.dtype) -> torch.Tensor | None:
+def stacked_weight(
+    projs: Sequence[LoRAProj], dtype: torch.dtype, backward: bool = False
+) -> torch.Tensor | None:
     """The projections' bases one under the other, ``[Σ out_i, in]`` in the shared scratch buffer, when they are
-    NF4 without bias (the dequant writes them there anyway) and run no FP8 GEMMs; None otherwise (dense bases
-    would need a copy)."""
-    if len(projs) < 2 or not all(
-        p.bias is None and is_nf4(p.base) and fp8_of(p.base, dtype) is None for p in projs
-    ):
+    NF4 without bias (the dequant writes them there anyway) and run no FP8 GEMMs in this direction (``backward``:
+    the dx GEMM); None otherwise (dense bases would need a copy)."""
+
+    def exact(p: LoRAProj) -> bool:
+        f8 = fp8_of(p.base, dtype)
+        return f8 is None or (not backward and f8.w is None)
+
+    if len(projs) < 2 or not all(p.bias is None and is_nf4(p.base) and exact(p) for p in projs):
         return None
     return dequantize_shared_stacked(tuple(p.base for p in projs), dtype)
 
@@ -206,10 +211,10 @@ def fp8_reason(base: torch.Tensor) -> str | None:
     return None
 
 
-def attach_fp8(base: torch.Tensor) -> Fp8Weight:
-    """Give a frozen base weight (dense or NF4) its two e4m3 copies: from then on its projections' base GEMMs run
-    in FP8 under bf16 compute (``kernels/ops/fp8.py``). Opt-in (``patch_model(fp8_base=True)``); undone by
-    :func:`detach_fp8`.
+def attach_fp8(base: torch.Tensor, forward: bool = True) -> Fp8Weight:
+    """Give a frozen base weight (dense or NF4) its e4m3 copies: from then on its projections' base GEMMs run in
+    FP8 under bf16 compute (``kernels/ops/fp8.py``), the forward's too unless ``forward=False`` (then only the
+    backward's dx). Opt-in (``patch_model(fp8_base=True or "dx")``); undone by :func:`detach_fp8`.
 
     Raises:
         ValueError: For a base :func:`fp8_reason` refuses.
@@ -218,7 +223,7 @@ def attach_fp8(base: torch.Tensor) -> Fp8Weight:
     if reason is not None:
         raise ValueError(f"no FP8 copies for this base weight: {reason}")
     dense = dequantize_weight(base, dtype=torch.bfloat16) if is_nf4(base) else base
-    copies = fp8_weight(dense)
+    copies = fp8_weight(dense, forward=forward)
     base.__dict__[FP8_ATTR] = copies
     return copies
 
@@ -320,7 +325,7 @@ def forward_projections(
         ys, xq = [], None
         for p in projs:
             f8 = fp8_of(p.base, dtype)
-            if f8 is not None:
+            if f8 is not None and f8.w is not None:  # (a dx-only copy: the forward stays exact)
                 xq = quantize_rows(x) if xq is None else xq  # one quantization of x for every FP8 base
                 y = f8.forward(*xq, dtype)
                 ys.append(y if p.bias is None else y.add_(p.bias.to(dtype)))
@@ -373,7 +378,7 @@ def backward_projections(
     if not need_dx:
         return None, d_a, d_b
     dy_all = _one_buffer(dys) if len(dys) > 1 else None
-    w_all = None if dy_all is None else stacked_weight(projs, dtype)
+    w_all = None if dy_all is None else stacked_weight(projs, dtype, backward=True)
     if w_all is not None:  # Σ_i dy_i W_i as one GEMM over the stacked bases
         dx = torch.mm(dy_all, w_all, out=dx_out) if dx_out is not None else dy_all @ w_all
     else:

@@ -74,12 +74,15 @@ from ..ops.rmsnorm import RMSNormMode
 from .hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
 from .saved_attention import attention_call
 
-__all__ = ["COMPONENTS", "SUPPORTED_MODEL_TYPES", "PatchReport", "patch_model", "unpatch_model"]
+__all__ = [
+    "COMPONENTS", "FP8_BASE_CHOICES", "SUPPORTED_MODEL_TYPES", "PatchReport", "patch_model", "unpatch_model",
+]  # fmt: skip
 
 logger = logging.getLogger("strop.kernels")
 
 COMPONENTS = ("rms_norm", "rope", "lora_qkv", "lora_o", "lora_mlp", "fused_cross_entropy")
 SUPPORTED_MODEL_TYPES = MODEL_TYPES  # strop.common.archs: the one architecture table
+FP8_BASE_CHOICES = (False, True, "dx")  # patch_model(fp8_base=...): exact; FP8 forward and dx; FP8 dx only
 # where HF's attention forward reads the sliding window it passes to the attention interface
 _WINDOW: dict[SlidingWindow, Callable[[nn.Module], int | None] | None] = {
     SlidingWindow.NONE: None,
@@ -487,7 +490,7 @@ def patch_model(
     lora_o: bool = True,
     fused_cross_entropy: bool = True,
     inplace_dx: bool = True,
-    fp8_base: bool = False,
+    fp8_base: bool | str = False,
     device: str | torch.device | None = None,
 ) -> PatchReport:
     """Swap module forwards of a Llama-family or Gemma model (plain HF or PEFT-wrapped) for strop's kernels.
@@ -505,10 +508,11 @@ def patch_model(
         lora_o: LoRA o_proj.
         fused_cross_entropy: Fused linear cross-entropy for calls with ``labels``.
         inplace_dx: Let the fused QKV/MLP write dx over their input (safe here; see module docstring).
-        fp8_base: Opt-in, inexact: the patched projections' frozen base GEMMs (forward, recompute and the
-            backward's dx) run in FP8 e4m3 with rowwise scales under bf16 compute, each base holding two e4m3
-            copies (``kernels/ops/fp8.py``: ~2 bytes a base weight more). LoRA products, attention, norms and the
-            LM head stay exact. Off by default: the default path is HF + PEFT's computation. Generation through
+        fp8_base: Opt-in, inexact: True runs the patched projections' frozen base GEMMs (forward, recompute and
+            the backward's dx) in FP8 e4m3 with rowwise scales under bf16 compute, each base holding two e4m3
+            copies (``kernels/ops/fp8.py``: ~2 bytes a base weight more); ``"dx"`` only the backward's dx, from
+            one copy (~1 byte a weight; the forward stays exact, and with it most of the learning a deep model
+            loses to FP8). LoRA products, attention, norms and the LM head stay exact. Off by default: the default path is HF + PEFT's computation. Generation through
             the patched forwards uses them too. Needs a GPU of compute capability >= 8.9 (ValueError otherwise);
             bases whose dims are not multiples of 16, or held off the training device (FSDP2 staging), or merged
             with their adapter later, keep exact GEMMs.
@@ -548,6 +552,8 @@ def patch_model(
         return report
 
     target = torch.device(device) if device is not None else None  # where it trains, if not where it is
+    if fp8_base not in FP8_BASE_CHOICES:
+        raise ValueError(f"fp8_base={fp8_base!r}: one of {FP8_BASE_CHOICES}")
     if fp8_base:
         where = target or next((p.device for p in hf.parameters()), torch.device("cpu"))
         if why := fp8_device_reason(where):
@@ -604,7 +610,7 @@ def patch_model(
                         if why is not None:
                             state.fp8_exact[why] = state.fp8_exact.get(why, 0) + 1
                             continue
-                        report.fp8_bytes += attach_fp8(base).nbytes
+                        report.fp8_bytes += attach_fp8(base, forward=fp8_base is True).nbytes
                         state.fp8_bases.append(weakref.ref(base))
         if ok["lora_mlp"]:
             # HF's Llama-family decoder layer ends in ``residual + mlp(...)``: the MLP's output is the layer's
@@ -637,8 +643,9 @@ def patch_model(
             skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
     if fp8_base:
         exact = "".join(f"; {n} kept exact ({why})" for why, n in state.fp8_exact.items())
+        gemms = "FP8 base GEMMs" if fp8_base is True else "FP8 dx GEMMs (forward exact)"
         report.notes.append(
-            f"FP8 base GEMMs (opt-in, inexact) on {len(state.fp8_bases)} projections: "
+            f"{gemms} (opt-in, inexact) on {len(state.fp8_bases)} projections: "
             f"{report.fp8_bytes / 2**30:.2f} GiB of e4m3 copies{exact}"
         )
     if fused_cross_entropy:

@@ -14,6 +14,11 @@ accumulator and rounds the product once to bf16. Two copies, because each GEMM's
 output, never along its inner dimension: the forward scales W by output row, the backward by input column.
 1 byte a weight each: 2 × 6.5 GiB for an 8B model's decoder projections (the LM head stays bf16).
 
+``fp8_base="dx"`` keeps the forward (and its recompute) exact and runs only the backward's dx in e4m3, from one
+copy (Q(Wᵀ), 6.5 GiB): the forward's rounding is what costs learning on a deep model (``bench/fp8_learning_check.py``:
+a 32-layer model with the 8B's per-layer gain keeps 86% of the exact loss drop with both, 99% with dx alone), and
+dx is half of a step's base GEMMs where no layer is recomputed.
+
 What stays exact: the LoRA factors and their products (u = x Aᵀ, dA, dB, g A) read x and dy in bf16; the
 norms, attention, activations and loss are unchanged. Only the base's contributions to y and dx carry the
 e4m3 rounding. Bound (tests/kernels/test_fp8.py derives it): each factor of a product is rounded with
@@ -136,20 +141,21 @@ def mm_fp8(
 
 
 class Fp8Weight(NamedTuple):
-    """A frozen [out, in] weight's two e4m3 copies (see the module docstring).
+    """A frozen [out, in] weight's e4m3 copies (see the module docstring): both, or the backward's alone.
 
     Attributes:
-        w: Q(W) [out, in], row-major; ``w_scale`` [1, out]: the forward's right operand is ``w.t()``.
+        w: Q(W) [out, in], row-major; ``w_scale`` [1, out]: the forward's right operand is ``w.t()``. None for a
+            weight whose forward stays exact (``fp8_weight(..., forward=False)``).
         wt: Q(Wᵀ) [in, out], row-major; ``wt_scale`` [1, in]: the backward's right operand is ``wt.t()``.
     """
 
-    w: torch.Tensor
-    w_scale: torch.Tensor
+    w: torch.Tensor | None
+    w_scale: torch.Tensor | None
     wt: torch.Tensor
     wt_scale: torch.Tensor
 
     def forward(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``x Wᵀ`` [N, out] from ``quantize_rows(x)``."""
+        """``x Wᵀ`` [N, out] from ``quantize_rows(x)`` (a copy with ``w``)."""
         return mm_fp8(xq, x_scale, self.w.t(), self.w_scale, dtype)
 
     def backward(
@@ -160,7 +166,7 @@ class Fp8Weight(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self)
+        return sum(t.numel() * t.element_size() for t in self if t is not None)
 
 
 def fp8_device_reason(device: torch.device) -> str | None:
@@ -173,9 +179,13 @@ def fp8_device_reason(device: torch.device) -> str | None:
     return None
 
 
-def fp8_weight(w: torch.Tensor) -> Fp8Weight:
-    """The two e4m3 copies of a dense [out, in] weight (already dequantized if it was NF4)."""
+def fp8_weight(w: torch.Tensor, forward: bool = True) -> Fp8Weight:
+    """The e4m3 copies of a dense [out, in] weight (already dequantized if it was NF4): both, or with
+    ``forward=False`` the backward's alone (its forward GEMM stays exact)."""
     check_float_tensor(w, "w", ndim=2)
-    q, s = quantize_rows(w)
+    q = s = None
+    if forward:
+        q, s = quantize_rows(w)
+        s = s.view(1, -1)
     qt, st = quantize_rows(w.t().contiguous())
-    return Fp8Weight(q, s.view(1, -1), qt, st.view(1, -1))
+    return Fp8Weight(q, s, qt, st.view(1, -1))

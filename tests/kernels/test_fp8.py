@@ -184,28 +184,36 @@ def test_scaled_gemms_match_their_codes_and_the_exact_product_within_the_roundin
         assert ((y.double() - a64 @ b64).abs() <= bound).all()
 
 
-def _proj(out_f, in_f, r=8, *, nf4=False, bias=False, seed=0):
-    """A frozen bf16 (or NF4) base with fp32 adapters, non-zero B, and its FP8 copies attached."""
+def _proj(out_f, in_f, r=8, *, nf4=False, bias=False, seed=0, forward=True):
+    """A frozen bf16 (or NF4) base with fp32 adapters, non-zero B, and its FP8 copies attached (``forward=False``:
+    the dx copy alone)."""
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(out_f, in_f, generator=g) / in_f**0.5).to(BF16).to(DEVICE)
     base = _nf4(w) if nf4 else w
     a = (torch.randn(r, in_f, generator=g) / in_f**0.5).to(DEVICE).requires_grad_()
     b = (torch.randn(out_f, r, generator=g) / r**0.5).to(DEVICE).requires_grad_()
     bias_t = torch.randn(out_f, generator=g).to(BF16).to(DEVICE) if bias else None
-    attach_fp8(base)
+    attach_fp8(base, forward=forward)
     return (base, a, b, 0.75, bias_t)
 
 
 def _fp8_reference(x, dys, projs):
     """fp64: each y_i = base_i(Q(x)) + bias_i + s_i (x A_iᵀ) B_iᵀ and the gradients of the FP8 path's definition
-    (dx = Σ_i deq(Q(dy_i)) deq(Q(W_iᵀ))ᵀ + s_i (dy_i B_i) A_i; dA, dB exact)."""
+    (dx = Σ_i deq(Q(dy_i)) deq(Q(W_iᵀ))ᵀ + s_i (dy_i B_i) A_i; dA, dB exact). A dx-only copy: base_i(x) = x W_iᵀ."""
     xq = _deq(*quantize_rows(x))
     x64 = x.double()
     ys, dx, d_a, d_b = [], 0, [], []
     for dy, (base, a, b, s, bias) in zip(dys, projs, strict=True):
         f: Fp8Weight = fp8_of(base, BF16)
         a64, b64, dy64 = a.double(), b.double(), dy.double()
-        y = xq @ _deq(f.w, f.w_scale.t()).t() + s * (x64 @ a64.t()) @ b64.t()
+        if f.w is None:
+            base_y = (
+                x64
+                @ (dequantize_weight(base, dtype=BF16) if base.dtype == torch.uint8 else base).double().t()
+            )
+        else:
+            base_y = xq @ _deq(f.w, f.w_scale.t()).t()
+        y = base_y + s * (x64 @ a64.t()) @ b64.t()
         ys.append(y if bias is None else y + bias.double())
         g = s * dy64 @ b64
         dx = dx + _deq(*quantize_rows(dy)) @ _deq(f.wt, f.wt_scale.t()).t() + g @ a64
@@ -214,16 +222,25 @@ def _fp8_reference(x, dys, projs):
     return ys, dx, d_a, d_b
 
 
+@pytest.mark.parametrize("forward", [True, False], ids=["fwd+dx", "dx"])
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
-def test_lora_linear_and_qkv_on_fp8_bases_compute_the_fp8_definition(nf4):
+def test_lora_linear_and_qkv_on_fp8_bases_compute_the_fp8_definition(nf4, forward):
     x = torch.randn(15, 64, device=DEVICE, dtype=BF16, requires_grad=True)
-    one = [_proj(48, 64, nf4=nf4, bias=True)]
-    three = [_proj(64, 64, nf4=nf4, seed=1), _proj(32, 64, nf4=nf4, seed=2), _proj(32, 64, nf4=nf4, seed=3)]
-    for projs in (one, three):
+    one = [_proj(48, 64, nf4=nf4, bias=True, forward=forward)]
+    three = [
+        _proj(64, 64, nf4=nf4, seed=1, forward=forward),
+        _proj(32, 64, nf4=nf4, seed=2, forward=forward),
+        _proj(32, 64, nf4=nf4, seed=3, forward=forward),
+    ]
+
+    def run(projs):
         outs = lora_qkv(x, *projs) if len(projs) == 3 else (lora_linear(x, *projs[0]),)
-        dys = [torch.randn_like(y) for y in outs]
         params = [x] + [t for p in projs for t in (p[1], p[2])]
-        grads = torch.autograd.grad(outs, params, dys)
+        return outs, torch.autograd.grad(outs, params, dys)
+
+    for projs in (one, three):
+        dys = [torch.randn(15, linear_mod.out_features(p[0]), device=DEVICE, dtype=BF16) for p in projs]
+        outs, grads = run(projs)
         ys, dx, d_a, d_b = _fp8_reference(x.detach(), dys, projs)
         for y, ref in zip(outs, ys, strict=True):
             assert _rel(y, ref) <= 2.0**-6
@@ -231,9 +248,13 @@ def test_lora_linear_and_qkv_on_fp8_bases_compute_the_fp8_definition(nf4):
         for i in range(len(projs)):
             assert _rel(grads[1 + 2 * i], d_a[i]) <= 2.0**-6
             assert _rel(grads[2 + 2 * i], d_b[i]) <= 2.0**-6
-    for p in one + three:
-        detach_fp8(p[0])
-        assert fp8_of(p[0], BF16) is None
+        for p in projs:
+            detach_fp8(p[0])
+            assert fp8_of(p[0], BF16) is None
+        exact_outs, exact_grads = run(projs)
+        # a dx-only copy leaves the forward the exact path's, bit for bit, and changes dx alone
+        assert all(torch.equal(a, b) for a, b in zip(outs, exact_outs, strict=True)) is not forward
+        assert not torch.equal(grads[0], exact_grads[0])
 
 
 def test_fp8_runs_only_under_bf16_compute():
@@ -247,6 +268,34 @@ def test_fp8_runs_only_under_bf16_compute():
         attach_fp8(torch.randn(16, 16, requires_grad=True))
     with pytest.raises(ValueError, match=r"\[out, in\] = \[48, 40\]: not multiples of 16"):
         attach_fp8(torch.randn(48, 40, dtype=BF16))  # e4m3 tensor-core GEMMs need multiples of 16
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
+def test_fused_mlp_with_dx_only_copies_runs_the_exact_forward_and_fp8_dx(monkeypatch, nf4):
+    hidden, inter = 64, 128
+    projs = [_proj(inter, hidden, seed=1, nf4=nf4), _proj(inter, hidden, seed=2, nf4=nf4)]
+    projs.append(_proj(hidden, inter, seed=3, nf4=nf4))
+    x = torch.randn(15, hidden, device=DEVICE, dtype=BF16, requires_grad=True)
+    params = [x] + [t for p in projs for t in (p[1], p[2])]
+
+    def run():
+        out = lora_mlp(x, *projs)
+        return out, torch.autograd.grad(out, params, dout)
+
+    dout = torch.randn(15, hidden, device=DEVICE, dtype=BF16)
+    for p in projs:
+        detach_fp8(p[0])
+    exact_out, exact_grads = run()
+    for p in projs:
+        attach_fp8(p[0], forward=False)
+    calls = count_fp8_gemms(monkeypatch)
+    out, grads = run()
+    assert calls == {"forward": 0, "backward": 3}
+    assert torch.equal(out, exact_out)  # the forward is the exact path's
+    assert torch.equal(grads[6], exact_grads[6])  # dB_down reads dout and u alone: exact
+    assert not torch.equal(grads[0], exact_grads[0])
+    for p in projs:
+        detach_fp8(p[0])
 
 
 def test_fused_mlp_runs_every_base_gemm_in_fp8_within_the_rounding_bound(monkeypatch):
@@ -297,6 +346,12 @@ def test_stacked_nf4_gate_and_up_are_not_stacked_when_they_run_fp8():
         detach_fp8(p[0])
     assert linear_mod.stacked_weight(projs, BF16) is not None
     assert torch.equal(dequantize_weight(gate[0], dtype=BF16), linear_mod.stacked_weight(projs, BF16)[:128])
+    for p in (gate, up):
+        attach_fp8(p[0], forward=False)  # dx-only copies: the exact forward stacks, the FP8 backward does not
+    assert linear_mod.stacked_weight(projs, BF16) is not None
+    assert linear_mod.stacked_weight(projs, BF16, backward=True) is None
+    for p in (gate, up):
+        detach_fp8(p[0])
 
 
 def _tiny_llama():
@@ -336,6 +391,17 @@ def test_patch_model_fp8_base_trains_close_to_the_exact_patch_and_unpatches_clea
     # per-GEMM RMS error, the gradients by at most the MLP bound
     assert loss != exact_loss and abs(loss - exact_loss) <= 0.02 * abs(exact_loss)
     assert max(_rel(g, e) for g, e in zip(grads, exact_grads, strict=True)) <= 0.1
+    dx_report = patch_model(
+        model, fp8_base="dx"
+    )  # the backward's copy alone: the forward, so the loss, exact
+    assert all(fp8_of(w, BF16).w is None for w in bases)
+    assert 2 * dx_report.fp8_bytes < report.fp8_bytes + 4 * sum(w.shape[0] for w in bases)
+    assert any("FP8 dx GEMMs (forward exact) (opt-in, inexact) on 14" in n for n in dx_report.notes)
+    dx_loss, dx_grads = _loss_and_grads(model, ids)
+    assert dx_loss == exact_loss
+    assert 0 < max(_rel(g, e) for g, e in zip(dx_grads, exact_grads, strict=True)) <= 0.1
+    with pytest.raises(ValueError, match="fp8_base='fwd'"):
+        patch_model(model, fp8_base="fwd")
     unpatch_model(model)
     assert all(fp8_of(w, BF16) is None for w in bases)
 
@@ -344,7 +410,8 @@ def test_patch_model_fp8_base_trains_close_to_the_exact_patch_and_unpatches_clea
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp8_bases_train_an_8b_shaped_layer_stack_like_the_exact_path():
     # 4 layers of Llama-3-8B's shape, bf16, fp32 adapters, 2 × 2048 tokens, 6 AdamW steps from the same start:
-    # the FP8 run's losses stay within 1% of the exact run's and fall as much.
+    # the FP8 runs' losses stay within 1% of the exact run's and fall as much; the dx-only run's first loss is
+    # the exact run's (its forward is exact).
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from strop.kernels.models import patch_model
@@ -355,7 +422,7 @@ def test_fp8_bases_train_an_8b_shaped_layer_stack_like_the_exact_path():
     )  # fmt: skip
     ids = torch.randint(0, 32000, (2, 2048), generator=torch.Generator().manual_seed(2)).cuda()
     runs = []
-    for fp8 in (False, True):
+    for fp8 in (False, True, "dx"):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(
             cfg, attn_implementation="sdpa", dtype=BF16
@@ -375,9 +442,12 @@ def test_fp8_bases_train_an_8b_shaped_layer_stack_like_the_exact_path():
         runs.append(losses)
         del model, opt
         torch.cuda.empty_cache()
-    exact, fp8 = runs
-    assert all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(fp8, exact, strict=True)), (fp8, exact)
-    assert exact[0] - exact[-1] > 0 and fp8[0] - fp8[-1] >= 0.9 * (exact[0] - exact[-1]), (fp8, exact)
+    exact, *fp8_runs = runs
+    assert exact[0] - exact[-1] > 0
+    for fp8 in fp8_runs:
+        assert all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(fp8, exact, strict=True)), (fp8, exact)
+        assert fp8[0] - fp8[-1] >= 0.9 * (exact[0] - exact[-1]), (fp8, exact)
+    assert fp8_runs[1][0] == exact[0], runs
 
 
 def test_an_empty_batch_runs_the_fp8_path_to_zero_adapter_gradients():

@@ -435,8 +435,8 @@ def test_nf4_gate_and_up_run_as_one_gemm_each_way_with_the_per_projection_result
     stacks = []
     real = linear_mod.stacked_weight
 
-    def counting(projs, dtype):
-        w = real(projs, dtype)
+    def counting(projs, dtype, backward=False):
+        w = real(projs, dtype, backward)
         stacks.append(w is not None)
         return w
 
@@ -444,7 +444,7 @@ def test_nf4_gate_and_up_run_as_one_gemm_each_way_with_the_per_projection_result
     out = lora_mlp(x, gate, up, down)
     stacked = [out, *torch.autograd.grad(out, params, dout)]
     assert stacks == [True, True]  # forward (e, g) and backward (dx)
-    monkeypatch.setattr(linear_mod, "stacked_weight", lambda projs, dtype: None)
+    monkeypatch.setattr(linear_mod, "stacked_weight", lambda projs, dtype, backward=False: None)
     out = lora_mlp(x, gate, up, down)
     separate = [out, *torch.autograd.grad(out, params, dout)]
     bound = 2 * 400 * 2.0**-24

@@ -1,4 +1,4 @@
-"""KERNEL_MODE_ON_FP8 through the trainer service: refused where its GEMMs cannot run, trains where they can.
+"""KERNEL_MODE_ON_FP8(_DX) through the trainer service: refused where its GEMMs cannot run, trains where they can.
 
 CPU tier, over real gRPC, the kernels run by the Triton interpreter (the CPU's ``torch._scaled_mm`` computes the
 same rowwise-scaled e4m3 GEMMs the GPU does). The session's facts say FP8 is on and on how many projections; the
@@ -29,44 +29,52 @@ ROW = {
 }
 
 
-def test_fp8_sessions_need_bf16_and_say_so(client):
+@pytest.mark.parametrize("mode", [KernelMode.ON_FP8, KernelMode.ON_FP8_DX])
+def test_fp8_sessions_need_bf16_and_say_so(client, mode):
     with pytest.raises(StropClientError) as err:
-        client.load_model("tiny-llama", dtype="float32", kernels=KernelMode.ON_FP8)
-    assert err.value.code == "INVALID_ARGUMENT" and "needs dtype 'bfloat16'" in str(err.value), err.value
+        client.load_model("tiny-llama", dtype="float32", kernels=mode)
+    assert err.value.code == "INVALID_ARGUMENT" and f"kernels {mode} needs dtype 'bfloat16'" in str(err.value)
 
 
-def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(client, monkeypatch):
+@pytest.mark.parametrize(
+    "mode,what,forward",
+    [(KernelMode.ON_FP8, "FP8 base GEMMs", 14), (KernelMode.ON_FP8_DX, "FP8 dx GEMMs (forward exact)", 0)],
+)
+def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(
+    client, monkeypatch, mode, what, forward
+):
     from tests.kernels.test_fp8 import count_fp8_gemms
 
     calls = count_fp8_gemms(monkeypatch)
-    s = client.load_model("tiny-llama", dtype="bfloat16", kernels=KernelMode.ON_FP8)
-    assert s.facts.kernels_enabled and "FP8 base GEMMs" in s.facts.kernels_reason, s.facts.kernels_reason
+    s = client.load_model("tiny-llama", dtype="bfloat16", kernels=mode)
+    assert s.facts.kernels_enabled and what.split(" (")[0] in s.facts.kernels_reason, s.facts.kernels_reason
     s = client.attach_lora(s.session_id, FAST_LORA)
-    assert "FP8 base GEMMs (opt-in, inexact) on 14 projections" in s.facts.kernels_reason, (
-        s.facts.kernels_reason
-    )
+    assert f"{what} (opt-in, inexact) on 14 projections" in s.facts.kernels_reason, s.facts.kernels_reason
     ds = client.upload_dataset([ROW] * 8, name="fp8.jsonl")
     cfg = sft_config(3, learning_rate=5e-3, batch_size=1, max_length=32)
     events = list(client.train(s.session_id, ds.dataset_id, cfg))
     assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
     losses = [e.step.loss for e in events if e.step is not None]
     assert len(losses) == 3 and losses[-1] < losses[0], losses
-    # every step: 14 base GEMMs forward (2 layers × 7 projections); 11 backward, the dx of each projection but
-    # the first layer's q, k and v (their input, the embeddings' output, needs no gradient)
-    assert calls == {"forward": 3 * 14, "backward": 3 * 11}, calls
+    # every step: 14 base GEMMs forward (2 layers × 7 projections; none with dx-only copies); 11 backward, the
+    # dx of each projection but the first layer's q, k and v (their input, the embeddings' output, needs no
+    # gradient)
+    assert calls == {"forward": 3 * forward, "backward": 3 * 11}, calls
     client.close_session(s.session_id)
 
 
-def test_an_fp8_session_refuses_fsdp_jobs_before_they_start(client):
+@pytest.mark.parametrize("mode", [KernelMode.ON_FP8, KernelMode.ON_FP8_DX])
+def test_an_fp8_session_refuses_fsdp_jobs_before_they_start(client, mode):
     from strop.client import Parallelism
 
-    s = client.load_model("tiny-llama", dtype="bfloat16", kernels=KernelMode.ON_FP8)
+    s = client.load_model("tiny-llama", dtype="bfloat16", kernels=mode)
     s = client.attach_lora(s.session_id, FAST_LORA)
     ds = client.upload_dataset([ROW] * 4, name="fp8-fsdp.jsonl")
     cfg = sft_config(1, num_devices=2, parallelism=Parallelism.FSDP)
     with pytest.raises(StropClientError) as err:
         list(client.train(s.session_id, ds.dataset_id, cfg))
-    assert err.value.code == "FAILED_PRECONDITION" and "does not combine with kernels ON_FP8" in str(
-        err.value
+    assert (
+        err.value.code == "FAILED_PRECONDITION"
+        and "does not combine with kernels ON_FP8 or ON_FP8_DX" in str(err.value)
     )
     client.close_session(s.session_id)

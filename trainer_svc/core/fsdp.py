@@ -64,8 +64,8 @@ def check_supported(cfg: TrainConfig, fp8: bool = False) -> None:
         return
     if fp8:
         raise FailedPrecondition(
-            "parallelism FSDP does not combine with kernels ON_FP8 (the sharded weights FSDP2 gathers carry no "
-            "FP8 copies): use DDP, or a session with kernels ON"
+            "parallelism FSDP does not combine with kernels ON_FP8 or ON_FP8_DX (the sharded weights FSDP2 "
+            "gathers carry no FP8 copies): use DDP, or a session with kernels ON"
         )
     if cfg.ranks() <= 1:
         raise InvalidArgument(

@@ -22,6 +22,7 @@ from strop.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArg
 from strop.common.paths import confine, confine_files
 from strop.common.trainer_types import (
     DEFAULT_TARGET_MODULES,
+    FP8_KERNEL_MODES,
     KernelMode,
     LoadModelRequest,
     LoraConfig,
@@ -55,7 +56,9 @@ class LoadedModel:
     device: str
     lora: LoraConfig | None = None
     kernel_report: Any = None
-    fp8_base: bool = False  # KERNEL_MODE_ON_FP8: the patch gives the frozen bases FP8 GEMMs
+    fp8_base: bool | str = (
+        False  # ON_FP8 (True) / ON_FP8_DX ("dx"): patch_model's fp8_base (FP8_KERNEL_MODES)
+    )
     extra: dict = field(default_factory=dict)
     # bytes the engine will still move onto ``device`` (a base staged in host memory for FSDP2, fsdp.py):
     # admission counts them against the device's free memory
@@ -144,8 +147,8 @@ def load_model(
         )
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise FailedPrecondition(f"device {device} requested but CUDA is not available")
-    if req.kernels is KernelMode.ON_FP8:
-        check_fp8(device, dtype_name)
+    if req.kernels in FP8_KERNEL_MODES:
+        check_fp8(device, dtype_name, req.kernels)
 
     kwargs: dict[str, Any] = dict(
         dtype=dtype, device_map={"": load_device or device}, trust_remote_code=False, use_safetensors=True
@@ -210,7 +213,7 @@ def load_model(
     )
     facts.kernels_enabled, facts.kernels_reason = decide_kernels(req.kernels, device, hf_config.model_type)
     loaded = LoadedModel(model, tokenizer, facts, model_dir, facts.model_path, device)
-    loaded.fp8_base = facts.kernels_enabled and req.kernels is KernelMode.ON_FP8
+    loaded.fp8_base = FP8_KERNEL_MODES.get(req.kernels, False) if facts.kernels_enabled else False
     return loaded
 
 
@@ -265,9 +268,9 @@ def repacked_4bit_layers(model) -> list[str]:
     return names
 
 
-def check_fp8(device: str, dtype_name: str) -> None:
-    """Refuse KERNEL_MODE_ON_FP8 where its GEMMs cannot run: they need bf16 compute (the scaled GEMM's output dtype)
-    and a CUDA GPU with e4m3 tensor cores (the Triton interpreter's CPU run is for tests).
+def check_fp8(device: str, dtype_name: str, mode: KernelMode = KernelMode.ON_FP8) -> None:
+    """Refuse an FP8 kernel mode (ON_FP8, ON_FP8_DX) where its GEMMs cannot run: they need bf16 compute (the scaled
+    GEMM's output dtype) and a CUDA GPU with e4m3 tensor cores (the Triton interpreter's CPU run is for tests).
 
     Raises:
         InvalidArgument: a compute dtype other than bfloat16.
@@ -277,16 +280,16 @@ def check_fp8(device: str, dtype_name: str) -> None:
 
     if dtype_name != "bfloat16":
         raise InvalidArgument(
-            f"kernels ON_FP8 needs dtype 'bfloat16' (the FP8 GEMMs' output dtype), got {dtype_name!r}"
+            f"kernels {mode} needs dtype 'bfloat16' (the FP8 GEMMs' output dtype), got {dtype_name!r}"
         )
     from strop.kernels.ops.fp8 import fp8_device_reason
 
     if device.startswith("cuda"):
         reason = fp8_device_reason(torch.device(device))
         if reason:
-            raise FailedPrecondition(f"kernels ON_FP8: {reason}")
+            raise FailedPrecondition(f"kernels {mode}: {reason}")
     elif os.environ.get("TRITON_INTERPRET") != "1":
-        raise FailedPrecondition("kernels ON_FP8 need a CUDA device (or TRITON_INTERPRET=1 for testing)")
+        raise FailedPrecondition(f"kernels {mode} need a CUDA device (or TRITON_INTERPRET=1 for testing)")
 
 
 def decide_kernels(mode: KernelMode, device: str, model_type: str) -> tuple[bool, str]:
@@ -294,8 +297,11 @@ def decide_kernels(mode: KernelMode, device: str, model_type: str) -> tuple[bool
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if mode is KernelMode.OFF:
         return False, "kernels off by request: unpatched HF + PEFT"
-    fp8 = " with FP8 base GEMMs (opt-in, inexact)" if mode is KernelMode.ON_FP8 else ""
-    if mode is KernelMode.ON_FP8:
+    fp8 = {
+        KernelMode.ON_FP8: " with FP8 base GEMMs (opt-in, inexact)",
+        KernelMode.ON_FP8_DX: " with FP8 dx GEMMs (opt-in, inexact; forward exact)",
+    }.get(mode, "")
+    if mode in FP8_KERNEL_MODES:
         mode = KernelMode.ON  # from here on, what ON requires
     if model_type not in KERNEL_ARCHS:
         if mode is KernelMode.ON:

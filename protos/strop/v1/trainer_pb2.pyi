@@ -20,6 +20,7 @@ class KernelMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KERNEL_MODE_ON: _ClassVar[KernelMode]
     KERNEL_MODE_OFF: _ClassVar[KernelMode]
     KERNEL_MODE_ON_FP8: _ClassVar[KernelMode]
+    KERNEL_MODE_ON_FP8_DX: _ClassVar[KernelMode]
 
 class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -77,6 +78,7 @@ KERNEL_MODE_UNSPECIFIED: KernelMode
 KERNEL_MODE_ON: KernelMode
 KERNEL_MODE_OFF: KernelMode
 KERNEL_MODE_ON_FP8: KernelMode
+KERNEL_MODE_ON_FP8_DX: KernelMode
 SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_LOADED: SessionState
 SESSION_STATE_READY: SessionState
