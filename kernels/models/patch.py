@@ -522,6 +522,10 @@ def patch_model(
     Returns:
         A :class:`PatchReport`.
     """
+    if not (
+        fp8_base is False or fp8_base is True or fp8_base == "dx"
+    ):  # 1, 0, "fwd": refused, nothing changed
+        raise ValueError(f"fp8_base={fp8_base!r}: one of {FP8_BASE_CHOICES}")
     hf = unwrap_peft(model)
     if getattr(hf, "_strop_patch", None) is not None:
         unpatch_model(model)
@@ -552,8 +556,6 @@ def patch_model(
         return report
 
     target = torch.device(device) if device is not None else None  # where it trains, if not where it is
-    if fp8_base not in FP8_BASE_CHOICES:
-        raise ValueError(f"fp8_base={fp8_base!r}: one of {FP8_BASE_CHOICES}")
     if fp8_base:
         where = target or next((p.device for p in hf.parameters()), torch.device("cpu"))
         if why := fp8_device_reason(where):

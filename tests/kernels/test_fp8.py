@@ -400,8 +400,10 @@ def test_patch_model_fp8_base_trains_close_to_the_exact_patch_and_unpatches_clea
     dx_loss, dx_grads = _loss_and_grads(model, ids)
     assert dx_loss == exact_loss
     assert 0 < max(_rel(g, e) for g, e in zip(dx_grads, exact_grads, strict=True)) <= 0.1
-    with pytest.raises(ValueError, match="fp8_base='fwd'"):
-        patch_model(model, fp8_base="fwd")
+    for wrong in ("fwd", 1):
+        with pytest.raises(ValueError, match=f"fp8_base={wrong!r}"):
+            patch_model(model, fp8_base=wrong)
+    assert all(fp8_of(w, BF16).w is None for w in bases)  # refused before anything changed
     unpatch_model(model)
     assert all(fp8_of(w, BF16) is None for w in bases)
 
