@@ -512,19 +512,19 @@ def patch_model(
             the backward's dx) in FP8 e4m3 with rowwise scales under bf16 compute, each base holding two e4m3
             copies (``kernels/ops/fp8.py``: ~2 bytes a base weight more); ``"dx"`` only the backward's dx, from
             one copy (~1 byte a weight; the forward stays exact, and with it most of the learning a deep model
-            loses to FP8). LoRA products, attention, norms and the LM head stay exact. Off by default: the default path is HF + PEFT's computation. Generation through
-            the patched forwards uses them too. Needs a GPU of compute capability >= 8.9 (ValueError otherwise);
-            bases whose dims are not multiples of 16, or held off the training device (FSDP2 staging), or merged
-            with their adapter later, keep exact GEMMs.
+            loses to FP8). LoRA products, attention, norms and the LM head stay exact. Off by default: the
+            default path is HF + PEFT's computation. Generation through the patched forwards uses them too.
+            Needs a GPU of compute capability >= 8.9 (ValueError otherwise; ValueError too for a value other
+            than False, True or "dx"); bases whose dims are not multiples of 16, or held off the training device
+            (FSDP2 staging), or merged with their adapter later, keep exact GEMMs.
         device: Where the model will run; default: where its parameters are. A model held in host memory
             until FSDP2 moves it to the GPU as it shards it (``trainer_svc.core.fsdp``) is patched for the GPU.
 
     Returns:
         A :class:`PatchReport`.
     """
-    if not (
-        fp8_base is False or fp8_base is True or fp8_base == "dx"
-    ):  # 1, 0, "fwd": refused, nothing changed
+    # by identity: 1, 0 or "fwd" are refused before anything changes
+    if not (fp8_base is False or fp8_base is True or fp8_base == "dx"):
         raise ValueError(f"fp8_base={fp8_base!r}: one of {FP8_BASE_CHOICES}")
     hf = unwrap_peft(model)
     if getattr(hf, "_strop_patch", None) is not None:
