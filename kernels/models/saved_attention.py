@@ -82,9 +82,8 @@ class AttentionSaves:
     saved: list[_Saved] = field(default_factory=list)
     cursor: int = 0
     prev: weakref.ref[AttentionSaves] | None = None
-    reserve: int = (
-        0  # host bytes the saves leave free for later layer inputs (ActivationOffloader.attention_saves)
-    )
+    # host bytes the saves leave free for later layer inputs (ActivationOffloader.attention_saves)
+    reserve: int = 0
 
     def keep(self, s: _Saved, tensors: tuple[torch.Tensor, ...]) -> None:
         """Start copying ``tensors`` of ``s`` to the host (forward)."""

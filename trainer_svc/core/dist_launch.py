@@ -34,7 +34,6 @@ from strop.common import serde
 from strop.common.artifacts import ArtifactStore
 from strop.common.errors import FailedPrecondition
 from strop.common.trainer_types import (
-    FP8_KERNEL_MODES,
     Artifact,
     Checkpoint,
     DatasetFormat,
@@ -141,13 +140,6 @@ _QUANTIZATION = {  # a session's facts.quantization → the LoadModel request th
 }
 
 
-def _kernel_mode(fp8_base: bool | str) -> KernelMode:
-    """The kernel mode that reloads a patched session's FP8 choice (``LoadedModel.fp8_base``) in the workers."""
-    return next(
-        (mode for mode, value in FP8_KERNEL_MODES.items() if fp8_base and value == fp8_base), KernelMode.ON
-    )
-
-
 def check_devices(num_devices: int, device: str) -> None:
     """Refuse a job asking for more devices than this node has: CUDA devices, or CPU cores for gloo ranks."""
     if num_devices <= 1:
@@ -174,7 +166,7 @@ def spec_for(
             quantization=_QUANTIZATION[facts.quantization],
             dtype=facts.compute_dtype,
             max_seq_length=facts.max_seq_length,
-            kernels=_kernel_mode(loaded.fp8_base) if facts.kernels_enabled else KernelMode.OFF,
+            kernels=(loaded.fp8_kernels or KernelMode.ON) if facts.kernels_enabled else KernelMode.OFF,
         ),
         lora=loaded.lora,
         config=cfg,

@@ -161,7 +161,7 @@ class Jobs:
                 "nodes as a training operator's job (strop.trainer_svc.dist_worker, deploy/k8s/training-operators)"
             )
         dist_launch.check_devices(cfg.num_devices, sess.loaded.device)
-        fsdp.check_supported(cfg, fp8=sess.loaded.fp8_base)
+        fsdp.check_supported(cfg, fp8=sess.loaded.fp8_kernels is not None)
         if resume_from_job_id:
             self._check_resume_compatible(sess, resume_dir)
         job = JobInfo(

@@ -56,9 +56,8 @@ class LoadedModel:
     device: str
     lora: LoraConfig | None = None
     kernel_report: Any = None
-    fp8_base: bool | str = (
-        False  # ON_FP8 (True) / ON_FP8_DX ("dx"): patch_model's fp8_base (FP8_KERNEL_MODES)
-    )
+    # the FP8 kernel mode it was loaded with (ON_FP8, ON_FP8_DX: FP8_KERNEL_MODES), None for exact kernels or none
+    fp8_kernels: KernelMode | None = None
     extra: dict = field(default_factory=dict)
     # bytes the engine will still move onto ``device`` (a base staged in host memory for FSDP2, fsdp.py):
     # admission counts them against the device's free memory
@@ -213,7 +212,8 @@ def load_model(
     )
     facts.kernels_enabled, facts.kernels_reason = decide_kernels(req.kernels, device, hf_config.model_type)
     loaded = LoadedModel(model, tokenizer, facts, model_dir, facts.model_path, device)
-    loaded.fp8_base = FP8_KERNEL_MODES.get(req.kernels, False) if facts.kernels_enabled else False
+    if facts.kernels_enabled and req.kernels in FP8_KERNEL_MODES:
+        loaded.fp8_kernels = req.kernels
     return loaded
 
 
@@ -268,7 +268,7 @@ def repacked_4bit_layers(model) -> list[str]:
     return names
 
 
-def check_fp8(device: str, dtype_name: str, mode: KernelMode = KernelMode.ON_FP8) -> None:
+def check_fp8(device: str, dtype_name: str, mode: KernelMode) -> None:
     """Refuse an FP8 kernel mode (ON_FP8, ON_FP8_DX) where its GEMMs cannot run: they need bf16 compute (the scaled
     GEMM's output dtype) and a CUDA GPU with e4m3 tensor cores (the Triton interpreter's CPU run is for tests).
 
@@ -408,7 +408,8 @@ def apply_kernels(loaded: LoadedModel):
     from strop.kernels.models import patch_model
 
     # the device it trains on, wherever it is held now
-    report = patch_model(loaded.model, device=loaded.device, fp8_base=loaded.fp8_base)
+    fp8_base = FP8_KERNEL_MODES.get(loaded.fp8_kernels, False)
+    report = patch_model(loaded.model, device=loaded.device, fp8_base=fp8_base)
     loaded.facts.device_memory_bytes += report.fp8_bytes
     text = ", ".join(f"{component} {state}" for component, state in report.summary().items())
     text += "".join(f"; {note}" for note in report.notes if note.startswith("FP8"))
