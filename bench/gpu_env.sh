@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Source this on the H200 machine (bare image, no network): installs carried wheels and strop itself.
-#   .whl/ (carried, git-ignored): trl, bitsandbytes (CUDA 13.0 + CPU libs only), datasets, gguf,
-#   grpcio-health-checking, grpcio-reflection, llama-cpp-python (built on the CPU machine), ...
-#   Build it with `bash bench/gpu_wheels.sh` (on the CPU machine, from PyPI).
+#   .whl/ (carried, git-ignored): the wheels requirements/gpu.txt lists as carried, built on the CPU machine by
+#   `bash bench/gpu_wheels.sh` (bitsandbytes trimmed to its CUDA 13.0 + CPU libs); for exports also gguf and
+#   llama-cpp-python (built on the CPU machine).
 set -e
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
