@@ -4,6 +4,7 @@ RPCs of ``common.proto`` that both services serve."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import uuid
@@ -30,6 +31,21 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+def spread_config(health_service: str) -> str:
+    """The channel's service config for a service any of whose replicas serves any call (the exporter).
+
+    ``round_robin`` opens a connection to every address the target resolves to (a headless Service's name resolves
+    to every ready pod) and sends each call to the next one, instead of gRPC's default of one connection to the
+    first address; ``healthCheckConfig`` makes the channel watch each address's ``grpc.health.v1`` status for
+    ``health_service`` and skip an address while it is not SERVING (a pod draining on SIGTERM still accepts
+    connections, but would refuse new work). The resolver runs again whenever a connection ends, which the
+    servers' ``--max-connection-age`` makes happen regularly, so pods added later are found.
+    """
+    return json.dumps(
+        {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": health_service}}
+    )
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
@@ -86,22 +102,30 @@ def make_channel(
     tls_cert: str | bytes | os.PathLike | None = None,
     tls_key: str | bytes | os.PathLike | None = None,
     tls: bool = False,
+    spread_over: str | None = None,
 ) -> grpc.Channel:
     """A channel to a strop service: TLS when ``tls`` or a CA is given (``tls_cert``/``tls_key``: the client's own
     certificate, for mTLS), a bearer token on every call when ``token`` is given. Defaults come from the
-    environment: ``STROP_TOKEN``, ``STROP_TLS_CA``, ``STROP_TLS_CERT``, ``STROP_TLS_KEY``."""
+    environment: ``STROP_TOKEN``, ``STROP_TLS_CA``, ``STROP_TLS_CERT``, ``STROP_TLS_KEY``.
+
+    ``spread_over``: the full name of a service that any replica serves alike; calls then go round-robin over
+    every address of ``target`` that reports it SERVING (:func:`spread_config`). None: one connection to the
+    first address (a trainer pod holds its sessions: its calls must stay on it)."""
     env = os.environ.get
     token = token if token is not None else env("STROP_TOKEN") or None
     tls_ca = tls_ca if tls_ca is not None else env("STROP_TLS_CA") or None
     tls_cert = tls_cert if tls_cert is not None else env("STROP_TLS_CERT") or None
     tls_key = tls_key if tls_key is not None else env("STROP_TLS_KEY") or None
+    options = list(CHANNEL_OPTIONS)
+    if spread_over:
+        options.append(("grpc.service_config", spread_config(spread_over)))
     if tls or tls_ca or tls_cert:
         creds = grpc.ssl_channel_credentials(
             root_certificates=_pem(tls_ca), private_key=_pem(tls_key), certificate_chain=_pem(tls_cert)
         )
-        channel = grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(target, creds, options=options)
     else:
-        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(target, options=options)
     return grpc.intercept_channel(channel, _BearerToken(token)) if token else channel
 
 
@@ -114,6 +138,9 @@ class BaseClient:
         timeout: the default deadline of unary calls, seconds.
         token, tls_ca, tls_cert, tls_key, tls: see :func:`make_channel`.
     """
+
+    # a subclass whose service any replica serves alike names it (make_channel)
+    _spread_over: str | None = None
 
     def __init__(
         self,
@@ -130,7 +157,13 @@ class BaseClient:
         self.target = target
         self._owns_channel = channel is None
         self._channel = channel or make_channel(
-            target, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls=tls
+            target,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls=tls,
+            spread_over=self._spread_over,
         )
         self.timeout = timeout
 

@@ -74,7 +74,14 @@ UPLOAD_CHUNK = 1 << 20
 
 
 class ExportClient(ArtifactClient):
-    """Client of ``strop.v1.ExportService``. Every call raises a ``strop.client.errors`` exception on failure."""
+    """Client of ``strop.v1.ExportService``. Every call raises a ``strop.client.errors`` exception on failure.
+
+    Any exporter replica serves any call (the state is shared), so calls go round-robin over every address the
+    target resolves to that reports the service SERVING: give the headless Service's name
+    (``export-headless.strop.svc.cluster.local:50052``) to spread exports over every pod.
+    """
+
+    _spread_over = export_pb2.DESCRIPTOR.services_by_name["ExportService"].full_name
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)

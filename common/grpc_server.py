@@ -54,6 +54,31 @@ SERVER_OPTIONS = [
 ]
 
 
+@dataclass(frozen=True)
+class ConnectionAge:
+    """How long a client connection lives before the server asks the client to reconnect (HTTP/2 GOAWAY).
+
+    Behind a Kubernetes ClusterIP Service, gRPC is balanced per connection: a client keeps the pod it first
+    reached for as long as its connection lives, so replicas an autoscaler adds get no calls from connected
+    clients. A finite ``max_age_s`` makes every client reconnect (kube-proxy then picks a pod again) and makes
+    round-robin clients of a headless Service re-resolve its DNS name (their resolver runs again only when a
+    connection ends), so they find new pods. ``grace_s`` is how long calls still open on a closing connection may
+    run; 0 (the default) lets them finish however long they take (a training job's event stream runs for hours).
+    gRPC adds ±10% jitter to the age so that clients do not all reconnect at once.
+    """
+
+    max_age_s: float = 0.0  # 0: connections live until either side closes them
+    grace_s: float = 0.0  # 0: no limit
+
+    def options(self) -> list[tuple[str, int]]:
+        if self.max_age_s <= 0:
+            return []
+        out = [("grpc.max_connection_age_ms", max(1, round(self.max_age_s * 1000)))]
+        if self.grace_s > 0:
+            out.append(("grpc.max_connection_age_grace_ms", max(1, round(self.grace_s * 1000))))
+        return out
+
+
 def _status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     """The status a failed call ends with: a domain error's own code and message, else INTERNAL with a reference."""
     if isinstance(exc, StropError):
@@ -268,12 +293,13 @@ def build_server(
     reflection_on: bool = True,
     security: Security | None = None,
     health_address: str | None = None,
+    connection_age: ConnectionAge | None = None,
 ) -> RunningServer:
     """Create and start a server with error mapping, health (per service and overall) and reflection.
 
     ``health_address``: also serve grpc.health.v1, and nothing else, in plaintext there (the same statuses).
     Kubernetes' gRPC probes present no client certificate, so under mTLS they reach the service only this way;
-    a health answer reveals no tenant's data.
+    a health answer reveals no tenant's data. ``connection_age``: see :class:`ConnectionAge` (None: unlimited).
 
     The server is grpc.aio on its own event-loop thread: async handlers (the event streams) wait without
     holding a thread, so health and unary calls answer with hundreds of streams open; plain handlers run in a
@@ -287,7 +313,7 @@ def build_server(
         server = grpc.aio.server(
             migration_thread_pool=pool,
             interceptors=[ErrorInterceptor(security.tokens if security else None)],
-            options=SERVER_OPTIONS,
+            options=SERVER_OPTIONS + (connection_age or ConnectionAge()).options(),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
         health_servicer = health_aio.HealthServicer()
@@ -557,6 +583,20 @@ def service_parser(prog: str, description: str, *, name: str, port: int) -> argp
         "under mTLS, whose client certificates the kubelet cannot present (0: off; env STROP_HEALTH_PORT)",
     )
     p.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=float(env("STROP_MAX_CONNECTION_AGE", "0")),
+        help="seconds a client connection lives before the server asks the client to reconnect, so that clients "
+        "spread over replicas added later (0: unlimited; env STROP_MAX_CONNECTION_AGE)",
+    )
+    p.add_argument(
+        "--max-connection-age-grace",
+        type=float,
+        default=float(env("STROP_MAX_CONNECTION_AGE_GRACE", "0")),
+        help="seconds calls still open on a connection past --max-connection-age may run (0: until they end; "
+        "env STROP_MAX_CONNECTION_AGE_GRACE)",
+    )
+    p.add_argument(
         "--reflection",
         default=env("STROP_REFLECTION", "on"),
         choices=("on", "off"),
@@ -576,6 +616,13 @@ def security_from_args(args: argparse.Namespace) -> Security:
         )
     except (ValueError, OSError, StropError) as exc:
         raise SystemExit(f"strop: {exc}") from None
+
+
+def connection_age_from_args(args: argparse.Namespace) -> ConnectionAge:
+    """The :class:`ConnectionAge` ``--max-connection-age`` and ``--max-connection-age-grace`` ask for."""
+    if args.max_connection_age < 0 or args.max_connection_age_grace < 0:
+        raise SystemExit("strop: --max-connection-age and --max-connection-age-grace must be >= 0")
+    return ConnectionAge(args.max_connection_age, args.max_connection_age_grace)
 
 
 def metrics_address(args: argparse.Namespace) -> str | None:

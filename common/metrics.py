@@ -34,6 +34,7 @@ STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 3
 EXPORT_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 
 MemoryReading = Iterable[tuple[str, str, float]]  # (device, kind, bytes)
+IN_FLIGHT = ("QUEUED", "RUNNING")  # the export states that still hold a pod's worker or wait for it
 
 
 def process_rss_bytes() -> float:
@@ -215,6 +216,8 @@ class ExportMetrics:
 
     - ``strop_export_exports{state}``: this instance's exports by state;
     - ``strop_export_queue_length``: this instance's exports waiting for a worker;
+    - ``strop_export_in_flight``: this instance's exports queued or running, the load the exporter's
+      HorizontalPodAutoscaler scales on (deploy/k8s: one per ``--concurrent-exports`` slot);
     - ``strop_export_duration_seconds{state}`` (histogram): RUNNING to the end, by final state;
     - ``strop_export_bytes_written_total{kind}``, ``strop_export_artifacts_total{kind}``: published outputs by
       target kind;
@@ -235,6 +238,12 @@ class ExportMetrics:
         )
         self.queue = Gauge("strop_export_queue_length", "Exports waiting for a worker here.", registry=r)
         self.queue.set_function(lambda: float(dict(export_counts()).get("QUEUED", 0)))
+        self.in_flight = Gauge(
+            "strop_export_in_flight",
+            "Exports queued or running on this instance (the autoscaler's per-pod load).",
+            registry=r,
+        )
+        self.in_flight.set_function(lambda: float(sum(dict(export_counts()).get(s, 0) for s in IN_FLIGHT)))
         self.duration = Histogram(
             "strop_export_duration_seconds",
             "Wall time of an export from RUNNING to its end.",

@@ -15,11 +15,13 @@ from pathlib import Path
 
 from strop.common.artifacts import ArtifactStore
 from strop.common.grpc_server import (
+    ConnectionAge,
     Drain,
     Security,
     Service,
     ServiceBinding,
     build_server,
+    connection_age_from_args,
     health_address,
     metrics_address,
     run_main,
@@ -54,6 +56,7 @@ def start(
     security: Security | None = None,
     metrics: str | None = None,
     health: str | None = None,
+    connection_age: ConnectionAge | None = None,
 ) -> Service:
     """Start the service (port 0 binds a free port; read it from ``.port``); ``.core`` is the ExportManager.
     ``metrics``: ``host:port`` for Prometheus ``/metrics`` (port 0: a free one, ``Service.metrics_port``)."""
@@ -73,6 +76,7 @@ def start(
         reflection_on=reflection,
         security=security,
         health_address=health,
+        connection_age=connection_age,
     )
     # the manager closes its database as the drain ends, so there is nothing left to close afterwards
     endpoint = serve_metrics(manager.metrics.registry, metrics) if metrics else None
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             security=security,
             metrics=metrics_address(a),
             health=health_address(a),
+            connection_age=connection_age_from_args(a),
         ),
     )
 

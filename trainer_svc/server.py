@@ -6,11 +6,13 @@ import argparse
 from pathlib import Path
 
 from strop.common.grpc_server import (
+    ConnectionAge,
     Drain,
     Security,
     Service,
     ServiceBinding,
     build_server,
+    connection_age_from_args,
     health_address,
     metrics_address,
     run_main,
@@ -34,6 +36,7 @@ def start(
     security: Security | None = None,
     metrics: str | None = None,
     health: str | None = None,
+    connection_age: ConnectionAge | None = None,
 ) -> Service:
     """Build the core and start a server (used by ``main`` and by the tests, with port 0); ``health``: ``host:port``
     of the plaintext health-only listener (None: off); ``metrics``:
@@ -49,6 +52,7 @@ def start(
         reflection_on=reflection,
         security=security,
         health_address=health,
+        connection_age=connection_age,
     )
     endpoint = serve_metrics(core.metrics.registry, metrics) if metrics else None
     return Service(running, core, drain_work=core.drain, close=core.close, metrics=endpoint)
@@ -98,5 +102,6 @@ def main(argv: list[str] | None = None) -> None:
             security=security,
             metrics=metrics_address(a),
             health=health_address(a),
+            connection_age=connection_age_from_args(a),
         ),
     )
