@@ -216,6 +216,18 @@ class ArtifactClient(BaseClient):
         )
         return from_proto(Artifact, msg)
 
+    def delete_artifact(self, artifact_id: str) -> Artifact:
+        """Delete one of the caller's artifacts (an admin: anyone's, named ``<tenant>/<id>``); its id is free again.
+
+        Published artifacts are immutable: deleting is the only way to reuse an id.
+        """
+        msg = self._call(
+            self._stub.DeleteArtifact,
+            common_pb2.DeleteArtifactRequest(artifact_id=artifact_id),
+            name="DeleteArtifact",
+        )
+        return from_proto(Artifact, msg)
+
     def list_artifacts(self, kind: str = "") -> list[Artifact]:
         out, token = [], ""
         while True:

@@ -106,6 +106,8 @@ class ExportClient(ArtifactClient):
 
         ``merge_base``: AS_TRAINED (the default: the weights the adapter was trained against, NF4
         dequantized for a base quantized on load) or ORIGINAL_16BIT (the stored 16-bit weights).
+        ``overwrite`` is ignored: published artifacts are immutable, and a target id the caller already has is
+        ALREADY_EXISTS (:meth:`delete_artifact` frees an id).
         """
         return self.submit_export(
             ExportRequest(
@@ -198,7 +200,11 @@ class ExportClient(ArtifactClient):
         overwrite: bool = False,
         chunk_bytes: int = UPLOAD_CHUNK,
     ) -> Artifact:
-        """Upload every file under ``directory`` as one artifact (each file's sha256 checked by the server)."""
+        """Upload every file under ``directory`` as one artifact (each file's sha256 checked by the server).
+
+        The id is in the caller's own id space (another tenant's artifact of that id is neither seen nor touched);
+        ``overwrite`` is ignored: an id the caller already has is ALREADY_EXISTS (:meth:`delete_artifact`).
+        """
         root = Path(directory)
         files = sorted(p for p in root.rglob("*") if p.is_file())
         if not files:

@@ -195,11 +195,19 @@ class TrainerClient(ArtifactClient):
         *,
         resume_from_job_id: str = "",
         name: str = "",
+        fail_if_busy: bool = False,
         timeout: float | None = None,
     ) -> Iterator[JobEvent]:
-        """Start a job and stream its events until it ends. Closing the iterator detaches; the job goes on."""
+        """Start a job and stream its events until it ends. Closing the iterator detaches; the job goes on.
+
+        A session busy with another job: the new one waits QUEUED behind it, unless ``fail_if_busy``
+        (FailedPreconditionError then)."""
         req = trainer_pb2.TrainRequest(
-            session_id=session_id, dataset_id=dataset_id, resume_from_job_id=resume_from_job_id, name=name
+            session_id=session_id,
+            dataset_id=dataset_id,
+            resume_from_job_id=resume_from_job_id,
+            name=name,
+            fail_if_busy=fail_if_busy,
         )
         if config is not None:
             req.config.CopyFrom(to_proto(trainer_pb2.TrainConfig, config))

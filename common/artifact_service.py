@@ -1,4 +1,4 @@
-"""The artifact RPCs of ``common.proto`` (GetArtifact, ListArtifacts, DownloadArtifact), served alike by both
+"""The artifact RPCs of ``common.proto`` (GetArtifact, ListArtifacts, DownloadArtifact, DeleteArtifact), served alike by both
 services: a mixin for their servicers over an :class:`~strop.common.artifacts.ArtifactStore` (``self.artifacts``).
 
 Only the services' gRPC layers import this module (it imports the generated protobuf code).
@@ -15,11 +15,10 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20  # well under the 64 MiB message limit
 
 
-def visible_artifact(store: ArtifactStore, artifact_id: str):
-    """The artifact, if the caller may see it (its ``tenant`` metadata); NOT_FOUND as for a missing one otherwise."""
-    artifact = store.get(artifact_id)
-    auth.check_visible(artifact.metadata.get("tenant", ""), f"artifact {artifact_id!r}")
-    return artifact
+def visible_key(store: ArtifactStore, artifact_id: str) -> str:
+    """The store key of the artifact the caller names, if it may see it; NOT_FOUND as for a missing one otherwise
+    (the caller's own id space first, see :meth:`ArtifactStore.resolve`)."""
+    return store.resolve(artifact_id, auth.current())
 
 
 class ArtifactServicer:
@@ -28,7 +27,13 @@ class ArtifactServicer:
     artifacts: ArtifactStore
 
     def GetArtifact(self, request, context):
-        return to_proto(common_pb2.Artifact, visible_artifact(self.artifacts, request.artifact_id))
+        return to_proto(
+            common_pb2.Artifact, self.artifacts.get(visible_key(self.artifacts, request.artifact_id))
+        )
+
+    def DeleteArtifact(self, request, context):
+        key = visible_key(self.artifacts, request.artifact_id)
+        return to_proto(common_pb2.Artifact, self.artifacts.delete(key))
 
     def ListArtifacts(self, request, context):
         me = auth.current()
@@ -41,7 +46,7 @@ class ArtifactServicer:
         )
 
     def DownloadArtifact(self, request, context):
-        visible_artifact(self.artifacts, request.artifact_id)
+        key = visible_key(self.artifacts, request.artifact_id)
         chunk = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
-        for name, offset, data, sha, last in self.artifacts.iter_chunks(request.artifact_id, chunk):
+        for name, offset, data, sha, last in self.artifacts.iter_chunks(key, chunk):
             yield common_pb2.FileChunk(name=name, offset=offset, data=data, sha256=sha, last=last)

@@ -1,10 +1,21 @@
 """The artifact store: a directory tree shared by the trainer and the export service.
 
-Layout: ``<root>/<artifact_id>/`` holds the artifact's files plus ``strop-artifact.json`` (kind,
-metadata, every file's size and sha256). The directory is the source of truth, so any service that
-mounts the root (a PVC on Kubernetes) can resolve an artifact id without the producer's database.
+Layout: an artifact is a directory holding its files plus ``strop-artifact.json`` (kind, metadata, every
+file's size and sha256). The directory is the source of truth, so any service that mounts the root (a PVC on
+Kubernetes) can resolve an artifact id without the producer's database.
 
-Artifacts appear atomically: files are written under ``<root>/.tmp/<id>``, fsynced, and renamed into
+Ownership: every artifact belongs to one tenant, its owner (``metadata["tenant"]``), and each tenant has its
+own id space: tenant ``T``'s artifact ``X`` lives in ``<root>/.tenants/T/X/``; with authentication off (the
+one anonymous tenant ``""``) artifacts live in ``<root>/X/``. Two tenants may both have an ``X``; neither can
+see, probe, replace or squat the other's. The store addresses an artifact by its *key*: ``X`` for the
+anonymous tenant, ``T/X`` for tenant ``T`` (:func:`key_of`); :meth:`ArtifactStore.resolve` turns the id a
+caller names into the key it may read.
+
+Published artifacts are immutable: a write to a key that is taken is refused with ALREADY_EXISTS, whoever
+asks and whatever ``overwrite`` says (one rule, applied in :meth:`ArtifactStore.create`, the one write path of
+uploads, export targets, trainer adapters, checkpoints and loss curves). Nothing is ever replaced in place.
+
+Artifacts appear atomically: files are written under ``<root>/.tmp/<id>.<random>``, fsynced, and renamed into
 place; an exception or a cancelled producer leaves nothing behind.
 """
 
@@ -21,11 +32,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from strop.common import auth
 from strop.common.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound
 from strop.common.serde import from_dict, to_dict
 from strop.common.trainer_types import Artifact, ArtifactFile
 
 MANIFEST = "strop-artifact.json"
+TENANTS = ".tenants"  # <root>/.tenants/<tenant>/<id>: starts with a dot, so no artifact id can name it
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 1 << 20
 
@@ -72,19 +85,44 @@ def fsync_tree(directory: Path) -> None:
 def check_artifact_id(artifact_id: str) -> str:
     if not isinstance(artifact_id, str) or not _ID_RE.match(artifact_id) or ".." in artifact_id:
         raise InvalidArgument(
-            f"artifact id {artifact_id!r} is not valid (letters, digits, '.', '_', '-'; at most 128)"
+            f"artifact id {artifact_id[:200] if isinstance(artifact_id, str) else artifact_id!r} is not valid "
+            "(letters, digits, '.', '_', '-'; at most 128)"
         )
     return artifact_id
+
+
+def key_of(owner: str, artifact_id: str) -> str:
+    """The store key of ``owner``'s artifact ``artifact_id``: the id itself for the anonymous tenant."""
+    return f"{auth.check_tenant_name(owner)}/{artifact_id}" if owner else artifact_id
+
+
+def key_for(artifact: Artifact) -> str:
+    """The store key of an artifact the store returned (its owner is its ``tenant`` metadata)."""
+    return key_of(artifact.metadata.get("tenant", ""), artifact.artifact_id)
+
+
+def _split(key: str) -> tuple[str, str]:
+    """``(owner, id)`` of a key, both checked."""
+    if not isinstance(key, str):
+        raise InvalidArgument(f"artifact id {key!r} is not valid")
+    owner, slash, artifact_id = key.rpartition("/")
+    if slash and not owner:
+        raise InvalidArgument(f"artifact id {key[:200]!r} is not valid (an empty tenant name)")
+    return auth.check_tenant_name(owner), check_artifact_id(artifact_id)
 
 
 class PendingArtifact:
     """An artifact being written. Write files into ``dir``; the store publishes or discards it."""
 
-    def __init__(self, store: ArtifactStore, artifact_id: str, kind: str, metadata: dict[str, str]):
+    def __init__(
+        self, store: ArtifactStore, owner: str, artifact_id: str, kind: str, metadata: dict[str, str]
+    ):
         self.store = store
+        self.owner = owner
         self.artifact_id = artifact_id
+        self.key = key_of(owner, artifact_id)
         self.kind = kind
-        self.metadata = dict(metadata)
+        self.metadata = {**metadata, "tenant": owner}
         self.dir = store.root / ".tmp" / f"{artifact_id}.{uuid.uuid4().hex[:8]}"
         self.dir.mkdir(parents=True)
 
@@ -98,43 +136,107 @@ class ArtifactStore:
     def new_id(self, kind: str) -> str:
         return f"{kind}-{uuid.uuid4().hex[:12]}"
 
-    def path_of(self, artifact_id: str) -> Path:
-        return self.root / check_artifact_id(artifact_id)
+    def _dir(self, key: str) -> Path:
+        owner, artifact_id = _split(key)
+        return self.root / TENANTS / owner / artifact_id if owner else self.root / artifact_id
 
-    def exists(self, artifact_id: str) -> bool:
-        return (self.path_of(artifact_id) / MANIFEST).is_file()
+    def path_of(self, key: str) -> Path:
+        """The directory of the artifact with this key (see the module docstring)."""
+        found = self._dir(key)
+        owner, artifact_id = _split(key)
+        if owner and not (found / MANIFEST).is_file():
+            # written before tenants had id spaces: <root>/<id>, owned by its manifest's tenant (read-only)
+            old = self.root / artifact_id
+            if (old / MANIFEST).is_file() and self._owner_of(old) == owner:
+                return old
+        return found
+
+    def _owner_of(self, directory: Path) -> str:
+        try:
+            return str(json.loads((directory / MANIFEST).read_text()).get("metadata", {}).get("tenant", ""))
+        except (OSError, ValueError):
+            return ""
+
+    def key_at(self, directory: Path) -> str:
+        """The key of the artifact stored in ``directory`` (the inverse of :meth:`path_of`)."""
+        parts = Path(directory).resolve().relative_to(self.root).parts
+        if len(parts) == 3 and parts[0] == TENANTS:
+            return key_of(parts[1], parts[2])
+        if len(parts) == 1:
+            return check_artifact_id(parts[0])
+        raise InvalidArgument(f"{directory} is not an artifact directory of this store")
+
+    def exists(self, key: str) -> bool:
+        return (self.path_of(key) / MANIFEST).is_file()
+
+    def resolve(self, artifact_id: str, principal: auth.Principal | None = None) -> str:
+        """The key of the artifact a caller names: ``<id>`` in its own id space, or ``<tenant>/<id>``.
+
+        An admin naming a plain id that is not its own gets the one tenant's artifact of that id, if exactly one
+        tenant has it. Another tenant's artifact is NOT_FOUND, exactly as an id that does not exist.
+
+        Raises:
+            NotFound: nothing the caller may see has that id.
+            InvalidArgument: a malformed id, or (admins) a plain id that several tenants have.
+        """
+        me = principal or auth.current()
+        if isinstance(artifact_id, str) and "/" in artifact_id:
+            owner, plain = _split(artifact_id)
+            if me.can_see(owner) and self.exists(artifact_id):
+                return key_of(owner, plain)
+            raise NotFound(f"artifact {artifact_id!r} not found")
+        check_artifact_id(artifact_id)
+        own = key_of(me.tenant, artifact_id)
+        if self.exists(own):
+            return own
+        if me.admin:
+            keys = [key_for(a) for a in self.list() if a.artifact_id == artifact_id]
+            if len(keys) == 1:
+                return keys[0]
+            if keys:
+                raise InvalidArgument(
+                    f"artifact id {artifact_id!r} is used by several tenants; name one as <tenant>/<id>: "
+                    + ", ".join(sorted(keys))
+                )
+        raise NotFound(f"artifact {artifact_id!r} not found")
 
     @contextlib.contextmanager
     def create(
         self,
         kind: str,
         *,
+        owner: str,
         artifact_id: str | None = None,
         metadata: dict[str, str] | None = None,
-        overwrite: bool = False,
     ) -> Iterator[PendingArtifact]:
-        """Write a new artifact. Published on normal exit of the ``with`` block, discarded on error.
+        """Write a new artifact of ``owner``'s (its ``tenant`` metadata). Published on normal exit of the
+        ``with`` block, discarded on error. The one write path of the store: artifacts are immutable.
 
         Raises:
-            AlreadyExists: ``artifact_id`` is taken and ``overwrite`` is false (checked before and
-                again at publication, so nothing is written over a concurrent producer's result).
+            AlreadyExists: ``owner`` already has ``artifact_id`` (checked before and again at publication, so
+                nothing is written over a concurrent producer's result).
         """
         artifact_id = check_artifact_id(artifact_id or self.new_id(kind))
-        if self.exists(artifact_id) and not overwrite:
-            raise AlreadyExists(f"artifact {artifact_id!r} already exists (ask to overwrite to replace it)")
-        pending = PendingArtifact(self, artifact_id, kind, metadata or {})
+        self._refuse_taken(key_of(owner, artifact_id))
+        pending = PendingArtifact(self, owner, artifact_id, kind, metadata or {})
         try:
             yield pending
-            self._publish(pending, overwrite=overwrite)
+            self._publish(pending)
         finally:
             shutil.rmtree(pending.dir, ignore_errors=True)
 
-    def _publish(self, pending: PendingArtifact, *, overwrite: bool) -> None:
+    def _refuse_taken(self, key: str) -> None:
+        if self.exists(key):
+            raise AlreadyExists(
+                f"artifact {_split(key)[1]!r} already exists; published artifacts are immutable: choose another id"
+            )
+
+    def _publish(self, pending: PendingArtifact) -> None:
         files = scan_files(pending.dir)
         info = Artifact(
             artifact_id=pending.artifact_id,
             kind=pending.kind,
-            path=pending.artifact_id,
+            path=str(self._dir(pending.key).relative_to(self.root)),
             sha256=digest_of(files),
             size_bytes=sum(f.size_bytes for f in files),
             files=files,
@@ -143,42 +245,62 @@ class ArtifactStore:
         )
         (pending.dir / MANIFEST).write_text(json.dumps(to_dict(info), indent=1, sort_keys=True))
         fsync_tree(pending.dir)
-        final = self.path_of(pending.artifact_id)
-        trash = None
-        if final.exists():
-            if not overwrite:
-                raise AlreadyExists(f"artifact {pending.artifact_id!r} already exists")
-            trash = self.root / ".tmp" / f"{pending.artifact_id}.old.{uuid.uuid4().hex[:8]}"
-            os.rename(final, trash)
-        os.rename(pending.dir, final)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-        fd = os.open(self.root, os.O_RDONLY)
+        final = self._dir(pending.key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self._refuse_taken(pending.key)
+        try:
+            # rename(2) replaces only an empty directory: a concurrent producer's published one stays
+            os.rename(pending.dir, final)
+        except OSError:
+            self._refuse_taken(pending.key)
+            raise
+        fd = os.open(final.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def get(self, artifact_id: str) -> Artifact:
-        manifest = self.path_of(artifact_id) / MANIFEST
+    def delete(self, key: str) -> Artifact:
+        """Remove an artifact (its owner's or an admin's call, checked by the caller through :meth:`resolve`):
+        it leaves the store at once (a rename), its files after."""
+        info = self.get(key)
+        trash = self.root / ".tmp" / f"{info.artifact_id}.deleted.{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.path_of(key), trash)
+        except FileNotFoundError:
+            raise NotFound(f"artifact {info.artifact_id!r} not found") from None
+        shutil.rmtree(trash, ignore_errors=True)
+        return info
+
+    def get(self, key: str) -> Artifact:
+        manifest = self.path_of(key) / MANIFEST
         if not manifest.is_file():
-            raise NotFound(f"artifact {artifact_id!r} not found")
+            raise NotFound(f"artifact {_split(key)[1]!r} not found")
         return from_dict(Artifact, json.loads(manifest.read_text()))
 
     def list(self, kind: str | None = None) -> list[Artifact]:
+        """Every tenant's artifacts (callers filter what a principal may see), oldest first."""
+        dirs = [p for p in self.root.iterdir() if not p.name.startswith(".")]
+        tenants = self.root / TENANTS
+        if tenants.is_dir():
+            dirs += [p for t in tenants.iterdir() if t.is_dir() for p in t.iterdir()]
         out = []
-        for p in self.root.iterdir():
-            if p.name.startswith(".") or not (p / MANIFEST).is_file():
+        for p in dirs:
+            if not (p / MANIFEST).is_file():
                 continue
-            info = self.get(p.name)
+            try:
+                info = from_dict(Artifact, json.loads((p / MANIFEST).read_text()))
+            except (OSError, ValueError):
+                continue  # deleted while listed
             if kind in (None, "", info.kind):
                 out.append(info)
-        return sorted(out, key=lambda a: (a.created_at, a.artifact_id))
+        return sorted(out, key=lambda a: (a.created_at, a.metadata.get("tenant", ""), a.artifact_id))
 
-    def verify(self, artifact_id: str) -> Artifact:
+    def verify(self, key: str) -> Artifact:
         """Recompute every file's digest. Raises DataLoss naming the first file that differs."""
-        info = self.get(artifact_id)
-        base = self.path_of(artifact_id)
+        info = self.get(key)
+        artifact_id = info.artifact_id
+        base = self.path_of(key)
         for f in info.files:
             p = base / f.name
             if not p.is_file() or p.stat().st_size != f.size_bytes or sha256_file(p) != f.sha256:
@@ -208,17 +330,15 @@ class ArtifactStore:
         end = start + size
         return items[start:end], (str(end) if end < len(items) else "")
 
-    def iter_chunks(
-        self, artifact_id: str, chunk_bytes: int = _CHUNK
-    ) -> Iterator[tuple[str, int, bytes, str, bool]]:
+    def iter_chunks(self, key: str, chunk_bytes: int = _CHUNK) -> Iterator[tuple[str, int, bytes, str, bool]]:
         """Yield ``(name, offset, data, sha256_if_last, last)`` for every file, for streamed downloads.
 
         Every file is checked against its manifest entry as it is read: a missing, truncated, longer or
         altered file raises DataLoss before its last chunk is yielded, so a download never ends as complete
         with bytes the artifact was not published with.
         """
-        info = self.get(artifact_id)
-        base = self.path_of(artifact_id)
+        info = self.get(key)
+        artifact_id, base = info.artifact_id, self.path_of(key)
         chunk_bytes = max(1024, min(chunk_bytes or _CHUNK, (4 << 20) - 1024))
         for f in info.files:
             try:
@@ -248,17 +368,17 @@ class ArtifactStore:
         kind: str,
         chunks: Iterator[tuple[str, int, bytes, str, bool]],
         *,
+        owner: str,
         artifact_id: str | None = None,
         metadata: dict[str, str] | None = None,
         max_bytes: int = 64 << 30,
-        overwrite: bool = False,
     ) -> Artifact:
         """Store an artifact streamed as ``(name, offset, data, sha256_if_last, last)`` chunks.
 
         Every file's offsets must be contiguous and its digest must match the one sent with its last
         chunk; anything wrong discards the whole upload.
         """
-        with self.create(kind, artifact_id=artifact_id, metadata=metadata, overwrite=overwrite) as pending:
+        with self.create(kind, owner=owner, artifact_id=artifact_id, metadata=metadata) as pending:
             total = 0
             current: tuple[str, object, hashlib._Hash] | None = None
             for name, offset, data, sha, last in chunks:
@@ -301,5 +421,4 @@ class ArtifactStore:
                 raise InvalidArgument(f"upload ended in the middle of {current[0]!r}")
             if not any(pending.dir.iterdir()):
                 raise InvalidArgument("upload carried no files")
-            artifact_id = pending.artifact_id
-        return self.get(artifact_id)
+        return self.get(pending.key)

@@ -20,6 +20,7 @@ import contextvars
 import hashlib
 import hmac
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,18 @@ def reset_current(token: contextvars.Token) -> None:
     _CURRENT.reset(token)
 
 
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_tenant_name(tenant: str) -> str:
+    """A tenant name also names the tenant's directory in the artifact store: letters, digits, '.', '_', '-'."""
+    if tenant and (not isinstance(tenant, str) or not _TENANT_RE.match(tenant) or ".." in tenant):
+        raise InvalidArgument(
+            f"tenant name {tenant!r} is not valid (letters, digits, '.', '_', '-'; at most 128)"
+        )
+    return tenant
+
+
 def check_visible(tenant: str, what: str) -> None:
     """NOT_FOUND, exactly as for an id that does not exist, unless the caller may see ``tenant``'s object."""
     if not current().can_see(tenant):
@@ -85,6 +98,7 @@ class TokenTable:
                 digest = e.get("token_sha256") or hashlib.sha256(e["token"].encode()).hexdigest()
                 if e.get("role", "user") not in ("user", "admin") or not e["tenant"]:
                     raise ValueError(f"bad entry for tenant {e.get('tenant')!r}")
+                check_tenant_name(str(e["tenant"]))
                 entries.append((digest.lower(), Principal(str(e["tenant"]), admin=e.get("role") == "admin")))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"token file {str(path)!r}: {exc}") from None

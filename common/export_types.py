@@ -156,6 +156,9 @@ class VerifyOptions:
     answer: str = ""
     raw_question: bool = False  # do not wrap the question in the tokenizer's chat template
     max_new_tokens: int = 0  # 0: the answer's length + 8
+    # publish targets whose verification fails (each one's verification then says ``accepted_unverified``); by default a
+    # target that fails verification fails the export and nothing is published
+    accept_unverified: bool = False
 
     @property
     def has_probe(self) -> bool:
@@ -202,8 +205,10 @@ class Verification:
     answer_reproduced: bool | None = None  # None: no probe question/answer was given
     answer_top1_agreement: float | None = None  # None: no probe question/answer was given
     answer_tokens: int = 0
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # why it did not pass: never empty when passed is False
     passed: bool = False
+    # published although it did not pass, because the request set ``VerifyOptions.accept_unverified``
+    accepted_unverified: bool = False
     notes: list[str] = field(default_factory=list)
     as_trained: Comparison | None = None  # None: the as-trained reference could not be built
 
@@ -265,7 +270,7 @@ class ExportRequest:
     base_model_path: str = ""
     base_artifact_id: str = ""
     targets: list[ExportTarget] = field(default_factory=list)
-    overwrite: bool = False  # replace existing artifacts with the same ids
+    overwrite: bool = False  # ignored: published artifacts are immutable (DeleteArtifact frees an id)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     name: str = ""  # also names the GGUF files
     max_shard_bytes: int = 0  # merged safetensors shards; 0: 5 GB

@@ -10,12 +10,12 @@ import functools
 from collections.abc import Iterator
 
 from strop.common import auth
-from strop.common.artifact_service import ArtifactServicer, visible_artifact
+from strop.common.artifact_service import ArtifactServicer
 from strop.common.artifacts import ArtifactStore
 from strop.common.export_types import ExportRequest, ExportState, ExportStateChange
 from strop.common.grpc_server import Drain, follow
 from strop.common.serde import from_proto, to_proto
-from strop.export_svc.core.errors import FailedPrecondition, InvalidArgument
+from strop.export_svc.core.errors import InvalidArgument
 from strop.export_svc.core.jobs import ExportManager
 from strop.export_svc.core.pipeline import capabilities
 from strop.v1 import common_pb2, export_pb2, export_pb2_grpc
@@ -42,17 +42,8 @@ def upload_parts(requests: Iterator[export_pb2.UploadArtifactRequest]):
     return header, chunks()
 
 
-def check_replaceable(existing) -> None:
-    """Published artifacts are immutable: only an upload may replace an upload (of the caller's own tenant: a
-    foreign one is NOT_FOUND before this). A trainer's adapter or an export's output never changes under its id."""
-    if existing.metadata.get("source") != "upload":
-        raise FailedPrecondition(
-            f"artifact {existing.artifact_id!r} was published by the service and is immutable; upload under a new id"
-        )
-
-
 class ExportServicer(ArtifactServicer, export_pb2_grpc.ExportServiceServicer):
-    """Export RPCs over the job manager; the artifact RPCs (Get/List/Download) are ``ArtifactServicer``'s."""
+    """Export RPCs over the job manager; the artifact RPCs (Get/List/Download/Delete) are ``ArtifactServicer``'s."""
 
     def __init__(self, manager: ExportManager, store: ArtifactStore, drain: Drain):
         self.manager, self.store, self.drain = manager, store, drain
@@ -87,14 +78,11 @@ class ExportServicer(ArtifactServicer, export_pb2_grpc.ExportServiceServicer):
     def UploadArtifact(self, request_iterator, context):
         self.drain.check()
         h, chunks = upload_parts(request_iterator)
-        if h.overwrite and h.artifact_id and self.store.exists(h.artifact_id):
-            check_replaceable(visible_artifact(self.store, h.artifact_id))
-        metadata = {**dict(h.metadata), "tenant": auth.current().tenant, "source": "upload"}
         info = self.store.receive(
             h.kind or "adapter",
             chunks,
+            owner=auth.current().tenant,
             artifact_id=h.artifact_id or None,
-            metadata=metadata,
-            overwrite=h.overwrite,
+            metadata={**dict(h.metadata), "source": "upload"},
         )
         return to_proto(common_pb2.Artifact, info)

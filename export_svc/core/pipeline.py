@@ -39,7 +39,7 @@ from strop.common.export_types import (
     Verification,
 )
 from strop.export_svc.core import verify as V
-from strop.export_svc.core.errors import ConsumerRejected, ExportCancelled
+from strop.export_svc.core.errors import ConsumerRejected, ExportCancelled, VerificationFailed
 from strop.export_svc.core.gguf_out import write_gguf_lora, write_gguf_model
 from strop.export_svc.core.gguf_types import EXACT_TYPE_OF, GGUF_TYPES, LORA_TYPES
 from strop.export_svc.core.hf_dir import (
@@ -326,6 +326,15 @@ def _artifact_metadata(
     }
 
 
+def verification_failure(failed: list[tuple[ExportTarget, Verification]], total: int) -> str:
+    """The error of an export whose targets failed verification: each target with its consumer and problems."""
+    each = "; ".join(f"{t.label} ({v.consumer}): {' / '.join(v.problems)}" for t, v in failed)
+    return (
+        f"verification failed for {len(failed)} of {total} target(s), so nothing was published: {each}. "
+        "Set verify.accept_unverified (CLI --accept-unverified) to publish them anyway, marked as unverified"
+    )
+
+
 def write_export(
     job: ValidatedExport,
     *,
@@ -336,8 +345,13 @@ def write_export(
 ) -> list[ExportResult]:
     """Write, verify and publish every target of a validated export; returns the published artifacts.
 
+    A target whose verification fails (``passed`` False, its ``problems`` saying why) fails the export with
+    ``VerificationFailed`` naming every such target, unless ``req.verify.accept_unverified``: then it is
+    published and its verification says ``accepted_unverified``.
+
     Raises:
-        ConsumerRejected when a consumer refuses an output, ExportCancelled on cancel, OSError, ...
+        VerificationFailed when an output does not reproduce the model, ConsumerRejected when a consumer
+        refuses an output, ExportCancelled on cancel, OSError, ...
         Whatever the failure, no artifact of this export is left behind.
     """
     emit = emit or (lambda _e: None)
@@ -360,22 +374,26 @@ def write_export(
                 pending = stack.enter_context(
                     store.create(
                         t.kind.artifact_kind,
+                        owner=job.tenant,
                         artifact_id=t.artifact_id,
                         metadata=_artifact_metadata(t, inputs, export_id, job.tenant, codes),
-                        overwrite=req.overwrite,
                     )
                 )
                 v, reports = ex.write_target(t, pending)
                 if v is not None and codes.get("merge.nf4_codes", "").startswith("DIFFER"):
                     v.notes.append("the re-created NF4 codes " + codes["merge.nf4_codes"])
                 if v is not None:
+                    v.accepted_unverified = not v.passed and req.verify.accept_unverified
                     pending.metadata.update(V.verification_metadata(v))
                 pendings.append((t, pending, v, reports))
                 cancel.check()
+            failed = [(t, v) for t, _, v, _ in pendings if v is not None and not v.passed]
+            if failed and not req.verify.accept_unverified:
+                raise VerificationFailed(verification_failure(failed, len(pendings)))
             emit(ExportProgress("", "publish", "", 0, len(pendings)))
             cancel.check()
         # leaving the ExitStack published every pending artifact
-        return [ExportResult(t, store.get(p.artifact_id), v, reports) for t, p, v, reports in pendings]
+        return [ExportResult(t, store.get(p.key), v, reports) for t, p, v, reports in pendings]
     finally:
         ex.close()
 

@@ -6,7 +6,8 @@
    adapter checked against the base and against the base it was trained on, the tokenizer found;
 3. per target: that it can express the adapter (DoRA for vLLM, embedding LoRA for GGUF, ...) and the base
    (a Gemma setting llama.cpp hard-codes otherwise refuses GGUF), its
-   artifact id (generated when not given) not taken unless ``overwrite``, the dtype of a merged
+   artifact id (generated when not given) not taken in the caller's id space (artifacts are immutable), the
+   dtype of a merged
    directory (default: the base's);
 4. for GGUF targets, the tokenizer read into GGUF metadata (an unsupported tokenizer fails here).
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common import auth
-from strop.common.artifacts import ArtifactStore
+from strop.common.artifacts import ArtifactStore, check_artifact_id, key_of
 from strop.common.export_types import (
     DEFAULT_GGUF_LORA_BASE_TYPE,
     DEFAULT_GGUF_LORA_TYPE,
@@ -164,13 +165,12 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
     if req.adapter_artifact_id and req.adapter_path:
         raise InvalidArgument("give either adapter_artifact_id or adapter_path, not both")
     if req.adapter_artifact_id:
-        info = store.get(req.adapter_artifact_id)
-        auth.check_visible(info.metadata.get("tenant", ""), f"artifact {req.adapter_artifact_id!r}")
-        store.verify(req.adapter_artifact_id)  # an adapter is small: every file's sha256 is checked now
+        key = store.resolve(req.adapter_artifact_id)  # NOT_FOUND for another tenant's, as for a missing one
+        info = store.verify(key)  # an adapter is small: every file's sha256 is checked now
         if info.kind not in ADAPTER_KINDS:
             raise InvalidArgument(f"artifact {info.artifact_id!r} is a {info.kind!r}, not an adapter")
-        adapter_ref = f"artifact:{info.artifact_id}"
-        adapter = open_adapter(store.path_of(info.artifact_id), adapter_ref)
+        adapter_ref = f"artifact:{key}"
+        adapter = open_adapter(store.path_of(key), adapter_ref)
         meta = dict(info.metadata)
     elif req.adapter_path:
         path = _confine_any(req.adapter_path, [model_root, store.root], "adapter path")
@@ -178,6 +178,9 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
         confine_files(root, path, what=f"adapter {req.adapter_path!r}")
         adapter_ref = req.adapter_path
         adapter = open_adapter(path, req.adapter_path)
+
+    if adapter is not None:
+        check_finite(adapter)
 
     recorded: Path | None = None  # the base the adapter says it was trained on, when it resolves here
     recorded_label = ""
@@ -193,9 +196,8 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
     if req.base_artifact_id and req.base_model_path:
         raise InvalidArgument("give either base_model_path or base_artifact_id, not both")
     if req.base_artifact_id:
-        base_info = store.get(req.base_artifact_id)
-        auth.check_visible(base_info.metadata.get("tenant", ""), f"artifact {req.base_artifact_id!r}")
-        base_path, base_ref = store.path_of(req.base_artifact_id), f"artifact:{req.base_artifact_id}"
+        base_key = store.resolve(req.base_artifact_id)
+        base_path, base_ref = store.path_of(base_key), f"artifact:{base_key}"
     elif req.base_model_path:
         base_path = confine(model_root, req.base_model_path, what="base path")
         confine_files(model_root, base_path, what=f"base {req.base_model_path!r}")
@@ -242,13 +244,31 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
     )
 
 
+def check_finite(adapter: Adapter) -> None:
+    """An adapter holding inf or NaN is refused before anything is written: every target would carry it (a PEFT
+    copy as much as a merge), and its outputs would only fail their verification, if it ran.
+
+    Raises:
+        InvalidArgument: naming the first tensor with non-finite values and how many it holds.
+    """
+    import torch
+
+    for name in adapter.file.names():
+        t = adapter.file.read(name)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise InvalidArgument(
+                f"adapter {adapter.label!r}: {name} holds {bad} non-finite values of {t.numel()}; it cannot be exported"
+            )
+
+
 def _artifact_id(t: ExportTarget) -> str:
     detail = (t.gguf_type or t.dtype or "lora").lower()
     return f"{t.kind.artifact_kind.replace('_', '-')}-{detail}-{uuid.uuid4().hex[:10]}"
 
 
 def preflight(
-    targets: list[ExportTarget], inputs: Inputs, store: ArtifactStore, overwrite: bool
+    targets: list[ExportTarget], inputs: Inputs, store: ArtifactStore, owner: str
 ) -> list[ExportTarget]:
     """Per-target refusals and artifact-id clashes, before anything is written; fills dtype and artifact id."""
     out = []
@@ -273,8 +293,12 @@ def preflight(
         if t.kind in (K.GGUF, K.GGUF_LORA):
             check_gguf_model(inputs.base.config, inputs.base.arch)
         t.artifact_id = t.artifact_id or _artifact_id(t)
-        if store.exists(t.artifact_id) and not overwrite:
-            raise AlreadyExists(f"artifact {t.artifact_id!r} already exists (ask to overwrite to replace it)")
+        if store.exists(key_of(owner, check_artifact_id(t.artifact_id))):  # in the caller's own id space
+            raise AlreadyExists(
+                f"artifact {t.artifact_id!r} already exists; published artifacts are immutable: choose another id"
+            )
+        if sum(o.artifact_id == t.artifact_id for o in out):
+            raise InvalidArgument(f"two targets name the same artifact id {t.artifact_id!r}")
         out.append(t)
     return out
 
@@ -297,7 +321,7 @@ def validate(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Vali
     """
     targets = normalize_targets(req.targets)
     inputs = resolve(req, Path(model_root), store)
-    targets = preflight(targets, inputs, store, req.overwrite)
+    targets = preflight(targets, inputs, store, auth.current().tenant)
     if any(t.kind in (K.GGUF, K.GGUF_LORA) for t in targets):
         inputs.vocab = load_vocab(inputs.tokenizer_dir, inputs.base.config)
     req = dataclasses.replace(req, targets=targets, merge_base=inputs.merge_base)

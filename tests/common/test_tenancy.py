@@ -1,6 +1,6 @@
 """Tenancy: with bearer tokens, a tenant sees and touches only its own sessions, datasets, jobs, exports and
 artifacts; another tenant's ids are NOT_FOUND (the same answer as for ids that do not exist); an admin sees all.
-Published artifacts are immutable: an upload can replace only an upload of its own tenant."""
+Each tenant has its own artifact id space; published artifacts are immutable (only their owner deletes one)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from strop.client import FailedPreconditionError, LoraConfig, NotFoundError, TrainerClient
-from strop.client.export import ExportClient, ExportTarget
+from strop.client import AlreadyExistsError, InvalidArgumentError, LoraConfig, NotFoundError, TrainerClient
+from strop.client.export import ExportClient, ExportTarget, VerifyOptions
 from strop.common.auth import TokenTable
 from strop.common.grpc_server import Security
 from strop.demo.data import sft_rows
@@ -103,18 +103,84 @@ def test_the_owner_and_an_admin_see_it_all(services, team_a_work):
             eb.get_export(done.export_id)
 
 
-def test_published_artifacts_are_immutable_and_uploads_belong_to_their_tenant(
-    services, team_a_work, tmp_path
-):
+def test_published_artifacts_are_immutable_whatever_overwrite_says(services, team_a_work, tmp_path):
+    _, export_target = services
+    (tmp_path / "up").mkdir()
+    (tmp_path / "up" / "adapter_config.json").write_text("{}")
+    adapter = team_a_work["adapter"]
+    with ExportClient(export_target, token="ta") as ea:
+        before = ea.get_artifact(adapter)
+        for overwrite in (False, True):  # before: an upload with overwrite replaced an upload in place
+            with pytest.raises(AlreadyExistsError, match="immutable"):
+                ea.upload_artifact(tmp_path / "up", artifact_id=adapter, overwrite=overwrite)
+        assert ea.get_artifact(adapter).sha256 == before.sha256
+        ea.upload_artifact(tmp_path / "up", artifact_id="team-a-upload")
+        with pytest.raises(AlreadyExistsError, match="immutable"):
+            ea.upload_artifact(tmp_path / "up", artifact_id="team-a-upload", overwrite=True)
+        ea.delete_artifact("team-a-upload")  # the owner frees its id
+        with pytest.raises(NotFoundError):
+            ea.get_artifact("team-a-upload")
+        assert ea.upload_artifact(tmp_path / "up", artifact_id="team-a-upload").metadata["tenant"] == "team-a"
+
+
+def test_an_export_cannot_replace_another_tenants_artifact(services, team_a_work):
+    # finding 1: B's export naming A's adapter id as its target, overwrite=True and verification skipped,
+    # SUCCEEDED and replaced A's adapter (A's GetArtifact then said NOT_FOUND: the manifest said team-b)
+    target, export_target = services
+    adapter = team_a_work["adapter"]
+    with TrainerClient(target, token="ta") as a:
+        before = a.get_artifact(adapter)
+    with TrainerClient(target, token="tb") as b:
+        s = b.load_model("tiny-llama-4bit")
+        b.attach_lora(s.session_id, LoraConfig(r=4, alpha=8))
+        mine = b.save_adapter(s.session_id)
+        b.close_session(s.session_id)
+    with ExportClient(export_target, token="tb") as eb:
+        done = eb.wait_export(
+            eb.create_export(
+                [ExportTarget.peft(artifact_id=adapter)], adapter_artifact_id=mine.artifact_id,
+                overwrite=True, verify=VerifyOptions(skip=True),
+            ).export_id
+        )  # fmt: skip
+        assert done.state.value == "SUCCEEDED", done.error  # in team-b's own id space
+        assert eb.get_artifact(adapter).metadata["tenant"] == "team-b"
+    for token in ("ta", "admin"):
+        with TrainerClient(target, token=token) as c:
+            got = c.get_artifact(f"team-a/{adapter}" if token == "admin" else adapter)
+            assert (got.sha256, got.metadata["tenant"]) == (before.sha256, "team-a"), (
+                "A's adapter is untouched"
+            )
+    with ExportClient(export_target, token="admin") as admin:  # two tenants hold that id: the admin names one
+        with pytest.raises(InvalidArgumentError, match=r"team-a/.*team-b/"):
+            admin.get_artifact(adapter)
+        assert admin.get_artifact(f"team-b/{adapter}").metadata["tenant"] == "team-b"
+
+
+def test_another_tenants_ids_look_free_and_cannot_be_squatted(services, team_a_work, tmp_path):
+    # finding 3: B's upload with A's id said ALREADY_EXISTS while GetArtifact said NOT_FOUND (existence leaked),
+    # and an id B uploaded first made A's later export to that id fail with ALREADY_EXISTS
     _, export_target = services
     (tmp_path / "up").mkdir()
     (tmp_path / "up" / "adapter_config.json").write_text("{}")
     with ExportClient(export_target, token="ta") as ea:
-        # today: an upload with overwrite replaced the trainer's adapter in place, with a recomputed sha256
-        with pytest.raises(FailedPreconditionError, match="immutable"):
-            ea.upload_artifact(tmp_path / "up", artifact_id=team_a_work["adapter"], overwrite=True)
-        mine = ea.upload_artifact(tmp_path / "up", artifact_id="team-a-upload")
-        assert mine.metadata["tenant"] == "team-a"
-        ea.upload_artifact(tmp_path / "up", artifact_id="team-a-upload", overwrite=True)  # its own upload
-    with ExportClient(export_target, token="tb") as eb, pytest.raises(NotFoundError):
-        eb.upload_artifact(tmp_path / "up", artifact_id="team-a-upload", overwrite=True)
+        ea.upload_artifact(tmp_path / "up", artifact_id="a-private")
+    with ExportClient(export_target, token="tb") as eb:
+        with pytest.raises(NotFoundError):
+            eb.get_artifact("a-private")
+        with pytest.raises(NotFoundError):
+            eb.delete_artifact("a-private")
+        with pytest.raises(NotFoundError):  # a qualified id names nothing B may see, exactly as a free id
+            eb.get_artifact("team-a/a-private")
+        # the same answer as for any free id: B takes it, in its own id space
+        assert eb.upload_artifact(tmp_path / "up", artifact_id="a-private").metadata["tenant"] == "team-b"
+        eb.upload_artifact(tmp_path / "up", artifact_id="squatted")
+    with ExportClient(export_target, token="ta") as ea:
+        assert ea.get_artifact("a-private").metadata["tenant"] == "team-a"
+        done = ea.wait_export(
+            ea.create_export(
+                [ExportTarget.peft(artifact_id="squatted")], adapter_artifact_id=team_a_work["adapter"],
+                verify=VerifyOptions(skip=True),
+            ).export_id
+        )  # fmt: skip
+        assert done.state.value == "SUCCEEDED", done.error
+        assert ea.get_artifact("squatted").metadata["tenant"] == "team-a"

@@ -132,7 +132,9 @@ def _nf4_adapter_artifact(
     store, export_models, meta: dict[str, str], artifact_id: str = "adapter-nf4"
 ) -> str:
     """The random adapter of ``llama-bpe`` handed over as the trainer hands an NF4-on-load session's."""
-    with store.create("adapter", artifact_id=artifact_id, metadata={**meta, "job_id": "job-1"}) as pending:
+    with store.create(
+        "adapter", owner="", artifact_id=artifact_id, metadata={**meta, "job_id": "job-1"}
+    ) as pending:
         for p in (export_models / "llama-bpe-lora").iterdir():
             shutil.copy2(p, pending.dir / p.name)
     return artifact_id

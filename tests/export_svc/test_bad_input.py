@@ -205,7 +205,7 @@ def test_bad_input_is_refused_precisely_and_writes_nothing(export_models, store,
     assert store_is_empty(store), f"{name}: something was written"
 
 
-def test_an_existing_artifact_is_kept_unless_overwrite_is_asked(export_models, store):
+def test_an_existing_artifact_is_never_replaced_overwrite_or_not(export_models, store):
     from strop.export_svc.core.errors import AlreadyExists
 
     req = ExportRequest(
@@ -214,14 +214,20 @@ def test_an_existing_artifact_is_kept_unless_overwrite_is_asked(export_models, s
         verify=VerifyOptions(skip=True),
     )
     (first,) = run_export(req, model_root=export_models, store=store)
-    with pytest.raises(AlreadyExists, match="'my-gguf' already exists"):
-        run_export(req, model_root=export_models, store=store)
-    assert store.get("my-gguf").sha256 == first.artifact.sha256, "the refused export left the artifact alone"
     req.targets = [ExportTarget.gguf("Q8_0", artifact_id="my-gguf")]
-    req.overwrite = True
+    for overwrite in (False, True):  # before: overwrite=True replaced it in place
+        req.overwrite = overwrite
+        with pytest.raises(
+            AlreadyExists, match="'my-gguf' already exists; published artifacts are immutable"
+        ):
+            run_export(req, model_root=export_models, store=store)
+        assert store.get("my-gguf").sha256 == first.artifact.sha256, (
+            "the refused export left the artifact alone"
+        )
+    store.delete("my-gguf")
     (second,) = run_export(req, model_root=export_models, store=store)
-    assert store.get("my-gguf").sha256 == second.artifact.sha256 != first.artifact.sha256
     assert [f.name for f in store.get("my-gguf").files] == ["llama-bpe-Q8_0.gguf"]
+    assert second.artifact.sha256 != first.artifact.sha256
 
 
 def test_an_export_from_a_corrupted_adapter_artifact_is_refused_with_data_loss(export_models, tmp_path):
@@ -232,7 +238,7 @@ def test_an_export_from_a_corrupted_adapter_artifact_is_refused_with_data_loss(e
     from strop.export_svc.core.pipeline import run_export
 
     store = ArtifactStore(tmp_path / "arts")
-    with store.create("adapter", artifact_id="bad-adapter") as p:
+    with store.create("adapter", owner="", artifact_id="bad-adapter") as p:
         for f in (export_models / "trained-nf4-lora").iterdir():
             (p.dir / f.name).write_bytes(f.read_bytes())
     weights = store.path_of("bad-adapter") / "adapter_model.safetensors"
@@ -243,6 +249,32 @@ def test_an_export_from_a_corrupted_adapter_artifact_is_refused_with_data_loss(e
     with pytest.raises(DataLoss, match=r"adapter_model\.safetensors"):
         run_export(req, model_root=export_models, store=store)
     assert [a.artifact_id for a in store.list()] == ["bad-adapter"], "nothing was exported"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_an_adapter_with_non_finite_values_is_refused_by_every_target(export_models, tmp_path, value):
+    # before: CreateExport(PEFT_ADAPTER) from an adapter of 32,768 non-finite values SUCCEEDED (verification skipped)
+    from safetensors.torch import load_file, save_file
+
+    from strop.common.artifacts import ArtifactStore
+    from strop.common.export_types import ExportRequest, ExportTarget
+    from strop.export_svc.core.pipeline import run_export
+
+    store = ArtifactStore(tmp_path / "arts")
+    with store.create("adapter", owner="", artifact_id="nan-adapter") as p:
+        for f in (export_models / "trained-nf4-lora").iterdir():
+            (p.dir / f.name).write_bytes(f.read_bytes())
+        tensors = load_file(p.dir / "adapter_model.safetensors")
+        name = sorted(k for k in tensors if "lora_B" in k)[0]
+        tensors[name][0, 0] = value
+        save_file(tensors, p.dir / "adapter_model.safetensors")
+    for target in (ExportTarget.peft(), ExportTarget.gguf("F16")):
+        req = ExportRequest(
+            targets=[target], adapter_artifact_id="nan-adapter", verify=VerifyOptions(skip=True)
+        )
+        with pytest.raises(errors.InvalidArgument, match=rf"{name} holds 1 non-finite values of \d+"):
+            run_export(req, model_root=export_models, store=store)
+    assert [a.artifact_id for a in store.list()] == ["nan-adapter"], "nothing was exported"
 
 
 def test_watch_export_refuses_a_negative_after_seq_like_the_trainer(export_models, tmp_path):

@@ -40,6 +40,7 @@ KQUANTS = {"gguf:Q4_K_M": 15, "gguf:Q5_K_M": 17, "gguf:Q6_K": 18}  # llama_ftype
 def _trainer_style_artifact(store, adapter_dir, base_ref: str) -> str:
     with store.create(
         "adapter",
+        owner="",
         artifact_id="adapter-trained",
         metadata={
             "base_model": base_ref,

@@ -253,7 +253,7 @@ def test_bad_input_gets_precise_errors_while_another_job_keeps_running(
     with pytest.raises(FailedPreconditionError, match="is closed"):
         next(client.train(other.session_id, sft_dataset.dataset_id, sft_config(2)))
     with pytest.raises(FailedPreconditionError, match="is busy with job"):
-        next(client.train(ready_session, sft_dataset.dataset_id, sft_config(2)))
+        next(client.train(ready_session, sft_dataset.dataset_id, sft_config(2), fail_if_busy=True))
     for call in (client.get_job, client.cancel_job, lambda j: list(client.watch_job(j))):
         with pytest.raises(NotFoundError, match="job 'job-nope' not found"):
             call("job-nope")

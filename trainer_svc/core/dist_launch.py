@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strop.common import serde
-from strop.common.artifacts import ArtifactStore
+from strop.common.artifacts import ArtifactStore, key_for
 from strop.common.errors import FailedPrecondition
 from strop.common.trainer_types import (
     Artifact,
@@ -121,7 +121,7 @@ def lost_rank_summary(launcher_log: str) -> str:
 class DistributedJob:
     """What a distributed job trains: the same request types as the service's LoadModel, AttachLora and Train
     (read from JSON with ``common.serde``). ``dataset_path`` is under the data root; ``resume_from`` is a
-    checkpoint artifact id."""
+    checkpoint artifact's store key (``common.artifacts.key_of``)."""
 
     job_id: str = ""
     model: LoadModelRequest = field(default_factory=LoadModelRequest)
@@ -207,9 +207,7 @@ def run_distributed(
     with open(work_dir / "data" / "rows.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    spec = spec_for(
-        sess, job_id, cfg, fmt, resume_dir.name if resume_dir else ""
-    )  # the store's dir is its id
+    spec = spec_for(sess, job_id, cfg, fmt, artifacts.key_at(resume_dir) if resume_dir else "")
     (work_dir / "spec.json").write_text(json.dumps(serde.to_dict(spec)))
     events, stop_file, log_path = work_dir / "events.jsonl", work_dir / "stop", work_dir / "ranks.log"
     events.touch()
@@ -264,12 +262,12 @@ def run_distributed(
             raise RuntimeError(f"the distributed ranks exited with status {proc.returncode}: {tail}")
         lost = lost_rank_summary(log_path.read_text()[-20_000:])
         if checkpoint is not None:
-            load_adapter_into_session(sess.loaded, artifacts.path_of(checkpoint.artifact.artifact_id))
+            load_adapter_into_session(sess.loaded, artifacts.path_of(key_for(checkpoint.artifact)))
             resume = f"resume from the checkpoint at step {checkpoint.step}"
         else:
             resume = "no checkpoint to resume from"
         raise RanksLost(f"{lost} at step {step}; {resume}", step, checkpoint)
-    load_adapter_into_session(sess.loaded, artifacts.path_of(adapter.artifact_id))
+    load_adapter_into_session(sess.loaded, artifacts.path_of(key_for(adapter)))
     return step, adapter
 
 

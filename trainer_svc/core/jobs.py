@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common import auth, logs
-from strop.common.artifacts import ArtifactStore
+from strop.common.artifacts import ArtifactStore, key_for
 from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.metrics import TrainerMetrics
 from strop.common.signals import follow_blocking
@@ -37,7 +37,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import dist_launch, fsdp, job_config, loss_curve, models, training
+from strop.trainer_svc.core import adapter_state, dist_launch, fsdp, job_config, loss_curve, models, training
 from strop.trainer_svc.core.datasets import Datasets
 from strop.trainer_svc.core.guard import BrokenTraining
 from strop.trainer_svc.core.sessions import Session, Sessions
@@ -51,8 +51,9 @@ def publish_checkpoint(
 ) -> Checkpoint:
     """Copy the checkpoint directory HF wrote at ``step`` into the store (a job's, or a distributed job's rank
     0's, ``dist_worker``), with the base's tokenizer files and metadata."""
-    meta = {**models.adapter_metadata(loaded), "job_id": job_id, "step": str(step), "tenant": tenant}
-    with artifacts.create("checkpoint", metadata=meta) as pending:
+    adapter_state.check_finite(loaded, f"the checkpoint at step {step}")
+    meta = {**models.adapter_metadata(loaded), "job_id": job_id, "step": str(step)}
+    with artifacts.create("checkpoint", owner=tenant, metadata=meta) as pending:
         for src in path.rglob("*"):
             if src.is_file():
                 dst = pending.dir / src.relative_to(path)
@@ -61,7 +62,7 @@ def publish_checkpoint(
         models.copy_tokenizer_files(loaded.model_dir, pending.dir)
         if loaded.facts.quantization == "bnb-nf4-on-load":  # exports from a checkpoint are exact too
             models.write_nf4_stats(loaded.model, pending.dir / models.NF4_STATS_FILE)
-    return Checkpoint(step=step, artifact=artifacts.get(pending.artifact_id))
+    return Checkpoint(step=step, artifact=artifacts.get(pending.key))
 
 
 def failure_of(exc: BaseException) -> tuple[str, str]:
@@ -127,8 +128,13 @@ class Jobs:
         *,
         resume_from_job_id: str = "",
         name: str = "",
+        fail_if_busy: bool = False,
     ) -> JobInfo:
-        """Validate everything, create the job and start its thread; errors leave nothing behind."""
+        """Validate everything, create the job and start its thread; errors leave nothing behind.
+
+        A job on a session busy with another one waits QUEUED behind it (in the device's queue, its position in
+        ``queue_position``), unless ``fail_if_busy``: then FAILED_PRECONDITION.
+        """
         resume_dir = None
         if resume_from_job_id:
             prev = self._visible_job(resume_from_job_id)
@@ -139,9 +145,9 @@ class Jobs:
                 )
             if prev.last_checkpoint is None or prev.last_checkpoint.artifact is None:
                 raise FailedPrecondition(f"job {resume_from_job_id} has no checkpoint to resume from")
-            ckpt_id = prev.last_checkpoint.artifact.artifact_id
-            self.artifacts.verify(ckpt_id)
-            resume_dir = self.artifacts.path_of(ckpt_id)
+            ckpt_key = key_for(prev.last_checkpoint.artifact)
+            self.artifacts.verify(ckpt_key)
+            resume_dir = self.artifacts.path_of(ckpt_key)
             dataset_id = dataset_id or prev.dataset_id
             if config is None or config.method is TrainMethod.UNSPECIFIED:
                 config = prev.config
@@ -176,13 +182,18 @@ class Jobs:
             tenant=sess.info.tenant,
         )
         with self._lock:
-            if sess.info.busy_job_id:
+            if sess.broken:
+                raise FailedPrecondition(f"session {session_id}: {sess.broken}")
+            if sess.info.state is SessionState.CLOSED:
+                raise FailedPrecondition(f"session {session_id} is closed")
+            if sess.info.busy_job_id and fail_if_busy:
                 raise FailedPrecondition(f"session {session_id} is busy with job {sess.info.busy_job_id}")
             if len(self._queue) >= self.max_queued:
                 raise ResourceExhausted(
                     f"{len(self._queue)} jobs are queued for this device (limit {self.max_queued}); retry later"
                 )
-            sess.info.busy_job_id = job.job_id
+            sess.jobs.append(job.job_id)
+            sess.info.busy_job_id = sess.jobs[0]
             self.store.insert_job(job)
             self.store.put_session(sess.info)
             self.store.append_event(
@@ -276,9 +287,11 @@ class Jobs:
                 self.metrics.on_finished(state.value)
             self.store.transition(job_id, state, message)
             return
+        outcome, before = None, None
         try:
             with sess.lock:
                 self.store.transition(job_id, JobState.RUNNING)
+                before = adapter_state.snapshot(sess.loaded)  # what a FAILED job leaves the session with
                 if cfg.num_devices > 1:  # torchrun's ranks train; rank 0 publishes (``dist_launch``)
                     step, adapter = dist_launch.run_distributed(
                         sess, job_id, cfg, fmt, rows, control, resume_dir, work_dir=work_dir,
@@ -319,6 +332,8 @@ class Jobs:
             outcome = JobState.FAILED, self._scrub(message), code
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
+            if before is not None and (outcome is None or outcome[0] is JobState.FAILED):
+                self._restore_adapter(sess, job_id, before)
             if sess.loaded.device.startswith("cuda"):
                 torch.cuda.empty_cache()
             # drawn before the device is released: the job ends (finished_at) before the next one starts
@@ -330,6 +345,23 @@ class Jobs:
             self.metrics.on_finished(state.value)
         self.store.transition(job_id, state, message, error_code=code, loss_curve=curve)
         log.info("job %s: %s (%s)", job_id, state.value, message)
+
+    def _restore_adapter(self, sess: Session, job_id: str, before: adapter_state.Snapshot) -> None:
+        """A failed job's adapter goes: the session gets back the one it had before the job (before the device
+        turn is released, so a job queued behind it starts from that one)."""
+        try:
+            with sess.lock:
+                adapter_state.restore(sess.loaded, before)
+        except Exception:  # the session cannot be trusted any more: it refuses work until closed
+            log.exception("job %s: the session's adapter could not be restored", job_id)
+            sess.broken = f"job {job_id} failed and its adapter could not be restored; close the session"
+            return
+        self.store.append_event(
+            JobEvent(
+                job_id=job_id,
+                log=LogMessage("info", "the session's adapter is back to its state before this job"),
+            )
+        )
 
     FLAT_MARGIN = 0.05  # reward-margin change (nats) below which a DPO run is said to have shown no effect
 
@@ -368,7 +400,9 @@ class Jobs:
     def _free_session(self, sess: Session, job_id: str) -> None:
         # The session is free before the terminal event, so a client that saw the job end can reuse it.
         with self._lock:
-            sess.info.busy_job_id = ""
+            if job_id in sess.jobs:
+                sess.jobs.remove(job_id)
+            sess.info.busy_job_id = sess.jobs[0] if sess.jobs else ""
             if sess.info.state is not SessionState.CLOSED:
                 self.store.put_session(sess.info)
             self._jobs.pop(job_id, None)

@@ -81,11 +81,10 @@ def publish_loss_curve(store: TrainerStore, artifacts: ArtifactStore, job_id: st
             "job_id": job_id,
             "steps": str(len(steps)),
             "last_loss": repr(losses[-1]),
-            "tenant": job.tenant,
         }
-        with artifacts.create(KIND, metadata=meta) as pending:
+        with artifacts.create(KIND, owner=job.tenant, metadata=meta) as pending:
             (pending.dir / FILE_NAME).write_bytes(png)
-        return artifacts.get(pending.artifact_id)
+        return artifacts.get(pending.key)
     except Exception:
         log.exception("job %s: the loss curve could not be rendered", job_id)
         return None

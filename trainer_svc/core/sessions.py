@@ -2,33 +2,65 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from strop.common import auth
 from strop.common.artifacts import ArtifactStore
-from strop.common.errors import FailedPrecondition, ResourceExhausted
-from strop.common.pretokenizers import PreTokenizerGuess, predict_for_tokenizer
+from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unimplemented
+from strop.common.pretokenizers import Identification, PreTokenizerGuess, predict_for_tokenizer
 from strop.common.trainer_types import Artifact, LoadModelRequest, LoraConfig, SessionInfo, SessionState
-from strop.trainer_svc.core import models
+from strop.trainer_svc.core import adapter_state, models
 from strop.trainer_svc.core.store import TrainerStore
 
 log = logging.getLogger("strop.trainer")
 
 
 def predict_gguf_pre_tokenizer(loaded: models.LoadedModel) -> PreTokenizerGuess:
-    """What a GGUF export of this model will write as ``tokenizer.ggml.pre`` (or whether it will refuse),
-    told at load so a user learns it before training; the export confirms it with llama.cpp."""
+    """What a GGUF export of this model will write as ``tokenizer.ggml.pre`` (or that it will refuse), told at
+    load so a user learns it before training: the export's own decision (``strop.common.gguf_vocab.build_vocab``,
+    proven with llama.cpp), or, where this host lacks gguf or llama-cpp-python, its pure-Python prediction."""
+    model_dir = Path(loaded.model_dir)
     try:
-        spm = (Path(loaded.model_dir) / "tokenizer.model").is_file()
-        return predict_for_tokenizer(loaded.tokenizer, sentencepiece_model=spm)
+        from strop.common.gguf_vocab import build_vocab
+
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        v = build_vocab(
+            loaded.tokenizer,
+            model_dir,
+            config,
+            tokenizer_config=_json_or_empty(model_dir / "tokenizer_config.json"),
+            special_tokens_map=_json_or_empty(model_dir / "special_tokens_map.json"),
+        )
+        return PreTokenizerGuess(v.pre, Identification(v.pre_how), (v.pre,), note=v.pre_note)
+    except (Unimplemented, InvalidArgument) as exc:
+        return PreTokenizerGuess(note=f"GGUF export will be refused: {exc}", gguf_writable=False)
+    except ImportError as exc:  # the GPU image carries neither gguf nor llama-cpp-python
+        missing = exc.name or str(exc)
     except Exception as exc:  # a prediction never fails a load
+        log.warning("could not decide the GGUF pre-tokenizer: %s", exc)
+        return PreTokenizerGuess(note=f"could not decide the GGUF pre-tokenizer ({exc}); the export decides")
+    try:
+        guess = predict_for_tokenizer(
+            loaded.tokenizer, sentencepiece_model=(model_dir / "tokenizer.model").is_file()
+        )
+    except Exception as exc:
         log.warning("could not predict the GGUF pre-tokenizer: %s", exc)
         return PreTokenizerGuess(note=f"could not predict the GGUF pre-tokenizer ({exc}); the export decides")
+    return replace(
+        guess,
+        note=f"{guess.note} (predicted, not proven: {missing} is not installed on this trainer; the export "
+        "proves the name with llama.cpp and may write another)",
+    )
+
+
+def _json_or_empty(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 @dataclass
@@ -36,6 +68,9 @@ class Session:
     info: SessionInfo
     loaded: models.LoadedModel
     lock: threading.RLock = field(default_factory=threading.RLock)  # held by a job for its whole run
+    broken: str = ""  # why the session refuses all but CloseSession (a failed job's adapter not restored)
+    # its jobs not yet ended, in order; info.busy_job_id is the first
+    jobs: list[str] = field(default_factory=list)
 
 
 class Sessions:
@@ -116,8 +151,10 @@ class Sessions:
             raise FailedPrecondition(f"session {session_id} is closed")
         return sess
 
-    def idle(self, session_id: str) -> Session:
+    def idle(self, session_id: str, *, closing: bool = False) -> Session:
         sess = self.open(session_id)
+        if sess.broken and not closing:
+            raise FailedPrecondition(f"session {session_id}: {sess.broken}")
         if sess.info.busy_job_id:
             raise FailedPrecondition(f"session {session_id} is busy with job {sess.info.busy_job_id}")
         return sess
@@ -151,7 +188,7 @@ class Sessions:
         return out
 
     def close(self, session_id: str) -> SessionInfo:
-        sess = self.idle(session_id)
+        sess = self.idle(session_id, closing=True)
         with sess.lock:
             models.release(sess.loaded)
             sess.info.state = SessionState.CLOSED
@@ -207,7 +244,8 @@ def publish_adapter(
 ) -> Artifact:
     """Write ``loaded``'s adapter into the store as an ``adapter`` artifact (a session's, or a distributed
     job's rank 0's, ``dist_worker``), with the base's metadata, ``metadata`` and the tenant."""
-    meta = {**models.adapter_metadata(loaded), **metadata, "tenant": tenant}
-    with artifacts.create("adapter", artifact_id=artifact_id, metadata=meta) as pending:
+    adapter_state.check_finite(loaded, "the adapter " + (f"{artifact_id!r}" if artifact_id else "to save"))
+    meta = {**models.adapter_metadata(loaded), **metadata}
+    with artifacts.create("adapter", owner=tenant, artifact_id=artifact_id, metadata=meta) as pending:
         models.write_adapter(loaded, pending.dir)
-    return artifacts.get(pending.artifact_id)
+    return artifacts.get(pending.key)

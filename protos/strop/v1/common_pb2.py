@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15strop/v1/common.proto\x12\x08strop.v1\"@\n\x0c\x41rtifactFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xff\x01\n\x08\x41rtifact\x12\x13\n\x0b\x61rtifact_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12%\n\x05\x66iles\x18\x06 \x03(\x0b\x32\x16.strop.v1.ArtifactFile\x12\x32\n\x08metadata\x18\x07 \x03(\x0b\x32 .strop.v1.Artifact.MetadataEntry\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\tFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04last\x18\x05 \x01(\x08\")\n\x12GetArtifactRequest\x12\x13\n\x0b\x61rtifact_id\x18\x01 \x01(\t\"K\n\x14ListArtifactsRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"W\n\x15ListArtifactsResponse\x12%\n\tartifacts\x18\x01 \x03(\x0b\x32\x12.strop.v1.Artifact\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"C\n\x17\x44ownloadArtifactRequest\x12\x13\n\x0b\x61rtifact_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"q\n\nLoraConfig\x12\t\n\x01r\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x12\n\nuse_rslora\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15strop/v1/common.proto\x12\x08strop.v1\"@\n\x0c\x41rtifactFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xff\x01\n\x08\x41rtifact\x12\x13\n\x0b\x61rtifact_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12%\n\x05\x66iles\x18\x06 \x03(\x0b\x32\x16.strop.v1.ArtifactFile\x12\x32\n\x08metadata\x18\x07 \x03(\x0b\x32 .strop.v1.Artifact.MetadataEntry\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\tFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04last\x18\x05 \x01(\x08\")\n\x12GetArtifactRequest\x12\x13\n\x0b\x61rtifact_id\x18\x01 \x01(\t\",\n\x15\x44\x65leteArtifactRequest\x12\x13\n\x0b\x61rtifact_id\x18\x01 \x01(\t\"K\n\x14ListArtifactsRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"W\n\x15ListArtifactsResponse\x12%\n\tartifacts\x18\x01 \x03(\x0b\x32\x12.strop.v1.Artifact\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"C\n\x17\x44ownloadArtifactRequest\x12\x13\n\x0b\x61rtifact_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"q\n\nLoraConfig\x12\t\n\x01r\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x12\n\nuse_rslora\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,12 +43,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FILECHUNK']._serialized_end=444
   _globals['_GETARTIFACTREQUEST']._serialized_start=446
   _globals['_GETARTIFACTREQUEST']._serialized_end=487
-  _globals['_LISTARTIFACTSREQUEST']._serialized_start=489
-  _globals['_LISTARTIFACTSREQUEST']._serialized_end=564
-  _globals['_LISTARTIFACTSRESPONSE']._serialized_start=566
-  _globals['_LISTARTIFACTSRESPONSE']._serialized_end=653
-  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_start=655
-  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_end=722
-  _globals['_LORACONFIG']._serialized_start=724
-  _globals['_LORACONFIG']._serialized_end=837
+  _globals['_DELETEARTIFACTREQUEST']._serialized_start=489
+  _globals['_DELETEARTIFACTREQUEST']._serialized_end=533
+  _globals['_LISTARTIFACTSREQUEST']._serialized_start=535
+  _globals['_LISTARTIFACTSREQUEST']._serialized_end=610
+  _globals['_LISTARTIFACTSRESPONSE']._serialized_start=612
+  _globals['_LISTARTIFACTSRESPONSE']._serialized_end=699
+  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_start=701
+  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_end=768
+  _globals['_LORACONFIG']._serialized_start=770
+  _globals['_LORACONFIG']._serialized_end=883
 # @@protoc_insertion_point(module_scope)

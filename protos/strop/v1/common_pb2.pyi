@@ -63,6 +63,12 @@ class GetArtifactRequest(_message.Message):
     artifact_id: str
     def __init__(self, artifact_id: _Optional[str] = ...) -> None: ...
 
+class DeleteArtifactRequest(_message.Message):
+    __slots__ = ("artifact_id",)
+    ARTIFACT_ID_FIELD_NUMBER: _ClassVar[int]
+    artifact_id: str
+    def __init__(self, artifact_id: _Optional[str] = ...) -> None: ...
+
 class ListArtifactsRequest(_message.Message):
     __slots__ = ("kind", "page_size", "page_token")
     KIND_FIELD_NUMBER: _ClassVar[int]

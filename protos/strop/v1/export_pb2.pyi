@@ -62,7 +62,7 @@ class ExportTarget(_message.Message):
     def __init__(self, kind: _Optional[_Union[ExportTargetKind, str]] = ..., gguf_type: _Optional[str] = ..., dtype: _Optional[str] = ..., artifact_id: _Optional[str] = ..., base_gguf_type: _Optional[str] = ...) -> None: ...
 
 class VerifyOptions(_message.Message):
-    __slots__ = ("skip", "prompts", "heldout_texts", "question", "answer", "raw_question", "max_new_tokens")
+    __slots__ = ("skip", "prompts", "heldout_texts", "question", "answer", "raw_question", "max_new_tokens", "accept_unverified")
     SKIP_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     HELDOUT_TEXTS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class VerifyOptions(_message.Message):
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     RAW_QUESTION_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
     skip: bool
     prompts: _containers.RepeatedScalarFieldContainer[str]
     heldout_texts: _containers.RepeatedScalarFieldContainer[str]
@@ -77,7 +78,8 @@ class VerifyOptions(_message.Message):
     answer: str
     raw_question: bool
     max_new_tokens: int
-    def __init__(self, skip: _Optional[bool] = ..., prompts: _Optional[_Iterable[str]] = ..., heldout_texts: _Optional[_Iterable[str]] = ..., question: _Optional[str] = ..., answer: _Optional[str] = ..., raw_question: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    accept_unverified: bool
+    def __init__(self, skip: _Optional[bool] = ..., prompts: _Optional[_Iterable[str]] = ..., heldout_texts: _Optional[_Iterable[str]] = ..., question: _Optional[str] = ..., answer: _Optional[str] = ..., raw_question: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., accept_unverified: _Optional[bool] = ...) -> None: ...
 
 class CreateExportRequest(_message.Message):
     __slots__ = ("adapter_artifact_id", "adapter_path", "base_model_path", "base_artifact_id", "targets", "overwrite", "verify", "name", "max_shard_bytes", "merge_base")
@@ -124,7 +126,7 @@ class Comparison(_message.Message):
     def __init__(self, reference: _Optional[str] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., answer_top1_agreement: _Optional[float] = ..., max_abs_logit: _Optional[float] = ...) -> None: ...
 
 class Verification(_message.Message):
-    __slots__ = ("consumer", "positions", "max_abs_logit_delta", "mean_abs_logit_delta", "top1_agreement", "perplexity_reference", "perplexity", "perplexity_delta", "tokens_checked", "tokens_match", "token_mismatches", "chat_tokens_checked", "chat_tokens_match", "generated", "answer_checked", "answer_reproduced", "answer_top1_agreement", "answer_tokens", "problems", "passed", "notes", "as_trained")
+    __slots__ = ("consumer", "positions", "max_abs_logit_delta", "mean_abs_logit_delta", "top1_agreement", "perplexity_reference", "perplexity", "perplexity_delta", "tokens_checked", "tokens_match", "token_mismatches", "chat_tokens_checked", "chat_tokens_match", "generated", "answer_checked", "answer_reproduced", "answer_top1_agreement", "answer_tokens", "problems", "passed", "notes", "as_trained", "accepted_unverified")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_ABS_LOGIT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,7 @@ class Verification(_message.Message):
     PASSED_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
     AS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     positions: int
     max_abs_logit_delta: float
@@ -169,7 +172,8 @@ class Verification(_message.Message):
     passed: bool
     notes: _containers.RepeatedScalarFieldContainer[str]
     as_trained: Comparison
-    def __init__(self, consumer: _Optional[str] = ..., positions: _Optional[int] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., tokens_checked: _Optional[bool] = ..., tokens_match: _Optional[bool] = ..., token_mismatches: _Optional[_Iterable[str]] = ..., chat_tokens_checked: _Optional[bool] = ..., chat_tokens_match: _Optional[bool] = ..., generated: _Optional[str] = ..., answer_checked: _Optional[bool] = ..., answer_reproduced: _Optional[bool] = ..., answer_top1_agreement: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., problems: _Optional[_Iterable[str]] = ..., passed: _Optional[bool] = ..., notes: _Optional[_Iterable[str]] = ..., as_trained: _Optional[_Union[Comparison, _Mapping]] = ...) -> None: ...
+    accepted_unverified: bool
+    def __init__(self, consumer: _Optional[str] = ..., positions: _Optional[int] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., tokens_checked: _Optional[bool] = ..., tokens_match: _Optional[bool] = ..., token_mismatches: _Optional[_Iterable[str]] = ..., chat_tokens_checked: _Optional[bool] = ..., chat_tokens_match: _Optional[bool] = ..., generated: _Optional[str] = ..., answer_checked: _Optional[bool] = ..., answer_reproduced: _Optional[bool] = ..., answer_top1_agreement: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., problems: _Optional[_Iterable[str]] = ..., passed: _Optional[bool] = ..., notes: _Optional[_Iterable[str]] = ..., as_trained: _Optional[_Union[Comparison, _Mapping]] = ..., accepted_unverified: _Optional[bool] = ...) -> None: ...
 
 class TensorTypeCount(_message.Message):
     __slots__ = ("type", "count")

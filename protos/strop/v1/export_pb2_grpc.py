@@ -85,6 +85,11 @@ class ExportServiceStub:
                 request_serializer=strop_dot_v1_dot_common__pb2.DownloadArtifactRequest.SerializeToString,
                 response_deserializer=strop_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.DeleteArtifact = channel.unary_unary(
+                '/strop.v1.ExportService/DeleteArtifact',
+                request_serializer=strop_dot_v1_dot_common__pb2.DeleteArtifactRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_common__pb2.Artifact.FromString,
+                _registered_method=True)
 
 
 class ExportServiceServicer:
@@ -156,6 +161,12 @@ class ExportServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteArtifact(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExportServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +219,11 @@ def add_ExportServiceServicer_to_server(servicer, server):
                     servicer.DownloadArtifact,
                     request_deserializer=strop_dot_v1_dot_common__pb2.DownloadArtifactRequest.FromString,
                     response_serializer=strop_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'DeleteArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteArtifact,
+                    request_deserializer=strop_dot_v1_dot_common__pb2.DeleteArtifactRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_common__pb2.Artifact.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +496,33 @@ class ExportService:
             '/strop.v1.ExportService/DownloadArtifact',
             strop_dot_v1_dot_common__pb2.DownloadArtifactRequest.SerializeToString,
             strop_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.ExportService/DeleteArtifact',
+            strop_dot_v1_dot_common__pb2.DeleteArtifactRequest.SerializeToString,
+            strop_dot_v1_dot_common__pb2.Artifact.FromString,
             options,
             channel_credentials,
             insecure,

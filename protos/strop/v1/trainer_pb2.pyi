@@ -387,18 +387,20 @@ class TrainConfig(_message.Message):
     def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name")
+    __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name", "fail_if_busy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FAIL_IF_BUSY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     dataset_id: str
     config: TrainConfig
     resume_from_job_id: str
     name: str
-    def __init__(self, session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., resume_from_job_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    fail_if_busy: bool
+    def __init__(self, session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., resume_from_job_id: _Optional[str] = ..., name: _Optional[str] = ..., fail_if_busy: _Optional[bool] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("step", "artifact")
