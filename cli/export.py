@@ -52,6 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--raw-question", action="store_true", help="do not wrap the question in the chat template"
     )
     r.add_argument("--no-verify", action="store_true", help="skip consumer verification")
+    r.add_argument(
+        "--accept-unverified",
+        action="store_true",
+        help="publish targets whose verification fails, marked as unverified (default: such a target fails the "
+        "export and nothing is published)",
+    )
     r.add_argument("--overwrite", action="store_true", help="replace artifacts with the same ids")
     r.add_argument("--name", default="")
     r.add_argument("--max-shard-bytes", type=int, default=0)
@@ -124,15 +130,21 @@ def print_results(results: list[Any], out=None) -> None:
             print(f"| {label} | {aid} | (not verified) |  |  |  |  |  |  |  |  |", file=out)
             continue
         ans = v.answer_reproduced
+        accepted = " (accepted unverified)" if v.accepted_unverified else ""
         trained = v.as_trained.max_abs_logit_delta if v.as_trained is not None else None
         print(
             f"| {label} | {aid} | {v.consumer} | {_fmt(v.max_abs_logit_delta)} | {_fmt(trained)} "
             f"| {_fmt(v.top1_agreement, '.3f')} | {v.perplexity_reference:.4f} -> {v.perplexity:.4f} "
             f"| {_checked(v.tokens_match)} "
             f"| {'not checked' if ans is None else ('reproduced' if ans else repr(v.generated))} "
-            f"| {_fmt(v.answer_top1_agreement, '.3f')} | {v.passed} |",
+            f"| {_fmt(v.answer_top1_agreement, '.3f')} | {v.passed}{accepted} |",
             file=out,
         )
+    for r in results:
+        v = r.verification
+        for problem in v.problems if v is not None else []:
+            tag = "accepted unverified" if v.accepted_unverified else "failed"
+            print(f"\n{r.target.label} {tag}: {problem}", file=out)
     merge = next(
         (r.artifact.metadata.get("merge.base_weights") for r in results if r.artifact.metadata), None
     )
@@ -166,7 +178,11 @@ def _cmd_run(a) -> int:
         targets=targets,
         overwrite=a.overwrite,
         verify=VerifyOptions(
-            skip=a.no_verify, question=a.question, answer=a.answer, raw_question=a.raw_question
+            skip=a.no_verify,
+            question=a.question,
+            answer=a.answer,
+            raw_question=a.raw_question,
+            accept_unverified=a.accept_unverified,
         ),
         name=a.name,
         max_shard_bytes=a.max_shard_bytes,

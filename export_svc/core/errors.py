@@ -15,6 +15,7 @@ service's interceptor maps them to. The mapping, fixed for every export input pr
 | the target cannot express the adapter (DoRA for vLLM, ...) | ``TargetRefused`` | FAILED_PRECONDITION |
 | architecture / quantization method strop does not export | ``UnsupportedModel`` | UNIMPLEMENTED |
 | a consumer (llama.cpp) rejects what was written | ``ConsumerRejected`` | INTERNAL (a bug) |
+| an output fails its verification (and the request does not accept that) | ``VerificationFailed`` | FAILED_PRECONDITION |
 | a client cancelled the export | ``ExportCancelled`` | CANCELLED |
 """
 
@@ -50,6 +51,7 @@ __all__ = [
     "Unavailable",
     "UnknownFormat",
     "UnsupportedModel",
+    "VerificationFailed",
     "WriterStateError",
 ]
 
@@ -80,6 +82,11 @@ class UnsupportedModel(Unimplemented):
 
 class ConsumerRejected(StropError):
     """A consumer (transformers, llama.cpp) refused an output strop wrote: a strop bug, not bad input."""
+
+
+class VerificationFailed(FailedPrecondition):
+    """An output was written and loaded, but does not reproduce the model (its verification's problems name
+    why): nothing of the export is published unless the request accepts unverified targets."""
 
 
 class ExportCancelled(Cancelled):

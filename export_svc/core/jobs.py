@@ -349,10 +349,14 @@ class ExportManager:
             with self._lock:
                 for r in results:
                     self._append(export_id, "result", to_dict(r))
+                accepted = [
+                    r.target.label for r in results if r.verification and r.verification.accepted_unverified
+                ]
                 self._set_state(
                     export_id,
                     ExportState.SUCCEEDED,
-                    f"{len(results)} artifacts published",
+                    f"{len(results)} artifacts published"
+                    + (f"; UNVERIFIED (accepted by the request): {', '.join(accepted)}" if accepted else ""),
                     results=json.dumps([to_dict(r) for r in results]),
                     artifact_ids=json.dumps([r.artifact.artifact_id for r in results]),
                 )

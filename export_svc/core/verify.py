@@ -296,6 +296,10 @@ def _ppl(logits: list[np.ndarray], seqs: list[list[int]]) -> float:
     return math.exp(total / max(n, 1))
 
 
+# A 2–6 bit quantization passes when its teacher-forced top-1 on the trained answer keeps this share.
+LOSSY_ANSWER_TOP1 = 0.95
+
+
 def reproduces(generated: str, answer: str) -> bool:
     return generated.strip().startswith(answer.strip())
 
@@ -354,7 +358,6 @@ def compare(
                     "llama.cpp tokenizes the chat-formatted question differently from HF "
                     "(SentencePiece: llama.cpp prefixes a space after special tokens); ids were fed directly"
                 )
-    qa_ok = True
     if probe.has_qa:
         assert probe.ref_qa is not None
         full = probe.qa_prompt + probe.qa_answer
@@ -370,10 +373,28 @@ def compare(
         )
         v.generated = probe.tokenizer.decode(gen, skip_special_tokens=True)
         v.answer_reproduced = reproduces(v.generated, probe.answer_text)
-        qa_ok = v.answer_top1_agreement >= 0.95 if lossy else v.answer_reproduced
-    finite = math.isfinite(v.max_abs_logit_delta) and math.isfinite(v.perplexity)
-    tokens_ok = v.tokens_match or not v.tokens_checked
-    v.passed = finite and tokens_ok and not v.problems and qa_ok
+        if lossy and v.answer_top1_agreement < LOSSY_ANSWER_TOP1:
+            v.problems.append(
+                f"teacher-forced top-1 agreement on the trained answer is {v.answer_top1_agreement:.3f} "
+                f"({v.answer_tokens} tokens), below the {LOSSY_ANSWER_TOP1} a lossy quantization must keep; "
+                f"greedy generation gave {v.generated!r}"
+            )
+        elif not lossy and not v.answer_reproduced:
+            v.problems.append(
+                f"greedy generation does not reproduce the trained answer: {v.generated!r} instead of "
+                f"{probe.answer_text!r} (teacher-forced top-1 agreement {v.answer_top1_agreement:.3f})"
+            )
+    if not (math.isfinite(v.max_abs_logit_delta) and math.isfinite(v.perplexity)):
+        v.problems.insert(
+            0, f"non-finite figures: max |dlogit| {v.max_abs_logit_delta}, perplexity {v.perplexity}"
+        )
+    if v.tokens_checked and not v.tokens_match:
+        v.problems.append(
+            f"llama.cpp tokenizes {len(v.token_mismatches)} text(s) differently from transformers: "
+            f"{v.token_mismatches[:3]}"
+        )
+    # every reason to fail is a problem with its figures: passed is exactly "no problems"
+    v.passed = not v.problems
     return v
 
 
