@@ -13,7 +13,8 @@ trainer predicts the export's outcome at LoadModel with them, the export service
 
 Neither is proof: the export service writes a vocab-only GGUF per candidate, tokenizes :func:`edge_texts`
 with llama.cpp and keeps the first name whose ids equal HF's token for token
-(``strop.export_svc.core.gguf_pretok``). :data:`BEHAVIOURS` lists one name per distinct llama.cpp
+(``strop.common.gguf_pretok``; ``strop.common.gguf_vocab.build_vocab`` is the one decision the export and
+LoadModel share). :data:`BEHAVIOURS` lists one name per distinct llama.cpp
 behaviour, the candidates tried when the structure names none.
 
 Facts (the test text, the hash table, the names and which regex each selects) are taken from llama.cpp:

@@ -6,7 +6,8 @@
 - ``hf_dir`` / ``peft_dir``: vLLM-ready merged directories and LoRA adapter directories, with the
   checks vLLM would make.
 - ``gguf_out``: GGUF models and LoRA adapters for llama.cpp, from ``gguf_types`` (the type table),
-  ``gguf_vocab`` (tokenizer metadata; ``gguf_pretok`` confirms its pre-tokenizer name with llama.cpp),
+  ``gguf_vocab`` (tokenizer metadata, built by ``strop.common.gguf_vocab``, whose ``gguf_pretok`` confirms the
+  pre-tokenizer name with llama.cpp: the decision LoadModel reports too),
   ``gguf_arch`` (what llama.cpp expects of an architecture) and
   ``gguf_writer`` (the streaming writer); ``quantize``: K-quants via llama.cpp.
 - ``verify``: load each output in its consumer and compare it with the merged fp32 model.

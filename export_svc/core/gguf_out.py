@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from strop.common.export_types import DEFAULT_GGUF_LORA_TYPE
+from strop.common.gguf_vocab import GgufVocab
 from strop.export_svc.core.errors import TargetRefused, UnknownFormat
 from strop.export_svc.core.gguf_arch import (
     add_model_metadata,
@@ -30,7 +31,6 @@ from strop.export_svc.core.gguf_arch import (
     tensor_name_map,
 )
 from strop.export_svc.core.gguf_types import GGUF_TYPES, LORA_TYPES, QT, tensor_type
-from strop.export_svc.core.gguf_vocab import GgufVocab
 from strop.export_svc.core.gguf_writer import GgufStreamWriter, encode
 from strop.export_svc.core.merge import iter_merged
 from strop.export_svc.core.sources import Adapter, BaseModel

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from strop.common import gguf_pretok
 from strop.common import pretokenizers as P
-from strop.export_svc.core import gguf_pretok
 from strop.export_svc.core.errors import UnsupportedModel
 from strop.export_svc.core.gguf_vocab import load_vocab
 from strop.fixtures.tokenizers_pretok import PreShape, make_pretok_tokenizer

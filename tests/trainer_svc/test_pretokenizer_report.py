@@ -77,3 +77,47 @@ def test_load_model_says_a_gguf_export_will_be_refused_for_a_tokenizer_strop_can
     with _session(client, dst.name) as s:
         assert s.gguf_pre_tokenizer == ""
         assert "GGUF export will be refused" in s.gguf_pre_tokenizer_note, s.gguf_pre_tokenizer_note
+
+
+def test_load_model_reports_the_name_the_export_writes_where_the_hash_and_llama_cpp_disagree(
+    client, model_root, monkeypatch
+):
+    """The issue's case: SmolLM2's vocabulary under a plain GPT-2 ``ByteLevel`` pipeline hashes to llama.cpp's
+    ``smollm`` entry, llama.cpp's ``smollm`` then splits digits where HF does not, and the export writes ``gpt-2``.
+    Reproduced on a generated GPT-2-style tokenizer by injecting its hash into the table as ``smollm``: the
+    session must report what the export writes, because both run one decision."""
+    import json
+
+    from strop.common import pretokenizers as P
+    from strop.export_svc.core.gguf_vocab import load_vocab
+
+    name = _with_tokenizer(model_root, PreShape.GPT2)
+    tok_dir = model_root / name
+    from transformers import AutoTokenizer
+
+    monkeypatch.setitem(
+        P.CHKHSH, P.chkhsh(AutoTokenizer.from_pretrained(str(tok_dir)).encode(P.CHKTXT)), "smollm"
+    )
+    assert P.predict_for_tokenizer(AutoTokenizer.from_pretrained(str(tok_dir))).name == "smollm", (
+        "the hash says smollm"
+    )
+    written = load_vocab(tok_dir, json.loads((tok_dir / "config.json").read_text()))
+    assert written.pre == "gpt-2", (
+        "llama.cpp's smollm splits ' 42' differently from HF: the export writes gpt-2"
+    )
+    with _session(client, name) as s:
+        assert s.gguf_pre_tokenizer == written.pre, s.gguf_pre_tokenizer_note
+        assert "reproduces HF's ids" in s.gguf_pre_tokenizer_note and "smollm" in s.gguf_pre_tokenizer_note
+
+
+def test_a_trainer_without_llama_cpp_reports_the_prediction_and_says_it_is_unproven(
+    client, model_root, monkeypatch
+):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as on the GPU image: importing it fails
+    with _session(client, _with_tokenizer(model_root, PreShape.SMOLLM)) as s:
+        assert s.gguf_pre_tokenizer == "smollm", "the structure still predicts the name"
+        assert "predicted, not proven: llama_cpp is not installed" in s.gguf_pre_tokenizer_note, (
+            s.gguf_pre_tokenizer_note
+        )

@@ -7,6 +7,9 @@ reads; no tensors), loaded with ``vocab_only`` through llama-cpp-python's low-le
 tokenizes them with ``add_special_tokens=False``. The first name that reproduces HF token for token wins; a
 name this llama.cpp does not know fails to load and is skipped. When none matches, the export is refused with
 what was tried and, for each name, the first text on which it differs.
+
+Shared by the export (which writes the name) and the trainer's LoadModel (which reports it before training):
+one decision, :func:`strop.common.gguf_vocab.build_vocab`, proven the same way in both.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from typing import TYPE_CHECKING
 
 import gguf
 
+from strop.common.errors import Unimplemented
 from strop.common.pretokenizers import BEHAVIOURS, Identification, PreTokenizerGuess, edge_texts
-from strop.export_svc.core.errors import UnsupportedModel
 
 if TYPE_CHECKING:  # gguf_vocab calls this module
-    from strop.export_svc.core.gguf_vocab import GgufVocab
+    from strop.common.gguf_vocab import GgufVocab
 
-log = logging.getLogger("strop.export")
+log = logging.getLogger("strop.pretokenizer")
 
 
 @dataclass
@@ -154,7 +157,8 @@ def confirm(
       own converter writes for that checkpoint.
 
     Raises:
-        UnsupportedModel: no name reproduces HF's ids (the message lists each name tried and where it differs).
+        Unimplemented: no name reproduces HF's ids (the message lists each name tried and where it differs).
+        ImportError: llama-cpp-python is not installed (the trainer's image may lack it).
     """
     texts = edge_texts(special_tokens)
     hf_ids = [list(hf_encode(t)) for t in texts]
@@ -192,7 +196,7 @@ def confirm(
         )
     tried = "; ".join(t.describe() for t in trials)
     kind = "SentencePiece" if spm else "byte-level BPE"
-    raise UnsupportedModel(
+    raise Unimplemented(
         f"no llama.cpp pre-tokenizer reproduces this {kind} tokenizer's ids, so GGUF export is refused "
         f"({guess.note}). Tried: {tried}"
     )
