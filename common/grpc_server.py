@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +31,9 @@ from grpc_reflection.v1alpha import reflection
 from strop.common import log_noise, logs
 from strop.common.auth import ANONYMOUS, Principal, TokenTable, reset_current, set_current
 from strop.common.db import default_instance_id
-from strop.common.errors import StropError, Unavailable
+from strop.common.errors import InvalidArgument, StropError, Unavailable
 from strop.common.metrics import MetricsServer
+from strop.common.paths import scrub_paths
 from strop.common.signals import ChangeSignal
 
 log = logging.getLogger("strop.grpc")
@@ -79,12 +80,15 @@ class ConnectionAge:
         return out
 
 
-def _status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
-    """The status a failed call ends with: a domain error's own code and message, else INTERNAL with a reference."""
+def _status(
+    exc: BaseException, method: str, paths: Mapping[str, str] | None = None
+) -> tuple[grpc.StatusCode, str]:
+    """The status a failed call ends with: a domain error's own code and message (the server's own paths named,
+    never shown: a library's message passed through may hold them), else INTERNAL with a reference."""
     if isinstance(exc, StropError):
         code = getattr(grpc.StatusCode, exc.grpc_code, grpc.StatusCode.INTERNAL)
         if code is not grpc.StatusCode.INTERNAL:
-            message = str(exc)
+            message = scrub_paths(str(exc), paths or {})
             if len(message) > MAX_DETAILS_CHARS:  # an echoed megabyte id would exceed gRPC's metadata limit
                 message = message[:MAX_DETAILS_CHARS] + "… (truncated)"
             return code, message
@@ -106,6 +110,51 @@ def _already_aborted(context) -> bool:
 UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes need no token
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """What a request message that does not parse deserializes to: the handler's wrapper answers INVALID_ARGUMENT
+    (gRPC itself would answer UNKNOWN for a unary call and INTERNAL, with a logged traceback, for a stream)."""
+
+    why: str
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(
+            f"the request message is not a valid protobuf message of this method ({self.why})"
+        )
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, or a message nested past its recursion limit
+            return _Undecodable(type(exc).__name__)
+
+    return deserialize
+
+
+def _checked(request: Any) -> Any:
+    """A unary request that decoded, or InvalidArgument."""
+    if isinstance(request, _Undecodable):
+        raise request.error()
+    return request
+
+
+def _checked_stream(requests: Any) -> Any:
+    """A request stream whose undecodable message raises InvalidArgument where the handler reads it."""
+    if hasattr(requests, "__aiter__"):
+
+        async def checked_async():
+            async for r in requests:
+                yield _checked(r)
+
+        return checked_async()
+    return (_checked(r) for r in requests)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates each call and maps domain exceptions to status codes; anything else becomes INTERNAL
     with a logged traceback.
@@ -114,11 +163,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise); its principal is the handler's
     :func:`strop.common.auth.current`. Handlers may be plain functions (run in the server's thread pool) or
     coroutines/async generators (run on the event loop, holding no thread while they wait); each keeps its
-    kind through the wrapping.
+    kind through the wrapping. A request message that does not decode is INVALID_ARGUMENT, on every method
+    and either side of a stream; messages never show the server's own directories (``paths``,
+    :func:`strop.common.paths.private_paths`).
     """
 
-    def __init__(self, tokens: TokenTable | None = None) -> None:
+    def __init__(self, tokens: TokenTable | None = None, paths: Mapping[str, str] | None = None) -> None:
         self.tokens = tokens
+        self.paths = dict(paths or {})
 
     def _principal(self, context, method: str) -> Principal:
         if self.tokens is None or method.startswith(UNAUTHENTICATED_METHODS):
@@ -132,6 +184,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         principal_of = self._principal
+        status = functools.partial(_status, method=method, paths=self.paths)
+        check = _checked_stream if handler.request_streaming else _checked
 
         def wrap(fn):
             if inspect.isasyncgenfunction(fn):
@@ -140,14 +194,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     try:
                         token = set_current(principal_of(context, method))
                         try:
-                            async for item in fn(request, context):
+                            async for item in fn(check(request), context):
                                 yield item
                         finally:
                             reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
-                        await context.abort(*_status(exc, method))
+                        await context.abort(*status(exc))
 
                 return stream
             if inspect.iscoroutinefunction(fn):
@@ -156,13 +210,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     try:
                         token = set_current(principal_of(context, method))
                         try:
-                            return await fn(request, context)
+                            return await fn(check(request), context)
                         finally:
                             reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
-                        await context.abort(*_status(exc, method))
+                        await context.abort(*status(exc))
 
                 return unary
             if inspect.isgeneratorfunction(fn):
@@ -171,13 +225,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     try:
                         token = set_current(principal_of(context, method))
                         try:
-                            yield from fn(request, context)
+                            yield from fn(check(request), context)
                         finally:
                             reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
-                        context.abort(*_status(exc, method))
+                        context.abort(*status(exc))
 
                 return sync_stream
 
@@ -185,18 +239,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     token = set_current(principal_of(context, method))
                     try:
-                        return fn(request, context)
+                        return fn(check(request), context)
                     finally:
                         reset_current(token)
                 except Exception as exc:
                     if _already_aborted(context):
                         raise
-                    context.abort(*_status(exc, method))
+                    context.abort(*status(exc))
 
             return sync_unary
 
         kw = dict(
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
         if handler.unary_unary:
@@ -294,6 +348,7 @@ def build_server(
     security: Security | None = None,
     health_address: str | None = None,
     connection_age: ConnectionAge | None = None,
+    private_paths: Mapping[str, str] | None = None,
 ) -> RunningServer:
     """Create and start a server with error mapping, health (per service and overall) and reflection.
 
@@ -312,7 +367,7 @@ def build_server(
     async def create():
         server = grpc.aio.server(
             migration_thread_pool=pool,
-            interceptors=[ErrorInterceptor(security.tokens if security else None)],
+            interceptors=[ErrorInterceptor(security.tokens if security else None, private_paths)],
             options=SERVER_OPTIONS + (connection_age or ConnectionAge()).options(),
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )

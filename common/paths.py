@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from strop.common.errors import InvalidArgument, NotFound
@@ -65,3 +67,23 @@ def confine_files(root: str | os.PathLike, directory: Path, *, what: str = "dire
         if target != root_resolved and root_resolved not in target.parents:
             rel = path.relative_to(directory)
             raise InvalidArgument(f"{what}: {str(rel)!r} links outside the allowed root")
+
+
+def private_paths(**roots: str | os.PathLike | None) -> dict[str, str]:
+    """The server's own directories as ``{path: "<name>"}`` for :func:`scrub_paths` (each as given and resolved),
+    with the interpreter's prefix (``<python>``): what a library's message may name and a client must not see."""
+    out: dict[str, str] = {}
+    for name, path in {**roots, "python": sys.prefix}.items():
+        if path:
+            out[str(path)] = f"<{name}>"
+            out[str(Path(path).resolve())] = f"<{name}>"
+    return out
+
+
+def scrub_paths(message: str, paths: Mapping[str, str]) -> str:
+    """``message`` with every server path of ``paths`` replaced by its name, longest first (so a root inside
+    another root keeps its own name)."""
+    for path in sorted(paths, key=len, reverse=True):
+        if path and path != "/":
+            message = message.replace(path, paths[path])
+    return message

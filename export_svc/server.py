@@ -29,6 +29,7 @@ from strop.common.grpc_server import (
     service_parser,
 )
 from strop.common.metrics import serve_metrics
+from strop.common.paths import private_paths
 from strop.export_svc.core.jobs import ExportManager
 from strop.export_svc.service import ExportServicer
 from strop.v1 import export_pb2, export_pb2_grpc
@@ -77,6 +78,9 @@ def start(
         security=security,
         health_address=health,
         connection_age=connection_age,
+        private_paths=private_paths(
+            models=config.model_root, artifacts=config.artifact_root, state=config.state_dir
+        ),
     )
     # the manager closes its database as the drain ends, so there is nothing left to close afterwards
     endpoint = serve_metrics(manager.metrics.registry, metrics) if metrics else None

@@ -20,6 +20,7 @@ from strop.common.grpc_server import (
     service_parser,
 )
 from strop.common.metrics import serve_metrics
+from strop.common.paths import private_paths
 from strop.trainer_svc.core.datasets import Limits
 from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
 from strop.trainer_svc.service import SERVICE_NAME, TrainerServicer, add_to_server
@@ -53,6 +54,12 @@ def start(
         security=security,
         health_address=health,
         connection_age=connection_age,
+        private_paths=private_paths(
+            models=config.model_root,
+            artifacts=config.artifact_root,
+            state=config.state_dir,
+            data=config.data_root,
+        ),
     )
     endpoint = serve_metrics(core.metrics.registry, metrics) if metrics else None
     return Service(running, core, drain_work=core.drain, close=core.close, metrics=endpoint)

@@ -9,6 +9,7 @@ reproduces. Client-streaming methods get a stream of such messages.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import grpc
@@ -211,3 +212,85 @@ def test_the_generator_covers_every_method(service):
     desc = (trainer_pb2 if service == "TrainerService" else export_pb2).DESCRIPTOR.services_by_name[service]
     seen = {m.name for m, _ in _requests(desc, random.Random(0))}
     assert seen == {m.name for m in desc.methods}
+
+
+UNDECODABLE = [
+    b"\xff" * 64,
+    b"\x0a\xff\xff\xff\xff\x0f",
+    b"\x08",
+]  # an overlong varint, a cut field, a lone tag
+
+
+def _raw_calls(channel, service) -> dict[str, grpc.StatusCode]:
+    """Every method of ``service`` sent bytes no protobuf message decodes from: as the request of a unary call,
+    and as the first and as the second message of a client stream (after a valid empty one)."""
+    got = {}
+    for m in service.methods:
+        path = f"/{service.full_name}/{m.name}"
+        for i, garbage in enumerate(UNDECODABLE):
+            tries = [[garbage], [b"", garbage]] if m.client_streaming else [garbage]
+            for k, req in enumerate(tries):
+                try:
+                    if m.client_streaming:
+                        channel.stream_unary(path)(iter(req), timeout=10)
+                    elif m.server_streaming:
+                        list(channel.unary_stream(path)(req, timeout=10))
+                    else:
+                        channel.unary_unary(path)(req, timeout=10)
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as err:
+                    code = err.code()
+                got[f"{m.name}[{i}.{k}]"] = code
+    return got
+
+
+def test_undecodable_request_bytes_are_invalid_argument_on_every_rpc(trainer, model_root, tmp_path, caplog):
+    # before: UNKNOWN on the unary RPCs, INTERNAL with a logged traceback on the client streams
+    from strop.export_svc.server import ExportConfig, start
+
+    running, _, _ = trainer
+    srv = start(ExportConfig(model_root, tmp_path / "artifacts", tmp_path / "state"))
+    caplog.set_level(logging.WARNING)
+    try:
+        got = {}
+        for port, service in (
+            (running.port, trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]),
+            (srv.port, export_pb2.DESCRIPTOR.services_by_name["ExportService"]),
+        ):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                got.update({f"{service.name}.{k}": v for k, v in _raw_calls(ch, service).items()})
+    finally:
+        srv.stop(grace=5.0)
+    wrong = {k: v.name for k, v in got.items() if v is not grpc.StatusCode.INVALID_ARGUMENT}
+    assert not wrong, wrong
+    services = [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]]
+    services.append(export_pb2.DESCRIPTOR.services_by_name["ExportService"])
+    calls = sum(len(UNDECODABLE) * (2 if m.client_streaming else 1) for sv in services for m in sv.methods)
+    assert len(got) == calls, "every method of both services was called"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage()[:200] for r in errors]
+
+
+def test_a_library_message_never_shows_the_server_paths(client, trainer, model_root):
+    # before: LoadModel("remote-code") → "…The repository /<model root>/remote-code contains custom code…"
+    import json
+    import shutil
+
+    from strop.client import InvalidArgumentError
+
+    _, _, config = trainer
+    remote = model_root / "remote-code"
+    shutil.copytree(model_root / "tiny-llama", remote)
+    cfg = json.loads((remote / "config.json").read_text())
+    cfg["model_type"] = "strop-custom"  # an architecture only its own code defines
+    cfg["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}
+    (remote / "config.json").write_text(json.dumps(cfg))
+    try:
+        with pytest.raises(InvalidArgumentError) as err:
+            client.load_model("remote-code")
+    finally:
+        shutil.rmtree(remote)
+    message = str(err.value)
+    assert "custom code" in message or "remote" in message, message
+    for private in (model_root, model_root.resolve(), config.artifact_root, config.state_dir):
+        assert str(private) not in message, message

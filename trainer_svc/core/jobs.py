@@ -11,7 +11,6 @@ import functools
 import json
 import logging
 import shutil
-import sys
 import threading
 import time
 import uuid
@@ -23,6 +22,7 @@ from strop.common import auth, logs
 from strop.common.artifacts import ArtifactStore, key_for
 from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.metrics import TrainerMetrics
+from strop.common.paths import private_paths, scrub_paths
 from strop.common.signals import follow_blocking
 from strop.common.trainer_types import (
     RESUMABLE_STATES,
@@ -388,14 +388,12 @@ class Jobs:
 
     def _scrub(self, message: str) -> str:
         """No absolute server paths in what clients see: the roots and the interpreter's prefix, named instead."""
-        for path, name in (
-            (self.state_dir, "<state>"),
-            (self.sessions.model_root, "<models>"),
-            (self.artifacts.root, "<artifacts>"),
-            (Path(sys.prefix), "<python>"),
-        ):
-            message = message.replace(str(Path(path).resolve()), name).replace(str(path), name)
-        return message
+        return scrub_paths(
+            message,
+            private_paths(
+                state=self.state_dir, models=self.sessions.model_root, artifacts=self.artifacts.root
+            ),
+        )
 
     def _free_session(self, sess: Session, job_id: str) -> None:
         # The session is free before the terminal event, so a client that saw the job end can reuse it.
