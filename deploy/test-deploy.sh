@@ -4,8 +4,9 @@
 #   1. a Debian bookworm base made with debootstrap (no container registry is reachable here), committed as
 #      localhost/strop-base:bookworm (kept between runs; DEPLOY_REBASE=1 remakes it);
 #   2. the build context: the repository's files (the working tree, or DEPLOY_SOURCE=HEAD for the last commit's
-#      sources with this working tree's deploy/) plus two wheels pip already has on this disk: the CPU torch
-#      2.13.0 and the llama-cpp-python 0.3.36 built from the lock's sdist (pip checks the lock's hash);
+#      sources with this working tree's deploy/) plus two wheels: the CPU torch from PyTorch's CPU index
+#      (DEPLOY_TORCH_INDEX; a pip find-links holding it is used first) and llama-cpp-python built from the lock's
+#      sdist by pip (its hash checked; ~10 min on 2 cores unless pip's cache has the wheel);
 #   3. buildah bud --isolation chroot of deploy/Containerfile.export and deploy/Containerfile.trainer, timed;
 #   4. deploy/image_check.py: both services started from their images' filesystems and entrypoints, driven
 #      through the SDK (health, a few training steps, an export verified in llama.cpp, SIGTERM drain).
@@ -18,7 +19,10 @@ WORK=${DEPLOY_WORK:-/var/tmp/strop-deploy}
 SOURCE=${DEPLOY_SOURCE:-worktree}
 VPY=${VPY:-$REPO/.venv/bin/python}
 BASE=localhost/strop-base:bookworm
-TAG=${DEPLOY_TAG:-test}
+# The images are tagged with pyproject's version: the names deploy/k8s/overlays/dev runs (localhost/strop-*).
+VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$REPO/pyproject.toml")
+TAG=${DEPLOY_TAG:-$VERSION}
+TORCH_INDEX=${DEPLOY_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 TORCH_SPEC=$(grep -m1 '^torch==' "$REPO/requirements/torch-cpu.txt")
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # What the Containerfiles COPY (nothing else enters the context).
@@ -66,9 +70,11 @@ else
 fi
 git ls-files -z -c -o --exclude-standard -- deploy | tar --null -T - -c | tar -x -C "$ctx"
 mkdir -p "$ctx/deploy/wheels"
-# pip finds the CPU build on this disk (its find-links); no network, nothing compiled.
-"$VPY" -m pip download -q --no-deps "$TORCH_SPEC" -d "$ctx/deploy/wheels"
-# The wheel pip built from the lock's sdist: --require-hashes makes pip check the cached wheel's origin hash.
+# The CPU build from PyTorch's CPU index (PyPI's Linux torch is the CUDA build, several GB more and not what the
+# CPU images run); a find-links in pip's configuration that holds it (the CI machines' disk) is used first.
+"$VPY" -m pip download -q --no-deps --index-url "$TORCH_INDEX" "$TORCH_SPEC" -d "$ctx/deploy/wheels"
+# llama-cpp-python is sdist-only: pip builds the wheel from the lock's sdist (--require-hashes checks it; a wheel
+# pip built before from that sdist comes from its cache).
 grep -A3 '^llama-cpp-python==' requirements/lock.txt | sed '/# via/,$d' >"$WORK/llama-lock.txt"
 "$VPY" -m pip wheel -q --no-deps --require-hashes -r "$WORK/llama-lock.txt" -w "$ctx/deploy/wheels"
 ls -l "$ctx/deploy/wheels"/*.whl

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from strop.common.grpc_server import SHUTDOWN_SLACK_S
 from tests.deploy.render import RenderError, apply_operation, record_parsed_options, render
@@ -16,15 +17,25 @@ from tests.deploy.render import RenderError, apply_operation, record_parsed_opti
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 README = ROOT / "deploy" / "README.md"
-# The API the manifests target: grpc probes' `mode: TLS` (the production overlay) is in this version's schema.
-KUBERNETES_VERSION = "1.37.0"
-KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/production"]
+# The Kubernetes versions strop supports (deploy/README.md): every minor from the oldest to the newest, each one's API
+# schema bundled with kubernetes-validate. The oldest is set by the preStop `sleep` action (beta and on by default
+# from 1.30) and PodDisruptionBudget's unhealthyPodEvictionPolicy (GA in 1.31); 1.37 is the newest release.
+OLDEST_KUBERNETES, KUBERNETES_VERSION = "1.31.0", "1.37.0"
+SUPPORTED_KUBERNETES = [f"1.{minor}.0" for minor in range(31, 38)]
+KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/production", "volume-init"]
+SERVICE_KUSTOMIZATIONS = KUSTOMIZATIONS[:3]  # the ones that run both services
+VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
 # The services' gRPC names (the readiness probes ask for these; the health servicer registers them).
 SERVICE_NAMES = {"trainer": "strop.v1.TrainerService", "export": "strop.v1.ExportService"}
 
 
-@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+@pytest.fixture(scope="module", params=SERVICE_KUSTOMIZATIONS)
 def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render(K8S / request.param)
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+def any_rendered(request) -> tuple[str, list[dict]]:
     return request.param, render(K8S / request.param)
 
 
@@ -55,12 +66,27 @@ def env_value(c: dict, name: str) -> dict:
     return entry
 
 
-def test_every_document_validates_against_the_kubernetes_schema_in_strict_mode(rendered):
-    name, docs = rendered
-    assert len(docs) >= 12, f"{name}: expected the full set of resources, got {len(docs)}"
+@pytest.mark.parametrize("version", SUPPORTED_KUBERNETES)
+def test_every_document_validates_against_each_supported_kubernetes_schema_in_strict_mode(
+    any_rendered, version
+):
+    name, docs = any_rendered
+    assert len(docs) >= (1 if name == "volume-init" else 12), (
+        f"{name}: expected the full set, got {len(docs)}"
+    )
     for doc in docs:
-        # strict: unknown fields are errors (a misspelt field would otherwise be dropped by the API server)
-        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        # strict: unknown fields are errors (a misspelt field would otherwise be dropped by the API server, and a
+        # field newer than the cluster is refused by it)
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_supported_versions_are_bundled_and_the_readme_states_them():
+    bundled = set(kubernetes_validate.utils.all_versions())
+    # a version kubernetes-validate lacks would be validated against another one's schema
+    assert set(SUPPORTED_KUBERNETES) <= bundled, sorted(set(SUPPORTED_KUBERNETES) - bundled)
+    text = README.read_text()
+    oldest, newest = (v.rsplit(".", 1)[0] for v in (OLDEST_KUBERNETES, KUBERNETES_VERSION))
+    assert f"Kubernetes {oldest} to {newest}" in text, "deploy/README.md must state the supported versions"
 
 
 def test_strict_validation_rejects_a_misspelt_field(rendered):
@@ -100,30 +126,52 @@ def test_environment_variables_are_ones_the_services_read(rendered):
                 assert f'"{e["name"]}"' in source, f"{svc}: {e['name']} is read nowhere in common/"
 
 
-def test_probes_are_grpc_health_on_the_service_port(rendered):
+def test_probes_are_plaintext_grpc_health_on_the_health_port(rendered):
     _, docs = rendered
     for svc, w in workloads(docs).items():
         c = container(w)
         port = int(flag(c, "address").rpartition(":")[2])
         (grpc_port,) = [p for p in c["ports"] if p["name"] == "grpc"]
         assert grpc_port["containerPort"] == port
+        # the plaintext health-only listener (common/grpc_server.build_server's health_address): it answers whatever
+        # the service port speaks, and the kubelet's grpc probe speaks plaintext on every supported version
+        health = int(flag(c, "health-port"))
+        (health_port,) = [p for p in c["ports"] if p["name"] == "health"]
+        assert health_port["containerPort"] == health != port
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             probe = c[kind]
             assert set(probe) & {"exec", "httpGet", "tcpSocket"} == set(), f"{svc} {kind}: expected only grpc"
-            assert probe["grpc"]["port"] == port, f"{svc} {kind}: expected port {port}, got {probe['grpc']}"
+            assert probe["grpc"]["port"] == health, (
+                f"{svc} {kind}: expected port {health}, got {probe['grpc']}"
+            )
+            # GRPCAction.mode (TLS) is alpha in 1.37 behind a gate and unknown before: never set
+            assert "mode" not in probe["grpc"], f"{svc} {kind}: {probe['grpc']}"
         # readiness asks for the service itself, which goes NOT_SERVING as soon as a drain starts
         assert c["readinessProbe"]["grpc"]["service"] == SERVICE_NAMES[svc]
 
 
-def test_termination_grace_exceeds_the_drain_watchdog(rendered):
+def test_termination_grace_exceeds_the_pre_stop_sleep_and_the_drain_watchdog(rendered):
     _, docs = rendered
     for svc, w in workloads(docs).items():
-        grace = float(flag(container(w), "grace"))
+        c = container(w)
+        # the pod keeps serving while it leaves the endpoints and the clients' DNS answers; SIGTERM (which refuses
+        # new work) comes after the preStop hook
+        pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pre_stop >= 5, f"{svc}: expected a preStop sleep of 5 s or more, got {pre_stop}"
+        grace = float(flag(c, "grace"))
         watchdog = 2 * grace + SHUTDOWN_SLACK_S  # common/grpc_server.serve_forever's faulthandler deadline
         period = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        assert period > watchdog, (
-            f"{svc}: SIGKILL at {period}s would cut a drain the watchdog ends at {watchdog}s"
+        assert period > pre_stop + watchdog, (
+            f"{svc}: SIGKILL at {period}s would cut a drain the watchdog ends at {pre_stop} + {watchdog}s"
         )
+
+
+def test_an_exporter_scale_down_lets_the_pods_exports_finish(rendered):
+    _, docs = rendered
+    export = container(workloads(docs)["export"])
+    # the drain waits --grace for the pod's running and queued exports: longer than an 8B merge + K-quant
+    # (minutes on the CPU; EXPORT_BUCKETS in common/metrics.py reach an hour)
+    assert float(flag(export, "grace")) >= 1800
 
 
 def test_pods_run_non_root_read_only_without_capabilities(rendered):
@@ -157,6 +205,14 @@ def test_trainer_requests_one_gpu_and_runs_on_gpu_nodes(rendered):
     trainer = workloads(docs)["trainer"]
     res = container(trainer)["resources"]
     assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 1
+    # Guaranteed QoS: requests equal limits for CPU and memory in every container (the kubelet evicts it last)
+    for c in trainer["spec"]["template"]["spec"]["containers"]:
+        for key in ("cpu", "memory"):
+            assert c["resources"]["requests"][key] == c["resources"]["limits"][key], f"{c['name']} {key}"
+    # Triton writes under TRITON_HOME (default ~/.triton): HOME is on the read-only root
+    c = container(trainer)
+    home = env_value(c, "TRITON_HOME")["value"]
+    assert home.startswith("/tmp/"), f"TRITON_HOME {home} must be under the writable /tmp emptyDir"
     pod = trainer["spec"]["template"]["spec"]
     assert pod["nodeSelector"], "expected a node selector for GPU nodes"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
@@ -185,10 +241,40 @@ def test_exporter_is_a_deployment_scaled_by_an_hpa_behind_a_service(rendered):
     assert svc["spec"]["selector"].items() <= export["spec"]["template"]["metadata"]["labels"].items()
 
 
-def test_shared_volume_is_read_write_many_and_mounted_by_both(rendered):
+def test_exports_spread_over_exporter_pods(rendered):
+    from strop.common.metrics import ExportMetrics
+
     _, docs = rendered
+    export = workloads(docs)["export"]
+    labels = export["spec"]["template"]["metadata"]["labels"]
+    # the SDK's round-robin target: a headless Service's name resolves to every ready pod
+    headless = one(docs, "Service", "export-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= labels.items()
+    assert [p["port"] for p in headless["spec"]["ports"]] == [50052]
+    # plain clients of the ClusterIP Service reconnect (and round-robin clients re-resolve) within minutes
+    assert 0 < float(flag(container(export), "max-connection-age")) <= 600
+    # the HPA scales on the exports each pod holds, a gauge the exporter serves
+    hpa = one(docs, "HorizontalPodAutoscaler", "export")
+    (pods,) = [m["pods"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    metrics = ExportMetrics(export_counts=dict, states=["QUEUED", "RUNNING"])
+    assert metrics.registry.get_sample_value(pods["metric"]["name"]) == 0, pods["metric"]["name"]
+    per_pod = float(flag(container(export), "concurrent-exports"))
+    assert pods["target"] == {"type": "AverageValue", "averageValue": str(int(per_pod))}
+
+
+def test_shared_volume_is_read_write_many_and_mounted_by_both(rendered):
+    name, docs = rendered
     pvc = one(docs, "PersistentVolumeClaim", "strop-data")
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    if name == "overlays/dev":
+        # one node: the default class (a one-node provisioner such as local-path offers ReadWriteOnce only, and a
+        # ReadWriteMany claim on it stays Pending); ReadWriteOnce is per node, so every pod there shares it
+        assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"] and "storageClassName" not in pvc["spec"]
+        assert one(docs, "StatefulSet", "trainer")["spec"]["replicas"] == 1
+    else:
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    if name == "overlays/production":
+        assert pvc["spec"]["storageClassName"], "production names its ReadWriteMany class"
     for svc, w in workloads(docs).items():
         volumes = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
         claims = {
@@ -201,14 +287,23 @@ def test_shared_volume_is_read_write_many_and_mounted_by_both(rendered):
         assert [m.get("readOnly", False) for m in mounts if m["mountPath"] == "/data/models"] == [True]
 
 
-def test_disruption_budgets_cover_both_services(rendered):
-    _, docs = rendered
+def test_disruption_budgets_cover_both_services_and_allow_a_drain(rendered):
+    name, docs = rendered
+    fewest = {
+        "trainer": workloads(docs)["trainer"]["spec"]["replicas"],
+        "export": one(docs, "HorizontalPodAutoscaler", "export")["spec"]["minReplicas"],
+    }
     for svc, w in workloads(docs).items():
         pdb = one(docs, "PodDisruptionBudget", svc)
         assert (
             pdb["spec"]["selector"]["matchLabels"].items()
             <= w["spec"]["template"]["metadata"]["labels"].items()
         )
+        # at the fewest pods the workload runs, a node drain may still evict one (each pod drains its own work)
+        spec = pdb["spec"]
+        allowed = spec["maxUnavailable"] if "maxUnavailable" in spec else fewest[svc] - spec["minAvailable"]
+        assert allowed >= 1, f"{name} {svc}: {spec} blocks every eviction at {fewest[svc]} pod(s)"
+        assert spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", f"{svc}: a stuck pod must not block"
 
 
 def test_network_policy_denies_by_default_and_opens_the_service_and_metrics_ports(rendered):
@@ -220,8 +315,27 @@ def test_network_policy_denies_by_default_and_opens_the_service_and_metrics_port
     allowed_ports = {p["port"] for rule in allow["spec"]["ingress"] for p in rule["ports"]}
     for svc, w in workloads(docs).items():
         assert w["spec"]["template"]["metadata"]["labels"][expr["key"]] in expr["values"], svc
-        exposed = {p["containerPort"] for p in container(w)["ports"]}
+        ports = {p["name"]: p["containerPort"] for p in container(w)["ports"]}
+        # the health port is the kubelet's (node traffic, which NetworkPolicy lets through); no client needs it
+        exposed = {v for k, v in ports.items() if k != "health"}
         assert exposed <= allowed_ports, f"{svc}: ports {exposed - allowed_ports} are unreachable"
+        assert ports["health"] not in allowed_ports
+
+
+def test_egress_is_dns_including_node_local_dns_and_the_database_only(rendered):
+    _, docs = rendered
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    egress = [rule for p in policies for rule in p["spec"].get("egress", [])]
+    for rule in egress:
+        # a rule without `to` allows its ports to every address (the internet included)
+        assert rule.get("to"), f"an egress rule open to any address: {rule}"
+    dns = [r for r in egress if {p["port"] for p in r["ports"]} == {53}]
+    assert {"cidr": "169.254.20.10/32"} in [t.get("ipBlock") for r in dns for t in r["to"]], (
+        "NodeLocal DNSCache"
+    )
+    (db,) = [r for r in egress if {p["port"] for p in r["ports"]} == {5432}]
+    for peer in db["to"]:
+        assert "podSelector" in peer or peer.get("ipBlock", {}).get("cidr") not in ("0.0.0.0/0", None), peer
 
 
 def test_metrics_port_is_exposed_and_annotated_for_prometheus(rendered):
@@ -266,21 +380,81 @@ def test_tokens_and_database_url_come_from_secrets_that_the_readme_creates(rende
         )
 
 
-def test_production_serves_tls_and_its_probes_speak_tls(rendered):
+def test_production_serves_tls(rendered):
     name, docs = rendered
     for svc, w in workloads(docs).items():
         c = container(w)
         tls = any(a.startswith("--tls-cert=") for a in c["args"])
         assert tls == (name == "overlays/production"), f"{name} {svc}: TLS only in production"
-        # mTLS would refuse the kubelet's probes (it presents no client certificate)
-        assert not any(a.startswith("--tls-client-ca") for a in c["args"])
-        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert c[kind]["grpc"].get("mode", "Plaintext") == ("TLS" if tls else "Plaintext"), (
-                f"{svc} {kind}"
-            )
         if tls:
             assert "strop-tls" in referenced_secrets(docs)
-            assert c["image"].startswith("registry.example.com/strop/"), c["image"]
+
+
+def images(docs: list[dict]) -> set[str]:
+    out = set()
+    for d in docs:
+        pod = d.get("spec", {}).get("template", {}).get("spec", {})
+        out |= {c["image"] for c in pod.get("containers", []) + pod.get("initContainers", [])}
+    return out
+
+
+def test_image_references_are_the_names_the_images_are_built_under(any_rendered):
+    name, docs = any_rendered
+    refs = images(docs)
+    assert refs, name
+    for ref in refs:
+        registry = ref.split("/", 1)[0]
+        # a short name (strop-export:0.1.0) is docker.io/library/strop-export to the container runtime
+        assert "/" in ref and ("." in registry or registry == "localhost"), (
+            f"{name}: {ref} is not fully qualified"
+        )
+        assert ref.endswith(f":{VERSION}"), f"{name}: {ref} is not pyproject's version {VERSION}"
+    if name == "overlays/dev":
+        # what `make test-deploy` (deploy/test-deploy.sh) and README's local buildah commands tag
+        assert refs == {f"localhost/strop-trainer:{VERSION}", f"localhost/strop-export:{VERSION}"}
+    else:
+        assert {r.rpartition(":")[0] for r in refs} <= {
+            "registry.example.com/strop/trainer",
+            "registry.example.com/strop/export",
+        }
+
+
+def test_test_deploy_tags_the_images_the_dev_overlay_runs():
+    script = (ROOT / "deploy" / "test-deploy.sh").read_text()
+    assert "localhost/strop-$name:$TAG" in script
+    (default,) = re.findall(r"^TAG=\$\{DEPLOY_TAG:-(.+)\}$", script, re.M)
+    assert default == "$VERSION" and "VERSION=$(" in script, "the tag is pyproject's version"
+
+
+def test_training_operator_pods_run_the_trainer_image_of_base():
+    base = {r for r in images(render(K8S / "base")) if "/trainer:" in r}
+    ops = K8S / "training-operators"
+    refs = set()
+    for f in ("trainjob.yaml", "pytorchjob.yaml"):
+        for d in yaml.safe_load_all((ops / f).read_text()):
+            if d and d["kind"] == "TrainJob":
+                refs.add(d["spec"]["trainer"]["image"])
+            elif d:
+                refs |= {
+                    c["image"]
+                    for spec in d["spec"]["pytorchReplicaSpecs"].values()
+                    for c in spec["template"]["spec"]["containers"]
+                }
+    assert refs == base, f"the operator pods run {refs}, the trainer StatefulSet {base}"
+
+
+def test_volume_init_owns_the_directories_the_services_write(rendered):
+    _, docs = rendered
+    (job,) = render(K8S / "volume-init")
+    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    chown = next(line for line in script.splitlines() if line.strip().startswith("chown 10001:10001"))
+    owned = set(chown.split()[2:])
+    for svc, w in workloads(docs).items():
+        c = container(w)
+        assert container(w)["securityContext"]["runAsUser"] == 10001
+        # each pod creates its state dir under this parent and writes the artifact store
+        state_parent = flag(c, "state-dir").rsplit("/", 1)[0]
+        assert {state_parent, flag(c, "artifact-root")} <= owned, f"{svc}: {owned}"
 
 
 def test_a_patch_whose_target_is_gone_fails_the_render(tmp_path):

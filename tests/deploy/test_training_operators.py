@@ -20,7 +20,7 @@ from strop.common.trainer_types import JobState
 from strop.trainer_svc import dist_worker
 from strop.trainer_svc.core.dist_launch import DistributedJob
 from tests.deploy.render import record_parsed_options, render
-from tests.deploy.test_manifests import KUBERNETES_VERSION
+from tests.deploy.test_manifests import KUBERNETES_VERSION, OLDEST_KUBERNETES
 
 ROOT = Path(__file__).resolve().parents[2]
 DIR = ROOT / "deploy" / "k8s" / "training-operators"
@@ -196,7 +196,8 @@ def test_every_document_validates_against_its_schema():
         if (doc["apiVersion"], doc["kind"]) in CRDS:
             check_crd(doc)
         else:
-            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+            for version in (OLDEST_KUBERNETES, KUBERNETES_VERSION):
+                kubernetes_validate.validate(doc, version, strict=True)
 
 
 def test_the_vendored_schemas_are_the_crds_structural_v3_schemas():
