@@ -21,17 +21,25 @@ import os
 import sys
 from typing import Any
 
+from strop.cli.options import DEFAULT_EXPORT, add_target, target_of
 from strop.cli.output import print_json
 from strop.client.progress import export_progress_printer
-
-DEFAULT_EXPORT = os.environ.get("STROP_EXPORT", "127.0.0.1:50052")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``export`` and its subcommands to the ``strop`` parser (each sets ``func(args) -> int``)."""
-    p = sub.add_parser("export", help="merge adapters and write vLLM / PEFT / GGUF outputs, verified")
-    p.add_argument("--target", default=DEFAULT_EXPORT, help="export service host:port (env STROP_EXPORT)")
-    esub = p.add_subparsers(dest="export_cmd", required=True)
+    p = sub.add_parser(
+        "export",
+        help="merge adapters and write vLLM / PEFT / GGUF outputs, verified",
+        description="Exports on the export service (or in this process with run --offline): run, get, watch, "
+        "cancel, list, capabilities; and the artifacts: upload, download, artifacts.",
+    )
+    add_target(p, "export")
+    esub = p.add_subparsers(
+        dest="export_cmd",
+        required=True,
+        metavar="{run,get,watch,cancel,list,capabilities,upload,download,artifacts}",
+    )
 
     r = esub.add_parser("run", help="export an adapter (or a base) to one or more targets")
     src = r.add_mutually_exclusive_group()
@@ -59,8 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "export and nothing is published)",
     )
     r.add_argument("--overwrite", action="store_true", help="replace artifacts with the same ids")
-    r.add_argument("--name", default="")
-    r.add_argument("--max-shard-bytes", type=int, default=0)
+    r.add_argument("--name", default="", help="the export's name, also the GGUF files' (default: the base's)")
+    r.add_argument(
+        "--max-shard-bytes", type=int, default=0, help="merged safetensors: bytes per shard (0: 5 GB)"
+    )
     r.add_argument(
         "--merge-base",
         default="as_trained",
@@ -77,33 +87,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.set_defaults(func=_cmd_run)
 
-    for name in ("get", "watch", "cancel"):
-        q = esub.add_parser(name, help=f"{name} an export")
-        q.add_argument("export_id")
+    add_target(r, "export")
+    for name, what in (
+        ("get", "the export as JSON: state, request, results with their figures"),
+        ("watch", "replay the export's events from --after-seq, then follow it until it ends (JSON lines)"),
+        ("cancel", "cancel the export: nothing of it is published"),
+    ):
+        q = esub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
+        q.add_argument("export_id", help="the export's id (strop export list)")
         if name == "watch":
-            q.add_argument("--after-seq", type=int, default=0)
+            q.add_argument(
+                "--after-seq", type=int, default=0, help="replay only the events numbered above this (0: all)"
+            )
         q.set_defaults(func=_cmd_export)
-    q = esub.add_parser("list", help="list exports")
+    q = esub.add_parser("list", help="one line per export: id, state, artifacts, name, error")
     q.add_argument(
         "--state", action="append", default=[], help="QUEUED, RUNNING, SUCCEEDED, ... (repeatable)"
     )
-    q.add_argument("--limit", type=int, default=0)
+    q.add_argument("--limit", type=int, default=0, help="at most this many, newest first (0: all)")
     q.set_defaults(func=_cmd_export)
     q = esub.add_parser("capabilities", help="targets, GGUF types and architectures the service supports")
     q.set_defaults(func=_cmd_export)
     q = esub.add_parser("upload", help="upload a local directory as an artifact (an adapter by default)")
-    q.add_argument("directory")
-    q.add_argument("--kind", default="adapter", choices=("adapter", "base_model"))
-    q.add_argument("--artifact-id", default="")
-    q.add_argument("--overwrite", action="store_true")
+    q.add_argument("directory", help="the local directory to upload")
+    q.add_argument(
+        "--kind", default="adapter", choices=("adapter", "base_model"), help="what the directory holds"
+    )
+    q.add_argument("--artifact-id", default="", help="the artifact's id (default: a generated one)")
+    q.add_argument("--overwrite", action="store_true", help="replace an upload of yours with the same id")
     q.set_defaults(func=_cmd_export)
     q = esub.add_parser("download", help="download an artifact into a new local directory")
-    q.add_argument("artifact_id")
-    q.add_argument("dest")
+    q.add_argument("artifact_id", help="the artifact's id (strop export artifacts)")
+    q.add_argument("dest", help="the directory to create (refused if it exists)")
     q.set_defaults(func=_cmd_export)
-    q = esub.add_parser("artifacts", help="list artifacts")
-    q.add_argument("--kind", default="")
+    q = esub.add_parser("artifacts", help="one line per artifact: id, kind, bytes, verification passed")
+    q.add_argument("--kind", default="", help="only this kind (adapter, gguf, merged_safetensors, ...)")
     q.set_defaults(func=_cmd_export)
+    for q in esub.choices.values():
+        if q is not r:
+            add_target(q, "export")
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:
@@ -193,7 +215,7 @@ def _cmd_run(a) -> int:
     from strop.client.export import ExportClient
 
     show = export_progress_printer()
-    with ExportClient(a.target) as ec:
+    with ExportClient(target_of(a, DEFAULT_EXPORT)) as ec:
         exp = ec.submit_export(req)
         print(f"export {exp.export_id} queued", file=sys.stderr)
         if a.detach:
@@ -251,7 +273,7 @@ def _run_offline(a, req) -> int:
 def _cmd_export(a) -> int:
     from strop.client.export import ExportClient, ExportState
 
-    with ExportClient(a.target) as ec:
+    with ExportClient(target_of(a, DEFAULT_EXPORT)) as ec:
         cmd = a.export_cmd
         if cmd == "get":
             print_json(ec.get_export(a.export_id))

@@ -8,16 +8,22 @@ grpcio and never import torch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
 from strop.cli import export
+from strop.cli.options import DEFAULT_TRAINER, add_target, target_of
 from strop.cli.output import print_json
 from strop.client.errors import StropClientError
 from strop.client.progress import follow
-from strop.common.trainer_types import KernelMode, MemoryMode, Parallelism, TrainMethod
-
-DEFAULT_TRAINER = os.environ.get("STROP_TRAINER", "127.0.0.1:50051")
+from strop.common.trainer_types import (
+    METHOD_DATASET_FORMAT,
+    DatasetFormat,
+    KernelMode,
+    MemoryMode,
+    Parallelism,
+    TrainMethod,
+)
 
 
 def _serve(argv: list[str]) -> int:
@@ -57,7 +63,7 @@ def _add_train(sub) -> None:
         "Unset options take the trainer's defaults, shown below.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--target", default=DEFAULT_TRAINER, help="trainer service host:port (env STROP_TRAINER)")
+    add_target(p, "trainer")
     p.add_argument("--model", required=True, help="model path under the service's model root")
     p.add_argument("--dataset", required=True, help="local JSONL file to upload")
     p.add_argument(
@@ -70,7 +76,9 @@ def _add_train(sub) -> None:
         "--quantization",
         choices=("auto", "nf4", "none"),
         default="auto",
-        help="auto: a prequantized checkpoint stays 4-bit, a 16-bit one is quantized to NF4 on a GPU",
+        help="auto: a prequantized 4-bit checkpoint stays 4-bit and a 16-bit one is quantized to NF4 (double quant) "
+        "on load, on every device, the CPU included; nf4: the same, said explicitly; none: keep a 16-bit checkpoint "
+        "16-bit (plain LoRA; refused for a prequantized one)",
     )
     p.add_argument(
         "--kernels",
@@ -81,18 +89,20 @@ def _add_train(sub) -> None:
     )
     p.add_argument("--r", type=int, default=lora.r, help="LoRA rank")
     p.add_argument("--alpha", type=float, default=lora.alpha, help="LoRA alpha")
-    p.add_argument("--dropout", type=float, default=lora.dropout)
+    p.add_argument("--dropout", type=float, default=lora.dropout, help="LoRA dropout")
     p.add_argument("--target-modules", default="", help="comma-separated; empty: all seven projections")
-    p.add_argument("--rslora", action="store_true")
+    p.add_argument(
+        "--rslora", action="store_true", help="rank-stabilised LoRA: scale alpha/sqrt(r), not alpha/r"
+    )
     p.add_argument("--lr", type=float, default=0.0, help=f"learning rate; 0: {_default('learning_rate')}")
     p.add_argument("--scheduler", default="", help=f"empty: {_default('lr_scheduler')}")
-    p.add_argument("--warmup-ratio", type=float, default=0.0)
+    p.add_argument("--warmup-ratio", type=float, default=0.0, help="share of the steps the lr warms up over")
     p.add_argument("--max-steps", type=int, default=0, help="> 0 overrides --epochs")
     p.add_argument("--epochs", type=float, default=0.0, help=f"0: {_default('num_epochs')}")
     p.add_argument("--batch-size", type=int, default=0, help=f"0: {_default('batch_size')}")
     p.add_argument("--grad-accum", type=int, default=0, help=f"0: {_default('gradient_accumulation_steps')}")
     p.add_argument("--max-length", type=int, default=0, help=f"0: {_default('max_length')}")
-    p.add_argument("--packing", action="store_true")
+    p.add_argument("--packing", action="store_true", help="pack several rows into each sequence")
     p.add_argument(
         "--completion-only",
         action="store_true",
@@ -122,7 +132,11 @@ def _add_train(sub) -> None:
         "--simpo-gamma", type=float, default=0.0, help=f"target margin / beta; 0: {_default('simpo_gamma')}"
     )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward to save memory",
+    )
     p.add_argument(
         "--memory-mode",
         default="",
@@ -135,7 +149,7 @@ def _add_train(sub) -> None:
         default=0.0,
         help="max_speed: device memory the job may use; 0: 90%% of the device",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the LoRA init, the data order and dropout")
     p.add_argument(
         "--num-devices",
         type=int,
@@ -195,7 +209,18 @@ def _cmd_train(a) -> int:
         num_devices=a.num_devices,
         parallelism=Parallelism(a.parallelism.upper()),
     )
-    with TrainerClient(a.target) as tc:
+    if not Path(a.dataset).is_file():
+        print(f"error: dataset {a.dataset!r} is not a file", file=sys.stderr)
+        return 2
+    with TrainerClient(target_of(a, DEFAULT_TRAINER)) as tc:
+        # the dataset is uploaded (and validated by the trainer) before a model is loaded: a bad file costs seconds,
+        # not a model load
+        ds = tc.upload_dataset(a.dataset)
+        print(f"dataset {ds.dataset_id}: {ds.num_rows} {ds.format.value.lower()} rows", file=sys.stderr)
+        problem = _dataset_mismatch(config.method, ds.format)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         kernels = KernelMode.UNSPECIFIED if a.kernels == "auto" else KernelMode(a.kernels.upper())
         session = tc.load_model(a.model, quantization=quant, kernels=kernels)
         job_id = ""
@@ -209,8 +234,6 @@ def _cmd_train(a) -> int:
             if targets:
                 lora.target_modules = targets
             tc.attach_lora(session.session_id, lora)
-            ds = tc.upload_dataset(a.dataset)
-            print(f"dataset {ds.dataset_id}: {ds.num_rows} {ds.format.value.lower()} rows", file=sys.stderr)
 
             def remember(ev) -> None:
                 nonlocal job_id
@@ -234,6 +257,17 @@ def _cmd_train(a) -> int:
                 _close_quietly(tc, session.session_id)
 
 
+def _dataset_mismatch(method: TrainMethod, fmt: DatasetFormat) -> str:
+    """Why ``method`` cannot train on a dataset of format ``fmt`` ("" when it can), from the one table of which
+    format each method trains on (``METHOD_DATASET_FORMAT``; SFT trains on every other format)."""
+    needs = METHOD_DATASET_FORMAT.get(method)
+    if needs is not None and fmt is not needs:
+        return f"{method.value} trains on {needs.value.lower()} rows; this dataset is {fmt.value.lower()}"
+    if needs is None and fmt in set(METHOD_DATASET_FORMAT.values()):
+        return f"{method.value} needs text, messages or prompt/completion rows; this dataset is {fmt.value.lower()}"
+    return ""
+
+
 def _close_quietly(tc, session_id: str) -> None:
     """Close the session this command opened; a failure to close is reported, never raised over the result."""
     try:
@@ -244,25 +278,41 @@ def _close_quietly(tc, session_id: str) -> None:
 
 
 def _add_jobs(sub) -> None:
-    p = sub.add_parser("jobs", help="list, inspect, follow, cancel or plot training jobs")
-    p.add_argument("--target", default=DEFAULT_TRAINER)
-    jsub = p.add_subparsers(dest="jobs_cmd", required=True)
-    jsub.add_parser("list").add_argument("--session", default="")
-    for name in ("get", "watch", "cancel"):
-        q = jsub.add_parser(name)
-        q.add_argument("job_id")
+    p = sub.add_parser(
+        "jobs",
+        help="list, inspect, follow, cancel or plot training jobs",
+        description="Training jobs on the trainer: list, get, watch, cancel, plot.",
+    )
+    add_target(p, "trainer")
+    jsub = p.add_subparsers(dest="jobs_cmd", required=True, metavar="{list,get,watch,cancel,plot}")
+    q = jsub.add_parser("list", help="one line per job: id, state, method, step, last loss, name")
+    q.add_argument(
+        "--session", default="", help="only the jobs of this session (default: every job you can see)"
+    )
+    add_target(q, "trainer")
+    for name, what in (
+        ("get", "the job as JSON: state, config, figures, checkpoints, adapter"),
+        ("watch", "replay the job's events from --after-seq, then follow it live until it ends"),
+        ("cancel", "cancel the job: it stops between steps and keeps its adapter as a checkpoint"),
+    ):
+        q = jsub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".")
+        q.add_argument("job_id", help="the job's id (strop jobs list)")
         if name == "watch":
-            q.add_argument("--after-seq", type=int, default=0)
+            q.add_argument(
+                "--after-seq", type=int, default=0, help="replay only the events numbered above this (0: all)"
+            )
+        add_target(q, "trainer")
     q = jsub.add_parser("plot", help="write the job's loss curve (PNG, stored when the job ends)")
-    q.add_argument("job_id")
+    q.add_argument("job_id", help="the job's id (strop jobs list)")
     q.add_argument("-o", "--output", default="", help="PNG file to write (default <job_id>-loss.png)")
+    add_target(q, "trainer")
     p.set_defaults(func=_cmd_jobs)
 
 
 def _cmd_jobs(a) -> int:
     from strop.client.trainer import TrainerClient
 
-    with TrainerClient(a.target) as tc:
+    with TrainerClient(target_of(a, DEFAULT_TRAINER)) as tc:
         if a.jobs_cmd == "list":
             for j in tc.list_jobs(a.session):
                 print(
@@ -283,18 +333,26 @@ def _cmd_jobs(a) -> int:
 
 
 def _add_sessions(sub) -> None:
-    p = sub.add_parser("sessions", help="list or close trainer sessions")
-    p.add_argument("--target", default=DEFAULT_TRAINER)
-    ssub = p.add_subparsers(dest="sessions_cmd", required=True)
-    ssub.add_parser("list").add_argument("--all", action="store_true")
-    ssub.add_parser("close").add_argument("session_id")
+    p = sub.add_parser(
+        "sessions", help="list or close trainer sessions", description="Sessions on the trainer: list, close."
+    )
+    add_target(p, "trainer")
+    ssub = p.add_subparsers(dest="sessions_cmd", required=True, metavar="{list,close}")
+    q = ssub.add_parser(
+        "list", help="one line per session: id, state, model, quantization, kernels, busy job"
+    )
+    q.add_argument("--all", action="store_true", help="closed sessions too")
+    add_target(q, "trainer")
+    q = ssub.add_parser("close", help="close a session and free its device memory")
+    q.add_argument("session_id", help="the session's id (strop sessions list)")
+    add_target(q, "trainer")
     p.set_defaults(func=_cmd_sessions)
 
 
 def _cmd_sessions(a) -> int:
     from strop.client.trainer import TrainerClient
 
-    with TrainerClient(a.target) as tc:
+    with TrainerClient(target_of(a, DEFAULT_TRAINER)) as tc:
         if a.sessions_cmd == "list":
             for s in tc.list_sessions(include_closed=a.all):
                 print(
@@ -308,7 +366,8 @@ def _cmd_sessions(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strop", description="strop: LoRA/QLoRA fine-tuning as a service")
-    sub = parser.add_subparsers(dest="command", required=True)
+    add_target(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,train,jobs,sessions,export}")
     sub.add_parser("serve", help="run a service: strop serve {trainer|export} [options]", add_help=False)
     _add_train(sub)
     _add_jobs(sub)

@@ -6,16 +6,45 @@ Part of the SDK (tqdm only, never torch), for pipelines that want the same live 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+# tqdm's own rate and times are left out: they count the wall-clock time events arrive in, and a replay
+# (``jobs watch --after-seq 0`` on a running or finished job) delivers hours of recorded steps in milliseconds
+# ("4,000 step/s"). The rate shown is the recorded one, from the events' own timestamps.
+_BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{postfix}]"
+_BAR_FORMAT_NO_TOTAL = "{desc}: {n_fmt} [{postfix}]"
+
+
+class _RecordedRate:
+    """Steps per second between the first step event seen and the latest, by the events' recorded times
+    (``JobEvent.time``); by arrival time for events that carry none."""
+
+    def __init__(self) -> None:
+        self.first: tuple[int, float] | None = None
+
+    def __call__(self, step: int, ev: Any) -> str:
+        recorded = getattr(ev, "time", 0.0) or 0.0
+        t = recorded if recorded > 0 else time.monotonic()
+        if self.first is None:
+            self.first = (step, t)
+        first_step, first_t = self.first
+        if step <= first_step or t <= first_t:
+            return "-"
+        return f"{(step - first_step) / (t - first_t):.3g}step/s"
+
 
 def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
-    """Show a job's events with a progress bar (live loss) until the stream ends; return the job id."""
+    """Show a job's events with a progress bar (live loss) until the stream ends; return the job id.
+
+    The bar's rate is the job's as recorded (the events' timestamps), so a replayed history shows the rate it
+    trained at, not the rate it was replayed at."""
     from tqdm import tqdm
 
     bar = None
     job_id = ""
+    rate = _RecordedRate()
     for ev in events:
         job_id = ev.job_id
         if on_event:
@@ -32,9 +61,11 @@ def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
                     unit="step",
                     file=sys.stderr,
                     mininterval=0.5,
+                    bar_format=_BAR_FORMAT if s.total_steps else _BAR_FORMAT_NO_TOTAL,
                 )
             bar.update(s.step - bar.n)
             post = {
+                "rate": rate(s.step, ev),
                 "loss": f"{s.loss:.4f}",
                 "lr": f"{s.learning_rate:.2e}",
                 "tok/s": f"{s.tokens_per_second:.0f}",
