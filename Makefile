@@ -94,10 +94,30 @@ bench: setup
 clean:
 	rm -rf $(VENV) .venv-latest .venv-tools .protos-check .pytest_cache
 
-# The container images built and run here (deploy/README.md): a Debian bookworm base made with debootstrap, both
+# The container images built and run here (deploy/README.md): a Debian bookworm base made with debootstrap, the
 # images built with buildah (chroot isolation), both services started from their images' filesystems and
-# entrypoints and driven through the SDK (health, training, an export verified in llama.cpp, drain). Needs root,
-# buildah and debootstrap (apt-get install buildah debootstrap); large files go under DEPLOY_WORK.
-.PHONY: test-deploy
+# entrypoints and driven through the SDK (health, training, an export verified in llama.cpp, drain), and the CUDA
+# trainer image (make image-gpu: built from requirements/gpu-lock.txt, checked without a GPU). Needs root, buildah
+# and debootstrap (apt-get install buildah debootstrap); large files go under DEPLOY_WORK.
+.PHONY: test-deploy image-gpu lock-gpu
 test-deploy: setup
-	deploy/test-deploy.sh
+	deploy/test-deploy.sh all
+
+image-gpu: setup
+	deploy/test-deploy.sh gpu
+
+# The CUDA trainer image's lock (deploy/Containerfile.trainer's TRAIN_LOCK): strop[train] with the GPU torch of
+# requirements/gpu.txt (PyPI's Linux build, CUDA 13.0) and every wheel it needs, each file by sha256, for this
+# Python (3.11: the image's Debian bookworm has it) on Linux x86_64. lock.txt's pins are the constraints, so both
+# locks agree on every package they share but setuptools (torch 2.11 wants it below 82). Only the package index is
+# read (PIP_CONFIG_FILE=/dev/null): a CPU build of that torch in a local find-links would otherwise win.
+GPU_TORCH_SPEC := $(shell grep -m1 '^torch==' requirements/gpu.txt)
+lock-gpu:
+	test -x .venv-tools/bin/pip-compile || ($(PY) -m venv .venv-tools && .venv-tools/bin/pip install -q pip-tools==7.6.2)
+	mkdir -p .lock-gpu
+	grep -E '^[A-Za-z0-9_.-]+==' $(LOCK) | sed 's/ \\$$//' | grep -v '^setuptools==' > .lock-gpu/lock-pins.txt
+	echo "$(GPU_TORCH_SPEC)" > .lock-gpu/torch.in
+	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null .venv-tools/bin/pip-compile --quiet --generate-hashes --allow-unsafe \
+		--extra train --strip-extras --no-emit-index-url --no-emit-find-links --unsafe-package strop \
+		--index-url https://pypi.org/simple -c .lock-gpu/lock-pins.txt -o requirements/gpu-lock.txt pyproject.toml .lock-gpu/torch.in
+	rm -rf .lock-gpu

@@ -20,6 +20,11 @@ The run, end to end:
    header checked;
 6. SIGTERM to both: each must drain and exit 0 within its watchdog (2 × grace + 15 s).
 
+With ``--gpu-image`` (the CUDA trainer image, ``make image-gpu``) instead: ``deploy/gpu_smoke.py --cpu-only`` in
+that image (the CUDA build of torch with its CUDA 13.0 wheels, triton, bitsandbytes and strop import; Triton's
+launcher toolchain is there), then its trainer starts from its entrypoint with ``--device cpu``, answers health
+SERVING, and drains on SIGTERM with exit 0. (No GPU here: the GPU half of the smoke test runs on a GPU node.)
+
 Prints one JSON summary line (``image-check: {...}``) and exits non-zero on any failure. Run as root.
 """
 
@@ -136,10 +141,11 @@ class Running:
         return f"127.0.0.1:{self.port}"
 
 
-def start(fs: Rootfs, name: str, data: Path, logs: Path) -> Running:
+def start(fs: Rootfs, name: str, data: Path, logs: Path, extra: tuple[str, ...] = ()) -> Running:
     port_file = data / "state" / f"{name}.port"
     port_file.unlink(missing_ok=True)
     args = ["--address", "127.0.0.1:0", "--port-file", f"/data/state/{name}.port", "--grace", str(GRACE_S)]
+    args += extra
     log = logs / f"{name}.log"
     proc = fs.popen([*fs.entrypoint, *args], log)
     deadline = time.monotonic() + 180
@@ -256,13 +262,60 @@ def stop(svc: Running) -> dict:
     return {"rc": rc, "drain_s": round(time.monotonic() - t0, 1)}
 
 
+def check_gpu_image(image: str, work: Path) -> dict:
+    """The CUDA trainer image on a host without a GPU: the smoke test's CPU half, then the service itself."""
+    run_dir = work / "run-gpu"
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    data, logs = run_dir / "data", run_dir / "logs"
+    for d in (data / "models", data / "artifacts", data / "state", logs):
+        d.mkdir(parents=True)
+    smoke = Path(__file__).with_name("gpu_smoke.py")
+    (data / "gpu_smoke.py").write_bytes(smoke.read_bytes())
+    fs = Rootfs(image)
+    summary: dict = {}
+    svc = None
+    try:
+        fs.open(data)
+        for d in [data, *data.rglob("*")]:
+            os.chown(d, fs.uid, fs.gid)
+        if fs.uid == 0:
+            raise RuntimeError(f"{image}: expected a non-root user")
+        python = str(Path(fs.entrypoint[0]).parent / "python")
+        t0 = time.monotonic()
+        fs.run([python, "/data/gpu_smoke.py", "--cpu-only"], logs / "gpu-smoke.log", timeout=600)
+        summary["smoke"] = json.loads((logs / "gpu-smoke.log").read_text().strip().splitlines()[-1])
+        summary["smoke_s"] = round(time.monotonic() - t0, 1)
+        t0 = time.monotonic()
+        svc = start(fs, "trainer-gpu", data, logs, ("--device", "cpu"))
+        summary["start_s"] = round(time.monotonic() - t0, 1)
+        summary["health"] = check_health(svc, "strop.v1.TrainerService")
+        summary["stop"] = stop(svc)
+        svc = None
+    except Exception:
+        if svc is not None:
+            print(f"--- trainer log (tail) ---\n{svc.log.read_text()[-4000:]}", file=sys.stderr)
+        raise
+    finally:
+        if svc is not None and svc.proc.poll() is None:
+            svc.proc.kill()
+            svc.proc.wait()
+        fs.close()
+    return summary
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trainer-image", required=True)
-    p.add_argument("--export-image", required=True)
+    p.add_argument("--trainer-image")
+    p.add_argument("--export-image")
+    p.add_argument("--gpu-image", help="check the CUDA trainer image instead (no GPU needed)")
     p.add_argument("--work", type=Path, required=True, help="host directory for /data and the logs")
     p.add_argument("--steps", type=int, default=4)
     a = p.parse_args()
+    if a.gpu_image:
+        print("image-check: " + json.dumps({"gpu_image": check_gpu_image(a.gpu_image, a.work)}), flush=True)
+        return
+    if not (a.trainer_image and a.export_image):
+        p.error("expected --trainer-image and --export-image, or --gpu-image")
     run_dir = a.work / "run"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     data, logs = run_dir / "data", run_dir / "logs"

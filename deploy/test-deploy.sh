@@ -1,5 +1,13 @@
 #!/usr/bin/env bash
-# make test-deploy: build both images on a debootstrapped Debian base and run them (deploy/README.md).
+# make test-deploy: build the images on a debootstrapped Debian base and run them (deploy/README.md).
+#
+#   deploy/test-deploy.sh [all|cpu|gpu]      (make test-deploy: all; make image-gpu: gpu)
+#
+#   cpu: the export image and a CPU-torch trainer image (localhost/strop-trainer-cpu), run end to end (below);
+#   gpu: the CUDA trainer image as the Containerfile builds it by default (localhost/strop-trainer: torch 2.11.0 and
+#        its CUDA 13.0 wheels from PyPI, every wheel by hash from requirements/gpu-lock.txt; several GB), checked
+#        without a GPU: deploy/gpu_smoke.py --cpu-only in it, its trainer started with --device cpu, health, drain;
+#   all: both.
 #
 #   1. a Debian bookworm base made with debootstrap (no container registry is reachable here), committed as
 #      localhost/strop-base:bookworm (kept between runs; DEPLOY_REBASE=1 remakes it);
@@ -14,6 +22,10 @@
 # Needs root, buildah, debootstrap and the repo's .venv (make setup). Large files stay under DEPLOY_WORK.
 set -euo pipefail
 
+MODE=${1:-all}
+case "$MODE" in all|cpu|gpu) ;; *) echo "usage: $0 [all|cpu|gpu]"; exit 2 ;; esac
+cpu() { [ "$MODE" != gpu ]; }
+gpu() { [ "$MODE" != cpu ]; }
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${DEPLOY_WORK:-/var/tmp/strop-deploy}
 SOURCE=${DEPLOY_SOURCE:-worktree}
@@ -70,15 +82,17 @@ else
 fi
 git ls-files -z -c -o --exclude-standard -- deploy | tar --null -T - -c | tar -x -C "$ctx"
 mkdir -p "$ctx/deploy/wheels"
-# The CPU build from PyTorch's CPU index (PyPI's Linux torch is the CUDA build, several GB more and not what the
-# CPU images run); a find-links in pip's configuration that holds it (the CI machines' disk) is used first.
-"$VPY" -m pip download -q --no-deps --index-url "$TORCH_INDEX" "$TORCH_SPEC" -d "$ctx/deploy/wheels"
-# llama-cpp-python is sdist-only: pip builds the wheel from the lock's sdist (--require-hashes checks it; a wheel
-# pip built before from that sdist comes from its cache).
-grep -A3 '^llama-cpp-python==' requirements/lock.txt | sed '/# via/,$d' >"$WORK/llama-lock.txt"
-"$VPY" -m pip wheel -q --no-deps --require-hashes -r "$WORK/llama-lock.txt" -w "$ctx/deploy/wheels"
-ls -l "$ctx/deploy/wheels"/*.whl
-ls "$ctx/deploy/wheels"/torch-*+cpu-*.whl >/dev/null || { echo "test-deploy: expected the CPU torch wheel"; exit 1; }
+if cpu; then
+    # The CPU build from PyTorch's CPU index (PyPI's Linux torch is the CUDA build, several GB more and not what the
+    # CPU images run); a find-links in pip's configuration that holds it (the CI machines' disk) is used first.
+    "$VPY" -m pip download -q --no-deps --index-url "$TORCH_INDEX" "$TORCH_SPEC" -d "$ctx/deploy/wheels"
+    # llama-cpp-python is sdist-only: pip builds the wheel from the lock's sdist (--require-hashes checks it; a wheel
+    # pip built before from that sdist comes from its cache).
+    grep -A3 '^llama-cpp-python==' requirements/lock.txt | sed '/# via/,$d' >"$WORK/llama-lock.txt"
+    "$VPY" -m pip wheel -q --no-deps --require-hashes -r "$WORK/llama-lock.txt" -w "$ctx/deploy/wheels"
+    ls -l "$ctx/deploy/wheels"/*.whl
+    ls "$ctx/deploy/wheels"/torch-*+cpu-*.whl >/dev/null || { echo "test-deploy: expected the CPU torch wheel"; exit 1; }
+fi
 # The builder's pip reaches the package index through whatever this host's pip trusts (here a proxy with its own
 # CA): carry the host's CA bundle and a pip.conf naming it (builder stage only).
 if [ -n "${PIP_CERT:-}" ] && [ -f "$PIP_CERT" ]; then
@@ -86,38 +100,61 @@ if [ -n "${PIP_CERT:-}" ] && [ -f "$PIP_CERT" ]; then
     printf '[global]\ncert = /wheels/ca-bundle.crt\n' >"$ctx/deploy/wheels/pip.conf"
 fi
 
-build() {  # build NAME EXTRA_ARGS...
-    local name=$1; shift
+build() {  # build LABEL CONTAINERFILE IMAGE EXTRA_ARGS...
+    local label=$1 file=$2 image=$3; shift 3
     local t0; t0=$(now)
     # --layers keeps each step's layer, so a rerun after a change to deploy/ rebuilds from the changed step on;
     # DEPLOY_NO_CACHE=1 rebuilds every step (the figures in deploy/README.md are such a run).
-    buildah bud --isolation chroot --layers ${DEPLOY_NO_CACHE:+--no-cache} -q -f "deploy/Containerfile.$name" \
-        --build-arg BASE_IMAGE="$BASE" \
-        --build-arg TORCH_SPEC="$TORCH_SPEC" \
-        --build-arg TORCH_PIP_ARGS="--no-index --find-links /wheels" \
-        "$@" -t "localhost/strop-$name:$TAG" "$ctx" >"$WORK/build-$name.log" 2>&1 \
-        || { tail -40 "$WORK/build-$name.log"; echo "test-deploy: the $name image did not build (log $WORK/build-$name.log)"; exit 1; }
-    eval "${name}_s=$(secs "$t0" "$(now)")"
+    buildah bud --isolation chroot --layers ${DEPLOY_NO_CACHE:+--no-cache} -q -f "deploy/Containerfile.$file" \
+        --build-arg BASE_IMAGE="$BASE" "$@" -t "$image" "$ctx" >"$WORK/build-$label.log" 2>&1 \
+        || { tail -40 "$WORK/build-$label.log"; echo "test-deploy: the $label image did not build (log $WORK/build-$label.log)"; exit 1; }
+    eval "${label//-/_}_s=$(secs "$t0" "$(now)")"
 }
+# The CPU builds take torch from the carried wheel; the CUDA trainer (the Containerfile's defaults) from its lock.
+CPU_TORCH=(--build-arg TORCH_SPEC="$TORCH_SPEC" --build-arg TORCH_PIP_ARGS="--no-index --find-links /wheels")
+# The names deploy/k8s/overlays/dev runs: localhost/strop-trainer (the CUDA build) and localhost/strop-export.
+EXPORT_IMAGE="localhost/strop-export:$TAG"
+TRAINER_IMAGE="localhost/strop-trainer:$TAG"
+TRAINER_CPU_IMAGE="localhost/strop-trainer-cpu:$TAG"
 
 cd "$ctx"
-log "3a. export image (buildah bud --isolation chroot)"
-build export
-log "3b. trainer image (buildah bud --isolation chroot)"
-build trainer
+if cpu; then
+    log "3a. export image (buildah bud --isolation chroot)"
+    build export export "$EXPORT_IMAGE" "${CPU_TORCH[@]}"
+    log "3b. trainer image, CPU torch (buildah bud --isolation chroot)"
+    build trainer-cpu trainer "$TRAINER_CPU_IMAGE" "${CPU_TORCH[@]}" --build-arg TRAIN_LOCK=
+fi
+if gpu; then
+    log "3c. trainer image, CUDA torch from requirements/gpu-lock.txt (buildah bud --isolation chroot)"
+    build trainer-gpu trainer "$TRAINER_IMAGE"
+fi
 cd "$REPO"
 
 size() { buildah images --format '{{.Size}}' "$1" | head -1; }
-log "4. services from the images, driven through the SDK"
-t0=$(now)
-"$VPY" -P deploy/image_check.py --work "$WORK" \
-    --trainer-image "localhost/strop-trainer:$TAG" --export-image "localhost/strop-export:$TAG" | tee "$WORK/image-check.out"
-run_s=$(secs "$t0" "$(now)")
+if cpu; then
+    log "4. services from the images, driven through the SDK"
+    t0=$(now)
+    "$VPY" -P deploy/image_check.py --work "$WORK" \
+        --trainer-image "$TRAINER_CPU_IMAGE" --export-image "$EXPORT_IMAGE" | tee "$WORK/image-check.out"
+    run_s=$(secs "$t0" "$(now)")
+fi
+if gpu; then
+    log "5. the CUDA trainer image without a GPU: its smoke test's CPU half, the service from its entrypoint"
+    t0=$(now)
+    "$VPY" -P deploy/image_check.py --work "$WORK" --gpu-image "$TRAINER_IMAGE" | tee "$WORK/image-check-gpu.out"
+    gpu_run_s=$(secs "$t0" "$(now)")
+fi
 
 log "figures ($(date -u +%F), $commit)"
 printf '| step | seconds | image size |\n|---|---|---|\n'
 printf '| debootstrap base | %s | %s |\n' "$base_s" "$(size "$BASE")"
-printf '| export image build | %s | %s |\n' "$export_s" "$(size "localhost/strop-export:$TAG")"
-printf '| trainer image build (CPU torch) | %s | %s |\n' "$trainer_s" "$(size "localhost/strop-trainer:$TAG")"
-printf '| run + drive both services | %s | |\n' "$run_s"
-echo "test-deploy: OK"
+if cpu; then
+    printf '| export image build | %s | %s |\n' "$export_s" "$(size "$EXPORT_IMAGE")"
+    printf '| trainer image build (CPU torch) | %s | %s |\n' "$trainer_cpu_s" "$(size "$TRAINER_CPU_IMAGE")"
+    printf '| run + drive both services | %s | |\n' "$run_s"
+fi
+if gpu; then
+    printf '| trainer image build (CUDA torch) | %s | %s |\n' "$trainer_gpu_s" "$(size "$TRAINER_IMAGE")"
+    printf '| CUDA image: smoke (CPU half) + service | %s | |\n' "$gpu_run_s"
+fi
+echo "test-deploy: OK ($MODE)"

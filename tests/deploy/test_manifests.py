@@ -421,7 +421,10 @@ def test_image_references_are_the_names_the_images_are_built_under(any_rendered)
 
 def test_test_deploy_tags_the_images_the_dev_overlay_runs():
     script = (ROOT / "deploy" / "test-deploy.sh").read_text()
-    assert "localhost/strop-$name:$TAG" in script
+    # the CUDA trainer (the Containerfile's default build) and the export image, under the dev overlay's names
+    assert 'TRAINER_IMAGE="localhost/strop-trainer:$TAG"' in script
+    assert 'EXPORT_IMAGE="localhost/strop-export:$TAG"' in script
+    assert 'build trainer-gpu trainer "$TRAINER_IMAGE"\n' in script, "the CUDA build: no CPU torch arguments"
     (default,) = re.findall(r"^TAG=\$\{DEPLOY_TAG:-(.+)\}$", script, re.M)
     assert default == "$VERSION" and "VERSION=$(" in script, "the tag is pyproject's version"
 
