@@ -167,6 +167,8 @@ def print_results(results: list[Any], out=None) -> None:
         for problem in v.problems if v is not None else []:
             tag = "accepted unverified" if v.accepted_unverified else "failed"
             print(f"\n{r.target.label} {tag}: {problem}", file=out)
+        for note in v.notes if v is not None else []:
+            print(f"\n{r.target.label} note: {note}", file=out)
     merge = next(
         (r.artifact.metadata.get("merge.base_weights") for r in results if r.artifact.metadata), None
     )

@@ -58,7 +58,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser(
         "train",
         help="load a model, attach LoRA, upload a dataset and run SFT, DPO, ORPO, KTO or SimPO",
-        description="Load a model on the trainer, attach LoRA, upload a JSONL dataset, train and follow the job. "
+        description="Upload a JSONL dataset (the trainer checks every row, and that the method trains on its format), "
+        "then load a model on the trainer, attach LoRA, train and follow the job. "
         "The session is closed when the command ends (success, failure or Ctrl-C) unless --keep-session. "
         "Unset options take the trainer's defaults, shown below.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

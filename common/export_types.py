@@ -211,6 +211,9 @@ class Verification:
     accepted_unverified: bool = False
     notes: list[str] = field(default_factory=list)
     as_trained: Comparison | None = None  # None: the as-trained reference could not be built
+    # PEFT dirs of an adapter trained on an NF4-on-load base: the same dir served on the 16-bit base as stored (how
+    # vLLM --enable-lora and PeftModel on the checkpoint serve it) against the model as trained; None otherwise
+    on_16bit_base: Comparison | None = None
 
 
 @dataclass

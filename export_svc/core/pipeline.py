@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from strop.common.adapter_base import NF4_STATS_FILE, write_base_record
 from strop.common.archs import MODEL_TYPES
 from strop.common.artifacts import ArtifactStore, PendingArtifact
 from strop.common.export_types import (
@@ -35,6 +36,7 @@ from strop.common.export_types import (
     ExportResult,
     ExportTarget,
     ExportTargetKind,
+    MergeBase,
     QuantizationReport,
     Verification,
 )
@@ -106,6 +108,33 @@ class _Exporter:
             self.emit(ExportProgress(label, phase, name, i + 1, total, written, btotal))
 
         return before, after
+
+    def write_base_files(self, d: Path) -> None:
+        """A PEFT dir records the base its adapter was trained on (``strop_base.json``) and carries the trainer's NF4
+        scale statistics, so a later export of the directory alone reproduces the model as trained."""
+        inputs = self.inputs
+        record = dict(inputs.base_record)
+        if not record:
+            return  # an adapter strop did not train: nothing is known of its training beyond the base it names
+        if not inputs.base_ref.startswith("artifact:"):
+            record["base_model"] = inputs.base_ref  # the name the PEFT dir's adapter_config.json gives too
+        if inputs.on_load is not None and inputs.on_load.stats_file:
+            shutil.copy2(inputs.on_load.stats_file, d / NF4_STATS_FILE)
+        write_base_record(d, record)
+
+    def as_trained_serving(self) -> str:
+        """What to serve for the model as trained: this export's as-trained merged dir, or how to get one."""
+        merged = [
+            t.artifact_id
+            for t in self.req.targets
+            if t.kind is K.MERGED_SAFETENSORS and self.inputs.merge_base is MergeBase.AS_TRAINED
+        ]
+        if merged:
+            return f"the as-trained merged model instead: artifact {merged[0]} of this export"
+        return (
+            "the as-trained merged model instead: export this adapter to merged (strop export run --to merged; "
+            "merge_base AS_TRAINED is the default)"
+        )
 
     def write_gguf(self, path: Path, gguf_type: str, label: str, *, merged: bool = True) -> None:
         inputs = self.inputs
@@ -220,16 +249,40 @@ class _Exporter:
             pending.metadata["vllm.serve"] = (
                 f"vllm serve <base> --enable-lora --max-lora-rank {need} --lora-modules name=<dir>"
             )
+            self.write_base_files(d)
             if inputs.on_load is not None:
                 pending.metadata["peft.base_loading"] = (
                     f"the adapter was trained on its base quantized on load, {inputs.on_load.describe()}: "
                     "load the base with that BitsAndBytesConfig to serve the model as trained"
                 )
+                pending.metadata["peft.serve_as_trained"] = self.as_trained_serving()
             self.emit(ExportProgress(label, "write", "adapter_model.safetensors", 1, 1))
             if probe is None:
+                if inputs.on_load is not None:
+                    pending.metadata["peft.on_16bit_base"] = (
+                        "serving this adapter on the 16-bit base as stored (vLLM --enable-lora) is another model "
+                        "than the one trained on its NF4 quantization (not measured: verification was skipped)"
+                    )
                 return None, []
             self.emit(ExportProgress(label, "verify", "transformers+peft"))
-            return V.verify_peft_dir(probe, inputs.base.path, d, trained_base=inputs.as_trained), []
+            v = V.verify_peft_dir(probe, inputs.base.path, d, trained_base=inputs.as_trained)
+            if v.on_16bit_base is not None:
+                c = v.on_16bit_base
+                answer = (
+                    f", teacher-forced top-1 on the trained answer {c.answer_top1_agreement:.3f}"
+                    if c.answer_top1_agreement is not None
+                    else ""
+                )
+                said = (
+                    "serving this adapter on the 16-bit base as stored (vLLM --enable-lora, PeftModel on the "
+                    f"{inputs.base.dtype} checkpoint) is another model than the one trained (on its NF4 "
+                    f"quantization): max |dlogit| {c.max_abs_logit_delta:.4g} (largest |logit| "
+                    f"{c.max_abs_logit:.4g}), top-1 {c.top1_agreement:.3f}{answer} against the model as trained; "
+                    f"serve {self.as_trained_serving()}"
+                )
+                v.notes.append(said)
+                pending.metadata["peft.on_16bit_base"] = said
+            return v, []
         if t.kind is K.GGUF:
             path = d / f"{self.model_name}-{t.gguf_type}.gguf"
             self.write_gguf(path, t.gguf_type, label)

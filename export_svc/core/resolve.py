@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common import auth
+from strop.common.adapter_base import base_record, read_base_record
 from strop.common.artifacts import ArtifactStore, check_artifact_id, key_of
 from strop.common.export_types import (
     DEFAULT_GGUF_LORA_BASE_TYPE,
@@ -148,6 +149,9 @@ class Inputs:
     trained_base: BaseModel | None = None  # None: ``base``
     merge_base: MergeBase = DEFAULT_MERGE_BASE
     on_load: Nf4OnLoad | None = None  # how the trainer quantized the base on load (from the artifact)
+    # the base the adapter was trained on, as its artifact and its directory record it (``strop_base.json``;
+    # ``strop.common.adapter_base``): what an export's PEFT dir records in turn
+    base_record: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def as_trained(self) -> BaseModel:
@@ -181,6 +185,9 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
 
     if adapter is not None:
         check_finite(adapter)
+        # the directory's own record of its base (every adapter strop writes carries one): what an adapter given
+        # by path has instead of artifact metadata; an artifact's metadata, written with it, goes first
+        meta = {**read_base_record(adapter.path), **meta}
 
     recorded: Path | None = None  # the base the adapter says it was trained on, when it resolves here
     recorded_label = ""
@@ -241,6 +248,7 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
         trained_base=trained,
         merge_base=merge_base,
         on_load=on_load if trained is not base else None,
+        base_record=base_record(meta),
     )
 
 

@@ -514,6 +514,9 @@ def verify_peft_dir(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    on_16bit = None
+    if trained_base is not None and trained_base.on_load is not None and probe.trained_label:
+        on_16bit = peft_on_16bit_base(probe, base_dir, adapter_dir)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=False)
     if trained_base is not None and trained_base.on_load is not None:
         nf4 = {n: trained_base.read_fp32(n) for n in trained_base.tensors if trained_base.is_dequantized(n)}
@@ -524,7 +527,29 @@ def verify_peft_dir(
         del nf4
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     try:
-        return compare(probe, "transformers+peft", hf_logits_fn(model))
+        v = compare(probe, "transformers+peft", hf_logits_fn(model))
+    finally:
+        del model, base
+        gc.collect()
+    v.on_16bit_base = on_16bit
+    return v
+
+
+def peft_on_16bit_base(probe: Probe, base_dir: Path, adapter_dir: Path) -> Comparison:
+    """A PEFT dir served as vLLM's ``--enable-lora`` (or ``PeftModel`` on the checkpoint) serves it: on the base's
+    16-bit weights as stored (upcast to fp32), compared with the model as trained. For an adapter trained on the
+    base's NF4 quantization this is another model, and the figures say how far."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=False)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    try:
+        fn = hf_logits_fn(model)
+        outs = [fn(ids) for ids in probe.prompts]
+        held = [fn(ids) for ids in probe.heldout]
+        qa = fn(probe.qa_prompt + probe.qa_answer) if probe.has_qa else None
+        return _compare_as_trained(probe, outs, held, qa)
     finally:
         del model, base
         gc.collect()

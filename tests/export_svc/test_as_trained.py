@@ -434,3 +434,138 @@ def test_the_trainer_writes_its_nf4_statistics_into_adapters_of_sessions_quantiz
         assert stats["model.layers.1.mlp.down_proj.weight.absmax"].dtype == torch.uint8
     finally:
         models.release(loaded)
+
+
+# -- adapters carry their base (issue 31 item 3): every adapter directory strop writes records the base it was
+# trained on (strop_base.json, strop.common.adapter_base), so the directory alone re-creates the model as trained
+
+
+def _trainer_adapter_dir(export_models, name: str):
+    """An adapter directory as the trainer writes it for an NF4-on-load session of ``llama-bpe`` (fp32 compute),
+    with random non-zero B so that the merge changes every adapted weight; and the trainer's metadata."""
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    from strop.trainer_svc.core import models
+
+    out = export_models / name
+    loaded = _trainer_load(export_models, "llama-bpe", "float32")
+    try:
+        torch.manual_seed(7)
+        loaded.model = get_peft_model(
+            loaded.model,
+            PeftLora(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
+        )
+        with torch.no_grad():
+            for n, p in loaded.model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.05)
+        if not out.exists():
+            out.mkdir()
+            models.write_adapter(loaded, out)
+        return out, models.adapter_metadata(loaded)
+    finally:
+        models.release(loaded)
+
+
+def test_the_trainers_adapters_and_checkpoints_record_the_base_they_were_trained_on(
+    export_models, store, tmp_path
+):
+    from strop.common.adapter_base import BASE_RECORD_FILE, NF4_STATS_FILE, read_base_record
+    from strop.trainer_svc.core import jobs
+
+    out, meta = _trainer_adapter_dir(export_models, "trainer-nf4-adapter")
+    record = read_base_record(out)
+    assert record["base_quantization"] == "bnb-nf4-on-load" and record["base_model"] == "llama-bpe"
+    assert record["base_quant.digest"] == meta["base_quant.digest"], (
+        "the digest of the trainer's codes travels"
+    )
+    assert record["base_quant.stats_file"] == NF4_STATS_FILE and (out / NF4_STATS_FILE).is_file()
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    loaded = _trainer_load(export_models, "llama-bpe", "float32")
+    try:
+        loaded.model = get_peft_model(loaded.model, PeftLora(r=4, target_modules=["q_proj"]))
+        ckpt_src = tmp_path / "checkpoint-1"
+        shutil.copytree(out, ckpt_src)
+        (ckpt_src / BASE_RECORD_FILE).unlink()
+        ckpt = jobs.publish_checkpoint(store, loaded, tenant="", job_id="job-1", step=1, path=ckpt_src)
+        assert (
+            read_base_record(store.path_of(ckpt.artifact.artifact_id))["base_quantization"]
+            == "bnb-nf4-on-load"
+        )
+    finally:
+        from strop.trainer_svc.core import models
+
+        models.release(loaded)
+
+
+@pytest.mark.parity
+def test_an_offline_export_of_the_trainers_adapter_directory_is_the_model_as_trained(export_models, store):
+    """The issue's case: the adapter directory of an NF4-trained adapter, exported by path (no artifact metadata),
+    merged into the bf16 weights ("as trained: bfloat16 base as stored"); it now re-creates the NF4 base."""
+    _trainer_adapter_dir(export_models, "trainer-nf4-adapter")
+    (r,) = run_export(
+        ExportRequest(adapter_path="trainer-nf4-adapter", targets=[ExportTarget.merged("float32")]),
+        model_root=export_models,
+        store=store,
+    )
+    meta, v = r.artifact.metadata, r.verification
+    assert "quantized as the trainer did on load" in meta["merge.base_weights"], meta["merge.base_weights"]
+    assert "the trainer's recorded scales" in meta["merge.base_weights"], (
+        "the stats file travelled with the dir"
+    )
+    assert meta["merge.nf4_codes"].startswith("bit-identical to the trainer's")
+    assert "quantized on load" in v.as_trained.reference
+    bound = _bound(export_models / "llama-bpe") * v.as_trained.max_abs_logit
+    assert v.as_trained.max_abs_logit_delta <= bound, (v.as_trained.max_abs_logit_delta, bound)
+
+
+@pytest.mark.parity
+def test_strops_own_peft_dir_of_an_nf4_adapter_reexports_as_trained_and_says_16bit_serving_is_another_model(
+    export_models, store, nf4_session_metadata, tmp_path
+):
+    from strop.common.adapter_base import read_base_record
+
+    aid = _nf4_adapter_artifact(store, export_models, nf4_session_metadata, artifact_id="adapter-nf4-peft")
+    merged, peft = run_export(
+        ExportRequest(
+            adapter_artifact_id=aid,
+            targets=[ExportTarget.merged("float32", "served"), ExportTarget.peft("p")],
+        ),
+        model_root=export_models,
+        store=store,
+    )
+    peft_dir = store.path_of(peft.artifact.artifact_id)
+    assert read_base_record(peft_dir)["base_quantization"] == "bnb-nf4-on-load", (
+        "the PEFT dir records its base"
+    )
+    bound = _bound(export_models / "llama-bpe")
+    on16 = peft.verification.on_16bit_base
+    assert on16 is not None and "quantized on load" in on16.reference
+    assert on16.max_abs_logit_delta > 100 * bound * on16.max_abs_logit, "served on bf16: NF4's rounding shows"
+    said = peft.artifact.metadata["peft.on_16bit_base"]
+    assert "is another model" in said and f"{on16.max_abs_logit_delta:.4g}" in said, said
+    assert "artifact served of this export" in said and said in peft.verification.notes
+    assert peft.artifact.metadata["verify.on_16bit_base.max_abs_logit_delta"] == str(on16.max_abs_logit_delta)
+    # the directory alone, re-exported offline from a model root, is the model as trained
+    shutil.copytree(peft_dir, export_models / "strop-peft-of-nf4")
+    (again,) = run_export(
+        ExportRequest(adapter_path="strop-peft-of-nf4", targets=[ExportTarget.merged("float32", "again")]),
+        model_root=export_models,
+        store=store,
+    )
+    assert again.artifact.metadata["merge.nf4_codes"].startswith("bit-identical to the trainer's")
+    trained = again.verification.as_trained
+    assert trained.max_abs_logit_delta <= bound * trained.max_abs_logit
+    from safetensors.torch import load_file
+
+    first, second = (store.path_of(r.artifact.artifact_id) for r in (merged, again))
+    shards = sorted(p.name for p in first.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in second.glob("*.safetensors"))
+    for shard in shards:
+        a, b = load_file(first / shard), load_file(second / shard)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (
+            "the re-export merges into the same NF4 weights: the same tensors, bit for bit"
+        )

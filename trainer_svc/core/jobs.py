@@ -62,6 +62,7 @@ def publish_checkpoint(
         models.copy_tokenizer_files(loaded.model_dir, pending.dir)
         if loaded.facts.quantization == "bnb-nf4-on-load":  # exports from a checkpoint are exact too
             models.write_nf4_stats(loaded.model, pending.dir / models.NF4_STATS_FILE)
+        models.write_base_record(pending.dir, meta)  # the directory alone says what base it was trained on
     return Checkpoint(step=step, artifact=artifacts.get(pending.key))
 
 

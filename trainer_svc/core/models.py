@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strop.common import adapter_base
 from strop.common.archs import MODEL_TYPES
 from strop.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine, confine_files
@@ -496,16 +497,19 @@ def generate(
     return outs
 
 
-NF4_STATS_FILE = "base_quant_stats.safetensors"
+NF4_STATS_FILE = adapter_base.NF4_STATS_FILE
+write_base_record = adapter_base.write_base_record  # checkpoints (jobs.publish_checkpoint) write it too
 
 
 def write_adapter(loaded: LoadedModel, out_dir: Path) -> None:
     """PEFT adapter files (+ the base's tokenizer files, so exports have what they need; + the NF4 statistics
-    of a base quantized on load, ``write_nf4_stats``)."""
+    of a base quantized on load, ``write_nf4_stats``; + the record of the base it was trained on,
+    ``strop.common.adapter_base``, so the directory alone re-creates the model as trained)."""
     loaded.model.save_pretrained(out_dir, safe_serialization=True)
     copy_tokenizer_files(loaded.model_dir, out_dir)
     if loaded.facts.quantization == "bnb-nf4-on-load":
         write_nf4_stats(loaded.model, out_dir / NF4_STATS_FILE)
+    write_base_record(out_dir, adapter_metadata(loaded))
 
 
 def write_nf4_stats(model, path: Path) -> int:

@@ -126,7 +126,7 @@ class Comparison(_message.Message):
     def __init__(self, reference: _Optional[str] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., answer_top1_agreement: _Optional[float] = ..., max_abs_logit: _Optional[float] = ...) -> None: ...
 
 class Verification(_message.Message):
-    __slots__ = ("consumer", "positions", "max_abs_logit_delta", "mean_abs_logit_delta", "top1_agreement", "perplexity_reference", "perplexity", "perplexity_delta", "tokens_checked", "tokens_match", "token_mismatches", "chat_tokens_checked", "chat_tokens_match", "generated", "answer_checked", "answer_reproduced", "answer_top1_agreement", "answer_tokens", "problems", "passed", "notes", "as_trained", "accepted_unverified")
+    __slots__ = ("consumer", "positions", "max_abs_logit_delta", "mean_abs_logit_delta", "top1_agreement", "perplexity_reference", "perplexity", "perplexity_delta", "tokens_checked", "tokens_match", "token_mismatches", "chat_tokens_checked", "chat_tokens_match", "generated", "answer_checked", "answer_reproduced", "answer_top1_agreement", "answer_tokens", "problems", "passed", "notes", "as_trained", "accepted_unverified", "on_16bit_base")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_ABS_LOGIT_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class Verification(_message.Message):
     NOTES_FIELD_NUMBER: _ClassVar[int]
     AS_TRAINED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    ON_16BIT_BASE_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     positions: int
     max_abs_logit_delta: float
@@ -173,7 +174,8 @@ class Verification(_message.Message):
     notes: _containers.RepeatedScalarFieldContainer[str]
     as_trained: Comparison
     accepted_unverified: bool
-    def __init__(self, consumer: _Optional[str] = ..., positions: _Optional[int] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., tokens_checked: _Optional[bool] = ..., tokens_match: _Optional[bool] = ..., token_mismatches: _Optional[_Iterable[str]] = ..., chat_tokens_checked: _Optional[bool] = ..., chat_tokens_match: _Optional[bool] = ..., generated: _Optional[str] = ..., answer_checked: _Optional[bool] = ..., answer_reproduced: _Optional[bool] = ..., answer_top1_agreement: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., problems: _Optional[_Iterable[str]] = ..., passed: _Optional[bool] = ..., notes: _Optional[_Iterable[str]] = ..., as_trained: _Optional[_Union[Comparison, _Mapping]] = ..., accepted_unverified: _Optional[bool] = ...) -> None: ...
+    on_16bit_base: Comparison
+    def __init__(self, consumer: _Optional[str] = ..., positions: _Optional[int] = ..., max_abs_logit_delta: _Optional[float] = ..., mean_abs_logit_delta: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., perplexity_reference: _Optional[float] = ..., perplexity: _Optional[float] = ..., perplexity_delta: _Optional[float] = ..., tokens_checked: _Optional[bool] = ..., tokens_match: _Optional[bool] = ..., token_mismatches: _Optional[_Iterable[str]] = ..., chat_tokens_checked: _Optional[bool] = ..., chat_tokens_match: _Optional[bool] = ..., generated: _Optional[str] = ..., answer_checked: _Optional[bool] = ..., answer_reproduced: _Optional[bool] = ..., answer_top1_agreement: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., problems: _Optional[_Iterable[str]] = ..., passed: _Optional[bool] = ..., notes: _Optional[_Iterable[str]] = ..., as_trained: _Optional[_Union[Comparison, _Mapping]] = ..., accepted_unverified: _Optional[bool] = ..., on_16bit_base: _Optional[_Union[Comparison, _Mapping]] = ...) -> None: ...
 
 class TensorTypeCount(_message.Message):
     __slots__ = ("type", "count")
