@@ -28,11 +28,14 @@ from strop.common.trainer_types import (
 
 def _serve(argv: list[str]) -> int:
     if not argv or argv[0] not in ("trainer", "export"):
+        asked = bool(argv) and argv[0] in ("-h", "--help")
         print(
-            "usage: strop serve {trainer|export} [options]  (--help after the name for options)",
-            file=sys.stderr,
+            "usage: strop serve {trainer|export} [options]\n\n"
+            "Run the trainer (gRPC, GPU) or the export service (gRPC, CPU) in this process. Every option, with its\n"
+            "default and environment variable: strop serve trainer --help, strop serve export --help.",
+            file=sys.stdout if asked else sys.stderr,
         )
-        return 2
+        return 0 if asked else 2
     if argv[0] == "trainer":
         from strop.trainer_svc.server import main
     else:

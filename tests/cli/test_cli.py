@@ -140,3 +140,9 @@ def test_a_replayed_job_shows_the_rate_it_trained_at_not_the_rate_it_was_replaye
     rates = [float(r) for r in re.findall(r"([\d.]+)step/s", capsys.readouterr().err)]
     assert rates, "the bar shows a rate"
     assert all(abs(r - 0.5) < 1e-3 for r in rates), f"recorded 0.5 step/s, shown {sorted(set(rates))}"
+
+
+def test_serve_help_says_where_each_servers_options_are(capsys):
+    assert main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "strop serve trainer --help" in out and "strop serve export --help" in out
