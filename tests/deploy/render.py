@@ -8,9 +8,11 @@ here rather than being rendered differently from kustomize):
 - ``patches`` with a ``target`` (group, version, kind, name, namespace) and a JSON 6902 patch file (a YAML list
   of ``add`` / ``replace`` / ``remove`` operations, RFC 6902 semantics). Stricter than kustomize: a target must
   match exactly one resource, so a renamed resource cannot leave a patch silently unapplied;
-- ``images``: ``name`` → ``newName`` / ``newTag`` / ``digest`` on every container and init container of a pod
-  template whose image name (before ``:tag`` / ``@digest``) equals ``name``. Applied after the patches, as
-  kustomize's transformer order does.
+- ``images``: ``name`` → ``newName`` / ``newTag`` / ``digest`` on every ``image`` of an item of a list named
+  ``containers`` or ``initContainers`` at any depth (kustomize's legacy image filter: a pod template's containers,
+  a PyTorchJob's replica templates), and on the fields that ``configurations`` files declare under ``images``
+  (``path`` and ``kind``: a TrainJob's ``spec/trainer/image``), whose image name (before ``:tag`` / ``@digest``)
+  equals ``name``. Applied after the patches, as kustomize's transformer order does.
 
 Two resources with the same apiVersion group, kind, namespace and name are an error, as in kustomize.
 """
@@ -23,7 +25,7 @@ from typing import Any
 
 import yaml
 
-SUPPORTED_FIELDS = {"apiVersion", "kind", "resources", "patches", "images"}
+SUPPORTED_FIELDS = {"apiVersion", "kind", "resources", "patches", "images", "configurations"}
 TARGET_FIELDS = {"group", "version", "kind", "name", "namespace"}
 
 
@@ -66,8 +68,14 @@ def render(directory: Path) -> list[dict]:
             )
         for op in ops:
             apply_operation(matched[0], op)
+    field_specs = []
+    for name in k.get("configurations", []):
+        config = yaml.safe_load((directory / name).read_text())
+        if set(config) != {"images"} or any(set(f) - {"path", "kind"} for f in config["images"]):
+            raise RenderError(f"{name}: expected only `images` field specs with path and kind, got {config}")
+        field_specs += config["images"]
     for image in k.get("images", []):
-        _set_image(docs, image)
+        _set_image(docs, image, field_specs)
     return docs
 
 
@@ -143,27 +151,44 @@ def apply_operation(doc: Any, op: dict) -> None:
         node[last] = value
 
 
-def _pod_specs(doc: dict) -> list[dict]:
-    spec = doc.get("spec", {})
-    if doc.get("kind") == "Pod":
-        return [spec]
-    template = spec.get("template", {}).get("spec")
-    return [template] if template else []
+def _image_holders(node: Any, under_containers: bool = False):
+    """``(mapping, "image")`` for every ``image`` of an item of a ``containers``/``initContainers`` list."""
+    if isinstance(node, dict):
+        if under_containers and isinstance(node.get("image"), str):
+            yield node, "image"
+        for key, value in node.items():
+            yield from _image_holders(
+                value, key in ("containers", "initContainers") and isinstance(value, list)
+            )
+    elif isinstance(node, list):
+        for item in node:
+            yield from _image_holders(item, under_containers)
 
 
-def _set_image(docs: list[dict], image: dict) -> None:
+def _declared_holders(doc: dict, field_specs: list[dict]):
+    for spec in field_specs:
+        if spec.get("kind", doc.get("kind")) != doc.get("kind"):
+            continue
+        *parents, last = spec["path"].split("/")
+        node = doc
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(last), str):
+            yield node, last
+
+
+def _set_image(docs: list[dict], image: dict, field_specs: list[dict] = ()) -> None:
     for doc in docs:
-        for pod in _pod_specs(doc):
-            for c in pod.get("containers", []) + pod.get("initContainers", []):
-                name, tag, digest = split_image(c["image"])
-                if name != image["name"]:
-                    continue
-                name = image.get("newName", name)
-                if "digest" in image:
-                    c["image"] = f"{name}@{image['digest']}"
-                else:
-                    tag = image.get("newTag", tag)
-                    c["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
+        for holder, key in [*_image_holders(doc), *_declared_holders(doc, list(field_specs))]:
+            name, tag, digest = split_image(holder[key])
+            if name != image["name"]:
+                continue
+            name = image.get("newName", name)
+            if "digest" in image:
+                holder[key] = f"{name}@{image['digest']}"
+            else:
+                tag = image.get("newTag", tag)
+                holder[key] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
 
 
 def split_image(ref: str) -> tuple[str, str, str]:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from strop.common.grpc_server import SHUTDOWN_SLACK_S
 from tests.deploy.render import RenderError, apply_operation, record_parsed_options, render
@@ -433,11 +432,11 @@ def test_training_operator_pods_run_the_trainer_image_of_base():
     base = {r for r in images(render(K8S / "base")) if "/trainer:" in r}
     ops = K8S / "training-operators"
     refs = set()
-    for f in ("trainjob.yaml", "pytorchjob.yaml"):
-        for d in yaml.safe_load_all((ops / f).read_text()):
-            if d and d["kind"] == "TrainJob":
+    for job in ("trainjob", "pytorchjob"):
+        for d in render(ops / job):
+            if d["kind"] == "TrainJob":
                 refs.add(d["spec"]["trainer"]["image"])
-            elif d:
+            elif d["kind"] == "PyTorchJob":
                 refs |= {
                     c["image"]
                     for spec in d["spec"]["pytorchReplicaSpecs"].values()
@@ -484,3 +483,27 @@ def test_json_patch_follows_rfc_6902():
         apply_operation(doc, {"op": "replace", "path": "/missing", "value": 1})  # replace needs the member
     with pytest.raises(RenderError):
         apply_operation(doc, {"op": "move", "from": "/a", "path": "/z"})  # not used, so not implemented
+
+
+def test_images_are_rewritten_where_kustomize_rewrites_them(tmp_path):
+    # kubectl kustomize (v5.5.0) output for the same input: containers at any depth (a PyTorchJob's replica
+    # templates) and a TrainJob's spec.trainer.image through a `configurations` field spec; nothing else
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [r.yaml]\n"
+        "configurations: [images.yaml]\nimages:\n  - {name: reg/a, newName: mine/a, newTag: '2'}\n"
+    )
+    (tmp_path / "images.yaml").write_text("images:\n  - {path: spec/trainer/image, kind: TrainJob}\n")
+    (tmp_path / "r.yaml").write_text(
+        "apiVersion: kubeflow.org/v1\nkind: PyTorchJob\nmetadata: {name: p}\nspec:\n  pytorchReplicaSpecs:\n"
+        "    Master: {template: {spec: {containers: [{name: c, image: 'reg/a:1'}]}}}\n"
+        "  note: {image: 'reg/a:1'}\n---\n"
+        "apiVersion: trainer.kubeflow.org/v1alpha1\nkind: TrainJob\nmetadata: {name: t}\n"
+        "spec: {trainer: {image: 'reg/a:1'}}\n"
+    )
+    pj, tj = render(tmp_path)
+    assert (
+        pj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["image"]
+        == "mine/a:2"
+    )
+    assert pj["spec"]["note"]["image"] == "reg/a:1", "an image outside containers and field specs is kept"
+    assert tj["spec"]["trainer"]["image"] == "mine/a:2"

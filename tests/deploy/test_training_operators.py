@@ -25,7 +25,8 @@ from tests.deploy.test_manifests import KUBERNETES_VERSION, OLDEST_KUBERNETES
 ROOT = Path(__file__).resolve().parents[2]
 DIR = ROOT / "deploy" / "k8s" / "training-operators"
 SCHEMAS = Path(__file__).resolve().parent / "crd_schemas"
-FILES = ["job-spec.yaml", "trainjob.yaml", "pytorchjob.yaml"]
+FILES = ["job-spec/job-spec.yaml", "trainjob/trainjob.yaml", "pytorchjob/pytorchjob.yaml"]
+JOBS = {"TrainJob": "trainjob", "PyTorchJob": "pytorchjob"}  # each a kustomization: the job-spec and the job
 CRDS = {  # (apiVersion, kind) -> the vendored openAPIV3Schema of that CRD version
     ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainer.kubeflow.org_trainjobs.v1alpha1.json",
     ("kubeflow.org/v1", "PyTorchJob"): "kubeflow.org_pytorchjobs.v1.json",
@@ -412,6 +413,31 @@ def test_gpus_placement_security_and_storage_match_the_trainer():
 
 def test_readme_says_how_to_apply_them():
     readme = (ROOT / "deploy" / "README.md").read_text()
-    for f in FILES:
-        assert f"deploy/k8s/training-operators/{f}" in readme
+    for job in JOBS.values():
+        assert f"kubectl apply -k deploy/k8s/training-operators/{job}" in readme
     assert "torch-distributed" in readme and "PyTorchJob" in readme
+
+
+def test_each_kustomization_renders_the_job_spec_and_its_job_on_the_production_trainer_image():
+    (production,) = {
+        c["image"]
+        for d in render(ROOT / "deploy" / "k8s" / "overlays" / "production")
+        if d["kind"] == "StatefulSet"
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+    for kind, job in JOBS.items():
+        docs = render(DIR / job)
+        assert sorted(d["kind"] for d in docs) == sorted(["ConfigMap", "NetworkPolicy", kind])
+        (doc,) = [d for d in docs if d["kind"] == kind]
+        if kind == "TrainJob":
+            images = {doc["spec"]["trainer"]["image"]}
+        else:
+            images = {
+                c["image"]
+                for r in doc["spec"]["pytorchReplicaSpecs"].values()
+                for c in r["template"]["spec"]["containers"]
+            }
+        # the registry is set in kustomize `images`, as in the production overlay, and the two agree
+        assert images == {production}, f"{kind}: {images} vs the production trainer's {production}"
+        raw = load(f"{job}/{job}.yaml")
+        assert doc == {**raw[0], "spec": doc["spec"]} and doc["metadata"] == raw[0]["metadata"]
