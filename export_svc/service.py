@@ -56,8 +56,11 @@ class ExportServicer(ArtifactServicer, export_pb2_grpc.ExportServiceServicer):
     async def WatchExport(self, request, context):
         # on the event loop: an open stream holds no thread while it waits for the next event
         poll = functools.partial(self.manager.poll, request.export_id)
-        async for ev in follow(poll, self.manager.changed, request.after_seq, context=context):
-            yield to_proto(export_pb2.ExportEvent, ev)
+        convert = functools.partial(to_proto, export_pb2.ExportEvent)
+        async for ev in follow(
+            poll, self.manager.changed, request.after_seq, context=context, convert=convert
+        ):
+            yield ev
 
     def GetExport(self, request, context):
         return to_proto(export_pb2.Export, self.manager.get(request.export_id))

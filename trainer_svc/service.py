@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -15,10 +17,17 @@ from strop.common.trainer_types import DatasetHeader, LoadModelRequest, LoraConf
 from strop.trainer_svc.core.trainer_core import TrainerCore
 from strop.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
+REPLAY_PAGE = 100  # events a stream takes per turn (a turn of a few ms on a CPU; see grpc_server._FairGate)
+CACHED_EVENTS = 50_000  # converted event messages kept for replays (a few hundred bytes each)
+
 
 class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self, core: TrainerCore, drain: Drain):
         self.core, self.drain, self.artifacts = core, drain, core.artifacts
+        self._protos: collections.OrderedDict[tuple[str, int], trainer_pb2.JobEvent] = (
+            collections.OrderedDict()
+        )
+        self._protos_lock = threading.Lock()
 
     def LoadModel(self, request, context):
         self.drain.check()
@@ -102,10 +111,27 @@ class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer)
 
     def _events(self, job_id: str, after_seq: int, context):
         poll = functools.partial(self.core.jobs.poll, job_id)
-        return (
-            to_proto(trainer_pb2.JobEvent, e)
-            async for e in follow(poll, self.core.store.changed, after_seq, context=context)
+        return follow(
+            poll,
+            self.core.store.changed,
+            after_seq,
+            context=context,
+            convert=self._event_proto,
+            page_size=REPLAY_PAGE,
         )
+
+    def _event_proto(self, event):
+        """An event's message, converted once for all the streams that replay it (events never change)."""
+        key = (event.job_id, event.seq)
+        with self._protos_lock:
+            msg = self._protos.get(key)
+        if msg is None:
+            msg = to_proto(trainer_pb2.JobEvent, event)
+            with self._protos_lock:
+                self._protos[key] = msg
+                while len(self._protos) > CACHED_EVENTS:
+                    self._protos.popitem(last=False)
+        return msg
 
     def GetJob(self, request, context):
         return to_proto(trainer_pb2.Job, self.core.jobs.get(request.job_id))

@@ -438,8 +438,9 @@ class ExportManager:
         )
         return [_event(r) for r in rows]
 
-    def poll(self, export_id: str, after_seq: int) -> tuple[list[ExportEvent], bool]:
-        """Events with seq > ``after_seq``, and whether the stream is complete after them.
+    def poll(self, export_id: str, after_seq: int, limit: int = 0) -> tuple[list[ExportEvent], bool]:
+        """Events with seq > ``after_seq`` (the first ``limit``; 0: all), and whether the stream is complete
+        after them.
 
         Raises:
             NotFound: unknown id.
@@ -449,7 +450,7 @@ class ExportManager:
             raise InvalidArgument(f"after_seq must be >= 0, got {after_seq}")
         events = self.events(export_id, after_seq)
         if events:
-            return events, False
+            return events[:limit] if limit else events, False
         row = self._row(export_id)
         return [], ExportState(row["state"]).terminal and int(row["last_seq"]) <= after_seq
 

@@ -120,6 +120,8 @@ class Jobs:
         self._running = 0
         self._lock = threading.RLock()
         self._turn = threading.Condition(self._lock)
+        # full pages of events, shared by the streams that replay the same job (``poll``)
+        self._pages: collections.OrderedDict[tuple[str, int, int], list[JobEvent]] = collections.OrderedDict()
 
     def start(
         self,
@@ -277,6 +279,7 @@ class Jobs:
             on_step=lambda m: self._on_step(job_id, m),
             on_checkpoint=lambda step, path: self._on_checkpoint(sess, job_id, step, path),
             on_start=lambda total: self.store.update_job(job_id, total_steps=total),
+            on_retention=lambda m: self.store.append_event(JobEvent(job_id=job_id, retention=m)),
         )
         if not self._wait_turn(job_id, control):
             self._free_session(sess, job_id)
@@ -431,15 +434,30 @@ class Jobs:
         )
         self.store.append_event(JobEvent(job_id=job_id, checkpoint=ckpt), last_checkpoint=ckpt)
 
-    def poll(self, job_id: str, after_seq: int) -> tuple[list[JobEvent], bool]:
-        """Events with seq > ``after_seq`` (a page), and whether the stream is complete after them."""
+    def poll(self, job_id: str, after_seq: int, limit: int = 1000) -> tuple[list[JobEvent], bool]:
+        """Events with seq > ``after_seq`` (a page of at most ``limit``), and whether the stream is complete
+        after them."""
         if after_seq < 0:
             raise InvalidArgument(f"after_seq must be >= 0, got {after_seq}")
         job = self._visible_job(job_id)  # NotFound
-        events = self.store.events_after(job_id, after_seq)
+        key = (job_id, after_seq, limit)
+        with self._lock:
+            events = self._pages.get(key)
+            if events is not None:
+                self._pages.move_to_end(key)
+                return list(events), False
+        events = self.store.events_after(job_id, after_seq, limit)
+        if len(events) == limit:  # a full page never changes (events are only appended): replays share it
+            with self._lock:
+                self._pages[key] = events
+                while len(self._pages) > self.CACHED_PAGES:
+                    self._pages.popitem(last=False)
+            return list(events), False
         if events:
             return events, False
         return [], job.state.terminal and job.last_seq <= after_seq
+
+    CACHED_PAGES = 256  # 25,600 events at the gRPC layer's page of 100
 
     def _visible_job(self, job_id: str) -> JobInfo:
         job = self.store.get_job(job_id)
