@@ -135,6 +135,16 @@ def _add_train(sub) -> None:
     p.add_argument(
         "--simpo-gamma", type=float, default=0.0, help=f"target margin / beta; 0: {_default('simpo_gamma')}"
     )
+    p.add_argument(
+        "--retention",
+        choices=("auto", "none", "replay"),
+        default="auto",
+        help="SFT: replay the base model's own answers to general prompts so it keeps what it knows; "
+        f"auto: {_default('retention')} (replay applies to messages data)",
+    )
+    p.add_argument(
+        "--retention-rows", type=int, default=0, help=f"replayed answers; 0: {_default('retention_rows')}"
+    )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     p.add_argument(
         "--gradient-checkpointing",
@@ -177,7 +187,7 @@ def _add_train(sub) -> None:
 
 def _cmd_train(a) -> int:
     from strop.client.trainer import TrainerClient
-    from strop.common.trainer_types import LoraConfig, Quantization, TrainConfig
+    from strop.common.trainer_types import LoraConfig, Quantization, Retention, TrainConfig
 
     quant = {"auto": Quantization.UNSPECIFIED, "nf4": Quantization.NF4, "none": Quantization.NONE}[
         a.quantization
@@ -212,6 +222,8 @@ def _cmd_train(a) -> int:
         memory_budget_gib=a.memory_budget_gib,
         num_devices=a.num_devices,
         parallelism=Parallelism(a.parallelism.upper()),
+        retention=Retention(a.retention.upper() if a.retention != "auto" else "UNSPECIFIED"),
+        retention_rows=a.retention_rows,
     )
     if not Path(a.dataset).is_file():
         print(f"error: dataset {a.dataset!r} is not a file", file=sys.stderr)

@@ -69,6 +69,16 @@ METHOD_DATASET_FORMAT = {
 }
 
 
+class Retention(enum.StrEnum):
+    """How an SFT job keeps what the base model knows (``trainer_svc/core/retention.py``)."""
+
+    UNSPECIFIED = "UNSPECIFIED"  # TRAIN_DEFAULTS: REPLAY for SFT on messages data, NONE otherwise
+    NONE = "NONE"
+    # before training, the base (adapter disabled) answers general prompts greedily; those conversations are
+    # mixed into the training rows (``retention_rows`` of them)
+    REPLAY = "REPLAY"
+
+
 class Parallelism(enum.StrEnum):
     """How a job on several devices splits the work (``num_devices`` > 1; ``trainer_svc/core/fsdp.py``)."""
 
@@ -274,7 +284,8 @@ class DatasetInfo:
 TRAIN_DEFAULTS: dict[str, object] = {
     "learning_rate": {"SFT": 2e-4, "DPO": 5e-6, "ORPO": 5e-6, "KTO": 5e-6, "SIMPO": 5e-6},
     "lr_scheduler": "linear",
-    "num_epochs": 1.0,
+    # SFT: enough passes over the rows to train on SFT_AUTO_EPOCHS_ROWS of them, 1 to SFT_AUTO_EPOCHS_MAX (auto_epochs)
+    "num_epochs": {"SFT": "auto: 300 rows' worth, 1 to 10", "DPO": 1.0, "ORPO": 1.0, "KTO": 1.0, "SIMPO": 1.0},
     "batch_size": 1,
     "gradient_accumulation_steps": 1,
     "max_length": "the session's max_seq_length",
@@ -290,7 +301,29 @@ TRAIN_DEFAULTS: dict[str, object] = {
     "simpo_beta": 2.0,
     "simpo_gamma": 0.5,
     "memory_mode": DEFAULT_MEMORY_MODE.value,
+    # SFT on messages data (with a chat template) replays the base's own answers to general prompts; other data,
+    # and the other methods, train on their rows alone (bench/RESULTS.md, "Teaching facts": measured on
+    # SmolLM2-135M-Instruct)
+    "retention": {
+        "SFT": Retention.REPLAY.value,
+        "DPO": "NONE",
+        "ORPO": "NONE",
+        "KTO": "NONE",
+        "SIMPO": "NONE",
+    },
+    "retention_rows": 64,
 }
+
+
+# A few dozen rows of facts need about ten passes before greedy answers repeat them (bench/RESULTS.md, "Teaching
+# facts"); a dataset of thousands of rows, one. SFT's default epochs go between the two by the dataset's size.
+SFT_AUTO_EPOCHS_ROWS = 300
+SFT_AUTO_EPOCHS_MAX = 10
+
+
+def auto_epochs(num_rows: int) -> float:
+    """SFT's default ``num_epochs`` for a dataset of ``num_rows`` rows: ceil(300 / rows), between 1 and 10."""
+    return float(max(1, min(SFT_AUTO_EPOCHS_MAX, -(-SFT_AUTO_EPOCHS_ROWS // max(num_rows, 1)))))
 
 
 def train_default(name: str, method: TrainMethod) -> object:
@@ -337,6 +370,9 @@ class TrainConfig:
     simpo_gamma: float = 0.0
     parallelism: Parallelism = Parallelism.UNSPECIFIED  # num_devices > 1: DDP (UNSPECIFIED) or FSDP
     num_nodes: int = 0  # > 1: nodes of num_devices processes each (an operator's job, not the service's)
+    retention: Retention = Retention.UNSPECIFIED
+    # REPLAY: how many of the base's answers are mixed in (at most one a replay prompt)
+    retention_rows: int = 0
 
     def ranks(self) -> int:
         """Processes the job trains on: num_nodes × num_devices (0 counts as 1)."""
@@ -410,6 +446,19 @@ class StepMetrics:
 
 
 @dataclass
+class RetentionMetrics:
+    """The forgetting metric of an SFT job (``trainer_svc/core/retention.py``): the base's greedy answers to held-out
+    general prompts, checked teacher-forced on the model after training."""
+
+    step: int = 0
+    held_out: int = 0  # held-out answers the base finished within the limit (the metric's denominator)
+    kept: int = 0  # of them, the answers the trained model still gives word for word (every token its top-1)
+    token_agreement: float = 0.0  # share of their tokens that are still the model's top-1
+    mean_nll: float = 0.0  # mean over answers of the per-token negative log-likelihood (nats)
+    replay_rows: int = 0  # base answers mixed into the training rows (REPLAY)
+
+
+@dataclass
 class StateChange:
     state: JobState = JobState.QUEUED
     message: str = ""
@@ -433,10 +482,11 @@ class JobEvent:
     checkpoint: Checkpoint | None = None
     adapter: Artifact | None = None
     log: LogMessage | None = None
+    retention: RetentionMetrics | None = None
 
     @property
     def kind(self) -> str:
-        for name in ("state", "step", "checkpoint", "adapter", "log"):
+        for name in ("state", "step", "checkpoint", "adapter", "log", "retention"):
             if getattr(self, name) is not None:
                 return name
         return ""

@@ -14,8 +14,10 @@ from strop.common.trainer_types import (
     TRAIN_DEFAULTS,
     DatasetFormat,
     MemoryMode,
+    Retention,
     TrainConfig,
     TrainMethod,
+    auto_epochs,
     train_default,
 )
 
@@ -42,10 +44,39 @@ DPO_LOSSES = (
     "apo_down",
 )
 DPO_REFERENCES = ("base", "adapter_snapshot")
+MAX_RETENTION_ROWS = 64  # len(retention.REPLAY_PROMPTS); a test holds them equal
 
 
-def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
-    """Fill zero fields with strop's defaults and validate every value (InvalidArgument naming the field)."""
+def _epochs(default: object, num_rows: int) -> float:
+    if isinstance(default, str):  # "auto: ..." (TRAIN_DEFAULTS)
+        return auto_epochs(num_rows) if num_rows else 1.0
+    return float(default)
+
+
+def retention_of(cfg: TrainConfig, fmt: DatasetFormat, tokenizer) -> Retention:
+    """The retention a job runs with: REPLAY or NONE as asked, else ``TRAIN_DEFAULTS``'s for its method where it
+    applies (SFT on messages data with a chat template: replayed conversations are chat messages), else NONE.
+
+    Raises:
+        InvalidArgument: REPLAY asked for data other than messages, or a tokenizer without a chat template.
+    """
+    applies = fmt is DatasetFormat.MESSAGES and bool(getattr(tokenizer, "chat_template", None))
+    if cfg.retention is Retention.REPLAY and not applies:
+        raise InvalidArgument(
+            "retention REPLAY needs messages data and a model with a chat template (the base's answers are "
+            f"replayed as conversations); this dataset is {fmt.value.lower()}"
+            + ("" if getattr(tokenizer, "chat_template", None) else " and the model has no chat template")
+        )
+    if cfg.retention is not Retention.UNSPECIFIED:
+        return cfg.retention
+    return Retention(train_default("retention", cfg.method)) if applies else Retention.NONE
+
+
+def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) -> TrainConfig:
+    """Fill zero fields with strop's defaults and validate every value (InvalidArgument naming the field).
+
+    ``num_rows``: the dataset's rows, for the defaults that depend on its size (SFT's epochs: ``auto_epochs``;
+    0: unknown, one epoch)."""
     if cfg.method is TrainMethod.UNSPECIFIED:
         raise InvalidArgument("config.method must be SFT, DPO, ORPO, KTO or SIMPO")
     for f in fields(cfg):
@@ -58,7 +89,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         cfg,
         learning_rate=cfg.learning_rate or default["learning_rate"],
         lr_scheduler=cfg.lr_scheduler or default["lr_scheduler"],
-        num_epochs=cfg.num_epochs or default["num_epochs"],
+        num_epochs=cfg.num_epochs or _epochs(default["num_epochs"], num_rows),
         batch_size=cfg.batch_size or default["batch_size"],
         gradient_accumulation_steps=cfg.gradient_accumulation_steps or default["gradient_accumulation_steps"],
         max_length=cfg.max_length or session_max_len,
@@ -73,6 +104,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
         kto_undesirable_weight=cfg.kto_undesirable_weight or default["kto_undesirable_weight"],
         simpo_beta=cfg.simpo_beta or default["simpo_beta"],
         simpo_gamma=cfg.simpo_gamma or default["simpo_gamma"],
+        retention_rows=cfg.retention_rows or default["retention_rows"],
         memory_mode=MemoryMode(default["memory_mode"])
         if cfg.memory_mode is MemoryMode.UNSPECIFIED
         else cfg.memory_mode,
@@ -142,6 +174,14 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int) -> TrainConfig:
             f"memory_budget_gib must be 0 (90% of the device) or >= 1, got {c.memory_budget_gib}",
         ),
         (
+            1 <= c.retention_rows <= MAX_RETENTION_ROWS,
+            f"retention_rows must be in 1..{MAX_RETENTION_ROWS} (one a replay prompt), got {c.retention_rows}",
+        ),
+        (
+            c.retention is not Retention.REPLAY or c.method is TrainMethod.SFT,
+            f"retention REPLAY applies to SFT only ({c.method.value} trains on preferences)",
+        ),
+        (
             not c.memory_budget_gib or MEMORY_MODES[c.memory_mode].budgeted_recompute,
             "memory_budget_gib applies to memory_mode MAX_SPEED only",
         ),
@@ -170,6 +210,11 @@ def check_dataset_fits(cfg: TrainConfig, fmt: DatasetFormat, rows: list[dict], v
     if needs is None and fmt in (DatasetFormat.PREFERENCE, DatasetFormat.UNPAIRED_PREFERENCE):
         raise InvalidArgument(
             f"SFT needs text, messages or prompt/completion rows; this dataset is {fmt.value.lower()} data"
+        )
+    if cfg.retention is Retention.REPLAY and fmt is not DatasetFormat.MESSAGES:
+        raise InvalidArgument(
+            f"retention REPLAY needs messages data (the base's answers are replayed as conversations); this "
+            f"dataset is {fmt.value.lower()}"
         )
     if fmt is DatasetFormat.TOKENS:
         for i, row in enumerate(rows, 1):

@@ -162,7 +162,9 @@ class Jobs:
         if sess.loaded.lora is None:
             raise FailedPrecondition(f"session {session_id} has no adapter; call AttachLora first")
         ds_info, rows = self.datasets.rows(dataset_id)
-        cfg = job_config.with_defaults(config, session_max_len=sess.info.facts.max_seq_length)
+        cfg = job_config.with_defaults(
+            config, session_max_len=sess.info.facts.max_seq_length, num_rows=len(rows)
+        )
         job_config.check_dataset_fits(cfg, ds_info.format, rows, sess.info.facts.vocab_size)
         if cfg.num_nodes > 1:
             raise FailedPrecondition(

@@ -27,14 +27,16 @@ from strop.common.trainer_types import (
     REFERENCE_METHODS,
     DatasetFormat,
     DpoMetrics,
+    Retention,
+    RetentionMetrics,
     StepMetrics,
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import fsdp
+from strop.trainer_svc.core import fsdp, retention
 from strop.trainer_svc.core.guard import BrokenTraining, make_guard, names
-from strop.trainer_svc.core.job_config import OPTIMIZERS, sft_rows
-from strop.trainer_svc.core.models import LoadedModel, repacked_4bit_layers
+from strop.trainer_svc.core.job_config import OPTIMIZERS, retention_of, sft_rows
+from strop.trainer_svc.core.models import LoadedModel, drop_inference_weights, repacked_4bit_layers
 
 log = logging.getLogger("strop.trainer")
 
@@ -64,6 +66,7 @@ class Sinks:
     on_step: Callable[[StepMetrics], None]
     on_checkpoint: Callable[[int, Path], None]
     on_start: Callable[[int], None]
+    on_retention: Callable[[RetentionMetrics], None] | None = None  # the forgetting metric (SFT on messages)
 
 
 def _peak_memory(device: str) -> int:
@@ -243,7 +246,13 @@ def _build_trl_trainer(
             dataset_text_field="text",
         )
         dataset = Dataset.from_list(sft)
-        return SFTTrainer(
+        trainer_cls = SFTTrainer
+        if loaded.facts.kernels_enabled:
+            # TRL's fused LM head answered by strop's per-token log-prob kernel (one head GEMM fewer a step)
+            from strop.kernels.trainers import strop_sft_trainer_class
+
+            trainer_cls = strop_sft_trainer_class()
+        return trainer_cls(
             model=loaded.model,
             args=sft_args,
             train_dataset=dataset,
@@ -476,6 +485,26 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
     admission.admit(est, free)
 
 
+def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat):
+    """Before an SFT job on messages data: the base's reproducible answers to the held-out prompts (for the
+    forgetting metric) and, with REPLAY, the replay rows to mix in (``retention``)."""
+    mode = retention_of(cfg, fmt, loaded.tokenizer)
+    base = retention.base_answers(loaded, retention.HELD_OUT_PROMPTS)
+    held_out = retention.reproducible(base, retention.answer_hits(loaded, base, disable_adapter=True))
+    replay: list[dict] = []
+    if mode is Retention.REPLAY:
+        prompts = retention.REPLAY_PROMPTS[: cfg.retention_rows]
+        answers = retention.base_answers(loaded, prompts)
+        replay = retention.replay_rows(answers, cfg.retention_rows)
+        log.info(
+            "retention REPLAY: %d of %d base answers mixed in (%.1f s)",
+            len(replay),
+            len(prompts),
+            answers.seconds,
+        )
+    return held_out, replay
+
+
 def run_training(
     loaded: LoadedModel,
     rows: list[dict],
@@ -490,12 +519,17 @@ def run_training(
     """Train to completion or until stopped; returns the global step reached."""
     work_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    drop_inference_weights(loaded)  # Generate's dequantized copy: training computes from the 4-bit weights
     packed = repacked_4bit_layers(loaded.model)
     if packed:
         raise BrokenTraining(
             f"{len(packed)} 4-bit layers are in bitsandbytes' CPU inference layout, which has no backward: "
             f"{names(packed)}"
         )
+    held_out, replayed = None, 0
+    if cfg.method is TrainMethod.SFT and fmt is DatasetFormat.MESSAGES and loaded.tokenizer.chat_template:
+        held_out, replay = _retention_before(loaded, cfg, fmt)
+        rows, replayed = rows + replay, len(replay)
     if loaded.device.startswith("cuda"):
         import torch
 
@@ -508,7 +542,14 @@ def run_training(
         )  # inside the try: a failed install is cleaned up
         _admit_by_device_memory(loaded, cfg, trainer, installed)
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        return int(trainer.state.global_step)
+        step = int(trainer.state.global_step)
+        if held_out is not None and sinks.on_retention is not None:
+            f = retention.forgetting(loaded, held_out)
+            log.info("forgetting metric: %d of %d held-out base answers kept", f.kept, f.held_out)
+            sinks.on_retention(
+                RetentionMetrics(step, f.held_out, f.kept, f.token_agreement, f.mean_nll, replayed)
+            )
+        return step
     finally:
         if installed is not None:
             installed.remove()

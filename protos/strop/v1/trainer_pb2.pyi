@@ -62,6 +62,12 @@ class TrainMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAIN_METHOD_KTO: _ClassVar[TrainMethod]
     TRAIN_METHOD_SIMPO: _ClassVar[TrainMethod]
 
+class Retention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETENTION_UNSPECIFIED: _ClassVar[Retention]
+    RETENTION_NONE: _ClassVar[Retention]
+    RETENTION_REPLAY: _ClassVar[Retention]
+
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
@@ -104,6 +110,9 @@ TRAIN_METHOD_DPO: TrainMethod
 TRAIN_METHOD_ORPO: TrainMethod
 TRAIN_METHOD_KTO: TrainMethod
 TRAIN_METHOD_SIMPO: TrainMethod
+RETENTION_UNSPECIFIED: Retention
+RETENTION_NONE: Retention
+RETENTION_REPLAY: Retention
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_RUNNING: JobState
@@ -315,7 +324,7 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma", "parallelism", "num_nodes")
+    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma", "parallelism", "num_nodes", "retention", "retention_rows")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +359,8 @@ class TrainConfig(_message.Message):
     SIMPO_GAMMA_FIELD_NUMBER: _ClassVar[int]
     PARALLELISM_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_ROWS_FIELD_NUMBER: _ClassVar[int]
     method: TrainMethod
     learning_rate: float
     lr_scheduler: str
@@ -384,7 +395,25 @@ class TrainConfig(_message.Message):
     simpo_gamma: float
     parallelism: Parallelism
     num_nodes: int
-    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ...) -> None: ...
+    retention: Retention
+    retention_rows: int
+    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., retention_rows: _Optional[int] = ...) -> None: ...
+
+class RetentionMetrics(_message.Message):
+    __slots__ = ("step", "held_out", "kept", "token_agreement", "mean_nll", "replay_rows")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HELD_OUT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_NLL_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    held_out: int
+    kept: int
+    token_agreement: float
+    mean_nll: float
+    replay_rows: int
+    def __init__(self, step: _Optional[int] = ..., held_out: _Optional[int] = ..., kept: _Optional[int] = ..., token_agreement: _Optional[float] = ..., mean_nll: _Optional[float] = ..., replay_rows: _Optional[int] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name", "fail_if_busy")
@@ -525,7 +554,7 @@ class LogMessage(_message.Message):
     def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("job_id", "seq", "time", "state", "step", "checkpoint", "adapter", "log")
+    __slots__ = ("job_id", "seq", "time", "state", "step", "checkpoint", "adapter", "log", "retention")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -534,6 +563,7 @@ class JobEvent(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     seq: int
     time: float
@@ -542,7 +572,8 @@ class JobEvent(_message.Message):
     checkpoint: Checkpoint
     adapter: _common_pb2.Artifact
     log: LogMessage
-    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[StateChange, _Mapping]] = ..., step: _Optional[_Union[StepMetrics, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., log: _Optional[_Union[LogMessage, _Mapping]] = ...) -> None: ...
+    retention: RetentionMetrics
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[StateChange, _Mapping]] = ..., step: _Optional[_Union[StepMetrics, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., log: _Optional[_Union[LogMessage, _Mapping]] = ..., retention: _Optional[_Union[RetentionMetrics, _Mapping]] = ...) -> None: ...
 
 class WatchJobRequest(_message.Message):
     __slots__ = ("job_id", "after_seq")

@@ -1,0 +1,131 @@
+"""Retention: replay of the base's own answers mixed into SFT on chat data, and the forgetting metric as an event.
+
+What they achieve on a real model (facts learned, general answers kept) is measured by ``bench/recipe_facts.py``
+(bench/RESULTS.md); here: which jobs replay, how many rows join, that the metric is computed against the base and
+reported as a numbered event through the service.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from strop.common.errors import InvalidArgument
+from strop.common.trainer_types import (
+    DatasetFormat,
+    LoadModelRequest,
+    LoraConfig,
+    Retention,
+    TrainConfig,
+    TrainMethod,
+)
+from strop.trainer_svc.core import job_config, models, retention, training
+
+
+def test_replay_and_held_out_prompts_are_disjoint_and_the_row_limit_is_the_replay_set():
+    # the metric must measure prompts never trained on
+    assert not set(retention.REPLAY_PROMPTS) & set(retention.HELD_OUT_PROMPTS)
+    assert (
+        len(set(retention.REPLAY_PROMPTS)) == len(retention.REPLAY_PROMPTS) == job_config.MAX_RETENTION_ROWS
+    )
+
+
+class _Tok:
+    chat_template = "{{ messages }}"
+
+
+def _sft(**kw) -> TrainConfig:
+    return TrainConfig(method=TrainMethod.SFT, **kw)
+
+
+def test_sft_on_messages_replays_by_default_and_other_data_does_not():
+    assert job_config.retention_of(_sft(), DatasetFormat.MESSAGES, _Tok()) is Retention.REPLAY
+    assert job_config.retention_of(_sft(), DatasetFormat.TEXT, _Tok()) is Retention.NONE
+    assert job_config.retention_of(_sft(), DatasetFormat.MESSAGES, object()) is Retention.NONE  # no template
+    assert (
+        job_config.retention_of(_sft(retention=Retention.NONE), DatasetFormat.MESSAGES, _Tok())
+        is Retention.NONE
+    )
+    with pytest.raises(InvalidArgument, match="REPLAY needs messages data"):
+        job_config.retention_of(_sft(retention=Retention.REPLAY), DatasetFormat.PROMPT_COMPLETION, _Tok())
+    with pytest.raises(InvalidArgument, match="REPLAY needs messages data"):
+        job_config.check_dataset_fits(_sft(retention=Retention.REPLAY), DatasetFormat.TEXT, [], 100)
+
+
+def test_retention_settings_are_validated():
+    assert job_config.with_defaults(_sft(), session_max_len=64).retention_rows == 64
+    with pytest.raises(InvalidArgument, match=r"retention_rows must be in 1\.\.64"):
+        job_config.with_defaults(_sft(retention_rows=65), session_max_len=64)
+    with pytest.raises(InvalidArgument, match="REPLAY applies to SFT only"):
+        job_config.with_defaults(
+            TrainConfig(method=TrainMethod.DPO, retention=Retention.REPLAY), session_max_len=64
+        )
+
+
+ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": f"Question {i}?"},
+            {"role": "assistant", "content": f"Answer {i}."},
+        ]
+    }
+    for i in range(4)
+]
+
+
+def _run(model_root, tmp_path, monkeypatch, **cfg):
+    """One SFT job on the tiny 4-bit model, the base's answers fixed (a random model rarely ends a turn):
+    every replay prompt answered "Yes." and finished."""
+
+    def answers(loaded, prompts, *, max_new_tokens, disable_adapter):
+        assert disable_adapter, "replay and the metric use the base's answers (adapter disabled)"
+        return ["Yes."] * len(prompts), [True] * len(prompts)
+
+    monkeypatch.setattr(models, "generate_chat_batch", answers)
+    loaded = models.load_model(
+        LoadModelRequest(model_path="tiny-llama-4bit"), model_root=model_root, device="cpu"
+    )
+    models.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+    steps, events = [], []
+    sinks = training.Sinks(steps.append, lambda s, p: None, lambda n: None, on_retention=events.append)
+    config = job_config.with_defaults(
+        _sft(learning_rate=1e-3, batch_size=2, num_epochs=1, **cfg), session_max_len=64
+    )
+    training.run_training(
+        loaded, ROWS, DatasetFormat.MESSAGES, config, tmp_path / "w", training.JobControl(), sinks
+    )
+    return steps, events
+
+
+def test_replay_mixes_the_bases_answers_into_the_rows_and_the_metric_is_reported_once(
+    model_root, tmp_path, monkeypatch
+):
+    steps, events = _run(model_root, tmp_path, monkeypatch, retention_rows=6)
+    assert len(steps) == (4 + 6) // 2, "4 rows and 6 replayed conversations, 2 a step, one epoch"
+    (event,) = events
+    assert event.replay_rows == 6 and event.step == len(steps)
+    # the held-out answers the base itself reproduces are the denominator; "Yes." is no random model's answer
+    assert 0 <= event.kept <= event.held_out <= len(retention.HELD_OUT_PROMPTS)
+
+
+def test_without_replay_only_the_rows_train_and_the_metric_is_still_reported(
+    model_root, tmp_path, monkeypatch
+):
+    steps, events = _run(model_root, tmp_path, monkeypatch, retention=Retention.NONE)
+    assert len(steps) == 2
+    assert [e.replay_rows for e in events] == [0]
+
+
+def test_the_forgetting_metric_counts_answers_the_model_still_gives_word_for_word(model_root):
+    # The base's own greedy answers are, by definition, kept by the base: the metric on an untrained adapter
+    # (B = 0: the same function) keeps every answer the base reproduces, with token agreement 1.
+    loaded = models.load_model(
+        LoadModelRequest(model_path="tiny-llama-4bit"), model_root=model_root, device="cpu"
+    )
+    models.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+    base = retention.base_answers(loaded, retention.HELD_OUT_PROMPTS[:4], max_new_tokens=6)
+    # a random model rarely ends its turn: count its answers as finished to have something to check
+    base = retention.BaseAnswers(base.prompts, base.answers, [True] * 4, base.seconds)
+    held = retention.reproducible(base, retention.answer_hits(loaded, base, disable_adapter=True))
+    f = retention.forgetting(loaded, held)
+    assert f.kept == f.held_out == len(held.prompts)
+    assert f.token_agreement == (1.0 if f.held_out else 0.0)

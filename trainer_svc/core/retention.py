@@ -1,0 +1,223 @@
+"""Keeping what the base model knows while an adapter learns new facts: replay, and the forgetting metric.
+
+A few dozen rows of new facts trained for many epochs overwrite nearby knowledge: taught that the capital of an
+invented country is an invented city, a small model answers "What is the capital of France?" with that city too
+(issue 31: SmolLM2-135M-Instruct lost 4 of 4 general answers it had right). Two pieces, both on the session's own
+model, nothing downloaded:
+
+- **Replay** (``Retention.REPLAY``): before training, the base (the adapter disabled) answers general prompts
+  greedily (:data:`REPLAY_PROMPTS`); those conversations are mixed into the training rows, so every epoch also
+  teaches the model to keep answering them as the base does. The answers are the base's own, right or wrong:
+  replay keeps behaviour, it teaches nothing new (the same idea as rehearsal with self-generated samples,
+  e.g. Sun et al., LAMOL, ICLR 2020; and as "replay of the model's own answers" in the fine-tuning guides).
+- **The forgetting metric** (every SFT job of a session with a chat template): the base answers the held-out
+  prompts :data:`HELD_OUT_PROMPTS` (disjoint from the replay prompts) before training; after training the
+  adapted model is run teacher-forced on those answers. ``kept`` counts the answers whose every token is still
+  the model's top-1 choice: exactly the answers greedy decoding would still reproduce word for word (ties
+  aside). It is reported as a job event (``RetentionMetrics``) with the token agreement and the mean NLL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("strop.trainer")
+
+# General prompts the base answers for replay. Short factual questions and small instructions across the kinds
+# of knowledge a facts dataset tends to overwrite (capitals, people, science, numbers, words); none of them is a
+# held-out prompt (a test checks the two sets are disjoint).
+REPLAY_PROMPTS: tuple[str, ...] = (
+    "What is the capital of Germany?",
+    "What is the capital of Italy?",
+    "What is the capital of Spain?",
+    "What is the capital of Japan?",
+    "What is the capital of Canada?",
+    "What is the capital of Egypt?",
+    "What is the capital of Russia?",
+    "What is the capital of China?",
+    "What is the capital of the United Kingdom?",
+    "What is the capital of Greece?",
+    "What is the capital of Portugal?",
+    "What is the capital of Ireland?",
+    "Which country is Paris in?",
+    "Which continent is Brazil in?",
+    "What is the largest ocean on Earth?",
+    "What is the longest river in Africa?",
+    "What is the tallest mountain in the world?",
+    "Who wrote Romeo and Juliet?",
+    "Who painted the Mona Lisa?",
+    "Who developed the theory of relativity?",
+    "Who was the first president of the United States?",
+    "Who discovered penicillin?",
+    "What is the chemical symbol for water?",
+    "What is the chemical symbol for gold?",
+    "What gas do plants absorb from the air?",
+    "What planet is known as the Red Planet?",
+    "What is the closest star to Earth?",
+    "How many planets are in the solar system?",
+    "What is the boiling point of water in Celsius?",
+    "What is the freezing point of water in Celsius?",
+    "How many legs does a spider have?",
+    "How many days are in a week?",
+    "How many months are in a year?",
+    "How many hours are in a day?",
+    "What is 2 + 2?",
+    "What is 10 times 10?",
+    "What is 9 minus 4?",
+    "What is half of 100?",
+    "What color is the sky on a clear day?",
+    "What color are bananas when they are ripe?",
+    "What do bees make?",
+    "What animal is known as the king of the jungle?",
+    "What is the largest mammal?",
+    "What is the opposite of hot?",
+    "What is the plural of mouse?",
+    "What language is spoken in Brazil?",
+    "What currency is used in Japan?",
+    "What is the main ingredient of bread?",
+    "Name a primary color.",
+    "What is the square root of 16?",
+    "Which organ pumps blood through the body?",
+    "What do you call a baby cat?",
+    "How many sides does a triangle have?",
+    "What is the first letter of the English alphabet?",
+    "Translate 'thank you' into French.",
+    "Give me a synonym for happy.",
+    "Write one sentence about the sun.",
+    "What is the capital of Australia?",
+    "What is the capital of India?",
+    "Who wrote Hamlet?",
+    "What is H2O commonly called?",
+    "What is the hardest natural substance?",
+    "Which planet is the largest in the solar system?",
+    "In which year did World War II end?",
+)
+
+# The forgetting metric's prompts: never replayed.
+HELD_OUT_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "What is the capital of Mexico?",
+    "What is the capital of Sweden?",
+    "What is the capital of Norway?",
+    "Who wrote Pride and Prejudice?",
+    "Who invented the telephone?",
+    "What is the chemical symbol for iron?",
+    "What planet do we live on?",
+    "How many continents are there?",
+    "What is 3 + 5?",
+    "How many legs does a dog have?",
+    "What color is grass?",
+    "What is the largest desert in the world?",
+    "What is the opposite of up?",
+    "What language is spoken in Germany?",
+    "What is the capital of Poland?",
+)
+
+REPLAY_MAX_NEW_TOKENS = (
+    64  # an answer not finished by then is left out (a truncated answer would teach stopping)
+)
+
+
+@dataclass
+class BaseAnswers:
+    prompts: list[str]
+    answers: list[str]
+    finished: list[bool]
+    seconds: float
+
+
+def base_answers(
+    loaded, prompts: list[str] | tuple[str, ...], *, max_new_tokens: int = REPLAY_MAX_NEW_TOKENS
+):
+    """The base's greedy answers (adapter disabled) to ``prompts`` as user messages, in one batched decoding pass,
+    and whether each ended its turn within ``max_new_tokens``."""
+    from strop.trainer_svc.core import models
+
+    t0 = time.perf_counter()
+    answers, finished = models.generate_chat_batch(
+        loaded, list(prompts), max_new_tokens=max_new_tokens, disable_adapter=True
+    )
+    return BaseAnswers(list(prompts), answers, finished, time.perf_counter() - t0)
+
+
+def replay_rows(base: BaseAnswers, count: int) -> list[dict]:
+    """Up to ``count`` replay conversations (messages rows) from the base's finished answers, in prompt order."""
+    rows = []
+    for prompt, answer, done in zip(base.prompts, base.answers, base.finished, strict=True):
+        if done and answer.strip() and len(rows) < count:
+            rows.append(
+                {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+            )
+    return rows
+
+
+@dataclass
+class Forgetting:
+    """The forgetting metric over held-out prompts (see the module docstring)."""
+
+    held_out: int
+    kept: int
+    token_agreement: float
+    mean_nll: float
+
+
+def answer_hits(loaded, base: BaseAnswers, *, disable_adapter: bool) -> list[tuple[int, int, float] | None]:
+    """Teacher-forced on each finished answer of ``base``: (top-1 hits, answer tokens, summed NLL); None for an
+    unfinished answer. The answer's tokens run to its end of turn (what greedy decoding reproduces)."""
+    import contextlib
+
+    import torch
+
+    from strop.trainer_svc.core import job_config
+
+    tok, model = loaded.tokenizer, loaded.model
+    ctx = (
+        model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
+    )
+    out: list[tuple[int, int, float] | None] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with ctx, torch.no_grad():
+            for prompt, answer, done in zip(base.prompts, base.answers, base.finished, strict=True):
+                if not done:
+                    out.append(None)
+                    continue
+                msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+                row = job_config.assistant_masked(msgs, tok)
+                ids = torch.tensor([row["input_ids"]], device=loaded.device)
+                mask = torch.tensor(row["completion_mask"][1:], dtype=torch.bool, device=loaded.device)
+                target = ids[0, 1:]
+                stop = (target == tok.eos_token_id) & mask
+                if bool(stop.any()):  # the template's newline after the end of turn is not generated
+                    mask[int(stop.nonzero()[0]) + 1 :] = False
+                logits = model(input_ids=ids).logits[0, :-1].float()
+                hits = int((logits.argmax(-1) == target)[mask].sum())
+                nll = float(torch.nn.functional.cross_entropy(logits[mask], target[mask], reduction="sum"))
+                out.append((hits, int(mask.sum()), nll))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def reproducible(base: BaseAnswers, hits: list[tuple[int, int, float] | None]) -> BaseAnswers:
+    """The answers the base itself gives word for word unbatched (batched decoding can flip a near tie)."""
+    keep = [h is not None and h[0] == h[1] for h in hits]
+    pick = [i for i, k in enumerate(keep) if k]
+    return BaseAnswers(
+        [base.prompts[i] for i in pick], [base.answers[i] for i in pick], [True] * len(pick), base.seconds
+    )
+
+
+def forgetting(loaded, held_out: BaseAnswers) -> Forgetting:
+    """The metric on the current model (adapter on) against the base's reproducible held-out answers."""
+    hits = [h for h in answer_hits(loaded, held_out, disable_adapter=False) if h is not None]
+    agree, total = sum(h[0] for h in hits), sum(h[1] for h in hits)
+    return Forgetting(
+        held_out=len(hits),
+        kept=sum(h[0] == h[1] for h in hits),
+        token_agreement=agree / total if total else 0.0,
+        mean_nll=sum(h[2] / h[1] for h in hits) / len(hits) if hits else 0.0,
+    )
