@@ -159,11 +159,14 @@ def test_an_export_cannot_replace_another_tenants_artifact(services, team_a_work
 def test_another_tenants_ids_look_free_and_cannot_be_squatted(services, team_a_work, tmp_path):
     # finding 3: B's upload with A's id said ALREADY_EXISTS while GetArtifact said NOT_FOUND (existence leaked),
     # and an id B uploaded first made A's later export to that id fail with ALREADY_EXISTS
-    _, export_target = services
+    target, export_target = services
+    with TrainerClient(target, token="ta") as a:
+        a_adapter = a.get_artifact(team_a_work["adapter"])
     (tmp_path / "up").mkdir()
     (tmp_path / "up" / "adapter_config.json").write_text("{}")
     with ExportClient(export_target, token="ta") as ea:
         ea.upload_artifact(tmp_path / "up", artifact_id="a-private")
+        a_second = ea.upload_artifact(tmp_path / "up", artifact_id="a-second")
     with ExportClient(export_target, token="tb") as eb:
         with pytest.raises(NotFoundError):
             eb.get_artifact("a-private")
@@ -174,6 +177,11 @@ def test_another_tenants_ids_look_free_and_cannot_be_squatted(services, team_a_w
         # the same answer as for any free id: B takes it, in its own id space
         assert eb.upload_artifact(tmp_path / "up", artifact_id="a-private").metadata["tenant"] == "team-b"
         eb.upload_artifact(tmp_path / "up", artifact_id="squatted")
+    with TrainerClient(target, token="tb") as b:  # the trainer's write path: SaveAdapter under an id of A's
+        s = b.load_model("tiny-llama-4bit")
+        b.attach_lora(s.session_id, LoraConfig(r=4, alpha=8))
+        assert b.save_adapter(s.session_id, "a-second").metadata["tenant"] == "team-b"
+        b.close_session(s.session_id)
     with ExportClient(export_target, token="ta") as ea:
         assert ea.get_artifact("a-private").metadata["tenant"] == "team-a"
         done = ea.wait_export(
@@ -184,3 +192,8 @@ def test_another_tenants_ids_look_free_and_cannot_be_squatted(services, team_a_w
         )  # fmt: skip
         assert done.state.value == "SUCCEEDED", done.error
         assert ea.get_artifact("squatted").metadata["tenant"] == "team-a"
+        for mine in (a_adapter, a_second):
+            kept = ea.get_artifact(mine.artifact_id)
+            assert (kept.sha256, kept.metadata["tenant"]) == (mine.sha256, "team-a"), (
+                "no write path touched it"
+            )
