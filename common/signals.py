@@ -57,7 +57,7 @@ def follow_blocking(
     poll_seconds: float = 1.0,
 ) -> Iterator[Any]:
     """Numbered events from ``poll(seq) -> (events after seq, done)`` until done, blocking on ``signal`` between
-    polls (the thread form; ``strop.common.grpc_server.follow`` is the same loop on an event loop)."""
+    polls (the thread form; ``strop.common.aio.follow`` is the same loop on an event loop)."""
     seq = after_seq
     while True:
         generation = signal.generation

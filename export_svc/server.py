@@ -3,7 +3,7 @@
 Builds the artifact store, the export queue (state in SQLite under ``--state-dir``, or ``--database-url``) and the gRPC server (error
 mapping, health, reflection, message limits); on SIGTERM it stops accepting exports, lets running ones finish
 within ``--grace`` seconds, marks the rest INTERRUPTED and stops. Flags and defaults follow the convention both
-services share (``strop.common.grpc_server.service_parser``).
+services share (``strop.common.server_cli.service_parser``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common.artifacts import ArtifactStore
-from strop.common.grpc_server import (
-    ConnectionAge,
-    Drain,
-    Security,
-    Service,
-    ServiceBinding,
-    build_server,
+from strop.common.grpc_server import ConnectionAge, Drain, Security, Service, ServiceBinding, build_server
+from strop.common.metrics import serve_metrics
+from strop.common.paths import private_paths
+from strop.common.server_cli import (
     connection_age_from_args,
     health_address,
     metrics_address,
@@ -28,8 +25,6 @@ from strop.common.grpc_server import (
     security_from_args,
     service_parser,
 )
-from strop.common.metrics import serve_metrics
-from strop.common.paths import private_paths
 from strop.export_svc.core.jobs import ExportManager
 from strop.export_svc.service import ExportServicer
 from strop.v1 import export_pb2, export_pb2_grpc

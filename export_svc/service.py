@@ -10,10 +10,11 @@ import functools
 from collections.abc import Iterator
 
 from strop.common import auth
+from strop.common.aio import follow
 from strop.common.artifact_service import ArtifactServicer
 from strop.common.artifacts import ArtifactStore
 from strop.common.export_types import ExportRequest, ExportState, ExportStateChange
-from strop.common.grpc_server import Drain, follow
+from strop.common.grpc_server import Drain
 from strop.common.serde import from_proto, to_proto
 from strop.export_svc.core.errors import InvalidArgument
 from strop.export_svc.core.jobs import ExportManager

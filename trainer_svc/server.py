@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from strop.common.grpc_server import (
-    ConnectionAge,
-    Drain,
-    Security,
-    Service,
-    ServiceBinding,
-    build_server,
+from strop.common.grpc_server import ConnectionAge, Drain, Security, Service, ServiceBinding, build_server
+from strop.common.metrics import serve_metrics
+from strop.common.paths import private_paths
+from strop.common.server_cli import (
     connection_age_from_args,
     health_address,
     metrics_address,
@@ -19,8 +16,6 @@ from strop.common.grpc_server import (
     security_from_args,
     service_parser,
 )
-from strop.common.metrics import serve_metrics
-from strop.common.paths import private_paths
 from strop.trainer_svc.core.datasets import Limits
 from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
 from strop.trainer_svc.service import SERVICE_NAME, TrainerServicer, add_to_server

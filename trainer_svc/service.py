@@ -9,15 +9,16 @@ from collections.abc import Iterator
 
 import grpc
 
+from strop.common.aio import follow, in_pool
 from strop.common.artifact_service import ArtifactServicer
 from strop.common.errors import InvalidArgument
-from strop.common.grpc_server import Drain, follow, in_pool
+from strop.common.grpc_server import Drain
 from strop.common.serde import from_proto, to_proto
 from strop.common.trainer_types import DatasetHeader, LoadModelRequest, LoraConfig, StateChange, TrainConfig
 from strop.trainer_svc.core.trainer_core import TrainerCore
 from strop.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
-REPLAY_PAGE = 100  # events a stream takes per turn (a turn of a few ms on a CPU; see grpc_server._FairGate)
+REPLAY_PAGE = 100  # events a stream takes per turn (a turn of a few ms on a CPU; see common.aio._FairGate)
 CACHED_EVENTS = 50_000  # converted event messages kept for replays (a few hundred bytes each)
 
 

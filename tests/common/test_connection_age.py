@@ -10,7 +10,8 @@ import time
 
 import grpc
 
-from strop.common.grpc_server import ConnectionAge, ServiceBinding, build_server, service_parser
+from strop.common.grpc_server import ConnectionAge, ServiceBinding, build_server
+from strop.common.server_cli import service_parser
 from strop.v1 import export_pb2, export_pb2_grpc
 
 SERVICE = export_pb2.DESCRIPTOR.services_by_name["ExportService"].full_name

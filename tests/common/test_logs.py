@@ -62,7 +62,7 @@ def test_each_record_is_one_json_line_with_the_ids_it_concerns():
 
 
 def test_the_services_take_the_log_format_flag():
-    from strop.common.grpc_server import metrics_address, service_parser
+    from strop.common.server_cli import metrics_address, service_parser
 
     p = service_parser("x", "x", name="trainer", port=1)
     a = p.parse_args(["--log-format", "json", "--metrics-port", "9090", "--address", "0.0.0.0:50051"])
