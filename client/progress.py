@@ -84,6 +84,14 @@ def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
             tqdm.write(f"[{job_id}] adapter {ev.adapter.artifact_id}", file=sys.stderr)
         elif ev.log is not None:
             tqdm.write(f"[{job_id}] {ev.log.message}", file=sys.stderr)
+        elif ev.retention is not None:
+            r = ev.retention
+            tqdm.write(
+                f"[{job_id}] retention: {r.kept} of {r.held_out} held-out answers of the base still given word for "
+                f"word (token agreement {r.token_agreement:.1%}, NLL {r.mean_nll:.3f}); {r.replay_rows} base answers "
+                "replayed",
+                file=sys.stderr,
+            )
     if bar is not None:
         bar.close()
     return job_id

@@ -19,6 +19,7 @@ from strop.common.trainer_types import (
     TrainMethod,
 )
 from strop.trainer_svc.core import job_config, models, retention, training
+from tests.trainer_svc.conftest import sft_config
 
 
 def test_replay_and_held_out_prompts_are_disjoint_and_the_row_limit_is_the_replay_set():
@@ -129,3 +130,17 @@ def test_the_forgetting_metric_counts_answers_the_model_still_gives_word_for_wor
     f = retention.forgetting(loaded, held)
     assert f.kept == f.held_out == len(held.prompts)
     assert f.token_agreement == (1.0 if f.held_out else 0.0)
+
+
+def test_the_forgetting_metric_reaches_the_client_as_a_numbered_event_before_the_adapter(
+    client, ready_session, sft_dataset
+):
+    events = list(client.train(ready_session, sft_dataset.dataset_id, sft_config(2, retention_rows=4)))
+    kinds = [e.kind for e in events]
+    assert kinds.count("retention") == 1, kinds
+    assert kinds.index("retention") < kinds.index("adapter"), (
+        "measured on the trained adapter, then published"
+    )
+    r = events[kinds.index("retention")].retention
+    assert r.step == 2 and 0 <= r.kept <= r.held_out <= len(retention.HELD_OUT_PROMPTS)
+    assert 0 <= r.replay_rows <= 4
