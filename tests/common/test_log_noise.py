@@ -6,6 +6,7 @@ import logging
 import warnings
 
 from strop.common import log_noise
+from tests.deps import locked
 
 
 def test_noisy_library_messages_are_dropped_and_real_ones_kept(caplog):
@@ -41,9 +42,8 @@ def test_noisy_library_messages_are_dropped_and_real_ones_kept(caplog):
 
 
 def test_dataset_progress_bars_stay_out_of_the_service_log():
-    import pytest
 
-    datasets = pytest.importorskip("datasets")
+    datasets = locked("datasets")
     from strop.trainer_svc.core.training import quiet_dataset_progress
 
     datasets.enable_progress_bars()

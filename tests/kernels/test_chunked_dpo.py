@@ -27,6 +27,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.deps import locked
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
@@ -237,9 +239,9 @@ def test_bad_inputs_raise():
 
 # ---- TRL glue --------------------------------------------------------------------------------------------
 
-trl = pytest.importorskip("trl")
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+trl = locked("trl")
+peft = locked("peft")
+transformers = locked("transformers")
 
 
 @pytest.fixture(scope="module")

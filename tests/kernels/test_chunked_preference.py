@@ -25,6 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.deps import locked
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
@@ -51,9 +53,9 @@ from ._chunked_losses import (
 )
 from ._tolerances import assert_bf16_within_torch_bound, needs_cuda
 
-trl = pytest.importorskip("trl")
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+trl = locked("trl")
+peft = locked("peft")
+transformers = locked("transformers")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
 

@@ -26,6 +26,8 @@ import os
 import pytest
 import torch
 
+from tests.deps import locked
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
@@ -356,7 +358,7 @@ def test_stacked_nf4_gate_and_up_are_not_stacked_when_they_run_fp8():
 
 def _tiny_llama():
     """test_patch's 2-layer Llama with its adapters on all seven projections, bf16 base."""
-    transformers = pytest.importorskip("transformers")
+    transformers = locked("transformers")
     from tests.kernels.test_patch import _config, _peft
 
     torch.manual_seed(0)
@@ -414,8 +416,8 @@ def test_fp8_bases_train_an_8b_shaped_layer_stack_like_the_exact_path():
     # 4 layers of Llama-3-8B's shape, bf16, fp32 adapters, 2 × 2048 tokens, 6 AdamW steps from the same start:
     # the FP8 runs' losses stay within 1% of the exact run's and fall as much; the dx-only run's first loss is
     # the exact run's (its forward is exact).
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    transformers = locked("transformers")
+    peft = locked("peft")
     from strop.kernels.models import patch_model
 
     cfg = transformers.LlamaConfig(

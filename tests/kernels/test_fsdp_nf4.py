@@ -18,11 +18,13 @@ import os
 import pytest
 import torch
 
+from tests.deps import locked
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-pytest.importorskip("bitsandbytes")
-transformers = pytest.importorskip("transformers")
+locked("bitsandbytes")
+transformers = locked("transformers")
 
 from strop.kernels.models import patch_model  # noqa: E402
 from strop.trainer_svc.core.fsdp import shard_4bit_as_compute_dtype  # noqa: E402

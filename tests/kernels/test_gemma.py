@@ -26,11 +26,13 @@ import os
 import pytest
 import torch
 
+from tests.deps import locked
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+transformers = locked("transformers")
+peft = locked("peft")
 
 from strop.common.archs import ARCHS  # noqa: E402
 from strop.kernels.models import patch_model  # noqa: E402

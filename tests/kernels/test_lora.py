@@ -24,6 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.deps import locked
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
@@ -47,7 +49,7 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _nf4(w: torch.Tensor) -> torch.Tensor:
-    bnb = pytest.importorskip("bitsandbytes")
+    bnb = locked("bitsandbytes")
     return bnb.nn.Params4bit(w.cpu(), requires_grad=False, quant_type="nf4", compress_statistics=True).to(
         w.device
     )

@@ -14,11 +14,13 @@ import os
 import pytest
 import torch
 
+from tests.deps import locked
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-bnb = pytest.importorskip("bitsandbytes")
-bnb_functional = pytest.importorskip("bitsandbytes.functional")
+bnb = locked("bitsandbytes")
+bnb_functional = locked("bitsandbytes.functional")
 
 from strop.kernels.ops.nf4 import (  # noqa: E402
     dequantize_shared,

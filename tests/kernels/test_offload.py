@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+from tests.deps import locked
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+transformers = locked("transformers")
+peft = locked("peft")
 
 import strop.kernels.models.offload_records as records_mod  # noqa: E402
 from strop.kernels.models import (  # noqa: E402

@@ -32,12 +32,13 @@ import torch
 
 from strop.common.archs import ARCHS
 from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+from tests.deps import locked
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+transformers = locked("transformers")
+peft = locked("peft")
 
 from strop.kernels.models import patch_model, unpatch_model  # noqa: E402
 from strop.kernels.models.patch import PatchReport  # noqa: E402
@@ -398,7 +399,7 @@ def test_runtime_dtype_mismatch_falls_back_and_says_so(caplog):
 
 @pytest.mark.parametrize("order", ["patch_then_trl", "trl_then_patch"])
 def test_composes_with_trl_fused_lm_head_in_either_order(order):
-    trl_utils = pytest.importorskip("trl.trainer.utils")
+    trl_utils = locked("trl.trainer.utils")
     if not hasattr(trl_utils, "add_fused_lm_head"):
         pytest.skip("this TRL has no fused LM head")
     ids = _batches()[0]

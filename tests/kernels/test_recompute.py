@@ -19,8 +19,10 @@ import time
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+from tests.deps import locked
+
+transformers = locked("transformers")
+peft = locked("peft")
 
 from strop.kernels.models.recompute import enable_budgeted_recompute  # noqa: E402
 from tests.kernels.test_offload import _assert_same_step, _ids, _layers, _lora, _step, _tiny_llama  # noqa: E402
@@ -115,7 +117,7 @@ def test_partly_checkpointed_gradients_equal_full_checkpointing():
 
 
 def test_layout_survives_hf_toggling_checkpointing_as_trl_does_around_dpo_reference_passes():
-    trl_utils = pytest.importorskip("trl.models.utils")
+    trl_utils = locked("trl.models.utils")
     model = _lora(_tiny_llama(layers=8))
     meter = SimMeter(100 * MiB)
     _simulate(model, meter)

@@ -19,8 +19,10 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+from tests.deps import locked
+
+transformers = locked("transformers")
+peft = locked("peft")
 
 import strop.kernels.models.saved_attention as sa  # noqa: E402
 from strop.kernels.models import disable_offloaded_checkpointing, enable_offloaded_checkpointing, patch_model  # noqa: E402

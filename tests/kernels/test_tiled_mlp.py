@@ -13,16 +13,19 @@ untiled extra memory.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 import torch
 
+from tests.deps import locked
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+transformers = locked("transformers")
+peft = locked("peft")
 
 from strop.kernels.models.tiled_mlp import (  # noqa: E402
     auto_num_chunks,
@@ -222,7 +225,7 @@ def test_enable_on_peft_model_matches_untiled_training_step_and_disable_restores
 
 def test_tiles_strop_patched_lora_mlp():
     # patch_model first (its fused LoRA MLP writes dX over its input: each chunk's own rows), then tile.
-    patch = pytest.importorskip("strop.kernels.models.patch")
+    patch = importlib.import_module("strop.kernels.models.patch")
     model = _tiny_lora_llama()
     ids = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(4))
     assert len(patch.patch_model(model).patched["lora_mlp"]) == 2, (
@@ -299,7 +302,7 @@ def test_a_patched_mlp_skips_its_down_projection_in_the_tiled_backward_with_bitw
     import contextlib
     import importlib
 
-    patch = pytest.importorskip("strop.kernels.models.patch")
+    patch = importlib.import_module("strop.kernels.models.patch")
     lora_mlp = importlib.import_module("strop.kernels.lora.mlp")
     tm = importlib.import_module("strop.kernels.models.tiled_mlp")
     model = _tiny_lora_llama()
