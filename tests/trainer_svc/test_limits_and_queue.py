@@ -1,5 +1,5 @@
-"""Service hardening on the trainer's core: the session cap under concurrency, confinement of linked files,
-and downloads of damaged artifacts over gRPC."""
+"""The trainer's limits and queue: the session cap under concurrency, confinement of linked weight files, damaged
+downloads, jobs queued in order and cancelled while queued, hundreds of open streams, Generate's caps."""
 
 from __future__ import annotations
 

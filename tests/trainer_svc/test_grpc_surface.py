@@ -1,11 +1,9 @@
-"""One test per finding of the hardening report (issue 11) not already pinned by a test of its own elsewhere,
-each against the real trainer service over gRPC. Elsewhere: streams (test_hardening), concurrent jobs and
-the queue (test_hardening), auth and TLS (tests/common/test_auth.py), tenancy and immutable artifacts
-(tests/common/test_tenancy.py), non-finite training (test_training_guards), truncated downloads and
-corrupted inputs (test_hardening, tests/export_svc/test_bad_input.py), the session cap, symlinked weight
-files, Generate's deadline and token cap, the negative seed (test_hardening), WatchExport's negative
-after_seq (tests/export_svc/test_bad_input.py), NUL and over-long file names in upload chunks
-(tests/common/test_common.py)."""
+"""The trainer's gRPC surface against odd requests, over real gRPC: unknown enum numbers, odd strings and deep
+JSON, user errors refused before a job exists, messages naming paths relative to their roots, aborted uploads,
+reflection off, the loopback default, a reader that stops reading. Elsewhere: limits, the queue and streams
+(test_limits_and_queue), auth and TLS (tests/common/test_auth.py), tenancy (tests/common/test_tenancy.py),
+non-finite training (test_training_guards, test_failed_jobs), corrupted inputs
+(tests/export_svc/test_bad_input.py), upload file names (tests/common/test_artifact_store.py)."""
 
 from __future__ import annotations
 
