@@ -9,7 +9,7 @@ import argparse
 import logging
 import os
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from strop.common import log_noise, logs
 from strop.common.db import default_instance_id
@@ -151,6 +151,20 @@ def _side_address(args: argparse.Namespace, port: int) -> str | None:
         return None
     host = args.address.rpartition(":")[0] or "127.0.0.1"
     return f"{host}:{port}"
+
+
+def server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of both services' ``start`` that the shared flags set (security read now, so a bad
+    token or certificate file fails before anything starts)."""
+    return {
+        "address": args.address,
+        "rpc_threads": args.rpc_threads,
+        "reflection": args.reflection == "on",
+        "security": security_from_args(args),
+        "metrics": metrics_address(args),
+        "health": health_address(args),
+        "connection_age": connection_age_from_args(args),
+    }
 
 
 def run_main(args: argparse.Namespace, start: Callable[[], Service]) -> NoReturn:

@@ -17,14 +17,7 @@ from strop.common.artifacts import ArtifactStore
 from strop.common.grpc_server import ConnectionAge, Drain, Security, Service, ServiceBinding, build_server
 from strop.common.metrics import serve_metrics
 from strop.common.paths import private_paths
-from strop.common.server_cli import (
-    connection_age_from_args,
-    health_address,
-    metrics_address,
-    run_main,
-    security_from_args,
-    service_parser,
-)
+from strop.common.server_cli import run_main, server_options, service_parser
 from strop.export_svc.core.jobs import ExportManager
 from strop.export_svc.service import ExportServicer
 from strop.v1 import export_pb2, export_pb2_grpc
@@ -101,20 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(a.model_root), Path(a.artifact_root), Path(a.state_dir), concurrent_exports=a.concurrent_exports,
         database_url=a.database_url, instance_id=a.instance_id,
     )  # fmt: skip
-    security = security_from_args(a)
-    run_main(
-        a,
-        lambda: start(
-            config,
-            address=a.address,
-            rpc_threads=a.rpc_threads,
-            reflection=a.reflection == "on",
-            security=security,
-            metrics=metrics_address(a),
-            health=health_address(a),
-            connection_age=connection_age_from_args(a),
-        ),
-    )
+    options = server_options(a)
+    run_main(a, lambda: start(config, **options))
 
 
 if __name__ == "__main__":

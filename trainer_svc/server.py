@@ -8,14 +8,7 @@ from pathlib import Path
 from strop.common.grpc_server import ConnectionAge, Drain, Security, Service, ServiceBinding, build_server
 from strop.common.metrics import serve_metrics
 from strop.common.paths import private_paths
-from strop.common.server_cli import (
-    connection_age_from_args,
-    health_address,
-    metrics_address,
-    run_main,
-    security_from_args,
-    service_parser,
-)
+from strop.common.server_cli import run_main, server_options, service_parser
 from strop.trainer_svc.core.datasets import Limits
 from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
 from strop.trainer_svc.service import SERVICE_NAME, TrainerServicer, add_to_server
@@ -93,17 +86,5 @@ def main(argv: list[str] | None = None) -> None:
         database_url=a.database_url,
         instance_id=a.instance_id,
     )
-    security = security_from_args(a)
-    run_main(
-        a,
-        lambda: start(
-            config,
-            address=a.address,
-            rpc_threads=a.rpc_threads,
-            reflection=a.reflection == "on",
-            security=security,
-            metrics=metrics_address(a),
-            health=health_address(a),
-            connection_age=connection_age_from_args(a),
-        ),
-    )
+    options = server_options(a)
+    run_main(a, lambda: start(config, **options))
