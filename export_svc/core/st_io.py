@@ -193,10 +193,6 @@ class ShardedSafetensorsWriter:
         self._pos = 0
         self._fh = None
 
-    @property
-    def tensors_total(self) -> int:
-        return sum(len(s) for s in self.shards)
-
     def _expect(self, *states: WriterState) -> None:
         if self.state not in states:
             raise WriterStateError(
