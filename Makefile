@@ -122,4 +122,5 @@ lock-gpu:
 	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null .venv-tools/bin/pip-compile --quiet --generate-hashes --allow-unsafe \
 		--extra train --strip-extras --no-emit-index-url --no-emit-find-links --unsafe-package strop \
 		--index-url https://pypi.org/simple -c .lock-gpu/lock-pins.txt -o requirements/gpu-lock.txt pyproject.toml .lock-gpu/torch.in
+	$(PY) -c "import sys; p=sys.argv[1]; s=open(p).read(); open(p,'w').write(s.split('# The following packages are considered to be unsafe')[0].rstrip()+'\n')" requirements/gpu-lock.txt
 	rm -rf .lock-gpu

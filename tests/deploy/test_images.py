@@ -134,6 +134,9 @@ def test_gpu_lock_hashes_every_wheel_and_agrees_with_the_cpu_lock():
     gpu, cpu = pins_of(GPU_LOCK), pins_of(LOCK)
     assert len(blocks) == len(gpu)
     assert [b.split("==")[0] for b in blocks if "--hash=sha256:" not in b] == [], "every pin needs its hashes"
+    # nothing but pins: strop itself (pip-compile's "unsafe" `strop @ file://…`) is installed from the context
+    requirement_lines = [ln for ln in text.splitlines() if ln and not ln.startswith((" ", "#"))]
+    assert all(re.match(r"^[A-Za-z0-9_.-]+==\S+ \\$", ln) for ln in requirement_lines), requirement_lines[-3:]
     # the H200 image's torch (requirements/gpu.txt), PyPI's CUDA 13.0 build: its CUDA wheels are pinned too
     assert f"torch=={gpu['torch']}" in (ROOT / "requirements" / "gpu.txt").read_text()
     assert gpu["cuda-toolkit"].startswith("13.0.") and {
