@@ -66,6 +66,18 @@ def test_adapter_gradients_after_generate_equal_those_without_one(model_root, av
     assert not differ, f"{len(differ)} adapter gradients changed after a Generate, e.g. {differ[:3]}"
 
 
+def test_generate_computes_from_a_dequantized_copy_that_a_job_drops_before_training(model_root, tmp_path):
+    # Generate on a CPU session uses the copy (models.inference_weights); training computes from the 4-bit
+    # weights themselves, so a job frees the copy first (and the gradients above stay bitwise those without one).
+    loaded = _session(model_root)
+    _generate(loaded)
+    copy = loaded.extra.get(models.INFERENCE_COPY)
+    assert copy and len(copy) == 7 * loaded.facts.num_layers, "every 4-bit projection of every layer"
+    cfg = job_config.with_defaults(_sft(max_steps=1), session_max_len=64)
+    training.run_training(loaded, ROWS, _fmt(), cfg, tmp_path / "work", training.JobControl(), _sinks())
+    assert models.INFERENCE_COPY not in loaded.extra
+
+
 def test_training_refuses_layers_left_in_the_repacked_layout(model_root, tmp_path):
     from bitsandbytes.functional import _convert_weight_packed_for_cpu
 

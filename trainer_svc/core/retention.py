@@ -170,7 +170,7 @@ def answer_hits(loaded, base: BaseAnswers, *, disable_adapter: bool) -> list[tup
 
     import torch
 
-    from strop.trainer_svc.core import job_config
+    from strop.trainer_svc.core import job_config, models
 
     tok, model = loaded.tokenizer, loaded.model
     ctx = (
@@ -180,7 +180,7 @@ def answer_hits(loaded, base: BaseAnswers, *, disable_adapter: bool) -> list[tup
     was_training = model.training
     model.eval()
     try:
-        with ctx, torch.no_grad():
+        with ctx, torch.no_grad(), models.inference_weights(loaded):
             for prompt, answer, done in zip(base.prompts, base.answers, base.finished, strict=True):
                 if not done:
                     out.append(None)
