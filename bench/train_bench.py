@@ -64,8 +64,11 @@ recompute under an 80 GiB budget, enforced on the process with ``torch.cuda.set_
 only as many layers recompute as the budget needs; the first warm-up step calibrates),
 ``…-f8`` after any strop system: the frozen bases' GEMMs in FP8 (``patch_model(fp8_base=True)``, opt-in and
 inexact; its MFU is nominal: bf16-equivalent FLOPs over the bf16 ceiling), ``…-f8dx``: only their backward dx GEMMs
-(``fp8_base="dx"``), ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows)
-and ``service`` (the same through the trainer service over gRPC on localhost).
+(``fp8_base="dx"``), ``trl-lib`` (a user's script: from_pretrained + PEFT + ``patch_model`` + TRL SFTTrainer on pre-tokenized rows,
+its fused LM head on strop's kernel: ``strop_sft_trainer_class``; ``trl-lib-trlhead``: with TRL's own head;
+``trl-lib-svcargs``: with what the service adds in process, its optimizer, token count and gradient guard)
+and ``service`` (the same through the trainer service over gRPC on localhost; ``--profile`` profiles its last
+step from the client's thread: the GPU timeline is whole, the job thread's Python ops are not seen).
 
 Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line. Peak
 memory (GPU allocated/reserved, host RSS) is reset after loading and setup, so it is the training steps'.
@@ -809,16 +812,30 @@ def run_trl_worker(a) -> Result:
                 lr_scheduler="constant",
                 batch_size=a.batch,
                 max_length=a.seq,
-                max_steps=a.warmup + a.steps,
+                max_steps=a.warmup + a.steps + profiled(a),  # the profiled step is the last, not timed
                 gradient_checkpointing=True,
                 optimizer="adamw_torch",
                 seed=0,
             )
             res.notes += reset_peak_memory()  # the service trains in this process: the same readers apply
+            prof = None
             for e in tc.train(s.session_id, ds.dataset_id, cfg):
-                if e.step is not None:
+                if e.step is not None and e.step.step > a.warmup + a.steps:  # the profiled step has ended
+                    try:  # a diagnostic: its failure must not lose the measured run
+                        prof.__exit__(None, None, None)
+                        res.profile = profile_summary(prof, e.step.step_seconds)
+                    except Exception as exc:
+                        res.profile = f"profile not recorded ({exc!r})"
+                elif e.step is not None:
                     res.losses.append(round(e.step.loss, 5))
                     times.append(e.step.step_seconds)
+                    if profiled(a) and e.step.step == a.warmup + a.steps:
+                        # from the client's thread, as the job thread starts the next step: CUPTI sees every
+                        # kernel of the process, so the GPU timeline (idle time, kernel kinds) is the step's
+                        from torch.profiler import ProfilerActivity, profile
+
+                        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                        prof.__enter__()
                 elif e.state is not None and e.state.state.value == "FAILED":
                     raise RuntimeError(e.state.message)
             record_peak_memory(res)
@@ -829,17 +846,28 @@ def run_trl_worker(a) -> Result:
         from trl import SFTConfig, SFTTrainer
 
         from strop.kernels.models import patch_model
+        from strop.kernels.trainers import strop_sft_trainer_class
 
         model = attach_lora(load_model(qlora))
         res.notes = str(patch_model(model))
         memory = apply_memory(model, "strop-standard")  # what the service's default mode does on CUDA
-        trainer = SFTTrainer(
+        # TRL's SFTTrainer with its fused LM head on strop's kernel; trl-lib-trlhead: TRL's own head (before 2026-12-03)
+        trainer_cls = SFTTrainer if a.system == "trl-lib-trlhead" else strop_sft_trainer_class()
+        # trl-lib-svcargs: what the service adds to the in-process run (its optimizer name, its token count and
+        # its gradient guard), to tell those from the service's threads and gRPC
+        svc = a.system == "trl-lib-svcargs"
+        extra = dict(optim="adamw_torch", include_num_input_tokens_seen="non_padding") if svc else {}
+        trainer = trainer_cls(
             model=model,
-            args=trl_args(SFTConfig, a, learning_rate=1e-4, max_length=a.seq),
+            args=trl_args(SFTConfig, a, learning_rate=1e-4, max_length=a.seq, **extra),
             train_dataset=Dataset.from_list(rows),
             processing_class=AutoTokenizer.from_pretrained(saved_model_dir()),
             callbacks=[step_timer(times, res if profiled(a) else None)],
         )
+        if svc:
+            from strop.trainer_svc.core.guard import make_guard
+
+            trainer.add_callback(make_guard(model))
         upcast_adapters_(model)
         res.build_s = time.perf_counter() - t0
         res.notes += reset_peak_memory()
@@ -1153,7 +1181,7 @@ def main() -> None:
                 res = run_dpo_worker(a)
             elif a.part in PREFERENCE_PARTS:
                 res = run_preference_worker(a)
-            elif a.system in ("service", "trl-lib"):
+            elif a.system in ("service", "trl-lib", "trl-lib-trlhead", "trl-lib-svcargs"):
                 res = run_trl_worker(a)
             else:
                 res = run_worker(a)

@@ -45,7 +45,9 @@ TRL. TRL 1.16's SFTTrainer and DPOTrainer install their own chunked "fused LM he
 first, TRL's head wraps this forward and runs the (patched) backbone itself; patched after, calls with
 ``fused_lm_head`` are handed to TRL's forward. So under those trainers the loss is TRL's chunked kernel
 over strop's backbone, ``logits=None`` is never seen by them, and this module's fused CE serves plain
-``labels=`` calls (HF ``Trainer``, custom loops).
+``labels=`` calls (HF ``Trainer``, custom loops). ``strop.kernels.trainers.strop_sft_trainer_class()`` (the
+trainer service's SFT engine) answers SFTTrainer's fused-head calls with strop's per-token log-prob kernel
+instead (``kernels/trainers/sft.py``).
 
 In-place dx: the fused QKV and MLP write dx over their input (the RMSNorm output that HF drops after
 the projections and no autograd node saves; see ``kernels/lora_linear.py``). ``inplace_dx=False`` turns
@@ -658,8 +660,8 @@ def patch_model(
             _swap(state, hf, _causal_lm_forward())
             report.patched["fused_cross_entropy"].append(names[hf] or type(hf).__name__)
             report.notes.append(
-                "fused CE serves calls with labels; TRL's fused_lm_head=True calls (SFT/DPO trainers) keep "
-                "TRL's chunked LM head over the patched backbone"
+                "fused CE serves calls with labels; TRL's fused_lm_head=True calls run TRL's chunked LM head "
+                "over the patched backbone, or strop's per-token kernel under strop_sft_trainer_class()"
             )
     logger.info("%s", report)
     return report
