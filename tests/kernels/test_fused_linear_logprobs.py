@@ -183,3 +183,51 @@ def test_gpu_bf16_large_vocab_within_twice_torch_error():
     for i, name in ((0, "log_probs"), (1, "entropy"), (3, "d_hidden")):
         assert_bf16_within_torch_bound(ours[i], torch_bf16[i], truth[i], name)
     assert (ours[2] == truth[2]).float().mean() > 0.999, "top-1 flags agree but for bf16 near-ties"
+
+
+@cpu_tier
+def test_strop_sft_trainer_trains_like_trls_sft_trainer(tmp_path):
+    """Three SFT steps with a completion mask: per-step losses and the final adapter as TRL's own head gives (fp32).
+
+    Plain SGD, so the adapters differ by what the gradients differ by (Adam's m/√v turns fp32 summation-order
+    differences in near-zero gradients into relative ones)."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+    from strop.kernels.trainers import strop_sft_trainer_class
+
+    tok = make_bpe_tokenizer()
+    gen = torch.Generator().manual_seed(3)
+    rows = [
+        {"prompt": torch.randint(0, 300, (7,), generator=gen).tolist(), "completion": torch.randint(0, 300, (9,), generator=gen).tolist()}
+        for _ in range(6)
+    ]  # fmt: skip
+    rows = [{"input_ids": r["prompt"] + r["completion"], "completion_mask": [0] * 7 + [1] * 9} for r in rows]
+    runs = []
+    for cls in (SFTTrainer, strop_sft_trainer_class()):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)  # fmt: skip
+        model = get_peft_model(
+            AutoModelForCausalLM.from_config(cfg),
+            LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]),
+        )
+        args = SFTConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=3, max_steps=3,
+                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[],
+                         save_strategy="no", use_cpu=True, bf16=False, seed=0, data_seed=0,
+                         completion_only_loss=True, disable_tqdm=True)  # fmt: skip
+        trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        adapter = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        runs.append(([h["loss"] for h in logs], [h["mean_token_accuracy"] for h in logs], adapter))
+    (ref_loss, ref_acc, ref_adapter), (loss, acc, adapter) = runs
+    assert len(loss) == 3 and ref_loss[-1] < ref_loss[0], "the reference run learns"
+    assert_close_fp32(torch.tensor(loss), torch.tensor(ref_loss), "per-step losses")
+    assert acc == ref_acc, "token accuracy from is_top1, as TRL logs it"
+    for n, w in ref_adapter.items():
+        assert_close_fp32(adapter[n], w, f"final {n}")
