@@ -19,15 +19,12 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import gguf
 
 from strop.common.errors import Unimplemented
+from strop.common.gguf_metadata import GgufVocab
 from strop.common.pretokenizers import BEHAVIOURS, Identification, PreTokenizerGuess, edge_texts
-
-if TYPE_CHECKING:  # gguf_vocab calls this module
-    from strop.common.gguf_vocab import GgufVocab
 
 log = logging.getLogger("strop.pretokenizer")
 

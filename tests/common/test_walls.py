@@ -203,11 +203,10 @@ def test_the_cycle_finder_finds_a_cycle():
         GRAPH = saved
 
 
-# The import cycles left, each a real coupling to undo (issue 32): the offload records and the attention saves call
-# the offloader's host accounting, copies and events (a host-pool object both depend on would end it); the GGUF
-# pre-tokenizer proof is typed by the vocabulary it checks. No new cycle may appear beside them.
+# The import cycle left, a real coupling to undo (issue 32): the offload records and the attention saves call the
+# offloader's host accounting, copies and events (a host-pool object both depend on would end it). No new cycle may
+# appear beside it.
 KNOWN_CYCLES = [
-    ["strop.common.gguf_pretok", "strop.common.gguf_vocab"],
     [
         "strop.kernels.models.offload",
         "strop.kernels.models.offload_records",
