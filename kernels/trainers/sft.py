@@ -11,7 +11,7 @@ boolean index synchronises with the host once per call, as TRL's does). Calls wi
 through to TRL's forward, and so to strop's fused CE or HF's forward.
 
 Kept on TRL's head, the reason logged once: a trainable or scaled LM head, PEFT prompt learning (at
-construction), and MoE router logits (per call). Everything else — collation, loss types, metrics,
+construction), MoE router logits and a sharded (FSDP2) head (per call). Everything else — collation, loss types, metrics,
 optimisation — is TRL's.
 """
 
@@ -38,6 +38,19 @@ def _fused_output_class() -> Any:
     return FusedCausalLMOutput
 
 
+def _call_reason(model: Any, kwargs: dict) -> str | None:
+    """Why a fused-head call is left to TRL's head (None: strop's kernel serves it)."""
+    from torch.distributed.tensor import DTensor
+
+    if kwargs.get("output_router_logits") or getattr(
+        model.config.get_text_config(), "output_router_logits", False
+    ):
+        return "MoE router logits"
+    if isinstance(model.get_output_embeddings().weight, DTensor):
+        return "a sharded (FSDP) LM head, which TRL's head gathers"
+    return None
+
+
 def add_fused_logprob_head(model: Any) -> None:
     """Serve ``model(..., labels=..., fused_lm_head=True)`` with strop's per-token log-prob kernel.
 
@@ -54,13 +67,11 @@ def add_fused_logprob_head(model: Any) -> None:
         self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
     ):
         owner, previous = previous_forward(self, _TAG)
-        routed = kwargs.get("output_router_logits") or getattr(
-            self.config.get_text_config(), "output_router_logits", False
-        )
-        if not (fused_lm_head and owner.active and labels is not None) or routed:
-            if fused_lm_head and routed and not getattr(owner, "warned", False):
+        reason = _call_reason(self, kwargs) if fused_lm_head else None
+        if not (fused_lm_head and owner.active and labels is not None) or reason:
+            if reason and not getattr(owner, "warned", False):
                 owner.warned = True
-                logger.warning("strop's fused LM head off for MoE router logits: TRL's head runs")
+                logger.warning("strop's fused LM head off (%s): TRL's head runs", reason)
             extra = {"fused_lm_head": True} if fused_lm_head else {}
             for key, value in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):  # fmt: skip
                 if value is not None:
