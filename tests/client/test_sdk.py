@@ -132,7 +132,9 @@ def test_cli_train_help_shows_every_default():
     ).stdout
     flat = " ".join(out.split())
     for shown in (
-        "2e-04 (SFT)",
+        "1e-03 (SFT)",
+        "auto: 300 rows' worth, 1 to 10 (SFT)",
+        "(default: 32.0)",
         "5e-06 (DPO)",
         "linear",
         "adamw_torch",

