@@ -527,7 +527,14 @@ def run_training(
             f"{names(packed)}"
         )
     held_out, replayed = None, 0
-    if cfg.method is TrainMethod.SFT and fmt is DatasetFormat.MESSAGES and loaded.tokenizer.chat_template:
+    chat_sft = (
+        cfg.method is TrainMethod.SFT and fmt is DatasetFormat.MESSAGES and loaded.tokenizer.chat_template
+    )
+    if chat_sft and cfg.ranks() > 1:
+        # each rank would generate on its own (an FSDP rank's base is not whole yet): not done on several ranks
+        log.info("retention (replay, the forgetting metric) runs in single-process jobs only; this job has %d ranks",
+                 cfg.ranks())  # fmt: skip
+    elif chat_sft:
         held_out, replay = _retention_before(loaded, cfg, fmt)
         rows, replayed = rows + replay, len(replay)
     if loaded.device.startswith("cuda"):
