@@ -157,6 +157,21 @@ def evaluate(loaded, *, disable_adapter: bool) -> dict:
     }
 
 
+def _cached_base_eval(loaded, model_dir: Path) -> dict:
+    """The base's evaluation (the same for every setting: adapter disabled), kept beside the model's cache."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps([FACTS, GENERAL, GENERAL_MAX_NEW_TOKENS]).encode()).hexdigest()[:12]
+    path = model_dir.parent / f"{model_dir.name}-recipe-base-{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    base = evaluate(loaded, disable_adapter=True)
+    path.write_text(json.dumps(base))
+    print(f"base: facts {sum(base['facts'])}/{len(FACTS)}, general {sum(base['general'])}/{len(GENERAL)} right "
+          f"({base['seconds']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    return base
+
+
 def run(setting: str, model_dir: Path, base_eval: dict | None) -> tuple[dict, dict]:
     from strop.common.trainer_types import DatasetFormat, LoadModelRequest
     from strop.trainer_svc.core import job_config, models, training
@@ -167,7 +182,7 @@ def run(setting: str, model_dir: Path, base_eval: dict | None) -> tuple[dict, di
     )
     models.attach_lora(loaded, lora)
     if base_eval is None:
-        base_eval = evaluate(loaded, disable_adapter=True)
+        base_eval = _cached_base_eval(loaded, model_dir)
     cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(FACTS))
     print(f"{setting}: base evaluated, training", file=sys.stderr, flush=True)
     events: list = []
