@@ -279,7 +279,8 @@ class DatasetInfo:
 # README show the same table. Per method where they differ: SFT's learning rate, batch and epochs are the setting that
 # taught SmolLM2-135M-Instruct 30 of 30 new facts in issue 31 (NF4, LoRA r 16 alpha 32, batch 4, 10 epochs: lr 2e-4
 # taught 0 of 30, 5e-4 16, 1e-3 30), which also lost every general answer it had right; replay (``retention``) is
-# on by default for that reason (bench/recipe_facts.py measures both; bench/RESULTS.md). DPO's is TRL's (a preference shift is slower than SFT by design: raise it, or
+# the option against that, opt-in until bench/recipe_facts.py has measured what it keeps (bench/RESULTS.md): it
+# costs a generation pass before training and an evaluation after. DPO's is TRL's (a preference shift is slower than SFT by design: raise it, or
 # train more steps, when 10 steps show no margin). ORPO, KTO and SimPO take DPO's learning rate, and TRL's defaults
 # for their own hyperparameters (ORPO's lambda is TRL's ORPOConfig.beta) but SimPO's beta: TRL's CPOConfig beta 0.1 is
 # for CPO's sigmoid loss; SimPO's reward is a length-normalised log-prob and the SimPO paper trains with beta 2.0.
@@ -309,11 +310,11 @@ TRAIN_DEFAULTS: dict[str, object] = {
     "simpo_beta": 2.0,
     "simpo_gamma": 0.5,
     "memory_mode": DEFAULT_MEMORY_MODE.value,
-    # SFT on messages data (with a chat template) replays the base's own answers to general prompts; other data,
-    # and the other methods, train on their rows alone (bench/RESULTS.md, "Teaching facts": measured on
-    # SmolLM2-135M-Instruct)
+    # REPLAY (SFT on messages data with a chat template, asked for): the base's own answers to general prompts join
+    # the rows, and the forgetting metric is reported; not the default until measured (bench/RESULTS.md, "Teaching
+    # facts": SmolLM2-135M-Instruct)
     "retention": {
-        "SFT": Retention.REPLAY.value,
+        "SFT": "NONE",
         "DPO": "NONE",
         "ORPO": "NONE",
         "KTO": "NONE",

@@ -38,8 +38,12 @@ def _sft(**kw) -> TrainConfig:
     return TrainConfig(method=TrainMethod.SFT, **kw)
 
 
-def test_sft_on_messages_replays_by_default_and_other_data_does_not():
-    assert job_config.retention_of(_sft(), DatasetFormat.MESSAGES, _Tok()) is Retention.REPLAY
+def test_sft_replays_only_when_asked_and_only_on_messages_data():
+    assert job_config.retention_of(_sft(), DatasetFormat.MESSAGES, _Tok()) is Retention.NONE  # opt-in
+    assert (
+        job_config.retention_of(_sft(retention=Retention.REPLAY), DatasetFormat.MESSAGES, _Tok())
+        is Retention.REPLAY
+    )
     assert job_config.retention_of(_sft(), DatasetFormat.TEXT, _Tok()) is Retention.NONE
     assert job_config.retention_of(_sft(), DatasetFormat.MESSAGES, object()) is Retention.NONE  # no template
     assert (
@@ -100,7 +104,7 @@ def _run(model_root, tmp_path, monkeypatch, **cfg):
 def test_replay_mixes_the_bases_answers_into_the_rows_and_the_metric_is_reported_once(
     model_root, tmp_path, monkeypatch
 ):
-    steps, events = _run(model_root, tmp_path, monkeypatch, retention_rows=6)
+    steps, events = _run(model_root, tmp_path, monkeypatch, retention=Retention.REPLAY, retention_rows=6)
     assert len(steps) == (4 + 6) // 2, "4 rows and 6 replayed conversations, 2 a step, one epoch"
     (event,) = events
     assert event.replay_rows == 6 and event.step == len(steps)
@@ -108,12 +112,14 @@ def test_replay_mixes_the_bases_answers_into_the_rows_and_the_metric_is_reported
     assert 0 <= event.kept <= event.held_out <= len(retention.HELD_OUT_PROMPTS)
 
 
-def test_without_replay_only_the_rows_train_and_the_metric_is_still_reported(
-    model_root, tmp_path, monkeypatch
-):
-    steps, events = _run(model_root, tmp_path, monkeypatch, retention=Retention.NONE)
-    assert len(steps) == 2
-    assert [e.replay_rows for e in events] == [0]
+def test_without_replay_only_the_rows_train_and_nothing_is_generated(model_root, tmp_path, monkeypatch):
+    def no_generation(*a, **kw):
+        raise AssertionError("a job without retention generates nothing")
+
+    monkeypatch.setattr(retention, "base_answers", no_generation)
+    for asked in (Retention.NONE, Retention.UNSPECIFIED):  # the default
+        steps, events = _run(model_root, tmp_path / asked.value, monkeypatch, retention=asked)
+        assert len(steps) == 2 and events == []
 
 
 def test_the_forgetting_metric_counts_answers_the_model_still_gives_word_for_word(model_root):
@@ -135,7 +141,11 @@ def test_the_forgetting_metric_counts_answers_the_model_still_gives_word_for_wor
 def test_the_forgetting_metric_reaches_the_client_as_a_numbered_event_before_the_adapter(
     client, ready_session, sft_dataset
 ):
-    events = list(client.train(ready_session, sft_dataset.dataset_id, sft_config(2, retention_rows=4)))
+    events = list(
+        client.train(
+            ready_session, sft_dataset.dataset_id, sft_config(2, retention=Retention.REPLAY, retention_rows=4)
+        )
+    )
     kinds = [e.kind for e in events]
     assert kinds.count("retention") == 1, kinds
     assert kinds.index("retention") < kinds.index("adapter"), (

@@ -486,22 +486,22 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
 
 
 def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat):
-    """Before an SFT job on messages data: the base's reproducible answers to the held-out prompts (for the
-    forgetting metric) and, with REPLAY, the replay rows to mix in (``retention``)."""
+    """Before an SFT job on messages data with REPLAY: the base's reproducible answers to the held-out prompts (for
+    the forgetting metric) and the replay rows to mix in (``retention``); (None, []) without."""
     mode = retention_of(cfg, fmt, loaded.tokenizer)
+    if mode is not Retention.REPLAY:
+        return None, []
     base = retention.base_answers(loaded, retention.HELD_OUT_PROMPTS)
     held_out = retention.reproducible(base, retention.answer_hits(loaded, base, disable_adapter=True))
-    replay: list[dict] = []
-    if mode is Retention.REPLAY:
-        prompts = retention.REPLAY_PROMPTS[: cfg.retention_rows]
-        answers = retention.base_answers(loaded, prompts)
-        replay = retention.replay_rows(answers, cfg.retention_rows)
-        log.info(
-            "retention REPLAY: %d of %d base answers mixed in (%.1f s)",
-            len(replay),
-            len(prompts),
-            answers.seconds,
-        )
+    prompts = retention.REPLAY_PROMPTS[: cfg.retention_rows]
+    answers = retention.base_answers(loaded, prompts)
+    replay = retention.replay_rows(answers, cfg.retention_rows)
+    log.info(
+        "retention REPLAY: %d of %d base answers mixed in (%.1f s)",
+        len(replay),
+        len(prompts),
+        answers.seconds,
+    )
     return held_out, replay
 
 
