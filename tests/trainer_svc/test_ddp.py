@@ -155,10 +155,17 @@ def _adapter(tmp: Path, events: list[dict]) -> tuple[dict, dict]:
 
     from strop.common.artifacts import ArtifactStore
 
-    (artifact_id,) = [e["adapter"]["artifact_id"] for e in events if e["adapter"]]
+    (key,) = [_key(e["adapter"]) for e in events if e["adapter"]]  # the job's tenant's id space
     store = ArtifactStore(tmp / "artifacts")
-    artifact = store.verify(artifact_id)
-    return load_file(str(store.path_of(artifact_id) / "adapter_model.safetensors")), artifact.metadata
+    artifact = store.verify(key)
+    return load_file(str(store.path_of(key) / "adapter_model.safetensors")), artifact.metadata
+
+
+def _key(artifact: dict) -> str:
+    """The store key of an artifact event's artifact: ranks publish in the job's tenant's id space."""
+    from strop.common.artifacts import key_of
+
+    return key_of(artifact["metadata"].get("tenant", ""), artifact["artifact_id"])
 
 
 def _bounds(config: dict) -> tuple[float, float]:
@@ -224,9 +231,9 @@ def test_ddp_rank_zero_alone_publishes_with_the_single_process_metadata(runs):
 
     store = ArtifactStore(tmp / "artifacts")
     for e in (e for e in ddp if e["checkpoint"]):
-        artifact = store.verify(e["checkpoint"]["artifact"]["artifact_id"])
+        artifact = store.verify(_key(e["checkpoint"]["artifact"]))
         assert artifact.metadata["job_id"] == "job-ddp" and artifact.metadata["tenant"] == "team-a"
-        assert (store.path_of(artifact.artifact_id) / "adapter_model.safetensors").is_file()
+        assert (store.path_of(_key(e["checkpoint"]["artifact"])) / "adapter_model.safetensors").is_file()
 
 
 def _kinds(events: list[dict]) -> list[str]:
@@ -556,7 +563,7 @@ def test_fsdp2_losses_and_adapter_equal_one_process_on_the_global_batch(runs, mo
 
     store = ArtifactStore(tmp / "artifacts")
     (last,) = [e["checkpoint"] for e in fsdp if e["checkpoint"] and e["checkpoint"]["step"] == STEPS]
-    ckpt_dir = store.path_of(last["artifact"]["artifact_id"])
+    ckpt_dir = store.path_of(_key(last["artifact"]))
     ckpt = load_file(str(ckpt_dir / "adapter_model.safetensors"))
     assert sorted(ckpt) == sorted(adapter_fsdp) and all(
         bool((ckpt[k] == adapter_fsdp[k]).all()) for k in ckpt
