@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
-from strop.export_svc.core.errors import CorruptInput
+from strop.export_svc.core.errors import InvalidArgument
 from strop.export_svc.core.hf_dir import write_merged_dir
 from strop.export_svc.core.merge import iter_merged
 from strop.export_svc.core.pipeline import run_export
@@ -141,7 +141,10 @@ def test_merged_dir_logits_equal_in_memory_peft_model_within_bf16_rounding(
     )
 
 
-def test_merge_refuses_non_finite_results_and_writes_nothing(export_models, store, tmp_path):
+def test_an_adapter_with_non_finite_values_is_refused_before_the_merge_and_writes_nothing(
+    export_models, store, tmp_path
+):
+    # before the non-finite check of the adapter itself (issue 30), the merge refused the result (CorruptInput)
     from safetensors.torch import load_file, save_file
 
     root = tmp_path / "models"
@@ -157,7 +160,9 @@ def test_merge_refuses_non_finite_results_and_writes_nothing(export_models, stor
         base_model_path="llama-bpe",
         verify=VerifyOptions(skip=True),
     )
-    with pytest.raises(CorruptInput, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*non-finite"):
+    with pytest.raises(
+        InvalidArgument, match=r"'bad-lora': .*layers\.1\.mlp\.up_proj\.lora_B\.weight holds 1 non-finite"
+    ):
         run_export(req, model_root=root, store=store)
     assert store_is_empty(store), "a failed export must leave no artifact and no scratch files"
 
