@@ -270,7 +270,7 @@ def test_a_sigterm_to_one_rank_stops_every_rank_interrupted_and_the_job_resumes(
 
     resumed_spec = _spec("job-resumed", batch_size=1)
     resumed_spec["config"].update(max_steps=stop_step + 2, checkpoint_every_steps=0)
-    resumed_spec["resume_from"] = ckpt["artifact"]["artifact_id"]
+    resumed_spec["resume_from"] = _key(ckpt["artifact"])  # a store key: the job tenant's id space
     proc = _launch(tmp, model_root, "job-resumed", batch_size=1, nproc=2, spec=resumed_spec)
     assert proc.wait(timeout=300) == 0, (tmp / "job-resumed.log").read_text()[-4000:]
     resumed = _events(tmp, "job-resumed")
