@@ -4,7 +4,7 @@ TRL 1.16's ``SFTTrainer`` installs ``add_fused_lm_head(model, outputs=("log_prob
 trains on ``model(..., fused_lm_head=True).log_probs``; its chunked kernel runs the LM-head GEMM in the forward
 and again in the backward. :func:`add_fused_logprob_head` layers a forward over TRL's that answers those calls
 with :func:`strop.kernels.ops.fused_linear_logprobs.fused_linear_logprobs` (the gradient made in the forward: one
-head GEMM fewer, bench/RESULTS.md session 14) and returns TRL's ``FusedCausalLMOutput`` with the same fields:
+head GEMM fewer; bench/RESULTS.md, "the fused SFT head") and returns TRL's ``FusedCausalLMOutput`` with the same fields:
 ``loss``, ``log_probs``, ``entropy``, ``is_top1``, ``label_mask`` (``log_sum_sq_probs`` and ``mean_logits``, which
 SFT does not ask for, are None). Like TRL's head it scores only the positions whose label is not -100 (its
 boolean index synchronises with the host once per call, as TRL's does). Calls without ``fused_lm_head`` pass
