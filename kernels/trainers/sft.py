@@ -117,15 +117,87 @@ def remove_fused_logprob_head(model: Any) -> None:
 
 
 class StropSFTMixin:
-    """Mix into TRL's ``SFTTrainer`` so its fused LM head runs strop's kernel (``strop_sft_trainer_class()``)."""
+    """Mix into TRL's ``SFTTrainer`` so its fused LM head runs strop's kernel (``strop_sft_trainer_class()``), and
+    its training metrics stay on the device until they are logged.
+
+    TRL's ``compute_loss`` reads five scalars back every micro-batch (``num_valid > 0`` twice, entropy, token
+    accuracy, the token count), between the forward and the backward: the host waits for the head, and the GPU
+    then waits while Python starts the backward (bench/RESULTS.md, "the service path"). On TRL's plain training
+    path this class computes the same loss and the same metrics as device tensors and reads them once, in ``log``
+    (where HF's Trainer has already read the loss); the logged values are TRL's to the bit. Other paths (eval,
+    ``compute_loss_func``, label smoothing, MoE aux loss, sequence parallelism, ``return_outputs``) are TRL's own.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._strop_tokens: list[torch.Tensor] = []  # train-token counts not yet added to _total_train_tokens
         self._strop_reason = head_unsupported_reason(self.accelerator, self.model, "strop's fused LM head")
         if self._strop_reason:
             logger.warning("strop's fused LM head off, TRL's runs: %s", self._strop_reason)
             return
         add_fused_logprob_head(hf_model(self.accelerator, self.model))
+
+    def _strop_plain_path(self, return_outputs: bool) -> bool:
+        """Whether TRL's ``compute_loss`` would take its plain branch (the fused head's log-probs, nothing else)."""
+        sp = getattr(self.accelerator, "parallelism_config", None)
+        return (
+            self.model.training
+            and not return_outputs
+            and self.compute_loss_func is None
+            and not (self.label_smoother is not None and self.args.loss_type == "nll")
+            and not self.aux_loss_enabled
+            and not (sp is not None and sp.sp_backend == "deepspeed" and sp.sp_enabled)
+        )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self._strop_plain_path(return_outputs):
+            self._strop_fold_tokens()  # TRL's branch sets num_tokens from _total_train_tokens
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # TRL 1.16's plain branch, step for step
+        inputs["use_cache"] = False
+        outputs = model(**inputs, fused_lm_head=True)
+        per_token_loss = -outputs.log_probs  # zero on ignored positions
+        if self.args.loss_type == "dft":
+            per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
+        num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
+        loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        # TRL's metrics without reading them: entropy and is_top1 are 0 at ignored positions, so with no valid
+        # position both sums are 0 and dividing by max(num_valid, 1) gives TRL's 0.0; else the same fp32 division
+        gather = self.accelerator.gather_for_metrics
+        num_valid = gather(outputs.label_mask.sum()).sum()
+        entropy_sum = gather(outputs.entropy.detach().sum()).sum()
+        num_correct = gather(outputs.is_top1.sum()).sum()
+        metrics = self._metrics["train"]
+        metrics["entropy"].append(entropy_sum / num_valid.clamp(min=1))
+        metrics["mean_token_accuracy"].append(num_correct / num_valid.clamp(min=1))
+        if "attention_mask" in inputs:
+            local = inputs["attention_mask"].sum()
+        elif "position_ids" in inputs:
+            position_ids = inputs["position_ids"]
+            local = torch.tensor(position_ids.size(1)).to(position_ids.device, non_blocking=True)
+        else:
+            raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+        self._strop_tokens.append(gather(local).sum() // self._tp_size)
+        return loss
+
+    def _strop_fold_tokens(self) -> None:
+        """Add the pending token counts to TRL's ``_total_train_tokens`` and its ``num_tokens`` metric (one read)."""
+        if self._strop_tokens:
+            self._total_train_tokens += int(torch.stack(self._strop_tokens).sum())
+            self._strop_tokens.clear()
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self._strop_fold_tokens()
+        for metrics in self._metrics.values():
+            for values in metrics.values():
+                held = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+                if held:  # one read for each metric; each value the float TRL's .item() gives
+                    for i, value in zip(held, torch.stack([values[i] for i in held]).tolist(), strict=True):
+                        values[i] = value
+        super().log(logs, start_time)
 
 
 _TRAINER_CLASS: type | None = None

@@ -231,3 +231,88 @@ def test_strop_sft_trainer_trains_like_trls_sft_trainer(tmp_path):
     assert acc == ref_acc, "token accuracy from is_top1, as TRL logs it"
     for n, w in ref_adapter.items():
         assert_close_fp32(adapter[n], w, f"final {n}")
+
+
+def _sft_rows(tok_len: int, n: int = 6):
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(n):
+        prompt = torch.randint(0, min(tok_len, 300), (7,), generator=gen).tolist()
+        completion = torch.randint(
+            0, min(tok_len, 300), (9 - (i % 3),), generator=gen
+        ).tolist()  # padded batches
+        rows.append({"input_ids": prompt + completion, "completion_mask": [0] * 7 + [1] * len(completion)})
+    rows[1]["completion_mask"] = [0] * len(rows[1]["input_ids"])  # a row without a scored position
+    return rows
+
+
+@cpu_tier
+def test_sft_metrics_stay_on_device_and_log_trls_values_to_the_bit(tmp_path, monkeypatch):
+    """StropSFTMixin.compute_loss reads nothing back from the device (TRL's reads five scalars a micro-batch), and the
+    logs it produces — loss, entropy, token accuracy, token count — equal those of TRL's own compute_loss and log on
+    the same head, step for step, bit for bit."""
+    pytest.importorskip("trl")
+    import sys
+
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+    from strop.kernels.trainers import strop_sft_trainer_class
+
+    strop_cls = strop_sft_trainer_class()
+    # the same strop head, TRL's compute_loss and log: what the mixin's must reproduce
+    trl_metrics_cls = type(
+        "TrlMetrics", (strop_cls,), {"compute_loss": SFTTrainer.compute_loss, "log": SFTTrainer.log}
+    )
+    reads: dict[str, list[str]] = {}
+    sources = ("trl/trainer/sft_trainer.py", "kernels/trainers/sft.py")
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *a, **k):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.endswith(sources) and caller.co_name == "compute_loss":
+                reads.setdefault(current, []).append(name)
+            return original(self, *a, **k)
+
+        return read
+
+    for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    tok = make_bpe_tokenizer()
+    rows = _sft_rows(len(tok))
+    logs = {}
+    for cls in (trl_metrics_cls, strop_cls):
+        current = cls.__name__
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)  # fmt: skip
+        model = get_peft_model(
+            AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"])
+        )
+        args = SFTConfig(output_dir=str(tmp_path / current), per_device_train_batch_size=3, max_steps=4,
+                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=2, report_to=[],
+                         save_strategy="no", use_cpu=True, bf16=False, seed=0, data_seed=0,
+                         completion_only_loss=True, disable_tqdm=True)  # fmt: skip
+        trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        trainer.train()
+        logs[current] = [
+            {k: h[k] for k in ("loss", "entropy", "mean_token_accuracy", "num_tokens")}
+            for h in trainer.state.log_history
+            if "loss" in h
+        ]
+    ref, ours = logs["TrlMetrics"], logs["StropSFTTrainer"]
+    assert len(ours) == 2 and ours[0]["num_tokens"] < ours[1]["num_tokens"], (
+        "logged every 2 steps, tokens add up"
+    )
+    assert ours == ref, "the same floats as TRL's .item() reads, averaged the same way"
+    assert len(reads.get("TrlMetrics", [])) >= 4 * 4, (
+        "TRL's compute_loss reads ≥ 4 scalars a step (the test sees them)"
+    )
+    assert "StropSFTTrainer" not in reads, (
+        f"strop's compute_loss read the device: {reads.get('StropSFTTrainer')}"
+    )
