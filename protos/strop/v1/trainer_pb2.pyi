@@ -77,6 +77,36 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
     JOB_STATE_INTERRUPTED: _ClassVar[JobState]
+
+class LossFn(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOSS_FN_UNSPECIFIED: _ClassVar[LossFn]
+    LOSS_FN_CROSS_ENTROPY: _ClassVar[LossFn]
+    LOSS_FN_IMPORTANCE_SAMPLING: _ClassVar[LossFn]
+    LOSS_FN_PPO: _ClassVar[LossFn]
+    LOSS_FN_CISPO: _ClassVar[LossFn]
+    LOSS_FN_DRO: _ClassVar[LossFn]
+
+class PrimitiveKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIMITIVE_KIND_UNSPECIFIED: _ClassVar[PrimitiveKind]
+    PRIMITIVE_KIND_FORWARD_BACKWARD: _ClassVar[PrimitiveKind]
+    PRIMITIVE_KIND_FORWARD: _ClassVar[PrimitiveKind]
+    PRIMITIVE_KIND_OPTIM_STEP: _ClassVar[PrimitiveKind]
+    PRIMITIVE_KIND_SAMPLE: _ClassVar[PrimitiveKind]
+    PRIMITIVE_KIND_SAVE_WEIGHTS: _ClassVar[PrimitiveKind]
+    PRIMITIVE_KIND_SAVE_STATE: _ClassVar[PrimitiveKind]
+    PRIMITIVE_KIND_LOAD_STATE: _ClassVar[PrimitiveKind]
+    PRIMITIVE_KIND_SAVE_WEIGHTS_FOR_SAMPLER: _ClassVar[PrimitiveKind]
+
+class FutureState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FUTURE_STATE_UNSPECIFIED: _ClassVar[FutureState]
+    FUTURE_STATE_PENDING: _ClassVar[FutureState]
+    FUTURE_STATE_RUNNING: _ClassVar[FutureState]
+    FUTURE_STATE_SUCCEEDED: _ClassVar[FutureState]
+    FUTURE_STATE_FAILED: _ClassVar[FutureState]
+    FUTURE_STATE_CANCELLED: _ClassVar[FutureState]
 QUANTIZATION_UNSPECIFIED: Quantization
 QUANTIZATION_NF4: Quantization
 QUANTIZATION_NONE: Quantization
@@ -120,6 +150,27 @@ JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 JOB_STATE_INTERRUPTED: JobState
+LOSS_FN_UNSPECIFIED: LossFn
+LOSS_FN_CROSS_ENTROPY: LossFn
+LOSS_FN_IMPORTANCE_SAMPLING: LossFn
+LOSS_FN_PPO: LossFn
+LOSS_FN_CISPO: LossFn
+LOSS_FN_DRO: LossFn
+PRIMITIVE_KIND_UNSPECIFIED: PrimitiveKind
+PRIMITIVE_KIND_FORWARD_BACKWARD: PrimitiveKind
+PRIMITIVE_KIND_FORWARD: PrimitiveKind
+PRIMITIVE_KIND_OPTIM_STEP: PrimitiveKind
+PRIMITIVE_KIND_SAMPLE: PrimitiveKind
+PRIMITIVE_KIND_SAVE_WEIGHTS: PrimitiveKind
+PRIMITIVE_KIND_SAVE_STATE: PrimitiveKind
+PRIMITIVE_KIND_LOAD_STATE: PrimitiveKind
+PRIMITIVE_KIND_SAVE_WEIGHTS_FOR_SAMPLER: PrimitiveKind
+FUTURE_STATE_UNSPECIFIED: FutureState
+FUTURE_STATE_PENDING: FutureState
+FUTURE_STATE_RUNNING: FutureState
+FUTURE_STATE_SUCCEEDED: FutureState
+FUTURE_STATE_FAILED: FutureState
+FUTURE_STATE_CANCELLED: FutureState
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("model_path", "quantization", "dtype", "max_seq_length", "kernels", "name")
@@ -608,3 +659,331 @@ class CancelJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class AdamParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
+
+class RunLora(_message.Message):
+    __slots__ = ("rank", "alpha", "train_attn", "train_mlp", "train_unembed", "seed")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    train_attn: bool
+    train_mlp: bool
+    train_unembed: bool
+    seed: int
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Metric(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+
+class CreateTrainingRunRequest(_message.Message):
+    __slots__ = ("session_id", "lora", "optimizer", "name", "from_state", "with_optimizer")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FROM_STATE_FIELD_NUMBER: _ClassVar[int]
+    WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lora: RunLora
+    optimizer: AdamParams
+    name: str
+    from_state: str
+    with_optimizer: bool
+    def __init__(self, session_id: _Optional[str] = ..., lora: _Optional[_Union[RunLora, _Mapping]] = ..., optimizer: _Optional[_Union[AdamParams, _Mapping]] = ..., name: _Optional[str] = ..., from_state: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+
+class TrainingRun(_message.Message):
+    __slots__ = ("run_id", "name", "session_id", "tenant", "base_model", "lora", "optimizer", "target_modules", "num_trainable_parameters", "step", "has_gradients", "next_seq_id", "pending_futures", "created_at", "last_activity_at", "sampler_ids", "counts")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRAINABLE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FUTURES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTIVITY_AT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    name: str
+    session_id: str
+    tenant: str
+    base_model: str
+    lora: RunLora
+    optimizer: AdamParams
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    num_trainable_parameters: int
+    step: int
+    has_gradients: bool
+    next_seq_id: int
+    pending_futures: int
+    created_at: float
+    last_activity_at: float
+    sampler_ids: _containers.RepeatedScalarFieldContainer[str]
+    counts: _containers.RepeatedCompositeFieldContainer[Metric]
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[RunLora, _Mapping]] = ..., optimizer: _Optional[_Union[AdamParams, _Mapping]] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_trainable_parameters: _Optional[int] = ..., step: _Optional[int] = ..., has_gradients: _Optional[bool] = ..., next_seq_id: _Optional[int] = ..., pending_futures: _Optional[int] = ..., created_at: _Optional[float] = ..., last_activity_at: _Optional[float] = ..., sampler_ids: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[_Union[Metric, _Mapping]]] = ...) -> None: ...
+
+class GetTrainingRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ListTrainingRunsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListTrainingRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[TrainingRun]
+    def __init__(self, runs: _Optional[_Iterable[_Union[TrainingRun, _Mapping]]] = ...) -> None: ...
+
+class DeleteTrainingRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class TensorData(_message.Message):
+    __slots__ = ("dtype", "shape", "float_values", "int_values")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    float_values: _containers.RepeatedScalarFieldContainer[float]
+    int_values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., float_values: _Optional[_Iterable[float]] = ..., int_values: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: TensorData
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+
+class Datum(_message.Message):
+    __slots__ = ("model_input", "loss_fn_inputs")
+    MODEL_INPUT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    model_input: _containers.RepeatedScalarFieldContainer[int]
+    loss_fn_inputs: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, model_input: _Optional[_Iterable[int]] = ..., loss_fn_inputs: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+
+class ForwardBackwardRequest(_message.Message):
+    __slots__ = ("run_id", "seq_id", "data", "loss_fn", "loss_fn_config", "forward_only")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    seq_id: int
+    data: _containers.RepeatedCompositeFieldContainer[Datum]
+    loss_fn: LossFn
+    loss_fn_config: _containers.RepeatedCompositeFieldContainer[Metric]
+    forward_only: bool
+    def __init__(self, run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[_Union[LossFn, str]] = ..., loss_fn_config: _Optional[_Iterable[_Union[Metric, _Mapping]]] = ..., forward_only: _Optional[bool] = ...) -> None: ...
+
+class DatumOutput(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ForwardBackwardOutput(_message.Message):
+    __slots__ = ("loss_fn_outputs", "metrics")
+    LOSS_FN_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    loss_fn_outputs: _containers.RepeatedCompositeFieldContainer[DatumOutput]
+    metrics: _containers.RepeatedCompositeFieldContainer[Metric]
+    def __init__(self, loss_fn_outputs: _Optional[_Iterable[_Union[DatumOutput, _Mapping]]] = ..., metrics: _Optional[_Iterable[_Union[Metric, _Mapping]]] = ...) -> None: ...
+
+class OptimStepRequest(_message.Message):
+    __slots__ = ("run_id", "seq_id", "adam_params")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    seq_id: int
+    adam_params: AdamParams
+    def __init__(self, run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., adam_params: _Optional[_Union[AdamParams, _Mapping]] = ...) -> None: ...
+
+class OptimStepOutput(_message.Message):
+    __slots__ = ("metrics",)
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.RepeatedCompositeFieldContainer[Metric]
+    def __init__(self, metrics: _Optional[_Iterable[_Union[Metric, _Mapping]]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop_strings", "seed")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("run_id", "sampler_id", "prompt", "num_samples", "params", "prompt_logprobs")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sampler_id: str
+    prompt: _containers.RepeatedScalarFieldContainer[int]
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool
+    def __init__(self, run_id: _Optional[str] = ..., sampler_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+
+class SampledSequence(_message.Message):
+    __slots__ = ("tokens", "logprobs", "stop_reason")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    stop_reason: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class SampleOutput(_message.Message):
+    __slots__ = ("sequences", "prompt_logprobs")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("run_id", "seq_id", "name")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    seq_id: int
+    name: str
+    def __init__(self, run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class LoadStateRequest(_message.Message):
+    __slots__ = ("run_id", "seq_id", "artifact_id", "with_optimizer")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_ID_FIELD_NUMBER: _ClassVar[int]
+    WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    seq_id: int
+    artifact_id: str
+    with_optimizer: bool
+    def __init__(self, run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., artifact_id: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+
+class SaveOutput(_message.Message):
+    __slots__ = ("artifact_id", "sampler_id", "step")
+    ARTIFACT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    artifact_id: str
+    sampler_id: str
+    step: int
+    def __init__(self, artifact_id: _Optional[str] = ..., sampler_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class Future(_message.Message):
+    __slots__ = ("future_id", "run_id", "seq_id", "kind", "state", "error", "error_code", "created_at", "finished_at", "forward_backward", "optim_step", "sample", "save")
+    FUTURE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FIELD_NUMBER: _ClassVar[int]
+    future_id: str
+    run_id: str
+    seq_id: int
+    kind: PrimitiveKind
+    state: FutureState
+    error: str
+    error_code: str
+    created_at: float
+    finished_at: float
+    forward_backward: ForwardBackwardOutput
+    optim_step: OptimStepOutput
+    sample: SampleOutput
+    save: SaveOutput
+    def __init__(self, future_id: _Optional[str] = ..., run_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[_Union[PrimitiveKind, str]] = ..., state: _Optional[_Union[FutureState, str]] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., forward_backward: _Optional[_Union[ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepOutput, _Mapping]] = ..., sample: _Optional[_Union[SampleOutput, _Mapping]] = ..., save: _Optional[_Union[SaveOutput, _Mapping]] = ...) -> None: ...
+
+class GetFutureRequest(_message.Message):
+    __slots__ = ("future_id", "wait_ms")
+    FUTURE_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    future_id: str
+    wait_ms: int
+    def __init__(self, future_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class CancelFutureRequest(_message.Message):
+    __slots__ = ("future_id",)
+    FUTURE_ID_FIELD_NUMBER: _ClassVar[int]
+    future_id: str
+    def __init__(self, future_id: _Optional[str] = ...) -> None: ...
+
+class WatchFuturesRequest(_message.Message):
+    __slots__ = ("run_id", "after_seq_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    after_seq_id: int
+    def __init__(self, run_id: _Optional[str] = ..., after_seq_id: _Optional[int] = ...) -> None: ...

@@ -135,6 +135,76 @@ class TrainerServiceStub:
                 request_serializer=strop_dot_v1_dot_common__pb2.DeleteArtifactRequest.SerializeToString,
                 response_deserializer=strop_dot_v1_dot_common__pb2.Artifact.FromString,
                 _registered_method=True)
+        self.CreateTrainingRun = channel.unary_unary(
+                '/strop.v1.TrainerService/CreateTrainingRun',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.CreateTrainingRunRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.TrainingRun.FromString,
+                _registered_method=True)
+        self.GetTrainingRun = channel.unary_unary(
+                '/strop.v1.TrainerService/GetTrainingRun',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.GetTrainingRunRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.TrainingRun.FromString,
+                _registered_method=True)
+        self.ListTrainingRuns = channel.unary_unary(
+                '/strop.v1.TrainerService/ListTrainingRuns',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.ListTrainingRunsRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.ListTrainingRunsResponse.FromString,
+                _registered_method=True)
+        self.DeleteTrainingRun = channel.unary_unary(
+                '/strop.v1.TrainerService/DeleteTrainingRun',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.DeleteTrainingRunRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.TrainingRun.FromString,
+                _registered_method=True)
+        self.ForwardBackward = channel.unary_unary(
+                '/strop.v1.TrainerService/ForwardBackward',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.OptimStep = channel.unary_unary(
+                '/strop.v1.TrainerService/OptimStep',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.OptimStepRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.Sample = channel.unary_unary(
+                '/strop.v1.TrainerService/Sample',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.SampleRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.SaveWeights = channel.unary_unary(
+                '/strop.v1.TrainerService/SaveWeights',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.SaveRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.SaveState = channel.unary_unary(
+                '/strop.v1.TrainerService/SaveState',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.SaveRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.LoadState = channel.unary_unary(
+                '/strop.v1.TrainerService/LoadState',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.LoadStateRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.SaveWeightsForSampler = channel.unary_unary(
+                '/strop.v1.TrainerService/SaveWeightsForSampler',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.SaveRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.GetFuture = channel.unary_unary(
+                '/strop.v1.TrainerService/GetFuture',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.GetFutureRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.CancelFuture = channel.unary_unary(
+                '/strop.v1.TrainerService/CancelFuture',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.CancelFutureRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
+        self.WatchFutures = channel.unary_stream(
+                '/strop.v1.TrainerService/WatchFutures',
+                request_serializer=strop_dot_v1_dot_trainer__pb2.WatchFuturesRequest.SerializeToString,
+                response_deserializer=strop_dot_v1_dot_trainer__pb2.Future.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -265,6 +335,92 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateTrainingRun(self, request, context):
+        """The step API: training runs (a LoRA adapter + AdamW state, a tenant's) on a loaded session; every
+        primitive answers a Future at once, runs in the run's seq order on the device's worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTrainingRun(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTrainingRuns(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTrainingRun(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForwardBackward(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OptimStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sample(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveWeightsForSampler(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetFuture(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelFuture(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchFutures(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -367,6 +523,76 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.DeleteArtifact,
                     request_deserializer=strop_dot_v1_dot_common__pb2.DeleteArtifactRequest.FromString,
                     response_serializer=strop_dot_v1_dot_common__pb2.Artifact.SerializeToString,
+            ),
+            'CreateTrainingRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateTrainingRun,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.CreateTrainingRunRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.TrainingRun.SerializeToString,
+            ),
+            'GetTrainingRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrainingRun,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.GetTrainingRunRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.TrainingRun.SerializeToString,
+            ),
+            'ListTrainingRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTrainingRuns,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.ListTrainingRunsRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.ListTrainingRunsResponse.SerializeToString,
+            ),
+            'DeleteTrainingRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTrainingRun,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.DeleteTrainingRunRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.TrainingRun.SerializeToString,
+            ),
+            'ForwardBackward': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForwardBackward,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'OptimStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.OptimStep,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.OptimStepRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'Sample': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sample,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.SampleRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'SaveWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveWeights,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.SaveRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'SaveState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveState,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.SaveRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'LoadState': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadState,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.LoadStateRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'SaveWeightsForSampler': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveWeightsForSampler,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.SaveRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'GetFuture': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFuture,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.GetFutureRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'CancelFuture': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelFuture,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.CancelFutureRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
+            ),
+            'WatchFutures': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchFutures,
+                    request_deserializer=strop_dot_v1_dot_trainer__pb2.WatchFuturesRequest.FromString,
+                    response_serializer=strop_dot_v1_dot_trainer__pb2.Future.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -909,6 +1135,384 @@ class TrainerService:
             '/strop.v1.TrainerService/DeleteArtifact',
             strop_dot_v1_dot_common__pb2.DeleteArtifactRequest.SerializeToString,
             strop_dot_v1_dot_common__pb2.Artifact.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTrainingRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/CreateTrainingRun',
+            strop_dot_v1_dot_trainer__pb2.CreateTrainingRunRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.TrainingRun.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrainingRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/GetTrainingRun',
+            strop_dot_v1_dot_trainer__pb2.GetTrainingRunRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.TrainingRun.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTrainingRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/ListTrainingRuns',
+            strop_dot_v1_dot_trainer__pb2.ListTrainingRunsRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.ListTrainingRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTrainingRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/DeleteTrainingRun',
+            strop_dot_v1_dot_trainer__pb2.DeleteTrainingRunRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.TrainingRun.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardBackward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/ForwardBackward',
+            strop_dot_v1_dot_trainer__pb2.ForwardBackwardRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OptimStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/OptimStep',
+            strop_dot_v1_dot_trainer__pb2.OptimStepRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sample(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/Sample',
+            strop_dot_v1_dot_trainer__pb2.SampleRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/SaveWeights',
+            strop_dot_v1_dot_trainer__pb2.SaveRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/SaveState',
+            strop_dot_v1_dot_trainer__pb2.SaveRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/LoadState',
+            strop_dot_v1_dot_trainer__pb2.LoadStateRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveWeightsForSampler(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/SaveWeightsForSampler',
+            strop_dot_v1_dot_trainer__pb2.SaveRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFuture(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/GetFuture',
+            strop_dot_v1_dot_trainer__pb2.GetFutureRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelFuture(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strop.v1.TrainerService/CancelFuture',
+            strop_dot_v1_dot_trainer__pb2.CancelFutureRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchFutures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strop.v1.TrainerService/WatchFutures',
+            strop_dot_v1_dot_trainer__pb2.WatchFuturesRequest.SerializeToString,
+            strop_dot_v1_dot_trainer__pb2.Future.FromString,
             options,
             channel_credentials,
             insecure,
