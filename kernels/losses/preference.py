@@ -1,7 +1,7 @@
 """Chunked ORPO, CPO/SimPO and KTO losses: reference-free and unpaired preference optimisation over final hidden
 states, without materialising full logits.
 
-All three are functions of per-sequence log-prob sums, which :mod:`strop.kernels.losses.dpo` computes chunk by
+All three are functions of per-sequence log-prob sums, which :mod:`strop.kernels.losses.logps` computes chunk by
 chunk with the gradient taken in the forward (``sequence_logps``/``sequence_logps_rows``: one [C, V] logits
 buffer, the fused-CE Triton kernel, ∂loss/∂h_row = −(∂loss/∂logps_s)·g_row). That holds for any loss whose
 dependence on the tokens goes through per-group sums; here a group is a sequence's completion or, for ORPO's
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .dpo import sequence_logps_rows
+from .logps import sequence_logps_rows
 
 __all__ = [
     "CPO_LOSS_TYPES",
@@ -118,7 +118,7 @@ def grouped_logps(
 
     ``sequence_logps`` is the case groups = sequence index where labelled; a group may also be any other set of
     positions (ORPO scores chosen prompts for its NLL). The rows are gathered and scored by
-    :func:`~strop.kernels.losses.dpo.sequence_logps_rows`, so the gradient is computed in the forward.
+    :func:`~strop.kernels.losses.logps.sequence_logps_rows`, so the gradient is computed in the forward.
 
     Args:
         hidden: ``[S, T, H]`` final hidden states.

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..losses.dpo import LOSS_TYPES, dpo_loss_on_pairs, sequence_logps
+from ..losses.dpo import LOSS_TYPES, dpo_loss_on_pairs
+from ..losses.logps import sequence_logps
 from ._glue import (
     add_hidden_states_head,
     final_logit_softcap,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..losses.dpo import sequence_logps
+from ..losses.logps import sequence_logps
 from ..losses.preference import (
     CPO_LOSS_TYPES,
     KTO_LOSS_TYPES,

@@ -32,7 +32,7 @@ from tests.deps import locked
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-import strop.kernels.losses.dpo as cd
+import strop.kernels.losses.logps as logps_engine
 from strop.kernels.losses.dpo import (
     chunked_dpo_loss_reference,
     dpo_loss_from_logps,
@@ -80,7 +80,7 @@ def _assert_fp32_close(actual, expected, what):
 @pytest.fixture(params=["triton", "torch"])
 def backend(request, monkeypatch):
     if request.param == "torch":
-        monkeypatch.setattr(cd, "_use_triton", lambda device: False)
+        monkeypatch.setattr(logps_engine, "_use_triton", lambda device: False)
     return request.param
 
 

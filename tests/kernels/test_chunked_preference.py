@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import strop.kernels.losses.dpo as cd
+import strop.kernels.losses.logps as logps_engine
 from strop.kernels.losses.preference import (
     cpo_loss_from_logps,
     cpo_loss_reference,
@@ -101,7 +102,7 @@ def _grad(loss, h):
 @pytest.fixture(params=["triton", "torch"])
 def backend(request, monkeypatch):
     if request.param == "torch":
-        monkeypatch.setattr(cd, "_use_triton", lambda device: False)
+        monkeypatch.setattr(logps_engine, "_use_triton", lambda device: False)
     return request.param
 
 

@@ -193,11 +193,13 @@ def test_gemma_offloaded_recompute_keeps_the_down_projection_and_trains_like_the
 def test_gemma_long_context_memory_mode_trains_like_the_reference():
     # offloaded inputs + tiled MLP over the patched Gemma 3 layers (q/k norms, two RoPE bases)
     from strop.common.trainer_types import MemoryMode
-    from strop.kernels.models import apply_memory_mode
+    from strop.kernels.models import StepShape, apply_memory_mode
 
     def long_context(twin):
         twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return apply_memory_mode(twin, MemoryMode.LONG_CONTEXT, offload_cpu_tensors=True, min_offload_bytes=0)
+        return apply_memory_mode(
+            twin, MemoryMode.LONG_CONTEXT, step=StepShape(2, 16), offload_cpu_tensors=True, min_offload_bytes=0
+        )
 
     model = _peft(gemma_model("gemma3_text", **TWO_LAYERS))
     installed = _parity(model, "gemma3_text", prepare_twin=long_context)
@@ -233,6 +235,7 @@ def test_chunked_sequence_logps_apply_gemma2_final_softcap_like_hf_logits(monkey
     torch fallback) equal those from HF's own (soft-capped) logits, and so do their gradients; without the
     soft-cap they would not (the cap of 3 binds on this fixture)."""
     import strop.kernels.losses.dpo as dpo
+    import strop.kernels.losses.logps as logps_engine
 
     model = gemma_model("gemma2")
     cap = model.config.final_logit_softcapping
@@ -259,7 +262,7 @@ def test_chunked_sequence_logps_apply_gemma2_final_softcap_like_hf_logits(monkey
     (ref_grad,) = torch.autograd.grad((ref * weights).sum(), ref_h)
     for backend in ("triton", "torch"):
         if backend == "torch":
-            monkeypatch.setattr(dpo, "_use_triton", lambda device: False)
+            monkeypatch.setattr(logps_engine, "_use_triton", lambda device: False)
         out = chunked(h)
         (grad,) = torch.autograd.grad((out * weights).sum(), h)
         torch.testing.assert_close(out.detach(), hf_logps, rtol=1e-5, atol=1e-5, msg=backend)
