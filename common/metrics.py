@@ -143,6 +143,9 @@ class TrainerMetrics:
     - ``strop_trainer_job_loss{job_id}``, ``strop_trainer_job_tokens_per_second{job_id}``,
       ``strop_trainer_job_step{job_id}``, ``strop_trainer_job_peak_memory_bytes{job_id}``: each job's last step;
     - ``strop_trainer_jobs_finished_total{state}``: jobs that ended here, by final state;
+    - ``strop_trainer_primitives_total{kind,state}``, ``strop_trainer_primitive_seconds{kind}`` (histogram, on the
+      device), ``strop_trainer_primitive_tokens_total{kind}``: the step API's primitives (``core/runs.py``);
+    - ``strop_trainer_training_runs``, ``strop_trainer_step_futures_pending``: runs held, futures not yet run;
     - ``strop_device_memory_bytes{device,kind}``.
     """
 
@@ -187,6 +190,32 @@ class TrainerMetrics:
             registry=r,
         )
         self._per_job = _PerJob([self.loss, self.tokens_per_second, self.step, self.peak_memory])
+        self.primitives = Counter(
+            "strop_trainer_primitives",
+            "Step-API primitives finished, by kind and state.",
+            ["kind", "state"],
+            registry=r,
+        )
+        self.primitive_seconds = Histogram(
+            "strop_trainer_primitive_seconds", "Device time of one step-API primitive.", ["kind"],
+            buckets=STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.primitive_tokens = Counter(
+            "strop_trainer_primitive_tokens", "Tokens processed by step-API primitives.", ["kind"], registry=r
+        )
+        self.training_runs = Gauge(
+            "strop_trainer_training_runs", "Training runs held by this instance.", registry=r
+        )
+        self.futures_pending = Gauge(
+            "strop_trainer_step_futures_pending", "Step-API futures accepted and not yet run.", registry=r
+        )
+
+    def on_primitive(self, kind: str, state: str, seconds: float, tokens: int) -> None:
+        self.primitives.labels(kind, state).inc()
+        if seconds > 0:
+            self.primitive_seconds.labels(kind).observe(seconds)
+        if tokens:
+            self.primitive_tokens.labels(kind).inc(tokens)
 
     def on_step(
         self,
