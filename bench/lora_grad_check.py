@@ -81,7 +81,9 @@ def check(base, patch_model, apply_memory_mode, MemoryMode, peft) -> None:
     patched = model  # patched in place: the weights are the same (no optimizer step)
     print(patch_model(patched), flush=True)
     cases = {"patched, HF checkpointing": grads(patched)}
-    apply_memory_mode(patched, MemoryMode.STANDARD, allow_offload=True)
+    from strop.kernels.models import StepShape
+
+    apply_memory_mode(patched, MemoryMode.STANDARD, step=StepShape(*ids.shape), device="cuda")
     cases["patched, STANDARD mode"] = grads(patched)
     for name, (loss, g) in cases.items():
         errs = sorted(((g[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)

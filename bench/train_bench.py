@@ -649,12 +649,16 @@ def fp8_system(system: str) -> bool | str:
     return "dx" if system.endswith("-f8dx") else system.endswith("-f8")
 
 
-def apply_memory(model, system: str):
-    """Install the system's memory mode through the same table and installer the trainer uses."""
+def apply_memory(model, system: str, batch: int, seq: int):
+    """Install the system's memory mode through the installer the trainer uses, the same way: the table's row
+    (with the system's ``-sN``/``-aB``/``-tB`` variant replaced into it), the step's shape for the host-room rule,
+    and MAX_SPEED's budget as a job's ``memory_budget_gib`` would give it."""
+    import dataclasses
+
     import torch
 
-    from strop.common.trainer_types import MemoryMode
-    from strop.kernels.models import apply_memory_mode
+    from strop.common.trainer_types import MEMORY_MODES, MemoryMode
+    from strop.kernels.models import StepShape, apply_memory_mode
 
     spec = memory_system(system)
     if spec is None:
@@ -662,15 +666,17 @@ def apply_memory(model, system: str):
     mode, save_layers, save_attention, tiled = spec
     if DEVICE != "cuda" and mode is MemoryMode.MAX_SPEED:
         return None  # --smoke: budgeted recompute measures CUDA memory
-    budget = FAST_BUDGET_GIB * 2**30
-    if DEVICE == "cuda" and mode is MemoryMode.MAX_SPEED:
+    features = MEMORY_MODES[mode]
+    variant = {"save_layers": save_layers, "save_attention": save_attention, "tiled_mlp": tiled}
+    features = dataclasses.replace(features, **{k: v for k, v in variant.items() if v is not None and v != 0})
+    budget = FAST_BUDGET_GIB * 2**30 if features.budgeted_recompute else 0
+    if DEVICE == "cuda" and budget:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     smoke = {} if DEVICE == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}  # --smoke
     return apply_memory_mode(
-        model, mode, budget_bytes=budget, save_layers=save_layers, save_attention=save_attention,
-        tiled_mlp=tiled, **smoke,
-    )  # fmt: skip
+        model, features, step=StepShape(batch, seq), budget_bytes=budget, device=DEVICE, **smoke
+    )
 
 
 def run_worker(a) -> Result:
@@ -684,7 +690,7 @@ def run_worker(a) -> Result:
         from strop.kernels.models import patch_model
 
         res.notes = str(patch_model(model, fp8_base=fp8_system(a.system)))
-    installed = apply_memory(model, a.system)
+    installed = apply_memory(model, a.system, a.batch, a.seq)
     model.train()
     if a.progress:
         log_layer_progress(model, a.progress)
@@ -850,7 +856,7 @@ def run_trl_worker(a) -> Result:
 
         model = attach_lora(load_model(qlora))
         res.notes = str(patch_model(model))
-        memory = apply_memory(model, "strop-standard")  # what the service's default mode does on CUDA
+        memory = apply_memory(model, "strop-standard", a.batch, a.seq)  # the service's default mode on CUDA
         # TRL's SFTTrainer with its fused LM head on strop's kernel; trl-lib-trlhead: TRL's own head (before 2026-12-03)
         trainer_cls = SFTTrainer if a.system == "trl-lib-trlhead" else strop_sft_trainer_class()
         # trl-lib-svcargs: what the service adds to the in-process run (its optimizer name, its token count and
@@ -906,7 +912,8 @@ def dpo_dataset(n_rows: int, prompt_tokens: int, completion_tokens: int):
 def train_preference(res: Result, a, trainer, model, t0: float, times: list[float], rows: int) -> None:
     """Apply ``a.system``'s memory features, train, and record into ``res`` the build time (since ``t0``), peak
     memory, per-step losses and reward margins (NaN where a step logs none) and ``rows`` per second."""
-    memory = apply_memory(model, a.system)
+    # as the trainer sizes a preference step: two rows per pair (KTO: each row and its KL row) of max_length
+    memory = apply_memory(model, a.system, 2 * a.batch, trainer.args.max_length)
     res.build_s = time.perf_counter() - t0
     res.notes += reset_peak_memory()
     label_phases(trainer, compute_loss="loss and its forwards")

@@ -121,6 +121,8 @@ class MemoryFeatures:
             recompute in backward skips attention's forward.
         host_budget_fraction: The share of the host's available memory (at install) the offloaded copies may
             hold; past it, layer inputs stay on the device and attention is recomputed (0: unbounded).
+        save_layers: Evenly spaced offloaded layers that skip the recompute, their activations in host memory
+            (no mode sets it; a benchmark's variant may).
     """
 
     gradient_checkpointing: bool | None
@@ -131,19 +133,18 @@ class MemoryFeatures:
     default_budget_fraction: float = 0.0
     save_attention: bool = False
     host_budget_fraction: float = 0.0
+    save_layers: int = 0
 
 
+# The measurements behind each row: bench/RESULTS.md, "training: memory-allowed mode, offloaded checkpointing",
+# "attention outputs kept for the recompute" and "saved attention in the standard mode".
 MEMORY_MODES: dict[MemoryMode, MemoryFeatures] = {
-    # measured on the H200 (bench/RESULTS.md): offloading the inputs costs no step time at 16K tokens and
-    # takes 27% off peak memory on 8B QLoRA, so the standard mode does it when the host has room
-    # and keeps the offloaded layers' attention outputs for the recompute (their reload started one layer early:
-    # 8 × 2048 bf16 LoRA 13,197 vs 13,057 tok/s, QLoRA 13,048 vs 12,923, the same peak, ~4 GiB more host memory;
-    # bench/RESULTS.md, session 11) when the host has room for those too (the trainer's _host_room)
+    # offloading the layer inputs costs no step time at a few thousand tokens per row and takes a quarter off the
+    # peak; keeping the offloaded layers' attention outputs (reloaded one layer early) makes the recompute skip
+    # attention for a few GiB of host memory — each only when the host has room for it (apply_memory_mode)
     MemoryMode.STANDARD: MemoryFeatures(None, True, True, False, False, save_attention=True),
-    # saved attention outputs: at 128K tokens the step is 14% shorter (bench/RESULTS.md)
     # what host memory holds goes there, layer inputs first (an attention output is saved only with room left for
-    # the inputs still to come), the rest stays on the device (512K tokens of an 8B model: 128 GiB of layer inputs
-    # and as much again of attention outputs, against a 128 GiB host)
+    # the inputs still to come), the rest stays on the device; the MLP runs over sequence chunks
     MemoryMode.LONG_CONTEXT: MemoryFeatures(
         True, True, False, True, False, save_attention=True, host_budget_fraction=0.8
     ),

@@ -1,14 +1,9 @@
-"""Model surgery on transformers (and PEFT-wrapped) models: kernel patching, offloaded checkpointing, the
-tiled MLP, budgeted recompute and the long-context memory mode. Every install is reversible and per instance."""
+"""Model surgery on transformers (and PEFT-wrapped) models: kernel patching, and the memory modes
+(``apply_memory_mode``, the one entry point) with their building blocks — offloaded checkpointing, the tiled MLP,
+budgeted recompute. Every install is reversible and per instance."""
 
 from .checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
-from .memory import (
-    InstalledMode,
-    MemoryReport,
-    apply_memory_mode,
-    disable_memory_features,
-    enable_memory_features,
-)
+from .memory import InstalledMode, MemoryReport, StepShape, apply_memory_mode
 from .offload import ActivationOffloader, offloaded_checkpoint
 from .patch import PatchReport, patch_model, unpatch_model
 from .recompute import BudgetedRecompute, RecomputePlan, enable_budgeted_recompute
@@ -21,12 +16,11 @@ __all__ = [
     "MemoryReport",
     "PatchReport",
     "RecomputePlan",
+    "StepShape",
     "apply_memory_mode",
-    "disable_memory_features",
     "disable_offloaded_checkpointing",
     "disable_tiled_mlp",
     "enable_budgeted_recompute",
-    "enable_memory_features",
     "enable_offloaded_checkpointing",
     "enable_tiled_mlp",
     "offloaded_checkpoint",

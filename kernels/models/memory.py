@@ -1,24 +1,22 @@
-"""strop's memory machinery for long-context training, installed on a model in one call.
+"""strop's memory modes, installed on a model in one call: ``apply_memory_mode(model, mode, step=...)``.
 
-``enable_memory_features(model)`` installs, per model instance and reversibly:
+A mode is a row of ``MEMORY_MODES`` (``common/trainer_types.py``, the one table); this module owns the rules
+around the table — whether the host has room for what a mode offloads, how much host memory the copies may
+hold, the device budget for budgeted recompute — and installs, per model instance and reversibly:
 
     offload_activations   decoder-layer inputs kept in pinned host memory between forward and backward,
-                          reloaded ahead of need (``kernels/offload.py``); turns gradient checkpointing
-                          on if it was off
-    tiled_mlp             each decoder MLP run over sequence chunks, recomputed chunk by chunk in
-                          backward (``kernels/tiled_mlp.py``); ``"auto"`` tiles only when a chunk's
-                          intermediates would pass ~1 GiB, so short sequences run the MLP untiled
+                          reloaded ahead of need (``offload.py``); turns gradient checkpointing on if it was off
+    tiled_mlp             each decoder MLP run over sequence chunks, recomputed chunk by chunk in backward
+                          (``tiled_mlp.py``); ``"auto"`` tiles only when a chunk's intermediates would pass
+                          ~1 GiB, so short sequences run the MLP untiled
+    budgeted recompute    only as many layers recompute as the device budget needs (``recompute.py``)
 
-Together they remove the two activation terms that grow with the sequence: L·T·H for the checkpointed
-layer inputs (to host memory) and T·I for one layer's MLP intermediates during recompute (to one
-chunk). What is left on the GPU at long context is one layer's attention and norm activations, the
-logits path (strop's fused CE chunks it) and the weights.
+Offload and tiling remove the two activation terms that grow with the sequence: L·T·H for the checkpointed
+layer inputs (to host memory) and T·I for one layer's MLP intermediates during recompute (to one chunk).
 
-Order with ``strop.kernels.models.patch_model``: patch first, then enable these. The tiled MLP wraps whatever
-MLP forward is installed (patched, PEFT or HF); ``patch_model`` run afterwards would find an MLP forward
-that is not HF's and leave that MLP on the reference path. Offloaded checkpointing does not interact with
-patching. The chunked DPO loss (``kernels/losses/dpo.py``) is used by the DPO trainer glue, not
-installed here.
+Order with ``strop.kernels.models.patch_model``: patch first, then apply the mode. The tiled MLP wraps whatever
+MLP forward is installed (patched, PEFT or HF); ``patch_model`` run afterwards would find an MLP forward that is
+not HF's and leave that MLP on the reference path.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from torch import nn
 from strop.common.trainer_types import DEFAULT_MEMORY_MODE, MEMORY_MODES, MemoryFeatures, MemoryMode
 
 from .checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+from .hf import unwrap_peft
 from .offload import DEFAULT_MIN_OFFLOAD_BYTES, ActivationOffloader
 from .recompute import BudgetedRecompute, RecomputePlan, enable_budgeted_recompute
 from .tiled_mlp import DEFAULT_CHUNK_BUDGET_BYTES, TiledMLPReport, disable_tiled_mlp, enable_tiled_mlp
@@ -38,10 +37,11 @@ from .tiled_mlp import DEFAULT_CHUNK_BUDGET_BYTES, TiledMLPReport, disable_tiled
 __all__ = [
     "InstalledMode",
     "MemoryReport",
+    "StepShape",
     "apply_memory_mode",
-    "disable_memory_features",
-    "enable_memory_features",
     "host_available_bytes",
+    "host_room",
+    "memory_budget_bytes",
 ]
 
 logger = logging.getLogger("strop.kernels")
@@ -103,7 +103,7 @@ def host_available_bytes() -> int | None:
 
 @dataclass
 class MemoryReport:
-    """What :func:`enable_memory_features` installed, and why anything was not.
+    """What the memory features installed (offload and tiling), and why anything was not.
 
     Attributes:
         offloader: The activation offloader (None when offload is off); ``offloader.stats`` holds host memory
@@ -225,7 +225,7 @@ def disable_memory_features(model: nn.Module) -> None:
 class InstalledMode:
     """What :func:`apply_memory_mode` installed: remove it with :meth:`remove`, call :meth:`step_end` after steps."""
 
-    mode: MemoryMode
+    mode: MemoryMode | None  # None: features that are no table entry (a benchmark's variant)
     features: MemoryFeatures
     model: nn.Module | None = field(default=None, repr=False)
     memory: MemoryReport | None = None
@@ -245,7 +245,7 @@ class InstalledMode:
             self.recompute.remove()
 
     def __str__(self) -> str:
-        parts = [f"memory mode {self.mode.value}"]
+        parts = [f"memory mode {self.mode.value if self.mode else self.features}"]
         if self.memory is not None:
             parts += [f"{k}: {v}" for k, v in self.memory.summary().items()]
         if self.recompute is not None:
@@ -253,61 +253,123 @@ class InstalledMode:
         return "; ".join(parts + self.notes)
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one optimizer step's forward holds on the residual stream, which the host-room rule sizes from.
+
+    Attributes:
+        rows: Sequences in one forward (preference methods: chosen and rejected rows, KTO: each row and its KL row).
+        seq_len: Tokens per row.
+        checkpointed: The model checkpoints its layers (the modes whose offload needs host room offload only then).
+    """
+
+    rows: int
+    seq_len: int
+    checkpointed: bool = True
+
+
+def host_room(model: nn.Module, step: StepShape) -> tuple[bool, bool]:
+    """Whether one step's checkpointed layer inputs fit in half the host's available memory, and whether their
+    attention outputs (the same size: [rows, seq, heads · head_dim], plus an fp32 log-sum-exp per head) fit
+    there beside them. Unknown host memory claims no room."""
+    from .offload import host_block_bytes as pinned
+
+    cfg = model.config
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(cfg, "head_dim", 0) or 0) or (hidden // heads if heads else 0)
+    itemsize = model.get_input_embeddings().weight.element_size()  # the residual stream's dtype
+    tokens = step.rows * step.seq_len
+    need = layers * pinned(tokens * hidden * itemsize)
+    attention = layers * (pinned(tokens * heads * head_dim * itemsize) + pinned(tokens * heads * 4))  # o, lse
+    available = host_available_bytes() or 0
+    if need > available // 2:
+        logger.info("%.1f GiB of layer inputs, %.1f GiB host available", need / 2**30, available / 2**30)
+        return False, False
+    return True, need + attention <= available // 2
+
+
+def memory_budget_bytes(features: MemoryFeatures, device: str | None, requested_bytes: int = 0) -> int:
+    """The device-memory budget budgeted recompute plans for: the request, else the mode's default fraction of
+    the device, never more than the device holds (0 for modes without budgeted recompute)."""
+    if not features.budgeted_recompute:
+        return 0
+    if device is None or not str(device).startswith("cuda"):
+        if requested_bytes > 0:
+            return requested_bytes
+        raise ValueError("budgeted recompute needs a CUDA device or a positive budget_bytes")
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    budget = requested_bytes or int(features.default_budget_fraction * total)
+    if budget > total:
+        logger.warning("a memory budget of %.1f GiB exceeds the device's %.1f GiB: planning for the device",
+                       budget / 2**30, total / 2**30)  # fmt: skip
+        budget = total
+    return budget
+
+
 def apply_memory_mode(
     model: nn.Module,
-    mode: MemoryMode,
+    mode: MemoryMode | MemoryFeatures,
     *,
+    step: StepShape,
     budget_bytes: int = 0,
-    allow_offload: bool = True,
-    save_layers: int = 0,
-    save_attention: bool | None = None,
-    tiled_mlp: bool | None = None,
-    host_budget_bytes: int | None = None,
+    device: str | None = None,
     offload_cpu_tensors: bool = False,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
 ) -> InstalledMode:
-    """Install what ``MEMORY_MODES[mode]`` says (the one table of what a mode means), reversibly.
+    """Install a memory mode reversibly: the one owner of what a mode means on a model.
+
+    The mode is ``MEMORY_MODES[mode]`` (the one table), or a :class:`MemoryFeatures` made from a table entry with
+    ``dataclasses.replace`` (e.g. a benchmark's ``save_layers``). This function owns the rules around the table:
+    the host-room rule (offload needing host room happens only when the step's layer inputs fit in half the
+    host's available memory, attention outputs are saved only when they fit there too), the host budget (the
+    mode's fraction of what the host has), and the device budget (``memory_budget_bytes``).
 
     Args:
         model: A (patched) HF or PEFT model; gradient checkpointing as the caller set it.
-        mode: The memory mode (UNSPECIFIED is the default mode).
-        budget_bytes: MAX_SPEED's device-memory budget (required for it).
-        allow_offload: False when the caller found no host room for a step's layer inputs (modes whose
-            offload needs host room then keep them on the device).
-        save_layers: Layers that skip the recompute, their activations in host memory (with offload).
-        save_attention: Offloaded layers keep their attention output for the recompute; None: the mode's own
-            setting (``MemoryFeatures.save_attention``).
-        tiled_mlp: The MLPs run tiled ("auto" chunks); None: the mode's own setting (``MemoryFeatures.tiled_mlp``).
-        host_budget_bytes: Host memory the offloaded copies may hold; None: the mode's
-            ``host_budget_fraction`` of :func:`host_available_bytes` now (unbounded for a fraction of 0, or when
-            the host's memory cannot be read).
+        mode: A memory mode (UNSPECIFIED is the default mode) or its features.
+        step: What one step's forward holds (the host-room rule sizes from it).
+        budget_bytes: Budgeted recompute's device-memory budget; 0: the mode's default share of ``device``.
+        device: Where the model trains (``"cuda:0"``…); the budget's default needs a CUDA device.
         offload_cpu_tensors: Exercise the offload path on the CPU (tests, the CPU smoke benchmark).
         min_offload_bytes: Layer inputs and activations smaller than this stay on their device.
     """
-    mode = DEFAULT_MEMORY_MODE if mode is MemoryMode.UNSPECIFIED else mode
-    features = MEMORY_MODES[mode]
+    if isinstance(mode, MemoryFeatures):
+        features = mode
+        mode = next((m for m, f in MEMORY_MODES.items() if f == features), None)
+    else:
+        mode = DEFAULT_MEMORY_MODE if mode is MemoryMode.UNSPECIFIED else mode
+        features = MEMORY_MODES[mode]
     installed = InstalledMode(mode, features, model)
-    offload = features.offload_layer_inputs and (allow_offload or not features.offload_needs_host_room)
-    if features.offload_layer_inputs and not offload:
-        installed.notes.append("layer inputs stay on the device: no host room for a step's worth")
-    if features.budgeted_recompute and budget_bytes <= 0:
-        raise ValueError(f"memory mode {mode.value} needs a positive budget_bytes")
-    available = host_available_bytes() if host_budget_bytes is None and offload else None
-    if available is not None and features.host_budget_fraction > 0:
+    budget = memory_budget_bytes(features, device, budget_bytes)
+    offload, save_attention = features.offload_layer_inputs, features.save_attention
+    if offload and features.offload_needs_host_room:
+        inputs_fit, attention_fits = (
+            host_room(unwrap_peft(model), step) if step.checkpointed else (False, False)
+        )
+        if not inputs_fit:
+            offload = False
+            installed.notes.append("layer inputs stay on the device: no host room for a step's worth")
+        elif save_attention and not attention_fits:
+            save_attention = False
+            installed.notes.append("attention recomputed: no host room for the outputs beside the inputs")
+    host_budget_bytes = None
+    available = host_available_bytes() if offload and features.host_budget_fraction > 0 else None
+    if available is not None:
         host_budget_bytes = int(features.host_budget_fraction * available)
-    if host_budget_bytes is not None and offload:
         installed.notes.append(f"host budget {host_budget_bytes / 2**30:.1f} GiB")
-    tiled = features.tiled_mlp if tiled_mlp is None else tiled_mlp
     try:
-        if offload or tiled:
+        if offload or features.tiled_mlp:
             installed.memory = enable_memory_features(
-                model, offload_activations=offload, tiled_mlp_chunks="auto" if tiled else None,
-                save_layers=save_layers, offload_cpu_tensors=offload_cpu_tensors, min_offload_bytes=min_offload_bytes,
-                save_attention=features.save_attention if save_attention is None else save_attention,
-                host_budget_bytes=host_budget_bytes,
+                model, offload_activations=offload, tiled_mlp_chunks="auto" if features.tiled_mlp else None,
+                save_layers=features.save_layers, offload_cpu_tensors=offload_cpu_tensors,
+                min_offload_bytes=min_offload_bytes, save_attention=save_attention, host_budget_bytes=host_budget_bytes,
             )  # fmt: skip
         if features.budgeted_recompute:
-            installed.recompute = enable_budgeted_recompute(model, budget_bytes)
+            installed.recompute = enable_budgeted_recompute(model, budget)
     except BaseException:
         installed.remove()  # nothing half-installed is left on the model
         raise

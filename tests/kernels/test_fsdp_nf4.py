@@ -139,7 +139,7 @@ def test_on_cuda_a_4bit_base_staged_in_host_memory_is_moved_by_fsdp2_and_trains_
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from strop.common.trainer_types import MemoryMode
-    from strop.kernels.models import apply_memory_mode
+    from strop.kernels.models import StepShape, apply_memory_mode
     from strop.trainer_svc.core.fsdp import base_bytes_held
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
@@ -162,7 +162,7 @@ def test_on_cuda_a_4bit_base_staged_in_host_memory_is_moved_by_fsdp2_and_trains_
             report = patch_model(model, device="cuda")  # where it will run: staged is still in host memory
             assert not any(report.skipped.values()), report
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        installed = [apply_memory_mode(m, MemoryMode.STANDARD) for m in (on_device, staged)]
+        installed = [apply_memory_mode(m, MemoryMode.STANDARD, step=StepShape(2, 64)) for m in (on_device, staged)]
         assert shard_4bit_as_compute_dtype(staged, torch.bfloat16) > 0
         torch.cuda.reset_peak_memory_stats()
         for layer in staged.get_base_model().model.layers:

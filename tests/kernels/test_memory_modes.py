@@ -11,13 +11,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from strop.common.trainer_types import MEMORY_MODES, MemoryMode
-from strop.kernels.models import apply_memory_mode
+from strop.kernels.models import StepShape, apply_memory_mode
 from tests.kernels.test_offload import _tiny_llama
+
+STEP = StepShape(rows=2, seq_len=17)
 
 
 def _install(mode, **kw):
     model = _tiny_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kw.setdefault("step", STEP)
     return model, apply_memory_mode(model, mode, offload_cpu_tensors=True, min_offload_bytes=0, **kw)
 
 
@@ -35,18 +38,24 @@ def test_standard_offloads_the_layer_inputs_without_tiling_and_removes_cleanly()
     assert "_strop_offload" not in model.__dict__ and "_strop_tiled_mlp" not in model.__dict__
 
 
-def test_standard_keeps_inputs_on_the_device_when_the_host_has_no_room_but_long_context_offloads():
-    _, standard = _install(MemoryMode.STANDARD, allow_offload=False)
+def test_standard_keeps_inputs_on_the_device_when_the_host_has_no_room_but_long_context_offloads(monkeypatch):
+    import strop.kernels.models.memory as memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 0)
+    _, standard = _install(MemoryMode.STANDARD)
     assert standard.memory is None and "no host room" in str(standard)
-    model, long_context = _install(MemoryMode.LONG_CONTEXT, allow_offload=False)
+    _, unchecked = _install(MemoryMode.STANDARD, step=StepShape(2, 17, checkpointed=False))
+    assert unchecked.memory is None  # without checkpointing there are no layer inputs to offload
+    monkeypatch.undo()  # long context offloads whatever its share of the host holds, without a whole-step check
+    model, long_context = _install(MemoryMode.LONG_CONTEXT)
     assert long_context.memory.offloader is not None and long_context.memory.tiled_mlp.tiled
     loss = model(input_ids=torch.randint(0, 300, (2, 17)), labels=torch.randint(0, 300, (2, 17))).loss
     loss.backward()  # the installed machinery trains
     assert long_context.memory.offloader.stats.offloaded > 0
 
 
-def test_max_speed_needs_a_budget():
-    with pytest.raises(ValueError, match="needs a positive budget_bytes"):
+def test_max_speed_needs_a_budget_or_a_cuda_device_to_take_its_share_of():
+    with pytest.raises(ValueError, match="needs a CUDA device or a positive budget_bytes"):
         _install(MemoryMode.MAX_SPEED)
 
 
@@ -60,11 +69,10 @@ def test_long_context_bounds_host_memory_by_a_share_of_what_the_host_has(monkeyp
         fraction * (10 << 30)
     ) and "host budget 8.0 GiB" in str(installed)
     installed.remove()
-    _, standard = _install(MemoryMode.STANDARD)  # whole-step room is checked by the caller (allow_offload)
+    # the standard mode checks the whole step's room up front (host_room) and sets no bound
+    _, standard = _install(MemoryMode.STANDARD)
     assert standard.memory.offloader.host_budget_bytes is None
     standard.remove()
-    _, given = _install(MemoryMode.LONG_CONTEXT, host_budget_bytes=123)
-    assert given.memory.offloader.host_budget_bytes == 123
 
 
 def test_host_available_bytes_is_capped_by_the_container_working_set(monkeypatch, tmp_path):
@@ -90,3 +98,27 @@ def test_host_available_bytes_is_capped_by_the_container_working_set(monkeypatch
     )  # unknown host memory: no bound rather than none offloaded
     assert installed.memory.offloader.host_budget_bytes is None
     installed.remove()
+
+
+def test_the_host_room_rule_saves_attention_outputs_only_where_the_host_holds_them_beside_the_inputs(
+    monkeypatch,
+):
+    # 8B shape, 8 × 2048 rows: each layer's input is 128 MiB and its attention output 128 MiB plus a 2 MiB
+    # log-sum-exp (each rounded up to a power of two, as the pinned allocator does): 32 layers need 4 GiB of
+    # inputs and 8.06 GiB with the outputs, against half the host's available memory
+    from types import SimpleNamespace
+
+    import strop.kernels.models.memory as memory
+
+    config = SimpleNamespace(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, head_dim=128)
+    embeddings = SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16))
+    model = SimpleNamespace(config=config, get_input_embeddings=lambda: embeddings)
+    gib = 2**30
+    for available, expected in (
+        (7 * gib, (False, False)),
+        (10 * gib, (True, False)),
+        (17 * gib, (True, True)),
+    ):
+        monkeypatch.setattr(memory, "host_available_bytes", lambda a=available: a)
+        got = memory.host_room(model, StepShape(rows=8, seq_len=2048))
+        assert got == expected, (available / gib, expected)

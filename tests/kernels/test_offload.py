@@ -29,12 +29,11 @@ peft = locked("peft")
 import strop.kernels.models.offload_records as records_mod  # noqa: E402
 from strop.kernels.models import (  # noqa: E402
     ActivationOffloader,
-    disable_memory_features,
     disable_offloaded_checkpointing,
-    enable_memory_features,
     enable_offloaded_checkpointing,
     offloaded_checkpoint,
 )
+from strop.kernels.models.memory import disable_memory_features, enable_memory_features  # noqa: E402
 
 B, T, H, LAYERS, VOCAB = 2, 37, 64, 3, 300
 

@@ -112,28 +112,3 @@ def test_a_job_that_cannot_fit_is_refused_with_its_figures_and_one_that_fits_is_
     # a short dataset is estimated by its longest row, not by max_length
     short = admission.estimate(eight_b, cfg, checkpointed=False, offloaded=False, **{**kw, "longest_row": 64})
     assert short.tokens == 16 * 64 and short.total < no_ckpt.total / 20
-
-
-def test_the_standard_mode_saves_attention_outputs_only_where_the_host_holds_them_beside_the_inputs(
-    monkeypatch,
-):
-    # 8B shape, 8 × 2048 SFT rows: each layer's input is 128 MiB and its attention output 128 MiB plus a 2 MiB
-    # log-sum-exp (each rounded up to a power of two, as the pinned allocator does): 32 layers need 4 GiB of
-    # inputs and 8.06 GiB with the outputs, against half the host's available memory
-    from types import SimpleNamespace
-
-    from strop.kernels.models import memory
-    from strop.trainer_svc.core.training import _host_room
-
-    config = SimpleNamespace(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, head_dim=128)
-    embeddings = SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16))
-    loaded = SimpleNamespace(model=SimpleNamespace(config=config, get_input_embeddings=lambda: embeddings))
-    cfg = TrainConfig(method=TrainMethod.SFT, batch_size=8, max_length=2048)
-    gib = 2**30
-    for available, expected in (
-        (7 * gib, (False, False)),
-        (10 * gib, (True, False)),
-        (17 * gib, (True, True)),
-    ):
-        monkeypatch.setattr(memory, "host_available_bytes", lambda a=available: a)
-        assert _host_room(loaded, cfg) == expected, (available / gib, expected)

@@ -394,53 +394,19 @@ def cleanup_reference_adapter(loaded: LoadedModel) -> None:
         model.set_adapter("default")
 
 
-def _host_room(loaded: LoadedModel, cfg: TrainConfig) -> tuple[bool, bool]:
-    """Whether one step's checkpointed layer inputs fit in half the host's available memory, and whether their
-    attention outputs (the same size: [rows, seq, heads · head_dim]) fit there beside them."""
-    hf_cfg = loaded.model.config
-    layers = int(getattr(hf_cfg, "num_hidden_layers", 0) or 0)
-    hidden = int(getattr(hf_cfg, "hidden_size", 0) or 0)
-    heads = int(getattr(hf_cfg, "num_attention_heads", 0) or 0)
-    head_dim = int(getattr(hf_cfg, "head_dim", 0) or 0) or (hidden // heads if heads else 0)
-    # preference methods: chosen and rejected rows (KTO: each row and its KL row)
-    rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
-    itemsize = loaded.model.get_input_embeddings().weight.element_size()  # the residual stream's dtype
-    tokens = rows * cfg.max_length
-    from strop.kernels.models.memory import host_available_bytes
-    from strop.kernels.models.offload import host_block_bytes as pinned
-
-    need = layers * pinned(tokens * hidden * itemsize)
-    attention = layers * (pinned(tokens * heads * head_dim * itemsize) + pinned(tokens * heads * 4))  # o, lse
-
-    available = host_available_bytes() or 0  # unknown: no room claimed
-    if need > available // 2:
-        log.info("%.1f GiB of layer inputs, %.1f GiB host available", need / 2**30, available / 2**30)
-        return False, False
-    return True, need + attention <= available // 2
-
-
 def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
     """What the job's memory mode installs (``MEMORY_MODES``), on CUDA with the kernels; None elsewhere."""
     if not (loaded.device.startswith("cuda") and loaded.facts.kernels_enabled):
         return None
-    import torch
     from transformers import TrainerCallback
 
-    from strop.kernels.models import apply_memory_mode
+    from strop.kernels.models import StepShape, apply_memory_mode
 
-    features = MEMORY_MODES[cfg.memory_mode]
-    budget = 0
-    if features.budgeted_recompute:
-        total = torch.cuda.get_device_properties(torch.device(loaded.device)).total_memory
-        budget = int(cfg.memory_budget_gib * 2**30) or int(features.default_budget_fraction * total)
-        if budget > total:
-            log.warning("memory_budget_gib %.1f exceeds the device's %.1f GiB: planning for the device",
-                        budget / 2**30, total / 2**30)  # fmt: skip
-            budget = total
-    inputs_fit, attention_fits = _host_room(loaded, cfg) if cfg.gradient_checkpointing else (False, False)
+    # preference methods: chosen and rejected rows (KTO: each row and its KL row)
+    rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     installed = apply_memory_mode(
-        loaded.model, cfg.memory_mode, budget_bytes=budget, allow_offload=inputs_fit,
-        save_attention=None if attention_fits or not features.offload_needs_host_room else False,
+        loaded.model, cfg.memory_mode, step=StepShape(rows, cfg.max_length, bool(cfg.gradient_checkpointing)),
+        budget_bytes=int(cfg.memory_budget_gib * 2**30), device=loaded.device,
     )  # fmt: skip
     log.info("%s", installed)
     if installed.recompute is not None:
