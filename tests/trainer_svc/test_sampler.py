@@ -1,0 +1,254 @@
+"""The step API's sampler (``trainer_svc/core/sampler.py``) against transformers + PEFT on a tiny fp32 model.
+
+Bounds. Everything runs in fp32 on the CPU. The sampler's log-probs come from the cached decode path (a grouped
+attention over a static cache, one query at a time); the references from one full forward over the whole sequence.
+Both compute the same sums in different orders, so they differ by fp32 rounding accumulated over the model: each of
+the ~10 matmul/softmax stages contributes a relative error of about sqrt(K)·2^-24 (K ≤ 512 here, ≈1.4e-6), and a
+log-softmax of logits of size ~1-10 turns that into an absolute error of order 1e-5. The tolerance is 1e-4 absolute:
+ten times that estimate, and four orders below the spread of the log-probs compared (several nats). Token-for-token
+equality with ``generate`` holds unless two logits tie within that error, which these prompts do not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strop.trainer_svc.core.sampler import SampleRequest, SampleStats, SamplingParams, sample
+
+TOL = 1e-4  # see the module docstring
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama (fp32) with a LoRA adapter whose B is not zero, so the adapter changes every logit."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from strop.fixtures import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("sampler") / "tiny", arch="llama", dtype="float32", seed=0)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    torch.manual_seed(1)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                     "up_proj", "down_proj"], init_lora_weights=False, lora_dropout=0.0)  # fmt: skip
+    model = get_peft_model(base, cfg)
+    model.train()  # as a training run leaves it; the sampler must put it back
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, tok
+
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 12], [8, 9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+def full_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """log p(seq[i] | seq[:i]) for i >= 1, from one forward over the whole sequence."""
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq])).logits[0].float()
+    model.train(was)
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+def test_greedy_equals_generate_on_ragged_prompts(tiny):
+    """Three prompts of 5, 2 and 9 tokens in one left-padded batch decode exactly what ``generate`` (greedy, one
+    prompt at a time, no padding) decodes for each."""
+    model, _ = tiny
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    got = sample(model, [SampleRequest(p, 1, params) for p in PROMPTS])
+    model.eval()
+    for p, res in zip(PROMPTS, got, strict=True):
+        with torch.no_grad():
+            ref = model.generate(
+                input_ids=torch.tensor([p]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+        assert res.sequences[0].tokens == ref
+        assert res.sequences[0].stop_reason == "length"
+    model.train()
+
+
+def test_sampled_logprobs_equal_a_full_forward(tiny):
+    """Each sampled token's log-prob is the raw (temperature 1, no top-k/p) log-softmax of a full forward at its
+    position, whatever the temperature and filters that chose it."""
+    model, _ = tiny
+    reqs = [
+        SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=10, temperature=1.3, seed=3)),
+        SampleRequest(
+            PROMPTS[1], 1, SamplingParams(max_tokens=10, temperature=0.7, top_k=5, top_p=0.9, seed=4)
+        ),
+    ]
+    for req, res in zip(reqs, sample(model, reqs), strict=True):
+        assert len(res.sequences) == req.num_samples
+        for s in res.sequences:
+            ref = full_logprobs(model, req.prompt + s.tokens)[len(req.prompt) - 1 :]
+            assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOL, rtol=0), (s.logprobs, ref.tolist())
+
+
+def test_prompt_logprobs_equal_a_full_forward(tiny):
+    """Prompt log-probs: None first, then log p(prompt[i] | prompt[:i]) of a full forward; for the shorter prompt
+    of a padded batch too."""
+    model, _ = tiny
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    got = sample(model, [SampleRequest(p, 1, params, prompt_logprobs=True) for p in PROMPTS[:2]])
+    for p, res in zip(PROMPTS[:2], got, strict=True):
+        assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(p)
+        assert torch.allclose(
+            torch.tensor(res.prompt_logprobs[1:]), full_logprobs(model, p), atol=TOL, rtol=0
+        )
+
+
+def test_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(tiny):
+    """A seeded request samples the same tokens alone and beside other requests (its noise comes from its own
+    generator), and a different seed samples differently."""
+    model, _ = tiny
+    mine = SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=16, temperature=1.0, seed=123))
+    alone = sample(model, [mine])[0]
+    other = SampleRequest(PROMPTS[2], 3, SamplingParams(max_tokens=5, temperature=0.9, seed=7))
+    greedy = SampleRequest(PROMPTS[1], 1, SamplingParams(max_tokens=20, temperature=0.0))
+    crowded = sample(model, [other, mine, greedy])[1]
+    assert [s.tokens for s in crowded.sequences] == [s.tokens for s in alone.sequences]
+    reseeded = sample(model, [SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=16, seed=124))])[0]
+    assert [s.tokens for s in reseeded.sequences] != [s.tokens for s in alone.sequences]
+    # two samples of one request are different draws (16 tokens from a near-flat 640-way distribution)
+    assert alone.sequences[0].tokens != alone.sequences[1].tokens
+
+
+def test_top_k_one_is_greedy(tiny):
+    model, _ = tiny
+    greedy = sample(model, [SampleRequest(PROMPTS[2], 1, SamplingParams(max_tokens=10, temperature=0.0))])
+    top1 = sample(
+        model, [SampleRequest(PROMPTS[2], 2, SamplingParams(max_tokens=10, temperature=2.0, top_k=1))]
+    )
+    assert all(s.tokens == greedy[0].sequences[0].tokens for s in top1[0].sequences)
+
+
+def test_stop_token_ends_the_sequence_and_is_included(tiny):
+    """The greedy continuation's 4th token, named as a stop token, ends the sequence there, included, reason
+    "stop"; the same via eos_token_ids; a sequence that never meets it runs to max_tokens ("length")."""
+    model, _ = tiny
+    free = sample(model, [SampleRequest(PROMPTS[0], 1, SamplingParams(max_tokens=10, temperature=0.0))])[0]
+    toks = free.sequences[0].tokens
+    stop = toks[3]
+    k = toks.index(stop)  # its first occurrence
+    got = sample(model, [SampleRequest(PROMPTS[0], 1, SamplingParams(10, 0.0, stop_token_ids=(stop,)))])[0]
+    assert got.sequences[0].tokens == toks[: k + 1] and got.sequences[0].stop_reason == "stop"
+    assert got.sequences[0].logprobs == pytest.approx(free.sequences[0].logprobs[: k + 1], abs=TOL)
+    via_eos = sample(model, [SampleRequest(PROMPTS[0], 1, SamplingParams(10, 0.0))], eos_token_ids=(stop,))[0]
+    assert via_eos.sequences[0].tokens == toks[: k + 1]
+    never = next(t for t in range(640) if t not in toks)
+    got = sample(model, [SampleRequest(PROMPTS[0], 1, SamplingParams(10, 0.0, stop_token_ids=(never,)))])[0]
+    assert got.sequences[0].tokens == toks and got.sequences[0].stop_reason == "length"
+
+
+def test_stop_string_ends_at_the_token_that_completes_it(tiny):
+    """A stop string taken from the decoded greedy continuation ends the sequence at the first token whose text
+    completes it (that token kept), even when found between host checks (check_every=4)."""
+    model, tok = tiny
+    free = sample(model, [SampleRequest(PROMPTS[1], 1, SamplingParams(max_tokens=20, temperature=0.0))])[0]
+    toks = free.sequences[0].tokens
+    k = next(i for i in range(5, 20) if tok.decode(toks[i : i + 1]).strip())  # a token with visible text
+    text = tok.decode(toks[: k + 1])
+    stop = text[-2:] if len(tok.decode(toks[k : k + 1])) >= 2 else text[-1:]
+    first = next(i for i in range(len(toks)) if stop in tok.decode(toks[: i + 1]))
+    got = sample(
+        model,
+        [SampleRequest(PROMPTS[1], 1, SamplingParams(20, 0.0, stop_strings=(stop,)))],
+        tokenizer=tok,
+        check_every=4,
+    )[0]
+    assert got.sequences[0].tokens == toks[: first + 1]
+    assert got.sequences[0].stop_reason == "stop"
+
+
+def test_model_is_put_back_and_training_is_bitwise_unaffected(tiny):
+    """After a sampling call the model is in train mode as before, the attention implementation is the model's,
+    and a training step's loss and LoRA gradients are bitwise what they were before the call."""
+    model, _ = tiny
+    batch = torch.tensor([PROMPTS[2] + PROMPTS[0]])
+    impl = model.config._attn_implementation
+    flags = [m.training for m in model.modules()]
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        out = [loss.detach().clone()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    before = grads()
+    sample(model, [SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=6, seed=1))])
+    after = grads()
+    assert [m.training for m in model.modules()] == flags
+    assert model.config._attn_implementation == impl
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_bad_requests_are_refused_with_the_field_named(tiny):
+    from strop.common.errors import InvalidArgument
+
+    model, _ = tiny
+    ok = SamplingParams(max_tokens=4)
+    cases = [
+        ([SampleRequest([1, 640], 1, ok)], "outside the vocabulary"),
+        ([SampleRequest([], 1, ok)], "prompt is empty"),
+        ([SampleRequest([1], 0, ok)], "num_samples"),
+        ([SampleRequest([1], 1, SamplingParams(0))], "max_tokens"),
+        ([SampleRequest([1], 1, SamplingParams(4, temperature=float("nan")))], "temperature"),
+        ([SampleRequest([1], 1, SamplingParams(4, top_p=0.0))], "top_p"),
+        ([SampleRequest([1], 1, SamplingParams(4, top_k=0))], "top_k"),
+        ([SampleRequest([1], 1, SamplingParams(4, stop_strings=("x",)))], "tokenizer"),
+        ([SampleRequest([1, 2, 3], 1, SamplingParams(8))], "max length 10"),
+        ([], "no sample requests"),
+    ]
+    for reqs, words in cases:
+        with pytest.raises(InvalidArgument, match=words):
+            sample(model, reqs, max_length=10)
+    assert model.training
+
+
+def test_stats_count_the_new_tokens(tiny):
+    model, _ = tiny
+    stats = SampleStats()
+    res = sample(model, [SampleRequest(PROMPTS[0], 3, SamplingParams(max_tokens=7, seed=0))], stats=stats)
+    assert stats.rows == 3 and stats.new_tokens == sum(len(s.tokens) for s in res[0].sequences) == 21
+    assert not stats.cuda_graph  # CPU
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_greedy_equals_generate_on_other_archs(arch, tmp_path):
+    """Qwen3 (q/k norms) and Gemma 3 (a 16-token sliding window on five of six layers, scaled embeddings): a 9-token
+    prompt decoded 14 tokens past it, so the window slides, matches ``generate`` token for token, and the sampled
+    log-probs match a full forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from strop.fixtures import make_tiny_model
+
+    path = make_tiny_model(tmp_path / arch, arch=arch, dtype="float32", seed=0)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    torch.manual_seed(2)
+    model = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    prompts = [PROMPTS[2], PROMPTS[1]]
+    got = sample(
+        model, [SampleRequest(p, 1, SamplingParams(max_tokens=14, temperature=0.0)) for p in prompts]
+    )
+    for p, res in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            ref = model.generate(
+                input_ids=torch.tensor([p]),
+                max_new_tokens=14,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+        assert res.sequences[0].tokens == ref
+        lp = full_logprobs(model, p + ref)[len(p) - 1 :]
+        assert torch.allclose(torch.tensor(res.sequences[0].logprobs), lp, atol=TOL, rtol=0)

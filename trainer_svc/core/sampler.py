@@ -1,0 +1,645 @@
+"""Batched sampling from a session's model (the adapter active) with a static KV cache: Tinker's ``sample``.
+
+One call decodes every request x ``num_samples`` together. Each request's prompt is prefilled once (left-padded to
+the longest prompt) and its K/V rows are copied to its samples; then one token per row per step, all rows in step.
+
+Cache and masks. :class:`StaticKVCache` holds ``[rows, kv_heads, slots, head_dim]`` buffers per layer, allocated once
+(the longest prompt plus the largest ``max_tokens``); a step writes its slot with ``index_copy_`` at a device index, so
+nothing about a step depends on host values. Slot ``s`` of row ``b`` holds position ``s - pad_b``; the 4-D additive
+mask the model receives hides pads, slots not yet written and (sliding-window layers) keys outside the window, and
+position ids are per row. A padded query (prefill only) sees itself, so no softmax row is empty.
+
+Decode attention. HF's SDPA path repeats K/V to every query head when a mask is given (its ``use_gqa_in_sdpa``),
+copying the whole cache per layer and step; for one query token the grouped product is computed directly instead
+(``gqa_decode_attention``, registered as an attention implementation for the duration of a call; prefill keeps the
+model's own implementation).
+
+Sampled-token log-probs are ``log_softmax`` of the raw logits (temperature 1, no top-k/top-p), whatever the sampling
+parameters: the distribution of the weights, not of the sampling procedure. Tinker's engine returns the same (its
+cookbook PR #86, where J. Schulman notes the returned logprobs are the original model's, not the temperature-scaled
+one's), and the RL losses use them as ``q`` against the learner's own log-probs, which are raw as well.
+
+Sampling: temperature (0 → greedy argmax), then top-k, then top-p on the renormalised top-k distribution (HF's
+order), then the exponential race (argmax of p / E with E ~ Exp(1), i.e. Gumbel-max) with E drawn from the request's
+own ``torch.Generator`` (seeded from ``seed``; without one, from the global generator's next seed), ``[num_samples,
+vocab]`` per step whatever else is in the batch: the same seed gives the same tokens in any batch composition, up
+to floating-point differences between batch shapes (a near-tie can resolve differently when the GEMMs differ).
+
+Stops: a stop token (``stop_token_ids`` plus the call's ``eos_token_ids``) is included in ``tokens`` with its
+log-prob, as Tinker returns it (its cookbook parses replies by the stop token). A stop string (checked on the host
+every ``check_every`` steps, on the text the tokenizer decodes from the sampled tokens) ends the sequence at the
+token whose text completes it, that token included (tokens cannot be split; vLLM's token ids do the same). Whether
+Tinker drops a matched stop string's tokens is not documented; cookbook's string-stop renderers look for the
+string in the reply, which this keeps. ``stop_reason`` is ``"stop"`` for either, ``"length"`` at ``max_tokens``.
+
+The model is put back as found: every module's train/eval flag, the attention implementation, requires_grad is
+untouched (``torch.no_grad``; never ``inference_mode``, whose tensors would poison buffers reused by training).
+
+On CUDA the decode step (backbone + head) is captured once per call as a CUDA graph and replayed (``cuda_graphs``);
+if capture fails the call decodes eagerly and says so in ``SampleStats``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from strop.common.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger("strop.trainer.sampler")
+
+__all__ = [
+    "SampleRequest",
+    "SampleResult",
+    "SampleStats",
+    "SampledSequence",
+    "SamplingParams",
+    "StaticKVCache",
+    "StopReason",
+    "gqa_decode_attention",
+    "sample",
+]
+
+DECODE_ATTENTION = "strop_gqa_decode"
+CHECK_EVERY = 16  # steps between host reads of the finished flags (each is a device sync)
+# prompt positions per head matmul: bounds the [positions, vocab] logits held at once
+PROMPT_LOGPROB_CHUNK = 1024
+
+
+class StopReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # StopReason: "stop" | "length"
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None  # first entry None
+
+
+@dataclass
+class SampleStats:
+    """What one ``sample`` call did (filled in when a ``stats`` object is passed)."""
+
+    rows: int = 0
+    steps: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    cuda_graph: bool = False
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- the cache
+
+
+class StaticKVCache:
+    """Preallocated K/V per layer, written at device-held slots; what HF attention calls as its cache.
+
+    HF attention calls ``update(key, value, layer_idx, ...)`` (the rest differs between transformers versions and
+    is ignored) and attends over what it returns: the layer's whole buffers, the mask hiding what is not yet
+    written. ``slots`` (a device tensor) says where the current tokens go."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, num_layers: int, slots: torch.Tensor, length: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.slots = slots
+        self.length = length
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.k[layer_idx] is None:
+            b, h, _, d = key.shape
+            self.k[layer_idx] = key.new_zeros(b, h, self.length, d)
+            self.v[layer_idx] = value.new_zeros(b, h, self.length, value.shape[-1])
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        k.index_copy_(2, self.slots, key.to(k.dtype))
+        v.index_copy_(2, self.slots, value.to(v.dtype))
+        return k, v
+
+    def expand(self, rows: torch.Tensor) -> None:
+        """Row ``i`` becomes a copy of row ``rows[i]`` (a request's prefill copied to its samples)."""
+        self.k = [None if t is None else t.index_select(0, rows) for t in self.k]
+        self.v = [None if t is None else t.index_select(0, rows) for t in self.v]
+
+    # what HF may ask a cache besides update (transformers 5.17 reads the length for its default positions)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+
+def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention for one query token per row over a grouped-query cache, without repeating K/V per query head.
+
+    ``query`` ``[B, H, 1, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (query head ``h`` reads kv head ``h // (H/Hkv)``,
+    as HF's ``repeat_kv`` pairs them), ``attention_mask`` additive ``[B, 1, 1, L]``. Scores and softmax in fp32.
+    Returns ``([B, 1, H, D], None)`` as HF's attention functions do. Longer queries (prefill) go to HF's SDPA.
+    """
+    if query.shape[2] != 1:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    b, h, _, d = query.shape
+    hkv, length = key.shape[1], key.shape[2]
+    q = query.reshape(b, hkv, h // hkv, d)
+    scores = torch.matmul(q.float(), key.float().transpose(-1, -2))  # [B, Hkv, G, L]
+    scores = scores * (scaling if scaling is not None else d**-0.5)
+    softcap = kwargs.get("softcap")
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, :length].float()  # [B, 1, 1, L] over heads and groups
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, Hkv, G, D]
+    return out.reshape(b, 1, h, value.shape[-1]), None
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+@dataclass
+class _Parts:
+    inner: Any  # the transformers *ForCausalLM
+    backbone: Any
+    head: Any
+    softcap: float | None
+    cache_kw: str  # "cache" (transformers >= 5.2x) or "past_key_values"
+    layers: int
+    sliding: int | None  # window of the sliding layers, if any
+    layer_types: tuple[str, ...] | None  # per-layer "full_attention"/"sliding_attention": masks go in a dict
+    configs: list  # every config whose _attn_implementation the attention modules read
+
+
+def _parts(model) -> _Parts:
+    import inspect
+
+    from strop.kernels.models.hf import scaled_logits_reason, unwrap_peft
+
+    inner = unwrap_peft(model)
+    backbone = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if backbone is None or head is None:
+        raise FailedPrecondition(f"cannot sample from {type(inner).__name__}: no backbone or LM head")
+    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    reason = scaled_logits_reason(config)
+    if reason:
+        raise FailedPrecondition(f"cannot sample from this model: {reason}")
+    params = inspect.signature(backbone.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    layer_types = tuple(getattr(config, "layer_types", None) or ()) or None
+    window = getattr(config, "sliding_window", None)
+    sliding = None
+    if layer_types and "sliding_attention" in layer_types:
+        sliding = int(window)
+    elif layer_types is None and window and getattr(config, "use_sliding_window", True):
+        sliding = int(window)  # Mistral: every layer slides, one mask
+    if layer_types and "sliding_attention" not in layer_types:
+        layer_types = None
+    configs, seen = [], set()
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "_attn_implementation_internal") and id(c) not in seen:
+            seen.add(id(c))
+            configs.append(c)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return _Parts(
+        inner, backbone, head, float(softcap) if softcap else None, cache_kw, int(config.num_hidden_layers),
+        sliding, layer_types, configs,
+    )  # fmt: skip
+
+
+def _logits(parts: _Parts, hidden: torch.Tensor) -> torch.Tensor:
+    logits = parts.head(hidden).float()
+    if parts.softcap:
+        logits = torch.tanh(logits / parts.softcap) * parts.softcap
+    return logits
+
+
+def _mask(
+    valid: torch.Tensor,  # [B, L] bool: slot holds a token of the row (not a pad)
+    key_pos: torch.Tensor,  # [B, L] position of each slot
+    q_slots: torch.Tensor,  # [Q] slots of the queries
+    q_pos: torch.Tensor,  # [B, Q] positions of the queries
+    window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    slots = torch.arange(valid.shape[1], device=valid.device)
+    seen = slots[None, :] <= q_slots[:, None]  # [Q, L] causal over slots: nothing not yet written
+    allowed = valid[:, None, :] & seen[None]  # [B, Q, L]
+    if window is not None:
+        allowed = allowed & ((q_pos[:, :, None] - key_pos[:, None, :]) < window)
+    allowed = allowed | (slots[None, None, :] == q_slots[None, :, None])  # a (padded) query sees itself
+    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=valid.device)
+    return torch.where(allowed, zero, low)[:, None]  # [B, 1, Q, L]
+
+
+def _masks(parts: _Parts, valid, key_pos, q_slots, q_pos, dtype):
+    full = _mask(valid, key_pos, q_slots, q_pos, None if parts.layer_types else parts.sliding, dtype)
+    if not parts.layer_types:
+        return full
+    return {
+        "full_attention": full,
+        "sliding_attention": _mask(valid, key_pos, q_slots, q_pos, parts.sliding, dtype),
+    }
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def _validate(requests: list[SampleRequest], vocab: int, max_length: int | None, tokenizer) -> None:
+    if not requests:
+        raise InvalidArgument("no sample requests given")
+    for i, r in enumerate(requests):
+        where = f"request {i}"
+        p = r.params
+        if not r.prompt:
+            raise InvalidArgument(f"{where}: prompt is empty")
+        bad = next((t for t in r.prompt if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise InvalidArgument(f"{where}: prompt token {bad!r} is outside the vocabulary [0, {vocab})")
+        if not (isinstance(r.num_samples, int) and r.num_samples >= 1):
+            raise InvalidArgument(f"{where}: num_samples must be >= 1, got {r.num_samples!r}")
+        if not (isinstance(p.max_tokens, int) and p.max_tokens >= 1):
+            raise InvalidArgument(f"{where}: max_tokens must be >= 1, got {p.max_tokens!r}")
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            raise InvalidArgument(f"{where}: temperature must be finite and >= 0, got {p.temperature!r}")
+        if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+            raise InvalidArgument(f"{where}: top_p must be in (0, 1], got {p.top_p!r}")
+        if not (p.top_k == -1 or p.top_k >= 1):
+            raise InvalidArgument(f"{where}: top_k must be -1 (off) or >= 1, got {p.top_k!r}")
+        bad = next((t for t in p.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise InvalidArgument(f"{where}: stop token {bad!r} is outside the vocabulary [0, {vocab})")
+        if p.stop_strings and tokenizer is None:
+            raise InvalidArgument(f"{where}: stop strings need the session's tokenizer")
+        if any(not s for s in p.stop_strings):
+            raise InvalidArgument(f"{where}: a stop string is empty")
+        if max_length is not None and len(r.prompt) + p.max_tokens > max_length:
+            raise InvalidArgument(
+                f"{where}: prompt of {len(r.prompt)} tokens + max_tokens {p.max_tokens} exceeds the session's "
+                f"max length {max_length}"
+            )
+
+
+# ------------------------------------------------------------------------------------------------ sample
+
+
+class _ModelState:
+    """Everything a call changes on the model, recorded and put back."""
+
+    def __init__(self, model, parts: _Parts):
+        self.model = model
+        self.flags = [(m, m.training) for m in model.modules()]
+        self.attn = [(c, c._attn_implementation_internal) for c in parts.configs]
+
+    def restore(self) -> None:
+        for m, flag in self.flags:
+            m.training = flag
+        for c, impl in self.attn:
+            c._attn_implementation_internal = impl
+
+
+def _register_decode_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, gqa_decode_attention)
+
+
+def sample(
+    model,
+    requests: list[SampleRequest],
+    *,
+    tokenizer=None,
+    eos_token_ids=(),
+    max_length: int | None = None,
+    cuda_graphs: bool = True,
+    check_every: int = CHECK_EVERY,
+    stats: SampleStats | None = None,
+) -> list[SampleResult]:
+    """Sample ``num_samples`` completions of each request from ``model`` (its active adapter), all in one batch.
+
+    Args:
+        model: A transformers causal LM (plain, PEFT-wrapped, patched by strop's kernels; 16-bit or NF4 base).
+        requests: Prompts (token ids), sample counts and sampling parameters.
+        tokenizer: Needed for stop strings (decoding the sampled tokens).
+        eos_token_ids: Stop tokens for every request besides its own (Tinker's implicit EOS; pass ``()`` for its
+            ``stop=[]``).
+        max_length: The session's limit on prompt + ``max_tokens`` (default: the model's max positions).
+        cuda_graphs: On CUDA, replay the decode step as a CUDA graph (falls back to eager if capture fails).
+        check_every: Steps between host checks of the finished flags and the stop strings.
+        stats: Filled in with what the call did.
+
+    Returns:
+        One ``SampleResult`` per request, in order; its sequences in sample order.
+
+    Raises:
+        InvalidArgument: a request names tokens outside the vocabulary, bad parameters, or exceeds ``max_length``.
+        FailedPrecondition: the model's logits are not ``h Wᵀ`` (optionally soft-capped), so no raw log-probs.
+    """
+    parts = _parts(model)
+    config = parts.inner.config
+    vocab = int(parts.head.weight.shape[0])
+    if max_length is None:
+        max_length = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                             "max_position_embeddings", None)  # fmt: skip
+    _validate(requests, vocab, max_length, tokenizer)
+    stats = stats if stats is not None else SampleStats()
+    state = _ModelState(model, parts)
+    try:
+        model.eval()
+        with torch.no_grad():
+            return _sample(
+                model, parts, requests, tokenizer, tuple(eos_token_ids), cuda_graphs, check_every, stats
+            )
+    finally:
+        state.restore()
+
+
+def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, stats) -> list[SampleResult]:
+    device = next(p for p in model.parameters()).device
+    embed = parts.backbone.get_input_embeddings()
+    dtype = embed.weight.dtype if embed.weight.is_floating_point() else torch.float32
+    n_req = len(requests)
+    vocab = int(parts.head.weight.shape[0])
+    lengths = [len(r.prompt) for r in requests]
+    prompt_len = max(lengths)
+    max_new = max(r.params.max_tokens for r in requests)
+    slots_total = prompt_len + max_new
+    counts = [r.num_samples for r in requests]
+    rows = sum(counts)
+    row_req = torch.repeat_interleave(torch.arange(n_req), torch.tensor(counts)).to(device)
+    stats.rows = rows
+
+    # ---- prefill: one row per request, left-padded
+    pads = [prompt_len - n for n in lengths]
+    ids = torch.zeros(n_req, prompt_len, dtype=torch.long)
+    valid = torch.zeros(n_req, slots_total, dtype=torch.bool)
+    for i, r in enumerate(requests):
+        ids[i, pads[i] :] = torch.tensor(r.prompt, dtype=torch.long)
+        # decode slots count as tokens once written: the causal part of the mask hides them until then
+        valid[i, pads[i] :] = True
+    ids, valid = ids.to(device), valid.to(device)
+    pad_t = torch.tensor(pads, device=device)
+    key_pos = torch.arange(slots_total, device=device)[None, :] - pad_t[:, None]  # [R, L]
+    prefill_slots = torch.arange(prompt_len, device=device)
+    q_pos = key_pos[:, :prompt_len].clamp(min=0)
+    cache = StaticKVCache(parts.layers, prefill_slots, slots_total)
+    t0 = time.perf_counter()
+    out = parts.backbone(
+        input_ids=ids,
+        attention_mask=_masks(parts, valid, key_pos, prefill_slots, q_pos, dtype),
+        position_ids=q_pos,
+        use_cache=True,
+        **{parts.cache_kw: cache},
+    )
+    hidden = out.last_hidden_state  # [R, P, H]
+    prompt_lps: list[list[float | None] | None] = [None] * n_req
+    for i, r in enumerate(requests):
+        if r.prompt_logprobs:
+            prompt_lps[i] = _prompt_logprobs(parts, hidden[i, pads[i] :], r.prompt)
+    first = _logits(parts, hidden[:, -1])  # [R, V]
+    del out, hidden
+
+    # ---- expand to one row per sample
+    cache.expand(row_req)
+    valid, key_pos = valid.index_select(0, row_req), key_pos.index_select(0, row_req)
+    logits = first.index_select(0, row_req)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats.prefill_s = time.perf_counter() - t0
+
+    # ---- per-row sampling parameters (host-known, static for the call)
+    def expand(xs, dt):  # one value per request -> one per row
+        return torch.tensor(
+            [x for x, n in zip(xs, counts, strict=True) for _ in range(n)], dtype=dt, device=device
+        )
+
+    temps = [r.params.temperature for r in requests]
+    greedy = expand([t == 0 for t in temps], torch.bool)
+    temp = expand([t if t > 0 else 1.0 for t in temps], torch.float32)[:, None]
+    need_sort = any(r.params.top_k != -1 or r.params.top_p < 1 for r in requests if r.params.temperature > 0)
+    top_k = expand([r.params.top_k if r.params.top_k > 0 else vocab for r in requests], torch.long)
+    top_p = expand([r.params.top_p for r in requests], torch.float32)
+    max_tok = expand([r.params.max_tokens for r in requests], torch.long)
+    stop_sets = [sorted(set(r.params.stop_token_ids) | set(eos)) for r in requests]
+    width = max(1, max(len(s) for s in stop_sets))
+    stop_ids = expand([s + [-1] * (width - len(s)) for s in stop_sets], torch.long)  # [B, S]
+    gens = []
+    for r in requests:
+        if r.params.temperature > 0:
+            g = torch.Generator(device=device)
+            # without a seed, one from the OS: torch.seed() would reseed the global generator training draws from
+            g.manual_seed(r.params.seed if r.params.seed is not None else secrets.randbits(63))
+            gens.append(g)
+        else:
+            gens.append(None)
+    any_sampled = any(g is not None for g in gens)
+    starts = [sum(counts[:i]) for i in range(n_req)]
+    noise = torch.empty(rows, vocab, device=device, dtype=torch.float32)
+
+    tokens = torch.zeros(rows, max_new, dtype=torch.long, device=device)
+    lps = torch.zeros(rows, max_new, dtype=torch.float32, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    by_token = torch.zeros(rows, dtype=torch.bool, device=device)
+    end = torch.full((rows,), max_new, dtype=torch.long, device=device)
+    string_rows = [b for b in range(rows) if requests[int(row_req[b])].params.stop_strings]
+    string_end: dict[int, int] = {}
+
+    def choose(logits: torch.Tensor, t: int) -> None:
+        logp = torch.log_softmax(logits, dim=-1)
+        scaled = logits / temp
+        if need_sort:
+            sv, si = scaled.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device)[None, :]
+            sv = sv.masked_fill(ranks >= top_k[:, None], float("-inf"))
+            p = torch.softmax(sv, dim=-1)
+            sv = sv.masked_fill((p.cumsum(-1) - p) >= top_p[:, None], float("-inf"))  # the first always stays
+            scaled = torch.full_like(scaled, float("-inf")).scatter(1, si, sv)
+        for g, s, r in zip(gens, starts, requests, strict=True):
+            if g is not None:
+                noise[s : s + r.num_samples].exponential_(generator=g)
+        tok = torch.argmax(logits, dim=-1)
+        if any_sampled:
+            tok = torch.where(greedy, tok, torch.argmax(scaled - noise.log(), dim=-1))
+        tokens[:, t] = tok
+        lps[:, t] = logp.gather(1, tok[:, None])[:, 0]
+        hit = (tok[:, None] == stop_ids).any(dim=1)
+        done = hit | (max_tok <= t + 1)
+        newly = done & ~finished
+        end.copy_(torch.where(newly, torch.full_like(end, t + 1), end))
+        by_token.copy_(by_token | (newly & hit))
+        finished.copy_(finished | done)
+        ids_in.copy_(tok[:, None])
+
+    # ---- decode
+    ids_in = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    slot = torch.full((1,), prompt_len, dtype=torch.long, device=device)  # the slot the next token goes to
+    pos = key_pos.gather(1, slot.expand(rows)[:, None])  # [B, 1] its position per row
+    cache.slots = slot
+    step = _DecodeStep(parts, cache, ids_in, pos, slot, valid, key_pos, dtype)
+    for c in parts.configs:
+        c._attn_implementation_internal = DECODE_ATTENTION
+    _register_decode_attention()
+    use_graph = cuda_graphs and device.type == "cuda"
+    t1 = time.perf_counter()
+    choose(logits, 0)
+    steps = 1
+    for t in range(1, max_new):
+        if t % check_every == 0:
+            _check_strings(string_rows, string_end, tokens, end, finished, t, requests, row_req, tokenizer)
+            if bool(finished.all()):
+                break
+        if use_graph and step.graph is None and t >= 2:
+            use_graph = step.capture(stats)  # the eager steps before it were its warm-up
+        logits = step.run()
+        choose(logits, t)
+        steps += 1
+    if string_rows:
+        _check_strings(string_rows, string_end, tokens, end, finished, steps, requests, row_req, tokenizer)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats.decode_s = time.perf_counter() - t1
+    stats.steps = steps
+    stats.cuda_graph = step.graph is not None
+
+    # ---- results
+    end_l, by_token_l = end.tolist(), by_token.tolist()
+    tok_l, lp_l = tokens[:, :steps].tolist(), lps[:, :steps].tolist()
+    results = [SampleResult([], prompt_lps[i]) for i in range(n_req)]
+    for b in range(rows):
+        i = int(row_req[b])
+        if b in string_end:  # found within the row's tokens up to its own end, so never past it
+            n, reason = string_end[b], StopReason.STOP
+        else:
+            n, reason = min(end_l[b], steps), StopReason.STOP if by_token_l[b] else StopReason.LENGTH
+        results[i].sequences.append(SampledSequence(tok_l[b][:n], lp_l[b][:n], str(reason)))
+        stats.new_tokens += n
+    return results
+
+
+def _check_strings(string_rows, string_end, tokens, end, finished, t, requests, row_req, tokenizer) -> None:
+    """Find stop strings in the rows' decoded tokens (the first ``t`` of each, or up to its end); a row whose text
+    contains one ends at the token that completes it."""
+    if not string_rows:
+        return
+    host = tokens[:, :t].tolist()
+    end_l = end.tolist()
+    for b in string_rows:
+        if b in string_end:
+            continue
+        stops = requests[int(row_req[b])].params.stop_strings
+        seq = host[b][: min(t, end_l[b])]
+        if not any(s in tokenizer.decode(seq) for s in stops):
+            continue
+        lo, hi = 1, len(seq)  # the shortest prefix whose text holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in tokenizer.decode(seq[:mid]) for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        string_end[b] = lo
+        finished[b] = True
+
+
+def _prompt_logprobs(parts: _Parts, hidden: torch.Tensor, prompt: list[int]) -> list[float | None]:
+    """log p(prompt[i] | prompt[:i]) for i >= 1 from the prefill's hidden states (``[len(prompt), H]``)."""
+    out: list[float | None] = [None]
+    targets = torch.tensor(prompt[1:], device=hidden.device)
+    for s in range(0, len(prompt) - 1, PROMPT_LOGPROB_CHUNK):
+        logits = _logits(parts, hidden[s : s + PROMPT_LOGPROB_CHUNK][: len(prompt) - 1 - s])
+        lp = torch.log_softmax(logits, dim=-1).gather(1, targets[s : s + logits.shape[0], None])[:, 0]
+        out.extend(lp.tolist())
+    return out
+
+
+class _DecodeStep:
+    """One decode step over static buffers: the slot's mask column, the model, the head; then slot and positions
+    advance. Everything it reads and writes lives on the device, so the same step replays as a CUDA graph."""
+
+    def __init__(self, parts, cache, ids, pos, slot, valid, key_pos, dtype):
+        self.parts, self.cache, self.ids, self.pos, self.slot = parts, cache, ids, pos, slot
+        self.valid, self.key_pos, self.dtype = valid, key_pos, dtype
+        self.graph = None
+        self.out: torch.Tensor | None = None
+
+    def _step(self) -> torch.Tensor:
+        parts = self.parts
+        mask = _masks(parts, self.valid, self.key_pos, self.slot, self.pos, self.dtype)
+        out = parts.backbone(
+            input_ids=self.ids,
+            attention_mask=mask,
+            position_ids=self.pos,
+            use_cache=True,
+            **{parts.cache_kw: self.cache},
+        )
+        logits = _logits(parts, out.last_hidden_state[:, -1])
+        self.slot.add_(1)
+        self.pos.add_(1)
+        return logits
+
+    def run(self) -> torch.Tensor:
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        return self.out
+
+    def capture(self, stats: SampleStats) -> bool:
+        """Capture the step as a CUDA graph; False (and eager from here on) if this model's step cannot be."""
+        try:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._step()
+            self.graph, self.out = graph, out
+            return True
+        except Exception as exc:  # a host sync or an uncapturable op somewhere in the model's forward
+            stats.note = f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: {exc}"[:500]
+            log.warning("%s", stats.note)
+            self.graph = None
+            torch.cuda.synchronize()
+            return False
