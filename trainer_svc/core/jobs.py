@@ -7,6 +7,7 @@ job at a time runs on a session (it holds the session's lock); ``drain`` stops t
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import logging
@@ -248,6 +249,19 @@ class Jobs:
         with self._turn:
             self._running -= 1
             self._turn.notify_all()
+
+    @contextlib.contextmanager
+    def device_turn(self) -> Iterator[None]:
+        """The device for one step-API primitive (``core/runs.py``): it waits while a job runs or is queued
+        (a queued job goes first, so a stream of short primitives never starves jobs), and a job waits for it."""
+        with self._turn:
+            while self._running or self._queue:
+                self._turn.wait()
+            self._running += 1
+        try:
+            yield
+        finally:
+            self._release_turn()
 
     def _check_resume_compatible(self, sess: Session, ckpt_dir: Path) -> None:
         cfg_path = ckpt_dir / "adapter_config.json"

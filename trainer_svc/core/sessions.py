@@ -161,6 +161,10 @@ class Sessions:
 
     def attach_lora(self, session_id: str, lora: LoraConfig) -> SessionInfo:
         sess = self.idle(session_id)
+        if sess.loaded.extra.get("step_runs"):
+            raise FailedPrecondition(
+                f"session {session_id} holds training runs (the step API); a job adapter needs a session without them"
+            )
         with sess.lock:
             models.attach_lora(sess.loaded, lora)
             sess.info.lora = sess.loaded.lora

@@ -18,6 +18,7 @@ from strop.common.trainer_types import JobState
 from strop.trainer_svc.core import loss_curve, models
 from strop.trainer_svc.core.datasets import Datasets, Limits
 from strop.trainer_svc.core.jobs import Jobs
+from strop.trainer_svc.core.runs import TrainingRuns
 from strop.trainer_svc.core.sessions import Sessions
 from strop.trainer_svc.core.store import SERVICE, TrainerStore
 
@@ -66,6 +67,8 @@ class TrainerCore:
             self.store, self.artifacts, self.sessions, self.datasets, state_dir=Path(config.state_dir),
             max_queued=config.max_queued_jobs, metrics=self.metrics,
         )  # fmt: skip
+        # the step API: training runs on loaded sessions, their primitives sharing the device with jobs
+        self.runs = TrainingRuns(self.sessions, self.artifacts, self.jobs.device_turn, metrics=self.metrics)
         self.liveness = Liveness(self.store.db, SERVICE, self.instance_id)
         # Our previous incarnation is dead by definition; other live pods' sessions and jobs are theirs.
         interrupted = self._recover(self.liveness.others_alive())
@@ -109,5 +112,6 @@ class TrainerCore:
         return self.jobs.drain(grace_seconds)
 
     def close(self) -> None:
+        self.runs.stop()
         self.liveness.stop(retire=True)  # called after a clean drain: nothing of ours is left running
         self.store.db.close()

@@ -1,0 +1,359 @@
+"""The step API's device work on one session's model: runs as PEFT named adapters on the one base, and the
+primitives (forward_backward, optim_step, state save/load, sampler snapshots) as plain torch. No gRPC, no
+queueing (``runs.py`` owns those).
+
+How runs share the base. Each run is a PEFT adapter named after the run on the session's one model
+(``add_adapter``); a primitive makes its run's adapter the active one (``activate``) and runs. strop's fused LoRA
+kernels read the layer's active adapter on every call (``kernels/models/patch.py``: ``_spec``), so they compute
+with whichever run is active, and nothing is copied per primitive. The alternative, one adapter slot whose
+tensors are swapped in per primitive, copies adapter-sized tensors (an 8B model's r=16 adapter is ~170 MB in
+fp32) twice a primitive and forces every run to one rank and target set; named adapters cost nothing to switch
+(a few hundred attribute writes) and let each run pick its rank. Gradients land in the active run's own
+parameters (the others have ``requires_grad`` off), so runs never touch each other's gradients, and each run
+has its own AdamW over its own parameters.
+
+A sampler snapshot (SaveWeightsForSampler) is another named adapter, a frozen copy of the run's tensors, which
+Sample activates while the run trains on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strop.common.errors import FailedPrecondition, InvalidArgument
+from strop.common.step_types import DEFAULT_RUN_LORA_ALPHA, RunLora
+from strop.kernels.losses.logps import token_logps_trainable_head
+from strop.kernels.losses.rl import per_token_loss
+from strop.trainer_svc.core import models
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+STATE_FILE = "run_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+DEAD_ADAPTERS = "step_dead_adapters"  # LoadedModel.extra: deleted adapters PEFT could not drop (the last one)
+
+
+def target_modules(model, lora: RunLora) -> list[str]:
+    """Tinker's ``train_attn``/``train_mlp``/``train_unembed`` as the leaf module names this model has."""
+    have = models.linear_module_names(model) | {
+        name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "base_layer")
+    }  # a PEFT-wrapped model's projections are LoRA layers over their linear base_layer
+    wanted = (ATTN_MODULES if lora.train_attn else ()) + (MLP_MODULES if lora.train_mlp else ())
+    out = [m for m in wanted if m in have]
+    if lora.train_unembed:
+        out.append("lm_head")
+    if not out:
+        raise InvalidArgument("lora: at least one of train_attn, train_mlp, train_unembed must be true")
+    return out
+
+
+def _adapter_params(model, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
+    tag = f".{adapter}."
+    return [(n, p) for n, p in model.named_parameters() if tag in n]
+
+
+def add_adapter(loaded: models.LoadedModel, adapter: str, lora: RunLora, *, trainable: bool) -> list[str]:
+    """Add a LoRA adapter named ``adapter`` (weights fp32, initialised from ``lora.seed`` without touching the
+    global RNG); returns its target modules. The first adapter wraps the model with PEFT (and, on the kernels'
+    path, patches it)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    targets = target_modules(loaded.model, lora)
+    cfg = LoraConfig(
+        r=lora.rank,
+        lora_alpha=DEFAULT_RUN_LORA_ALPHA if lora.alpha is None else lora.alpha,
+        lora_dropout=0.0,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(lora.seed or 0))
+        if isinstance(loaded.model, PeftModel):
+            loaded.model.add_adapter(adapter, cfg)
+        else:
+            loaded.model = get_peft_model(
+                loaded.model, cfg, adapter_name=adapter, autocast_adapter_dtype=True
+            )
+            if loaded.facts.kernels_enabled:
+                loaded.kernel_report = models.apply_kernels(loaded)
+    for _, p in _adapter_params(loaded.model, adapter):
+        p.data = p.data.float()  # adapters and their optimizer state in fp32 over a 16/4-bit base
+        p.requires_grad_(trainable)
+    for dead in loaded.extra.pop(DEAD_ADAPTERS, set()):
+        loaded.model.delete_adapter(dead)
+    return targets
+
+
+def delete_adapter(loaded: models.LoadedModel, adapter: str) -> None:
+    """Remove a run's (or snapshot's) adapter. PEFT keeps at least one adapter on a model: the last one stays,
+    zeroed (its B factors: it adds nothing) and frozen, until the next ``add_adapter`` removes it."""
+    model = loaded.model
+    if adapter not in getattr(model, "peft_config", {}):
+        return
+    if len(model.peft_config) == 1:
+        with torch.no_grad():
+            for name, p in _adapter_params(model, adapter):
+                p.grad = None
+                p.requires_grad_(False)
+                if "lora_B" in name:
+                    p.zero_()
+        loaded.extra.setdefault(DEAD_ADAPTERS, set()).add(adapter)
+        return
+    model.delete_adapter(adapter)
+
+
+def activate(loaded: models.LoadedModel, adapter: str, *, trainable: bool) -> None:
+    """Make ``adapter`` the active one; only its parameters require grad when ``trainable``."""
+    model = loaded.model
+    if model.active_adapter != adapter:
+        model.set_adapter(adapter)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            want = trainable and f".{adapter}." in name
+            if p.requires_grad != want:
+                p.requires_grad_(want)
+
+
+@dataclass
+class Batch:
+    """Datums padded into one batch: ``tokens``/``mask`` [B, T]; per-token loss inputs concatenated over the
+    datums' real positions (row-major, the order ``hidden[mask]`` takes)."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def make_batch(model_inputs: list[list[int]], inputs: list[dict[str, list]], device: str) -> Batch:
+    lengths = [len(t) for t in model_inputs]
+    width = max(lengths)
+    tokens = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, t in enumerate(model_inputs):
+        tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        mask[i, : len(t)] = 1
+    cat: dict[str, torch.Tensor] = {}
+    for key in inputs[0]:
+        dtype = torch.long if key == "target_tokens" else torch.float32
+        cat[key] = torch.tensor([v for d in inputs for v in d[key]], dtype=dtype, device=device)
+    return Batch(tokens.to(device), mask.to(device), lengths, cat)
+
+
+def _compute_dtype(loaded: models.LoadedModel) -> torch.dtype:
+    return getattr(torch, loaded.facts.compute_dtype or "float32")
+
+
+def _autocast(loaded: models.LoadedModel):
+    dtype = _compute_dtype(loaded)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(loaded.device).type, dtype=dtype)
+
+
+def hidden_rows(loaded: models.LoadedModel, batch: Batch) -> torch.Tensor:
+    """Final hidden states (after the last norm) of every real position, [M, H] in datum order."""
+    base = loaded.model.get_base_model()
+    out = base.model(input_ids=batch.tokens, attention_mask=batch.mask, use_cache=False)
+    return out.last_hidden_state[batch.mask.bool()]
+
+
+def _head(loaded: models.LoadedModel):
+    """(frozen weight, bias) of the LM head, or the head module itself when the active run trains it."""
+    head = loaded.model.get_base_model().lm_head
+    base = getattr(head, "base_layer", head)
+    active = loaded.model.active_adapter
+    trains_head = hasattr(head, "lora_A") and active in head.lora_A
+    return base.weight, getattr(base, "bias", None), (head if trains_head else None)
+
+
+def forward_backward(
+    loaded: models.LoadedModel,
+    batch: Batch,
+    loss_fn: str,
+    cfg: dict[str, float],
+    *,
+    backward: bool,
+) -> tuple[float, list[list[float]]]:
+    """The active run's loss (a sum) and each datum's target log-probs; gradients accumulate into the run's
+    parameters when ``backward``. Log-probs come chunked over the hidden rows (never the full logits)."""
+    softcap = getattr(loaded.model.get_base_model().config, "final_logit_softcapping", None)
+    weight, bias, head = _head(loaded)
+    logps = None
+    if head is not None:
+
+        def logps(rows, targets):
+            return token_logps_trainable_head(rows, head, targets, softcap=softcap)
+
+    grad = torch.enable_grad() if backward else torch.no_grad()
+    with grad, _autocast(loaded):
+        rows = hidden_rows(loaded, batch)
+        loss, lp = per_token_loss(
+            loss_fn, rows, weight, batch.inputs, cfg, bias=bias, softcap=softcap, logps=logps
+        )
+    if backward:
+        loss.backward()
+    lp = lp.detach().float().cpu().tolist()
+    out, start = [], 0
+    for n in batch.lengths:
+        out.append(lp[start : start + n])
+        start += n
+    return float(loss.detach()), out
+
+
+def run_params(loaded: models.LoadedModel, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The adapter's parameters by name without the adapter's own name (so states move between runs)."""
+    return [(n.replace(f".{adapter}.", "."), p) for n, p in _adapter_params(loaded.model, adapter)]
+
+
+def new_optimizer(params: list[torch.nn.Parameter], adam: dict[str, float]) -> torch.optim.AdamW:
+    # foreach=False: the per-parameter loop is the reference AdamW arithmetic, the same on every device; the
+    # by-hand check and LoadState's bit-identical continuation compare against it
+    return torch.optim.AdamW(
+        params,
+        lr=adam["learning_rate"],
+        betas=(adam["beta1"], adam["beta2"]),
+        eps=adam["eps"],
+        weight_decay=adam["weight_decay"],
+        foreach=False,
+    )
+
+
+def optim_step(opt: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: dict[str, float]) -> dict:
+    """Apply AdamW with this step's hyperparameters, then zero the gradients; the metrics Tinker-style."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        raise FailedPrecondition("the run has no gradients: call ForwardBackward before OptimStep")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if not torch.isfinite(norm):
+        opt.zero_grad(set_to_none=True)
+        raise FailedPrecondition(
+            f"the gradient norm is {float(norm)}; the step is skipped and the gradients dropped"
+        )
+    clip = adam["grad_clip_norm"]
+    if clip > 0 and float(norm) > clip:
+        scale = clip / (float(norm) + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
+        for g in grads:
+            g.mul_(scale)
+    for group in opt.param_groups:
+        group.update(
+            lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
+            weight_decay=adam["weight_decay"],
+        )  # fmt: skip
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        update = math.sqrt(
+            sum(float(((p - b).float() ** 2).sum()) for p, b in zip(params, before, strict=True))
+        )
+        param_norm = math.sqrt(sum(float((p.float() ** 2).sum()) for p in params))
+    return {
+        "grad_norm:mean": float(norm),
+        "update_norm:mean": update,
+        "param_norm:mean": param_norm,
+        "learning_rate:mean": adam["learning_rate"],
+        "clipped:sum": float(clip > 0 and float(norm) > clip),
+    }
+
+
+def adapter_state_dict(loaded: models.LoadedModel, adapter: str) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {
+        k: v.detach().to("cpu", copy=True).contiguous()
+        for k, v in get_peft_model_state_dict(loaded.model, adapter_name=adapter).items()
+    }
+
+
+def load_adapter_state(loaded: models.LoadedModel, adapter: str, state: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    mine = adapter_state_dict(loaded, adapter)
+    if set(mine) != set(state) or any(mine[k].shape != state[k].shape for k in mine):
+        raise FailedPrecondition(
+            "the saved adapter's tensors do not match the run's (rank or target modules differ): "
+            f"{len(state)} saved, {len(mine)} in the run"
+        )
+    with torch.no_grad():
+        set_peft_model_state_dict(loaded.model, state, adapter_name=adapter)
+
+
+def write_adapter(loaded: models.LoadedModel, adapter: str, out_dir: Path, *, rank: int) -> None:
+    """A PEFT adapter directory of the run (what ``SaveAdapter`` writes for a session's adapter: weights,
+    config, the base's tokenizer files, its NF4 statistics and base record), so export_svc exports it like any
+    adapter."""
+    from safetensors.torch import save_file
+
+    save_file(adapter_state_dict(loaded, adapter), str(out_dir / "adapter_model.safetensors"))
+    cfg = loaded.model.peft_config[adapter]
+    cfg.save_pretrained(str(out_dir))
+    models.copy_tokenizer_files(loaded.model_dir, out_dir)
+    if loaded.facts.quantization == "bnb-nf4-on-load":
+        models.write_nf4_stats(loaded.model, out_dir / models.NF4_STATS_FILE)
+    models.write_base_record(out_dir, adapter_base_metadata(loaded, rank))
+
+
+def adapter_base_metadata(loaded: models.LoadedModel, rank: int) -> dict[str, str]:
+    return {**models.adapter_metadata(loaded), "r": str(rank)}
+
+
+def optimizer_tensors(opt: torch.optim.AdamW, names: list[str]) -> dict[str, torch.Tensor]:
+    sd = opt.state_dict()
+    out = {}
+    for i, name in enumerate(names):
+        for key, value in sd["state"].get(i, {}).items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            out[f"{name}::{key}"] = t.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def load_optimizer_tensors(
+    opt: torch.optim.AdamW, names: list[str], tensors: dict[str, torch.Tensor]
+) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for i, name in enumerate(names):
+        entry = {k.split("::", 1)[1]: v for k, v in tensors.items() if k.split("::", 1)[0] == name}
+        if entry:
+            state[i] = entry
+    unknown = {k.split("::", 1)[0] for k in tensors} - set(names)
+    if unknown:
+        raise FailedPrecondition(
+            f"the saved optimizer state names parameters the run lacks: {sorted(unknown)[:3]}"
+        )
+    sd = opt.state_dict()
+    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def write_state(out_dir: Path, meta: dict, opt_tensors: dict[str, torch.Tensor] | None) -> None:
+    from safetensors.torch import save_file
+
+    (out_dir / STATE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    if opt_tensors is not None:
+        save_file(opt_tensors, str(out_dir / OPTIMIZER_FILE))
+
+
+def read_state(state_dir: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """(run_state.json, adapter tensors, optimizer tensors or None) of a SaveState artifact (safetensors only)."""
+    from safetensors.torch import load_file
+
+    meta_path = state_dir / STATE_FILE
+    if not meta_path.is_file():
+        raise FailedPrecondition("the artifact is not a training-run state (it has no run_state.json)")
+    meta = json.loads(meta_path.read_text())
+    adapter = load_file(str(state_dir / "adapter_model.safetensors"))
+    opt_path = state_dir / OPTIMIZER_FILE
+    return meta, adapter, (load_file(str(opt_path)) if opt_path.is_file() else None)
