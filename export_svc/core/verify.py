@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from strop.common import hf_build
 from strop.common.archs import ARCHS, SlidingWindow
 from strop.common.export_types import Comparison, Verification, VerifyOptions
 from strop.common.serde import to_dict
@@ -201,7 +202,8 @@ def reference_model(
 
     cfg = {k: v for k, v in base.config.items() if k not in ("quantization_config", "transformers_version")}
     config = AutoConfig.for_model(**cfg)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with hf_build.building():  # export jobs verify on a thread pool (common/hf_build)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = dict(iter_merged(base, adapter, before_tensor=before_tensor))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
@@ -494,7 +496,10 @@ def verify_hf_dir(probe: Probe, model_dir: Path) -> Verification:
     """Load a merged directory with transformers (weights upcast to fp32) and compare."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False)
+    with hf_build.building():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, trust_remote_code=False
+        )
     try:
         return compare(probe, "transformers", hf_logits_fn(model.eval()))
     finally:
@@ -517,7 +522,10 @@ def verify_peft_dir(
     on_16bit = None
     if trained_base is not None and trained_base.on_load is not None and probe.trained_label:
         on_16bit = peft_on_16bit_base(probe, base_dir, adapter_dir)
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=False)
+    with hf_build.building():
+        base = AutoModelForCausalLM.from_pretrained(
+            str(base_dir), dtype=torch.float32, trust_remote_code=False
+        )
     if trained_base is not None and trained_base.on_load is not None:
         nf4 = {n: trained_base.read_fp32(n) for n in trained_base.tensors if trained_base.is_dequantized(n)}
         missing = set(nf4) - set(base.state_dict())
@@ -542,7 +550,10 @@ def peft_on_16bit_base(probe: Probe, base_dir: Path, adapter_dir: Path) -> Compa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=False)
+    with hf_build.building():
+        base = AutoModelForCausalLM.from_pretrained(
+            str(base_dir), dtype=torch.float32, trust_remote_code=False
+        )
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     try:
         fn = hf_logits_fn(model)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from strop.common import adapter_base
+from strop.common import adapter_base, hf_build
 from strop.common.archs import MODEL_TYPES
 from strop.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine, confine_files
@@ -179,13 +179,15 @@ def load_model(
     try:
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        with hf_build.building():  # sessions load on gRPC threads: one build at a time (common/hf_build)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except torch.OutOfMemoryError as exc:
         gc.collect()
         torch.cuda.empty_cache()
         raise ResourceExhausted(f"out of device memory loading {req.model_path!r}: {exc}") from None
     except (OSError, ValueError, KeyError) as exc:
         raise InvalidArgument(f"cannot load model {req.model_path!r}: {exc}") from None
+    hf_build.check_built(model, f"model {req.model_path!r}")
     model.config.use_cache = False
     keep_4bit_layers_trainable(model)
     if existing == "bnb-4bit":
@@ -773,24 +775,15 @@ def base_quant_metadata(model) -> dict[str, str]:
 
 
 def _nf4_digest(name: str, weight) -> dict[str, str]:
-    """sha256 of one Linear4bit weight's codes and absmax, for the exporter to check its re-creation by.
-
-    The same bytes, in the same order, as ``export_svc.core.sources.nf4_digest`` hashes (the services
-    share no code; ``tests/export_svc/test_as_trained.py`` checks the two agree). Skipped for a layer
-    bitsandbytes repacked for CPU inference (its codes are in another layout then).
-    """
-    import hashlib
-
-    import torch
+    """The digest of one Linear4bit weight (``kernels/ops/nf4_format.nf4_digest``, which the exporter compares its
+    re-creation by). Skipped for a layer bitsandbytes repacked for CPU inference (its codes are in another
+    layout then)."""
+    from strop.kernels.ops.nf4_format import nf4_digest
 
     qs = weight.quant_state
     if getattr(qs, "packing_format_for_cpu", False):
         return {}
-    h = hashlib.sha256()
-    parts = [weight.data, qs.absmax] + ([qs.state2.absmax, qs.offset] if qs.nested else [])
-    for t in parts:  # as bytes: the codes' storage dtype need not be uint8 (bnb_4bit_quant_storage)
-        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return {"base_quant.digest_tensor": name, "base_quant.digest": h.hexdigest()}
+    return {"base_quant.digest_tensor": name, "base_quant.digest": nf4_digest(weight.data, qs)}
 
 
 def release(loaded: LoadedModel) -> None:
