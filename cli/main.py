@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from strop.cli import export
+from strop.cli import export, runs
 from strop.cli.options import DEFAULT_TRAINER, add_target, target_of
 from strop.cli.output import print_json
 from strop.client.errors import StropClientError
@@ -383,11 +383,14 @@ def _cmd_sessions(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strop", description="strop: LoRA/QLoRA fine-tuning as a service")
     add_target(parser)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,train,jobs,sessions,export}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{serve,train,jobs,sessions,runs,export}"
+    )
     sub.add_parser("serve", help="run a service: strop serve {trainer|export} [options]", add_help=False)
     _add_train(sub)
     _add_jobs(sub)
     _add_sessions(sub)
+    runs.register(sub)
     export.register(sub)
     return parser
 

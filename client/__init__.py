@@ -16,7 +16,17 @@ from strop.client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from strop.client.runs import StepFuture, TrainingRun
 from strop.client.trainer import TrainerClient
+from strop.common.step_types import (
+    AdamParams,
+    Datum,
+    FutureState,
+    LossFn,
+    RunLora,
+    SamplingParams,
+    TrainingRunInfo,
+)
 from strop.common.trainer_types import (
     Artifact,
     DatasetFormat,
@@ -37,14 +47,17 @@ from strop.common.trainer_types import (
 )
 
 __all__ = [
+    "AdamParams",
     "AlreadyExistsError",
     "Artifact",
     "CancelledError",
     "DataLossError",
     "DatasetFormat",
     "DatasetInfo",
+    "Datum",
     "DeadlineExceededError",
     "FailedPreconditionError",
+    "FutureState",
     "InternalError",
     "InvalidArgumentError",
     "JobEvent",
@@ -52,6 +65,7 @@ __all__ = [
     "JobState",
     "KernelMode",
     "LoraConfig",
+    "LossFn",
     "MemoryMode",
     "NotFoundError",
     "Parallelism",
@@ -59,12 +73,17 @@ __all__ = [
     "Quantization",
     "ResourceExhaustedError",
     "Retention",
+    "RunLora",
+    "SamplingParams",
     "SessionInfo",
     "SessionState",
+    "StepFuture",
     "StropClientError",
     "TrainConfig",
     "TrainMethod",
     "TrainerClient",
+    "TrainingRun",
+    "TrainingRunInfo",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",

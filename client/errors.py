@@ -90,3 +90,9 @@ def from_rpc_error(err: grpc.RpcError, method: str = "") -> StropClientError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     return _BY_CODE.get(code, StropClientError)(details or str(code), method=method)
+
+
+def error_for_code(code: str, details: str, method: str = "") -> StropClientError:
+    """The exception of a gRPC status code name (a failed step future carries the name, not an RpcError)."""
+    status = getattr(grpc.StatusCode, code, None)
+    return _BY_CODE.get(status, StropClientError)(details or code, method=method)

@@ -21,7 +21,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from strop.client._base import LONG_TIMEOUT, ArtifactClient
+from strop.client.runs import StepFuture, TrainingRun
 from strop.common.serde import from_proto, to_proto
+from strop.common.step_types import AdamParams, CreateTrainingRun, Future, RunLora, TrainingRunInfo
 from strop.common.trainer_types import (
     Artifact,
     DatasetFormat,
@@ -249,3 +251,67 @@ class TrainerClient(ArtifactClient):
     @staticmethod
     def _session(msg) -> SessionInfo:
         return from_proto(SessionInfo, msg)
+
+    # the step API (strop.client.runs)
+    def create_training_run(
+        self,
+        session_id: str,
+        lora: RunLora | None = None,
+        optimizer: AdamParams | None = None,
+        *,
+        name: str = "",
+        from_state: str = "",
+        with_optimizer: bool = True,
+    ) -> TrainingRun:
+        """A new training run on a loaded session (without AttachLora); ``from_state``: a SaveState artifact to
+        start from (its LoRA config; Adam's state and step too with ``with_optimizer``)."""
+        req = CreateTrainingRun(session_id, lora, optimizer, name, from_state, with_optimizer)
+        resp = self._call(
+            self._stub.CreateTrainingRun,
+            to_proto(trainer_pb2.CreateTrainingRunRequest, req),
+            name="CreateTrainingRun",
+        )
+        return TrainingRun(self, from_proto(TrainingRunInfo, resp))
+
+    def training_run(self, run_id: str) -> TrainingRun:
+        return TrainingRun(self, self.get_training_run(run_id))
+
+    def get_training_run(self, run_id: str) -> TrainingRunInfo:
+        resp = self._call(
+            self._stub.GetTrainingRun, trainer_pb2.GetTrainingRunRequest(run_id=run_id), name="GetTrainingRun"
+        )
+        return from_proto(TrainingRunInfo, resp)
+
+    def list_training_runs(self, session_id: str = "") -> list[TrainingRunInfo]:
+        resp = self._call(
+            self._stub.ListTrainingRuns,
+            trainer_pb2.ListTrainingRunsRequest(session_id=session_id),
+            name="ListTrainingRuns",
+        )
+        return [from_proto(TrainingRunInfo, r) for r in resp.runs]
+
+    def delete_training_run(self, run_id: str) -> TrainingRunInfo:
+        resp = self._call(
+            self._stub.DeleteTrainingRun,
+            trainer_pb2.DeleteTrainingRunRequest(run_id=run_id),
+            name="DeleteTrainingRun",
+        )
+        return from_proto(TrainingRunInfo, resp)
+
+    def get_future(self, future_id: str, *, wait_ms: int = 0) -> Future:
+        """A step future's state (and result once done); ``wait_ms`` holds the call until it is done."""
+        req = trainer_pb2.GetFutureRequest(future_id=future_id, wait_ms=wait_ms)
+        timeout = max(self.timeout, wait_ms / 1000.0 + 10.0)
+        return from_proto(Future, self._call(self._stub.GetFuture, req, timeout=timeout, name="GetFuture"))
+
+    def future(self, future_id: str) -> StepFuture:
+        return StepFuture(self, self.get_future(future_id))
+
+    def cancel_future(self, future_id: str) -> Future:
+        req = trainer_pb2.CancelFutureRequest(future_id=future_id)
+        return from_proto(Future, self._call(self._stub.CancelFuture, req, name="CancelFuture"))
+
+    def watch_futures(self, run_id: str, after_seq_id: int = 0) -> Iterator[Future]:
+        req = trainer_pb2.WatchFuturesRequest(run_id=run_id, after_seq_id=after_seq_id)
+        for msg in self._stream(self._stub.WatchFutures, req, name="WatchFutures"):
+            yield from_proto(Future, msg)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from strop.common import step_types as st
 from strop.common.aio import follow, in_pool
 from strop.common.artifact_service import ArtifactServicer
 from strop.common.errors import InvalidArgument
@@ -144,6 +145,75 @@ class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer)
 
     def CancelJob(self, request, context):
         return to_proto(trainer_pb2.Job, self.core.jobs.cancel(request.job_id))
+
+    # ---- the step API (core/runs.py): each method converts once and calls the core ----------------------------
+
+    def CreateTrainingRun(self, request, context):
+        self.drain.check()
+        req = from_proto(st.CreateTrainingRun, request)
+        return to_proto(trainer_pb2.TrainingRun, self.core.runs.create(req))
+
+    def GetTrainingRun(self, request, context):
+        return to_proto(trainer_pb2.TrainingRun, self.core.runs.get(request.run_id))
+
+    def ListTrainingRuns(self, request, context):
+        runs = self.core.runs.list(request.session_id)
+        return trainer_pb2.ListTrainingRunsResponse(runs=[to_proto(trainer_pb2.TrainingRun, r) for r in runs])
+
+    def DeleteTrainingRun(self, request, context):
+        return to_proto(trainer_pb2.TrainingRun, self.core.runs.delete(request.run_id))
+
+    def _future(self, submit, req_cls, request):
+        self.drain.check()
+        return to_proto(trainer_pb2.Future, submit(from_proto(req_cls, request)))
+
+    def ForwardBackward(self, request, context):
+        return self._future(self.core.runs.forward_backward, st.ForwardBackwardRequest, request)
+
+    def OptimStep(self, request, context):
+        return self._future(self.core.runs.optim_step, st.OptimStepRequest, request)
+
+    def Sample(self, request, context):
+        return self._future(self.core.runs.sample, st.SampleRequest, request)
+
+    def SaveWeights(self, request, context):
+        return self._future(self.core.runs.save_weights, st.SaveRequest, request)
+
+    def SaveState(self, request, context):
+        return self._future(self.core.runs.save_state, st.SaveRequest, request)
+
+    def LoadState(self, request, context):
+        return self._future(self.core.runs.load_state, st.LoadStateRequest, request)
+
+    def SaveWeightsForSampler(self, request, context):
+        return self._future(self.core.runs.save_weights_for_sampler, st.SaveRequest, request)
+
+    async def GetFuture(self, request, context):
+        if request.wait_ms < 0:
+            raise InvalidArgument(f"wait_ms must be >= 0, got {request.wait_ms}")
+        wait = min(request.wait_ms, MAX_FUTURE_WAIT_MS) / 1000.0
+        remaining = context.time_remaining()
+        if remaining is not None:  # answer before the caller's deadline, pending or not
+            wait = max(0.0, min(wait, remaining - 0.2))
+        future = await in_pool(self.core.runs.get_future, request.future_id, wait)
+        return to_proto(trainer_pb2.Future, future)
+
+    def CancelFuture(self, request, context):
+        return to_proto(trainer_pb2.Future, self.core.runs.cancel(request.future_id))
+
+    async def WatchFutures(self, request, context):
+        it = await in_pool(self.core.runs.watch, request.run_id, request.after_seq_id)
+        done = object()
+        while True:
+            future = await in_pool(next, it, done)
+            if future is done:
+                return
+            yield to_proto(trainer_pb2.Future, future)
+
+
+MAX_FUTURE_WAIT_MS = (
+    30_000  # one GetFuture holds at most this long (a gateway long-polls under Tinker's 45 s)
+)
 
 
 def add_to_server(servicer: TrainerServicer, server: grpc.Server) -> None:
