@@ -252,3 +252,42 @@ def test_greedy_equals_generate_on_other_archs(arch, tmp_path):
         assert res.sequences[0].tokens == ref
         lp = full_logprobs(model, p + ref)[len(p) - 1 :]
         assert torch.allclose(torch.tensor(res.sequences[0].logprobs), lp, atol=TOL, rtol=0)
+
+
+def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(tmp_path):
+    """On an NF4 base (quantized on load, fp32 compute) every LoRA projection decodes through ``nf4_lora_decode``
+    (2 layers x 7 projections swapped), and the tokens and log-probs are PEFT + bitsandbytes' own: greedy tokens
+    equal, log-probs within TOL of both the unfused sampler and a full forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from strop.fixtures import make_tiny_model
+    from strop.trainer_svc.core.models import keep_4bit_layers_trainable
+
+    path = make_tiny_model(tmp_path / "tiny", arch="llama", dtype="float32", seed=0)
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=bnb, device_map="cpu"
+    )
+    keep_4bit_layers_trainable(base)  # as a session does: no CPU inference repacking
+    torch.manual_seed(3)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    )
+    reqs = [SampleRequest(p, 1, SamplingParams(max_tokens=8, temperature=0.0)) for p in PROMPTS[:2]]
+    fused_stats = SampleStats()
+    fused = sample(model, reqs, stats=fused_stats)
+    plain = sample(model, reqs, nf4_decode=False)
+    assert fused_stats.extra["nf4_decode_layers"] == 14
+    for p, f, q in zip(PROMPTS[:2], fused, plain, strict=True):
+        assert f.sequences[0].tokens == q.sequences[0].tokens
+        assert f.sequences[0].logprobs == pytest.approx(q.sequences[0].logprobs, abs=TOL)
+        ref = full_logprobs(model, p + f.sequences[0].tokens)[len(p) - 1 :]
+        assert torch.allclose(torch.tensor(f.sequences[0].logprobs), ref, atol=TOL, rtol=0)
+    assert all("forward" not in m.__dict__ for m in model.modules() if hasattr(m, "lora_A"))  # swaps undone

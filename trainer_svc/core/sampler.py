@@ -41,6 +41,7 @@ if capture fails the call decodes eagerly and says so in ``SampleStats``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -343,6 +344,17 @@ class _ModelState:
             c._attn_implementation_internal = impl
 
 
+@contextlib.contextmanager
+def _decode_forwards(model, on: bool):
+    if not on:
+        yield 0
+        return
+    from strop.kernels.models.decode import nf4_decode_forwards
+
+    with nf4_decode_forwards(model) as n:
+        yield n
+
+
 def _register_decode_attention() -> None:
     from transformers import AttentionInterface
 
@@ -358,6 +370,7 @@ def sample(
     max_length: int | None = None,
     cuda_graphs: bool = True,
     check_every: int = CHECK_EVERY,
+    nf4_decode: bool = True,
     stats: SampleStats | None = None,
 ) -> list[SampleResult]:
     """Sample ``num_samples`` completions of each request from ``model`` (its active adapter), all in one batch.
@@ -371,6 +384,8 @@ def sample(
         max_length: The session's limit on prompt + ``max_tokens`` (default: the model's max positions).
         cuda_graphs: On CUDA, replay the decode step as a CUDA graph (falls back to eager if capture fails).
         check_every: Steps between host checks of the finished flags and the stop strings.
+        nf4_decode: Decode an NF4 base's LoRA layers with the fused NF4 decode kernel
+            (``strop.kernels.models.decode``) where it applies; PEFT + bitsandbytes otherwise.
         stats: Filled in with what the call did.
 
     Returns:
@@ -391,7 +406,8 @@ def sample(
     state = _ModelState(model, parts)
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), _decode_forwards(model, nf4_decode) as swapped:
+            stats.extra["nf4_decode_layers"] = swapped
             return _sample(
                 model, parts, requests, tokenizer, tuple(eos_token_ids), cuda_graphs, check_every, stats
             )

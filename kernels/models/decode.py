@@ -1,0 +1,110 @@
+"""Decode-time forwards for a PEFT model over an NF4 base: each LoRA-wrapped bitsandbytes ``Linear4bit`` computes
+``nf4_lora_decode`` (``kernels/ops/nf4_decode.py``) for calls of few rows, inside a ``with`` block only.
+
+``nf4_decode_forwards(model)`` swaps the forward of every eligible PEFT ``lora.Linear4bit`` instance (one active
+adapter, no DoRA, no LoRA bias, not merged, an NF4 base whose rows are whole quantization blocks, not in
+bitsandbytes' CPU inference layout) and, when it swapped any, switches strop's training patch
+(``kernels/models/patch.py``) to pass-through for the block: the patched MLP and attention call the fused
+training kernels on the projections directly, so the decode forwards would never be reached. Calls with more
+rows than ``MAX_DECODE_ROWS`` (a prefill) or extra arguments go to PEFT's own forward. Everything is put back on
+exit; nothing outside the block changes (training never sees these forwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..ops.nf4_decode import MAX_DECODE_ROWS, NF4DecodeWeight, kernel_can_run, nf4_lora_decode
+from .hf import Swaps, previous_forward
+
+__all__ = ["decode_reason", "nf4_decode_forwards"]
+
+_TAG = "nf4decode"
+
+
+def decode_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (a PEFT LoRA layer) cannot take the NF4 decode forward; None if it can."""
+    base = getattr(module, "base_layer", None)
+    weight = getattr(base, "weight", None)
+    qs = getattr(weight, "quant_state", None)
+    if qs is None or getattr(qs, "quant_type", None) != "nf4":
+        return "base is not an NF4 Linear4bit"
+    if getattr(qs, "packing_format_for_cpu", False) or (
+        weight.device.type == "cpu" and getattr(base, "support_avx512bf16_for_cpu", False)
+    ):
+        return "bitsandbytes' CPU inference layout (or may repack into it)"
+    if not kernel_can_run(weight.device):
+        return f"the kernel needs CUDA (or TRITON_INTERPRET=1), the weight is on {weight.device.type}"
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return "adapter merged or disabled"
+    active = list(getattr(module, "active_adapters", []))
+    if len(active) != 1 or active[0] not in module.lora_A:
+        return f"{len(active)} active adapters"
+    a = active[0]
+    if module.use_dora.get(a, False) or getattr(module, "lora_bias", {}).get(a, False):
+        return "DoRA or LoRA bias"
+    if module.lora_A[a].bias is not None or module.lora_B[a].bias is not None:
+        return "LoRA layers with bias"
+    drop = module.lora_dropout[a]
+    if not isinstance(drop, nn.Identity) and drop.training:
+        return "LoRA dropout in training mode"
+    try:
+        NF4DecodeWeight(weight)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _forward(self, x, *args, **kwargs):
+    _, prev = previous_forward(self, _TAG)
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    if args or kwargs or rows > MAX_DECODE_ROWS:
+        return prev(x, *args, **kwargs)
+    base = self.base_layer
+    w, a = self.__dict__["_strop_nf4decode_weight"], self.active_adapters[0]
+    inp = x.dtype
+    if base.compute_dtype is not None and x.dtype != base.compute_dtype:
+        x = x.to(base.compute_dtype)  # as bitsandbytes' Linear4bit does
+    lora_a, lora_b = self.lora_A[a].weight, self.lora_B[a].weight
+    xa = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(lora_a.dtype), lora_a)
+    y = nf4_lora_decode(x, w, xa, lora_b, float(self.scaling[a]), base.bias)
+    return y.to(inp)
+
+
+@contextlib.contextmanager
+def nf4_decode_forwards(model: nn.Module):
+    """Inside: eligible PEFT LoRA layers over NF4 bases decode through ``nf4_lora_decode`` (see module docstring).
+
+    Yields the number of layers swapped."""
+    swaps = Swaps(_TAG)
+    swapped: list[nn.Module] = []
+    patched_owners = []
+    try:
+        for module in model.modules():
+            if type(module).__name__ != "Linear4bit" or not hasattr(module, "lora_A"):
+                continue
+            if decode_reason(module) is not None:
+                continue
+            module.__dict__["_strop_nf4decode_weight"] = NF4DecodeWeight(module.base_layer.weight)
+            swaps.forward(module, _forward)
+            swapped.append(module)
+        if swapped:
+            seen = set()
+            for module in model.modules():
+                if "_strop_patch_owner" in module.__dict__:
+                    owner, _ = previous_forward(module, "patch")
+                    if id(owner) not in seen and owner.swaps.active:
+                        seen.add(id(owner))
+                        patched_owners.append(owner)
+            for owner in patched_owners:
+                owner.swaps.active = False
+        yield len(swapped)
+    finally:
+        for owner in patched_owners:
+            owner.swaps.active = True
+        swaps.undo()
+        for module in swapped:
+            module.__dict__.pop("_strop_nf4decode_weight", None)
