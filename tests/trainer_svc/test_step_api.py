@@ -331,3 +331,26 @@ def test_bad_input_names_the_field_and_changes_nothing(client, trainer, session_
     after = _state(trainer, session_id, run.run_id)
     assert all(torch.equal(before[k], after[k]) for k in before)
     run.delete()
+
+
+def test_runs_take_turns_on_the_device_and_metrics_count_primitives(client, trainer, session_id):
+    a = client.create_training_run(session_id, RunLora(rank=2, seed=0))
+    b = client.create_training_run(session_id, RunLora(rank=2, seed=1))
+    long = [ce_datum(SEQ)] * 4
+    queued = [a.forward_async(long) for _ in range(8)]
+    late = b.forward_async([ce_datum(SEQ2)])
+    b_done = late.result(timeout=120)
+    a_done = [f.result(timeout=120) for f in queued]
+    b_end = client.get_future(late.future_id).finished_at
+    a_after = sum(client.get_future(f.future_id).finished_at > b_end for f in queued)
+    # round robin: b's one primitive waits for at most the one of a's running and one more turn, not all 8
+    assert a_after >= 5, a_after
+    assert b_done.loss_fn_outputs and len(a_done) == 8
+    reg = trainer[1].metrics.registry
+    assert (
+        reg.get_sample_value("strop_trainer_primitives_total", {"kind": "forward", "state": "succeeded"}) >= 9
+    )
+    tokens = reg.get_sample_value("strop_trainer_primitive_tokens_total", {"kind": "forward"})
+    assert tokens >= 8 * 4 * (len(SEQ) - 1) + len(SEQ2) - 1
+    a.delete()
+    b.delete()

@@ -784,7 +784,7 @@ class TrainingRuns:
         est = admission.estimate(
             loaded.model.get_base_model().config,
             TrainConfig(method=TrainMethod.SFT, batch_size=len(data), max_length=longest),
-            longest_row=longest, n_trainable=0, checkpointed=False, offloaded=False,
+            longest_row=longest, n_trainable=0, checkpointed=True, offloaded=False,
             kernels=loaded.facts.kernels_enabled,
         )  # fmt: skip
         free, _ = torch.cuda.mem_get_info(torch.device(loaded.device))

@@ -85,6 +85,13 @@ def add_adapter(loaded: models.LoadedModel, adapter: str, lora: RunLora, *, trai
             )
             if loaded.facts.kernels_enabled:
                 loaded.kernel_report = models.apply_kernels(loaded)
+            if loaded.device.startswith("cuda"):
+                # as the jobs' default and bench/train_bench.py's "strop" system: each layer recomputed in
+                # backward, so a ForwardBackward holds one layer's activations, not all of them
+                loaded.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+            loaded.model.train()  # HF checkpoints layers only in training mode (LoRA runs have no dropout)
     for _, p in _adapter_params(loaded.model, adapter):
         p.data = p.data.float()  # adapters and their optimizer state in fp32 over a 16/4-bit base
         p.requires_grad_(trainable)
