@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+# train_bench owns the saved 8B shape and the baseline's loading recipe
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_bench as tb
 

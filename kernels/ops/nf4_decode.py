@@ -29,11 +29,13 @@ import triton.language as tl
 __all__ = ["MAX_DECODE_ROWS", "NF4DecodeWeight", "nf4_lora_decode", "nf4_lora_decode_reference"]
 
 MAX_DECODE_ROWS = 128  # above this the dequantize-then-GEMM path is compute-bound and better
-# untuned (no sweep yet): 32 output features per program gives 128-448 programs for the 8B shape's projections
-# (k/v: 32) on the H200's 132 SMs; 4 warps, 3 stages of prefetch.
-_BLOCK_N = 32
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+# Tile over output features. Each program re-reads all of x ([M, K], from L2) for its BLOCK_N rows of W, so x traffic
+# is (N / BLOCK_N)·M·K·2 bytes against N·K/2 of codes: at M = 64 a tile of 32 reads 8x more x than codes, 128 reads
+# 2x, but leaves 32 programs for a 4096-wide projection on 132 SMs. Not yet measured: on CUDA the autotuner picks
+# per (M, N, K) among these on first use (the sampler's first eager step, never inside a graph capture); the
+# interpreter (CPU tests) runs the middle one.
+_CONFIGS = ((32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 8, 3))  # (BLOCK_N, num_warps, num_stages)
+_DEFAULT = _CONFIGS[1]
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -175,17 +177,34 @@ def nf4_lora_decode(
         return out.reshape(*lead, w.n)
     xa_c = xa.float().contiguous() if has_lora else out
     b_c = lora_b.float().contiguous() if has_lora else out
-    grid = (triton.cdiv(w.n, _BLOCK_N),)
-    _nf4_lora_decode_kernel[grid](
+    kernel = _tuned_kernel() if x.device.type == "cuda" else None
+    tile = (
+        {}
+        if kernel is not None
+        else {"BLOCK_N": _DEFAULT[0], "num_warps": _DEFAULT[1], "num_stages": _DEFAULT[2]}
+    )
+    kernel = kernel or _nf4_lora_decode_kernel
+    grid = lambda meta: (triton.cdiv(w.n, meta["BLOCK_N"]),)  # noqa: E731
+    kernel[grid](
         x2, w.packed, w.absmax, w.absmax2, w.code2, w.offset, w.code, xa_c, b_c,
         bias if bias is not None else out, out,
         m, w.n, r, x2.stride(0), out.stride(0), float(scale),
         BLOCKS_PER_ROW=w.k // w.bs, BS=w.bs, BS2=w.bs2, NESTED=w.nested, HAS_LORA=has_lora,
         HAS_BIAS=bias is not None, QDTYPE=_TL[w.qdtype], XDTYPE=_TL[x.dtype], IEEE=x.dtype == torch.float32,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(max(r, 1))),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, enable_fp_fusion=False,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_R=max(16, triton.next_power_of_2(max(r, 1))),
+        enable_fp_fusion=False, **tile,
     )  # fmt: skip
     return out.reshape(*lead, w.n)
+
+
+_TUNED = []
+
+
+def _tuned_kernel():
+    if not _TUNED:
+        configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _CONFIGS]
+        _TUNED.append(triton.autotune(configs, key=["M", "N", "BLOCKS_PER_ROW"])(_nf4_lora_decode_kernel))
+    return _TUNED[0]
 
 
 def kernel_can_run(device: torch.device) -> bool:

@@ -174,7 +174,8 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
     """Attention for one query token per row over a grouped-query cache, without repeating K/V per query head.
 
     ``query`` ``[B, H, 1, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (query head ``h`` reads kv head ``h // (H/Hkv)``,
-    as HF's ``repeat_kv`` pairs them), ``attention_mask`` additive ``[B, 1, 1, L]``. Scores and softmax in fp32.
+    as HF's ``repeat_kv`` pairs them), ``attention_mask`` additive ``[B, 1, 1, L]``. The H/Hkv query heads of a group
+    become that kv head's query positions, so plain SDPA over Hkv heads computes it with the mask broadcast.
     Returns ``([B, 1, H, D], None)`` as HF's attention functions do. Longer queries (prefill) go to HF's SDPA.
     """
     if query.shape[2] != 1:
@@ -185,16 +186,20 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
         )
     b, h, _, d = query.shape
     hkv, length = key.shape[1], key.shape[2]
-    q = query.reshape(b, hkv, h // hkv, d)
-    scores = torch.matmul(q.float(), key.float().transpose(-1, -2))  # [B, Hkv, G, L]
-    scores = scores * (scaling if scaling is not None else d**-0.5)
+    scale = scaling if scaling is not None else d**-0.5
+    q = query.reshape(b, hkv, h // hkv, d)  # a group's query heads as the "positions" of its kv head
+    mask = (
+        None if attention_mask is None else attention_mask[:, :, :, :length]
+    )  # [B, 1, 1, L] over all of them
     softcap = kwargs.get("softcap")
-    if softcap:
+    if not softcap:  # SDPA's own kernels (fp32 softmax inside), K/V read in place
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    else:  # Gemma 2's logit soft-cap, which SDPA has no argument for
+        scores = torch.matmul(q.float(), key.float().transpose(-1, -2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, :length].float()  # [B, 1, 1, L] over heads and groups
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, Hkv, G, D]
+        if mask is not None:
+            scores = scores + mask.float()
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
     return out.reshape(b, 1, h, value.shape[-1]), None
 
 
@@ -649,7 +654,9 @@ class _DecodeStep:
         try:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: another session's work on this device from another thread is neither captured nor
+            # broken by the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = self._step()
             self.graph, self.out = graph, out
             return True
