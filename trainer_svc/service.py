@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import threading
@@ -195,20 +196,40 @@ class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer)
         remaining = context.time_remaining()
         if remaining is not None:  # answer before the caller's deadline, pending or not
             wait = max(0.0, min(wait, remaining - 0.2))
-        future = await in_pool(self.core.runs.get_future, request.future_id, wait)
+        future = await _poll(
+            lambda: self.core.runs.get_future(request.future_id), lambda f: f.state.done, wait
+        )
         return to_proto(trainer_pb2.Future, future)
 
     def CancelFuture(self, request, context):
         return to_proto(trainer_pb2.Future, self.core.runs.cancel(request.future_id))
 
     async def WatchFutures(self, request, context):
-        it = await in_pool(self.core.runs.watch, request.run_id, request.after_seq_id)
-        done = object()
+        seq = request.after_seq_id + 1
         while True:
-            future = await in_pool(next, it, done)
-            if future is done:
+            done, ended = await _poll(
+                functools.partial(self.core.runs.seq_done, request.run_id, seq),
+                lambda r: r[0] is not None or r[1],
+                30.0,
+            )
+            if done is not None:
+                yield to_proto(trainer_pb2.Future, done)
+                seq += 1
+            elif ended:
                 return
-            yield to_proto(trainer_pb2.Future, future)
+
+
+async def _poll(read, ready, seconds: float):
+    """``read()`` until ``ready`` or ``seconds`` pass, sleeping on the event loop between reads (5 ms doubling to
+    100 ms): a long-poll holds no thread, so thousands of waiting clients cost nothing but timers."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    value, delay = read(), 0.005
+    while not ready(value) and loop.time() < deadline:
+        await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+        delay = min(delay * 2, 0.1)
+        value = read()
+    return value
 
 
 MAX_FUTURE_WAIT_MS = (

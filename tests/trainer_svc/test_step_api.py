@@ -260,9 +260,11 @@ def test_eight_clients_on_four_runs_at_once(client, trainer, session_id):
         try:
             with TrainerClient(f"127.0.0.1:{running.port}") as c:
                 run = c.training_run(runs[k % 4].run_id)
-                for _ in range(3):
-                    fb = run.forward_backward_async([ce_datum(SEQ2)])
-                    opt = run.optim_step_async(AdamParams(learning_rate=1e-3))
+                j = k // 4  # two clients per run; each owns every other (fb, opt) pair of seq ids, so the
+                for i in range(3):  # run's order is fb, opt, fb, opt… however their calls interleave
+                    seq = 1 + 4 * i + 2 * j
+                    fb = run.forward_backward_async([ce_datum(SEQ2)], seq_id=seq)
+                    opt = run.optim_step_async(AdamParams(learning_rate=1e-3), seq_id=seq + 1)
                     fb.result(timeout=120)
                     opt.result(timeout=120)
         except BaseException as exc:  # collected: the assertion below names it

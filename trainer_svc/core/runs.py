@@ -126,6 +126,8 @@ class TrainingRuns:
             hole_seconds,
         )
         self._runs: dict[str, _Run] = {}
+        # deleted runs, kept so watchers see their end (newest 1024)
+        self._deleted: collections.OrderedDict[str, _Run] = collections.OrderedDict()
         self._samplers: dict[str, str] = {}  # sampler id → run id
         self._futures: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._samples: collections.deque[_Entry] = collections.deque()
@@ -245,6 +247,9 @@ class TrainingRuns:
                 self._finish(entry, FutureState.CANCELLED, error="the run was deleted", code="CANCELLED")
             run.queue.clear()
             self._runs.pop(run_id, None)
+            self._deleted[run_id] = run
+            while len(self._deleted) > 1024:
+                self._deleted.popitem(last=False)
             with contextlib.suppress(ValueError):
                 self._rotation.remove(run_id)
             samplers = list(run.samplers)
@@ -571,26 +576,38 @@ class TrainingRuns:
                 raise FailedPrecondition(f"future {future_id} is running; it cannot be cancelled")
             return replace(entry.future)
 
-    def watch(self, run_id: str, after_seq_id: int, *, poll_seconds: float = 1.0) -> Iterator[Future]:
-        """The run's seq-ordered futures with seq_id > ``after_seq_id``, each once it is done, in order; ends
-        when the run is deleted (blocking: the gRPC layer runs it on a pool thread)."""
-        run = self._run(run_id)
+    def seq_done(self, run_id: str, seq_id: int) -> tuple[Future | None, bool]:
+        """The run's future of ``seq_id`` once it is done (else None), and whether the run has ended (deleted),
+        without blocking: the gRPC layer polls it from the event loop, holding no thread per watcher."""
+        run = self._run_any(run_id)
+        with self._cond:
+            fid = run.by_seq.get(seq_id)
+            entry = self._futures.get(fid) if fid else None
+            if entry is not None and entry.future.state.done:
+                return replace(entry.future), False
+            return None, run.deleted
+
+    def watch(self, run_id: str, after_seq_id: int, *, poll_seconds: float = 0.05) -> Iterator[Future]:
+        """The run's seq-ordered futures with seq_id > ``after_seq_id``, each once it is done, in order, until the
+        run is deleted (blocking)."""
         seq = after_seq_id + 1
         while True:
-            with self._cond:
-                fid = run.by_seq.get(seq)
-                entry = self._futures.get(fid) if fid else None
-                if entry is None and run.deleted:
-                    return
-            if entry is None:
-                with self._cond:
-                    self._cond.wait(poll_seconds)
-                continue
-            if entry.done.wait(poll_seconds):
-                with self._cond:
-                    out = replace(entry.future)
-                yield out
+            done, ended = self.seq_done(run_id, seq)
+            if done is not None:
+                yield done
                 seq += 1
+            elif ended:
+                return
+            else:
+                time.sleep(poll_seconds)
+
+    def _run_any(self, run_id: str) -> _Run:
+        """A visible run, deleted ones included (a watcher learns that its run ended)."""
+        with self._cond:
+            run = self._runs.get(run_id) or self._deleted.get(run_id)
+        if run is None or not auth.current().can_see(run.info.tenant):
+            raise NotFound(f"training run {run_id!r} not found")
+        return run
 
     def _finish(
         self, entry: _Entry, state: FutureState, *, result=None, error: str = "", code: str = ""
