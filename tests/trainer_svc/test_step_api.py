@@ -356,3 +356,19 @@ def test_runs_take_turns_on_the_device_and_metrics_count_primitives(client, trai
     assert tokens >= 8 * 4 * (len(SEQ) - 1) + len(SEQ2) - 1
     a.delete()
     b.delete()
+
+
+def test_cli_lists_shows_and_deletes_runs(client, trainer, session_id, capsys):
+    from strop.cli.main import main
+
+    run = client.create_training_run(session_id, RunLora(rank=2, seed=0), name="cli-run")
+    target = ["--target", f"127.0.0.1:{trainer[0].port}"]
+    assert main(["runs", "list", "--session", session_id, *target]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(run.run_id))
+    assert "rank=2" in line and "steps=0" in line and line.endswith("cli-run")
+    assert main(["runs", "show", run.run_id, *target]) == 0
+    assert f'"run_id": "{run.run_id}"' in capsys.readouterr().out
+    assert main(["runs", "delete", run.run_id, *target]) == 0
+    capsys.readouterr()
+    assert main(["runs", "show", run.run_id, *target]) == 1  # NOT_FOUND, reported on stderr
+    assert "NOT_FOUND" in capsys.readouterr().err
