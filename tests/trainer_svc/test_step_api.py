@@ -372,3 +372,25 @@ def test_cli_lists_shows_and_deletes_runs(client, trainer, session_id, capsys):
     capsys.readouterr()
     assert main(["runs", "show", run.run_id, *target]) == 1  # NOT_FOUND, reported on stderr
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_an_idle_run_is_offloaded_and_restored_on_use(client, trainer, session_id, runs_core, monkeypatch):
+    monkeypatch.setattr(runs_core, "idle_offload_seconds", 0.2)
+    monkeypatch.setattr(
+        runs_core, "_offload_same_device", True
+    )  # the CPU session: the bookkeeping, moved to itself
+    monkeypatch.setattr(runs_core, "_last_sweep", 0.0)
+    idle = client.create_training_run(session_id, RunLora(rank=2, seed=0))
+    idle.forward_backward([ce_datum(SEQ2)])
+    busy = client.create_training_run(session_id, RunLora(rank=2, seed=1))
+    busy.forward([ce_datum(SEQ2)])  # the active adapter now: it is never offloaded
+    import time
+
+    deadline = time.monotonic() + 30
+    while not runs_core._runs[idle.run_id].offloaded and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert runs_core._runs[idle.run_id].offloaded and not runs_core._runs[busy.run_id].offloaded
+    stats = idle.optim_step(AdamParams(learning_rate=1e-3))  # its gradients came back with it
+    assert stats.metrics and not runs_core._runs[idle.run_id].offloaded
+    idle.delete()
+    busy.delete()

@@ -93,6 +93,7 @@ class _Run:
     samplers: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
     counts: collections.Counter = field(default_factory=collections.Counter)
     deleted: bool = False
+    offloaded: bool = False  # its adapter and Adam state in host memory (idle past the TTL)
 
     @property
     def adapter(self) -> str:
@@ -112,6 +113,8 @@ class TrainingRuns:
         max_samplers_per_run: int = 4,
         keep_finished: int = 10_000,
         hole_seconds: float = 60.0,
+        idle_offload_seconds: float = 600.0,
+        offload_device: str = "cpu",
     ) -> None:
         self.sessions, self.artifacts, self.device_turn, self.metrics = (
             sessions,
@@ -125,6 +128,10 @@ class TrainingRuns:
             keep_finished,
             hole_seconds,
         )
+        # a run idle this long moves its adapter, gradients and Adam state to offload_device (0: never); its
+        # next primitive brings them back (``_on_device``); only where offload_device is not the session's device
+        self.idle_offload_seconds, self.offload_device = idle_offload_seconds, offload_device
+        self._last_sweep = 0.0
         self._runs: dict[str, _Run] = {}
         # deleted runs, kept so watchers see their end (newest 1024)
         self._deleted: collections.OrderedDict[str, _Run] = collections.OrderedDict()
@@ -686,6 +693,7 @@ class TrainingRuns:
 
     def _loop(self) -> None:
         while True:
+            idle: list[_Run] = []
             with self._cond:
                 if SAMPLE_QUEUE not in self._rotation:
                     self._rotation.append(SAMPLE_QUEUE)
@@ -694,18 +702,31 @@ class TrainingRuns:
                     if self._stopping:
                         return
                     self._cond.wait(1.0)
-                    continue
-                key, entries = picked
-                for e in entries:
-                    e.future.state = FutureState.RUNNING
-                    if key != SAMPLE_QUEUE:
-                        run = self._runs[key]
-                        del run.queue[e.future.seq_id]
-                        run.next_exec = e.future.seq_id + 1
-            if key == SAMPLE_QUEUE:
-                self._run_samples(entries)
-            else:
-                self._run_one(self._runs.get(key) or entries[0], entries[0])
+                    idle = self._idle_runs()
+                else:
+                    key, entries = picked
+                    run = self._runs.get(key)
+                    for e in entries:
+                        e.future.state = FutureState.RUNNING
+                        if key != SAMPLE_QUEUE:
+                            del run.queue[e.future.seq_id]
+                            run.next_exec = e.future.seq_id + 1
+            if picked is None:
+                for r in idle:
+                    self._offload(r)
+                continue
+            try:
+                if key == SAMPLE_QUEUE:
+                    self._run_samples(entries)
+                else:
+                    self._run_one(run, entries[0])
+            except Exception:  # never lose the worker: the futures fail instead
+                log.exception("the step worker failed outside a primitive")
+                with self._cond:
+                    for e in entries:
+                        if not e.future.state.done:
+                            self._finish(e, FutureState.FAILED, error="internal error", code="INTERNAL")
+                    self._cond.notify_all()
 
     def _run_one(self, run: _Run, entry: _Entry) -> None:
         start = time.monotonic()
@@ -713,6 +734,9 @@ class TrainingRuns:
         try:
             with self.device_turn(), run.sess.lock:
                 self._check_session(run.sess)
+                if run.deleted:
+                    raise NotFound(f"training run {run.info.run_id!r} was deleted")
+                self._on_device(run)
                 result = entry.work()
         except Exception as exc:
             state, error, code = FutureState.FAILED, *_failure(exc)
@@ -754,6 +778,7 @@ class TrainingRuns:
                     self._check_session(run.sess)
                     if adapter not in run.sess.loaded.model.peft_config:
                         raise NotFound(f"sampler {adapter!r} was evicted by newer snapshots")
+                    self._on_device(run)
                     results = _sample(run.sess.loaded, adapter, [e.sample for e in group])
             except Exception as exc:
                 error, code = _failure(exc)
@@ -773,6 +798,44 @@ class TrainingRuns:
                 state = "succeeded" if results is not None else "failed"
                 for e in group:
                     self.metrics.on_primitive("sample", state, seconds / len(group), e.tokens)
+
+    def _idle_runs(self) -> list[_Run]:
+        """Runs idle past the TTL, not yet offloaded (checked at most every 10 s; called under the lock)."""
+        now = time.time()
+        if not self.idle_offload_seconds or now - self._last_sweep < 10.0:
+            return []
+        self._last_sweep = now
+        return [
+            r
+            for r in self._runs.values()
+            if not r.offloaded
+            and not r.queue
+            and now - r.info.last_activity_at > self.idle_offload_seconds
+            and (r.sess.loaded.device != self.offload_device or self._offload_same_device)
+        ]
+
+    _offload_same_device = False  # tests: run the offload's bookkeeping on a CPU session (a move to itself)
+
+    def _offload(self, run: _Run) -> None:
+        with run.sess.lock:
+            if run.deleted or run.offloaded or run.queue:
+                return
+            if run.sess.loaded.model is None or run.sess.loaded.model.active_adapter == run.adapter:
+                return  # the active adapter stays: a forward outside the step API (Generate) may read it
+            step_ops.move_run_state(run.params, run.optimizer, self.offload_device)
+            run.offloaded = True
+        log.info(
+            "run %s idle for %.0fs: its state moved to %s",
+            run.info.run_id,
+            self.idle_offload_seconds,
+            self.offload_device,
+        )
+
+    def _on_device(self, run: _Run) -> None:
+        """Bring an offloaded run's state back to its session's device (under the session's lock)."""
+        if run.offloaded:
+            step_ops.move_run_state(run.params, run.optimizer, run.sess.loaded.device)
+            run.offloaded = False
 
     def stop(self) -> None:
         with self._cond:

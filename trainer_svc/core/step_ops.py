@@ -226,6 +226,19 @@ def run_params(loaded: models.LoadedModel, adapter: str) -> list[tuple[str, torc
     return [(n.replace(f".{adapter}.", "."), p) for n, p in _adapter_params(loaded.model, adapter)]
 
 
+def move_run_state(params: list[torch.nn.Parameter], opt: torch.optim.AdamW, device: str) -> None:
+    """Move a run's parameters, gradients and Adam moments to ``device`` in place (the same Parameter objects,
+    so the optimizer and PEFT keep them); Adam's step counters stay where torch keeps them (host scalars)."""
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.to(device)
+            if p.grad is not None:
+                p.grad = p.grad.to(device)
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    opt.state[p][key] = value.to(device)
+
+
 def new_optimizer(params: list[torch.nn.Parameter], adam: dict[str, float]) -> torch.optim.AdamW:
     # foreach=False: the per-parameter loop is the reference AdamW arithmetic, the same on every device; the
     # by-hand check and LoadState's bit-identical continuation compare against it
