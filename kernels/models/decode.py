@@ -5,7 +5,8 @@
 adapter, no DoRA, no LoRA bias, not merged, an NF4 base whose rows are whole quantization blocks, not in
 bitsandbytes' CPU inference layout) and, when it swapped any, switches strop's training patch
 (``kernels/models/patch.py``) to pass-through for the block: the patched MLP and attention call the fused
-training kernels on the projections directly, so the decode forwards would never be reached. Calls with more
+training kernels on the projections directly, so the decode forwards would never be reached. The RMSNorms the patch
+had swapped keep strop's ``rms_norm`` kernel meanwhile (Llama-mode norms: one launch instead of HF's six). Calls with more
 rows than ``MAX_DECODE_ROWS`` (a prefill) or extra arguments go to PEFT's own forward. Everything is put back on
 exit; nothing outside the block changes (training never sees these forwards).
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from ..ops.nf4_decode import MAX_DECODE_ROWS, NF4DecodeWeight, kernel_can_run, nf4_lora_decode
+from ..ops.rmsnorm import rms_norm
 from .hf import Swaps, previous_forward
 
 __all__ = ["decode_reason", "nf4_decode_forwards"]
@@ -74,6 +76,18 @@ def _forward(self, x, *args, **kwargs):
     return y.to(inp)
 
 
+def _is_llama_norm(module: nn.Module) -> bool:
+    # Gemma's norms (x̂·(1 + w), epsilon in ``eps``) are left to HF's forward
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def _norm_forward(self, x, *args, **kwargs):
+    if args or kwargs:
+        _, prev = previous_forward(self, _TAG)
+        return prev(x, *args, **kwargs)
+    return rms_norm(x, self.weight, self.variance_epsilon)
+
+
 @contextlib.contextmanager
 def nf4_decode_forwards(model: nn.Module):
     """Inside: eligible PEFT LoRA layers over NF4 bases decode through ``nf4_lora_decode`` (see module docstring).
@@ -101,6 +115,9 @@ def nf4_decode_forwards(model: nn.Module):
                         patched_owners.append(owner)
             for owner in patched_owners:
                 owner.swaps.active = False
+            for module in model.modules():
+                if "_strop_patch_owner" in module.__dict__ and _is_llama_norm(module):
+                    swaps.forward(module, _norm_forward)
         yield len(swapped)
     finally:
         for owner in patched_owners:

@@ -280,7 +280,8 @@ def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(tmp_path):
     model = get_peft_model(
         base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
     )
-    reqs = [SampleRequest(p, 1, SamplingParams(max_tokens=8, temperature=0.0)) for p in PROMPTS[:2]]
+    # few tokens: the Triton interpreter runs the kernel at ~0.1 s a call (14 a step)
+    reqs = [SampleRequest(p, 1, SamplingParams(max_tokens=4, temperature=0.0)) for p in PROMPTS[:2]]
     fused_stats = SampleStats()
     fused = sample(model, reqs, stats=fused_stats)
     plain = sample(model, reqs, nf4_decode=False)
@@ -291,3 +292,21 @@ def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(tmp_path):
         ref = full_logprobs(model, p + f.sequences[0].tokens)[len(p) - 1 :]
         assert torch.allclose(torch.tensor(f.sequences[0].logprobs), ref, atol=TOL, rtol=0)
     assert all("forward" not in m.__dict__ for m in model.modules() if hasattr(m, "lora_A"))  # swaps undone
+
+    # Patched by strop's training kernels (as sessions are on CUDA): the patch passes through while the decode
+    # forwards run (its RMSNorms on strop's kernel), and is back on afterwards.
+    from strop.kernels.models import patch_model, unpatch_model
+
+    patch_model(model)
+    try:
+        patched_stats = SampleStats()
+        patched = sample(model, reqs, stats=patched_stats)
+        assert patched_stats.extra["nf4_decode_layers"] == 14
+        for f, q in zip(patched, fused, strict=True):
+            assert f.sequences[0].tokens == q.sequences[0].tokens
+            assert f.sequences[0].logprobs == pytest.approx(q.sequences[0].logprobs, abs=TOL)
+        norm = model.base_model.model.model.norm
+        owner = norm.__dict__["_strop_patch_owner"]
+        assert owner.active and "_strop_nf4decode_prev" not in norm.__dict__
+    finally:
+        unpatch_model(model)
