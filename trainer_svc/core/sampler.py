@@ -136,9 +136,10 @@ class StaticKVCache:
     written. ``slots`` (a device tensor) says where the current tokens go."""
 
     is_compileable = False
-    is_sliding = False
 
     def __init__(self, num_layers: int, slots: torch.Tensor, length: int):
+        # read by transformers 5.17's mask builder to pick a full-attention layer (the masks passed are used as is)
+        self.is_sliding = [False] * num_layers
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.slots = slots
