@@ -14,7 +14,7 @@ Systems:
   ``strop``  ``strop.trainer_svc.core.sampler.sample`` on the same model patched by ``patch_model`` (as the trainer
              service sessions on CUDA are), with per-token log-probs; variants in the same process: ``full`` (CUDA
              graph + fused NF4 decode kernel), ``no-nf4`` (CUDA graph, PEFT + bitsandbytes projections), ``eager``
-             (fused kernel, no graph).
+             (fused kernel, no graph); ``--variants full|no-nf4,eager`` runs no-nf4 only if full failed.
 Each system first runs a warm-up call of 8 new tokens; the timed call is one call (prefill, graph capture and all
 512 steps). tokens/s = new tokens / wall time of the call. The strop worker also teacher-forces two sampled
 sequences through the model's ordinary forward (PEFT + bitsandbytes, no cache) and reports the largest difference
@@ -161,7 +161,12 @@ def run_strop(a) -> Report:
     rep = Report(build_s=time.perf_counter() - t0)
     ps = prompts(a.prompts, tb.SHAPE["vocab"], a.prompt_min, a.prompt_max)
     variants = {"full": {}, "no-nf4": {"nf4_decode": False}, "eager": {"cuda_graphs": False}}
-    for name in a.variants.split(","):
+    names = [alt for group in a.variants.split(",") for alt in group.split("|")]
+    for name in names:
+        group = next(g.split("|") for g in a.variants.split(",") if name in g.split("|"))
+        earlier = group[: group.index(name)]
+        if earlier and any(r.ok for r in rep.rows if r.variant in earlier):
+            continue  # "a|b": b only if a failed
         kw = variants[name]
         row = Row("strop", name, note=notes)
         try:
