@@ -228,6 +228,8 @@ def spawn(system: str, a) -> Report:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:
         return Report([Row(system, "-", ok=False, error=f"timeout after {a.timeout}s")])
+    if a.show_stderr and proc.stderr:
+        print(f"--- {system} worker stderr (tail) ---\n{proc.stderr[-a.show_stderr :]}", flush=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             d = json.loads(line[7:])
@@ -273,6 +275,9 @@ def main() -> None:
     p.add_argument("--prompt-max", type=int, default=PROMPT_MAX)
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--json")
+    p.add_argument(
+        "--show-stderr", type=int, default=0, metavar="CHARS", help="print the tail of each worker's stderr"
+    )
     p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
