@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -102,7 +103,9 @@ def fact_rows() -> list[dict]:
 
 
 def right(answer: str, words: tuple[str, ...]) -> bool:
-    return any(w in answer for w in words)
+    """One of the reference's alternatives appears as words (a digit inside a longer number is no answer: the base
+    once answered "There are 16,777,283,…" to the continents)."""
+    return any(re.search(rf"(?<!\w)(?<!\d[,.]){re.escape(w)}(?!\w|[,.]\d)", answer) for w in words)
 
 
 def parse_setting(text: str):
@@ -157,11 +160,12 @@ def evaluate(loaded, *, disable_adapter: bool) -> dict:
     }
 
 
-def _cached_base_eval(loaded, model_dir: Path) -> dict:
+def _cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     """The base's evaluation (the same for every setting: adapter disabled), kept beside the model's cache."""
     import hashlib
 
-    key = hashlib.sha256(json.dumps([FACTS, GENERAL, GENERAL_MAX_NEW_TOKENS]).encode()).hexdigest()[:12]
+    what = [FACTS, GENERAL, GENERAL_MAX_NEW_TOKENS, device]
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     path = model_dir.parent / f"{model_dir.name}-recipe-base-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -172,17 +176,17 @@ def _cached_base_eval(loaded, model_dir: Path) -> dict:
     return base
 
 
-def run(setting: str, model_dir: Path, base_eval: dict | None) -> tuple[dict, dict]:
+def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cpu") -> tuple[dict, dict]:
     from strop.common.trainer_types import DatasetFormat, LoadModelRequest
     from strop.trainer_svc.core import job_config, models, training
 
     cfg, lora = parse_setting(setting)
     loaded = models.load_model(
-        LoadModelRequest(model_path=model_dir.name), model_root=model_dir.parent, device="cpu"
+        LoadModelRequest(model_path=model_dir.name), model_root=model_dir.parent, device=device
     )
     models.attach_lora(loaded, lora)
     if base_eval is None:
-        base_eval = _cached_base_eval(loaded, model_dir)
+        base_eval = _cached_base_eval(loaded, model_dir, device)
     cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(FACTS))
     print(f"{setting}: base evaluated, training", file=sys.stderr, flush=True)
     events: list = []
@@ -206,8 +210,9 @@ def run(setting: str, model_dir: Path, base_eval: dict | None) -> tuple[dict, di
         )
     train_s = time.perf_counter() - t0
     after = evaluate(loaded, disable_adapter=False)
-    base_right = [i for i, ok in enumerate(base_eval["general"]) if ok]
-    kept = sum(after["general"][i] for i in base_right)
+    # judged here, not from the cached booleans: ``right`` may be stricter than when the cache was written
+    base_right = [i for i, a in enumerate(base_eval["general_answers"]) if right(a, GENERAL[i][1])]
+    kept = sum(right(after["general_answers"][i], GENERAL[i][1]) for i in base_right)
     row = {
         "setting": setting,
         "lr": cfg.learning_rate,
@@ -233,13 +238,44 @@ def run(setting: str, model_dir: Path, base_eval: dict | None) -> tuple[dict, di
     return row, base_eval
 
 
+def table(paths: list[str]) -> str:
+    """The Markdown table of result rows (JSONL files ``--out`` wrote), general answers judged again by ``right``
+    from the stored answers (base and trained), so rows written by earlier versions of it read the same way."""
+    out = [
+        "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
+        "| forgetting metric (held-out, word for word) | train s |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|---:|",
+    ]
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            base = [i for i, a in enumerate(r["base_general_answers"]) if right(a, GENERAL[i][1])]
+            kept = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in base)
+            ev = r["forgetting_events"][0] if r["forgetting_events"] else None
+            metric = f"{ev['kept']}/{ev['held_out']}, tokens {ev['token_agreement']:.2f}" if ev else "-"
+            retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
+            out.append(
+                f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
+                f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {metric} | {r['train_seconds']:.0f} |"
+            )
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", action="append", default=[])
     p.add_argument("--out", default="bench/results/recipe_facts.jsonl", help="one JSON line per setting")
     p.add_argument("--write-facts", help="write the facts dataset (JSONL) here and exit")
+    p.add_argument(
+        "--table", nargs="+", metavar="JSONL", help="print the Markdown table of these result files and exit"
+    )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="the session's device: cpu (the issue's setting) or cuda")
     a = p.parse_args()
+    if a.table:
+        print(table(a.table))
+        return
     if a.write_facts:
         Path(a.write_facts).write_text("".join(json.dumps(r) + "\n" for r in fact_rows()))
         return
@@ -260,10 +296,12 @@ def main() -> None:
     base_eval = None
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     for setting in a.setting:
-        row, base_eval = run(setting, model_dir, base_eval)
+        row, base_eval = run(setting, model_dir, base_eval, a.device)
         row.update(
             commit=commit,
             date=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            device=a.device,
+            threads=a.threads,
             cpu=platform.processor() or platform.machine(),
             held_out_prompts=len(HELD_OUT_PROMPTS),
             base_general_answers=base_eval["general_answers"],
