@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from strop.client.errors import DeadlineExceededError, error_for_code
 from strop.common.serde import from_proto, to_proto
@@ -40,9 +40,6 @@ from strop.common.step_types import (
 )
 from strop.v1 import trainer_pb2
 
-if TYPE_CHECKING:
-    from strop.client.trainer import TrainerClient
-
 POLL_MS = 20_000  # one GetFuture holds this long at most (the server caps it at 30 s)
 
 
@@ -50,7 +47,7 @@ class StepFuture:
     """A submitted primitive. ``result()`` waits for it (long-polling GetFuture) and returns its output, or
     raises the ``strop.client.errors`` exception of its failure (CancelledError when cancelled)."""
 
-    def __init__(self, client: TrainerClient, future: Future):
+    def __init__(self, client: Any, future: Future):  # client: a TrainerClient (not imported: no cycle)
         self._client, self.future = client, future
 
     @property
@@ -88,7 +85,7 @@ class StepFuture:
 class TrainingRun:
     """A training run on the trainer (see the module docstring)."""
 
-    def __init__(self, client: TrainerClient, info: TrainingRunInfo):
+    def __init__(self, client: Any, info: TrainingRunInfo):
         self._client, self.info = client, info
 
     @property
