@@ -83,14 +83,15 @@ def add_adapter(loaded: models.LoadedModel, adapter: str, lora: RunLora, *, trai
             loaded.model = get_peft_model(
                 loaded.model, cfg, adapter_name=adapter, autocast_adapter_dtype=True
             )
-            if loaded.facts.kernels_enabled:
-                loaded.kernel_report = models.apply_kernels(loaded)
             if loaded.device.startswith("cuda"):
-                # as the jobs' default and bench/train_bench.py's "strop" system: each layer recomputed in
-                # backward, so a ForwardBackward holds one layer's activations, not all of them
+                # as the jobs' default and bench/train_bench.py's "strop" system (checkpointing on before the
+                # kernels patch the model): each layer recomputed in backward, so a ForwardBackward holds one
+                # layer's activations, not all of them
                 loaded.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
+            if loaded.facts.kernels_enabled:
+                loaded.kernel_report = models.apply_kernels(loaded)
             loaded.model.train()  # HF checkpoints layers only in training mode (LoRA runs have no dropout)
     for _, p in _adapter_params(loaded.model, adapter):
         p.data = p.data.float()  # adapters and their optimizer state in fp32 over a 16/4-bit base
