@@ -5,6 +5,7 @@ supervised and two toy RL loops, the sampler's log-probs against Forward's, conc
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -241,7 +242,18 @@ def test_sample_logprobs_equal_forward_logprobs_of_the_sampled_tokens(client, se
     run.optim_step(AdamParams(learning_rate=1e-2))
     sampler = run.save_weights_for_sampler().sampler_id
     prompt = SEQ[:6]
-    out = run.sample(prompt, 3, SamplingParams(max_tokens=6, seed=4), sampler_id=sampler)
+    out = run.sample(
+        prompt, 3, SamplingParams(max_tokens=6, seed=4), sampler_id=sampler, prompt_logprobs=True
+    )
+    want = run.forward([Datum.of(prompt[:-1], target_tokens=prompt[1:], weights=[0.0] * 5)]).loss_fn_outputs[
+        0
+    ]
+    assert math.isnan(out.prompt_logprobs[0]) and len(out.prompt_logprobs) == len(
+        prompt
+    )  # nothing predicts token 0
+    torch.testing.assert_close(
+        torch.tensor(out.prompt_logprobs[1:]), torch.tensor(want.logprobs), rtol=1e-5, atol=1e-5
+    )
     for s in out.sequences:
         full = prompt + s.tokens
         datum = Datum.of(full[:-1], target_tokens=full[1:], weights=[0.0] * (len(full) - 1))
@@ -323,10 +335,19 @@ def test_bad_input_names_the_field_and_changes_nothing(client, trainer, session_
         client._call(client._stub.ForwardBackward, raw)
     with pytest.raises(NotFoundError):
         client.get_training_run("run-nope")
+    mine = run.forward_async([ce_datum(SEQ2)])
+    mine.result(timeout=60)
     token = auth.set_current(auth.Principal("someone-else"))
     try:  # another tenant sees neither the run nor its futures
-        with pytest.raises(Exception, match="not found"):
+        from strop.common.errors import NotFound
+
+        with pytest.raises(NotFound, match="not found"):
             runs_core.get(run.run_id)
+        with pytest.raises(NotFound, match="not found"):
+            runs_core.get_future(mine.future_id)
+        with pytest.raises(NotFound, match="not found"):
+            runs_core.cancel(mine.future_id)
+        assert run.run_id not in [r.run_id for r in runs_core.list()]
     finally:
         auth.reset_current(token)
     assert run.refresh().pending_futures == 0 and run.info.step == 0 and not run.info.has_gradients
