@@ -415,3 +415,15 @@ def test_an_idle_run_is_offloaded_and_restored_on_use(client, trainer, session_i
     assert stats.metrics and not runs_core._runs[idle.run_id].offloaded
     idle.delete()
     busy.delete()
+
+
+def test_closing_the_session_deletes_its_runs_and_cancels_their_futures(client):
+    s = client.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32")
+    run = client.create_training_run(s.session_id, RunLora(rank=2, seed=0))
+    waiting = run.forward_backward_async([ce_datum(SEQ2)], seq_id=5)  # behind a hole: still pending
+    with pytest.raises(FailedPreconditionError, match="holds training runs"):
+        client.attach_lora(s.session_id)
+    client.close_session(s.session_id)
+    assert client.get_future(waiting.future_id).state.value == "CANCELLED"
+    with pytest.raises(NotFoundError):
+        client.get_training_run(run.run_id)

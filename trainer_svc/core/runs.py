@@ -142,6 +142,7 @@ class TrainingRuns:
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
         self._stopping = False
+        sessions.on_close.append(self._session_closed)
         if metrics is not None:
             metrics.training_runs.set_function(lambda: float(len(self._runs)))
             metrics.futures_pending.set_function(lambda: float(self._pending_count()))
@@ -269,6 +270,19 @@ class TrainingRuns:
             run.sess.loaded.extra.get("step_runs", set()).discard(run_id)
             run.optimizer, run.params = None, []
         return self._info(run)
+
+    def _session_closed(self, session_id: str) -> None:
+        """CloseSession deletes the session's runs (their pending futures end CANCELLED) before its model goes."""
+        with self._cond:
+            doomed = [r.info.run_id for r in self._runs.values() if r.info.session_id == session_id]
+        token = auth.set_current(
+            auth.ANONYMOUS
+        )  # the session's owner (or an admin) closes it: all its runs go
+        try:
+            for run_id in doomed:
+                self.delete(run_id)
+        finally:
+            auth.reset_current(token)
 
     def _run(self, run_id: str) -> _Run:
         with self._cond:

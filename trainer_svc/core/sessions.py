@@ -90,6 +90,8 @@ class Sessions:
         self._sessions: dict[str, Session] = {}
         self._loading = 0  # loads in progress hold a slot, so concurrent loads cannot pass the cap together
         self._lock = threading.RLock()
+        # called with a session's id before CloseSession releases its model (the step API drops its runs)
+        self.on_close: list = []
 
     def load(self, req: LoadModelRequest) -> SessionInfo:
         with self._lock:
@@ -193,6 +195,8 @@ class Sessions:
 
     def close(self, session_id: str) -> SessionInfo:
         sess = self.idle(session_id, closing=True)
+        for hook in self.on_close:
+            hook(session_id)
         with sess.lock:
             models.release(sess.loaded)
             sess.info.state = SessionState.CLOSED
