@@ -400,7 +400,7 @@ def test_an_idle_run_is_offloaded_and_restored_on_use(client, trainer, session_i
     monkeypatch.setattr(
         runs_core, "_offload_same_device", True
     )  # the CPU session: the bookkeeping, moved to itself
-    monkeypatch.setattr(runs_core, "_last_sweep", 0.0)
+    monkeypatch.setattr(runs_core, "sweep_seconds", 0.2)
     idle = client.create_training_run(session_id, RunLora(rank=2, seed=0))
     idle.forward_backward([ce_datum(SEQ2)])
     busy = client.create_training_run(session_id, RunLora(rank=2, seed=1))
@@ -427,3 +427,19 @@ def test_closing_the_session_deletes_its_runs_and_cancels_their_futures(client):
     assert client.get_future(waiting.future_id).state.value == "CANCELLED"
     with pytest.raises(NotFoundError):
         client.get_training_run(run.run_id)
+
+
+def test_a_full_queue_is_resource_exhausted_and_accepts_again_once_drained(
+    client, session_id, runs_core, monkeypatch
+):
+    from strop.client import ResourceExhaustedError
+
+    monkeypatch.setattr(runs_core, "max_pending_per_run", 2)
+    run = client.create_training_run(session_id, RunLora(rank=2, seed=0))
+    held = [run.forward_async([ce_datum(SEQ2)], seq_id=s) for s in (3, 4)]  # behind a hole at 1, 2: pending
+    with pytest.raises(ResourceExhaustedError, match="2 futures pending"):
+        run.forward_async([ce_datum(SEQ2)], seq_id=5)
+    for f in held:
+        f.cancel()
+    assert run.forward_async([ce_datum(SEQ2)], seq_id=1).result(timeout=60).loss_fn_outputs  # room again
+    run.delete()

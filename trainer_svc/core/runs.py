@@ -131,7 +131,7 @@ class TrainingRuns:
         # a run idle this long moves its adapter, gradients and Adam state to offload_device (0: never); its
         # next primitive brings them back (``_on_device``); only where offload_device is not the session's device
         self.idle_offload_seconds, self.offload_device = idle_offload_seconds, offload_device
-        self._last_sweep = 0.0
+        self._last_sweep, self.sweep_seconds = 0.0, 10.0
         self._runs: dict[str, _Run] = {}
         # deleted runs, kept so watchers see their end (newest 1024)
         self._deleted: collections.OrderedDict[str, _Run] = collections.OrderedDict()
@@ -295,7 +295,7 @@ class TrainingRuns:
         with self._cond:
             info = replace(
                 run.info,
-                pending_futures=len(run.queue),
+                pending_futures=_waiting(run),
                 sampler_ids=list(run.samplers),
                 counts=[Metric(k, float(v)) for k, v in sorted(run.counts.items())],
             )
@@ -512,15 +512,15 @@ class TrainingRuns:
 
     def _pending_count(self) -> int:
         with self._cond:
-            return sum(len(r.queue) for r in self._runs.values()) + len(self._samples)
+            return sum(_waiting(r) for r in self._runs.values()) + len(self._samples)
 
     def _check_queue(self, run: _Run) -> None:
-        mine = len(run.queue) + sum(1 for e in self._samples if e.future.run_id == run.info.run_id)
+        mine = _waiting(run) + sum(1 for e in self._samples if e.future.run_id == run.info.run_id)
         if mine >= self.max_pending_per_run:
             raise ResourceExhausted(
                 f"run {run.info.run_id} has {mine} futures pending (limit {self.max_pending_per_run}); wait for some"
             )
-        total = sum(len(r.queue) for r in self._runs.values()) + len(self._samples)
+        total = sum(_waiting(r) for r in self._runs.values()) + len(self._samples)
         if total >= self.max_pending:
             raise ResourceExhausted(
                 f"{total} futures are pending on this device (limit {self.max_pending}); retry later"
@@ -814,9 +814,9 @@ class TrainingRuns:
                     self.metrics.on_primitive("sample", state, seconds / len(group), e.tokens)
 
     def _idle_runs(self) -> list[_Run]:
-        """Runs idle past the TTL, not yet offloaded (checked at most every 10 s; called under the lock)."""
+        """Runs idle past the TTL, not yet offloaded (checked every ``sweep_seconds``; called under the lock)."""
         now = time.time()
-        if not self.idle_offload_seconds or now - self._last_sweep < 10.0:
+        if not self.idle_offload_seconds or now - self._last_sweep < self.sweep_seconds:
             return []
         self._last_sweep = now
         return [
@@ -887,6 +887,11 @@ class TrainingRuns:
             raise ResourceExhausted(
                 f"this ForwardBackward needs {est} but {free / 2**30:.2f} GiB are free: send fewer or shorter datums"
             )
+
+
+def _waiting(run: _Run) -> int:
+    """The run's futures not yet run (a cancelled one keeps its seq in the queue until the run passes it)."""
+    return sum(1 for e in run.queue.values() if not e.future.state.done)
 
 
 _RESULT_FIELD = {
