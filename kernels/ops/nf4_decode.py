@@ -30,12 +30,12 @@ __all__ = ["MAX_DECODE_ROWS", "NF4DecodeWeight", "nf4_lora_decode", "nf4_lora_de
 
 MAX_DECODE_ROWS = 128  # above this the dequantize-then-GEMM path is compute-bound and better
 # Tile over output features. Each program re-reads all of x ([M, K], from L2) for its BLOCK_N rows of W, so x traffic
-# is (N / BLOCK_N)·M·K·2 bytes against N·K/2 of codes: at M = 64 a tile of 32 reads 8x more x than codes, 128 reads
-# 2x, but leaves 32 programs for a 4096-wide projection on 132 SMs. Not yet measured: on CUDA the autotuner picks
+# is (N / BLOCK_N)·M·K·2 bytes against N·K/2 of codes: at M = 64 a tile of 32 would read 8x more x than codes, 128
+# reads 2x, but leaves 32 programs for a 4096-wide projection on 132 SMs. Not yet measured: on CUDA the autotuner picks
 # per (M, N, K) among these on first use (the sampler's first eager step, never inside a graph capture); the
 # interpreter (CPU tests), which pays per program, runs the widest.
-_CONFIGS = ((32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 8, 3))  # (BLOCK_N, num_warps, num_stages)
-_DEFAULT = _CONFIGS[2]
+_CONFIGS = ((64, 4, 3), (128, 4, 3), (128, 8, 4))  # (BLOCK_N, num_warps, num_stages)
+_DEFAULT = _CONFIGS[1]
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
