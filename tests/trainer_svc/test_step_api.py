@@ -5,6 +5,7 @@ supervised and two toy RL loops, the sampler's log-probs against Forward's, conc
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -443,3 +444,42 @@ def test_a_full_queue_is_resource_exhausted_and_accepts_again_once_drained(
         f.cancel()
     assert run.forward_async([ce_datum(SEQ2)], seq_id=1).result(timeout=60).loss_fn_outputs  # room again
     run.delete()
+
+
+def test_the_fused_kernels_compute_with_whichever_run_is_active(client, caplog):
+    """Two runs on a session with strop's kernels patched in (the Triton interpreter on the CPU) give the log-probs
+    and gradients the same runs give on an unpatched session, alternating primitives between them: the kernels read
+    the active run's adapter on every call."""
+    from strop.common.trainer_types import KernelMode
+
+    patched = client.load_model(
+        "tiny-llama", quantization=Quantization.NONE, dtype="float32", kernels=KernelMode.ON
+    )
+    plain = client.load_model(
+        "tiny-llama", quantization=Quantization.NONE, dtype="float32", kernels=KernelMode.OFF
+    )
+    assert patched.facts.kernels_enabled and not plain.facts.kernels_enabled
+    out = {}
+    for sess in (patched, plain):
+        runs = [client.create_training_run(sess.session_id, RunLora(rank=4, seed=s)) for s in (11, 12)]
+        for run, seq in zip(runs, (SEQ, SEQ2), strict=True):
+            run.forward_backward([ce_datum(seq)])
+            run.optim_step(AdamParams(learning_rate=1e-2))
+        # alternate: a, b, a on the same sequence (a stale adapter would show as b's numbers in a's place)
+        out[sess.session_id] = [
+            runs[i].forward([ce_datum(SEQ2)]).loss_fn_outputs[0].logprobs for i in (0, 1, 0)
+        ]
+        assert out[sess.session_id][0] != out[sess.session_id][1]
+    # fp32 kernels against torch: ≈1e-5 relative (DESIGN.md's fp32 bound), here over two training steps
+    for got, want in zip(out[patched.session_id], out[plain.session_id], strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    # the patched path really ran (its rounding differs from torch's somewhere), with no fallback to PEFT's
+    assert out[patched.session_id] != out[plain.session_id]
+    fallbacks = [r.getMessage() for r in caplog.records if "reference path for" in r.getMessage()]
+    assert not fallbacks, fallbacks
+    logging.getLogger("strop.kernels").warning(
+        "strop.kernels: reference path for probe"
+    )  # the check can see one
+    assert any("reference path for probe" in r.getMessage() for r in caplog.records)
+    client.close_session(patched.session_id)
+    client.close_session(plain.session_id)
