@@ -184,7 +184,8 @@ class TrainingRuns:
                     run_id=run_id,
                     name=req.name,
                     session_id=req.session_id,
-                    tenant=sess.info.tenant,
+                    tenant=auth.current().tenant
+                    or sess.info.tenant,  # the caller's (an admin's: the session's)
                     base_model=sess.loaded.model_rel,
                     lora=lora,
                     optimizer=opt,
