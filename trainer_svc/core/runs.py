@@ -184,8 +184,7 @@ class TrainingRuns:
                     run_id=run_id,
                     name=req.name,
                     session_id=req.session_id,
-                    tenant=auth.current().tenant
-                    or sess.info.tenant,  # the caller's (an admin's: the session's)
+                    tenant=_owner(sess),
                     base_model=sess.loaded.model_rel,
                     lora=lora,
                     optimizer=opt,
@@ -888,6 +887,11 @@ class TrainingRuns:
             raise ResourceExhausted(
                 f"this ForwardBackward needs {est} but {free / 2**30:.2f} GiB are free: send fewer or shorter datums"
             )
+
+
+def _owner(sess: Session) -> str:
+    """A new run's tenant: the caller's; with authentication off (no tenant), the session's."""
+    return auth.current().tenant or sess.info.tenant
 
 
 def _waiting(run: _Run) -> int:
