@@ -483,3 +483,34 @@ def test_the_fused_kernels_compute_with_whichever_run_is_active(client, caplog):
     assert any("reference path for probe" in r.getMessage() for r in caplog.records)
     client.close_session(patched.session_id)
     client.close_session(plain.session_id)
+
+
+@pytest.mark.gpu
+def test_step_api_on_cuda_with_the_kernels_on_an_nf4_base(client):
+    """GPU tier: a 4-bit session (kernels on by default on CUDA, bf16 compute) trains two runs through the step
+    API: the loss falls, the runs stay apart, and a run reloaded from its state continues bit for bit on the device."""
+    s = client.load_model("tiny-llama-4bit")
+    assert s.facts.device.startswith("cuda") and s.facts.kernels_enabled
+    a = client.create_training_run(s.session_id, RunLora(rank=8, seed=0))
+    b = client.create_training_run(s.session_id, RunLora(rank=8, seed=1))
+    b_before = b.forward([ce_datum(SEQ2)]).loss_fn_outputs[0].logprobs
+    losses = []
+    for _ in range(10):
+        losses.append(a.forward_backward([ce_datum(SEQ)]).metrics[0].value)
+        a.optim_step(AdamParams(learning_rate=3e-3))
+    assert losses[-1] < 0.8 * losses[0], losses
+    b_after = (
+        b.forward([ce_datum(SEQ2)]).loss_fn_outputs[0].logprobs
+    )  # b untouched: a's steps move lp by > 1e-3
+    torch.testing.assert_close(torch.tensor(b_after), torch.tensor(b_before), rtol=0, atol=1e-6)
+    saved = a.save_state("gpu-step-state")
+    for _ in range(2):
+        a.forward_backward([ce_datum(SEQ2)])
+        a.optim_step(AdamParams(learning_rate=3e-3))
+    want = a.forward([ce_datum(SEQ)]).loss_fn_outputs[0].logprobs
+    c = client.create_training_run(s.session_id, from_state=saved.artifact_id)
+    for _ in range(2):
+        c.forward_backward([ce_datum(SEQ2)])
+        c.optim_step(AdamParams(learning_rate=3e-3))
+    assert c.forward([ce_datum(SEQ)]).loss_fn_outputs[0].logprobs == want
+    client.close_session(s.session_id)
