@@ -170,14 +170,21 @@ class Datum:
 
     @classmethod
     def of(cls, model_input: list[int], **inputs: list) -> Datum:
-        """``Datum.of(tokens, target_tokens=[…], weights=[…])``: ints for target_tokens, floats otherwise."""
+        """``Datum.of(tokens, target_tokens=[…], weights=[…])``: ints for target_tokens, floats otherwise; nested
+        lists for [N, K] (cross_entropy over K candidates per position)."""
         named = []
         for name, values in inputs.items():
             vals = list(values)
+            shape = [len(vals)]
+            if vals and isinstance(
+                vals[0], list | tuple
+            ):  # [N, K]: cross_entropy's K candidates per position
+                shape = [len(vals), len(vals[0])]
+                vals = [v for row in vals for v in row]
             if name == "target_tokens":
-                t = TensorData("int64", [len(vals)], int_values=[int(v) for v in vals])
+                t = TensorData("int64", shape, int_values=[int(v) for v in vals])
             else:
-                t = TensorData("float32", [len(vals)], float_values=[float(v) for v in vals])
+                t = TensorData("float32", shape, float_values=[float(v) for v in vals])
             named.append(NamedTensor(name, t))
         return cls(list(model_input), named)
 

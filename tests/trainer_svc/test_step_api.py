@@ -514,3 +514,24 @@ def test_step_api_on_cuda_with_the_kernels_on_an_nf4_base(client):
         c.optim_step(AdamParams(learning_rate=3e-3))
     assert c.forward([ce_datum(SEQ)]).loss_fn_outputs[0].logprobs == want
     client.close_session(s.session_id)
+
+
+def test_cross_entropy_over_k_candidates_scores_each_like_its_own_column(client, session_id):
+    """[N, K] target_tokens and weights (Tinker's top-K distillation form): each candidate's log-prob equals the
+    one a [N] datum of that column gets, and the loss is −Σ w·lp over all N·K."""
+    run = client.create_training_run(session_id, RunLora(rank=2, seed=0))
+    tokens = SEQ2[:-1]
+    cands = [[t, (t + 1) % 640, (t * 7) % 640] for t in SEQ2[1:]]
+    weights = [[0.6, 0.3, 0.1]] * len(cands)
+    out = run.forward([Datum.of(tokens, target_tokens=cands, weights=weights)])
+    lp = torch.tensor(out.loss_fn_outputs[0].logprobs).reshape(len(cands), 3)
+    for j in range(3):
+        col = run.forward([Datum.of(tokens, target_tokens=[c[j] for c in cands], weights=[1.0] * len(cands))])
+        torch.testing.assert_close(
+            lp[:, j], torch.tensor(col.loss_fn_outputs[0].logprobs), rtol=1e-6, atol=1e-6
+        )
+    want = -(lp * torch.tensor(weights)).sum().item()
+    assert out.metrics[0].value == pytest.approx(want, rel=1e-5)
+    with pytest.raises(InvalidArgumentError, match=r"expected \[10, 3\]"):
+        run.forward([Datum.of(tokens, target_tokens=cands, weights=[1.0] * len(cands))])
+    run.delete()

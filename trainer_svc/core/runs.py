@@ -1029,18 +1029,26 @@ def validate_data(
         if missing:
             raise InvalidArgument(f"data[{i}].loss_fn_inputs: {loss.wire} needs {missing[0]!r}")
         values: dict[str, list] = {}
+        # cross_entropy scores K candidates per position when target_tokens (and weights) are [N, K] (Tinker's
+        # top-K distillation); every other input is [N]
+        k = _candidates(inputs.get("target_tokens"), n) if loss is LossFn.CROSS_ENTROPY else 1
         for name, t in inputs.items():
             field_ = f"data[{i}].loss_fn_inputs[{name!r}]"
             want_int = name == "target_tokens"
-            if t.shape and list(t.shape) != [n]:
+            shape = [n, k] if k > 1 and name in ("target_tokens", "weights") else [n]
+            if t.shape and list(t.shape) != shape:
                 raise InvalidArgument(
-                    f"{field_} has shape {list(t.shape)}; expected [{n}] (one per model_input token)"
+                    f"{field_} has shape {list(t.shape)}; expected {shape} (one per model_input token"
+                    + (f", {k} candidates each)" if len(shape) == 2 else ")")
                 )
+            n_values = n * (shape[1] if len(shape) == 2 else 1)
             vals = t.int_values if want_int else t.float_values
             if (want_int and t.float_values) or (not want_int and t.int_values):
                 raise InvalidArgument(f"{field_} must be {'int64' if want_int else 'float32'}")
-            if len(vals) != n:
-                raise InvalidArgument(f"{field_} has {len(vals)} values; model_input has {n} tokens")
+            if len(vals) != n_values:
+                raise InvalidArgument(
+                    f"{field_} has {len(vals)} values; expected {n_values} ({'×'.join(map(str, shape))})"
+                )
             if want_int:
                 bad = next((j for j, v in enumerate(vals) if not 0 <= v < vocab_size), None)
                 if bad is not None:
@@ -1053,6 +1061,11 @@ def validate_data(
                     raise InvalidArgument(f"{field_}[{bad}] is {vals[bad]}; values must be finite")
             values[name] = list(vals)
         out.append(values)
+    ks = {len(v["target_tokens"]) // len(d.model_input) for v, d in zip(out, data, strict=True)}
+    if len(ks) > 1:
+        raise InvalidArgument(
+            f"data: every datum needs the same number of target candidates, got {sorted(ks)}"
+        )
     keys = set(out[0])
     ragged = next((i for i, v in enumerate(out) if set(v) != keys), None)
     if ragged is not None:
@@ -1060,6 +1073,13 @@ def validate_data(
             f"data[{ragged}].loss_fn_inputs names other inputs than data[0]'s ({sorted(keys)})"
         )
     return out
+
+
+def _candidates(t, n: int) -> int:
+    """K of a [N, K] ``target_tokens`` (1 for [N] or no shape)."""
+    if t is None or len(t.shape) != 2 or t.shape[0] != n or t.shape[1] < 1:
+        return 1
+    return int(t.shape[1])
 
 
 def _validate_sample(req: SampleRequest, facts) -> None:

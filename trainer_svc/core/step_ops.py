@@ -140,6 +140,7 @@ class Batch:
     mask: torch.Tensor
     lengths: list[int]
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    k: int = 1  # target candidates per position: [N, K] cross_entropy scores each row against K tokens
 
     @property
     def num_tokens(self) -> int:
@@ -158,7 +159,8 @@ def make_batch(model_inputs: list[list[int]], inputs: list[dict[str, list]], dev
     for key in inputs[0]:
         dtype = torch.long if key == "target_tokens" else torch.float32
         cat[key] = torch.tensor([v for d in inputs for v in d[key]], dtype=dtype, device=device)
-    return Batch(tokens.to(device), mask.to(device), lengths, cat)
+    k = len(inputs[0]["target_tokens"]) // lengths[0]  # candidates per position (validated alike for all)
+    return Batch(tokens.to(device), mask.to(device), lengths, cat, k)
 
 
 def _compute_dtype(loaded: models.LoadedModel) -> torch.dtype:
@@ -209,6 +211,8 @@ def forward_backward(
     grad = torch.enable_grad() if backward else torch.no_grad()
     with grad, _autocast(loaded):
         rows = hidden_rows(loaded, batch)
+        if batch.k > 1:  # each row scored against its K candidates, in [N, K] row-major order
+            rows = rows.repeat_interleave(batch.k, dim=0)
         loss, lp = per_token_loss(
             loss_fn, rows, weight, batch.inputs, cfg, bias=bias, softcap=softcap, logps=logps
         )
@@ -217,8 +221,8 @@ def forward_backward(
     lp = lp.detach().float().cpu().tolist()
     out, start = [], 0
     for n in batch.lengths:
-        out.append(lp[start : start + n])
-        start += n
+        out.append(lp[start : start + n * batch.k])
+        start += n * batch.k
     return float(loss.detach()), out
 
 
