@@ -27,6 +27,7 @@ from strop.export_svc.core.errors import (
     UnsupportedModel,
 )
 from strop.export_svc.core.st_io import SafetensorsFile
+from strop.kernels.ops.nf4_format import nf4_digest
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -206,20 +207,6 @@ class Nf4OnLoad:
                 qs.offset = f.get_tensor(name + ".offset").reshape(qs.offset.shape).to(qs.offset.dtype)
                 qs.state2.absmax = f.get_tensor(name + ".nested_absmax")
                 qs.state2.code = f.get_tensor(name + ".nested_code")
-
-
-def nf4_digest(packed: torch.Tensor, qs) -> str:
-    """sha256 of 4-bit codes and their absmax (nested: its codes, then the absmax's absmax and offset).
-
-    The same bytes, in the same order, as the trainer's ``models._nf4_digest`` hashes of its Linear4bit.
-    """
-    import hashlib
-
-    h = hashlib.sha256()
-    parts = [packed, qs.absmax] + ([qs.state2.absmax, qs.offset] if qs.nested else [])
-    for t in parts:  # as bytes, whatever the codes' storage dtype (bnb_4bit_quant_storage)
-        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .nf4_format import NF4_CODE
 from .utils import cdiv
 
 __all__ = [
@@ -52,14 +53,6 @@ __all__ = [
     "nf4_dequantize",
     "nf4_dequantize_reference",
 ]
-
-# bitsandbytes' NF4 table (functional.get_4bit_type("nf4")), the same fp32 constants its CUDA kernel uses.
-NF4_CODE = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)  # fmt: skip
 
 _BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -117,6 +117,26 @@ def test_importing_the_sdk_pulls_no_torch():
     assert out.strip() == "[]", out
 
 
+def test_the_export_service_takes_from_the_kernels_only_what_needs_no_triton():
+    # the exporter's CPU nodes have no Triton: it shares the NF4 format's facts (the digest) and nothing else
+    import subprocess
+    import sys
+
+    allowed = {"strop.kernels", "strop.kernels.ops", "strop.kernels.ops.nf4_format"}
+    assert not _hits(
+        ["strop.export_svc"], sorted({m for m in GRAPH if m.startswith("strop.kernels")} - allowed)
+    )
+    code = (
+        "import pkgutil, importlib, sys, strop.export_svc as e\n"
+        "for m in pkgutil.walk_packages(e.__path__, 'strop.export_svc.'): importlib.import_module(m.name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]", out
+
+
 KERNEL_ROOMS = [
     "ops",
     "lora",

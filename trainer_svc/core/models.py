@@ -775,24 +775,15 @@ def base_quant_metadata(model) -> dict[str, str]:
 
 
 def _nf4_digest(name: str, weight) -> dict[str, str]:
-    """sha256 of one Linear4bit weight's codes and absmax, for the exporter to check its re-creation by.
-
-    The same bytes, in the same order, as ``export_svc.core.sources.nf4_digest`` hashes (the services
-    share no code; ``tests/export_svc/test_as_trained.py`` checks the two agree). Skipped for a layer
-    bitsandbytes repacked for CPU inference (its codes are in another layout then).
-    """
-    import hashlib
-
-    import torch
+    """The digest of one Linear4bit weight (``kernels/ops/nf4_format.nf4_digest``, which the exporter compares its
+    re-creation by). Skipped for a layer bitsandbytes repacked for CPU inference (its codes are in another
+    layout then)."""
+    from strop.kernels.ops.nf4_format import nf4_digest
 
     qs = weight.quant_state
     if getattr(qs, "packing_format_for_cpu", False):
         return {}
-    h = hashlib.sha256()
-    parts = [weight.data, qs.absmax] + ([qs.state2.absmax, qs.offset] if qs.nested else [])
-    for t in parts:  # as bytes: the codes' storage dtype need not be uint8 (bnb_4bit_quant_storage)
-        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return {"base_quant.digest_tensor": name, "base_quant.digest": h.hexdigest()}
+    return {"base_quant.digest_tensor": name, "base_quant.digest": nf4_digest(weight.data, qs)}
 
 
 def release(loaded: LoadedModel) -> None:
