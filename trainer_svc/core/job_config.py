@@ -13,7 +13,6 @@ from strop.common.trainer_types import (
     REFERENCE_METHODS,
     TRAIN_DEFAULTS,
     DatasetFormat,
-    MemoryMode,
     Retention,
     TrainConfig,
     TrainMethod,
@@ -53,6 +52,21 @@ def _epochs(default: object, num_rows: int) -> float:
     return float(default)
 
 
+def _defaults_for_unset(cfg: TrainConfig, session_max_len: int, num_rows: int) -> dict[str, object]:
+    """``TRAIN_DEFAULTS``' value for every field the request left unset (zero, empty or UNSPECIFIED), in the
+    field's type; the defaults that depend on the job (epochs by the dataset's rows, the session's max length)
+    resolved. Retention is not among them: it depends on the dataset's format (``retention_of``)."""
+    derived = {"num_epochs": lambda d: _epochs(d, num_rows), "max_length": lambda d: session_max_len}
+    out = {}
+    for name in TRAIN_DEFAULTS:
+        value = getattr(cfg, name)
+        if name == "retention" or (value and getattr(value, "name", "") != "UNSPECIFIED"):
+            continue
+        default = train_default(name, cfg.method)
+        out[name] = derived[name](default) if name in derived else type(value)(default)
+    return out
+
+
 def retention_of(cfg: TrainConfig, fmt: DatasetFormat, tokenizer) -> Retention:
     """The retention a job runs with: REPLAY or NONE as asked, else ``TRAIN_DEFAULTS``'s for its method where it
     applies (SFT on messages data with a chat template: replayed conversations are chat messages), else NONE.
@@ -84,31 +98,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidArgument(f"config: {f.name} must be a finite number, got {value}")
     preference = cfg.method is not TrainMethod.SFT
-    default = {name: train_default(name, cfg.method) for name in TRAIN_DEFAULTS}
-    c = replace(
-        cfg,
-        learning_rate=cfg.learning_rate or default["learning_rate"],
-        lr_scheduler=cfg.lr_scheduler or default["lr_scheduler"],
-        num_epochs=cfg.num_epochs or _epochs(default["num_epochs"], num_rows),
-        batch_size=cfg.batch_size or default["batch_size"],
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps or default["gradient_accumulation_steps"],
-        max_length=cfg.max_length or session_max_len,
-        optimizer=cfg.optimizer or default["optimizer"],
-        max_grad_norm=cfg.max_grad_norm or default["max_grad_norm"],
-        dpo_beta=cfg.dpo_beta or default["dpo_beta"],
-        dpo_loss_type=cfg.dpo_loss_type or default["dpo_loss_type"],
-        dpo_reference=cfg.dpo_reference or default["dpo_reference"],
-        orpo_lambda=cfg.orpo_lambda or default["orpo_lambda"],
-        kto_beta=cfg.kto_beta or default["kto_beta"],
-        kto_desirable_weight=cfg.kto_desirable_weight or default["kto_desirable_weight"],
-        kto_undesirable_weight=cfg.kto_undesirable_weight or default["kto_undesirable_weight"],
-        simpo_beta=cfg.simpo_beta or default["simpo_beta"],
-        simpo_gamma=cfg.simpo_gamma or default["simpo_gamma"],
-        retention_rows=cfg.retention_rows or default["retention_rows"],
-        memory_mode=MemoryMode(default["memory_mode"])
-        if cfg.memory_mode is MemoryMode.UNSPECIFIED
-        else cfg.memory_mode,
-    )
+    c = replace(cfg, **_defaults_for_unset(cfg, session_max_len, num_rows))
     forced = MEMORY_MODES[c.memory_mode].gradient_checkpointing
     if (
         forced is not None
