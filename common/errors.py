@@ -38,6 +38,12 @@ class FailedPrecondition(StropError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class PermissionDenied(StropError):
+    """The caller sees the object but its role does not allow the request (a shared session's owner-only calls)."""
+
+    grpc_code = "PERMISSION_DENIED"
+
+
 class ResourceExhausted(StropError):
     """Out of device memory, queue full, size limit exceeded."""
 

@@ -237,6 +237,8 @@ class LoadModelRequest:
     max_seq_length: int = 0
     kernels: KernelMode = KernelMode.UNSPECIFIED
     name: str = ""
+    # every tenant may create training runs on it; only an admin loads one (see Sessions.open)
+    shared: bool = False
 
 
 @dataclass
@@ -254,6 +256,7 @@ class SessionInfo:
     # empty when none is predicted, and the note then says whether a GGUF export will be refused
     gguf_pre_tokenizer: str = ""
     gguf_pre_tokenizer_note: str = ""
+    shared: bool = False  # loaded shared: every tenant sees it and may create training runs on it
 
 
 @dataclass

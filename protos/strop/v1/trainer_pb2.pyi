@@ -173,20 +173,22 @@ FUTURE_STATE_FAILED: FutureState
 FUTURE_STATE_CANCELLED: FutureState
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model_path", "quantization", "dtype", "max_seq_length", "kernels", "name")
+    __slots__ = ("model_path", "quantization", "dtype", "max_seq_length", "kernels", "name", "shared")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     quantization: Quantization
     dtype: str
     max_seq_length: int
     kernels: KernelMode
     name: str
-    def __init__(self, model_path: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., dtype: _Optional[str] = ..., max_seq_length: _Optional[int] = ..., kernels: _Optional[_Union[KernelMode, str]] = ..., name: _Optional[str] = ...) -> None: ...
+    shared: bool
+    def __init__(self, model_path: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., dtype: _Optional[str] = ..., max_seq_length: _Optional[int] = ..., kernels: _Optional[_Union[KernelMode, str]] = ..., name: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class ModelFacts(_message.Message):
     __slots__ = ("model_path", "architecture", "model_type", "num_parameters", "num_trainable_parameters", "quantization", "compute_dtype", "device", "device_memory_bytes", "kernels_enabled", "kernels_reason", "max_seq_length", "vocab_size", "hidden_size", "num_layers", "has_chat_template")
@@ -225,7 +227,7 @@ class ModelFacts(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_trainable_parameters: _Optional[int] = ..., quantization: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., device: _Optional[str] = ..., device_memory_bytes: _Optional[int] = ..., kernels_enabled: _Optional[bool] = ..., kernels_reason: _Optional[str] = ..., max_seq_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "name", "state", "facts", "lora", "created_at", "busy_job_id", "tenant", "instance_id", "gguf_pre_tokenizer", "gguf_pre_tokenizer_note")
+    __slots__ = ("session_id", "name", "state", "facts", "lora", "created_at", "busy_job_id", "tenant", "instance_id", "gguf_pre_tokenizer", "gguf_pre_tokenizer_note", "shared")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +239,7 @@ class Session(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     GGUF_PRE_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     GGUF_PRE_TOKENIZER_NOTE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     name: str
     state: SessionState
@@ -248,7 +251,8 @@ class Session(_message.Message):
     instance_id: str
     gguf_pre_tokenizer: str
     gguf_pre_tokenizer_note: str
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., facts: _Optional[_Union[ModelFacts, _Mapping]] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., busy_job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., instance_id: _Optional[str] = ..., gguf_pre_tokenizer: _Optional[str] = ..., gguf_pre_tokenizer_note: _Optional[str] = ...) -> None: ...
+    shared: bool
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., facts: _Optional[_Union[ModelFacts, _Mapping]] = ..., lora: _Optional[_Union[_common_pb2.LoraConfig, _Mapping]] = ..., created_at: _Optional[float] = ..., busy_job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., instance_id: _Optional[str] = ..., gguf_pre_tokenizer: _Optional[str] = ..., gguf_pre_tokenizer_note: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class AttachLoraRequest(_message.Message):
     __slots__ = ("session_id", "lora")
