@@ -62,9 +62,10 @@ class TrainerClient(ArtifactClient):
         max_seq_length: int = 0,
         kernels: KernelMode = KernelMode.UNSPECIFIED,
         name: str = "",
+        shared: bool = False,
         timeout: float = LONG_TIMEOUT,
     ) -> SessionInfo:
-        req = LoadModelRequest(model_path, quantization, dtype, max_seq_length, kernels, name)
+        req = LoadModelRequest(model_path, quantization, dtype, max_seq_length, kernels, name, shared)
         return self._session(
             self._call(
                 self._stub.LoadModel,

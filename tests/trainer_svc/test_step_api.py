@@ -535,3 +535,87 @@ def test_cross_entropy_over_k_candidates_scores_each_like_its_own_column(client,
     with pytest.raises(InvalidArgumentError, match=r"expected \[10, 3\]"):
         run.forward([Datum.of(tokens, target_tokens=cands, weights=[1.0] * len(cands))])
     run.delete()
+
+
+@pytest.fixture(scope="module")
+def tenants(model_root, tmp_path_factory):
+    """A trainer with bearer tokens for two tenants and an admin, over real gRPC."""
+    import json
+
+    from strop.common.auth import TokenTable
+    from strop.common.grpc_server import Security
+    from strop.trainer_svc.core.trainer_core import TrainerConfig
+    from strop.trainer_svc.server import start
+
+    work = tmp_path_factory.mktemp("step-tenants")
+    tokens = work / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": [
+        {"tenant": "team-a", "token": "ta"}, {"tenant": "team-b", "token": "tb"},
+        {"tenant": "ops", "token": "admin", "role": "admin"},
+    ]}))  # fmt: skip
+    service = start(
+        TrainerConfig(model_root=model_root, artifact_root=work / "artifacts", state_dir=work / "state"),
+        security=Security(tokens=TokenTable.load(tokens)),
+    )
+    target = f"127.0.0.1:{service.port}"
+    with (
+        TrainerClient(target, token="ta") as a,
+        TrainerClient(target, token="tb") as b,
+        TrainerClient(target, token="admin") as ops,
+    ):
+        yield a, b, ops
+    service.stop(grace=10.0)
+
+
+def test_many_tenants_train_runs_on_one_shared_session_and_see_only_their_own(tenants):
+    """An admin loads a shared base; two tenants create runs on it and train, each seeing only its own runs and
+    futures; only the owner (or an admin) may close it or use it otherwise; closing it ends every tenant's runs."""
+    from strop.client import PermissionDeniedError
+
+    a, b, ops = tenants
+    with pytest.raises(PermissionDeniedError, match="only an admin may load a shared session"):
+        a.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32", shared=True)
+    shared = ops.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32", shared=True)
+    sid = shared.session_id
+    assert shared.shared and shared.tenant == "ops"
+    # every tenant sees the shared session (to create runs on it)
+    assert sid in [s.session_id for s in a.list_sessions()] and b.get_session(sid).shared
+    run_a = a.create_training_run(sid, RunLora(rank=2, seed=1))
+    run_b = b.create_training_run(sid, RunLora(rank=2, seed=2))
+    assert (run_a.info.tenant, run_b.info.tenant) == ("team-a", "team-b")
+    fut_a = run_a.forward_backward_async([ce_datum(SEQ)])
+    loss_b = run_b.forward_backward([ce_datum(SEQ2)]).metrics[0].value
+    loss_a = fut_a.result(timeout=60).metrics[0].value
+    run_a.optim_step(AdamParams(learning_rate=1e-2))
+    run_b.optim_step(AdamParams(learning_rate=1e-2))
+    # one more step of each lowers its own loss: both really trained on the one base
+    assert run_a.forward([ce_datum(SEQ)]).metrics[0].value < loss_a
+    assert run_b.forward([ce_datum(SEQ2)]).metrics[0].value < loss_b
+    # each tenant lists only its own runs on the shared session; the admin sees both
+    assert [r.run_id for r in a.list_training_runs(sid)] == [run_a.run_id]
+    assert [r.run_id for r in b.list_training_runs(sid)] == [run_b.run_id]
+    assert {r.run_id for r in ops.list_training_runs(sid)} == {run_a.run_id, run_b.run_id}
+    # another tenant's run and future are NOT_FOUND, as for ids that do not exist
+    with pytest.raises(NotFoundError):
+        b.get_training_run(run_a.run_id)
+    with pytest.raises(NotFoundError):
+        b.get_future(fut_a.future_id)
+    with pytest.raises(NotFoundError):
+        b.delete_training_run(run_a.run_id)
+    # the session's own calls are its owner's: another tenant sees it but may not close or change it
+    with pytest.raises(PermissionDeniedError, match="only its owner or an admin"):
+        b.close_session(sid)
+    with pytest.raises(PermissionDeniedError, match="only its owner or an admin"):
+        a.attach_lora(sid)
+    # a tenant's own (not shared) session stays invisible to the other tenant, runs included
+    own = a.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32")
+    assert own.session_id not in [s.session_id for s in b.list_sessions()]
+    with pytest.raises(NotFoundError):
+        b.create_training_run(own.session_id, RunLora(rank=2, seed=0))
+    a.close_session(own.session_id)
+    # the owner closes the shared session: every tenant's runs on it go
+    ops.close_session(sid)
+    with pytest.raises(NotFoundError):
+        a.get_training_run(run_a.run_id)
+    with pytest.raises(NotFoundError):
+        b.get_training_run(run_b.run_id)

@@ -150,7 +150,7 @@ class TrainingRuns:
     # ---- runs ---------------------------------------------------------------------------------------------
 
     def create(self, req: CreateTrainingRun) -> TrainingRunInfo:
-        sess = self.sessions.idle(req.session_id)
+        sess = self.sessions.idle(req.session_id, for_runs=True)  # a shared session takes every tenant's runs
         if sess.loaded.lora is not None:
             raise FailedPrecondition(
                 f"session {req.session_id} has a job adapter (AttachLora); training runs need a session without one"

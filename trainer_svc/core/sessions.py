@@ -12,7 +12,14 @@ from pathlib import Path
 
 from strop.common import auth
 from strop.common.artifacts import ArtifactStore
-from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unimplemented
+from strop.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unimplemented,
+)
 from strop.common.pretokenizers import Identification, PreTokenizerGuess, predict_for_tokenizer
 from strop.common.trainer_types import Artifact, LoadModelRequest, LoraConfig, SessionInfo, SessionState
 from strop.trainer_svc.core import adapter_state, models
@@ -94,6 +101,10 @@ class Sessions:
         self.on_close: list = []
 
     def load(self, req: LoadModelRequest) -> SessionInfo:
+        if req.shared and not auth.current().admin:
+            raise PermissionDenied(
+                "shared: only an admin may load a shared session (a base every tenant may create training runs on)"
+            )
         with self._lock:
             open_sessions = sum(
                 1
@@ -122,6 +133,7 @@ class Sessions:
             tenant=auth.current().tenant,
             gguf_pre_tokenizer=pre.name,
             gguf_pre_tokenizer_note=pre.note,
+            shared=req.shared,
         )
         with self._lock:  # the slot passes from "loading" to "open" under one lock
             self._loading -= 1
@@ -137,24 +149,26 @@ class Sessions:
         log.info("session %s: GGUF pre-tokenizer %s", info.session_id, pre.note)
         return info
 
-    def open(self, session_id: str) -> Session:
+    def open(self, session_id: str, *, for_runs: bool = False) -> Session:
+        """An open session the caller may use: its own (or any, for an admin); a shared one only ``for_runs``
+        (creating training runs on it), any other use of another tenant's shared session is PERMISSION_DENIED."""
         with self._lock:
             sess = self._sessions.get(session_id)
         if sess is None:
             stored = self.store.get_session(session_id)  # NotFound for unknown ids
-            auth.check_visible(stored.tenant, f"session {session_id!r}")
+            _check_use(stored, for_runs=for_runs)
             if stored.state is SessionState.LOST:
                 raise FailedPrecondition(
                     f"session {session_id} was lost when the service restarted; load the model again"
                 )
             raise FailedPrecondition(f"session {session_id} is {stored.state.value.lower()}")
-        auth.check_visible(sess.info.tenant, f"session {session_id!r}")
+        _check_use(sess.info, for_runs=for_runs)
         if sess.info.state is SessionState.CLOSED:
             raise FailedPrecondition(f"session {session_id} is closed")
         return sess
 
-    def idle(self, session_id: str, *, closing: bool = False) -> Session:
-        sess = self.open(session_id)
+    def idle(self, session_id: str, *, closing: bool = False, for_runs: bool = False) -> Session:
+        sess = self.open(session_id, for_runs=for_runs)
         if sess.broken and not closing:
             raise FailedPrecondition(f"session {session_id}: {sess.broken}")
         if sess.info.busy_job_id:
@@ -179,14 +193,15 @@ class Sessions:
         with self._lock:
             sess = self._sessions.get(session_id)
         info = sess.info if sess else self.store.get_session(session_id)
-        auth.check_visible(info.tenant, f"session {session_id!r}")
+        if not info.shared:  # a shared session is every tenant's to see (not its runs: they are their owners')
+            auth.check_visible(info.tenant, f"session {session_id!r}")
         return info
 
     def list(self, include_closed: bool = False) -> list[SessionInfo]:
         out = []
         me = auth.current()
         for stored in self.store.list_sessions():
-            if not me.can_see(stored.tenant):
+            if not (me.can_see(stored.tenant) or stored.shared):
                 continue
             info = self.get(stored.session_id)
             if include_closed or info.state in (SessionState.LOADED, SessionState.READY):
@@ -239,6 +254,20 @@ class Sessions:
     ) -> Artifact:
         return publish_adapter(
             self.artifacts, sess.loaded, tenant=sess.info.tenant, artifact_id=artifact_id, metadata=metadata
+        )
+
+
+def _check_use(info: SessionInfo, *, for_runs: bool) -> None:
+    """Another tenant's session is NOT_FOUND, unless it is shared: then creating runs is allowed and everything
+    else (AttachLora, Train, Generate, SaveAdapter, CloseSession) is its owner's or an admin's."""
+    if auth.current().can_see(info.tenant):
+        return
+    if not info.shared:
+        raise NotFound(f"session {info.session_id!r} not found")
+    if not for_runs:
+        raise PermissionDenied(
+            f"session {info.session_id} is shared by {info.tenant!r}: other tenants may create training runs on it; "
+            "only its owner or an admin may close it or use it otherwise"
         )
 
 
