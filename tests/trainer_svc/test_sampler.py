@@ -310,3 +310,61 @@ def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(tmp_path):
         assert owner.active and "_strop_nf4decode_prev" not in norm.__dict__
     finally:
         unpatch_model(model)
+
+
+@pytest.mark.gpu
+def test_cuda_sampler_with_graph_and_nf4_kernel_is_within_bf16_error_of_fp32(tmp_path):
+    """GPU tier. On an NF4 session as the trainer has it on CUDA (bf16 compute, strop's kernels patched), the
+    decode step runs as a CUDA graph through the fused NF4 kernel, the same seed gives bitwise the same tokens
+    twice, and the sampled log-probs are no further from an fp32-compute teacher-forced forward of the same NF4
+    weights than 2x bf16's own error (HF + PEFT + bitsandbytes in bf16 against that fp32 forward): DESIGN.md's bf16
+    rule."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from strop.fixtures import make_tiny_model
+    from strop.kernels.models import patch_model, unpatch_model
+    from strop.trainer_svc.core.models import compute_prequantized_in
+
+    path = make_tiny_model(tmp_path / "tiny", arch="llama", dtype="bfloat16", seed=0)
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, quantization_config=bnb, device_map={"": 0}, attn_implementation="sdpa"
+    )
+    torch.manual_seed(3)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    )
+    patch_model(model)
+    reqs = [
+        SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=24, temperature=1.0, seed=11)),
+        SampleRequest(PROMPTS[2], 1, SamplingParams(max_tokens=24, temperature=0.0)),
+    ]
+    stats = SampleStats()
+    got = sample(model, reqs, stats=stats)
+    again = sample(model, reqs)
+    assert stats.cuda_graph, stats.note
+    assert stats.extra["nf4_decode_layers"] == 14
+    assert [[s.tokens for s in r.sequences] for r in got] == [[s.tokens for s in r.sequences] for r in again]
+    unpatch_model(model)
+
+    def teacher_forced(seq: list[int], n_prompt: int) -> torch.Tensor:
+        ids = torch.tensor([seq], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, n_prompt - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(1, ids[0, n_prompt:, None])[:, 0].cpu()
+
+    pairs = [(r.prompt, s) for r, res in zip(reqs, got, strict=True) for s in res.sequences]
+    bf16 = [teacher_forced(p + s.tokens, len(p)) for p, s in pairs]
+    compute_prequantized_in(model, torch.float32)  # the same NF4 codes, everything else computed in fp32
+    fp32 = [teacher_forced(p + s.tokens, len(p)) for p, s in pairs]
+    ours = [torch.tensor(s.logprobs) for _, s in pairs]
+    torch_err = max(float((b - f).abs().max()) for b, f in zip(bf16, fp32, strict=True))
+    our_err = max(float((o - f).abs().max()) for o, f in zip(ours, fp32, strict=True))
+    assert our_err <= 2 * torch_err, (our_err, torch_err)
