@@ -619,3 +619,30 @@ def test_many_tenants_train_runs_on_one_shared_session_and_see_only_their_own(te
         a.get_training_run(run_a.run_id)
     with pytest.raises(NotFoundError):
         b.get_training_run(run_b.run_id)
+
+
+def test_a_sample_of_the_live_run_sees_every_primitive_submitted_before_it(client, trainer, session_id):
+    """Sample(run) is ordered with the run's training primitives (Tinker's per-run order): submitted behind
+    three ForwardBackward + OptimStep rounds, it samples with the weights after all three. The worker is held
+    (the session's lock) while everything is submitted, so without the order the sample queue's turn would come
+    after at most one primitive, before any update."""
+    pytest.importorskip("strop.trainer_svc.core.sampler")
+    run = client.create_training_run(session_id, RunLora(rank=4, seed=21))
+    prompt = SEQ[:8]
+    prompt_datum = Datum.of(prompt[:-1], target_tokens=prompt[1:], weights=[0.0] * 7)
+    before = torch.tensor(run.forward([prompt_datum]).loss_fn_outputs[0].logprobs)
+    lock = trainer[1].sessions.open(session_id).lock
+    with lock:
+        for _ in range(3):
+            run.forward_backward_async([ce_datum(SEQ)])
+            run.optim_step_async(AdamParams(learning_rate=3e-2))
+        sampled = run.sample_async(prompt, 2, SamplingParams(max_tokens=2, seed=1), prompt_logprobs=True)
+    out = sampled.result(timeout=120)
+    after = torch.tensor(run.forward([prompt_datum]).loss_fn_outputs[0].logprobs)
+    got = torch.tensor(out.prompt_logprobs[1:])
+    assert run.refresh().step == 3
+    # three Adam steps at lr 3e-2 on these very tokens move their log-probs by nats; the sampler's prompt
+    # log-probs are the updated weights' up to fp32 rounding (1e-5, as in the test above)
+    assert (after - before).abs().max() > 0.1
+    torch.testing.assert_close(got, after, rtol=1e-5, atol=1e-5)
+    run.delete()

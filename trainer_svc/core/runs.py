@@ -6,8 +6,9 @@ future run by the device's one worker.
 - Every primitive is validated when submitted (bad input: INVALID_ARGUMENT naming the field, nothing queued),
   then answers a :class:`Future` at once. Per run, futures run in ``seq_id`` order (a request without one takes
   the run's next; a duplicate ``(run, seq_id)`` returns the existing future; a hole blocks the run for
-  ``hole_seconds``, then is skipped; a failed or cancelled seq still advances). Samples are not ordered with
-  training: they queue apart and all pending ones on a session run as one batch.
+  ``hole_seconds``, then is skipped; a failed or cancelled seq still advances). Samples queue apart and all
+  ready ones on a session run as one batch; a Sample of a run's live adapter is ready once every primitive of
+  the run submitted before it has run (it sees their weights), a snapshot's at once.
 - **Fairness**: the worker serves the runs with a ready head (and the sample queue) round robin, one primitive
   per turn. Each primitive takes the device from the job scheduler (``Jobs.device_turn``: queued jobs go
   first) and the session's lock.
@@ -76,6 +77,8 @@ class _Entry:
     work: Callable[[], Any] | None  # runs on the worker; returns the result field's value
     tokens: int = 0
     sample: SampleRequest | None = None
+    # a Sample of a run's live adapter runs once the run has passed this seq (every primitive submitted before it)
+    after_seq: int = 0
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -495,6 +498,8 @@ class TrainingRuns:
         entry.sample = req
         with self._cond:
             self._check_queue(run)
+            if not req.sampler_id:  # the live weights: after every seq the run has accepted so far
+                entry.after_seq = run.info.next_seq_id - 1
             self._futures[entry.future.future_id] = entry
             self._samples.append(entry)
             self._start_worker()
@@ -678,8 +683,8 @@ class TrainingRuns:
             key = self._rotation[0]
             self._rotation.rotate(-1)
             if key == SAMPLE_QUEUE:
-                if self._samples:
-                    batch = self._sample_batch()
+                batch = self._sample_batch() if self._samples else []
+                if batch:
                     return key, batch
                 continue
             run = self._runs.get(key)
@@ -690,13 +695,23 @@ class TrainingRuns:
                 return key, [entry]
         return None
 
+    def _sample_ready(self, e: _Entry) -> bool:
+        """A snapshot's sample is ready at once; a live run's once the run has run every seq up to ``after_seq``
+        (the worker runs one thing at a time, so a seq below ``next_exec`` has finished)."""
+        run = self._runs.get(e.future.run_id)
+        return run is None or bool(e.sample.sampler_id) or run.next_exec > e.after_seq
+
     def _sample_batch(self) -> list[_Entry]:
-        """Every pending sample on the session of the oldest one (one decode batch; adapters switch per group)."""
-        head = self._samples[0]
+        """Every ready sample on the session of the oldest ready one (one decode batch; adapters switch per
+        group); empty when none is ready."""
+        ready = [e for e in self._samples if self._sample_ready(e)]
+        if not ready:
+            return []
+        head = ready[0]
         sess_id = self._runs[head.future.run_id].info.session_id if head.future.run_id in self._runs else None
         batch = [
             e
-            for e in self._samples
+            for e in ready
             if e.future.run_id in self._runs and self._runs[e.future.run_id].info.session_id == sess_id
         ]
         if not batch:
