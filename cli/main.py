@@ -27,17 +27,20 @@ from strop.common.trainer_types import (
 
 
 def _serve(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("trainer", "export"):
+    if not argv or argv[0] not in ("trainer", "export", "tinker"):
         asked = bool(argv) and argv[0] in ("-h", "--help")
         print(
-            "usage: strop serve {trainer|export} [options]\n\n"
-            "Run the trainer (gRPC, GPU) or the export service (gRPC, CPU) in this process. Every option, with its\n"
-            "default and environment variable: strop serve trainer --help, strop serve export --help.",
+            "usage: strop serve {trainer|export|tinker} [options]\n\n"
+            "Run the trainer (gRPC, GPU), the export service (gRPC, CPU) or the Tinker REST gateway (HTTP, a client\n"
+            "of the trainer) in this process. Every option, with its default and environment variable:\n"
+            "strop serve trainer --help, strop serve export --help, strop serve tinker --help.",
             file=sys.stdout if asked else sys.stderr,
         )
         return 0 if asked else 2
     if argv[0] == "trainer":
         from strop.trainer_svc.server import main
+    elif argv[0] == "tinker":
+        from strop.gateways.tinker.server import main
     else:
         from strop.export_svc.server import main
     main(argv[1:])
@@ -386,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{serve,train,jobs,sessions,runs,export}"
     )
-    sub.add_parser("serve", help="run a service: strop serve {trainer|export} [options]", add_help=False)
+    sub.add_parser(
+        "serve", help="run a service: strop serve {trainer|export|tinker} [options]", add_help=False
+    )
     _add_train(sub)
     _add_jobs(sub)
     _add_sessions(sub)

@@ -1,0 +1,5 @@
+import sys
+
+from strop.gateways.tinker.server import main
+
+sys.exit(main())
