@@ -73,8 +73,10 @@ ADAM_DEFAULTS = {
     "weight_decay": 0.0,
     "grad_clip_norm": 0.0,
 }
-# LoRA alpha for a wire that carries only the rank (Tinker's): 32, SkyRL tx's "tinker default"
-# (docs/design/tinker-wire.md §8; unverified from Tinker itself).
+# LoRA alpha for a wire that carries only the rank (Tinker's SDK LoraConfig has rank, seed, train_unembed,
+# train_mlp, train_attn and no alpha: tinker src/tinker/types/lora_config.py). 32 is what Tinker's own cookbook
+# documents for its adapters ("lora_alpha | 32", tinker-cookbook tinker_cookbook/weights/README.md, "LoRA Rank and
+# Alpha"; hyperparam_utils.get_lora_lr_over_full_finetune_lr(lora_alpha=32)) and SkyRL tx's "tinker default".
 DEFAULT_RUN_LORA_ALPHA = 32.0
 
 

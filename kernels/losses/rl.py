@@ -16,9 +16,19 @@ add up exactly, and a client's custom loss passed as ``weights = −∂C/∂lp``
                                                                              example 0.05, our default)
 
 ``lo``/``hi`` are absolute ratio bounds (``clip_low_threshold``/``clip_high_threshold``), from the loss config
-or per token from the datum. The RL losses do not multiply by ``weights`` (the docs' formulas have none; a
-datum's prompt part carries ``A = 0``). ``gspo`` and ``stable_reinforce`` have no public definition and are
-not offered.
+or per token from the datum. ``dro``'s β defaults to 0.05, the value of the docs' example (the docs give no
+other default, and the SDK carries none: ``loss_fn_config`` is a free ``dict[str, float]``).
+
+``weights`` on the RL losses: optional, and when given, each token's term is multiplied by its weight, a weight
+of 0 dropping the token from the sum (its value, even non-finite, never reaches the loss). The docs' own RL datum example sends ``weights``
+("0 for prompt, 1 for completion") with ``importance_sampling`` (https://tinker-docs.thinkingmachines.ai/tinker/
+losses, "For RL losses, the Datum also includes…"), so refusing it broke that example; the docs' per-loss
+formulas show no ``w``, so the multiplication is SkyRL's reading (its Tinker backend's JAX losses apply
+``safe_loss_mask(term, weights)`` to every loss). The two readings agree wherever a weight-0 token has ``A = 0``
+(the cookbook's datums: prompt tokens get ``A = 0``, and it strips its own ``mask`` key before sending,
+``tinker_cookbook/rl/train.py`` ``_remove_mask``), except ``dro``, whose quadratic term would otherwise pull the
+prompt tokens' log-probs toward the placeholder ``q = 0`` the cookbook writes there. ``gspo`` and
+``stable_reinforce`` have no public definition and are not offered.
 
 The log-probs come from the one chunked engine (``logps.py``: ``token_logps_rows``), so the full logits never
 exist; :func:`per_token_loss_reference` computes the same from full logits in plain torch.
@@ -53,9 +63,17 @@ def cross_entropy_loss(lp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[st
     return -(lp * inputs["weights"]).sum()
 
 
+def _weighted(term: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
+    """Each token's term times its ``weights`` entry when the datum has them; a weight of 0 drops the token."""
+    w = inputs.get("weights")
+    if w is None:
+        return term
+    return torch.where(w != 0, w * term, torch.zeros_like(term))
+
+
 def importance_sampling_loss(lp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
     ratio = torch.exp(lp - inputs["logprobs"])
-    return -(ratio * inputs["advantages"]).sum()
+    return -_weighted(ratio * inputs["advantages"], inputs).sum()
 
 
 def _bounds(inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> tuple[Tensor | float, Tensor | float]:
@@ -74,18 +92,18 @@ def ppo_loss(lp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float])
     ratio = torch.exp(lp - inputs["logprobs"])
     adv = inputs["advantages"]
     lo, hi = _bounds(inputs, cfg)
-    return -torch.min(ratio * adv, _clamp(ratio, lo, hi) * adv).sum()
+    return -_weighted(torch.min(ratio * adv, _clamp(ratio, lo, hi) * adv), inputs).sum()
 
 
 def cispo_loss(lp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
     ratio = torch.exp(lp - inputs["logprobs"])
     lo, hi = _bounds(inputs, cfg)
-    return -(_clamp(ratio, lo, hi).detach() * lp * inputs["advantages"]).sum()
+    return -_weighted(_clamp(ratio, lo, hi).detach() * lp * inputs["advantages"], inputs).sum()
 
 
 def dro_loss(lp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
     q, adv = inputs["logprobs"], inputs["advantages"]
-    return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2).sum()
+    return -_weighted(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2, inputs).sum()
 
 
 @dataclass(frozen=True)
@@ -99,15 +117,15 @@ class LossSpec:
 
 
 _RL = ("target_tokens", "logprobs", "advantages")
-_CLIPS = ("clip_low_threshold", "clip_high_threshold")
+_CLIPS = ("clip_low_threshold", "clip_high_threshold", "weights")
 
 # The one table from a loss name to what it computes and reads (validation and the step API read it).
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy_loss, ("target_tokens", "weights")),
-    "importance_sampling": LossSpec(importance_sampling_loss, _RL),
+    "importance_sampling": LossSpec(importance_sampling_loss, _RL, ("weights",)),
     "ppo": LossSpec(ppo_loss, _RL, _CLIPS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": LossSpec(cispo_loss, _RL, _CLIPS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
-    "dro": LossSpec(dro_loss, _RL, (), {"beta": 0.05}),
+    "dro": LossSpec(dro_loss, _RL, ("weights",), {"beta": 0.05}),
 }
 
 
@@ -156,19 +174,20 @@ def per_token_loss_reference(
     if loss_fn == "cross_entropy":
         return -(lp * f["weights"]).sum(), lp
     q, adv = f["logprobs"], f["advantages"]
+    w = f.get("weights", torch.ones_like(lp))
     ratio = (lp - q).exp()
     lo = f.get("clip_low_threshold", torch.full_like(lp, c.get("clip_low_threshold", 0.0)))
     hi = f.get("clip_high_threshold", torch.full_like(lp, c.get("clip_high_threshold", 0.0)))
     if loss_fn == "importance_sampling":
-        loss = -(ratio * adv).sum()
+        loss = -(w * ratio * adv).sum()
     elif loss_fn == "ppo":
         clipped = torch.where(ratio < lo, lo, torch.where(ratio > hi, hi, ratio))
-        loss = -torch.minimum(ratio * adv, clipped * adv).sum()
+        loss = -(w * torch.minimum(ratio * adv, clipped * adv)).sum()
     elif loss_fn == "cispo":
         clipped = torch.where(ratio < lo, lo, torch.where(ratio > hi, hi, ratio)).detach()
-        loss = -(clipped * lp * adv).sum()
+        loss = -(w * clipped * lp * adv).sum()
     elif loss_fn == "dro":
-        loss = -(lp * adv).sum() + 0.5 * c["beta"] * F.mse_loss(lp, q, reduction="sum")
+        loss = -(w * lp * adv).sum() + 0.5 * c["beta"] * (w * F.mse_loss(lp, q, reduction="none")).sum()
     else:
         raise ValueError(f"unknown loss {loss_fn!r}")
     return loss, lp

@@ -83,7 +83,7 @@ def test_loss_gradient_matches_finite_differences(loss_fn):
     if loss_fn == "cispo":
         # the clipped ratio is stop-gradient: the gradient is −sg(clip(r))·A, not the derivative of the value
         ratio = torch.exp(lp - f["logprobs"]).clamp(0.0, 4.0)
-        fd = -ratio * f["advantages"]
+        fd = -f["weights"] * ratio * f["advantages"]
     torch.testing.assert_close(x.grad, fd, rtol=1e-6, atol=1e-8)
 
 
@@ -110,3 +110,28 @@ def test_trainable_head_chunks_equal_full_logits_and_reach_the_head():
     ref = torch.log_softmax(rows.float() @ weight.float().t(), -1).gather(1, inputs["target_tokens"][:, None])
     torch.testing.assert_close(lp, ref.squeeze(1), rtol=1e-5, atol=1e-5)
     assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro"])
+def test_rl_weights_multiply_each_token_and_a_zero_weight_drops_it(loss_fn):
+    """``weights`` on an RL loss (the Tinker docs' RL datum sends them; SkyRL multiplies by them): all ones equals
+    no weights bit for bit, each token's term is scaled by its weight, and a weight-0 token contributes nothing
+    even where its term is not finite (a placeholder q far from lp)."""
+    _, _, inputs = _inputs(seed=2)
+    spec = LOSSES[loss_fn]
+    f = {k: inputs[k] for k in ("logprobs", "advantages")}
+    lp = f["logprobs"] + torch.linspace(-0.5, 0.5, M).double()
+    cfg = dict(spec.config)
+    plain = spec.fn(lp, f, cfg)
+    assert torch.equal(spec.fn(lp, {**f, "weights": torch.ones(M, dtype=torch.float64)}, cfg), plain)
+    # one token at a time: the weighted sum is Σ w_i · (that token's loss alone)
+    w = inputs["weights"]
+    per_token = torch.stack([spec.fn(lp[i : i + 1], {k: v[i : i + 1] for k, v in f.items()}, cfg) for i in range(M)])
+    torch.testing.assert_close(spec.fn(lp, {**f, "weights": w}, cfg), (w * per_token).sum(), rtol=1e-12, atol=1e-12)
+    # a masked token whose term overflows (ratio e^800) leaves the loss finite and equal to the rest's
+    q = f["logprobs"].clone()
+    q[0] = -800.0
+    mask = torch.ones(M, dtype=torch.float64)
+    mask[0] = 0.0
+    masked = spec.fn(lp, {"logprobs": q, "advantages": f["advantages"], "weights": mask}, cfg)
+    assert torch.isfinite(masked) and masked.item() == pytest.approx(per_token[1:].sum().item(), rel=1e-12)

@@ -286,6 +286,10 @@ def optim_step(opt: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: d
             sum(float(((p - b).float() ** 2).sum()) for p, b in zip(params, before, strict=True))
         )
         param_norm = math.sqrt(sum(float((p.float() ** 2).sum()) for p in params))
+    # Tinker's SDK names no OptimStep metric (OptimStepResponse.metrics is a free dict[str, float]); its metric
+    # keys are "name:reduction", reduction one of mean/sum/min/max/slack/hash_unordered/unique (the SDK's
+    # lib/chunked_fwdbwd_helpers.py REDUCE_MAP), and "grad_norm:mean" is the key Tinker-compatible backends
+    # return. These follow that form; the cookbook logs whatever keys come (supervised/train.py).
     return {
         "grad_norm:mean": float(norm),
         "update_norm:mean": update,
