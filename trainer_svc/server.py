@@ -69,7 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-sessions", type=int, default=int(env("STROP_MAX_SESSIONS", "8")))
     p.add_argument("--max-queued-jobs", type=int, default=int(env("STROP_MAX_QUEUED_JOBS", "64")))
     p.add_argument("--max-dataset-bytes", type=int, default=Limits.max_bytes)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--step-hole-seconds", type=float, default=float(env("STROP_STEP_HOLE_SECONDS", "60")),
+        help="step API: how long a run's missing seq id blocks the seqs behind it before it is skipped "
+        "(env STROP_STEP_HOLE_SECONDS)",
+    )  # fmt: skip
+    a = p.parse_args(argv)
+    if not (a.step_hole_seconds > 0 and a.step_hole_seconds != float("inf")):
+        p.error(f"--step-hole-seconds must be a positive number of seconds, got {a.step_hole_seconds}")
+    return a
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         dataset_limits=Limits(max_bytes=a.max_dataset_bytes),
         database_url=a.database_url,
         instance_id=a.instance_id,
+        step_hole_seconds=a.step_hole_seconds,
     )
     options = server_options(a)
     run_main(a, lambda: start(config, **options))

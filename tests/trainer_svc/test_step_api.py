@@ -555,9 +555,12 @@ def tenants(model_root, tmp_path_factory):
         {"tenant": "ops", "token": "admin", "role": "admin"},
     ]}))  # fmt: skip
     service = start(
-        TrainerConfig(model_root=model_root, artifact_root=work / "artifacts", state_dir=work / "state"),
+        TrainerConfig(
+            model_root=model_root, artifact_root=work / "artifacts", state_dir=work / "state",
+            step_hole_seconds=0.5,
+        ),
         security=Security(tokens=TokenTable.load(tokens)),
-    )
+    )  # fmt: skip
     target = f"127.0.0.1:{service.port}"
     with (
         TrainerClient(target, token="ta") as a,
@@ -647,3 +650,20 @@ def test_a_sample_of_the_live_run_sees_every_primitive_submitted_before_it(clien
     assert (after - before).abs().max() > 0.1
     torch.testing.assert_close(got, after, rtol=1e-5, atol=1e-5)
     run.delete()
+
+
+def test_the_seq_hole_timeout_is_a_server_setting(tenants):
+    """``--step-hole-seconds`` (TrainerConfig.step_hole_seconds): this trainer skips a missing seq after 0.5 s, so
+    a primitive behind a hole at seqs 1 and 2 runs within seconds (the default would hold it for 60 s)."""
+    from strop.trainer_svc.server import parse_args
+
+    assert parse_args(["--step-hole-seconds", "2.5"]).step_hole_seconds == 2.5
+    assert parse_args([]).step_hole_seconds == 60.0
+    with pytest.raises(SystemExit):
+        parse_args(["--step-hole-seconds", "0"])
+    a, _, _ = tenants
+    s = a.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32")
+    run = a.create_training_run(s.session_id, RunLora(rank=2, seed=0))
+    behind = run.forward_async([ce_datum(SEQ2)], seq_id=3)
+    assert behind.result(timeout=15).metrics[0].name == "loss:sum"
+    a.close_session(s.session_id)

@@ -37,6 +37,8 @@ class TrainerConfig:
     dataset_limits: Limits = field(default_factory=Limits)
     database_url: str = ""  # "": SQLite in state_dir; postgresql://… shared by every trainer pod
     instance_id: str = ""  # "": STROP_INSTANCE_ID or the host name
+    # the step API: how long a run's missing seq id blocks the seqs behind it before it is skipped
+    step_hole_seconds: float = 60.0
 
 
 class TrainerCore:
@@ -68,7 +70,10 @@ class TrainerCore:
             max_queued=config.max_queued_jobs, metrics=self.metrics,
         )  # fmt: skip
         # the step API: training runs on loaded sessions, their primitives sharing the device with jobs
-        self.runs = TrainingRuns(self.sessions, self.artifacts, self.jobs.device_turn, metrics=self.metrics)
+        self.runs = TrainingRuns(
+            self.sessions, self.artifacts, self.jobs.device_turn, metrics=self.metrics,
+            hole_seconds=config.step_hole_seconds,
+        )  # fmt: skip
         self.liveness = Liveness(self.store.db, SERVICE, self.instance_id)
         # Our previous incarnation is dead by definition; other live pods' sessions and jobs are theirs.
         interrupted = self._recover(self.liveness.others_alive())
