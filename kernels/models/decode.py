@@ -14,6 +14,7 @@ exit; nothing outside the block changes (training never sees these forwards).
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from .hf import Swaps, previous_forward
 __all__ = ["decode_reason", "nf4_decode_forwards"]
 
 _TAG = "nf4decode"
+logger = logging.getLogger("strop.kernels")
 
 
 def decode_reason(module: nn.Module) -> str | None:
@@ -88,20 +90,51 @@ def _norm_forward(self, x, *args, **kwargs):
     return rms_norm(x, self.weight, self.variance_epsilon)
 
 
+def probe_reason(module: nn.Module) -> str | None:
+    """Run the kernel once on ``module``'s weight against bitsandbytes' own dequantization (4 rows, no LoRA) and
+    say why not to use it: it failed (a compile error on a toolchain not yet seen) or its result is off by more than
+    a layout error could hide behind (1% of the largest output; a correct kernel differs by summation order and one
+    output rounding, ~0.4% at bf16). None when it agrees."""
+    import bitsandbytes.functional as bnbf
+
+    base = module.base_layer
+    w = base.weight
+    dtype = base.compute_dtype or torch.float32
+    g = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(4, w.quant_state.shape[1], generator=g, device=w.device).to(dtype)
+    try:
+        y = nf4_lora_decode(x, NF4DecodeWeight(w)).float()
+    except Exception as exc:  # a compile or launch failure: the layer keeps PEFT's forward
+        return f"nf4_lora_decode failed: {type(exc).__name__}: {exc}"[:300]
+    ref = x.float() @ bnbf.dequantize_4bit(w.data, w.quant_state).to(dtype).float().T
+    err, scale = float((y - ref).abs().max()), float(ref.abs().max())
+    if not err <= 1e-2 * scale:
+        return f"nf4_lora_decode disagrees with bitsandbytes by {err:.3g} (outputs up to {scale:.3g})"
+    return None
+
+
 @contextlib.contextmanager
-def nf4_decode_forwards(model: nn.Module):
+def nf4_decode_forwards(model: nn.Module, notes: list[str] | None = None):
     """Inside: eligible PEFT LoRA layers over NF4 bases decode through ``nf4_lora_decode`` (see module docstring).
 
-    Yields the number of layers swapped."""
+    The kernel is first checked once against bitsandbytes on one layer (``probe_reason``); if that fails nothing is
+    swapped and the reason is appended to ``notes`` (and logged). Yields the number of layers swapped."""
     swaps = Swaps(_TAG)
     swapped: list[nn.Module] = []
     patched_owners = []
     try:
-        for module in model.modules():
-            if type(module).__name__ != "Linear4bit" or not hasattr(module, "lora_A"):
-                continue
-            if decode_reason(module) is not None:
-                continue
+        eligible = [
+            m
+            for m in model.modules()
+            if type(m).__name__ == "Linear4bit" and hasattr(m, "lora_A") and decode_reason(m) is None
+        ]
+        reason = probe_reason(eligible[0]) if eligible else None
+        if reason is not None:
+            logger.warning("strop.kernels: NF4 decode kernel not used: %s", reason)
+            if notes is not None:
+                notes.append(reason)
+            eligible = []
+        for module in eligible:
             module.__dict__["_strop_nf4decode_weight"] = NF4DecodeWeight(module.base_layer.weight)
             swaps.forward(module, _forward)
             swapped.append(module)

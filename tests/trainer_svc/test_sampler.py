@@ -254,17 +254,17 @@ def test_greedy_equals_generate_on_other_archs(arch, tmp_path):
         assert torch.allclose(torch.tensor(res.sequences[0].logprobs), lp, atol=TOL, rtol=0)
 
 
-def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(tmp_path):
-    """On an NF4 base (quantized on load, fp32 compute) every LoRA projection decodes through ``nf4_lora_decode``
-    (2 layers x 7 projections swapped), and the tokens and log-probs are PEFT + bitsandbytes' own: greedy tokens
-    equal, log-probs within TOL of both the unfused sampler and a full forward."""
+@pytest.fixture(scope="module")
+def nf4_tiny(tmp_path_factory):
+    """The tiny Llama quantized to NF4 on load (double quant, fp32 compute) with a LoRA adapter on all seven
+    projections (B not zero), 4-bit layers kept out of bitsandbytes' CPU inference layout as a session does."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from strop.fixtures import make_tiny_model
     from strop.trainer_svc.core.models import keep_4bit_layers_trainable
 
-    path = make_tiny_model(tmp_path / "tiny", arch="llama", dtype="float32", seed=0)
+    path = make_tiny_model(tmp_path_factory.mktemp("nf4") / "tiny", arch="llama", dtype="float32", seed=0)
     bnb = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
@@ -274,14 +274,21 @@ def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, quantization_config=bnb, device_map="cpu"
     )
-    keep_4bit_layers_trainable(base)  # as a session does: no CPU inference repacking
+    keep_4bit_layers_trainable(base)
     torch.manual_seed(3)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(
+    return get_peft_model(
         base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
     )
+
+
+def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(nf4_tiny):
+    """On an NF4 base (quantized on load, fp32 compute) every LoRA projection decodes through ``nf4_lora_decode``
+    (2 layers x 7 projections swapped), and the tokens and log-probs are PEFT + bitsandbytes' own: greedy tokens
+    equal, log-probs within TOL of both the unfused sampler and a full forward."""
+    model = nf4_tiny
     # few tokens: the Triton interpreter runs the kernel at ~0.1 s a call (14 a step)
-    reqs = [SampleRequest(p, 1, SamplingParams(max_tokens=4, temperature=0.0)) for p in PROMPTS[:2]]
+    reqs = [SampleRequest(p, 1, SamplingParams(max_tokens=3, temperature=0.0)) for p in PROMPTS[:2]]
     fused_stats = SampleStats()
     fused = sample(model, reqs, stats=fused_stats)
     plain = sample(model, reqs, nf4_decode=False)
@@ -368,3 +375,16 @@ def test_cuda_sampler_with_graph_and_nf4_kernel_is_within_bf16_error_of_fp32(tmp
     torch_err = max(float((b - f).abs().max()) for b, f in zip(bf16, fp32, strict=True))
     our_err = max(float((o - f).abs().max()) for o, f in zip(ours, fp32, strict=True))
     assert our_err <= 2 * torch_err, (our_err, torch_err)
+
+
+def test_nf4_kernel_that_disagrees_with_bitsandbytes_is_not_used(nf4_tiny, monkeypatch):
+    """The decode forwards first check the kernel against bitsandbytes on one layer: a kernel returning wrong
+    values (zeros here) is not swapped in, the call samples through PEFT + bitsandbytes, and the note says why."""
+    import strop.kernels.models.decode as decode
+
+    monkeypatch.setattr(decode, "nf4_lora_decode", lambda x, w, *a, **k: torch.zeros(*x.shape[:-1], w.n))
+    stats = SampleStats()
+    req = [SampleRequest(PROMPTS[1], 1, SamplingParams(max_tokens=3, temperature=0.0))]
+    got = sample(nf4_tiny, req, stats=stats)
+    assert stats.extra["nf4_decode_layers"] == 0 and "disagrees with bitsandbytes" in stats.note
+    assert got[0].sequences[0].tokens == sample(nf4_tiny, req, nf4_decode=False)[0].sequences[0].tokens

@@ -353,12 +353,13 @@ class _ModelState:
 @contextlib.contextmanager
 def _decode_forwards(model, on: bool):
     if not on:
-        yield 0
+        yield 0, []
         return
     from strop.kernels.models.decode import nf4_decode_forwards
 
-    with nf4_decode_forwards(model) as n:
-        yield n
+    notes: list[str] = []
+    with nf4_decode_forwards(model, notes) as n:
+        yield n, notes
 
 
 def _register_decode_attention() -> None:
@@ -412,8 +413,9 @@ def sample(
     state = _ModelState(model, parts)
     try:
         model.eval()
-        with torch.no_grad(), _decode_forwards(model, nf4_decode) as swapped:
+        with torch.no_grad(), _decode_forwards(model, nf4_decode) as (swapped, notes):
             stats.extra["nf4_decode_layers"] = swapped
+            stats.note = "; ".join(notes)
             return _sample(
                 model, parts, requests, tokenizer, tuple(eos_token_ids), cuda_graphs, check_every, stats
             )
@@ -662,8 +664,9 @@ class _DecodeStep:
             self.graph, self.out = graph, out
             return True
         except Exception as exc:  # a host sync or an uncapturable op somewhere in the model's forward
-            stats.note = f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: {exc}"[:500]
-            log.warning("%s", stats.note)
+            note = f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: {exc}"[:500]
+            stats.note = f"{stats.note}; {note}" if stats.note else note
+            log.warning("%s", note)
             self.graph = None
             torch.cuda.synchronize()
             return False
