@@ -90,8 +90,9 @@ def _norm_forward(self, x, *args, **kwargs):
     return rms_norm(x, self.weight, self.variance_epsilon)
 
 
-def probe_reason(module: nn.Module) -> str | None:
-    """Run the kernel once on ``module``'s weight against bitsandbytes' own dequantization (4 rows, no LoRA) and
+def probe_reason(module: nn.Module, rows: int = 4) -> str | None:
+    """Run the kernel once on ``module``'s weight against bitsandbytes' own dequantization (``rows`` rows: the
+    decode's, so the tile it compiles is the one decoding uses; no LoRA) and
     say why not to use it: it failed (a compile error on a toolchain not yet seen) or its result is off by more than
     a layout error could hide behind (1% of the largest output; a correct kernel differs by summation order and one
     output rounding, ~0.4% at bf16). None when it agrees."""
@@ -101,7 +102,7 @@ def probe_reason(module: nn.Module) -> str | None:
     w = base.weight
     dtype = base.compute_dtype or torch.float32
     g = torch.Generator(device=w.device).manual_seed(0)
-    x = torch.randn(4, w.quant_state.shape[1], generator=g, device=w.device).to(dtype)
+    x = torch.randn(rows, w.quant_state.shape[1], generator=g, device=w.device).to(dtype)
     try:
         y = nf4_lora_decode(x, NF4DecodeWeight(w)).float()
     except Exception as exc:  # a compile or launch failure: the layer keeps PEFT's forward
@@ -114,11 +115,13 @@ def probe_reason(module: nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def nf4_decode_forwards(model: nn.Module, notes: list[str] | None = None):
+def nf4_decode_forwards(model: nn.Module, notes: list[str] | None = None, rows: int = 4):
     """Inside: eligible PEFT LoRA layers over NF4 bases decode through ``nf4_lora_decode`` (see module docstring).
 
-    The kernel is first checked once against bitsandbytes on one layer (``probe_reason``); if that fails nothing is
-    swapped and the reason is appended to ``notes`` (and logged). Yields the number of layers swapped."""
+    ``rows`` is how many rows a decode step has: above ``MAX_DECODE_ROWS`` nothing is swapped (the kernel would
+    never be called). The kernel is first checked once against bitsandbytes on one layer at that row count
+    (``probe_reason``); if that fails nothing is swapped and the reason is appended to ``notes`` (and logged).
+    Yields the number of layers swapped."""
     swaps = Swaps(_TAG)
     swapped: list[nn.Module] = []
     patched_owners = []
@@ -128,7 +131,9 @@ def nf4_decode_forwards(model: nn.Module, notes: list[str] | None = None):
             for m in model.modules()
             if type(m).__name__ == "Linear4bit" and hasattr(m, "lora_A") and decode_reason(m) is None
         ]
-        reason = probe_reason(eligible[0]) if eligible else None
+        if rows > MAX_DECODE_ROWS:
+            eligible = []
+        reason = probe_reason(eligible[0], rows) if eligible else None
         if reason is not None:
             logger.warning("strop.kernels: NF4 decode kernel not used: %s", reason)
             if notes is not None:

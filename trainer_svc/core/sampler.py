@@ -351,14 +351,14 @@ class _ModelState:
 
 
 @contextlib.contextmanager
-def _decode_forwards(model, on: bool):
+def _decode_forwards(model, on: bool, rows: int):
     if not on:
         yield 0, []
         return
     from strop.kernels.models.decode import nf4_decode_forwards
 
     notes: list[str] = []
-    with nf4_decode_forwards(model, notes) as n:
+    with nf4_decode_forwards(model, notes, rows) as n:
         yield n, notes
 
 
@@ -413,7 +413,10 @@ def sample(
     state = _ModelState(model, parts)
     try:
         model.eval()
-        with torch.no_grad(), _decode_forwards(model, nf4_decode) as (swapped, notes):
+        with (
+            torch.no_grad(),
+            _decode_forwards(model, nf4_decode, sum(r.num_samples for r in requests)) as (swapped, notes),
+        ):
             stats.extra["nf4_decode_layers"] = swapped
             stats.note = "; ".join(notes)
             return _sample(
