@@ -487,9 +487,10 @@ def test_the_fused_kernels_compute_with_whichever_run_is_active(client, caplog):
 
 
 @pytest.mark.gpu
-def test_step_api_on_cuda_with_the_kernels_on_an_nf4_base(client):
+def test_step_api_on_cuda_with_the_kernels_on_an_nf4_base(client, trainer):
     """GPU tier: a 4-bit session (kernels on by default on CUDA, bf16 compute) trains two runs through the step
-    API: the loss falls, the runs stay apart, and a run reloaded from its state continues bit for bit on the device."""
+    API, each ForwardBackward under the jobs' default memory mode: the loss falls, the runs stay apart, and a run
+    reloaded from its state continues bit for bit on the device."""
     s = client.load_model("tiny-llama-4bit")
     assert s.facts.device.startswith("cuda") and s.facts.kernels_enabled
     a = client.create_training_run(s.session_id, RunLora(rank=8, seed=0))
@@ -500,6 +501,8 @@ def test_step_api_on_cuda_with_the_kernels_on_an_nf4_base(client):
         losses.append(a.forward_backward([ce_datum(SEQ)]).metrics[0].value)
         a.optim_step(AdamParams(learning_rate=3e-3))
     assert losses[-1] < 0.8 * losses[0], losses
+    report = _loaded(trainer, s.session_id).extra["step_memory_mode"]
+    assert "memory mode STANDARD" in report and "offload_activations: on" in report, report
     b_after = (
         b.forward([ce_datum(SEQ2)]).loss_fn_outputs[0].logprobs
     )  # b untouched: a's steps move lp by > 1e-3
@@ -667,3 +670,36 @@ def test_the_seq_hole_timeout_is_a_server_setting(tenants):
     behind = run.forward_async([ce_datum(SEQ2)], seq_id=3)
     assert behind.result(timeout=15).metrics[0].name == "loss:sum"
     a.close_session(s.session_id)
+
+
+def test_forward_backward_under_the_jobs_memory_mode_equals_it_without(client, trainer, monkeypatch):
+    """The jobs' default memory mode (layer inputs offloaded, ``apply_memory_mode``) around a ForwardBackward on a
+    session holding several runs: exercised here with CPU tensors (the offload path with ``offload_cpu_tensors``,
+    nothing too small to move), it offloads the layer inputs and gives the same update as the plain path (the
+    same ops, recomputed in backward from exact copies: equal to fp32 rounding), and it is gone afterwards."""
+    s = client.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32")
+    loaded = _loaded(trainer, s.session_id)
+    plain = client.create_training_run(s.session_id, RunLora(rank=4, seed=5))
+    other = client.create_training_run(s.session_id, RunLora(rank=2, seed=6))  # a third adapter on the model
+    moded = client.create_training_run(s.session_id, RunLora(rank=4, seed=5))
+    data = [ce_datum(SEQ), ce_datum(SEQ2)]
+    plain.forward_backward(data)
+    plain.optim_step(AdamParams(learning_rate=1e-2))
+    assert "step_memory_mode" not in loaded.extra  # CPU: the plain path, as the jobs
+    monkeypatch.setattr(step_ops, "_MEMORY_MODE_ON_CPU", {"offload_cpu_tensors": True, "min_offload_bytes": 0})
+    out = moded.forward_backward(data)
+    moded.optim_step(AdamParams(learning_rate=1e-2))
+    other.forward_backward([ce_datum(SEQ2)])
+    report = loaded.extra["step_memory_mode"]
+    layers = loaded.model.get_base_model().config.num_hidden_layers
+    # every layer's input but the last one's (backward needs it first, so it stays on the device)
+    assert "memory mode STANDARD" in report and f"on: {layers - 1} inputs offloaded" in report, report
+    assert not hasattr(loaded.model.get_base_model(), "_strop_offload")  # removed after the primitive
+    want = _state(trainer, s.session_id, plain.run_id)
+    got = _state(trainer, s.session_id, moded.run_id)
+    # fp32 on a 2-layer model: the recompute repeats the forward's ops exactly; 1e-7 leaves room for a
+    # differently ordered reduction
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-7)
+    assert out.metrics[0].value == pytest.approx(plain.forward(data).metrics[0].value, rel=0.2)
+    client.close_session(s.session_id)

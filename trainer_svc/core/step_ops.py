@@ -209,21 +209,59 @@ def forward_backward(
             return token_logps_trainable_head(rows, head, targets, softcap=softcap)
 
     grad = torch.enable_grad() if backward else torch.no_grad()
-    with grad, _autocast(loaded):
-        rows = hidden_rows(loaded, batch)
-        if batch.k > 1:  # each row scored against its K candidates, in [N, K] row-major order
-            rows = rows.repeat_interleave(batch.k, dim=0)
-        loss, lp = per_token_loss(
-            loss_fn, rows, weight, batch.inputs, cfg, bias=bias, softcap=softcap, logps=logps
-        )
-    if backward:
-        loss.backward()
+    mode = memory_mode(loaded, batch) if backward else contextlib.nullcontext()
+    with mode:  # installed from the forward through the backward (its recompute reloads the offloaded inputs)
+        with grad, _autocast(loaded):
+            rows = hidden_rows(loaded, batch)
+            if batch.k > 1:  # each row scored against its K candidates, in [N, K] row-major order
+                rows = rows.repeat_interleave(batch.k, dim=0)
+            loss, lp = per_token_loss(
+                loss_fn, rows, weight, batch.inputs, cfg, bias=bias, softcap=softcap, logps=logps
+            )
+        if backward:
+            loss.backward()
     lp = lp.detach().float().cpu().tolist()
     out, start = [], 0
     for n in batch.lengths:
         out.append(lp[start : start + n * batch.k])
         start += n * batch.k
     return float(loss.detach()), out
+
+
+# tests: install the memory mode on a CPU session too, with these apply_memory_mode keywords (offload_cpu_tensors,
+# min_offload_bytes) so the offload path runs with CPU tensors; None: CUDA with the kernels only, as the jobs
+_MEMORY_MODE_ON_CPU: dict[str, Any] | None = None
+
+
+@contextlib.contextmanager
+def memory_mode(loaded: models.LoadedModel, batch: Batch):
+    """The jobs' default memory mode (``DEFAULT_MEMORY_MODE``: layer inputs offloaded to pinned host memory and
+    attention outputs kept there, each when the host has room) around one ForwardBackward, installed by the one
+    owner (``apply_memory_mode``) on CUDA with the kernels, as ``training._install_memory_mode`` does for a job.
+
+    It is installed per ForwardBackward and removed after it, sized from this batch (rows, longest row), because
+    a batch's shape changes per call and because Forward and Sample must run on the plain model (the sampler's
+    KV-cache decode is no checkpointed training forward). Named adapters are safe under it: the offloader hooks
+    the decoder layers' checkpoint function, which sees hidden states, never an adapter; the recompute in backward
+    runs the same layer with the same active adapter (nothing switches adapters inside a primitive). Budgeted
+    recompute (MAX_SPEED, a plan measured over the first steps) is not used here: the step path has no stable
+    step shape to plan for."""
+    on_cuda = loaded.device.startswith("cuda") and loaded.facts.kernels_enabled
+    if not on_cuda and _MEMORY_MODE_ON_CPU is None:
+        yield None
+        return
+    from strop.common.trainer_types import MemoryMode
+    from strop.kernels.models import StepShape, apply_memory_mode
+
+    installed = apply_memory_mode(
+        loaded.model, MemoryMode.UNSPECIFIED, step=StepShape(len(batch.lengths), max(batch.lengths), True),
+        device=loaded.device, **({} if on_cuda else _MEMORY_MODE_ON_CPU),
+    )  # fmt: skip
+    try:
+        yield installed
+    finally:
+        loaded.extra["step_memory_mode"] = str(installed)  # what the last ForwardBackward ran with (logs, tests)
+        installed.remove()
 
 
 def run_params(loaded: models.LoadedModel, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
