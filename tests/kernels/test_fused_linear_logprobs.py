@@ -316,3 +316,78 @@ def test_sft_metrics_stay_on_device_and_log_trls_values_to_the_bit(tmp_path, mon
     assert "StropSFTTrainer" not in reads, (
         f"strop's compute_loss read the device: {reads.get('StropSFTTrainer')}"
     )
+
+
+@cpu_tier
+def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_path, monkeypatch):
+    """With logging_nan_inf_filter on, StropSFTTrainer's loop reads no loss back after the backward, and a step whose
+    loss is NaN logs what HF's own filter logs (the mean of the losses since the last log in its place), bit for bit;
+    the user's setting is back after train()."""
+    pytest.importorskip("trl")
+    import sys
+
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+    from strop.kernels.trainers import strop_sft_trainer_class
+
+    strop_cls = strop_sft_trainer_class()
+
+    def nan_on_step_3(cls):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = cls.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            # a NaN value with the loss's own (finite) gradient: the adapters stay finite, only the log sees it
+            return loss + (float("nan") * loss.detach() if self.state.global_step == 2 else 0.0)
+
+        return compute_loss
+
+    hf_filter_cls = type(
+        "HfFilter",
+        (strop_cls,),
+        {
+            "train": SFTTrainer.train,
+            "training_step": SFTTrainer.training_step,
+            "compute_loss": nan_on_step_3(strop_cls),
+        },
+    )
+    ours_cls = type("Ours", (strop_cls,), {"compute_loss": nan_on_step_3(strop_cls)})
+    reads: dict[str, int] = {}
+    original = torch.Tensor.__bool__
+
+    def counting_bool(self):
+        caller = sys._getframe(1).f_code
+        if caller.co_filename.endswith("transformers/trainer.py") and caller.co_name in ("_run_epoch", "_inner_training_loop"):  # fmt: skip
+            reads[current] = reads.get(current, 0) + 1
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "__bool__", counting_bool)
+    tok = make_bpe_tokenizer()
+    rows = _sft_rows(len(tok))
+    logs = {}
+    for cls in (hf_filter_cls, ours_cls):
+        current = cls.__name__
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)  # fmt: skip
+        model = get_peft_model(
+            AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"])
+        )
+        args = SFTConfig(output_dir=str(tmp_path / current), per_device_train_batch_size=2, max_steps=4,
+                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=2, report_to=[],
+                         save_strategy="no", use_cpu=True, bf16=False, seed=0, data_seed=0,
+                         completion_only_loss=True, disable_tqdm=True)  # fmt: skip
+        assert args.logging_nan_inf_filter, "HF's default: the filter is on"
+        trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        trainer.train()
+        assert trainer.args.logging_nan_inf_filter, "the user's setting is restored"
+        logs[current] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    ref, ours = logs["HfFilter"], logs["Ours"]
+    assert len(ours) == 2 and all(v == v for v in ours), (
+        "the NaN of step 3 was filtered out of the second log"
+    )
+    assert ours == ref, "the same logged losses as HF's own filter"
+    assert reads.get("HfFilter", 0) >= 4, "HF's loop reads the loss after every backward (the test sees it)"
+    assert "Ours" not in reads, f"the loop read the loss back {reads.get('Ours')} times"
