@@ -43,7 +43,11 @@ def create_app(gw: Gateway, *, threads: int = 256) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(_req, exc: Exception):  # a bug of ours: logged, answered with a body (never bare)
         log.exception("unexpected error")
-        return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+        return JSONResponse(
+            {"detail": f"internal error: {type(exc).__name__}: {exc}"},
+            status_code=500,
+            headers={"x-should-retry": "false"},  # the same request would fail the same way
+        )
 
     def key(req: Request) -> str:
         k = req.headers.get("x-api-key")

@@ -10,6 +10,7 @@ Results are the ``tinker`` SDK's own types (or its protobuf bytes for ``ForwardB
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import threading
 import time
@@ -24,7 +25,16 @@ from tinker import types as tt
 from strop.client import TrainerClient
 from strop.client.errors import NotFoundError, StropClientError
 from strop.common.serde import to_proto
-from strop.common.step_types import Future, FutureState, RunLora, SampleRequest
+from strop.common.step_types import (
+    Datum,
+    ForwardBackwardRequest,
+    Future,
+    FutureState,
+    LossFn,
+    OptimStepRequest,
+    RunLora,
+    SampleRequest,
+)
 from strop.common.trainer_types import Quantization
 from strop.gateways.tinker import wire
 from strop.gateways.tinker.wire import WireError
@@ -186,14 +196,14 @@ class Gateway:
             sid = self._bases.get(key)
             if sid is not None:
                 try:
-                    if c.get_session(sid).state.value in ("READY", "BUSY", "LOADED", "IDLE"):
+                    if c.get_session(sid).state.value in ("LOADED", "READY"):
                         return sid
                 except NotFoundError:
                     pass
-            s = c.load_model(
+            s = self._call(lambda: c.load_model(
                 base_model, quantization=self.config.quantization, dtype=self.config.dtype,
-                max_seq_length=self.config.max_seq_length, name=f"tinker:{base_model}",
-            )  # fmt: skip
+                max_seq_length=self.config.max_seq_length, name=f"tinker-{base_model.replace('/', '-')}",
+            ))  # fmt: skip
             self._bases[key] = s.session_id
             return s.session_id
 
@@ -285,6 +295,24 @@ class Gateway:
         c = self.client(api_key)
         return self._call(lambda: from_proto(Future, c._call(getattr(c._stub, rpc), msg, name=rpc)))
 
+    @contextlib.contextmanager
+    def _seq_kept(self, api_key: str, run_id: str, seq_id: int):
+        """A refused submission still uses up its seq id (the SDK numbers on; Tinker's rule), so the run does not
+        wait for it: the seq is filled with a Forward of one token at weight 0, which changes nothing."""
+        try:
+            yield
+        except WireError:
+            if seq_id > 0:
+                filler = ForwardBackwardRequest(
+                    run_id=run_id, seq_id=seq_id, forward_only=True, loss_fn=LossFn.CROSS_ENTROPY,
+                    data=[Datum.of([0], target_tokens=[0], weights=[0.0])],
+                )  # fmt: skip
+                with contextlib.suppress(WireError):
+                    self._step(
+                        api_key, "ForwardBackward", to_proto(trainer_pb2.ForwardBackwardRequest, filler)
+                    )
+            raise
+
     # ---- training -----------------------------------------------------------------------------------------
 
     def forward_backward(self, api_key: str, body: bytes) -> tt.UntypedAPIFuture:
@@ -296,40 +324,38 @@ class Gateway:
         except Exception as exc:
             raise WireError(f"the body is not a tinker ForwardBackwardRequest: {exc}") from None
         m = self.model(api_key, msg.model_id)
-        data, loss, config = wire.forward_backward_from_proto(msg)
-        from strop.common.step_types import ForwardBackwardRequest
-
-        req = to_proto(trainer_pb2.ForwardBackwardRequest, ForwardBackwardRequest(
-            run_id=m.run_id, seq_id=msg.seq_id, data=data, loss_fn=loss, loss_fn_config=config,
-            forward_only=msg.forward_only,
-        ))  # fmt: skip
-        ks = []
-        for d in data:
-            t = d.inputs().get("target_tokens")
-            ks.append(t.shape[1] if t is not None and len(t.shape) == 2 else 1)
-        fut = self._step(api_key, "ForwardBackward", req)
+        with self._seq_kept(api_key, m.run_id, msg.seq_id):
+            data, loss, config = wire.forward_backward_from_proto(msg)
+            req = to_proto(trainer_pb2.ForwardBackwardRequest, ForwardBackwardRequest(
+                run_id=m.run_id, seq_id=msg.seq_id, data=data, loss_fn=loss, loss_fn_config=config,
+                forward_only=msg.forward_only,
+            ))  # fmt: skip
+            ks = []
+            for d in data:
+                t = d.inputs().get("target_tokens")
+                ks.append(t.shape[1] if t is not None and len(t.shape) == 2 else 1)
+            fut = self._step(api_key, "ForwardBackward", req)
         return self._remote(api_key, "forward_backward", fut, model_id=msg.model_id, ks=ks)
 
     def optim_step(self, api_key: str, req: tt.OptimStepRequest) -> tt.UntypedAPIFuture:
         m = self.model(api_key, req.model_id)
-        if not isinstance(req.optim_params, tt.AdamParams):
-            raise WireError("optim_step: only adam_params are supported")
-        from strop.common.step_types import OptimStepRequest
-
-        msg = to_proto(trainer_pb2.OptimStepRequest, OptimStepRequest(
-            m.run_id, req.seq_id or 0, wire.adam_from_wire(req.optim_params)))  # fmt: skip
-        return self._remote(
-            api_key, "optim_step", self._step(api_key, "OptimStep", msg), model_id=req.model_id
-        )
+        with self._seq_kept(api_key, m.run_id, req.seq_id or 0):
+            if not isinstance(req.optim_params, tt.AdamParams):
+                raise WireError("optim_step: only adam_params are supported")
+            msg = to_proto(trainer_pb2.OptimStepRequest, OptimStepRequest(
+                m.run_id, req.seq_id or 0, wire.adam_from_wire(req.optim_params)))  # fmt: skip
+            fut = self._step(api_key, "OptimStep", msg)
+        return self._remote(api_key, "optim_step", fut, model_id=req.model_id)
 
     # ---- weights ------------------------------------------------------------------------------------------
 
     def save_weights(self, api_key: str, req: tt.SaveWeightsRequest) -> tt.UntypedAPIFuture:
         m = self.model(api_key, req.model_id)
-        name = wire.check_name(req.path or f"state-{uuid.uuid4().hex[:8]}", "path")
-        aid = wire.artifact_id(req.model_id, "weights", name)
-        msg = trainer_pb2.SaveRequest(run_id=m.run_id, seq_id=req.seq_id or 0, name=aid)
-        fut = self._step(api_key, "SaveState", msg)
+        with self._seq_kept(api_key, m.run_id, req.seq_id or 0):
+            name = wire.check_name(req.path or f"state-{uuid.uuid4().hex[:8]}", "path")
+            aid = wire.artifact_id(req.model_id, "weights", name)
+            msg = trainer_pb2.SaveRequest(run_id=m.run_id, seq_id=req.seq_id or 0, name=aid)
+            fut = self._step(api_key, "SaveState", msg)
         return self._remote(
             api_key, "save_weights", fut, model_id=req.model_id,
             path=wire.tinker_path(req.model_id, "weights", name),
@@ -339,33 +365,40 @@ class Gateway:
         self, api_key: str, req: tt.SaveWeightsForSamplerRequest
     ) -> tt.UntypedAPIFuture:
         m = self.model(api_key, req.model_id)
-        if req.kind != "snapshot":
-            raise WireError(f"save_weights_for_sampler kind {req.kind!r} is not supported (snapshot)")
-        aid = path = ""
-        if req.path:
-            name = wire.check_name(req.path, "path")
-            aid = wire.artifact_id(req.model_id, "sampler_weights", name)
-            path = wire.tinker_path(req.model_id, "sampler_weights", name)
-        msg = trainer_pb2.SaveRequest(run_id=m.run_id, seq_id=req.seq_id or 0, name=aid)
-        fut = self._step(api_key, "SaveWeightsForSampler", msg)
+        with self._seq_kept(api_key, m.run_id, req.seq_id or 0):
+            if req.kind != "snapshot":
+                raise WireError(f"save_weights_for_sampler kind {req.kind!r} is not supported (snapshot)")
+            aid = path = ""
+            if req.path:
+                name = wire.check_name(req.path, "path")
+                aid = wire.artifact_id(req.model_id, "sampler_weights", name)
+                path = wire.tinker_path(req.model_id, "sampler_weights", name)
+            msg = trainer_pb2.SaveRequest(run_id=m.run_id, seq_id=req.seq_id or 0, name=aid)
+            fut = self._step(api_key, "SaveWeightsForSampler", msg)
         return self._remote(
             api_key, "save_weights_for_sampler", fut, model_id=req.model_id, path=path, artifact_id=aid,
             base_model=m.base_model, run_id=m.run_id,
         )  # fmt: skip
 
-    def load_weights(self, api_key: str, req: tt.LoadWeightsRequest) -> tt.UntypedAPIFuture:
-        src_model, kind, name = wire.parse_path(req.path)
+    @staticmethod
+    def _training_artifact(path: str) -> str:
+        src_model, kind, name = wire.parse_path(path)
         if kind != "weights":
-            raise WireError(f"{req.path!r} holds sampler weights; load a training checkpoint (…/weights/…)")
-        aid = wire.artifact_id(src_model, kind, name)
+            raise WireError(f"{path!r} holds sampler weights; load a training checkpoint (…/weights/…)")
+        return wire.artifact_id(src_model, kind, name)
+
+    def load_weights(self, api_key: str, req: tt.LoadWeightsRequest) -> tt.UntypedAPIFuture:
         c = self.client(api_key)
         if req.model_id:  # TrainingClient.load_state: into an existing model, in its seq order
             m = self.model(api_key, req.model_id)
-            msg = trainer_pb2.LoadStateRequest(
-                run_id=m.run_id, seq_id=req.seq_id or 0, artifact_id=aid, with_optimizer=req.optimizer
-            )
-            fut = self._step(api_key, "LoadState", msg)
+            with self._seq_kept(api_key, m.run_id, req.seq_id or 0):
+                aid = self._training_artifact(req.path)
+                msg = trainer_pb2.LoadStateRequest(
+                    run_id=m.run_id, seq_id=req.seq_id or 0, artifact_id=aid, with_optimizer=req.optimizer
+                )
+                fut = self._step(api_key, "LoadState", msg)
             return self._remote(api_key, "load_weights", fut, model_id=req.model_id, path=req.path)
+        aid = self._training_artifact(req.path)
         model_id = self._session_model_id(api_key, req.session_id, req.model_seq_id)
         art = self._call(lambda: c.get_artifact(aid))
         if art.metadata.get("run_state") != "true":

@@ -1,0 +1,187 @@
+"""The official ``tinker`` SDK (0.38.0, pinned) against the real gateway and a real trainer on 127.0.0.1 (a tiny
+fp32 Llama): every response the SDK reads is validated by its own strict pydantic models or parsed by its own
+protobuf module, so a disagreement between the pinned SDK and the server fails these tests."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from tests.gateways.conftest import KEY_A, KEY_B  # noqa: E402
+
+SEQ = list(range(40, 61))  # 21 tokens of the tiny vocabulary (640)
+SEQ2 = [7, 9, 300, 12, 500, 33, 1, 2, 3, 99, 100]
+
+
+def datum(tokens, weights=None) -> types.Datum:
+    w = weights if weights is not None else [1.0] * (len(tokens) - 1)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": w},
+    )
+
+
+@pytest.fixture(scope="module")
+def sc_a(tinker_stack):
+    sc = tinker.ServiceClient(base_url=tinker_stack[0], api_key=KEY_A)
+    yield sc
+
+
+@pytest.fixture(scope="module")
+def sc_b(tinker_stack):
+    sc = tinker.ServiceClient(base_url=tinker_stack[0], api_key=KEY_B)
+    yield sc
+
+
+def test_the_pinned_sdk():
+    assert tinker.__version__ == "0.38.0"
+
+
+def test_capabilities_list_the_model_root(tinker_stack):
+    rest = tinker.RestClient(base_url=tinker_stack[0], api_key=KEY_A)
+    caps = rest.get_server_capabilities().result()
+    assert {m.model_name for m in caps.supported_models} == {"tiny-llama", "tiny-llama-4bit"}
+
+
+def test_training_loop_loss_falls_and_sums(sc_a, model_root):
+    tc = sc_a.create_lora_training_client("tiny-llama", rank=4, seed=0).result()
+    info = tc.get_info()
+    assert info.model_data.tokenizer_id == str(model_root / "tiny-llama") and info.lora_rank == 4
+    weights = [0.5 * (i % 3) for i in range(len(SEQ) - 1)]  # real weights, some 0
+    data = [datum(SEQ, weights), datum(SEQ2)]
+    losses = []
+    for _ in range(6):
+        fb = tc.forward_backward(data, "cross_entropy").result()
+        stats = tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        assert {"grad_norm:mean", "learning_rate:mean"} <= set(stats.metrics)
+        # the loss is the sum −Σ w·lp over tokens and datums (Tinker's definition), from the returned log-probs
+        lps = [o["logprobs"].tolist() for o in fb.loss_fn_outputs]
+        assert [len(x) for x in lps] == [len(SEQ) - 1, len(SEQ2) - 1]
+        by_hand = -sum(lp * w for lp, w in zip(lps[0], weights, strict=True)) - sum(lps[1])
+        # fp32 log-probs summed over 30 tokens of magnitude ≤ ~7: 1e-4 relative is far above rounding
+        assert fb.metrics["loss:sum"] == pytest.approx(by_hand, rel=1e-4)
+        losses.append(fb.metrics["loss:sum"])
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_sampling_client_tokens_and_logprobs_match_forward(sc_a):
+    tc = sc_a.create_lora_training_client("tiny-llama", rank=4, seed=1).result()
+    for _ in range(2):
+        tc.forward_backward([datum(SEQ)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = SEQ[:6]
+    r = sampler.sample(
+        types.ModelInput.from_ints(prompt), num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=5, seed=3), include_prompt_logprobs=True,
+    ).result()  # fmt: skip
+    assert len(r.sequences) == 2
+    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
+    for s in r.sequences:
+        assert 1 <= len(s.tokens) <= 5 and len(s.logprobs) == len(s.tokens)
+        assert s.stop_reason in ("stop", "length")
+        # the snapshot is the run's weights (nothing trained since): forward's log-probs of the sampled tokens
+        full = prompt + list(s.tokens)
+        fwd = tc.forward([datum(full, [1.0] * (len(full) - 1))], "cross_entropy").result()
+        want = fwd.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+        # fp32, batched KV-cache decoding vs one full forward of ≤ 11 tokens: agree to ~1e-6
+        assert s.logprobs == pytest.approx(want, abs=1e-4)
+        assert all(math.isfinite(x) and x <= 0 for x in s.logprobs)
+    # prompt log-probs are forward's too
+    fwd = tc.forward([datum(prompt)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert r.prompt_logprobs[1:] == pytest.approx(fwd, abs=1e-4)
+
+
+def test_save_state_and_load_state_continue_exactly(sc_a, tinker_stack):
+    adam = types.AdamParams(learning_rate=3e-3, eps=1e-8)
+    tc = sc_a.create_lora_training_client("tiny-llama", rank=4, seed=2).result()
+    for _ in range(2):
+        tc.forward_backward([datum(SEQ)], "cross_entropy").result()
+        tc.optim_step(adam).result()
+    path = tc.save_state("s1").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/s1")
+
+    def two_more(client):
+        out = []
+        for _ in range(2):
+            out.append(client.forward_backward([datum(SEQ2)], "cross_entropy").result().metrics["loss:sum"])
+            client.optim_step(adam).result()
+        out.append(client.forward([datum(SEQ2)], "cross_entropy").result().metrics["loss:sum"])
+        return out
+
+    want = two_more(tc)
+    loaded = sc_a.create_training_client_from_state_with_optimizer(path).result()
+    assert two_more(loaded) == want  # bit for bit on the same device
+    # without the optimizer: the same weights, Adam restarts (the first loss equal, the next ones not)
+    fresh = sc_a.create_training_client_from_state(path).result()
+    got = two_more(fresh)
+    assert got[0] == want[0] and got[1] != want[1]
+    # the deprecated in-place form reaches the same state
+    tc.load_state_with_optimizer(path).result()
+    assert two_more(tc) == want
+
+    rest = tinker.RestClient(base_url=tinker_stack[0], api_key=KEY_A)
+    cps = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type, c.tinker_path) for c in cps] == [
+        ("weights/s1", "training", path)
+    ]
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.training_run_id == tc.model_id and run.last_checkpoint.tinker_path == path
+    rest.delete_checkpoint(tc.model_id, "weights/s1").result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+
+
+def test_two_api_keys_are_isolated(sc_a, sc_b, tinker_stack):
+    tc = sc_a.create_lora_training_client("tiny-llama", rank=2, seed=4).result()
+    tc.forward_backward([datum(SEQ)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    path = tc.save_state("mine").result().path
+    rest_b = tinker.RestClient(base_url=tinker_stack[0], api_key=KEY_B)
+    with pytest.raises(tinker.NotFoundError):
+        rest_b.list_checkpoints(tc.model_id).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest_b.get_training_run(tc.model_id).result()
+    assert tc.model_id not in {r.training_run_id for r in rest_b.list_training_runs().result().training_runs}
+    assert tc.model_id in {
+        r.training_run_id
+        for r in tinker.RestClient(base_url=tinker_stack[0], api_key=KEY_A)
+        .list_training_runs()
+        .result()
+        .training_runs
+    }
+    with pytest.raises(tinker.NotFoundError):  # the trainer hides tenant a's artifact from tenant b
+        sc_b.create_training_client_from_state(path).result()
+    # b trains its own run on the same base, untouched by a's
+    tb = sc_b.create_lora_training_client("tiny-llama", rank=2, seed=4).result()
+    lb = tb.forward_backward([datum(SEQ)], "cross_entropy").result().metrics["loss:sum"]
+    la = tc.forward([datum(SEQ)], "cross_entropy").result().metrics["loss:sum"]
+    assert lb != la  # a's run moved, b's is fresh
+
+
+def test_errors_surface_as_the_sdks_exceptions(sc_a, tinker_stack):
+    with pytest.raises(tinker.BadRequestError, match="not served here"):
+        sc_a.create_lora_training_client("no-such-model", rank=2).result()
+    tc = sc_a.create_lora_training_client("tiny-llama", rank=2, seed=5).result()
+    with pytest.raises(tinker.BadRequestError, match="not supported"):
+        tc.forward_backward([datum(SEQ)], "stable_reinforce").result()
+    with pytest.raises(tinker.BadRequestError, match="weights"):  # an input cross_entropy lacks, named
+        bad = types.Datum(
+            model_input=types.ModelInput.from_ints(SEQ[:-1]), loss_fn_inputs={"target_tokens": SEQ[1:]}
+        )
+        tc.forward_backward([bad], "cross_entropy").result()
+    # a failure found when the primitive runs: the future fails with the user category
+    with pytest.raises(tinker.RequestFailedError) as info:
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert info.value.category == types.RequestErrorCategory.User and "gradients" in str(info.value)
+    # the failed seq still advances: the client goes on
+    assert tc.forward_backward([datum(SEQ)], "cross_entropy").result().metrics["loss:sum"] > 0
+    with pytest.raises(tinker.AuthenticationError):  # a tml- key the trainer does not know
+        tinker.ServiceClient(base_url=tinker_stack[0], api_key="tml-unknown").create_lora_training_client(
+            "tiny-llama", rank=2
+        ).result()
