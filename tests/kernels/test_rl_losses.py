@@ -67,7 +67,9 @@ def test_loss_gradient_matches_finite_differences(loss_fn):
     spec = LOSSES[loss_fn]
     f = {k: v for k, v in _keep(loss_fn, inputs).items() if k != "target_tokens"}
     # keep ratios away from the clip kinks, where the derivative is one-sided
-    lp = (f.get("logprobs", torch.zeros(M, dtype=torch.float64)) + torch.linspace(-0.5, 0.5, M).double()) * 1.0
+    lp = (
+        f.get("logprobs", torch.zeros(M, dtype=torch.float64)) + torch.linspace(-0.5, 0.5, M).double()
+    ) * 1.0
     kinks = torch.log(torch.tensor([0.8, 1.2, 4.0], dtype=torch.float64))
     ratio_log = lp - f.get("logprobs", torch.zeros(M, dtype=torch.float64))
     assert (ratio_log.unsqueeze(1) - kinks).abs().min() > 1e-3
@@ -126,8 +128,12 @@ def test_rl_weights_multiply_each_token_and_a_zero_weight_drops_it(loss_fn):
     assert torch.equal(spec.fn(lp, {**f, "weights": torch.ones(M, dtype=torch.float64)}, cfg), plain)
     # one token at a time: the weighted sum is Σ w_i · (that token's loss alone)
     w = inputs["weights"]
-    per_token = torch.stack([spec.fn(lp[i : i + 1], {k: v[i : i + 1] for k, v in f.items()}, cfg) for i in range(M)])
-    torch.testing.assert_close(spec.fn(lp, {**f, "weights": w}, cfg), (w * per_token).sum(), rtol=1e-12, atol=1e-12)
+    per_token = torch.stack(
+        [spec.fn(lp[i : i + 1], {k: v[i : i + 1] for k, v in f.items()}, cfg) for i in range(M)]
+    )
+    torch.testing.assert_close(
+        spec.fn(lp, {**f, "weights": w}, cfg), (w * per_token).sum(), rtol=1e-12, atol=1e-12
+    )
     # a masked token whose term overflows (ratio e^800) leaves the loss finite and equal to the rest's
     q = f["logprobs"].clone()
     q[0] = -800.0

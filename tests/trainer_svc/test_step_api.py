@@ -686,7 +686,9 @@ def test_forward_backward_under_the_jobs_memory_mode_equals_it_without(client, t
     plain.forward_backward(data)
     plain.optim_step(AdamParams(learning_rate=1e-2))
     assert "step_memory_mode" not in loaded.extra  # CPU: the plain path, as the jobs
-    monkeypatch.setattr(step_ops, "_MEMORY_MODE_ON_CPU", {"offload_cpu_tensors": True, "min_offload_bytes": 0})
+    monkeypatch.setattr(
+        step_ops, "_MEMORY_MODE_ON_CPU", {"offload_cpu_tensors": True, "min_offload_bytes": 0}
+    )
     out = moded.forward_backward(data)
     moded.optim_step(AdamParams(learning_rate=1e-2))
     other.forward_backward([ce_datum(SEQ2)])

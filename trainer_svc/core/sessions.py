@@ -193,7 +193,8 @@ class Sessions:
         with self._lock:
             sess = self._sessions.get(session_id)
         info = sess.info if sess else self.store.get_session(session_id)
-        if not info.shared:  # a shared session is every tenant's to see (not its runs: they are their owners')
+        # a shared session is every tenant's to see (not its runs: they are their owners')
+        if not info.shared:
             auth.check_visible(info.tenant, f"session {session_id!r}")
         return info
 

@@ -260,7 +260,8 @@ def memory_mode(loaded: models.LoadedModel, batch: Batch):
     try:
         yield installed
     finally:
-        loaded.extra["step_memory_mode"] = str(installed)  # what the last ForwardBackward ran with (logs, tests)
+        # what the last ForwardBackward ran with (logs, tests)
+        loaded.extra["step_memory_mode"] = str(installed)
         installed.remove()
 
 
