@@ -27,6 +27,7 @@ ENTRY_POINTS = {
     "demo": [sys.executable, "-m", "strop.demo", "--help"],
     "trainer service": [sys.executable, "-m", "strop.trainer_svc", "--help"],
     "export service": [sys.executable, "-m", "strop.export_svc", "--help"],
+    "tinker gateway": [sys.executable, "-m", "strop.gateways.tinker", "--help"],
     "strop CLI": [str(BIN / "strop"), "--help"],
     "strop-trainer": [str(BIN / "strop-trainer"), "--help"],
     "strop-export": [str(BIN / "strop-export"), "--help"],

@@ -26,10 +26,11 @@ PACKAGES = {  # folder → import name (pyproject's package-dir)
     "common": "strop.common",
     "fixtures": "strop.fixtures",
     "demo": "strop.demo",
+    "gateways": "strop.gateways",
 }
 TORCH_LIBRARIES = ("torch", "triton", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets")
 SERVICES = ("strop.trainer_svc", "strop.export_svc")
-ROOTS = ("strop.cli", "strop.demo")
+ROOTS = ("strop.cli", "strop.demo", "strop.gateways")
 
 
 def _module_name(path: Path) -> str:
@@ -94,6 +95,11 @@ def test_kernels_import_no_service_sdk_cli_or_grpc():
 @pytest.mark.parametrize("core", ["strop.trainer_svc.core", "strop.export_svc.core"])
 def test_service_cores_import_no_grpc_and_no_generated_code(core):
     assert not _hits([core], ["grpc", "grpc_health", "grpc_reflection", "strop.v1", *ROOTS])
+
+
+def test_the_gateways_are_clients_of_the_services():
+    # an HTTP gateway speaks to the trainer over gRPC (the SDK), never through its internals, kernels or torch
+    assert not _hits(["strop.gateways"], [*SERVICES, "strop.kernels", "strop.fixtures", *TORCH_LIBRARIES])
 
 
 def test_the_services_never_import_each_other():
