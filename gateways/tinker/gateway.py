@@ -40,6 +40,8 @@ from strop.gateways.tinker import wire
 from strop.gateways.tinker.wire import WireError
 from strop.v1 import trainer_pb2
 
+ANSWERED_TTL_S = 600.0  # a future whose final answer went out is forgotten this long after
+
 # gRPC status of a trainer error → the HTTP status the SDK maps to its exception (docs/tinker-gateway.md)
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -104,6 +106,7 @@ class _Pending(_Owned):
     future_id: str = ""
     local: cf.Future | None = None
     ctx: dict[str, Any] = field(default_factory=dict)
+    answered_at: float = 0.0  # when its final answer was first sent (kept a while for the SDK's re-polls)
 
 
 class Gateway:
@@ -211,6 +214,7 @@ class Gateway:
         owner = self.owner_of(api_key)
         rid = f"tkf-{uuid.uuid4().hex}"
         with self._lock:
+            self._sweep()
             self._futures[rid] = _Pending(owner, kind, local=self._work.submit(fn), ctx=ctx)
         return tt.UntypedAPIFuture(request_id=rid, model_id=ctx.get("model_id"))
 
@@ -218,10 +222,17 @@ class Gateway:
         owner = self.owner_of(api_key)
         rid = f"tkf-{future.future_id}"
         with self._lock:
+            self._sweep()
             self._futures[rid] = _Pending(owner, kind, future_id=future.future_id, ctx=ctx)
         return tt.UntypedAPIFuture(
             request_id=rid, model_id=ctx.get("model_id"), sample_sequence_ids=ctx.get("sequence_ids")
         )
+
+    def _sweep(self) -> None:
+        """Under the lock: forget futures answered more than ANSWERED_TTL_S ago."""
+        old = time.monotonic() - ANSWERED_TTL_S
+        for rid in [r for r, p in self._futures.items() if p.answered_at and p.answered_at < old]:
+            del self._futures[rid]
 
     def _new_model(self, api_key, model_id, run, base_model, user_metadata) -> None:
         self._check_new_model_id(api_key, model_id)
@@ -489,6 +500,12 @@ class Gateway:
     def retrieve(self, api_key: str, request_id: str) -> Any:
         """The result (an SDK model or protobuf bytes), a ``tt.RequestFailedResponse``, or None while pending."""
         p = self._owned(self._futures, request_id, self.owner_of(api_key), "future")
+        out = self._answer(api_key, p)
+        if out is not None and not p.answered_at:
+            p.answered_at = time.monotonic()
+        return out
+
+    def _answer(self, api_key: str, p: _Pending) -> Any:
         wait = self.config.poll_ms / 1000.0
         if p.local is not None:
             try:

@@ -185,3 +185,38 @@ def test_errors_surface_as_the_sdks_exceptions(sc_a, tinker_stack):
         tinker.ServiceClient(base_url=tinker_stack[0], api_key="tml-unknown").create_lora_training_client(
             "tiny-llama", rank=2
         ).result()
+
+
+def test_sampling_from_a_sampler_path_and_from_the_base(sc_a, tinker_stack):
+    tc = sc_a.create_lora_training_client("tiny-llama", rank=4, seed=6).result()
+    for _ in range(3):
+        tc.forward_backward([datum(SEQ)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    path = tc.save_weights_for_sampler("smp1").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/smp1"
+    prompt = types.ModelInput.from_ints(SEQ[:6])
+    params = types.SamplingParams(max_tokens=1)
+
+    def prompt_lps(client):
+        r = client.sample(prompt, 1, params, include_prompt_logprobs=True).result()
+        return r.prompt_logprobs[1:]
+
+    trained = prompt_lps(sc_a.create_sampling_client(model_path=path))
+    want = tc.forward([datum(SEQ[:6])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert trained == pytest.approx(want, abs=1e-4)
+    # the base model: the same prompt scored without the adapter differs from the trained run's
+    base = prompt_lps(sc_a.create_sampling_client(base_model="tiny-llama"))
+    assert max(abs(a - b) for a, b in zip(base, trained, strict=True)) > 1e-2
+    fresh = sc_a.create_lora_training_client("tiny-llama", rank=4, seed=7).result()  # B = 0: the base exactly
+    want_base = (
+        fresh.forward([datum(SEQ[:6])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    )
+    assert base == pytest.approx(want_base, abs=1e-4)
+    rest = tinker.RestClient(base_url=tinker_stack[0], api_key=KEY_A)
+    cps = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type) for c in cps] == [("sampler_weights/smp1", "sampler")]
+    with pytest.raises(tinker.NotFoundError):  # another key cannot sample it
+        sb = tinker.ServiceClient(base_url=tinker_stack[0], api_key=KEY_B).create_sampling_client(
+            model_path=path
+        )
+        sb.sample(prompt, 1, params).result()
