@@ -55,6 +55,7 @@ def create_app(gw: Gateway, *, threads: int = 256) -> FastAPI:
         return k
 
     async def body(req: Request, cls):
+        key(req)  # 401 before any parsing
         raw = await req.body()
         try:
             return cls.model_validate_json(raw or b"{}")

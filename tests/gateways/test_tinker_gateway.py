@@ -220,3 +220,42 @@ def test_sampling_from_a_sampler_path_and_from_the_base(sc_a, tinker_stack):
             model_path=path
         )
         sb.sample(prompt, 1, params).result()
+
+
+def test_malformed_requests_get_a_status_and_a_body_never_a_500(tinker_stack):
+    import httpx
+
+    url = tinker_stack[0] + "/api/v1"
+    h = {"X-API-Key": KEY_A}
+    with httpx.Client(timeout=30) as c:
+        cases = [
+            (c.post(f"{url}/create_model", content=b"{not json", headers=h), 400),
+            (c.post(f"{url}/create_model", json={"base_model": "tiny-llama"}, headers=h), 400),  # no session
+            (c.post(f"{url}/create_session", json={}), 401),  # no key
+            (c.post(f"{url}/create_session", json={}, headers={"X-API-Key": "sk-other"}), 401),
+            (
+                c.post(
+                    f"{url}/forward_backward",
+                    content=b"\xff\xff",
+                    headers={**h, "Content-Type": "application/x-protobuf"},
+                ),
+                400,
+            ),
+            (
+                c.post(
+                    f"{url}/forward_backward",
+                    content=b"\x28\xb5\x2f\xfd junk",
+                    headers={**h, "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"},
+                ),
+                400,
+            ),
+            (c.post(f"{url}/retrieve_future", json={"request_id": "tkf-nope"}, headers=h), 404),
+            (c.post(f"{url}/get_info", json={"model_id": "nope:train:0"}, headers=h), 404),
+            (c.get(f"{url}/training_runs?limit=-1", headers=h), 400),
+            (c.post(f"{url}/weights_info", json={"tinker_path": "s3://x"}, headers=h), 400),
+            (c.delete(f"{url}/training_runs/nope:train:0/checkpoints/weights/x", headers=h), 404),
+        ]
+    for resp, status in cases:
+        assert resp.status_code == status, (resp.request.url, resp.text)
+        assert resp.json()["detail"], resp.text
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
