@@ -74,7 +74,11 @@ def create_app(gw: Gateway, *, threads: int = 256) -> FastAPI:
     async def client_config(req: Request):
         key(req)
         # the defaults, zstd-compressed forward_backward bodies on, every optional feature off (tinker-wire.md §3)
-        return _json(tt.ClientConfigResponse(proto_compress_fwdbwd=True))
+        return _json(
+            tt.ClientConfigResponse(
+                proto_compress_fwdbwd=True, fwdbwd_max_chunk_len=gw.config.max_chunk_datums
+            )
+        )
 
     @app.get(f"{v1}/get_server_capabilities")
     async def capabilities(req: Request):

@@ -71,6 +71,9 @@ class GatewayConfig:
     max_seq_length: int = 0
     poll_ms: int = 10_000  # how long retrieve_future holds a pending future before try_again
     default_max_tokens: int = 256  # SamplingParams.max_tokens=None
+    max_chunk_datums: int = (
+        1024  # the client config's fwdbwd_max_chunk_len: the SDK splits forward_backward there
+    )
     lora_alpha: float | None = None  # None: strop's default for runs (DEFAULT_RUN_LORA_ALPHA)
     tls_ca: str | None = None
 

@@ -40,6 +40,7 @@ def tinker_stack(model_root, tmp_path_factory):
     gw = Gateway(GatewayConfig(
         trainer=f"127.0.0.1:{service.running.port}", model_root=model_root, quantization=Quantization.NONE,
         dtype="float32", poll_ms=2_000, default_max_tokens=8,
+        max_chunk_datums=2,  # the SDK splits a forward_backward of more datums into chunks sent concurrently
     ))  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
