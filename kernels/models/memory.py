@@ -272,7 +272,7 @@ def host_room(model: nn.Module, step: StepShape) -> tuple[bool, bool]:
     """Whether one step's checkpointed layer inputs fit in half the host's available memory, and whether their
     attention outputs (the same size: [rows, seq, heads · head_dim], plus an fp32 log-sum-exp per head) fit
     there beside them. Unknown host memory claims no room."""
-    from .offload import host_block_bytes as pinned
+    from .host_pool import host_block_bytes as pinned
 
     cfg = model.config
     layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)

@@ -69,12 +69,10 @@ sets that attribute per layer instance to this module's checkpoint function and 
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,6 +80,12 @@ from torch import nn
 
 from ..lora.stash import RecomputeStash, recompute_outputs_unused, recording_for_recompute
 from . import saved_attention
+from .host_pool import (
+    DEFAULT_MAX_INFLIGHT_BYTES,
+    DEFAULT_MIN_OFFLOAD_BYTES,
+    HostPool,
+    OffloadStats,
+)
 from .offload_records import InputRecord, SavedGroup
 from .replay import ReplayState, checkpoint_reference
 from .saved_attention import AttentionSaves
@@ -97,66 +101,8 @@ __all__ = [
 
 logger = logging.getLogger("strop.kernels")
 
-# 512 tokens of a 4096-wide bf16 hidden state. Below it the copy latency is not hidden by the layer's compute
-# (Unsloth PR #3867, B200, Llama-3.2-1B: plain checkpointing 2.8 % faster at 256 tokens, offload 5.9 % at 1024).
-DEFAULT_MIN_OFFLOAD_BYTES = 4 << 20
-# Queued device-to-host copies beyond which a save waits: about one 8B layer's activations at 16K tokens.
-DEFAULT_MAX_INFLIGHT_BYTES = 2 << 30
-
 
 # ---- the offloader: side stream, saved inputs, reload schedule -------------------------------------------
-
-
-def host_block_bytes(nbytes: int) -> int:
-    """The pinned host memory a copy of ``nbytes`` takes: torch's caching host allocator rounds a block up to a
-    power of two."""
-    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
-
-
-@dataclass
-class OffloadStats:
-    """Counters of an :class:`ActivationOffloader` (host memory in bytes of the saved copies).
-
-    Attributes:
-        offloaded: Layer calls whose input went to host memory.
-        kept: Layer calls whose input stayed on its device, by reason.
-        torch_checkpoint: Layer calls handed to ``torch.utils.checkpoint``, by reason.
-        host_bytes: Host memory held now by offloaded inputs.
-        peak_host_bytes: The most host memory offloaded inputs held at once.
-        offloaded_bytes: Bytes copied to the host in total.
-        prefetch_hits: Backward reloads (layer inputs, saved-activation layers) started ahead of need.
-        prefetch_misses: Backward reloads started only when needed (first one of a chain, unusual orders).
-        saved_offloaded: Activations of no-recompute layers (``save_layers``) copied to host memory.
-        saved_kept: Activations of no-recompute layers left where they were (parameters, small or integer
-            tensors, the layer's keyword tensors).
-        saved_kept_bytes: Bytes of those that are activations (device memory the saved layers hold; weights
-            and keyword tensors, alive anyway, not counted).
-        saved_prefetched: Of ``saved_offloaded``, those reloaded ahead of need.
-        copy_waits: Times the forward waited for a device-to-host copy (backlog over ``max_inflight_bytes``).
-        attention_saved: Attention outputs kept in host memory for the recompute (``save_attention``).
-        host_full: Layer inputs, saved activations and attention outputs left on the device because host memory
-            was at ``host_budget_bytes``.
-        trace: ``(event, layer)`` pairs in order, when tracing is on (tests): ``save:offload``,
-            ``save:keep``, ``save:activations`` (a no-recompute layer's forward ended), ``prefetch``,
-        ``fetch:hit``, ``fetch:miss``, ``fetch:kept``.
-    """
-
-    offloaded: int = 0
-    kept: dict[str, int] = field(default_factory=dict)
-    torch_checkpoint: dict[str, int] = field(default_factory=dict)
-    host_bytes: int = 0
-    peak_host_bytes: int = 0
-    offloaded_bytes: int = 0
-    prefetch_hits: int = 0
-    prefetch_misses: int = 0
-    saved_offloaded: int = 0
-    saved_kept: int = 0
-    saved_kept_bytes: int = 0
-    saved_prefetched: int = 0
-    copy_waits: int = 0
-    attention_saved: int = 0
-    host_full: int = 0
-    trace: list[tuple[str, int | None]] | None = None
 
 
 class ActivationOffloader:
@@ -192,23 +138,12 @@ class ActivationOffloader:
         host_budget_bytes: int | None = None,
         trace: bool = False,
     ) -> None:
-        if host_budget_bytes is not None and host_budget_bytes < 0:
-            raise ValueError(f"host_budget_bytes must be ≥ 0, got {host_budget_bytes}")
-        self.host_budget_bytes = host_budget_bytes
-        self._host_blocks = 0  # what the copies hold in the pinned allocator's blocks
-        if min_offload_bytes < 0:
-            raise ValueError(f"min_offload_bytes must be ≥ 0, got {min_offload_bytes}")
-        if max_inflight_bytes < 0:
-            raise ValueError(f"max_inflight_bytes must be ≥ 0, got {max_inflight_bytes}")
-        self.max_inflight_bytes = max_inflight_bytes
+        self.pool = HostPool(
+            min_offload_bytes=min_offload_bytes, offload_cpu_tensors=offload_cpu_tensors,
+            max_inflight_bytes=max_inflight_bytes, host_budget_bytes=host_budget_bytes, trace=trace,
+        )  # fmt: skip
         self.save_attention = save_attention
-        self._inflight: collections.deque[tuple[torch.cuda.Event, int]] = collections.deque()
-        self._inflight_bytes = 0
-        self.min_offload_bytes = min_offload_bytes
-        self.offload_cpu_tensors = offload_cpu_tensors
         self.preserve_rng_state = preserve_rng_state
-        self.stats = OffloadStats(trace=[] if trace else None)
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: weakref.ref[InputRecord | SavedGroup] | None = None
         self._last_attention: weakref.ref[AttentionSaves] | None = None
         self._logged: set[str] = set()
@@ -226,125 +161,38 @@ class ActivationOffloader:
             f"attention_saved={s.attention_saved}, host_full={s.host_full}, host_budget_bytes={self.host_budget_bytes})"
         )
 
-    # -- bookkeeping
+    # -- the pool's parts the offloader reads
 
-    def _event(self, name: str, layer: int | None) -> None:
-        if self.stats.trace is not None:
-            self.stats.trace.append((name, layer))
+    @property
+    def stats(self) -> OffloadStats:
+        return self.pool.stats
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        return self.pool.host_budget_bytes
 
     def _log_once(self, reason: str, level: int = logging.INFO) -> None:
         if reason not in self._logged:
             self._logged.add(reason)
             logger.log(level, "strop.kernels offload: %s", reason)
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
-        return self._streams[device]
-
-    # -- host memory accounting (every copy to the host goes through these)
-
-    @staticmethod
-    def _block(nbytes: int, pinned: bool) -> int:
-        return host_block_bytes(nbytes) if pinned else nbytes
-
-    def host_room(self, nbytes: int | tuple[int, ...], pinned: bool = True, reserve: int = 0) -> bool:
-        """Whether copies of ``nbytes`` (one size or several) to the host stay within ``host_budget_bytes`` with
-        ``reserve`` bytes still free after them (what the forward's later layer inputs will need); counts a
-        refusal."""
-        if self.host_budget_bytes is None:
-            return True
-        sizes = nbytes if isinstance(nbytes, tuple) else (nbytes,)
-        if self._host_blocks + sum(self._block(n, pinned) for n in sizes) + reserve <= self.host_budget_bytes:
-            return True
-        self.stats.host_full += 1
-        return False
-
-    def hold_host(self, nbytes: int, pinned: bool = True) -> None:
-        """A copy of ``nbytes`` now lives in host memory."""
-        s = self.stats
-        s.host_bytes += nbytes
-        s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
-        self._host_blocks += self._block(nbytes, pinned)
-
-    def release_host(self, nbytes: int, pinned: bool = True) -> None:
-        """A host copy of ``nbytes`` is gone (reloaded, or its graph freed)."""
-        self.stats.host_bytes -= nbytes
-        self._host_blocks -= self._block(nbytes, pinned)
-
     def keep_reason(self, x: torch.Tensor, offload: bool) -> str | None:
         """Why ``x`` stays on its device (plain recompute), or None when it goes to host memory."""
+        pool = self.pool
         if not offload:
             return "last checkpointed layer keeps its input on the device (backward needs it first)"
-        if x.device.type == "cpu" and not self.offload_cpu_tensors:
+        if x.device.type == "cpu" and not pool.offload_cpu_tensors:
             return "input on the CPU (already in host memory): plain recompute"
         if x.device.type not in ("cpu", "cuda"):
             return f"input on {x.device.type}: offload supports CUDA only; plain recompute"
         nbytes = x.numel() * x.element_size()
-        if nbytes < self.min_offload_bytes:
-            return f"input of {nbytes} bytes < min_offload_bytes={self.min_offload_bytes}: plain recompute"
-        if not self.host_room(nbytes, x.is_cuda):
+        if nbytes < pool.min_offload_bytes:
+            return f"input of {nbytes} bytes < min_offload_bytes={pool.min_offload_bytes}: plain recompute"
+        if not pool.host_room(nbytes, x.is_cuda):
             return (
-                f"host memory at host_budget_bytes={self.host_budget_bytes}: plain recompute from the device"
+                f"host memory at host_budget_bytes={pool.host_budget_bytes}: plain recompute from the device"
             )
         return None
-
-    # -- copies (side stream on CUDA; plain clones for CPU tensors under offload_cpu_tensors)
-
-    def copy_to_host(self, x: torch.Tensor) -> torch.Tensor:
-        """Start copying ``x`` to a new host buffer; x's device block is not reused before the copy is done.
-
-        At most ``max_inflight_bytes`` of copies are left queued: beyond that the caller waits for the
-        oldest, so a forward that outruns the link does not hold an unbounded backlog of GPU memory.
-        """
-        dense = bool(torch.ops.aten.is_non_overlapping_and_dense(x))
-        if not x.is_cuda:  # CPU under offload_cpu_tensors: the "host copy" is a separate buffer
-            return x.detach().clone(memory_format=torch.preserve_format if dense else torch.contiguous_format)
-        compute = torch.cuda.current_stream(x.device)
-        side = self._side_stream(x.device)
-        nbytes = x.numel() * x.element_size()
-        inflight = self._inflight
-        while inflight and (
-            inflight[0][0].query() or self._inflight_bytes + nbytes > self.max_inflight_bytes
-        ):
-            done, n = inflight.popleft()
-            if not done.query():
-                self.stats.copy_waits += 1
-                done.synchronize()
-            self._inflight_bytes -= n
-        side.wait_stream(compute)  # x is produced by work queued on the compute stream
-        with torch.cuda.stream(side):
-            # a dense tensor keeps its strides (one linear copy); any other comes back contiguous
-            if dense:
-                host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
-            else:
-                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            host.copy_(x.detach(), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-        x.record_stream(side)  # x's block is not reused before the copy is done, even once the caller drops x
-        inflight.append((done, nbytes))
-        self._inflight_bytes += nbytes
-        return host
-
-    def copy_to_device(
-        self, host: torch.Tensor, device: torch.device
-    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start copying ``host`` back to ``device``; the event (None on the CPU) marks the copy done."""
-        if not (host.is_pinned() and device.type == "cuda"):
-            return host.to(device), None
-        compute = torch.cuda.current_stream(device)
-        side = self._side_stream(device)
-        # Allocated on the compute stream: its block may still be read by queued compute work, so the side
-        # stream waits for that work before writing into it.
-        buf = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-        side.wait_stream(compute)
-        with torch.cuda.stream(side):
-            buf.copy_(host, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(side)
-        buf.record_stream(side)  # safe to free even if nobody waits on `ready`
-        return buf, ready
 
     # -- forward: save
 
@@ -353,7 +201,7 @@ class ActivationOffloader:
         attention backward starts (``kernels/models/saved_attention.py``). ``reserve``: host bytes its saves must
         leave free for the layer inputs the forward offloads after it (inputs come first: an input kept on the
         device costs device memory, an attention output not saved only its recompute)."""
-        saves = AttentionSaves(self, prev=self._last_attention, reserve=reserve)
+        saves = AttentionSaves(self.pool, prev=self._last_attention, reserve=reserve)
         self._last_attention = weakref.ref(saves)
         return saves
 
@@ -375,7 +223,7 @@ class ActivationOffloader:
         if module is not None:
             tensors += [*module.parameters(), *module.buffers()]
         shared = {v.untyped_storage().data_ptr() for v in tensors if isinstance(v, torch.Tensor)}
-        group = SavedGroup(self, layer, shared)
+        group = SavedGroup(self.pool, layer, shared)
         self._link(group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
@@ -386,41 +234,25 @@ class ActivationOffloader:
 
     def save(self, x: torch.Tensor, layer: int | None, offload: bool) -> InputRecord:
         """Start saving ``x`` (before the layer runs, so a device-to-host copy overlaps its compute)."""
-        rec = InputRecord(self, x, layer)
+        rec = InputRecord(self.pool, x, layer)
         self._link(rec)
         reason = self.keep_reason(x, offload)
         if reason is not None:
             self.stats.kept[reason] = self.stats.kept.get(reason, 0) + 1
             self._log_once(reason)
             rec.device_tensor = x.detach()
-            self._event("save:keep", layer)
+            self.pool.event("save:keep", layer)
             return rec
-        host = self.copy_to_host(x)
+        host = self.pool.copy_to_host(x)
         rec.host, rec.offloaded = host, True
         s = self.stats
         s.offloaded += 1
         s.offloaded_bytes += rec.nbytes
-        self.hold_host(rec.nbytes, x.is_cuda)
-        self._event("save:offload", layer)
+        self.pool.hold_host(rec.nbytes, x.is_cuda)
+        self.pool.event("save:offload", layer)
         return rec
 
     # -- backward: reload
-
-    def _start_reload(self, rec: InputRecord) -> None:
-        if rec.host is None:
-            return
-        rec.device_tensor, rec.ready = self.copy_to_device(rec.host, rec.device)
-        # The pinned block is recycled only after the copy completes (torch's host allocator records the
-        # copy's stream), so the host copy can go now.
-        rec.drop_host()
-
-    def prefetch(self, item: InputRecord | SavedGroup) -> None:
-        """Start reloading a layer input or a layer's saved activations, if on the host and not yet reloading."""
-        if isinstance(item, SavedGroup):
-            item.prefetch()
-        elif item.host is not None and item.device_tensor is None:
-            self._event("prefetch", item.layer)
-            self._start_reload(item)
 
     def fetch(self, rec: InputRecord | None) -> torch.Tensor:
         """The saved input on its device, ready for the compute stream; prefetches the previous call's."""
@@ -430,14 +262,14 @@ class ActivationOffloader:
                 "checkpointing frees the saved layer input after the first backward"
             )
         if not rec.offloaded:
-            self._event("fetch:kept", rec.layer)
+            self.pool.event("fetch:kept", rec.layer)
         elif rec.device_tensor is not None:
             self.stats.prefetch_hits += 1
-            self._event("fetch:hit", rec.layer)
+            self.pool.event("fetch:hit", rec.layer)
         else:
             self.stats.prefetch_misses += 1
-            self._event("fetch:miss", rec.layer)
-            self._start_reload(rec)
+            self.pool.event("fetch:miss", rec.layer)
+            rec.start_reload()
         x, ready = rec.device_tensor, rec.ready
         rec.device_tensor, rec.ready = None, None
         if x is None:
@@ -447,7 +279,7 @@ class ActivationOffloader:
         # Issue the next reload before this layer's recompute is queued, so the two overlap.
         prev = rec.prev() if rec.prev is not None else None
         if prev is not None:
-            self.prefetch(prev)
+            prev.prefetch()
         if ready is not None:
             torch.cuda.current_stream(rec.device).wait_event(ready)
         return x

@@ -3,7 +3,7 @@
 ``InputRecord``: one checkpointed layer's input — its pinned host copy (or the tensor itself where offload does
 not apply), the forward's replay state, and its place in the reload chain. ``SavedGroup``: the saved activations
 of a layer that is not recomputed (``save_layers``), packed by ``saved_tensors_hooks`` into ``SavedTensor``s with
-host copies, deduplicated by memory and layout. Both belong to an :class:`~strop.kernels.models.offload.ActivationOffloader`.
+host copies, deduplicated by memory and layout. Both keep their host copies in the offloader's :class:`~strop.kernels.models.host_pool.HostPool`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .offload import ActivationOffloader
+    from .host_pool import HostPool
 
 
 class InputRecord:
@@ -30,13 +30,13 @@ class InputRecord:
         "layer",
         "nbytes",
         "offloaded",
-        "offloader",
+        "pool",
         "prev",
         "ready",
     )
 
-    def __init__(self, offloader: ActivationOffloader, x: torch.Tensor, layer: int | None) -> None:
-        self.offloader = offloader
+    def __init__(self, pool: HostPool, x: torch.Tensor, layer: int | None) -> None:
+        self.pool = pool
         self.layer = layer
         self.device = x.device
         self.nbytes = x.numel() * x.element_size()
@@ -50,7 +50,22 @@ class InputRecord:
     def drop_host(self) -> None:
         if self.host is not None:
             self.host = None
-            self.offloader.release_host(self.nbytes, self.device.type == "cuda")
+            self.pool.release_host(self.nbytes, self.device.type == "cuda")
+
+    def start_reload(self) -> None:
+        """Start copying the input back to its device (a no-op when it is not on the host)."""
+        if self.host is None:
+            return
+        self.device_tensor, self.ready = self.pool.copy_to_device(self.host, self.device)
+        # The pinned block is recycled only after the copy completes (torch's host allocator records the
+        # copy's stream), so the host copy can go now.
+        self.drop_host()
+
+    def prefetch(self) -> None:
+        """Start reloading ahead of need, if on the host and not reloading yet (the reload chain)."""
+        if self.host is not None and self.device_tensor is None:
+            self.pool.event("prefetch", self.layer)
+            self.start_reload()
 
     def __del__(
         self,
@@ -87,7 +102,7 @@ class SavedTensor:
     def drop_host(self) -> None:
         if self.host is not None:
             self.host = None
-            self.group.offloader.release_host(self.nbytes, self.device.type == "cuda")
+            self.group.pool.release_host(self.nbytes, self.device.type == "cuda")
 
     def __del__(self) -> None:  # a graph freed without backward returns its host memory
         with contextlib.suppress(Exception):
@@ -129,14 +144,14 @@ class SavedGroup:
         "index",
         "items",
         "layer",
-        "offloader",
+        "pool",
         "prev",
         "reached",
         "shared",
     )
 
-    def __init__(self, offloader: ActivationOffloader, layer: int | None, shared: set[int]) -> None:
-        self.offloader = offloader
+    def __init__(self, pool: HostPool, layer: int | None, shared: set[int]) -> None:
+        self.pool = pool
         self.layer = layer
         # storage addresses of what outlives the step anyway (the layer's weights, its keyword tensors):
         # kept where they are, never copied
@@ -150,7 +165,7 @@ class SavedGroup:
 
     # forward
     def pack(self, t: torch.Tensor) -> tuple[SavedGroup, Any, int]:
-        off = self.offloader
+        off = self.pool
         outlives = (
             isinstance(t, nn.Parameter)
             or isinstance(t._base, nn.Parameter)  # e.g. the transposed weight a linear's mm saves
@@ -184,7 +199,7 @@ class SavedGroup:
 
     def _keep(self, t: torch.Tensor, outlives: bool) -> tuple[SavedGroup, Any, int]:
         """A saved tensor left where it is (see :meth:`pack`)."""
-        off = self.offloader
+        off = self.pool
         off.stats.saved_kept += 1
         if not outlives:
             off.stats.saved_kept_bytes += t.numel() * t.element_size()
@@ -198,7 +213,7 @@ class SavedGroup:
         entries, self.index = list(self.index.values()), {}
         for t, item in entries:
             check_unmodified(t, item.version)
-        self.offloader._event("save:activations", self.layer)
+        self.pool.event("save:activations", self.layer)
 
     # backward
     @property
@@ -210,31 +225,31 @@ class SavedGroup:
 
     def prefetch(self) -> None:
         if self.host:
-            self.offloader._event("prefetch", self.layer)
+            self.pool.event("prefetch", self.layer)
             self._reload(prefetched=True)
 
     def _reload(self, prefetched: bool) -> None:
         for r in self.items:
             item = r()
             if item is not None and item.host is not None and item.device_tensor is None:
-                item.device_tensor, item.ready = self.offloader.copy_to_device(item.host, item.device)
+                item.device_tensor, item.ready = self.pool.copy_to_device(item.host, item.device)
                 item.drop_host()
-                self.offloader.stats.saved_prefetched += prefetched
+                self.pool.stats.saved_prefetched += prefetched
 
     def unpack(self, handle: tuple[SavedGroup, Any, int]) -> torch.Tensor:
         _, x, version = handle
         if not self.reached:
             self.reached = True
             if self.host:
-                self.offloader.stats.prefetch_misses += 1
-                self.offloader._event("fetch:miss", self.layer)
+                self.pool.stats.prefetch_misses += 1
+                self.pool.event("fetch:miss", self.layer)
                 self._reload(prefetched=False)
             else:
-                self.offloader.stats.prefetch_hits += 1
-                self.offloader._event("fetch:hit", self.layer)
+                self.pool.stats.prefetch_hits += 1
+                self.pool.event("fetch:hit", self.layer)
             prev = self.prev() if self.prev is not None else None
             if prev is not None:
-                self.offloader.prefetch(prev)
+                prev.prefetch()
         if isinstance(x, torch.Tensor):
             check_unmodified(x, version)
             return x
@@ -242,7 +257,7 @@ class SavedGroup:
         if x.device_tensor is None:
             if x.host is None:
                 raise RuntimeError("offloaded activation: neither a host nor a device copy is left")
-            x.device_tensor, x.ready = self.offloader.copy_to_device(x.host, x.device)
+            x.device_tensor, x.ready = self.pool.copy_to_device(x.host, x.device)
             x.drop_host()
         if x.ready is not None:
             torch.cuda.current_stream(x.device).wait_event(x.ready)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .offload import ActivationOffloader
+    from .host_pool import HostPool
 
 __all__ = ["AttentionSaves", "attention_call", "recording", "replaying"]
 
@@ -78,7 +78,7 @@ class AttentionSaves:
     ``prev``: the saves of the layer call before this one in the forward (whose backward comes next), reloaded
     as this layer's attention backward ends (module docstring)."""
 
-    offloader: ActivationOffloader
+    pool: HostPool
     saved: list[_Saved] = field(default_factory=list)
     cursor: int = 0
     prev: weakref.ref[AttentionSaves] | None = None
@@ -87,7 +87,7 @@ class AttentionSaves:
 
     def keep(self, s: _Saved, tensors: tuple[torch.Tensor, ...]) -> None:
         """Start copying ``tensors`` of ``s`` to the host (forward)."""
-        off = self.offloader
+        off = self.pool
         for t in tensors:
             s.host.append(off.copy_to_host(t))
             off.hold_host(t.numel() * t.element_size(), t.is_cuda)
@@ -95,7 +95,7 @@ class AttentionSaves:
     def reload(self) -> None:
         """Start reloading every saved tensor not reloading yet (as the layer above ends its attention backward, or
         as this layer's recompute starts)."""
-        off = self.offloader
+        off = self.pool
         for s in self.saved:
             if not s.host:
                 continue
@@ -111,7 +111,7 @@ class AttentionSaves:
         with contextlib.suppress(Exception):
             for s in self.saved:
                 for t in s.host:
-                    self.offloader.release_host(t.numel() * t.element_size(), t.is_pinned())
+                    self.pool.release_host(t.numel() * t.element_size(), t.is_pinned())
                 s.host = []
 
     def take(self) -> _Saved:
@@ -306,7 +306,7 @@ def attention_call(
         return o.transpose(1, 2), None
     reason = _reason(module, q, k, mask, dropout, kwargs)
     # o is q-shaped in q's dtype, lse [B, H, T] fp32
-    if reason is None and not mode.saves.offloader.host_room(
+    if reason is None and not mode.saves.pool.host_room(
         (q.numel() * q.element_size(), q[..., 0].numel() * 4), q.is_cuda, reserve=mode.saves.reserve
     ):
         reason = "host memory at the offloader's host_budget_bytes: attention recomputed"
@@ -317,6 +317,6 @@ def attention_call(
     kernel, (o, lse), extra = _forward(q, k, v, scaling)
     s = _Saved(kernel, extra=extra)
     mode.saves.keep(s, (o, lse))
-    mode.saves.offloader.stats.attention_saved += 1
+    mode.saves.pool.stats.attention_saved += 1
     mode.saves.saved.append(s)
     return o.transpose(1, 2), None
