@@ -162,7 +162,9 @@ def test_on_cuda_a_4bit_base_staged_in_host_memory_is_moved_by_fsdp2_and_trains_
             report = patch_model(model, device="cuda")  # where it will run: staged is still in host memory
             assert not any(report.skipped.values()), report
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        installed = [apply_memory_mode(m, MemoryMode.STANDARD, step=StepShape(2, 64)) for m in (on_device, staged)]
+        installed = [
+            apply_memory_mode(m, MemoryMode.STANDARD, step=StepShape(2, 64)) for m in (on_device, staged)
+        ]
         assert shard_4bit_as_compute_dtype(staged, torch.bfloat16) > 0
         torch.cuda.reset_peak_memory_stats()
         for layer in staged.get_base_model().model.layers:

@@ -198,7 +198,11 @@ def test_gemma_long_context_memory_mode_trains_like_the_reference():
     def long_context(twin):
         twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return apply_memory_mode(
-            twin, MemoryMode.LONG_CONTEXT, step=StepShape(2, 16), offload_cpu_tensors=True, min_offload_bytes=0
+            twin,
+            MemoryMode.LONG_CONTEXT,
+            step=StepShape(2, 16),
+            offload_cpu_tensors=True,
+            min_offload_bytes=0,
         )
 
     model = _peft(gemma_model("gemma3_text", **TWO_LAYERS))
