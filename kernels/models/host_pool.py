@@ -136,7 +136,8 @@ class HostPool:
     # -- host memory accounting (every copy to the host goes through these)
 
     @staticmethod
-    def _block(nbytes: int, pinned: bool) -> int:
+    def block(nbytes: int, pinned: bool) -> int:
+        """The host memory a copy of ``nbytes`` holds: a pinned one rounded up as the pinned allocator does."""
         return host_block_bytes(nbytes) if pinned else nbytes
 
     def host_room(self, nbytes: int | tuple[int, ...], pinned: bool = True, reserve: int = 0) -> bool:
@@ -146,7 +147,7 @@ class HostPool:
         if self.host_budget_bytes is None:
             return True
         sizes = nbytes if isinstance(nbytes, tuple) else (nbytes,)
-        if self._host_blocks + sum(self._block(n, pinned) for n in sizes) + reserve <= self.host_budget_bytes:
+        if self._host_blocks + sum(self.block(n, pinned) for n in sizes) + reserve <= self.host_budget_bytes:
             return True
         self.stats.host_full += 1
         return False
@@ -156,12 +157,12 @@ class HostPool:
         s = self.stats
         s.host_bytes += nbytes
         s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
-        self._host_blocks += self._block(nbytes, pinned)
+        self._host_blocks += self.block(nbytes, pinned)
 
     def release_host(self, nbytes: int, pinned: bool = True) -> None:
         """A host copy of ``nbytes`` is gone (reloaded, or its graph freed)."""
         self.stats.host_bytes -= nbytes
-        self._host_blocks -= self._block(nbytes, pinned)
+        self._host_blocks -= self.block(nbytes, pinned)
 
     # -- copies (side stream on CUDA; plain clones for CPU tensors under offload_cpu_tensors)
 

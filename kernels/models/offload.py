@@ -385,7 +385,7 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_slots))
         ctx.attention = None
         if offloader.save_attention and ctx.record.offloaded:
-            block = offloader._block(ctx.record.nbytes, x.is_cuda)
+            block = offloader.pool.block(ctx.record.nbytes, x.is_cuda)
             ctx.attention = offloader.attention_saves(reserve=meta["inputs_after"] * block)
         ctx.stash = RecomputeStash()  # what the layer's ops hand their recompute (kernels/lora/stash.py)
         with torch.no_grad(), saved_attention.recording(ctx.attention), recording_for_recompute(ctx.stash):

@@ -447,9 +447,9 @@ def test_a_host_budget_keeps_a_saved_layers_activations_on_the_device_once_full(
 
 
 def test_pinned_copies_count_as_the_power_of_two_blocks_they_take():
-    from strop.kernels.models.offload import ActivationOffloader
+    from strop.kernels.models.host_pool import HostPool
 
-    off = ActivationOffloader(host_budget_bytes=3 << 20)
+    off = HostPool(host_budget_bytes=3 << 20)
     assert off.host_room(3 << 20, pinned=False) and not off.host_room(3 << 20)  # a 3 MiB copy pins 4 MiB
     off.hold_host(1 << 20)
     assert off.host_room((1 << 20, 1 << 20)) and not off.host_room((1 << 20, 1 << 20, 1))
