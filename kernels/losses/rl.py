@@ -1,7 +1,7 @@
 """The step API's per-token losses (Tinker's built-in ``loss_fn``s), each a small function of per-token log-probs,
 with a plain-torch reference from the full logits beside them.
 
-Notation (Tinker's docs, https://tinker-docs.thinkingmachines.ai/tinker/losses/*, read 2026-12-03; see
+Notation (Tinker's docs, https://tinker-docs.thinkingmachines.ai/tinker/losses/*; see
 docs/design/tinker-wire.md §6): ``lp`` = the learner's log-prob of each target token, computed in this pass;
 ``q`` = ``logprobs``, the sampler's; ``A`` = ``advantages``; ``w`` = ``weights``; ``r = exp(lp − q)``. Every
 loss is a plain **sum** over tokens and datums (no mean: gradients of several calls before one optimizer step

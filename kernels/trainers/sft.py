@@ -129,8 +129,8 @@ class StropSFTMixin:
     ``compute_loss_func``, label smoothing, MoE aux loss, sequence parallelism, ``return_outputs``) are TRL's own.
 
     HF's ``logging_nan_inf_filter`` likewise runs on the device (``training_step``) instead of as two reads after
-    every backward, which leave the GPU idle while the host runs the optimizer's Python (session 14's trl-lib
-    profile: 22 ms of idle a step opened there; not yet measured after this change).
+    every backward, which leave the GPU idle while the host runs the optimizer's Python (the profile is in
+    bench/RESULTS.md, "the service path against the library path").
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
