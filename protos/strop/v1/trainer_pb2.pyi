@@ -379,7 +379,7 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma", "parallelism", "num_nodes", "retention", "retention_rows")
+    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma", "parallelism", "num_nodes", "retention", "retention_rows", "eval_every_steps", "keep_best_checkpoint", "eval_batch_size", "eval_rows")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +416,10 @@ class TrainConfig(_message.Message):
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     RETENTION_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    EVAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     method: TrainMethod
     learning_rate: float
     lr_scheduler: str
@@ -452,7 +456,11 @@ class TrainConfig(_message.Message):
     num_nodes: int
     retention: Retention
     retention_rows: int
-    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., retention_rows: _Optional[int] = ...) -> None: ...
+    eval_every_steps: int
+    keep_best_checkpoint: bool
+    eval_batch_size: int
+    eval_rows: int
+    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., retention_rows: _Optional[int] = ..., eval_every_steps: _Optional[int] = ..., keep_best_checkpoint: _Optional[bool] = ..., eval_batch_size: _Optional[int] = ..., eval_rows: _Optional[int] = ...) -> None: ...
 
 class RetentionMetrics(_message.Message):
     __slots__ = ("step", "held_out", "kept", "token_agreement", "mean_nll", "replay_rows")
@@ -471,31 +479,41 @@ class RetentionMetrics(_message.Message):
     def __init__(self, step: _Optional[int] = ..., held_out: _Optional[int] = ..., kept: _Optional[int] = ..., token_agreement: _Optional[float] = ..., mean_nll: _Optional[float] = ..., replay_rows: _Optional[int] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name", "fail_if_busy")
+    __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name", "fail_if_busy", "validation_dataset_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     FAIL_IF_BUSY_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     dataset_id: str
     config: TrainConfig
     resume_from_job_id: str
     name: str
     fail_if_busy: bool
-    def __init__(self, session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., resume_from_job_id: _Optional[str] = ..., name: _Optional[str] = ..., fail_if_busy: _Optional[bool] = ...) -> None: ...
+    validation_dataset_id: str
+    def __init__(self, session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., resume_from_job_id: _Optional[str] = ..., name: _Optional[str] = ..., fail_if_busy: _Optional[bool] = ..., validation_dataset_id: _Optional[str] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("step", "artifact")
+    __slots__ = ("step", "artifact", "train_loss", "valid_loss", "full_valid_loss", "valid_mean_token_accuracy")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VALID_LOSS_FIELD_NUMBER: _ClassVar[int]
+    FULL_VALID_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VALID_MEAN_TOKEN_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     step: int
     artifact: _common_pb2.Artifact
-    def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ...) -> None: ...
+    train_loss: float
+    valid_loss: float
+    full_valid_loss: float
+    valid_mean_token_accuracy: float
+    def __init__(self, step: _Optional[int] = ..., artifact: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., train_loss: _Optional[float] = ..., valid_loss: _Optional[float] = ..., full_valid_loss: _Optional[float] = ..., valid_mean_token_accuracy: _Optional[float] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss", "queue_position", "error_code", "tenant", "instance_id", "loss_curve")
+    __slots__ = ("job_id", "session_id", "dataset_id", "name", "state", "config", "step", "total_steps", "error", "adapter", "last_checkpoint", "resumed_from_job_id", "created_at", "started_at", "finished_at", "last_seq", "last_loss", "queue_position", "error_code", "tenant", "instance_id", "loss_curve", "best_checkpoint", "metrics_csv", "validation_dataset_id", "last_eval")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -518,6 +536,10 @@ class Job(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LOSS_CURVE_FIELD_NUMBER: _ClassVar[int]
+    BEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_CSV_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVAL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     session_id: str
     dataset_id: str
@@ -540,7 +562,11 @@ class Job(_message.Message):
     tenant: str
     instance_id: str
     loss_curve: _common_pb2.Artifact
-    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ..., queue_position: _Optional[int] = ..., error_code: _Optional[str] = ..., tenant: _Optional[str] = ..., instance_id: _Optional[str] = ..., loss_curve: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ...) -> None: ...
+    best_checkpoint: Checkpoint
+    metrics_csv: _common_pb2.Artifact
+    validation_dataset_id: str
+    last_eval: EvalMetrics
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., error: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., resumed_from_job_id: _Optional[str] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., last_seq: _Optional[int] = ..., last_loss: _Optional[float] = ..., queue_position: _Optional[int] = ..., error_code: _Optional[str] = ..., tenant: _Optional[str] = ..., instance_id: _Optional[str] = ..., loss_curve: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., best_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., metrics_csv: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., validation_dataset_id: _Optional[str] = ..., last_eval: _Optional[_Union[EvalMetrics, _Mapping]] = ...) -> None: ...
 
 class StateChange(_message.Message):
     __slots__ = ("state", "message")
@@ -600,6 +626,28 @@ class StepMetrics(_message.Message):
     dpo: DpoMetrics
     def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., epoch: _Optional[float] = ..., loss: _Optional[float] = ..., learning_rate: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_seen: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., dpo: _Optional[_Union[DpoMetrics, _Mapping]] = ...) -> None: ...
 
+class EvalMetrics(_message.Message):
+    __slots__ = ("step", "valid_loss", "full_valid_loss", "valid_mean_token_accuracy", "rows", "tokens", "is_full", "full_valid_mean_token_accuracy", "dpo")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALID_LOSS_FIELD_NUMBER: _ClassVar[int]
+    FULL_VALID_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VALID_MEAN_TOKEN_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IS_FULL_FIELD_NUMBER: _ClassVar[int]
+    FULL_VALID_MEAN_TOKEN_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    DPO_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    valid_loss: float
+    full_valid_loss: float
+    valid_mean_token_accuracy: float
+    rows: int
+    tokens: int
+    is_full: bool
+    full_valid_mean_token_accuracy: float
+    dpo: DpoMetrics
+    def __init__(self, step: _Optional[int] = ..., valid_loss: _Optional[float] = ..., full_valid_loss: _Optional[float] = ..., valid_mean_token_accuracy: _Optional[float] = ..., rows: _Optional[int] = ..., tokens: _Optional[int] = ..., is_full: _Optional[bool] = ..., full_valid_mean_token_accuracy: _Optional[float] = ..., dpo: _Optional[_Union[DpoMetrics, _Mapping]] = ...) -> None: ...
+
 class LogMessage(_message.Message):
     __slots__ = ("level", "message")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
@@ -609,7 +657,7 @@ class LogMessage(_message.Message):
     def __init__(self, level: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("job_id", "seq", "time", "state", "step", "checkpoint", "adapter", "log", "retention")
+    __slots__ = ("job_id", "seq", "time", "state", "step", "checkpoint", "adapter", "log", "retention", "eval")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -619,6 +667,7 @@ class JobEvent(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     seq: int
     time: float
@@ -628,7 +677,8 @@ class JobEvent(_message.Message):
     adapter: _common_pb2.Artifact
     log: LogMessage
     retention: RetentionMetrics
-    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[StateChange, _Mapping]] = ..., step: _Optional[_Union[StepMetrics, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., log: _Optional[_Union[LogMessage, _Mapping]] = ..., retention: _Optional[_Union[RetentionMetrics, _Mapping]] = ...) -> None: ...
+    eval: EvalMetrics
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[float] = ..., state: _Optional[_Union[StateChange, _Mapping]] = ..., step: _Optional[_Union[StepMetrics, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., adapter: _Optional[_Union[_common_pb2.Artifact, _Mapping]] = ..., log: _Optional[_Union[LogMessage, _Mapping]] = ..., retention: _Optional[_Union[RetentionMetrics, _Mapping]] = ..., eval: _Optional[_Union[EvalMetrics, _Mapping]] = ...) -> None: ...
 
 class WatchJobRequest(_message.Message):
     __slots__ = ("job_id", "after_seq")
