@@ -39,6 +39,7 @@ class DatasetFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATASET_FORMAT_PREFERENCE: _ClassVar[DatasetFormat]
     DATASET_FORMAT_TOKENS: _ClassVar[DatasetFormat]
     DATASET_FORMAT_UNPAIRED_PREFERENCE: _ClassVar[DatasetFormat]
+    DATASET_FORMAT_PROMPTS: _ClassVar[DatasetFormat]
 
 class MemoryMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +62,7 @@ class TrainMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAIN_METHOD_ORPO: _ClassVar[TrainMethod]
     TRAIN_METHOD_KTO: _ClassVar[TrainMethod]
     TRAIN_METHOD_SIMPO: _ClassVar[TrainMethod]
+    TRAIN_METHOD_GRPO: _ClassVar[TrainMethod]
 
 class Retention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -77,6 +79,13 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
     JOB_STATE_INTERRUPTED: _ClassVar[JobState]
+
+class GrpoLoss(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRPO_LOSS_UNSPECIFIED: _ClassVar[GrpoLoss]
+    GRPO_LOSS_GRPO: _ClassVar[GrpoLoss]
+    GRPO_LOSS_DR_GRPO: _ClassVar[GrpoLoss]
+    GRPO_LOSS_DAPO: _ClassVar[GrpoLoss]
 
 class LossFn(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -127,6 +136,7 @@ DATASET_FORMAT_PROMPT_COMPLETION: DatasetFormat
 DATASET_FORMAT_PREFERENCE: DatasetFormat
 DATASET_FORMAT_TOKENS: DatasetFormat
 DATASET_FORMAT_UNPAIRED_PREFERENCE: DatasetFormat
+DATASET_FORMAT_PROMPTS: DatasetFormat
 MEMORY_MODE_UNSPECIFIED: MemoryMode
 MEMORY_MODE_STANDARD: MemoryMode
 MEMORY_MODE_LONG_CONTEXT: MemoryMode
@@ -140,6 +150,7 @@ TRAIN_METHOD_DPO: TrainMethod
 TRAIN_METHOD_ORPO: TrainMethod
 TRAIN_METHOD_KTO: TrainMethod
 TRAIN_METHOD_SIMPO: TrainMethod
+TRAIN_METHOD_GRPO: TrainMethod
 RETENTION_UNSPECIFIED: Retention
 RETENTION_NONE: Retention
 RETENTION_REPLAY: Retention
@@ -150,6 +161,10 @@ JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 JOB_STATE_INTERRUPTED: JobState
+GRPO_LOSS_UNSPECIFIED: GrpoLoss
+GRPO_LOSS_GRPO: GrpoLoss
+GRPO_LOSS_DR_GRPO: GrpoLoss
+GRPO_LOSS_DAPO: GrpoLoss
 LOSS_FN_UNSPECIFIED: LossFn
 LOSS_FN_CROSS_ENTROPY: LossFn
 LOSS_FN_IMPORTANCE_SAMPLING: LossFn
@@ -379,7 +394,7 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma", "parallelism", "num_nodes", "retention", "retention_rows", "eval_every_steps", "keep_best_checkpoint", "eval_batch_size", "eval_rows")
+    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma", "parallelism", "num_nodes", "retention", "retention_rows", "eval_every_steps", "keep_best_checkpoint", "eval_batch_size", "eval_rows", "grpo")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +435,7 @@ class TrainConfig(_message.Message):
     KEEP_BEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     EVAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     EVAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GRPO_FIELD_NUMBER: _ClassVar[int]
     method: TrainMethod
     learning_rate: float
     lr_scheduler: str
@@ -460,7 +476,8 @@ class TrainConfig(_message.Message):
     keep_best_checkpoint: bool
     eval_batch_size: int
     eval_rows: int
-    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., retention_rows: _Optional[int] = ..., eval_every_steps: _Optional[int] = ..., keep_best_checkpoint: _Optional[bool] = ..., eval_batch_size: _Optional[int] = ..., eval_rows: _Optional[int] = ...) -> None: ...
+    grpo: GrpoConfig
+    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., retention_rows: _Optional[int] = ..., eval_every_steps: _Optional[int] = ..., keep_best_checkpoint: _Optional[bool] = ..., eval_batch_size: _Optional[int] = ..., eval_rows: _Optional[int] = ..., grpo: _Optional[_Union[GrpoConfig, _Mapping]] = ...) -> None: ...
 
 class RetentionMetrics(_message.Message):
     __slots__ = ("step", "held_out", "kept", "token_agreement", "mean_nll", "replay_rows")
@@ -600,8 +617,84 @@ class DpoMetrics(_message.Message):
     kl: float
     def __init__(self, rewards_chosen: _Optional[float] = ..., rewards_rejected: _Optional[float] = ..., reward_margin: _Optional[float] = ..., reward_accuracy: _Optional[float] = ..., logps_chosen: _Optional[float] = ..., logps_rejected: _Optional[float] = ..., log_odds_ratio: _Optional[float] = ..., log_odds_chosen: _Optional[float] = ..., nll_loss: _Optional[float] = ..., kl: _Optional[float] = ...) -> None: ...
 
+class GrpoConfig(_message.Message):
+    __slots__ = ("grader", "group_size", "max_new_tokens", "temperature", "top_p", "kl_coef", "clip_eps_low", "clip_eps_high", "loss_type", "sequence_ratio", "tis_cap", "num_iterations", "pass_threshold")
+    GRADER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    CLIP_EPS_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_EPS_HIGH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    TIS_CAP_FIELD_NUMBER: _ClassVar[int]
+    NUM_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    PASS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    grader: str
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    kl_coef: float
+    clip_eps_low: float
+    clip_eps_high: float
+    loss_type: GrpoLoss
+    sequence_ratio: bool
+    tis_cap: float
+    num_iterations: int
+    pass_threshold: float
+    def __init__(self, grader: _Optional[str] = ..., group_size: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., kl_coef: _Optional[float] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., loss_type: _Optional[_Union[GrpoLoss, str]] = ..., sequence_ratio: _Optional[bool] = ..., tis_cap: _Optional[float] = ..., num_iterations: _Optional[int] = ..., pass_threshold: _Optional[float] = ...) -> None: ...
+
+class GraderMetrics(_message.Message):
+    __slots__ = ("name", "mean_score", "pass_rate")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEAN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    mean_score: float
+    pass_rate: float
+    def __init__(self, name: _Optional[str] = ..., mean_score: _Optional[float] = ..., pass_rate: _Optional[float] = ...) -> None: ...
+
+class RlMetrics(_message.Message):
+    __slots__ = ("reward_mean", "reward_std", "graders", "kl", "clip_fraction", "entropy", "sampled_length_mean", "sampled_length_max", "sampling_tokens_per_second", "training_tokens_per_second", "sampling_seconds", "training_seconds", "tis_weight_mean", "zero_std_groups", "eval_reward_mean", "eval_graders")
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_STD_FIELD_NUMBER: _ClassVar[int]
+    GRADERS_FIELD_NUMBER: _ClassVar[int]
+    KL_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LENGTH_MEAN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LENGTH_MAX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIS_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
+    ZERO_STD_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    EVAL_GRADERS_FIELD_NUMBER: _ClassVar[int]
+    reward_mean: float
+    reward_std: float
+    graders: _containers.RepeatedCompositeFieldContainer[GraderMetrics]
+    kl: float
+    clip_fraction: float
+    entropy: float
+    sampled_length_mean: float
+    sampled_length_max: int
+    sampling_tokens_per_second: float
+    training_tokens_per_second: float
+    sampling_seconds: float
+    training_seconds: float
+    tis_weight_mean: float
+    zero_std_groups: float
+    eval_reward_mean: float
+    eval_graders: _containers.RepeatedCompositeFieldContainer[GraderMetrics]
+    def __init__(self, reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., graders: _Optional[_Iterable[_Union[GraderMetrics, _Mapping]]] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., entropy: _Optional[float] = ..., sampled_length_mean: _Optional[float] = ..., sampled_length_max: _Optional[int] = ..., sampling_tokens_per_second: _Optional[float] = ..., training_tokens_per_second: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., training_seconds: _Optional[float] = ..., tis_weight_mean: _Optional[float] = ..., zero_std_groups: _Optional[float] = ..., eval_reward_mean: _Optional[float] = ..., eval_graders: _Optional[_Iterable[_Union[GraderMetrics, _Mapping]]] = ...) -> None: ...
+
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "total_steps", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_seen", "peak_memory_bytes", "step_seconds", "dpo")
+    __slots__ = ("step", "total_steps", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_seen", "peak_memory_bytes", "step_seconds", "dpo", "rl")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -613,6 +706,7 @@ class StepMetrics(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DPO_FIELD_NUMBER: _ClassVar[int]
+    RL_FIELD_NUMBER: _ClassVar[int]
     step: int
     total_steps: int
     epoch: float
@@ -624,7 +718,8 @@ class StepMetrics(_message.Message):
     peak_memory_bytes: int
     step_seconds: float
     dpo: DpoMetrics
-    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., epoch: _Optional[float] = ..., loss: _Optional[float] = ..., learning_rate: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_seen: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., dpo: _Optional[_Union[DpoMetrics, _Mapping]] = ...) -> None: ...
+    rl: RlMetrics
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ..., epoch: _Optional[float] = ..., loss: _Optional[float] = ..., learning_rate: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., tokens_seen: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., dpo: _Optional[_Union[DpoMetrics, _Mapping]] = ..., rl: _Optional[_Union[RlMetrics, _Mapping]] = ...) -> None: ...
 
 class EvalMetrics(_message.Message):
     __slots__ = ("step", "valid_loss", "full_valid_loss", "valid_mean_token_accuracy", "rows", "tokens", "is_full", "full_valid_mean_token_accuracy", "dpo")
