@@ -45,6 +45,7 @@ class DatasetFormat(enum.StrEnum):
     PREFERENCE = "PREFERENCE"
     TOKENS = "TOKENS"
     UNPAIRED_PREFERENCE = "UNPAIRED_PREFERENCE"  # prompt/completion/label (KTO)
+    PROMPTS = "PROMPTS"  # messages ending with a user turn, plus the reference fields a grader reads (GRPO)
 
 
 class TrainMethod(enum.StrEnum):
@@ -54,6 +55,7 @@ class TrainMethod(enum.StrEnum):
     ORPO = "ORPO"
     KTO = "KTO"
     SIMPO = "SIMPO"
+    GRPO = "GRPO"
 
 
 # The methods that train on preferences and stream ``StepMetrics.dpo``; which of them score against a reference
@@ -66,6 +68,7 @@ METHOD_DATASET_FORMAT = {
     TrainMethod.ORPO: DatasetFormat.PREFERENCE,
     TrainMethod.SIMPO: DatasetFormat.PREFERENCE,
     TrainMethod.KTO: DatasetFormat.UNPAIRED_PREFERENCE,
+    TrainMethod.GRPO: DatasetFormat.PROMPTS,
 }
 
 
@@ -289,7 +292,7 @@ class DatasetInfo:
 # for their own hyperparameters (ORPO's lambda is TRL's ORPOConfig.beta) but SimPO's beta: TRL's CPOConfig beta 0.1 is
 # for CPO's sigmoid loss; SimPO's reward is a length-normalised log-prob and the SimPO paper trains with beta 2.0.
 TRAIN_DEFAULTS: dict[str, object] = {
-    "learning_rate": {"SFT": 1e-3, "DPO": 5e-6, "ORPO": 5e-6, "KTO": 5e-6, "SIMPO": 5e-6},
+    "learning_rate": {"SFT": 1e-3, "DPO": 5e-6, "ORPO": 5e-6, "KTO": 5e-6, "SIMPO": 5e-6, "GRPO": 1e-5},
     "lr_scheduler": "linear",
     # SFT: enough passes over the rows to train on SFT_AUTO_EPOCHS_ROWS of them, 1 to SFT_AUTO_EPOCHS_MAX (auto_epochs)
     "num_epochs": {
@@ -298,8 +301,10 @@ TRAIN_DEFAULTS: dict[str, object] = {
         "ORPO": 1.0,
         "KTO": 1.0,
         "SIMPO": 1.0,
+        "GRPO": 1.0,
     },
-    "batch_size": {"SFT": 4, "DPO": 1, "ORPO": 1, "KTO": 1, "SIMPO": 1},
+    # GRPO: prompts per step (each sampled GrpoConfig.group_size times)
+    "batch_size": {"SFT": 4, "DPO": 1, "ORPO": 1, "KTO": 1, "SIMPO": 1, "GRPO": 4},
     "gradient_accumulation_steps": 1,
     "max_length": "the session's max_seq_length",
     "optimizer": "adamw_torch",
@@ -323,6 +328,7 @@ TRAIN_DEFAULTS: dict[str, object] = {
         "ORPO": "NONE",
         "KTO": "NONE",
         "SIMPO": "NONE",
+        "GRPO": "NONE",
     },
     "retention_rows": 32,
 }
@@ -343,6 +349,54 @@ def train_default(name: str, method: TrainMethod) -> object:
     """The default of TrainConfig field ``name`` for ``method`` (see ``TRAIN_DEFAULTS``)."""
     value = TRAIN_DEFAULTS[name]
     return value[method.value] if isinstance(value, dict) else value
+
+
+class GrpoLoss(enum.StrEnum):
+    """How a GRPO step aggregates each token's term into its loss (trainer.proto cites each definition)."""
+
+    UNSPECIFIED = "UNSPECIFIED"  # GRPO
+    GRPO = (
+        "GRPO"  # each sequence's token mean, averaged over sequences; advantages divided by the group's std
+    )
+    DR_GRPO = "DR_GRPO"  # token sum / (sequences x max_new_tokens); advantages not divided by the std
+    DAPO = "DAPO"  # token sum / tokens of the step; advantages divided by the group's std
+
+
+# What a zero GrpoConfig field becomes (``job_config.with_defaults``): TRL's GRPOConfig defaults where it has them
+# (epsilon 0.2 both sides, beta 0, one iteration, temperature 1, top_p 1), group size 8 (TRL's num_generations),
+# 256 new tokens (TRL's max_completion_length), the truncated-IS cap 2 (Yao et al. 2025's C).
+GRPO_DEFAULTS: dict[str, object] = {
+    "group_size": 8,
+    "max_new_tokens": 256,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "kl_coef": 0.0,
+    "clip_eps_low": 0.2,
+    "clip_eps_high": 0.2,
+    "loss_type": "GRPO",
+    "tis_cap": 2.0,
+    "num_iterations": 1,
+    "pass_threshold": 1.0,
+}
+
+
+@dataclass
+class GrpoConfig:
+    """GRPO's settings (trainer.proto's GrpoConfig); zero fields take ``GRPO_DEFAULTS``."""
+
+    grader: str = ""  # the OpenAI grader object, as JSON
+    group_size: int = 0
+    max_new_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 0.0
+    kl_coef: float = 0.0
+    clip_eps_low: float = 0.0
+    clip_eps_high: float = 0.0
+    loss_type: GrpoLoss = GrpoLoss.UNSPECIFIED
+    sequence_ratio: bool = False  # GSPO's sequence-level ratio
+    tis_cap: float = 0.0  # negative: no truncated-IS correction
+    num_iterations: int = 0
+    pass_threshold: float = 0.0
 
 
 @dataclass
@@ -386,6 +440,7 @@ class TrainConfig:
     retention: Retention = Retention.UNSPECIFIED
     # REPLAY: how many of the base's answers are mixed in (at most one a replay prompt)
     retention_rows: int = 0
+    grpo: GrpoConfig | None = None  # GRPO: grader, sampling and loss
 
     def ranks(self) -> int:
         """Processes the job trains on: num_nodes × num_devices (0 counts as 1)."""
@@ -444,6 +499,35 @@ class DpoMetrics:
 
 
 @dataclass
+class GraderMetrics:
+    name: str = ""
+    mean_score: float = 0.0
+    pass_rate: float = 0.0  # share of samples with score >= GrpoConfig.pass_threshold
+
+
+@dataclass
+class RlMetrics:
+    """A GRPO step's metrics (trainer.proto's RlMetrics says what each is)."""
+
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    graders: list[GraderMetrics] = field(default_factory=list)
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    entropy: float = 0.0
+    sampled_length_mean: float = 0.0
+    sampled_length_max: int = 0
+    sampling_tokens_per_second: float = 0.0
+    training_tokens_per_second: float = 0.0
+    sampling_seconds: float = 0.0
+    training_seconds: float = 0.0
+    tis_weight_mean: float = 0.0
+    zero_std_groups: float = 0.0
+    eval_reward_mean: float | None = None
+    eval_graders: list[GraderMetrics] = field(default_factory=list)
+
+
+@dataclass
 class StepMetrics:
     step: int = 0
     total_steps: int = 0
@@ -456,6 +540,7 @@ class StepMetrics:
     peak_memory_bytes: int = 0
     step_seconds: float = 0.0
     dpo: DpoMetrics | None = None
+    rl: RlMetrics | None = None  # GRPO
 
 
 @dataclass
