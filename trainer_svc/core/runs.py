@@ -467,6 +467,7 @@ class TrainingRuns:
                     **step_ops.adapter_base_metadata(loaded, run.info.lora.rank),
                     "run_id": run.info.run_id,
                     "step": str(run.info.step),
+                    "sampler_id": sampler_id,  # the snapshot Sample reads while the run holds it
                 }
                 with self.artifacts.create(
                     "adapter", owner=run.info.tenant, artifact_id=artifact_id, metadata=meta
