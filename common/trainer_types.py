@@ -210,6 +210,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     use_rslora: bool = False
     seed: int = 0
+    train_router: bool = False  # MoE models: the router trains too (PEFT modules_to_save); frozen by default
 
 
 @dataclass
@@ -440,6 +441,11 @@ class TrainConfig:
     retention: Retention = Retention.UNSPECIFIED
     # REPLAY: how many of the base's answers are mixed in (at most one a replay prompt)
     retention_rows: int = 0
+    # validation (a job's validation dataset; docs/validation.md): evaluate every N steps (0: once training ends)
+    eval_every_steps: int = 0
+    keep_best_checkpoint: bool = False  # the job's adapter is the evaluated checkpoint of least valid_loss
+    eval_batch_size: int = 0  # rows per eval batch; 0: batch_size
+    eval_rows: int = 0  # the periodic valid_loss covers the set's first eval_rows rows; 0: all of them
     grpo: GrpoConfig | None = None  # GRPO: grader, sampling and loss
 
     def ranks(self) -> int:
@@ -451,6 +457,25 @@ class TrainConfig:
 class Checkpoint:
     step: int = 0
     artifact: Artifact | None = None
+    train_loss: float = 0.0  # the loss of the step it was taken at
+    valid_loss: float | None = None  # the job's evaluation at this step, if it evaluated here
+    full_valid_loss: float | None = None  # set when that evaluation covered the whole validation set
+    valid_mean_token_accuracy: float | None = None  # SFT
+
+
+@dataclass
+class EvalMetrics:
+    """One evaluation of a job's validation set (trainer.proto's EvalMetrics says what each loss is)."""
+
+    step: int = 0
+    valid_loss: float = 0.0  # over the eval_rows sample (the whole set when eval_rows is 0)
+    full_valid_loss: float = 0.0  # over the whole set; meaningful when is_full
+    valid_mean_token_accuracy: float | None = None  # SFT
+    rows: int = 0
+    tokens: int = 0
+    is_full: bool = False
+    full_valid_mean_token_accuracy: float | None = None  # SFT, when is_full
+    dpo: DpoMetrics | None = None  # preference methods
 
 
 @dataclass
@@ -479,6 +504,12 @@ class JobInfo:
     tenant: str = ""
     instance_id: str = ""  # the trainer instance (pod) that runs it; cancel it there
     loss_curve: Artifact | None = None  # PNG of loss by step (``loss.png``), stored as the job ends
+    best_checkpoint: Checkpoint | None = None  # keep_best_checkpoint: what the job's adapter is
+    metrics_csv: Artifact | None = (
+        None  # ``metrics.csv`` (OpenAI's result-file columns), stored as the job ends
+    )
+    validation_dataset_id: str = ""
+    last_eval: EvalMetrics | None = None
 
 
 @dataclass
@@ -581,10 +612,11 @@ class JobEvent:
     adapter: Artifact | None = None
     log: LogMessage | None = None
     retention: RetentionMetrics | None = None
+    eval: EvalMetrics | None = None
 
     @property
     def kind(self) -> str:
-        for name in ("state", "step", "checkpoint", "adapter", "log", "retention"):
+        for name in ("state", "step", "checkpoint", "adapter", "log", "retention", "eval"):
             if getattr(self, name) is not None:
                 return name
         return ""

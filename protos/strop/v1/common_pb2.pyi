@@ -96,17 +96,19 @@ class DownloadArtifactRequest(_message.Message):
     def __init__(self, artifact_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class LoraConfig(_message.Message):
-    __slots__ = ("r", "alpha", "dropout", "target_modules", "use_rslora", "seed")
+    __slots__ = ("r", "alpha", "dropout", "target_modules", "use_rslora", "seed", "train_router")
     R_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     DROPOUT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
     USE_RSLORA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ROUTER_FIELD_NUMBER: _ClassVar[int]
     r: int
     alpha: float
     dropout: float
     target_modules: _containers.RepeatedScalarFieldContainer[str]
     use_rslora: bool
     seed: int
-    def __init__(self, r: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    train_router: bool
+    def __init__(self, r: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ..., seed: _Optional[int] = ..., train_router: _Optional[bool] = ...) -> None: ...
