@@ -74,7 +74,19 @@ def test_declared_format_is_enforced_on_every_row():
 def test_conversation_must_end_with_the_assistant():
     data = jsonl({"messages": [{"role": "user", "content": "hi"}]})
     with pytest.raises(InvalidArgument, match="last message must come from the assistant"):
-        validate_jsonl([data], DatasetFormat.UNSPECIFIED, Limits())
+        validate_jsonl([data], DatasetFormat.MESSAGES, Limits())
+
+
+def test_prompts_end_with_the_user_and_keep_their_reference_fields():
+    # detected from a conversation that ends with the user's turn (OpenAI's reinforcement fine-tuning rows)
+    row = {"messages": [{"role": "user", "content": "2+2?"}], "answer": "4", "meta": {"k": [1]}}
+    out = validate_jsonl([jsonl(row, row)], DatasetFormat.UNSPECIFIED, Limits())
+    assert out.format is DatasetFormat.PROMPTS and out.rows[0]["answer"] == "4" and out.rows[0]["meta"] == {"k": [1]}
+    done = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    with pytest.raises(InvalidArgument, match=r"line 2: the last message must be the user's"):
+        validate_jsonl([jsonl(row, done)], DatasetFormat.UNSPECIFIED, Limits())
+    with pytest.raises(InvalidArgument, match=r"line 1: 'messages' must be a non-empty list"):
+        validate_jsonl([jsonl({"messages": [], "answer": "4"})], DatasetFormat.PROMPTS, Limits())
 
 
 def test_unknown_role_is_rejected():

@@ -2,8 +2,10 @@
 
 Formats (as TRL names them): ``text``; ``messages`` (a conversation rendered with the chat
 template); ``prompt``/``completion``; ``prompt``/``chosen``/``rejected`` (preference, for DPO, ORPO and SimPO); ``prompt``/``completion``/``label``
-(unpaired preference, for KTO: ``label`` true for a desirable completion, false for an undesirable one); and
-``input_ids`` (pre-tokenized SFT rows, optionally with a 0/1 ``completion_mask``; ids are checked against
+(unpaired preference, for KTO: ``label`` true for a desirable completion, false for an undesirable one);
+``messages`` ending with a user (or system/tool) turn plus any reference fields (prompts, for GRPO: the model
+answers the conversation and a grader reads the answer and the row's fields, as OpenAI's reinforcement fine-tuning
+rows); and ``input_ids`` (pre-tokenized SFT rows, optionally with a 0/1 ``completion_mask``; ids are checked against
 the model's vocabulary when a job starts).
 Prompt, completion, chosen and rejected may be strings or message lists (conversational form).
 Every bad row is reported with its 1-based line number; nothing is stored unless all rows are good.
@@ -80,6 +82,10 @@ def detect_format(row: dict) -> DatasetFormat | None:
     if {"chosen", "rejected"} & keys or ({"prompt", "chosen"} <= keys):
         return DatasetFormat.PREFERENCE
     if "messages" in keys:
+        msgs = row["messages"]
+        last = msgs[-1] if isinstance(msgs, list) and msgs else None
+        if isinstance(last, dict) and last.get("role") in ROLES - {"assistant"}:
+            return DatasetFormat.PROMPTS  # nothing to imitate: a prompt for the model to answer (GRPO)
         return DatasetFormat.MESSAGES
     if "label" in keys:  # TRL's unpaired preference rows; before prompt/completion, whose keys they share
         return DatasetFormat.UNPAIRED_PREFERENCE
@@ -120,6 +126,15 @@ def check_row(row: dict, fmt: DatasetFormat) -> str | None:
             return "the last message must come from the assistant (it is what the model learns to say)"
         if all(m.get("weight", 1) == 0 for m in row["messages"] if m["role"] == "assistant"):
             return "every assistant message has weight 0: the row teaches nothing"
+        return None
+    if fmt is DatasetFormat.PROMPTS:
+        if "messages" not in row:
+            return "missing 'messages'"
+        problem = _check_messages(row["messages"], "messages")
+        if problem:
+            return problem
+        if row["messages"][-1]["role"] == "assistant":
+            return "the last message must be the user's (or system's): the model's answer to it is what is graded"
         return None
     if fmt is DatasetFormat.UNPAIRED_PREFERENCE and not isinstance(row.get("label"), bool):
         return "missing 'label'" if "label" not in row else "'label' must be true or false"

@@ -193,6 +193,11 @@ def check_dataset_fits(cfg: TrainConfig, fmt: DatasetFormat, rows: list[dict], v
         raise InvalidArgument(
             f"{method.value} needs a preference dataset (prompt/chosen/rejected); this dataset is {fmt.value.lower()}"
         )
+    if needs is None and fmt is DatasetFormat.PROMPTS:
+        raise InvalidArgument(
+            "SFT needs text, messages or prompt/completion rows; this dataset is prompts (conversations ending with "
+            "the user's turn: nothing to imitate); train GRPO on it"
+        )
     if needs is DatasetFormat.UNPAIRED_PREFERENCE and fmt is not needs:
         raise InvalidArgument(
             f"KTO needs unpaired preference rows (prompt/completion/label); this dataset is {fmt.value.lower()}"
