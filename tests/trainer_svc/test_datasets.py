@@ -81,7 +81,11 @@ def test_prompts_end_with_the_user_and_keep_their_reference_fields():
     # detected from a conversation that ends with the user's turn (OpenAI's reinforcement fine-tuning rows)
     row = {"messages": [{"role": "user", "content": "2+2?"}], "answer": "4", "meta": {"k": [1]}}
     out = validate_jsonl([jsonl(row, row)], DatasetFormat.UNSPECIFIED, Limits())
-    assert out.format is DatasetFormat.PROMPTS and out.rows[0]["answer"] == "4" and out.rows[0]["meta"] == {"k": [1]}
+    assert (
+        out.format is DatasetFormat.PROMPTS
+        and out.rows[0]["answer"] == "4"
+        and out.rows[0]["meta"] == {"k": [1]}
+    )
     done = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     with pytest.raises(InvalidArgument, match=r"line 2: the last message must be the user's"):
         validate_jsonl([jsonl(row, done)], DatasetFormat.UNSPECIFIED, Limits())
