@@ -377,7 +377,6 @@ GRPO_DEFAULTS: dict[str, object] = {
     "loss_type": "GRPO",
     "tis_cap": 2.0,
     "num_iterations": 1,
-    "pass_threshold": 1.0,
 }
 
 
@@ -397,7 +396,6 @@ class GrpoConfig:
     sequence_ratio: bool = False  # GSPO's sequence-level ratio
     tis_cap: float = 0.0  # negative: no truncated-IS correction
     num_iterations: int = 0
-    pass_threshold: float = 0.0
 
 
 @dataclass
@@ -533,7 +531,7 @@ class DpoMetrics:
 class GraderMetrics:
     name: str = ""
     mean_score: float = 0.0
-    pass_rate: float = 0.0  # share of samples with score >= GrpoConfig.pass_threshold
+    pass_rate: float = 0.0  # share of samples with score >= the grader's own pass_threshold
 
 
 @dataclass

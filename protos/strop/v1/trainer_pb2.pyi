@@ -618,7 +618,7 @@ class DpoMetrics(_message.Message):
     def __init__(self, rewards_chosen: _Optional[float] = ..., rewards_rejected: _Optional[float] = ..., reward_margin: _Optional[float] = ..., reward_accuracy: _Optional[float] = ..., logps_chosen: _Optional[float] = ..., logps_rejected: _Optional[float] = ..., log_odds_ratio: _Optional[float] = ..., log_odds_chosen: _Optional[float] = ..., nll_loss: _Optional[float] = ..., kl: _Optional[float] = ...) -> None: ...
 
 class GrpoConfig(_message.Message):
-    __slots__ = ("grader", "group_size", "max_new_tokens", "temperature", "top_p", "kl_coef", "clip_eps_low", "clip_eps_high", "loss_type", "sequence_ratio", "tis_cap", "num_iterations", "pass_threshold")
+    __slots__ = ("grader", "group_size", "max_new_tokens", "temperature", "top_p", "kl_coef", "clip_eps_low", "clip_eps_high", "loss_type", "sequence_ratio", "tis_cap", "num_iterations")
     GRADER_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -631,7 +631,6 @@ class GrpoConfig(_message.Message):
     SEQUENCE_RATIO_FIELD_NUMBER: _ClassVar[int]
     TIS_CAP_FIELD_NUMBER: _ClassVar[int]
     NUM_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
-    PASS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     grader: str
     group_size: int
     max_new_tokens: int
@@ -644,8 +643,7 @@ class GrpoConfig(_message.Message):
     sequence_ratio: bool
     tis_cap: float
     num_iterations: int
-    pass_threshold: float
-    def __init__(self, grader: _Optional[str] = ..., group_size: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., kl_coef: _Optional[float] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., loss_type: _Optional[_Union[GrpoLoss, str]] = ..., sequence_ratio: _Optional[bool] = ..., tis_cap: _Optional[float] = ..., num_iterations: _Optional[int] = ..., pass_threshold: _Optional[float] = ...) -> None: ...
+    def __init__(self, grader: _Optional[str] = ..., group_size: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., kl_coef: _Optional[float] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., loss_type: _Optional[_Union[GrpoLoss, str]] = ..., sequence_ratio: _Optional[bool] = ..., tis_cap: _Optional[float] = ..., num_iterations: _Optional[int] = ...) -> None: ...
 
 class GraderMetrics(_message.Message):
     __slots__ = ("name", "mean_score", "pass_rate")
