@@ -27,6 +27,7 @@ PACKAGES = {  # folder → import name (pyproject's package-dir)
     "fixtures": "strop.fixtures",
     "demo": "strop.demo",
     "gateways": "strop.gateways",
+    "graders": "strop.graders",
 }
 TORCH_LIBRARIES = ("torch", "triton", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets")
 SERVICES = ("strop.trainer_svc", "strop.export_svc")
@@ -100,6 +101,12 @@ def test_service_cores_import_no_grpc_and_no_generated_code(core):
 def test_the_gateways_are_clients_of_the_services():
     # an HTTP gateway speaks to the trainer over gRPC (the SDK), never through its internals, kernels or torch
     assert not _hits(["strop.gateways"], [*SERVICES, "strop.kernels", "strop.fixtures", *TORCH_LIBRARIES])
+
+
+def test_the_graders_are_a_library_under_the_services_and_gateways():
+    # the trainer's GRPO jobs and the OpenAI gateway both use them: they import neither, nor torch nor gRPC
+    others = sorted(m for m in GRAPH if not m.startswith(("strop.graders", "strop.common")))
+    assert not _hits(["strop.graders"], [*others, *TORCH_LIBRARIES, "grpc", "strop.v1"])
 
 
 def test_the_services_never_import_each_other():
