@@ -1,5 +1,10 @@
 """The Llama-family architectures strop handles, and the facts every layer needs about each (no torch).
 
+Mixtures of experts (:data:`MOE_ARCHS`: Qwen3-MoE, Mixtral, gpt-oss) are a second table of the same
+:class:`Arch` rows with a :class:`Moe` part: their attention is a dense arch's, their MLP a router and experts
+that transformers (5.x) holds fused, as 3-D ``gate_up_proj``/``down_proj`` parameters of one experts module,
+whatever the checkpoint's layout. :data:`MODEL_TYPES` stays the dense archs (what every dense path handles).
+
 One table, :data:`ARCHS`: Hugging Face ``model_type`` → what transformers builds (model and config class),
 where its modeling file puts biases, norms and the sliding window, and what llama.cpp calls it and
 expects (``general.architecture``; whether q/k rows are permuted from HF's rotate-half layout to the
@@ -39,6 +44,49 @@ class SlidingWindow(enum.StrEnum):
     LAYER = "layer"  # ``attn.sliding_window``, set per layer from ``config.layer_types`` (qwen2, qwen3)
 
 
+class TopKNorm(enum.StrEnum):
+    """How a router turns its top-k choices into the weights the experts' outputs are summed with."""
+
+    CONFIG = "config"  # softmax over all experts, top-k kept, renormalized when ``config.norm_topk_prob``
+    ALWAYS = "always"  # softmax over all experts, top-k kept and renormalized (Mixtral)
+    TOPK_SOFTMAX = "topk_softmax"  # top-k of the logits, softmax over those k (gpt-oss)
+
+
+@dataclass(frozen=True)
+class Moe:
+    """What a mixture-of-experts architecture adds to its :class:`Arch` (HF's modeling file and checkpoint).
+
+    Attributes:
+        num_experts_key: the config key of the expert count.
+        intermediate_key: the config key of one expert's intermediate size.
+        router: the router's module name under ``mlp`` (a ``weight`` of shape ``[experts, hidden]``).
+        router_bias: the router has a bias too.
+        topk_norm: how the top-k routing weights are formed.
+        expert_bias: the fused expert parameters carry biases (``gate_up_proj_bias``, ``down_proj_bias``).
+        transposed: the fused parameters are stored ``[experts, in, out]`` (HF's ``is_transposed``), not
+            ``[experts, out, in]``; gate and up then interleave along ``out`` (gpt-oss) instead of being halves.
+        checkpoint_experts: the per-expert tensor names a checkpoint holds under
+            ``model.layers.{i}.{checkpoint_mlp}.experts.{e}.`` as (gate, up, down); empty when the checkpoint
+            holds the fused parameters as the model does.
+        checkpoint_mlp: the MLP's name in the checkpoint (Mixtral's ``block_sparse_moe``).
+        activation: the experts' activation: ``swiglu`` (``silu(gate) · up``) or gpt-oss's clamped
+            ``(up + 1) · gate · σ(α · gate)``.
+        shared_experts: the architecture adds always-on shared experts (none of these three does).
+    """
+
+    num_experts_key: str
+    intermediate_key: str
+    router: str
+    topk_norm: TopKNorm
+    router_bias: bool = False
+    expert_bias: bool = False
+    transposed: bool = False
+    checkpoint_experts: tuple[str, str, str] | tuple[()] = ()
+    checkpoint_mlp: str = "mlp"
+    activation: str = "swiglu"
+    shared_experts: bool = False
+
+
 @dataclass(frozen=True)
 class Arch:
     """One Hugging Face architecture.
@@ -64,6 +112,7 @@ class Arch:
             (``{"full_attention": …, "sliding_attention": …}``).
         attn_softcap: the attention forward passes ``softcap=config.attn_logit_softcapping`` to the attention
             interface (Gemma 2; Gemma 3's config has the key but its forward never passes it).
+        moe: the mixture-of-experts facts (:data:`MOE_ARCHS`), None for a dense arch.
     """
 
     model_type: str
@@ -81,6 +130,7 @@ class Arch:
     embed_scale: bool = False
     rope_per_layer_type: bool = False
     attn_softcap: bool = False
+    moe: Moe | None = None
 
 
 ARCHS: dict[str, Arch] = {
@@ -160,6 +210,95 @@ ARCHS: dict[str, Arch] = {
     )
 }
 MODEL_TYPES: tuple[str, ...] = tuple(ARCHS)
+
+MOE_ARCHS: dict[str, Arch] = {
+    a.model_type: a
+    for a in (
+        # Qwen3's attention (q/k norms); all experts routed, no shared expert; top-k renormalized as the config says
+        Arch(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "Qwen3MoeConfig",
+            "qwen3moe",
+            permute_qk=False,
+            qkv_bias=Bias.ATTENTION_BIAS,
+            o_bias=Bias.ATTENTION_BIAS,
+            qk_norm=True,
+            sliding_window=SlidingWindow.LAYER,
+            moe=Moe(
+                "num_experts",
+                "moe_intermediate_size",
+                "gate",
+                TopKNorm.CONFIG,
+                checkpoint_experts=("gate_proj", "up_proj", "down_proj"),
+            ),
+        ),
+        # Mistral's attention; llama.cpp converts MixtralForCausalLM with its llama arch (+ expert tensors)
+        Arch(
+            "mixtral",
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            "llama",
+            permute_qk=True,
+            sliding_window=SlidingWindow.CONFIG,
+            moe=Moe(
+                "num_local_experts",
+                "intermediate_size",
+                "gate",
+                TopKNorm.ALWAYS,
+                checkpoint_experts=("w1", "w3", "w2"),
+                checkpoint_mlp="block_sparse_moe",
+            ),
+        ),
+        # attention sinks and biases, alternating sliding layers; fused, transposed, biased experts in the
+        # checkpoint (the released weights are MXFP4, which strop does not load: only 16-bit copies)
+        Arch(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            "GptOssConfig",
+            "gpt-oss",
+            permute_qk=False,
+            qkv_bias=Bias.ATTENTION_BIAS,
+            o_bias=Bias.ATTENTION_BIAS,
+            sliding_window=SlidingWindow.LAYER,
+            moe=Moe(
+                "num_local_experts",
+                "intermediate_size",
+                "router",
+                TopKNorm.TOPK_SOFTMAX,
+                router_bias=True,
+                expert_bias=True,
+                transposed=True,
+                activation="gpt_oss",
+            ),
+        ),
+    )
+}
+MOE_MODEL_TYPES: tuple[str, ...] = tuple(MOE_ARCHS)
+
+
+def arch_of(model_type: str) -> Arch | None:
+    """The :class:`Arch` of ``model_type``, dense or mixture of experts; None when strop does not know it."""
+    return ARCHS.get(model_type) or MOE_ARCHS.get(model_type)
+
+
+def moe_sizes(config: Any) -> tuple[int, int, int]:
+    """(experts, experts per token, one expert's intermediate size) of an MoE ``config``: an HF config object or its
+    ``config.json`` dict. The expert count is read under either name transformers has used for the arch (5.24 keeps
+    Qwen3-MoE's ``num_experts`` as ``num_local_experts``; released checkpoints say ``num_experts``).
+
+    Raises:
+        KeyError: not an arch of :data:`MOE_ARCHS`, or no expert count.
+    """
+
+    def get(key: str):
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    moe = MOE_ARCHS[str(get("model_type"))].moe
+    n = next((get(k) for k in (moe.num_experts_key, "num_local_experts", "num_experts") if get(k)), None)
+    if n is None:
+        raise KeyError(f"{get('model_type')} config has no expert count ({moe.num_experts_key})")
+    return int(n), int(get("num_experts_per_tok")), int(get(moe.intermediate_key))
 
 
 def head_dim(config: dict[str, Any]) -> int:

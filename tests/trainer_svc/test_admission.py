@@ -35,7 +35,7 @@ def _saved_bytes_of_a_real_step(model, tokens: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def assert_estimate_bounds_a_real_step(config, model, rows: int, length: int):
+def assert_estimate_bounds_a_real_step(config, model, rows: int, length: int, expert_lora: bool = False):
     """The estimate of keeping every layer (HF + PEFT, no checkpointing) against what a real forward of ``model``
     on ``rows`` × ``length`` random tokens saves for backward: at least that, and at most twice it. Returns the
     job config, the trainable parameter count and the estimate."""
@@ -51,6 +51,7 @@ def assert_estimate_bounds_a_real_step(config, model, rows: int, length: int):
         checkpointed=False,
         offloaded=False,
         kernels=False,
+        expert_lora=expert_lora,
     )
     predicted = est.layers + est.logits
     assert measured <= predicted <= 2.0 * measured, (measured, predicted, str(est))

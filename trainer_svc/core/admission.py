@@ -14,6 +14,15 @@ T = rows × the longest tokenized row, capped at max_length; H hidden, I interme
                                                          the MLP's gate and up); Gemma's two extra RMSNorms per
                                                          layer add 16 to a on HF's path (each keeps fp32 x and
                                                          x̂) and 4 on the kernels' (each keeps its bf16 input)
+                                                         Mixture of experts (E experts, k per token, expert
+                                                         size I_e): the MLP term c·I becomes k·(8·H + 10·I_e)
+                                                         + 10·E (HF's expert loop: each routed copy of the input,
+                                                         gate/up, the activation and product, the weighted output;
+                                                         the router's logits and fp32 probabilities)
+    expert stacks      E · 3·I_e·H · 2 per layer kept    LoRA on fused experts (PEFT's ParamWrapper): each forward
+                                                         builds W + s·BA for the whole stack and the expert GEMMs
+                                                         save it for backward; counted for every layer kept
+                                                         (checkpointed: 2)
     layers kept        L · one layer                     without checkpointing
                        L · T·H·2 + 2 · one layer         checkpointed: every layer input, one layer recomputed
                                                          and its backward's transients
@@ -35,7 +44,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from strop.common.archs import ARCHS
+from strop.common.archs import arch_of, moe_sizes
 from strop.common.errors import ResourceExhausted
 from strop.common.trainer_types import TrainConfig, TrainMethod
 
@@ -70,8 +79,10 @@ def estimate(
     checkpointed: bool,
     offloaded: bool,
     kernels: bool,
+    expert_lora: bool = False,
 ) -> Estimate:
-    """The estimate of the module docstring for one step of ``cfg`` on a model of ``hf_config``."""
+    """The estimate of the module docstring for one step of ``cfg`` on a model of ``hf_config`` (``expert_lora``: a
+    mixture of experts whose experts carry LoRA)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     h, inter = int(text.hidden_size), int(text.intermediate_size)
     n_layers, vocab = int(text.num_hidden_layers), int(text.vocab_size)
@@ -82,16 +93,23 @@ def estimate(
     rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     t = rows * min(longest_row, cfg.max_length)
     a, b, c = (12, 4, 4) if kernels else (40, 8, 8)
-    arch = ARCHS.get(str(getattr(text, "model_type", "")))
+    model_type = str(getattr(text, "model_type", ""))
+    arch = arch_of(model_type)
     if arch is not None and arch.sandwich_norms:
         a += 4 if kernels else 16
-    one_layer = t * (a * h + b * kv + c * inter)
-    if not checkpointed:
-        layers = n_layers * one_layer
-    elif offloaded:
-        layers = 2 * t * h * 2 + 2 * one_layer
+    stack = 0
+    if arch is not None and arch.moe is not None:  # the experts run HF's path either way
+        n_exp, top_k, inter_e = moe_sizes(text)
+        one_layer = t * (a * h + b * kv + top_k * (8 * h + 10 * inter_e) + 10 * n_exp)
+        stack = n_exp * 3 * inter_e * h * 2 if expert_lora else 0
     else:
-        layers = n_layers * t * h * 2 + 2 * one_layer
+        one_layer = t * (a * h + b * kv + c * inter)
+    if not checkpointed:
+        layers = n_layers * (one_layer + stack)
+    elif offloaded:
+        layers = 2 * t * h * 2 + 2 * (one_layer + stack)
+    else:
+        layers = n_layers * t * h * 2 + 2 * (one_layer + stack)
     if kernels:
         from strop.kernels.ops.fused_linear_ce import _CHUNK_LOGITS_BYTES
 

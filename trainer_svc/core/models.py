@@ -31,6 +31,7 @@ from strop.common.trainer_types import (
     ModelFacts,
     Quantization,
 )
+from strop.trainer_svc.core import moe
 
 log = logging.getLogger("strop.trainer")
 
@@ -215,6 +216,8 @@ def load_model(
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
     facts.kernels_enabled, facts.kernels_reason = decide_kernels(req.kernels, device, hf_config.model_type)
+    if note := moe.expert_note(model, hf_config):
+        facts.kernels_reason += f"; {note}"
     loaded = LoadedModel(model, tokenizer, facts, model_dir, facts.model_path, device)
     if facts.kernels_enabled and req.kernels in FP8_KERNEL_MODES:
         loaded.fp8_kernels = req.kernels
@@ -358,10 +361,14 @@ def validate_lora(cfg: LoraConfig, model) -> LoraConfig:
         raise InvalidArgument(f"LoRA dropout must be in [0, 1), got {cfg.dropout}")
     targets = list(cfg.target_modules) or list(DEFAULT_TARGET_MODULES)
     available = linear_module_names(model)
-    unknown = sorted(set(targets) - available)
+    # mixtures of experts: expert projections are fused parameters (trainer_svc/core/moe.py validates them)
+    moe.peft_targets(model.config, targets, available, dropout=cfg.dropout, train_router=cfg.train_router)
+    unknown = sorted(
+        set(targets) - available - (set(moe.EXPERT_TARGETS) if moe.moe_arch(model.config) else set())
+    )
     if unknown:
         raise InvalidArgument(f"unknown target module(s) {unknown}; this model has {sorted(available)}")
-    return LoraConfig(cfg.r, cfg.alpha, cfg.dropout, targets, cfg.use_rslora, cfg.seed)
+    return LoraConfig(cfg.r, cfg.alpha, cfg.dropout, targets, cfg.use_rslora, cfg.seed, cfg.train_router)
 
 
 def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
@@ -376,11 +383,20 @@ def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
         raise FailedPrecondition("this session already has a LoRA adapter")
     cfg = validate_lora(cfg, loaded.model)
     torch.manual_seed(cfg.seed)
+    targets = moe.peft_targets(
+        loaded.model.config,
+        list(cfg.target_modules),
+        linear_module_names(loaded.model),
+        dropout=cfg.dropout,
+        train_router=cfg.train_router,
+    )
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
+        target_modules=targets.target_modules,
+        target_parameters=targets.target_parameters or None,
+        modules_to_save=targets.modules_to_save or None,
         use_rslora=cfg.use_rslora,
         bias="none",
         task_type="CAUSAL_LM",

@@ -33,7 +33,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import fsdp, retention
+from strop.trainer_svc.core import fsdp, moe, retention
 from strop.trainer_svc.core.guard import BrokenTraining, make_guard, names
 from strop.trainer_svc.core.job_config import OPTIMIZERS, retention_of, sft_rows
 from strop.trainer_svc.core.models import LoadedModel, drop_inference_weights, repacked_4bit_layers
@@ -244,6 +244,7 @@ def _build_trl_trainer(
             packing=cfg.packing,
             completion_only_loss=masked,
             dataset_text_field="text",
+            **moe_loss_args(loaded),
         )
         dataset = Dataset.from_list(sft)
         trainer_cls = SFTTrainer
@@ -284,6 +285,14 @@ def _build_trl_trainer(
     )
     _use_reference(trainer, cfg)
     return trainer
+
+
+def moe_loss_args(loaded: LoadedModel) -> dict:
+    """A mixture of experts' load-balancing loss as its config says (``trainer_svc/core/moe.py``): TRL's SFTTrainer
+    would otherwise add it whenever the config has a coefficient, even with ``output_router_logits`` false."""
+    if moe.moe_arch(loaded.model.config) is None:
+        return {}
+    return {"router_aux_loss_coef": moe.aux_loss_coef(loaded.model.config)}
 
 
 def _use_reference(trainer, cfg: TrainConfig) -> None:
@@ -441,6 +450,7 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
         checkpointed=bool(cfg.gradient_checkpointing) or offloaded,
         offloaded=offloaded,
         kernels=loaded.facts.kernels_enabled,
+        expert_lora=moe.expert_lora(loaded.model.config, loaded.lora),
     )
     dev = torch.device(loaded.device)
     free, _ = torch.cuda.mem_get_info(dev)

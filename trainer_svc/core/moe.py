@@ -1,0 +1,125 @@
+"""Mixture-of-experts sessions (Qwen3-MoE, Mixtral, gpt-oss): what LoRA targets, the router, the auxiliary loss.
+
+transformers (5.x) holds an MoE layer's experts fused: one experts module with 3-D ``gate_up_proj``
+``[experts, 2·I, H]`` and ``down_proj`` ``[experts, H, I]`` parameters (gpt-oss: transposed, with biases), loaded
+from per-expert checkpoint tensors where the checkpoint has them. There is no per-expert ``nn.Linear`` to wrap,
+so PEFT targets the parameters themselves (``LoraConfig.target_parameters``: its ``ParamWrapper`` adds
+``s · B_e A_e`` to every expert ``e`` with a rank-r pair per expert, gate and up sharing one pair because they are
+one fused parameter). strop maps the usual projection names onto that: ``gate_proj`` and ``up_proj`` (which must
+come together) → ``experts.gate_up_proj``, ``down_proj`` → ``experts.down_proj``; q/k/v/o stay module targets.
+
+The router is frozen unless a LoRA config asks for it (``train_router``): then PEFT trains a full copy of it
+(``modules_to_save``), saved with the adapter. The load-balancing loss is the model's own
+(``load_balancing_loss_func`` in each modeling file), added as the config says: ``router_aux_loss_coef`` times it
+when ``output_router_logits`` is true, nothing otherwise.
+
+bitsandbytes quantizes ``nn.Linear`` layers only: a 4-bit session (quantized on load or prequantized) holds the
+attention in NF4 and the experts — most of an MoE model's weights — in the compute dtype. :func:`expert_note` says
+so in the session's facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from strop.common.archs import MOE_ARCHS, moe_sizes
+from strop.common.errors import InvalidArgument
+
+# the projection names a LoRA config may give for an MoE layer's experts, and the fused parameter each one is
+EXPERT_TARGETS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def moe_arch(config: Any):
+    """The MoE :class:`~strop.common.archs.Arch` of an HF config (object or dict), None for a dense model."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return MOE_ARCHS.get(str(model_type))
+
+
+@dataclass(frozen=True)
+class PeftTargets:
+    """What PEFT's ``LoraConfig`` gets for a session's targets."""
+
+    target_modules: list[str]
+    target_parameters: list[str]
+    modules_to_save: list[str]
+
+
+def peft_targets(
+    hf_config, targets: list[str], linear_names: set[str], *, dropout: float, train_router: bool
+) -> PeftTargets:
+    """PEFT's targets for ``targets`` (projection names) on a model of ``hf_config``.
+
+    Args:
+        hf_config: the model's config.
+        targets: the LoRA config's projection names (validated here for an MoE model).
+        linear_names: leaf names of the model's ``nn.Linear``/4-bit layers (a Qwen3-MoE layer listed in
+            ``mlp_only_layers`` keeps a dense MLP, whose gate/up/down are module targets too).
+        dropout: the LoRA dropout (PEFT's expert wrapper cannot apply one: the input of ``x · (W + s·BA)`` is
+            not separable per term).
+        train_router: train the router (MoE only).
+
+    Raises:
+        InvalidArgument: ``train_router`` on a dense model; an unknown name; ``gate_proj`` without ``up_proj``
+            (or the reverse) on fused experts; dropout > 0 with expert targets.
+    """
+    arch = moe_arch(hf_config)
+    if arch is None:
+        if train_router:
+            raise InvalidArgument(
+                f"train_router is for mixture-of-experts models; {getattr(hf_config, 'model_type', '?')!r} "
+                "has no router"
+            )
+        return PeftTargets(list(targets), [], [])
+    unknown = sorted(set(targets) - linear_names - set(EXPERT_TARGETS))
+    if unknown:
+        raise InvalidArgument(
+            f"unknown target module(s) {unknown}; this model has {sorted(linear_names | set(EXPERT_TARGETS))}"
+        )
+    experts = [t for t in targets if t in EXPERT_TARGETS]
+    if ("gate_proj" in experts) != ("up_proj" in experts):
+        raise InvalidArgument(
+            f"{arch.model_type} holds each expert's gate and up projections as one fused parameter "
+            "(experts.gate_up_proj): target gate_proj and up_proj together, or neither"
+        )
+    if experts and dropout > 0:
+        raise InvalidArgument(
+            f"lora dropout {dropout} on the experts of {arch.model_type}: PEFT's LoRA on fused expert parameters "
+            "has no dropout; use dropout 0 or leave gate_proj/up_proj/down_proj out of the targets"
+        )
+    params = sorted({f"experts.{EXPERT_TARGETS[t]}" for t in experts})
+    modules = [t for t in targets if t in linear_names]
+    return PeftTargets(modules, params, [f"mlp.{arch.moe.router}"] if train_router else [])
+
+
+def expert_lora(hf_config, lora) -> bool:
+    """Whether a session's LoRA config (``LoraConfig`` or None) puts adapters on a mixture of experts' experts."""
+    return (
+        moe_arch(hf_config) is not None
+        and lora is not None
+        and bool(set(lora.target_modules) & set(EXPERT_TARGETS))
+    )
+
+
+def aux_loss_coef(hf_config) -> float:
+    """The weight of the load-balancing loss in the loss trained: ``router_aux_loss_coef`` when the config's
+    ``output_router_logits`` is true, else 0 (also 0 for a dense model)."""
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    if moe_arch(text) is None or not getattr(text, "output_router_logits", False):
+        return 0.0
+    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def expert_note(model, hf_config) -> str:
+    """One line for the session's facts: experts per layer and per token, and the dtype the experts are held in."""
+    arch = moe_arch(hf_config)
+    if arch is None:
+        return ""
+    n, k, _ = moe_sizes(hf_config)
+    dtypes = sorted(
+        {str(p.dtype).removeprefix("torch.") for name, p in model.named_parameters() if ".experts." in name}
+    )
+    return (
+        f"MoE {arch.model_type}: {n} experts, {k} per token, experts held in {'/'.join(dtypes) or '?'} "
+        "(bitsandbytes 4-bit covers nn.Linear layers only: the attention), HF's expert path"
+    )
