@@ -232,8 +232,8 @@ def _eval(node, values: dict[str, float]) -> float:
         v = _eval(node.arg, values)
         return -v if node.op == "-" else v
     if isinstance(node, _Call):
-        fn = FUNCTIONS[node.name][0]
-        return float(fn(*(_eval(a, values) for a in node.args)))
+        fn, args = FUNCTIONS[node.name][0], [_eval(a, values) for a in node.args]
+        return float(fn(args) if node.name in ("min", "max") else fn(*args))
     a, b = _eval(node.left, values), _eval(node.right, values)
     if node.op == "+":
         return a + b
