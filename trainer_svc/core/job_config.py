@@ -99,6 +99,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
             raise InvalidArgument(f"config: {f.name} must be a finite number, got {value}")
     preference = cfg.method is not TrainMethod.SFT
     c = replace(cfg, **_defaults_for_unset(cfg, session_max_len, num_rows))
+    c = _eval_defaults(c)
     forced = MEMORY_MODES[c.memory_mode].gradient_checkpointing
     if (
         forced is not None
@@ -176,10 +177,42 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
             "memory_budget_gib applies to memory_mode MAX_SPEED only",
         ),
     ]
-    for ok, message in checks:
+    for ok, message in checks + _eval_checks(c):
         if not ok:
             raise InvalidArgument(f"config: {message}")
     return c
+
+
+def _eval_defaults(c: TrainConfig) -> TrainConfig:
+    """Validation's defaults: eval batches as big as training's; keep_best_checkpoint checkpoints at every eval."""
+    if not c.eval_batch_size:
+        c = replace(c, eval_batch_size=c.batch_size)
+    if c.keep_best_checkpoint and not c.checkpoint_every_steps and c.eval_every_steps > 0:
+        c = replace(c, checkpoint_every_steps=c.eval_every_steps)
+    return c
+
+
+def _eval_checks(c: TrainConfig) -> list[tuple[bool, str]]:
+    """Validation's settings (docs/validation.md); whether the job has a validation set is the job's check."""
+    every, ckpt = c.eval_every_steps, c.checkpoint_every_steps
+    return [
+        (every >= 0, f"eval_every_steps must be >= 0 (0: only once training ends), got {every}"),
+        (1 <= c.eval_batch_size <= 4096, f"eval_batch_size must be in 1..4096, got {c.eval_batch_size}"),
+        (c.eval_rows >= 0, f"eval_rows must be >= 0 (0: the whole validation set), got {c.eval_rows}"),
+        (
+            c.method is not TrainMethod.KTO or c.eval_batch_size >= 2,
+            f"KTO needs eval_batch_size >= 2 (its KL estimate pairs rows of a batch), got {c.eval_batch_size}",
+        ),
+        (
+            not c.keep_best_checkpoint or every > 0,
+            "keep_best_checkpoint needs eval_every_steps > 0 (the candidates are the evaluated checkpoints)",
+        ),
+        (
+            not c.keep_best_checkpoint or every <= 0 or ckpt <= 0 or every % ckpt == 0,
+            f"keep_best_checkpoint needs a checkpoint at every eval step: eval_every_steps ({every}) must be a "
+            f"multiple of checkpoint_every_steps ({ckpt}), or leave checkpoint_every_steps 0 (= eval_every_steps)",
+        ),
+    ]
 
 
 def check_dataset_fits(cfg: TrainConfig, fmt: DatasetFormat, rows: list[dict], vocab_size: int) -> None:

@@ -38,7 +38,16 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import adapter_state, dist_launch, fsdp, job_config, loss_curve, models, training
+from strop.trainer_svc.core import (
+    adapter_state,
+    dist_launch,
+    fsdp,
+    job_config,
+    loss_curve,
+    models,
+    training,
+    validation,
+)
 from strop.trainer_svc.core.datasets import Datasets
 from strop.trainer_svc.core.guard import BrokenTraining
 from strop.trainer_svc.core.sessions import Session, Sessions
@@ -133,6 +142,7 @@ class Jobs:
         resume_from_job_id: str = "",
         name: str = "",
         fail_if_busy: bool = False,
+        validation_dataset_id: str = "",
     ) -> JobInfo:
         """Validate everything, create the job and start its thread; errors leave nothing behind.
 
@@ -153,6 +163,7 @@ class Jobs:
             self.artifacts.verify(ckpt_key)
             resume_dir = self.artifacts.path_of(ckpt_key)
             dataset_id = dataset_id or prev.dataset_id
+            validation_dataset_id = validation_dataset_id or prev.validation_dataset_id
             if config is None or config.method is TrainMethod.UNSPECIFIED:
                 config = prev.config
         if config is None:
@@ -167,6 +178,9 @@ class Jobs:
             config, session_max_len=sess.info.facts.max_seq_length, num_rows=len(rows)
         )
         job_config.check_dataset_fits(cfg, ds_info.format, rows, sess.info.facts.vocab_size)
+        held_out = validation.load(
+            self.datasets, validation_dataset_id, cfg, ds_info.format, sess.info.facts.vocab_size
+        )
         if cfg.num_nodes > 1:
             raise FailedPrecondition(
                 f"num_nodes {cfg.num_nodes}: the trainer service trains on its own node; run a job over several "
@@ -186,6 +200,7 @@ class Jobs:
             resumed_from_job_id=resume_from_job_id,
             created_at=time.time(),
             tenant=sess.info.tenant,
+            validation_dataset_id=validation_dataset_id,
         )
         with self._lock:
             if sess.broken:
@@ -220,7 +235,7 @@ class Jobs:
             thread = threading.Thread(
                 target=self._run,
                 name=f"strop-{job.job_id}",
-                args=(sess, job.job_id, cfg, ds_info.format, rows, control, resume_dir),
+                args=(sess, job.job_id, cfg, ds_info.format, rows, control, resume_dir, held_out),
                 daemon=True,
             )
             self._jobs[job.job_id] = _RunningJob(job.job_id, control, thread)
@@ -286,6 +301,7 @@ class Jobs:
         rows: list[dict],
         control: training.JobControl,
         resume_dir: Path | None,
+        held_out: validation.ValidationSet | None = None,
     ) -> None:
         import torch
 
@@ -296,6 +312,7 @@ class Jobs:
             on_checkpoint=lambda step, path: self._on_checkpoint(sess, job_id, step, path),
             on_start=lambda total: self.store.update_job(job_id, total_steps=total),
             on_retention=lambda m: self.store.append_event(JobEvent(job_id=job_id, retention=m)),
+            on_eval=lambda m: self.store.append_event(JobEvent(job_id=job_id, eval=m), last_eval=m),
         )
         if not self._wait_turn(job_id, control):
             self._free_session(sess, job_id)
@@ -320,8 +337,10 @@ class Jobs:
                     )  # fmt: skip
                 else:
                     step = training.run_training(
-                        sess.loaded, rows, fmt, cfg, work_dir, control, sinks, resume_dir
+                        sess.loaded, rows, fmt, cfg, work_dir, control, sinks, resume_dir, validation=held_out
                     )
+                    if cfg.keep_best_checkpoint and control.stop is None:  # the adapter published is the best
+                        validation.keep_best(self.store, self.artifacts, sess.loaded, job_id, step)
                     adapter = self.sessions.publish_adapter(
                         sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
                     )
@@ -358,12 +377,13 @@ class Jobs:
                 torch.cuda.empty_cache()
             # drawn before the device is released: the job ends (finished_at) before the next one starts
             curve = loss_curve.publish_loss_curve(self.store, self.artifacts, job_id)
+            csv = validation.publish_metrics_csv(self.store, self.artifacts, job_id)
             self._release_turn()
             self._free_session(sess, job_id)
         state, message, code = outcome
         if self.metrics is not None:  # before the event: a client that saw the end finds it in the metrics
             self.metrics.on_finished(state.value)
-        self.store.transition(job_id, state, message, error_code=code, loss_curve=curve)
+        self.store.transition(job_id, state, message, error_code=code, loss_curve=curve, metrics_csv=csv)
         log.info("job %s: %s (%s)", job_id, state.value, message)
 
     def _restore_adapter(self, sess: Session, job_id: str, before: adapter_state.Snapshot) -> None:
@@ -448,6 +468,7 @@ class Jobs:
         ckpt = publish_checkpoint(
             self.artifacts, sess.loaded, tenant=sess.info.tenant, job_id=job_id, step=step, path=path
         )
+        ckpt = validation.with_losses(ckpt, self.store.get_job(job_id))
         self.store.append_event(JobEvent(job_id=job_id, checkpoint=ckpt), last_checkpoint=ckpt)
 
     def poll(self, job_id: str, after_seq: int, limit: int = 1000) -> tuple[list[JobEvent], bool]:

@@ -27,6 +27,7 @@ from strop.common.trainer_types import (
     REFERENCE_METHODS,
     DatasetFormat,
     DpoMetrics,
+    EvalMetrics,
     Retention,
     RetentionMetrics,
     StepMetrics,
@@ -34,6 +35,13 @@ from strop.common.trainer_types import (
     TrainMethod,
 )
 from strop.trainer_svc.core import fsdp, moe, retention
+from strop.trainer_svc.core.evaluation import (
+    Evaluator,
+    Validating,
+    ValidationSet,
+    eval_dataset,
+    eval_schedule,
+)
 from strop.trainer_svc.core.guard import BrokenTraining, make_guard, names
 from strop.trainer_svc.core.job_config import OPTIMIZERS, retention_of, sft_rows
 from strop.trainer_svc.core.models import LoadedModel, drop_inference_weights, repacked_4bit_layers
@@ -67,6 +75,7 @@ class Sinks:
     on_checkpoint: Callable[[int, Path], None]
     on_start: Callable[[int], None]
     on_retention: Callable[[RetentionMetrics], None] | None = None  # the forgetting metric (SFT on messages)
+    on_eval: Callable[[EvalMetrics], None] | None = None  # each evaluation of the validation set
 
 
 def _peak_memory(device: str) -> int:
@@ -152,6 +161,7 @@ def _training_args(cfg: TrainConfig, loaded: LoadedModel, work_dir: Path) -> dic
     return dict(
         output_dir=str(work_dir),
         per_device_train_batch_size=cfg.batch_size,
+        per_device_eval_batch_size=cfg.eval_batch_size or cfg.batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler,
@@ -193,12 +203,17 @@ def build_trainer(
     control: JobControl,
     sinks: Sinks,
     callbacks: Sequence = (),
+    validation: ValidationSet | None = None,
 ):
     """A TRL trainer for this job, with strop's callback installed (and HF's log printer removed), then
-    ``callbacks`` (a distributed job's stop agreement, ``dist_worker``)."""
+    ``callbacks`` (a distributed job's stop agreement, ``dist_worker``); with a ``validation`` set, its evaluations
+    (``evaluation``)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    trainer = _build_trl_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks)
+    trainer = _build_trl_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, validation)
+    if validation is not None:
+        Evaluator(cfg, sinks.on_eval or (lambda m: None), PREFERENCE_LOG_KEYS).attach(trainer)
+        trainer.add_callback(eval_schedule(cfg.eval_every_steps))
     from strop.kernels.models.hf import keep_trainable_fp32
 
     keep_trainable_fp32(loaded.model)  # TRL casts adapters to bf16 on 4-bit bases
@@ -228,12 +243,21 @@ def _build_trl_trainer(
     work_dir: Path,
     control: JobControl,
     sinks: Sinks,
+    validation: ValidationSet | None = None,
 ):
     from datasets import Dataset
 
     quiet_dataset_progress()
     args = _training_args(cfg, loaded, work_dir)
     callback = _make_callback(loaded, control, sinks, cfg.method)
+
+    def held_out(shape: Callable[[list[dict]], list[dict]], trainer_cls: type) -> tuple[type, dict]:
+        """The trainer class and its eval_dataset kwarg: the validation rows shaped like the training rows."""
+        if validation is None:
+            return trainer_cls, {}
+        validating = type(trainer_cls.__name__, (Validating, trainer_cls), {})
+        return validating, {"eval_dataset": eval_dataset(shape(validation.rows))}
+
     if cfg.method is TrainMethod.SFT:
         from trl import SFTConfig, SFTTrainer
 
@@ -242,6 +266,7 @@ def _build_trl_trainer(
             **args,
             max_length=cfg.max_length,
             packing=cfg.packing,
+            eval_packing=False,  # validation rows one a sequence: eval_rows counts rows
             completion_only_loss=masked,
             dataset_text_field="text",
             **moe_loss_args(loaded),
@@ -253,21 +278,23 @@ def _build_trl_trainer(
             from strop.kernels.trainers import strop_sft_trainer_class
 
             trainer_cls = strop_sft_trainer_class()
+        trainer_cls, eval_kw = held_out(lambda r: sft_rows(r, fmt, cfg, loaded.tokenizer)[0], trainer_cls)
         return trainer_cls(
             model=loaded.model,
             args=sft_args,
             train_dataset=dataset,
             processing_class=loaded.tokenizer,
             callbacks=[callback],
+            **eval_kw,
         )
     if cfg.method is not TrainMethod.DPO:
-        trainer = _build_preference_trainer(loaded, rows, cfg, args, callback)
+        trainer = _build_preference_trainer(loaded, rows, cfg, args, callback, held_out)
         _use_reference(trainer, cfg)
         return trainer
     from trl import DPOConfig, DPOTrainer
 
     dpo_args = DPOConfig(**args, beta=cfg.dpo_beta, loss_type=[cfg.dpo_loss_type], max_length=cfg.max_length)
-    dataset = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows])
+    dataset = Dataset.from_list(preference_rows(rows, cfg.method))
     if loaded.facts.kernels_enabled:
         # strop's chunked DPO loss: per-token log-probs chunk by chunk, gradients computed in the forward.
         from strop.kernels.trainers import strop_dpo_trainer_class
@@ -275,6 +302,7 @@ def _build_trl_trainer(
         trainer_cls = strop_dpo_trainer_class()
     else:
         trainer_cls = DPOTrainer
+    trainer_cls, eval_kw = held_out(lambda r: preference_rows(r, cfg.method), trainer_cls)
     trainer = trainer_cls(
         model=loaded.model,
         ref_model=None,
@@ -282,6 +310,7 @@ def _build_trl_trainer(
         train_dataset=dataset,
         processing_class=loaded.tokenizer,
         callbacks=[callback],
+        **eval_kw,
     )
     _use_reference(trainer, cfg)
     return trainer
@@ -374,7 +403,9 @@ class _PairTokens:
         return super().training_step(model, inputs, *args, **kwargs)
 
 
-def _build_preference_trainer(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig, args: dict, callback):
+def _build_preference_trainer(
+    loaded: LoadedModel, rows: list[dict], cfg: TrainConfig, args: dict, callback, held_out: Callable
+):
     from datasets import Dataset
 
     trainer_cls, trl_args = trl_preference_config(cfg, args)
@@ -385,6 +416,8 @@ def _build_preference_trainer(loaded: LoadedModel, rows: list[dict], cfg: TrainC
     if cfg.method in (TrainMethod.ORPO, TrainMethod.SIMPO):
         trainer_cls = type(trainer_cls.__name__, (_PairTokens, trainer_cls), {})
     kwargs = {"ref_model": None} if cfg.method in REFERENCE_METHODS else {}
+    trainer_cls, eval_kw = held_out(lambda r: preference_rows(r, cfg.method), trainer_cls)
+    kwargs.update(eval_kw)
     return trainer_cls(
         model=loaded.model,
         args=trl_args,
@@ -491,8 +524,9 @@ def run_training(
     sinks: Sinks,
     resume_from: Path | None = None,
     callbacks: Sequence = (),
+    validation: ValidationSet | None = None,
 ) -> int:
-    """Train to completion or until stopped; returns the global step reached."""
+    """Train to completion or until stopped, evaluating ``validation`` on its schedule; returns the step reached."""
     work_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     drop_inference_weights(loaded)  # Generate's dequantized copy: training computes from the 4-bit weights
@@ -517,7 +551,7 @@ def run_training(
         import torch
 
         torch.cuda.reset_peak_memory_stats(loaded.device)
-    trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, callbacks)
+    trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, callbacks, validation)
     installed = None
     try:
         installed = _install_memory_mode(
