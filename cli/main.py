@@ -27,13 +27,14 @@ from strop.common.trainer_types import (
 
 
 def _serve(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("trainer", "export", "tinker"):
+    if not argv or argv[0] not in ("trainer", "export", "tinker", "openai"):
         asked = bool(argv) and argv[0] in ("-h", "--help")
         print(
-            "usage: strop serve {trainer|export|tinker} [options]\n\n"
-            "Run the trainer (gRPC, GPU), the export service (gRPC, CPU) or the Tinker REST gateway (HTTP, a client\n"
-            "of the trainer) in this process. Every option, with its default and environment variable:\n"
-            "strop serve trainer --help, strop serve export --help, strop serve tinker --help.",
+            "usage: strop serve {trainer|export|tinker|openai} [options]\n\n"
+            "Run the trainer (gRPC, GPU), the export service (gRPC, CPU), the Tinker REST gateway or the OpenAI\n"
+            "fine-tuning gateway (HTTP, clients of the trainer) in this process. Every option, with its default and\n"
+            "environment variable: strop serve trainer --help, strop serve export --help, strop serve tinker --help,\n"
+            "strop serve openai --help.",
             file=sys.stdout if asked else sys.stderr,
         )
         return 0 if asked else 2
@@ -41,6 +42,8 @@ def _serve(argv: list[str]) -> int:
         from strop.trainer_svc.server import main
     elif argv[0] == "tinker":
         from strop.gateways.tinker.server import main
+    elif argv[0] == "openai":
+        from strop.gateways.openai.server import main
     else:
         from strop.export_svc.server import main
     main(argv[1:])
@@ -149,6 +152,28 @@ def _add_train(sub) -> None:
         "--retention-rows", type=int, default=0, help=f"replayed answers; 0: {_default('retention_rows')}"
     )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument(
+        "--validation-file", default="", help="local JSONL of held-out rows (the dataset's format)"
+    )
+    held.add_argument(
+        "--validation-dataset", default="", help="an uploaded dataset's id as the validation set"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate the validation set every N steps; 0: only at the end",
+    )
+    p.add_argument(
+        "--eval-rows", type=int, default=0, help="rows each periodic eval covers; 0: the whole set"
+    )
+    p.add_argument("--eval-batch-size", type=int, default=0, help="0: --batch-size")
+    p.add_argument(
+        "--keep-best",
+        action="store_true",
+        help="the job's adapter is its checkpoint of least valid loss (needs --eval-every; checkpoints at evals)",
+    )
     p.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -227,16 +252,27 @@ def _cmd_train(a) -> int:
         parallelism=Parallelism(a.parallelism.upper()),
         retention=Retention(a.retention.upper() if a.retention != "auto" else "UNSPECIFIED"),
         retention_rows=a.retention_rows,
+        eval_every_steps=a.eval_every,
+        eval_rows=a.eval_rows,
+        eval_batch_size=a.eval_batch_size,
+        keep_best_checkpoint=a.keep_best,
     )
-    if not Path(a.dataset).is_file():
-        print(f"error: dataset {a.dataset!r} is not a file", file=sys.stderr)
-        return 2
+    for path in (a.dataset, a.validation_file):
+        if path and not Path(path).is_file():
+            print(f"error: {path!r} is not a file", file=sys.stderr)
+            return 2
     with TrainerClient(target_of(a, DEFAULT_TRAINER)) as tc:
         # the dataset is uploaded (and validated by the trainer) before a model is loaded: a bad file costs seconds,
         # not a model load
         ds = tc.upload_dataset(a.dataset)
         print(f"dataset {ds.dataset_id}: {ds.num_rows} {ds.format.value.lower()} rows", file=sys.stderr)
         problem = _dataset_mismatch(config.method, ds.format)
+        held_out = a.validation_dataset
+        if a.validation_file and not problem:
+            held_out = tc.upload_dataset(
+                a.validation_file
+            ).dataset_id  # bad rows: the line named, before a load
+            print(f"validation dataset {held_out}", file=sys.stderr)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
@@ -258,7 +294,8 @@ def _cmd_train(a) -> int:
                 nonlocal job_id
                 job_id = ev.job_id
 
-            job = tc.get_job(follow(tc.train(session.session_id, ds.dataset_id, config), on_event=remember))
+            events = tc.train(session.session_id, ds.dataset_id, config, validation_dataset_id=held_out)
+            job = tc.get_job(follow(events, on_event=remember))
             if a.save_adapter:
                 tc.save_adapter(session.session_id, a.save_adapter)
             print_json(job)
@@ -390,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", required=True, metavar="{serve,train,jobs,sessions,runs,export}"
     )
     sub.add_parser(
-        "serve", help="run a service: strop serve {trainer|export|tinker} [options]", add_help=False
+        "serve", help="run a service: strop serve {trainer|export|tinker|openai} [options]", add_help=False
     )
     _add_train(sub)
     _add_jobs(sub)

@@ -1,0 +1,74 @@
+"""What both HTTP gateways need (Tinker's and OpenAI's): the trainer's gRPC status as an HTTP status, the base models
+of the model root, one trainer client per API key, and the uvicorn runner their servers share."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+from strop.client import TrainerClient
+
+# gRPC status of a trainer error → the HTTP status each SDK maps to its exception (BadRequest, NotFound, RateLimit …)
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "FAILED_PRECONDITION": 400,
+    "OUT_OF_RANGE": 400,
+    "ALREADY_EXISTS": 409,
+    "NOT_FOUND": 404,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+# the codes that mean the caller's input was wrong (a job failed for them is the user's failure, not the server's)
+USER_CODES = {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE", "NOT_FOUND", "ALREADY_EXISTS"}
+
+
+def owner_hash(api_key: str) -> str:
+    """Who owns a gateway's objects: the sha256 of the caller's API key (the key itself is never stored)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def base_models(root: Path | None) -> list[str]:
+    """The model root's base models (``<name>/config.json`` or ``<org>/<name>/config.json``), sorted."""
+    if root is None or not root.is_dir():
+        return []
+    found = [p.parent.relative_to(root).as_posix() for p in root.glob("*/config.json")]
+    found += [p.parent.relative_to(root).as_posix() for p in root.glob("*/*/config.json")]
+    return sorted(found)
+
+
+class TrainerClients:
+    """One :class:`TrainerClient` per API key, the key as its bearer token: the trainer decides the tenant."""
+
+    def __init__(self, target: str, tls_ca: str | None = None):
+        self.target, self.tls_ca = target, tls_ca
+        self._lock = threading.Lock()
+        self._clients: dict[str, TrainerClient] = {}
+
+    def get(self, api_key: str) -> TrainerClient:
+        owner = owner_hash(api_key)
+        with self._lock:
+            c = self._clients.get(owner)
+            if c is None:
+                c = self._clients[owner] = TrainerClient(self.target, token=api_key, tls_ca=self.tls_ca)
+            return c
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
+
+
+def serve(app, listen: str, *, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+    """Run ``app`` under uvicorn on ``host:port`` (HTTPS with a certificate and key) until SIGINT/SIGTERM."""
+    import uvicorn
+
+    host, _, port = listen.rpartition(":")
+    uvicorn.run(
+        app, host=host or "127.0.0.1", port=int(port), ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+        log_level="info", timeout_graceful_shutdown=10,
+    )  # fmt: skip

@@ -1,0 +1,5 @@
+import sys
+
+from strop.gateways.openai.server import main
+
+sys.exit(main())

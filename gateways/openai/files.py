@@ -1,0 +1,168 @@
+"""OpenAI's fine-tuning file formats as the trainer's dataset rows, line for line.
+
+The trainer's dataset validation owns the row rules (roles, string contents, assistant ``weight`` 0/1, a last
+assistant message, preference fields; ``trainer_svc/core/datasets.py``) and reports each bad row by its line number.
+This module only maps what OpenAI's formats spell differently, keeping every line where it was so the trainer's line
+numbers are the file's:
+
+- chat rows ``{"messages": [...]}`` pass through; a content given as a list of text parts becomes their text;
+- preference rows ``{"input": {"messages"}, "preferred_output": [...], "non_preferred_output": [...]}`` become
+  strop's conversational ``{"prompt", "chosen", "rejected"}`` (DPO);
+- ``prompt``/``completion`` rows (OpenAI's legacy format) pass through.
+
+What the trainer cannot train on faithfully is refused here, by line: function calling (``tools``, ``functions``,
+``tool_calls``, ``function_call``: the trainer renders each message's role and content only, so the tool
+definitions and calls would be dropped without a word) and non-text content parts (images, audio).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from strop.common.trainer_types import DatasetFormat
+from strop.gateways.openai.errors import bad
+
+MAX_REPORTED = 20
+TOOL_KEYS = ("tools", "functions", "parallel_tool_calls")
+TOOL_MESSAGE_KEYS = ("tool_calls", "function_call")
+TOOL_REFUSAL = (
+    "function calling is not supported: strop's trainer renders each message's role and content only, so "
+    "the tool definitions and calls would be dropped silently"
+)
+
+
+class RowError(ValueError):
+    pass
+
+
+@dataclass
+class Converted:
+    data: bytes  # the trainer's JSONL, one line for each line of the file
+    kind: str  # "chat", "preference", "prompts" (a chat row ending with a user turn) or "prompt_completion"
+    format: DatasetFormat  # what to tell the trainer (UNSPECIFIED: let it detect)
+
+
+def _content(value, where: str):
+    if isinstance(value, list):  # OpenAI's content parts: text only
+        texts = []
+        for i, part in enumerate(value):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RowError(
+                    f"'{where}.content[{i}]' is a {kind!r} part; only text parts can be trained on"
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    if value is None:
+        raise RowError(
+            f"'{where}.content' is null (an assistant message that only calls tools): {TOOL_REFUSAL}"
+        )
+    return value  # a string, or something the trainer refuses by line
+
+
+def _messages(value, where: str):
+    if not isinstance(value, list):
+        return value  # the trainer says what a message list must be
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        at = f"{where}[{i}]"
+        for k in TOOL_MESSAGE_KEYS:
+            if m.get(k):
+                raise RowError(f"'{at}.{k}': {TOOL_REFUSAL}")
+        if m.get("role") == "function":
+            raise RowError(f"'{at}.role' is 'function': {TOOL_REFUSAL}")
+        m = {k: v for k, v in m.items() if k not in TOOL_MESSAGE_KEYS and k != "name"}
+        if "content" in m or m.get("role") == "assistant":
+            m["content"] = _content(m.get("content"), at)
+        out.append(m)
+    return out
+
+
+def _tools(row: dict, where: str) -> None:
+    for k in TOOL_KEYS:
+        if row.get(k):
+            raise RowError(f"'{where}{k}': {TOOL_REFUSAL}")
+
+
+def convert_row(row) -> tuple[object, str]:
+    """One parsed line as the trainer's row, and its kind."""
+    if not isinstance(row, dict):
+        return row, ""
+    if {"input", "preferred_output", "non_preferred_output"} & set(row):
+        inp = row.get("input")
+        if not isinstance(inp, dict) or "messages" not in inp:
+            raise RowError("'input' must be an object with 'messages' (a preference row)")
+        _tools(inp, "input.")
+        out = {"prompt": _messages(inp["messages"], "input.messages")}
+        for src, dst in (("preferred_output", "chosen"), ("non_preferred_output", "rejected")):
+            if src not in row:
+                raise RowError(
+                    f"missing '{src}' (a preference row has input, preferred_output, non_preferred_output)"
+                )
+            msgs = row[src]
+            if not isinstance(msgs, list) or len(msgs) != 1 or not isinstance(msgs[0], dict):
+                raise RowError(f"'{src}' must be a list of exactly one assistant message")
+            if msgs[0].get("role") != "assistant":
+                raise RowError(f"'{src}[0].role' must be 'assistant', got {msgs[0].get('role')!r}")
+            out[dst] = _messages(msgs, src)
+        return out, "preference"
+    if "messages" in row:
+        _tools(row, "")
+        msgs = _messages(row["messages"], "messages")
+        out = {k: v for k, v in row.items() if k not in TOOL_KEYS}
+        out["messages"] = msgs
+        last = msgs[-1] if isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) else {}
+        return out, "prompts" if last.get("role") in ("user", "system") else "chat"
+    if "prompt" in row and "completion" in row:
+        return row, "prompt_completion"
+    return row, ""
+
+
+def convert_file(raw: bytes, *, allow_prompts: bool) -> Converted:
+    """The trainer's JSONL for an uploaded file, line for line.
+
+    ``allow_prompts``: the trainer takes prompt rows (chat rows ending with a user turn, for reinforcement); the
+    file's first row decides, as the trainer's format detection does.
+
+    Raises:
+        OpenAIError: 400 naming each line the gateway refuses (the trainer reports the rest the same way).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"the file is not UTF-8 (byte {exc.start})", "file") from None
+    lines, errors, n_errors, kind = [], [], 0, ""
+    for no, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            lines.append("")
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            lines.append(line)  # the trainer reports it, with its line number
+            continue
+        try:
+            out, row_kind = convert_row(row)
+        except RowError as exc:
+            n_errors += 1
+            if len(errors) < MAX_REPORTED:
+                errors.append(f"line {no}: {exc}")
+            lines.append("")
+            continue
+        kind = kind or row_kind
+        lines.append(json.dumps(out, ensure_ascii=False))
+    if n_errors:
+        more = f" (and {n_errors - len(errors)} more)" if n_errors > len(errors) else ""
+        raise bad(f"the file has {n_errors} bad line(s): " + "; ".join(errors) + more, "file", "invalid_file")
+    # prompt rows go to the trainer as such only where it trains on them; otherwise it detects chat rows and says
+    # which line lacks its assistant answer
+    fmt = DatasetFormat.PROMPTS if kind == "prompts" and allow_prompts else DatasetFormat.UNSPECIFIED
+    return Converted("\n".join(lines).encode(), kind or "chat", fmt)

@@ -1,0 +1,341 @@
+"""Fine-tuning jobs over the trainer's jobs: create, follow, cancel, pause, resume.
+
+One OpenAI job is a chain of strop jobs (``chain``): the first one trains, and each resume after a pause is a new strop
+job that continues the last from its checkpoint (``resume_from_job_id``: adapter, optimizer and scheduler state, the
+global step), so the OpenAI job id stays one. Pause is the trainer's cancel, which saves a checkpoint at the step
+reached; the gateway keeps the chain (no trainer RPC of its own is needed: a paused job holds no device memory).
+
+Sessions: a strop job trains the adapter of its session in place, so every OpenAI job (and every resume) loads its
+base in a session of its own (LoadModel, AttachLora with the job's seed) and closes it when the strop job ends. The
+trainer's device runs one job at a time and queues the rest (its ``max_queued_jobs``); a job waiting there holds its
+loaded base, so the trainer's ``max_sessions`` bounds the jobs a trainer takes at once. Either limit reached is
+RESOURCE_EXHAUSTED: 429, the SDK's RateLimitError.
+
+A follower thread per live strop job reads the trainer's events (WatchJob, from the last one stored) into OpenAI's
+events and checkpoints in the gateway's store, and settles the job when its strop job ends; a restarted gateway
+starts a follower for every job that was live.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from strop.client.errors import NotFoundError, StropClientError, UnavailableError
+from strop.common.serde import to_proto
+from strop.common.trainer_types import LoraConfig
+from strop.gateways.openai import params
+from strop.gateways.openai.errors import OpenAIError, from_strop
+from strop.v1 import trainer_pb2
+
+log = logging.getLogger("strop.gateways.openai")
+
+LIVE = ("validating_files", "queued", "running")
+TERMINAL = ("succeeded", "failed", "cancelled")
+_STATE = trainer_pb2.JobState
+
+
+def short_id(job_id: str) -> str:
+    return job_id.split("-", 1)[-1]
+
+
+class JobRunner:
+    """The trainer side of the gateway's jobs; ``gw`` is the :class:`~strop.gateways.openai.gateway.Gateway`."""
+
+    def __init__(self, gw):
+        self.gw, self.store = gw, gw.store
+        self._stop = threading.Event()
+        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # ---- events -------------------------------------------------------------------------------------------
+
+    def event(self, job_id: str, message: str, *, level: str = "info", data: dict | None = None) -> None:
+        self.store.append("oai_events", job_id, "ftevent", {
+            "object": "fine_tuning.job.event", "created_at": int(time.time()), "level": level, "message": message,
+            "data": data or {}, "type": "metrics" if data else "message",
+        })  # fmt: skip
+
+    # ---- starting a strop job -----------------------------------------------------------------------------
+
+    def start(self, api_key: str, job: dict, *, resume_from: str = "") -> dict:
+        """Load the base, attach the job's adapter and queue a strop job on the trainer; the job doc, updated."""
+        c = self.gw.clients.get(api_key)
+        try:
+            sess = c.load_model(
+                job["model"], quantization=self.gw.config.quantization, dtype=self.gw.config.dtype,
+                max_seq_length=self.gw.config.max_seq_length, name=f"openai-{job['id']}",
+            )  # fmt: skip
+        except StropClientError as exc:
+            raise from_strop(exc, "model") from None
+        try:
+            c.attach_lora(sess.session_id, LoraConfig(**job["lora"]))
+            req = trainer_pb2.TrainRequest(
+                session_id=sess.session_id, dataset_id=job["dataset_id"], resume_from_job_id=resume_from,
+                name=job["id"], validation_dataset_id=job.get("validation_dataset_id") or "",
+            )  # fmt: skip
+            req.config.CopyFrom(to_proto(trainer_pb2.TrainConfig, params.config_from_doc(job["config"])))
+            if job.get("validation_dataset_id"):
+                req.config.eval_every_steps = int(job["eval_every_steps"])
+            stream = c._stream(c._stub.Train, req, name="Train")
+            try:
+                first = next(
+                    stream
+                )  # the job exists once its first event is out; closing detaches, it goes on
+            finally:
+                stream.close()
+        except StropClientError as exc:
+            self._close_session(c, sess.session_id)
+            param = "training_file" if exc.code == "INVALID_ARGUMENT" else None
+            raise from_strop(exc, param) from None
+        except BaseException:
+            self._close_session(c, sess.session_id)
+            raise
+        return self.store.update(
+            "oai_jobs", job["id"], chain=[*job.get("chain", []), first.job_id], seq=0, session_id=sess.session_id,
+            tenant=sess.tenant or "local", following=True, status="queued", want="",
+        )  # fmt: skip
+
+    @staticmethod
+    def _close_session(c, session_id: str) -> None:
+        try:
+            c.close_session(session_id)
+        except StropClientError as exc:  # gone already (a trainer restart): nothing is held
+            log.info("session %s not closed: %s", session_id, exc.details)
+
+    # ---- following ----------------------------------------------------------------------------------------
+
+    def follow(self, api_key: str, job_id: str) -> None:
+        with self._lock:
+            t = self._threads.get(job_id)
+            if t is not None and t.is_alive():
+                return
+            t = threading.Thread(
+                target=self._follow, args=(api_key, job_id), name=f"oai-{job_id}", daemon=True
+            )
+            self._threads[job_id] = t
+            t.start()
+
+    def _follow(self, api_key: str, job_id: str) -> None:
+        c = self.gw.clients.get(api_key)
+        backoff = 0.5
+        while not self._stop.is_set():
+            job = self.store.get("oai_jobs", job_id)
+            if job is None or not job.get("following"):
+                return
+            sid = job["chain"][-1]
+            try:
+                req = trainer_pb2.WatchJobRequest(job_id=sid, after_seq=int(job.get("seq", 0)))
+                for ev in c._stream(c._stub.WatchJob, req, name="WatchJob"):
+                    self._on_event(job_id, ev)
+                    if self._stop.is_set():
+                        return
+                self._settle(api_key, job_id)
+                return
+            except (UnavailableError, StropClientError) as exc:
+                if isinstance(exc, NotFoundError):
+                    self._fail(
+                        job_id, f"the trainer no longer knows job {sid}: {exc.details}", "server_error"
+                    )
+                    return
+                if self._stop.wait(backoff):
+                    return
+                backoff = min(backoff * 2, 10.0)
+            except Exception:  # a bug of ours: the job is failed rather than followed forever
+                log.exception("following %s", job_id)
+                self._fail(job_id, "the gateway could not follow this job (see its log)", "server_error")
+                return
+
+    def _on_event(self, job_id: str, ev) -> None:
+        kind = ev.WhichOneof("event")
+        job = self.store.get("oai_jobs", job_id)
+        changes: dict = {"seq": int(ev.seq)}
+        if kind == "state" and ev.state.state == _STATE.JOB_STATE_RUNNING:
+            if self.store.update_if("oai_jobs", job_id, "status", "queued", status="running"):
+                self.event(job_id, "Fine-tuning job started")
+        elif kind == "step":
+            s = ev.step
+            changes.update(
+                tokens=int(s.tokens_seen), step=int(s.step), total_steps=int(s.total_steps), last_loss=s.loss
+            )
+            data = {"step": int(s.step), "total_steps": int(s.total_steps), "train_loss": s.loss}
+            if s.HasField("dpo"):
+                data.update(reward_margin=s.dpo.reward_margin, reward_accuracy=s.dpo.reward_accuracy)
+            self.event(job_id, f"Step {s.step}/{s.total_steps}: training loss={s.loss:.4f}", data=data)
+        elif kind == "eval":
+            e = ev.eval
+            data = {"step": int(e.step), "valid_loss": e.valid_loss}
+            if e.HasField("valid_mean_token_accuracy"):
+                data["valid_mean_token_accuracy"] = e.valid_mean_token_accuracy
+            if e.is_full:
+                data["full_valid_loss"] = e.full_valid_loss
+                if e.HasField("full_valid_mean_token_accuracy"):
+                    data["full_valid_mean_token_accuracy"] = e.full_valid_mean_token_accuracy
+            msg = f"Step {e.step}: validation loss={e.valid_loss:.4f}"
+            if e.is_full:
+                msg += f", full validation loss={e.full_valid_loss:.4f}"
+            self.event(job_id, msg, data=data)
+        elif kind == "checkpoint":
+            self._checkpoint(job, ev.checkpoint)
+        elif kind == "log":
+            level = {"warning": "warn", "error": "error"}.get(ev.log.level, "info")
+            self.event(job_id, ev.log.message, level=level)
+        self.store.update("oai_jobs", job_id, **changes)
+
+    def _checkpoint(self, job: dict, ck) -> None:
+        step = int(ck.step)
+        metrics = {"step": float(step), "train_loss": ck.train_loss or job.get("last_loss")}
+        for name in ("valid_loss", "full_valid_loss", "valid_mean_token_accuracy"):
+            if ck.HasField(name):
+                metrics[name] = getattr(ck, name)
+        self.store.append("oai_checkpoints", job["id"], "ftckpt", {
+            "object": "fine_tuning.job.checkpoint", "created_at": int(ck.artifact.created_at or time.time()),
+            "fine_tuning_job_id": job["id"], "step_number": step, "metrics": metrics,
+            "fine_tuned_model_checkpoint": f"{model_name(job)}:ckpt-step-{step}", "artifact_id": ck.artifact.artifact_id,
+        })  # fmt: skip
+        self.event(job["id"], f"Checkpoint created at step {step}")
+
+    # ---- settling -----------------------------------------------------------------------------------------
+
+    def _settle(self, api_key: str, job_id: str) -> None:
+        """The strop job ended: the OpenAI job's outcome (or its pause), and its session closed."""
+        c = self.gw.clients.get(api_key)
+        job = self.store.get("oai_jobs", job_id)
+        info = c._call(c._stub.GetJob, trainer_pb2.GetJobRequest(job_id=job["chain"][-1]), name="GetJob")
+        self._close_session(c, job["session_id"])
+        now = int(time.time())
+        if job.get("want") == "pause":
+            self.store.update("oai_jobs", job_id, following=False, status="paused")
+            self.event(job_id, f"Fine-tuning job paused at step {info.step}")
+            return
+        if job.get("want") == "cancel" or info.state == _STATE.JOB_STATE_CANCELLED:
+            self.store.update("oai_jobs", job_id, following=False, status="cancelled", finished_at=now)
+            if job.get("want") != "cancel":
+                self.event(job_id, "Fine-tuning job cancelled")
+            return
+        if info.state == _STATE.JOB_STATE_SUCCEEDED:
+            name = model_name(job)
+            results = self._result_files(api_key, job, info)
+            self.store.update(
+                "oai_jobs", job_id, following=False, status="succeeded", finished_at=now, fine_tuned_model=name,
+                adapter_id=info.adapter.artifact_id, result_files=results, trained_tokens=job.get("tokens", 0),
+            )  # fmt: skip
+            self.event(job_id, f"New fine-tuned model created: {name}")
+            exports = (job.get("metadata") or {}).get("strop_export")
+            if exports:
+                self.event(job_id, f"Export requested in metadata ({exports}): run `strop export` on adapter "
+                                   f"{info.adapter.artifact_id}; the gateway records the request only")  # fmt: skip
+            self.event(job_id, "The job has successfully completed")
+            return
+        if info.state == _STATE.JOB_STATE_INTERRUPTED and info.HasField("last_checkpoint"):
+            self.event(job_id, f"The trainer stopped at step {info.step}; the job continues from its checkpoint",
+                       level="warn")  # fmt: skip
+            try:
+                self.start(api_key, self.store.get("oai_jobs", job_id), resume_from=info.job_id)
+            except OpenAIError as exc:
+                self._fail(job_id, f"the job could not continue after the trainer stopped: {exc.message}",
+                           "server_error")  # fmt: skip
+                return
+            self.follow(api_key, job_id)
+            return
+        code = "invalid_training_file" if info.error_code == "INVALID_ARGUMENT" else "server_error"
+        self._fail(job_id, info.error or f"the trainer's job ended {_STATE.Name(info.state)}", code)
+
+    def _fail(self, job_id: str, message: str, code: str) -> None:
+        self.store.update(
+            "oai_jobs", job_id, following=False, status="failed", finished_at=int(time.time()),
+            error={"code": code, "message": message, "param": None},
+        )  # fmt: skip
+        self.event(job_id, f"Fine-tuning job failed: {message}", level="error")
+
+    def _result_files(self, api_key: str, job: dict, info) -> list[str]:
+        """The job's metrics CSV (the trainer's ``metrics.csv`` artifact) as a ``fine-tune-results`` file."""
+        if not (info.HasField("metrics_csv") and info.metrics_csv.artifact_id):
+            return []
+        c = self.gw.clients.get(api_key)
+        with tempfile.TemporaryDirectory() as tmp:
+            dest = Path(tmp) / "m"
+            try:
+                c.download_artifact(info.metrics_csv.artifact_id, dest)
+            except StropClientError as exc:
+                log.warning("job %s: metrics CSV not fetched: %s", job["id"], exc.details)
+                return []
+            found = next(iter(sorted(dest.rglob("*.csv"))), None)
+            if found is None:
+                return []
+            f = self.gw.files.store_file(
+                job["owner"], "step_metrics.csv", "fine-tune-results", found.read_bytes()
+            )
+        return [f["id"]]
+
+    # ---- what the routes call -----------------------------------------------------------------------------
+
+    def cancel(self, api_key: str, job: dict) -> dict:
+        if job["status"] in TERMINAL:
+            raise OpenAIError(f"Job {job['id']} has already ended ({job['status']}); it cannot be cancelled", 409,
+                              code="job_not_cancellable")  # fmt: skip
+        was_paused = job["status"] == "paused" and not job.get("following")
+        job = self.store.update(
+            "oai_jobs", job["id"], want="cancel", status="cancelled", finished_at=int(time.time())
+        )
+        if not was_paused:
+            self._stop_strop_job(api_key, job)
+        self.event(job["id"], "Fine-tuning job cancelled")
+        return job
+
+    def pause(self, api_key: str, job: dict) -> dict:
+        if job["status"] not in LIVE:
+            raise OpenAIError(f"Job {job['id']} is {job['status']}; only a queued or running job can be paused", 409,
+                              code="job_not_pausable")  # fmt: skip
+        job = self.store.update("oai_jobs", job["id"], want="pause", status="paused")
+        self._stop_strop_job(api_key, job)
+        self.event(job["id"], "Pause requested: the job stops at its next step boundary, saving a checkpoint")
+        return job
+
+    def resume(self, api_key: str, job: dict) -> dict:
+        if job["status"] != "paused":
+            raise OpenAIError(f"Job {job['id']} is {job['status']}; only a paused job can be resumed", 409,
+                              code="job_not_resumable")  # fmt: skip
+        c = self.gw.clients.get(api_key)
+        deadline = (
+            time.monotonic() + 60.0
+        )  # a pause just asked: the strop job stops at its next step boundary
+        while self.store.get("oai_jobs", job["id"]).get("following"):
+            if time.monotonic() > deadline:
+                raise OpenAIError(f"Job {job['id']} is still pausing; retry shortly", 409, code="job_pausing")
+            time.sleep(0.1)
+        info = c._call(c._stub.GetJob, trainer_pb2.GetJobRequest(job_id=job["chain"][-1]), name="GetJob")
+        # a job paused before its first step has no checkpoint: it starts again from the beginning
+        resume_from = info.job_id if info.HasField("last_checkpoint") else ""
+        job = self.start(api_key, self.store.get("oai_jobs", job["id"]), resume_from=resume_from)
+        at = (
+            f"from step {info.last_checkpoint.step}"
+            if resume_from
+            else "from the beginning (no step had run)"
+        )
+        self.event(job["id"], f"Fine-tuning job resumed {at}")
+        self.follow(api_key, job["id"])
+        return job
+
+    def _stop_strop_job(self, api_key: str, job: dict) -> None:
+        c = self.gw.clients.get(api_key)
+        try:
+            c.cancel_job(job["chain"][-1])
+        except StropClientError as exc:  # it ended meanwhile: the follower settles it
+            log.info("job %s: cancel of %s: %s", job["id"], job["chain"][-1], exc.details)
+
+
+def model_name(job: dict) -> str:
+    """``ft:<base>:<tenant>:<suffix>:<id>`` (OpenAI's form; the suffix empty when none was given)."""
+    return f"ft:{job['model']}:{job.get('tenant') or 'local'}:{job.get('suffix') or ''}:{short_id(job['id'])}"
+
+
+def new_job_id() -> str:
+    return f"ftjob-{uuid.uuid4().hex[:24]}"

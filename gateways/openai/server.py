@@ -1,0 +1,73 @@
+"""``strop serve openai``: OpenAI's fine-tuning API as its own process, a gRPC client of the trainer.
+
+Flags (each with an environment variable): ``--listen`` (STROP_OPENAI_LISTEN, default 127.0.0.1:8001; the SDK's
+``base_url`` is ``http://<listen>/v1``), ``--trainer`` (STROP_TRAINER, host:port), ``--model-root`` (STROP_MODEL_ROOT:
+the trainer's model root, read-only: the base models served), ``--state-dir`` (STROP_OPENAI_STATE_DIR: the SQLite file
+and the uploaded files), ``--database-url`` (STROP_OPENAI_DATABASE_URL: PostgreSQL instead of SQLite),
+``--quantization``/``--dtype``/``--max-seq-length`` (how jobs' bases are loaded), ``--tls-cert``/``--tls-key``
+(HTTPS), ``--trainer-tls-ca`` (STROP_TLS_CA). ``GET /healthz`` is the probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from strop.common.trainer_types import Quantization
+from strop.gateways.openai.gateway import Gateway, GatewayConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="strop serve openai", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--listen", default=env("STROP_OPENAI_LISTEN", "127.0.0.1:8001"), help="host:port to serve HTTP on"
+    )
+    p.add_argument(
+        "--trainer", default=env("STROP_TRAINER", "127.0.0.1:50051"), help="the trainer's gRPC address"
+    )
+    p.add_argument(
+        "--model-root", default=env("STROP_MODEL_ROOT", "models"), help="the trainer's model root (read-only)"
+    )
+    p.add_argument("--state-dir", default=env("STROP_OPENAI_STATE_DIR", "state/openai"),
+                   help="the gateway's SQLite state and uploaded files")  # fmt: skip
+    p.add_argument("--database-url", default=env("STROP_OPENAI_DATABASE_URL", ""),
+                   help="'' (SQLite in --state-dir) or postgresql://…")  # fmt: skip
+    p.add_argument("--quantization", default=env("STROP_OPENAI_QUANTIZATION", "UNSPECIFIED"),
+                   choices=[q.value for q in Quantization], help="how jobs' bases are loaded")  # fmt: skip
+    p.add_argument(
+        "--dtype", default=env("STROP_OPENAI_DTYPE", ""), help="jobs' compute dtype ('' = trainer's)"
+    )
+    p.add_argument("--max-seq-length", type=int, default=int(env("STROP_OPENAI_MAX_SEQ_LENGTH", "0")))
+    p.add_argument("--max-file-mb", type=int, default=int(env("STROP_OPENAI_MAX_FILE_MB", "512")),
+                   help="the largest file /v1/files takes (OpenAI's: 512 MB)")  # fmt: skip
+    p.add_argument("--tls-cert", default=env("STROP_OPENAI_TLS_CERT"), help="HTTPS certificate (PEM)")
+    p.add_argument("--tls-key", default=env("STROP_OPENAI_TLS_KEY"), help="HTTPS private key (PEM)")
+    p.add_argument(
+        "--trainer-tls-ca", default=env("STROP_TLS_CA"), help="CA of the trainer's TLS certificate"
+    )
+    return p
+
+
+def config_from_args(args) -> GatewayConfig:
+    if args.max_file_mb < 1:
+        raise SystemExit("strop: --max-file-mb must be >= 1")
+    return GatewayConfig(
+        trainer=args.trainer, model_root=Path(args.model_root), state_dir=Path(args.state_dir),
+        database_url=args.database_url, quantization=Quantization(args.quantization), dtype=args.dtype,
+        max_seq_length=args.max_seq_length, max_file_bytes=args.max_file_mb << 20, tls_ca=args.trainer_tls_ca,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    from strop.gateways.common import serve
+    from strop.gateways.openai.app import create_app
+
+    args = build_parser().parse_args(argv)
+    gw = Gateway(config_from_args(args))
+    try:
+        serve(create_app(gw), args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    finally:
+        gw.close()
+    return 0
