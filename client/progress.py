@@ -76,10 +76,13 @@ def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
         elif ev.state is not None:
             tqdm.write(f"[{job_id}] {ev.state.state.value}: {ev.state.message}", file=sys.stderr)
         elif ev.checkpoint is not None:
+            c = ev.checkpoint
+            losses = "" if c.valid_loss is None else f" (valid_loss {c.valid_loss:.4f})"
             tqdm.write(
-                f"[{job_id}] checkpoint at step {ev.checkpoint.step}: {ev.checkpoint.artifact.artifact_id}",
-                file=sys.stderr,
+                f"[{job_id}] checkpoint at step {c.step}: {c.artifact.artifact_id}{losses}", file=sys.stderr
             )
+        elif ev.eval is not None:
+            tqdm.write(f"[{job_id}] {eval_line(ev.eval)}", file=sys.stderr)
         elif ev.adapter is not None:
             tqdm.write(f"[{job_id}] adapter {ev.adapter.artifact_id}", file=sys.stderr)
         elif ev.log is not None:
@@ -95,6 +98,18 @@ def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
     if bar is not None:
         bar.close()
     return job_id
+
+
+def eval_line(m: Any) -> str:
+    """An evaluation (``EvalMetrics``) in one line: the sample's loss, the whole set's when it was evaluated."""
+    line = f"eval at step {m.step}: valid_loss {m.valid_loss:.4f}"
+    if m.valid_mean_token_accuracy is not None:
+        line += f", token accuracy {m.valid_mean_token_accuracy:.1%}"
+    if m.dpo is not None:
+        line += f", reward accuracy {m.dpo.reward_accuracy:.1%}"
+    if m.is_full:
+        line += f"; full_valid_loss {m.full_valid_loss:.4f}"
+    return line + f" ({m.rows} rows, {m.tokens} tokens)"
 
 
 def export_progress_printer() -> Callable[[Any], None]:

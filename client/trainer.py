@@ -199,18 +199,21 @@ class TrainerClient(ArtifactClient):
         resume_from_job_id: str = "",
         name: str = "",
         fail_if_busy: bool = False,
+        validation_dataset_id: str = "",
         timeout: float | None = None,
     ) -> Iterator[JobEvent]:
         """Start a job and stream its events until it ends. Closing the iterator detaches; the job goes on.
 
         A session busy with another job: the new one waits QUEUED behind it, unless ``fail_if_busy``
-        (FailedPreconditionError then)."""
+        (FailedPreconditionError then). ``validation_dataset_id``: held-out rows in the training set's format,
+        evaluated every ``config.eval_every_steps`` and at the end (``JobEvent.eval``; docs/validation.md)."""
         req = trainer_pb2.TrainRequest(
             session_id=session_id,
             dataset_id=dataset_id,
             resume_from_job_id=resume_from_job_id,
             name=name,
             fail_if_busy=fail_if_busy,
+            validation_dataset_id=validation_dataset_id,
         )
         if config is not None:
             req.config.CopyFrom(to_proto(trainer_pb2.TrainConfig, config))

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from strop.common.errors import InvalidArgument
+from strop.common.errors import InvalidArgument, NotFound
 from strop.common.trainer_types import (
     DatasetFormat,
     LoadModelRequest,
@@ -285,3 +285,95 @@ def test_metrics_csv_has_openais_columns_and_a_row_a_step():
         "",
     )
     assert (rows[2]["full_valid_loss"], rows[2]["full_valid_mean_token_accuracy"]) == ("2.125", "0.25")
+
+
+# ---- over gRPC: the service's job path (events, checkpoints, best, CSV, resume, errors)
+
+
+def test_a_job_over_grpc_evaluates_keeps_its_best_checkpoint_writes_its_csv_and_resumes_on_schedule(
+    client, trainer, tmp_path
+):
+    from safetensors.torch import load_file
+
+    from strop.client import InvalidArgumentError, NotFoundError
+    from strop.common import auth
+
+    vocab = 640
+    s = client.load_model("tiny-llama", quantization=Quantization.NONE)
+    client.attach_lora(s.session_id, LORA)
+    train = client.upload_dataset(_token_rows(8, 0, vocab))
+    held = client.upload_dataset(_token_rows(4, 1, vocab))
+    # a learning rate this high overshoots: the validation loss is least before the last step
+    cfg = TrainConfig(
+        method=TrainMethod.SFT, learning_rate=0.3, lr_scheduler="constant", max_steps=4, batch_size=2,
+        max_length=MAX_LEN, seed=0, eval_every_steps=1, keep_best_checkpoint=True,
+    )  # fmt: skip
+    events = list(client.train(s.session_id, train.dataset_id, cfg, validation_dataset_id=held.dataset_id))
+    job = client.get_job(events[-1].job_id)
+    assert job.state.value == "SUCCEEDED" and job.validation_dataset_id == held.dataset_id
+    steps = {e.step.step: e.step for e in events if e.step}
+    evals = {e.eval.step: e.eval for e in events if e.eval}
+    ckpts = [e.checkpoint for e in events if e.checkpoint]
+    assert sorted(evals) == [1, 2, 3, 4] and all(
+        m.is_full for m in evals.values()
+    )  # eval_rows 0: the whole set
+    # keep_best checkpoints at every eval step; each carries its step's losses
+    assert [c.step for c in ckpts] == [1, 2, 3, 4]
+    for c in ckpts:
+        assert (c.train_loss, c.valid_loss, c.full_valid_loss) == (
+            steps[c.step].loss, evals[c.step].valid_loss, evals[c.step].full_valid_loss
+        )  # fmt: skip
+    best = min(ckpts, key=lambda c: c.valid_loss)
+    assert job.best_checkpoint.step == best.step and job.best_checkpoint.valid_loss == best.valid_loss
+    assert best.step < 4, f"the overshooting run's valid losses {[c.valid_loss for c in ckpts]}"
+    # the job's adapter is the best checkpoint's, tensor for tensor
+    got = load_file(
+        client.download_artifact(job.adapter.artifact_id, tmp_path / "adapter") / "adapter_model.safetensors"
+    )
+    want = load_file(
+        client.download_artifact(best.artifact.artifact_id, tmp_path / "best") / "adapter_model.safetensors"
+    )
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # the metrics CSV: a row a step, the floats read back exactly
+    text = (
+        client.download_artifact(job.metrics_csv.artifact_id, tmp_path / "csv") / "metrics.csv"
+    ).read_text()
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    assert [float(r["train_loss"]) for r in rows] == [steps[i].loss for i in (1, 2, 3, 4)]
+    assert [float(r["valid_loss"]) for r in rows] == [evals[i].valid_loss for i in (1, 2, 3, 4)]
+    assert [float(r["full_valid_loss"]) for r in rows] == [evals[i].full_valid_loss for i in (1, 2, 3, 4)]
+
+    # resumed without naming it: the same validation set, the schedule continued (steps 5 and 6)
+    more = TrainConfig(**{**cfg.__dict__, "max_steps": 6, "keep_best_checkpoint": False})
+    resumed = list(client.train(s.session_id, "", more, resume_from_job_id=job.job_id))
+    job2 = client.get_job(resumed[-1].job_id)
+    assert job2.state.value == "SUCCEEDED" and job2.validation_dataset_id == held.dataset_id
+    assert [e.eval.step for e in resumed if e.eval] == [5, 6]
+
+    # bad input: a bad validation row is refused at upload, naming its line; a validation set in another format,
+    # and eval settings without a validation set, at Train
+    with pytest.raises(InvalidArgumentError, match="line 2"):
+        client.upload_dataset([{"input_ids": [5, 6, 7]}, {"input_ids": "not ids"}])
+    text_set = client.upload_dataset([{"text": "some held-out text"}])
+    with pytest.raises(InvalidArgumentError, match="validation_dataset_id: the validation set is text rows"):
+        list(client.train(s.session_id, train.dataset_id, cfg, validation_dataset_id=text_set.dataset_id))
+    with pytest.raises(InvalidArgumentError, match="need a validation set"):
+        list(client.train(s.session_id, train.dataset_id, cfg))
+    bad_ids = client.upload_dataset([{"input_ids": [5, 6, vocab + 7]}])
+    with pytest.raises(
+        InvalidArgumentError, match=f"validation_dataset_id {bad_ids.dataset_id}: row 1: token id"
+    ):
+        list(client.train(s.session_id, train.dataset_id, cfg, validation_dataset_id=bad_ids.dataset_id))
+    with pytest.raises(NotFoundError):
+        list(client.train(s.session_id, train.dataset_id, cfg, validation_dataset_id="ds-missing"))
+    # another tenant's dataset is NOT_FOUND, as a missing one (the check Train makes, under that tenant)
+    _, core, _ = trainer
+    token = auth.set_current(auth.Principal(tenant="team-b"))
+    try:
+        with pytest.raises(NotFound) as exc:
+            validation.load(core.datasets, held.dataset_id, job.config, DatasetFormat.TOKENS, vocab)
+    finally:
+        auth.reset_current(token)
+    assert "not found" in str(exc.value)
+    client.close_session(s.session_id)

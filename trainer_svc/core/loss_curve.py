@@ -2,7 +2,8 @@
 
 Rendered with matplotlib's Agg canvas on a bare ``Figure`` (no pyplot: no process-wide figure state, so job
 threads may render at once). The points are exactly the job's recorded ``StepMetrics`` (step, loss), in event
-order; a resumed job's curve starts at the step it resumed from.
+order; a resumed job's curve starts at the step it resumed from. A job with a validation set also plots its
+valid_loss (``EvalMetrics``) and, as a marker, its full_valid_loss.
 """
 
 from __future__ import annotations
@@ -42,13 +43,39 @@ def loss_points(store: TrainerStore, job_id: str) -> tuple[list[int], list[float
         seq = page[-1].seq
 
 
-def loss_curve_figure(job: JobInfo, steps: list[int], losses: list[float]) -> Figure:
-    """The figure of ``losses`` over ``steps`` (one line, its data exactly the points given)."""
+def eval_points(store: TrainerStore, job_id: str) -> tuple[list[int], list[float], list[int], list[float]]:
+    """Every (step, valid_loss) the job evaluated, in order, and every (step, full_valid_loss)."""
+    steps, valid, full_steps, full = [], [], [], []
+    seq = 0
+    while page := store.events_after(job_id, seq):
+        for m in (e.eval for e in page if e.eval is not None):
+            steps.append(m.step)
+            valid.append(m.valid_loss)
+            if m.is_full:
+                full_steps.append(m.step)
+                full.append(m.full_valid_loss)
+        seq = page[-1].seq
+    return steps, valid, full_steps, full
+
+
+def loss_curve_figure(
+    job: JobInfo,
+    steps: list[int],
+    losses: list[float],
+    evals: tuple[list[int], list[float], list[int], list[float]] | None = None,
+) -> Figure:
+    """The figure of ``losses`` over ``steps`` (its first line, its data exactly the points given); with ``evals``
+    (``eval_points``), the valid_loss line and the full_valid_loss markers after it."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=SIZE_INCHES, dpi=DPI)
     ax = fig.add_subplot()
     ax.plot(steps, losses, marker="." if len(steps) <= 50 else None, linewidth=1.2, label="loss")
+    if evals and evals[0]:
+        ax.plot(evals[0], evals[1], marker="o", markersize=3, linewidth=1.2, label="valid_loss")
+        if evals[2]:
+            ax.plot(evals[2], evals[3], linestyle="none", marker="*", markersize=9, label="full_valid_loss")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     title = f"{job.job_id} · {job.config.method.value}"
@@ -76,7 +103,7 @@ def publish_loss_curve(store: TrainerStore, artifacts: ArtifactStore, job_id: st
         steps, losses = loss_points(store, job_id)
         if not steps:
             return None
-        png = figure_png(loss_curve_figure(job, steps, losses))
+        png = figure_png(loss_curve_figure(job, steps, losses, eval_points(store, job_id)))
         meta = {
             "job_id": job_id,
             "steps": str(len(steps)),
