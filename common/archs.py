@@ -113,6 +113,7 @@ class Arch:
         attn_softcap: the attention forward passes ``softcap=config.attn_logit_softcapping`` to the attention
             interface (Gemma 2; Gemma 3's config has the key but its forward never passes it).
         moe: the mixture-of-experts facts (:data:`MOE_ARCHS`), None for a dense arch.
+        no_kernels: why strop's kernels do not patch this arch (HF + PEFT runs it); empty when they do.
     """
 
     model_type: str
@@ -131,6 +132,7 @@ class Arch:
     rope_per_layer_type: bool = False
     attn_softcap: bool = False
     moe: Moe | None = None
+    no_kernels: str = ""
 
 
 ARCHS: dict[str, Arch] = {
@@ -271,10 +273,16 @@ MOE_ARCHS: dict[str, Arch] = {
                 transposed=True,
                 activation="gpt_oss",
             ),
+            no_kernels=(
+                "gpt_oss has no fast path: its attention adds learned sinks (s_aux) and its RMSNorm scales in fp32 "
+                "before the cast"
+            ),
         ),
     )
 }
 MOE_MODEL_TYPES: tuple[str, ...] = tuple(MOE_ARCHS)
+# what strop's kernels patch (an MoE's attention, norms and loss; its experts run HF's expert path)
+KERNEL_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES + tuple(t for t, a in MOE_ARCHS.items() if not a.no_kernels)
 
 
 def arch_of(model_type: str) -> Arch | None:

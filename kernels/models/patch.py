@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from strop.common.archs import ARCHS, MODEL_TYPES, SlidingWindow
+from strop.common.archs import KERNEL_MODEL_TYPES, SlidingWindow, arch_of, moe_sizes
 
 from ..lora.linear import FP8_ATTR, LoRAProj, attach_fp8, detach_fp8, fp8_reason, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
@@ -83,7 +83,7 @@ __all__ = [
 logger = logging.getLogger("strop.kernels")
 
 COMPONENTS = ("rms_norm", "rope", "lora_qkv", "lora_o", "lora_mlp", "fused_cross_entropy")
-SUPPORTED_MODEL_TYPES = MODEL_TYPES  # strop.common.archs: the one architecture table
+SUPPORTED_MODEL_TYPES = KERNEL_MODEL_TYPES  # strop.common.archs: the one architecture table
 FP8_BASE_CHOICES = (False, True, "dx")  # patch_model(fp8_base=...): exact; FP8 forward and dx; FP8 dx only
 # where HF's attention forward reads the sliding window it passes to the attention interface
 _WINDOW: dict[SlidingWindow, Callable[[nn.Module], int | None] | None] = {
@@ -360,7 +360,7 @@ def _mlp_forward(activation: str, inplace: bool, output_unused_in_recompute: boo
 def _attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> Callable:
     from ..ops.rope import rope_qk
 
-    arch = ARCHS[model_type]
+    arch = arch_of(model_type)
     sliding, qk_norm, softcap = _WINDOW[arch.sliding_window], arch.qk_norm, arch.attn_softcap
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
@@ -413,7 +413,7 @@ def _ce_reason(hf: nn.Module) -> str | None:
 
 
 def _causal_lm_forward() -> Callable:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     from ..ops.fused_linear_ce import fused_linear_cross_entropy
 
@@ -440,6 +440,12 @@ def _causal_lm_forward() -> Callable:
         ignore_index = kwargs.pop("ignore_index", -100)
         for k in ("logits_to_keep", "return_dict", "fused_lm_head"):
             kwargs.pop(k, None)
+        moe = arch_of(self.config.model_type).moe
+        if moe is not None:  # HF's MoE forward: router logits when asked, else as the config says
+            routed = kwargs.get("output_router_logits")
+            kwargs["output_router_logits"] = bool(
+                self.config.output_router_logits if routed is None else routed
+            )
         outputs = getattr(self, self.base_model_prefix)(**kwargs)
         hidden = outputs[0]
         if shift_labels is None:  # as HF's ForCausalLMLoss: token t predicts labels[t + 1]
@@ -455,6 +461,19 @@ def _causal_lm_forward() -> Callable:
             softcap=None if softcap is None else float(softcap),
         )  # fmt: skip
         extra = {name: getattr(outputs, name, None) for name in cache_fields}
+        if moe is not None:
+            aux = None
+            if kwargs[
+                "output_router_logits"
+            ]:  # HF adds its own load-balancing loss, weighted as its forward does
+                experts, top_k, _ = moe_sizes(self.config)
+                balance = sys.modules[type(self).__module__].load_balancing_loss_func
+                aux = balance(outputs.router_logits, experts, top_k, kwargs.get("attention_mask"))
+                loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+            return MoeCausalLMOutputWithPast(
+                loss=loss, aux_loss=aux, logits=None, hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions, router_logits=outputs.router_logits, **extra,
+            )  # fmt: skip
         return CausalLMOutputWithPast(
             loss=loss,
             logits=None,
@@ -545,8 +564,12 @@ def patch_model(
 
     backbone = getattr(hf, getattr(hf, "base_model_prefix", "model"), hf)
     blocker = None
-    if model_type not in ARCHS:
-        blocker = f"model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        why = getattr(arch_of(str(model_type)), "no_kernels", "")
+        blocker = (
+            why
+            or f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     elif not hasattr(backbone, "layers"):
         blocker = "no decoder layers found"
     else:
@@ -563,7 +586,7 @@ def patch_model(
         if why := fp8_device_reason(where):
             raise ValueError(f"fp8_base: {why}")
     hf._strop_patch = state
-    arch = ARCHS[model_type]
+    arch = arch_of(model_type)
     names = {m: n for n, m in hf.named_modules()}
     # Gemma's MLP reads config.hidden_activation, the others' config.hidden_act
     act_key = "hidden_activation" if hasattr(hf.config, "hidden_activation") else "hidden_act"
@@ -590,9 +613,12 @@ def patch_model(
                 else:
                     skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
         projections = {"lora_qkv": (attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
-                       "lora_o": (attn.o_proj, (attn.o_proj,)),
-                       "lora_mlp": (mlp, (mlp.gate_proj, mlp.up_proj, mlp.down_proj))}  # fmt: skip
-        ok = {}
+                       "lora_o": (attn.o_proj, (attn.o_proj,))}  # fmt: skip
+        if "gate_proj" in mlp._modules:  # dense (an MoE model's dense layers too); experts keep HF's path
+            projections["lora_mlp"] = (mlp, (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        elif lora_mlp:
+            skip("lora_mlp", names[mlp], "mixture-of-experts layer: the experts run HF's expert path")
+        ok = {"lora_mlp": False}
         for c, (owner, mods) in projections.items():
             reasons = [s for s in (_spec(m) for m in mods) if isinstance(s, str)]
             ok[c] = wanted[c] and not reasons

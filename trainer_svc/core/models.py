@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from strop.common import adapter_base, hf_build
-from strop.common.archs import MODEL_TYPES
+from strop.common.archs import KERNEL_MODEL_TYPES, arch_of
 from strop.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine, confine_files
 from strop.common.trainer_types import (
@@ -35,7 +35,7 @@ from strop.trainer_svc.core import moe
 
 log = logging.getLogger("strop.trainer")
 
-KERNEL_ARCHS = frozenset(MODEL_TYPES)  # the kernels patch every architecture of strop.common.archs
+KERNEL_ARCHS = frozenset(KERNEL_MODEL_TYPES)  # what the kernels patch (strop.common.archs)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -311,9 +311,10 @@ def decide_kernels(mode: KernelMode, device: str, model_type: str) -> tuple[bool
     if mode in FP8_KERNEL_MODES:
         mode = KernelMode.ON  # from here on, what ON requires
     if model_type not in KERNEL_ARCHS:
+        why = getattr(arch_of(model_type), "no_kernels", "")
         if mode is KernelMode.ON:
             raise InvalidArgument(
-                f"kernels requested but arch {model_type!r} has no fast path ({sorted(KERNEL_ARCHS)})"
+                why or f"kernels requested but arch {model_type!r} has no fast path ({sorted(KERNEL_ARCHS)})"
             )
         return False, f"arch {model_type!r} has no fast path: unpatched HF + PEFT"
     if not device.startswith("cuda"):
