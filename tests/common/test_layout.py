@@ -28,6 +28,7 @@ ENTRY_POINTS = {
     "trainer service": [sys.executable, "-m", "strop.trainer_svc", "--help"],
     "export service": [sys.executable, "-m", "strop.export_svc", "--help"],
     "tinker gateway": [sys.executable, "-m", "strop.gateways.tinker", "--help"],
+    "openai gateway": [sys.executable, "-m", "strop.gateways.openai", "--help"],
     "strop CLI": [str(BIN / "strop"), "--help"],
     "strop-trainer": [str(BIN / "strop-trainer"), "--help"],
     "strop-export": [str(BIN / "strop-export"), "--help"],
