@@ -25,13 +25,6 @@ def stack(model_root, tmp_path_factory):
     yield from running_stack(model_root, tmp_path_factory)
 
 
-def _validation_lands() -> bool:
-    """Whether the trainer evaluates a validation set (TrainRequest.validation_dataset_id is served)."""
-    from strop.common import trainer_types
-
-    return hasattr(trainer_types, "EvalMetrics")
-
-
 @pytest.fixture(scope="module")
 def files(stack):
     c = stack.client()
@@ -91,10 +84,10 @@ def test_sft_job_trains_and_reports(stack, sft_job):
     steps = [e.data for e in reversed(events) if e.type == "metrics" and "train_loss" in e.data]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["total_steps"] == 4 for s in steps)
     assert steps[-1]["train_loss"] < steps[0]["train_loss"]  # lr 5e-3 on 8 rows, twice: the loss falls
-    if _validation_lands():
-        evals = [e.data for e in events if e.type == "metrics" and "valid_loss" in e.data]
-        assert evals and all(e["valid_loss"] > 0 for e in evals)
-        assert any("full_valid_loss" in e for e in evals)
+    # the validation file is evaluated at each epoch's end (steps 2 and 4), the whole set at the end
+    evals = {e.data["step"]: e.data for e in events if e.type == "metrics" and "valid_loss" in e.data}
+    assert sorted(evals) == [2, 4] and all(e["valid_loss"] > 0 for e in evals.values())
+    assert evals[4]["full_valid_loss"] == pytest.approx(evals[4]["valid_loss"], rel=1e-12)  # eval_rows 0: all rows
     ckpts = list(c.fine_tuning.jobs.checkpoints.list(job.id))
     # one checkpoint an epoch (2 steps each), newest first; each carries its step's training loss
     assert [k.step_number for k in ckpts] == [4, 2]
@@ -102,9 +95,13 @@ def test_sft_job_trains_and_reports(stack, sft_job):
     for k in ckpts:
         assert k.metrics.train_loss == pytest.approx(by_step[k.step_number], rel=1e-9)
         assert k.fine_tuned_model_checkpoint == f"{job.fine_tuned_model}:ckpt-step-{k.step_number}"
-        if _validation_lands():
-            assert k.metrics.valid_loss is not None
-    assert job.result_files == [] or c.files.retrieve(job.result_files[0]).purpose == "fine-tune-results"
+        assert k.metrics.valid_loss == pytest.approx(evals[k.step_number]["valid_loss"], rel=1e-12)
+    assert ckpts[0].metrics.full_valid_loss == pytest.approx(evals[4]["full_valid_loss"], rel=1e-12)
+    # the result file: the trainer's metrics CSV, one row a step
+    (result,) = job.result_files
+    assert c.files.retrieve(result).purpose == "fine-tune-results"
+    csv = c.files.content(result).text.splitlines()
+    assert csv[0].startswith("step,train_loss") and len(csv) == 1 + 4
 
 
 def test_models_list_retrieve_delete(stack, sft_job):
