@@ -26,7 +26,7 @@ class Sample:
     def of(cls, output_text: str, num_tokens: int | None = None) -> Sample:
         try:
             parsed = json.loads(output_text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the interpreter's limit
             parsed = None
         return cls(output_text, parsed, num_tokens)
 

@@ -28,6 +28,10 @@ class StringCheck(LeafGrader):
 
     def __init__(self, s: Spec) -> None:
         self.name = s.name()
+        if s.raw.get("operation") == "neq":
+            raise GraderSpecError(
+                s.at("operation"), "'neq' is 'ne' (the guide's prose says neq; its schema and SDK, ne)"
+            )
         self.operation = s.choice("operation", self.OPERATIONS)
         self.input, self.reference = s.template("input"), s.template("reference")
         self.templates = (self.input, self.reference)
@@ -190,10 +194,14 @@ class JsonSchema(LeafGrader):
             doc = json.loads(text)
         except ValueError:
             return Score(0.0)
+        except RecursionError:
+            return Score(INVALID, "the input nests deeper than the JSON reader's limit")
         try:
             return Score(1.0 if self.validator.is_valid(doc) else 0.0)
         except referencing.exceptions.Unresolvable as e:
             return Score(INVALID, f"the schema's reference {e} cannot be resolved here")
+        except RecursionError:
+            return Score(INVALID, "the input nests deeper than the validator's limit")
 
 
 class LengthPenalty(LeafGrader):

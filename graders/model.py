@@ -193,12 +193,12 @@ def _json_object(reply: str):
         text = fence.group(1)
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         start, end = text.find("{"), text.rfind("}")
         if 0 <= start < end:
             try:
                 return json.loads(text[start : end + 1])
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
     return None
 
@@ -212,12 +212,15 @@ def read_score(reply: str, lo: float, hi: float) -> Score:
         and isinstance(obj.get("result"), int | float)
         and not isinstance(obj["result"], bool)
     ):
-        value = float(obj["result"])
+        try:
+            value = float(obj["result"])
+        except OverflowError:  # an integer past float's range
+            value = math.inf if obj["result"] > 0 else -math.inf
     elif m := re.search(rf'"result"\s*:\s*({_NUMBER})', reply):
-        value = float(m.group(1))
+        value = float(m.group(1))  # a stated number past float's range reads as ±inf, then clips to the range
     elif re.fullmatch(rf"\s*{_NUMBER}\s*", reply):
         value = float(reply)
-    if value is None or not math.isfinite(value):
+    if value is None or math.isnan(value):
         return Score(INVALID, f"the grader model's reply states no score: {reply[:120]!r}")
     return Score(min(max(value, lo), hi))
 

@@ -12,7 +12,8 @@ Read as a number, after dropping ``$``, ``\\$``, ``\\%``/``%``, ``\\!``, ``\\,``
 - a fraction of two such numbers, ``a/b``, or LaTeX ``\\frac{a}{b}`` (``\\dfrac``, ``\\tfrac``), signed;
 - ``extract="auto"`` reads the last ``\\boxed{…}`` of the text when there is one (its content must be a number),
   else the last number in the text; ``extract="exact"`` requires the whole text (stripped) to be one number.
-Infinity and NaN are never numbers here.
+Infinity and NaN are never numbers here, nor numbers of more than ``MAX_DIGITS`` digits or exponents beyond
+``±MAX_EXPONENT`` (reading ``1e999999999`` exactly would take minutes).
 """
 
 from __future__ import annotations
@@ -30,8 +31,20 @@ _NOISE = re.compile(r"\\[$%!,;: ]|\\(?:quad|qquad)\b|[$%]|\\left|\\right")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
+MAX_DIGITS = (
+    1000  # longer numbers, or exponents beyond ±MAX_EXPONENT, are not read (10**10**9 would take minutes)
+)
+MAX_EXPONENT = 1000
+_EXP = re.compile(r"[eE]([-+]?\d+)$")
+
+
 def _plain(text: str) -> Fraction:
     t = text.replace("\u2212", "-").replace(",", "")
+    exp = _EXP.search(t)
+    if sum(c.isdigit() for c in t[: exp.start() if exp else None]) > MAX_DIGITS or (
+        exp and (len(exp.group(1).lstrip("+-")) > 5 or abs(int(exp.group(1))) > MAX_EXPONENT)
+    ):
+        raise OverflowError(f"{t[:40]}… is too long to read")
     return Fraction(t)
 
 
@@ -44,7 +57,7 @@ def _value(m: re.Match) -> Fraction | None:
         if s_num is not None:
             return _plain(s_num) / _plain(s_den)
         return _plain(plain)
-    except ZeroDivisionError:
+    except (ZeroDivisionError, OverflowError):
         return None
 
 
