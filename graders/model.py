@@ -183,7 +183,7 @@ class _ModelGrader(LeafGrader):
         raise RuntimeError("model graders grade through score_batch with a model")
 
 
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"  # one way to match a digit run: no quadratic backtracking
 
 
 def _json_object(reply: str):
