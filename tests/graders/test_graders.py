@@ -120,6 +120,37 @@ def test_rouge_is_the_f_measure_of_ngram_and_lcs_overlap(metric, want):
     assert score(ts(metric), HYP, {"ref": REF}) == pytest.approx(want, rel=1e-12)
 
 
+def test_rouge_scores_equal_rouge_scores_own_and_rouge_l_stays_fast_on_long_texts():
+    import random
+
+    from rouge_score.rouge_scorer import RougeScorer
+
+    rng = random.Random(0)
+    words = ["the", "cat", "Sat", "on", "a", "mat,", "dog", "42", "été"]
+    cases = [(HYP, REF), ("", "x"), ("x", ""), ("a b", "c d")]
+    cases += [
+        (
+            " ".join(rng.choices(words, k=rng.randint(1, 30))),
+            " ".join(rng.choices(words, k=rng.randint(1, 30))),
+        )
+        for _ in range(40)
+    ]
+    kinds = {"rouge_l": "rougeL", **{f"rouge_{n}": f"rouge{n}" for n in range(1, 6)}}
+    scorer = RougeScorer(list(kinds.values()))
+    for hyp, ref in cases:
+        want = scorer.score(ref, hyp)  # rouge-score's score(target, prediction)
+        for metric, kind in kinds.items():
+            assert metrics.FUNCTIONS[metric](hyp, ref) == pytest.approx(want[kind].fmeasure, abs=1e-12), (
+                metric,
+                hyp,
+                ref,
+            )
+    long = " ".join(rng.choices(words, k=2000))
+    t0 = time.perf_counter()
+    metrics.FUNCTIONS["rouge_l"](long, long[::-1])
+    assert time.perf_counter() - t0 < 1  # rouge-score's own LCS table takes ≈ 6.6 s here
+
+
 def test_rouge_lowercases_and_reads_only_ascii_alphanumerics_as_rouge_score_does():
     assert score(ts("rouge_1"), "The CAT, sat!", {"ref": "the cat sat"}) == pytest.approx(1.0)
     # rouge-score's tokenizer keeps runs of [a-z0-9]: text in another script has no tokens and scores 0
