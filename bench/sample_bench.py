@@ -12,9 +12,10 @@ Systems:
              with a left-padded attention mask, SDPA, the default dynamic cache; no per-token scores returned
              (returning them would cost it 64 x 128,256 fp32 logits per step).
   ``strop``  ``strop.trainer_svc.core.sampler.sample`` on the same model patched by ``patch_model`` (as the trainer
-             service sessions on CUDA are), with per-token log-probs; variants in the same process: ``full`` (CUDA
-             graph + fused NF4 decode kernel), ``no-nf4`` (CUDA graph, PEFT + bitsandbytes projections), ``eager``
-             (fused kernel, no graph); ``--variants full|no-nf4,eager`` runs no-nf4 only if full failed.
+             service sessions on CUDA are), with per-token log-probs; variants in the same process: ``full`` (the
+             sampler's defaults: CUDA graph, the model's own projections), ``nf4`` (CUDA graph + the opt-in fused
+             NF4 decode kernel), ``no-nf4`` (explicitly off), ``eager`` (defaults, no graph);
+             ``--variants nf4|no-nf4,eager`` runs no-nf4 only if nf4 failed.
 Each system first runs a warm-up call of 8 new tokens; the timed call is one call (prefill, graph capture and all
 512 steps). tokens/s = new tokens / wall time of the call. The strop worker also teacher-forces two sampled
 sequences through the model's ordinary forward (unpatched: PEFT + bitsandbytes, no cache) and reports the largest
@@ -160,7 +161,9 @@ def run_strop(a) -> Report:
     model, notes = build_model(patch=tb.DEVICE == "cuda")
     rep = Report(build_s=time.perf_counter() - t0)
     ps = prompts(a.prompts, tb.SHAPE["vocab"], a.prompt_min, a.prompt_max)
-    variants = {"full": {}, "no-nf4": {"nf4_decode": False}, "eager": {"cuda_graphs": False}}
+    variants = {
+        "full": {}, "nf4": {"nf4_decode": True}, "no-nf4": {"nf4_decode": False}, "eager": {"cuda_graphs": False},
+    }  # fmt: skip
     names = [alt for group in a.variants.split(",") for alt in group.split("|")]
     checks = []
     for name in names:
@@ -276,7 +279,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", choices=["hf", "strop"])
     p.add_argument("--systems", default="hf,strop")
-    p.add_argument("--variants", default="full,no-nf4")
+    p.add_argument("--variants", default="full,nf4")
     p.add_argument("--prompts", type=int, default=PROMPTS)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--prompt-min", type=int, default=PROMPT_MIN)

@@ -290,7 +290,7 @@ def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(nf4_tiny):
     # few tokens: the Triton interpreter runs the kernel at ~0.1 s a call (14 a step)
     reqs = [SampleRequest(p, 1, SamplingParams(max_tokens=3, temperature=0.0)) for p in PROMPTS[:2]]
     fused_stats = SampleStats()
-    fused = sample(model, reqs, stats=fused_stats)
+    fused = sample(model, reqs, stats=fused_stats, nf4_decode=True)
     plain = sample(model, reqs, nf4_decode=False)
     assert fused_stats.extra["nf4_decode_layers"] == 14
     for p, f, q in zip(PROMPTS[:2], fused, plain, strict=True):
@@ -307,7 +307,7 @@ def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(nf4_tiny):
     patch_model(model)
     try:
         patched_stats = SampleStats()
-        patched = sample(model, reqs, stats=patched_stats)
+        patched = sample(model, reqs, stats=patched_stats, nf4_decode=True)
         assert patched_stats.extra["nf4_decode_layers"] == 14
         for f, q in zip(patched, fused, strict=True):
             assert f.sequences[0].tokens == q.sequences[0].tokens
@@ -354,8 +354,8 @@ def test_cuda_sampler_with_graph_and_nf4_kernel_is_within_bf16_error_of_fp32(tmp
         SampleRequest(PROMPTS[2], 1, SamplingParams(max_tokens=24, temperature=0.0)),
     ]
     stats = SampleStats()
-    got = sample(model, reqs, stats=stats)
-    again = sample(model, reqs)
+    got = sample(model, reqs, stats=stats, nf4_decode=True)
+    again = sample(model, reqs, nf4_decode=True)
     assert stats.cuda_graph, stats.note
     assert stats.extra["nf4_decode_layers"] == 14
     assert [[s.tokens for s in r.sequences] for r in got] == [[s.tokens for s in r.sequences] for r in again]
@@ -385,6 +385,6 @@ def test_nf4_kernel_that_disagrees_with_bitsandbytes_is_not_used(nf4_tiny, monke
     monkeypatch.setattr(decode, "nf4_lora_decode", lambda x, w, *a, **k: torch.zeros(*x.shape[:-1], w.n))
     stats = SampleStats()
     req = [SampleRequest(PROMPTS[1], 1, SamplingParams(max_tokens=3, temperature=0.0))]
-    got = sample(nf4_tiny, req, stats=stats)
+    got = sample(nf4_tiny, req, stats=stats, nf4_decode=True)
     assert stats.extra["nf4_decode_layers"] == 0 and "disagrees with bitsandbytes" in stats.note
     assert got[0].sequences[0].tokens == sample(nf4_tiny, req, nf4_decode=False)[0].sequences[0].tokens

@@ -377,7 +377,7 @@ def sample(
     max_length: int | None = None,
     cuda_graphs: bool = True,
     check_every: int = CHECK_EVERY,
-    nf4_decode: bool = True,
+    nf4_decode: bool = False,
     stats: SampleStats | None = None,
 ) -> list[SampleResult]:
     """Sample ``num_samples`` completions of each request from ``model`` (its active adapter), all in one batch.
@@ -392,7 +392,9 @@ def sample(
         cuda_graphs: On CUDA, replay the decode step as a CUDA graph (falls back to eager if capture fails).
         check_every: Steps between host checks of the finished flags and the stop strings.
         nf4_decode: Decode an NF4 base's LoRA layers with the fused NF4 decode kernel
-            (``strop.kernels.models.decode``) where it applies; PEFT + bitsandbytes otherwise.
+            (``strop.kernels.models.decode``) where it applies. Off by default: on the H200, 8B-shape QLoRA,
+            64 prompts x 512 new tokens, it ran at 377 tokens/s against 2,543 with the model's own forwards
+            (strop's patch where it applies, PEFT + bitsandbytes elsewhere; bench/RESULTS.md).
         stats: Filled in with what the call did.
 
     Returns:
