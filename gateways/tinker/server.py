@@ -3,13 +3,17 @@
 Flags (each with an environment variable): ``--listen`` (STROP_TINKER_LISTEN, default 127.0.0.1:8000),
 ``--trainer`` (STROP_TRAINER, host:port), ``--model-root`` (STROP_MODEL_ROOT: the trainer's model root, read-only;
 base models and tokenizers), ``--quantization``/``--dtype``/``--max-seq-length`` (how base sessions are loaded),
-``--poll-ms``, ``--tls-cert``/``--tls-key`` (HTTPS), ``--trainer-tls-ca`` (STROP_TLS_CA).
+``--poll-ms``, ``--tls-cert``/``--tls-key`` (HTTPS), ``--trainer-tls-ca`` (STROP_TLS_CA), ``--admin-token-file``
+(STROP_TINKER_ADMIN_TOKEN_FILE: a trainer admin token, with which the gateway loads each base once as a shared
+session; without it, bases must be loaded shared by an admin), ``--health-port`` (STROP_HEALTH_PORT: plaintext
+``/healthz`` and ``/readyz`` for probes; 0: off).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
 from strop.common.trainer_types import Quantization
@@ -41,7 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trainer-tls-ca", default=env("STROP_TLS_CA"), help="CA of the trainer's TLS certificate"
     )
+    p.add_argument("--admin-token-file", default=env("STROP_TINKER_ADMIN_TOKEN_FILE"),
+                   help="a file holding a trainer admin token: the gateway loads shared bases with it")  # fmt: skip
+    p.add_argument("--health-port", type=int, default=int(env("STROP_HEALTH_PORT", "0")),
+                   help="plaintext HTTP port for /healthz and /readyz (0: none)")  # fmt: skip
     return p
+
+
+def _admin_token(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise SystemExit(f"strop: --admin-token-file: {exc}") from None
+    if not token:
+        raise SystemExit(f"strop: --admin-token-file {path} is empty")
+    return token
 
 
 def config_from_args(args) -> GatewayConfig:
@@ -50,22 +70,39 @@ def config_from_args(args) -> GatewayConfig:
     return GatewayConfig(
         trainer=args.trainer, model_root=Path(args.model_root), quantization=Quantization(args.quantization),
         dtype=args.dtype, max_seq_length=args.max_seq_length, poll_ms=args.poll_ms, tls_ca=args.trainer_tls_ca,
+        admin_token=_admin_token(args.admin_token_file),
     )  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    import uvicorn
+def _exit_zero(signum, frame) -> None:
+    raise SystemExit(0)
 
+
+def main(argv: list[str] | None = None) -> int:
+    from strop.gateways.common import serve
+    from strop.gateways.health import HealthServer, trainer_reachable
     from strop.gateways.tinker.app import create_app
 
     args = build_parser().parse_args(argv)
+    if not 0 <= args.health_port < 65536:
+        raise SystemExit("strop: --health-port must be within 0..65535")
     gw = Gateway(config_from_args(args))
-    host, _, port = args.listen.rpartition(":")
+    host = args.listen.rpartition(":")[0] or "127.0.0.1"
+    health = None
+    if args.health_port:
+        from strop.client import TrainerClient
+
+        probe = TrainerClient(gw.config.trainer, tls_ca=gw.config.tls_ca)  # its channel only: no call is made
+        health = HealthServer(host, args.health_port, lambda: trainer_reachable(probe)).start()
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it found: this one makes a
+    # finished drain exit 0 (as the gRPC services do) instead of dying of the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_zero)
     try:
-        uvicorn.run(
-            create_app(gw), host=host or "127.0.0.1", port=int(port), ssl_certfile=args.tls_cert,
-            ssl_keyfile=args.tls_key, log_level="info", timeout_graceful_shutdown=10,
-        )  # fmt: skip
+        serve(create_app(gw), args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key)
     finally:
+        if health is not None:
+            health.draining()
+            health.stop()
         gw.close()
     return 0

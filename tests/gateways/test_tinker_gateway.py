@@ -271,13 +271,12 @@ def test_a_chunked_forward_backward_sums_exactly(sc_a, tinker_stack):
     single = sc_a.create_lora_training_client("tiny-llama", rank=4, seed=8).result()
     fb = chunked.forward_backward(data, "cross_entropy").result()
     assert len(fb.loss_fn_outputs) == 5
-    gw = tinker_stack[1]
-    chunks = [
-        p
-        for p in gw._futures.values()
-        if p.kind == "forward_backward" and p.ctx["model_id"] == chunked.model_id
-    ]
-    assert len(chunks) == 3  # it was split: 2 + 2 + 1
+    from strop.client import TrainerClient
+
+    trainer = f"127.0.0.1:{tinker_stack[2].running.port}"
+    with TrainerClient(trainer, token=KEY_A) as tc:  # the trainer counts the run's primitives
+        run = next(r for r in tc.list_training_runs() if r.name == chunked.model_id)
+    assert {m.name: m.value for m in run.counts}.get("forward_backward") == 3  # it was split: 2 + 2 + 1
     per = [single.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] for d in data]
     assert fb.metrics["loss:sum"] == pytest.approx(sum(per), rel=1e-6)  # the SDK's "sum" merge of the chunks
     chunked.optim_step(adam).result()
