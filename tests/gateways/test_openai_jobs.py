@@ -9,6 +9,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from tests.gateways.openai_stack import (  # noqa: E402
+    KEY_A,
     KEY_B,
     chat_rows,
     jsonl,
@@ -87,7 +88,9 @@ def test_sft_job_trains_and_reports(stack, sft_job):
     # the validation file is evaluated at each epoch's end (steps 2 and 4), the whole set at the end
     evals = {e.data["step"]: e.data for e in events if e.type == "metrics" and "valid_loss" in e.data}
     assert sorted(evals) == [2, 4] and all(e["valid_loss"] > 0 for e in evals.values())
-    assert evals[4]["full_valid_loss"] == pytest.approx(evals[4]["valid_loss"], rel=1e-12)  # eval_rows 0: all rows
+    assert evals[4]["full_valid_loss"] == pytest.approx(
+        evals[4]["valid_loss"], rel=1e-12
+    )  # eval_rows 0: all rows
     ckpts = list(c.fine_tuning.jobs.checkpoints.list(job.id))
     # one checkpoint an epoch (2 steps each), newest first; each carries its step's training loss
     assert [k.step_number for k in ckpts] == [4, 2]
@@ -244,3 +247,23 @@ def test_a_restarted_gateway_keeps_its_state(stack, files, sft_job):
     done = wait_status(c, job.id, DONE)
     assert done.status == "succeeded", done.error
     assert _steps(c, job.id) == list(range(1, 25))  # every step's event once: none lost or doubled
+
+
+def test_a_job_the_trainer_fails_reports_its_error(stack, files):
+    from strop.client import TrainerClient
+
+    c = stack.client()
+    # a learning rate of 1e9 breaks training at once: the trainer fails its job, and the gateway reports the
+    # trainer's message in OpenAI's error object, its code by who is at fault (the trainer's error_code)
+    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id,
+                                    hyperparameters={"n_epochs": 1, "learning_rate_multiplier": 1e12})  # fmt: skip
+    done = wait_status(c, job.id, DONE)
+    assert done.status == "failed" and done.fine_tuned_model is None
+    (strop_job,) = stack.gateway.gw.store.get("oai_jobs", job.id)["chain"]
+    with TrainerClient(stack.trainer_address, token=KEY_A) as t:
+        failed = t.get_job(strop_job)
+    assert failed.state.value == "FAILED" and done.error.message == failed.error
+    assert done.error.code == (
+        "invalid_training_file" if failed.error_code == "INVALID_ARGUMENT" else "server_error"
+    )
+    assert next(iter(c.fine_tuning.jobs.list_events(job.id))).level == "error"
