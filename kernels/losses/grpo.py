@@ -72,15 +72,19 @@ def grpo_loss_from_logps(
 ) -> tuple[Tensor, GrpoStats]:
     """The loss of the module docstring from per-token log-probs ``lp`` [M].
 
-    ``inputs`` ([M] each): ``old_logps``, ``sampler_logps``, ``advantages`` (the sequence's, per token),
-    ``seq_index`` (int64, in [0, n) for this call's n sequences), ``ref_logps`` (when ``kl_coef`` > 0). ``cfg``:
+    ``inputs`` ([M] each): ``old_logps`` (absent: ``lp`` detached, the first update of a batch), ``sampler_logps``,
+    ``advantages`` (the sequence's, per token), ``seq_index`` (int64, in [0, n) for this call's n sequences),
+    ``ref_logps`` (when ``kl_coef`` > 0), ``trainer_logps`` (what TIS compares with the sampler's; absent: ``old``,
+    which is right when both are log-probs of one distribution; the loop passes the raw ones when it trains the
+    tempered policy). ``cfg``:
     ``loss_type``, ``clip_eps_low``, ``clip_eps_high``, ``kl_coef``, ``tis_cap`` (< 0: off), ``sequence_ratio``,
     ``num_seqs`` and ``num_tokens`` (the step's S and T), ``max_new_tokens``.
     """
     seq = inputs["seq_index"]
     n = int(seq.max()) + 1 if seq.numel() else 0
     lengths = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add_(0, seq, torch.ones_like(lp))
-    log_ratio = lp - inputs["old_logps"]
+    old = inputs["old_logps"] if "old_logps" in inputs else lp.detach()
+    log_ratio = lp - old
     if cfg["sequence_ratio"]:
         per_seq = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, log_ratio) / lengths
         log_ratio = per_seq[seq]
@@ -92,7 +96,7 @@ def grpo_loss_from_logps(
     term = -surrogate
     cap = float(cfg["tis_cap"])
     tis = (
-        torch.exp(inputs["old_logps"] - inputs["sampler_logps"]).clamp(max=cap)
+        torch.exp(inputs.get("trainer_logps", old) - inputs["sampler_logps"]).clamp(max=cap)
         if cap >= 0
         else torch.ones_like(lp)
     )

@@ -167,7 +167,7 @@ class Jobs:
             if config is None or config.method is TrainMethod.UNSPECIFIED:
                 config = prev.config
         if config is None:
-            raise InvalidArgument("config is required (method SFT or DPO)")
+            raise InvalidArgument("config is required (its method: SFT, DPO, ORPO, KTO, SIMPO or GRPO)")
         if not dataset_id:
             raise InvalidArgument("dataset_id is required")
         sess = self.sessions.open(session_id)  # busy is checked last, under the lock
@@ -181,6 +181,11 @@ class Jobs:
         held_out = validation.load(
             self.datasets, validation_dataset_id, cfg, ds_info.format, sess.info.facts.vocab_size
         )
+        # GRPO: the grader, its templates against every row and the prompt lengths, all before any sampling
+        if cfg.method is TrainMethod.GRPO:
+            from strop.trainer_svc.core import grpo
+
+            cfg = grpo.check_job(cfg, ds_info.format, rows, sess.loaded.tokenizer, validation=held_out)
         if cfg.num_nodes > 1:
             raise FailedPrecondition(
                 f"num_nodes {cfg.num_nodes}: the trainer service trains on its own node; run a job over several "
@@ -335,6 +340,15 @@ class Jobs:
                         artifacts=self.artifacts, model_root=self.sessions.model_root,
                         on_event=lambda e: self._on_rank_event(job_id, e),
                     )  # fmt: skip
+                elif cfg.method is TrainMethod.GRPO:  # strop's own loop on the step API's sampler
+                    from strop.trainer_svc.core import grpo
+
+                    step = grpo.run_grpo(
+                        sess.loaded, rows, cfg, work_dir, control, sinks, resume_dir, validation=held_out
+                    )
+                    adapter = self.sessions.publish_adapter(
+                        sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
+                    )
                 else:
                     step = training.run_training(
                         sess.loaded, rows, fmt, cfg, work_dir, control, sinks, resume_dir, validation=held_out
