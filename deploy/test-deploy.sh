@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # make test-deploy: build the images on a debootstrapped Debian base and run them (deploy/README.md).
 #
-#   deploy/test-deploy.sh [all|cpu|gpu]      (make test-deploy: all; make image-gpu: gpu)
+#   deploy/test-deploy.sh [all|cpu|gpu|gateway]      (make test-deploy: all; make image-gpu: gpu)
 #
 #   cpu: the export image and a CPU-torch trainer image (localhost/strop-trainer-cpu), run end to end (below);
 #   gpu: the CUDA trainer image as the Containerfile builds it by default (localhost/strop-trainer: torch 2.11.0 and
 #        its CUDA 13.0 wheels from PyPI, every wheel by hash from requirements/gpu-lock.txt; several GB), checked
 #        without a GPU: deploy/gpu_smoke.py --cpu-only in it, its trainer started with --device cpu, health, drain;
-#   all: both.
+#   gateway: the HTTP gateways' image (localhost/strop-gateway: strop[tinker,openai], no torch), its Tinker gateway
+#        started from its entrypoint against a trainer run from this checkout, driven by the official tinker SDK
+#        (deploy/gateway_check.py);
+#   all: all three.
 #
 #   1. a Debian bookworm base made with debootstrap (no container registry is reachable here), committed as
 #      localhost/strop-base:bookworm (kept between runs; DEPLOY_REBASE=1 remakes it);
@@ -23,9 +26,10 @@
 set -euo pipefail
 
 MODE=${1:-all}
-case "$MODE" in all|cpu|gpu) ;; *) echo "usage: $0 [all|cpu|gpu]"; exit 2 ;; esac
-cpu() { [ "$MODE" != gpu ]; }
-gpu() { [ "$MODE" != cpu ]; }
+case "$MODE" in all|cpu|gpu|gateway) ;; *) echo "usage: $0 [all|cpu|gpu|gateway]"; exit 2 ;; esac
+cpu() { [ "$MODE" = all ] || [ "$MODE" = cpu ]; }
+gpu() { [ "$MODE" = all ] || [ "$MODE" = gpu ]; }
+gw() { [ "$MODE" = all ] || [ "$MODE" = gateway ]; }
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${DEPLOY_WORK:-/var/tmp/strop-deploy}
 SOURCE=${DEPLOY_SOURCE:-worktree}
@@ -38,7 +42,7 @@ TORCH_INDEX=${DEPLOY_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 TORCH_SPEC=$(grep -m1 '^torch==' "$REPO/requirements/torch-cpu.txt")
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # What the Containerfiles COPY (nothing else enters the context).
-PATHS=(pyproject.toml README.md requirements protos common client cli export_svc trainer_svc kernels fixtures demo)
+PATHS=(pyproject.toml README.md requirements protos common client cli gateways graders export_svc trainer_svc kernels fixtures demo)
 
 log() { printf '\n=== %s\n' "$*"; }
 now() { date +%s.%N; }
@@ -116,6 +120,7 @@ CPU_TORCH=(--build-arg TORCH_SPEC="$TORCH_SPEC" --build-arg TORCH_PIP_ARGS="--no
 EXPORT_IMAGE="localhost/strop-export:$TAG"
 TRAINER_IMAGE="localhost/strop-trainer:$TAG"
 TRAINER_CPU_IMAGE="localhost/strop-trainer-cpu:$TAG"
+GATEWAY_IMAGE="localhost/strop-gateway:$TAG"
 
 cd "$ctx"
 if cpu; then
@@ -127,6 +132,10 @@ fi
 if gpu; then
     log "3c. trainer image, CUDA torch from requirements/gpu-lock.txt (buildah bud --isolation chroot)"
     build trainer-gpu trainer "$TRAINER_IMAGE"
+fi
+if gw; then
+    log "3d. gateway image, no torch (buildah bud --isolation chroot)"
+    build gateway gateway "$GATEWAY_IMAGE"
 fi
 cd "$REPO"
 
@@ -145,6 +154,14 @@ if gpu; then
     gpu_run_s=$(secs "$t0" "$(now)")
 fi
 
+if gw; then
+    log "6. the Tinker gateway from its image, driven by the tinker SDK"
+    t0=$(now)
+    "$VPY" -P deploy/gateway_check.py --work "$WORK" --gateway-image "$GATEWAY_IMAGE" --python "$VPY" \
+        | tee "$WORK/gateway-check.out"
+    gw_run_s=$(secs "$t0" "$(now)")
+fi
+
 log "figures ($(date -u +%F), $commit)"
 printf '| step | seconds | image size |\n|---|---|---|\n'
 printf '| debootstrap base | %s | %s |\n' "$base_s" "$(size "$BASE")"
@@ -156,5 +173,9 @@ fi
 if gpu; then
     printf '| trainer image build (CUDA torch) | %s | %s |\n' "$trainer_gpu_s" "$(size "$TRAINER_IMAGE")"
     printf '| CUDA image: smoke (CPU half) + service | %s | |\n' "$gpu_run_s"
+fi
+if gw; then
+    printf '| gateway image build | %s | %s |\n' "$gateway_s" "$(size "$GATEWAY_IMAGE")"
+    printf '| gateway: SDK loop through its image | %s | |\n' "$gw_run_s"
 fi
 echo "test-deploy: OK ($MODE)"

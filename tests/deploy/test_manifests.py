@@ -410,11 +410,12 @@ def test_image_references_are_the_names_the_images_are_built_under(any_rendered)
         assert ref.endswith(f":{VERSION}"), f"{name}: {ref} is not pyproject's version {VERSION}"
     if name == "overlays/dev":
         # what `make test-deploy` (deploy/test-deploy.sh) and README's local buildah commands tag
-        assert refs == {f"localhost/strop-trainer:{VERSION}", f"localhost/strop-export:{VERSION}"}
+        assert refs == {f"localhost/strop-{n}:{VERSION}" for n in ("trainer", "export", "gateway")}
     else:
         assert {r.rpartition(":")[0] for r in refs} <= {
             "registry.example.com/strop/trainer",
             "registry.example.com/strop/export",
+            "registry.example.com/strop/gateway",
         }
 
 
