@@ -74,9 +74,11 @@ def _loaded(model_root):
     return loaded
 
 
-def _train(model_root, tmp_path, method, fmt, rows, val_rows, **fields):
-    """strop's job path (load, attach, with_defaults, run_training); the events each sink got."""
+def _train(model_root, tmp_path, method, fmt, rows, val_rows, *, kernels=False, **fields):
+    """strop's job path (load, attach, with_defaults, run_training); the events each sink got. ``kernels``: forced on
+    after loading, the job runs strop's losses inside the TRL trainer as a CUDA job does (test_methods.py)."""
     loaded = _loaded(model_root)
+    loaded.facts.kernels_enabled = kernels
     base = dict(
         learning_rate=LR, lr_scheduler="constant", max_steps=4, batch_size=2, max_length=MAX_LEN, seed=0
     )
@@ -168,17 +170,24 @@ def _dpo_reference(model, rows: list[dict], tokenizer, beta: float) -> float:
     return sum(losses) / len(losses)
 
 
-def test_dpo_valid_loss_is_the_dpo_loss_of_a_plain_hf_peft_forward_against_the_base(model_root, tmp_path):
-    train, held = _pref_rows(6, 0), _pref_rows(5, 1)
+@pytest.mark.parametrize("kernels", [False, True], ids=["hf", "chunked"])
+def test_dpo_valid_loss_is_the_dpo_loss_of_a_plain_hf_peft_forward_against_the_base(
+    model_root, tmp_path, kernels
+):
+    train, held = _pref_rows(4, 0), _pref_rows(3, 1)
     loaded, cfg, got = _train(
         model_root, tmp_path, TrainMethod.DPO, DatasetFormat.PREFERENCE, train, held,
-        max_steps=3, eval_batch_size=2, learning_rate=5e-2,
+        max_steps=2, eval_batch_size=2, learning_rate=5e-2, kernels=kernels,
     )  # fmt: skip
+    assert ("_strop_hidden_head" in loaded.model.get_base_model().__dict__) is kernels, (
+        "strop's chunked DPO ran"
+    )
     (last,) = got["evals"]  # eval_every_steps 0: once, at the end, over the whole set
-    assert last.step == 3 and last.is_full and last.rows == 5
+    assert last.step == 2 and last.is_full and last.rows == 3
     ref = _dpo_reference(_reference_model(model_root, loaded), held, loaded.tokenizer, cfg.dpo_beta)
-    # |d loss / d margin| <= beta and each log-prob sum is ~10 fp32 terms of ~|7|: the bound is far below 1e-6
-    assert last.valid_loss == pytest.approx(ref, abs=1e-6)
+    # each of a pair's four sequence log-probs sums <= 30 fp32 terms of |logp| <= 10 (a few roundings each, eps 6e-8,
+    # in another order when chunked): within 2.5e-5, so the margin within beta * 1e-4 and |d loss / d margin| <= 1
+    assert last.valid_loss == pytest.approx(ref, abs=cfg.dpo_beta * 1e-4)
     assert last.valid_loss != pytest.approx(math.log(2), abs=1e-4), "a trained policy is off the reference"
     assert last.dpo is not None and 0.0 <= last.dpo.reward_accuracy <= 1.0
 
@@ -377,3 +386,43 @@ def test_a_job_over_grpc_evaluates_keeps_its_best_checkpoint_writes_its_csv_and_
         auth.reset_current(token)
     assert "not found" in str(exc.value)
     client.close_session(s.session_id)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_with_the_kernels_sft_valid_loss_matches_hf_peft_within_bf16(model_root, tmp_path):
+    """The kernels on CUDA (the service's default there), bf16: strop's fused log-prob head evaluates; the reference is
+    a fresh fp32 HF + PEFT model with the trained adapter (full logits). Bound: DESIGN's bf16 parity, 1e-2 relative (a
+    bf16 forward of a 2-layer model against fp32: a few bf16 roundings, eps 7.8e-3, averaged in the loss's mean)."""
+    loaded = models.load_model(
+        LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE, dtype="bfloat16"),
+        model_root=model_root,
+        device="cuda:0",
+    )
+    models.attach_lora(loaded, LORA)
+    assert loaded.facts.kernels_enabled, loaded.facts.kernels_reason
+    vocab = 640
+    train, held = _token_rows(8, 0, vocab), _token_rows(6, 1, vocab)
+    cfg = job_config.with_defaults(
+        TrainConfig(method=TrainMethod.SFT, learning_rate=LR, max_steps=4, batch_size=2, max_length=MAX_LEN,
+                    eval_every_steps=2, eval_batch_size=3, seed=0),
+        session_max_len=MAX_LEN,
+    )  # fmt: skip
+    evals = []
+    sinks = training.Sinks(lambda m: None, lambda s, p: None, lambda n: None, on_eval=evals.append)
+    training.run_training(
+        loaded, train, DatasetFormat.TOKENS, cfg, tmp_path / "w", training.JobControl(), sinks,
+        validation=ValidationSet("ds", held),
+    )  # fmt: skip
+    assert [e.step for e in evals] == [2, 4]
+    ref = _reference_model(model_root, loaded).to("cuda")  # fp32 HF + PEFT, the trained adapter
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for row in held:
+            ids = torch.tensor([row["input_ids"]], device="cuda")
+            logp = torch.log_softmax(ref(input_ids=ids).logits[0, :-1].float(), -1).gather(
+                -1, ids[0, 1:, None]
+            )[:, 0]
+            mask = torch.tensor(row["completion_mask"][1:], dtype=torch.bool, device="cuda")
+            nll += -logp[mask].sum().item()
+            tokens += int(mask.sum())
+    assert evals[-1].full_valid_loss == pytest.approx(nll / tokens, rel=1e-2)
