@@ -316,12 +316,16 @@ def head_dim(config: dict[str, Any]) -> int:
 
 
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor a dense checkpoint of ``config`` holds, with its shape (HF names).
+    """Every tensor a checkpoint of ``config`` holds, with its shape (HF names): a dense one, or a mixture of
+    experts with per-expert tensors (Qwen3-MoE, Mixtral: what vLLM's classes load).
 
     Raises:
-        KeyError: ``config["model_type"]`` is not in :data:`ARCHS`.
+        KeyError: ``config["model_type"]`` is in neither :data:`ARCHS` nor, with a per-expert layout,
+            :data:`MOE_ARCHS`.
     """
-    arch = ARCHS[str(config.get("model_type"))]
+    arch = arch_of(str(config.get("model_type")))
+    if arch is None or (arch.moe is not None and not arch.moe.checkpoint_experts):
+        raise KeyError(f"no checkpoint layout for model_type {config.get('model_type')!r}")
     h = int(config["hidden_size"])
     inter = int(config["intermediate_size"])
     nh = int(config["num_attention_heads"])
@@ -352,6 +356,16 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (hd,)
             out[p + "self_attn.k_norm.weight"] = (hd,)
+        if arch.moe is not None and _sparse_layer(config, i):
+            n_exp, _, inter_e = moe_sizes(config)
+            m = f"{p}{arch.moe.checkpoint_mlp}."
+            out[m + f"{arch.moe.router}.weight"] = (n_exp, h)
+            gate, up, down = arch.moe.checkpoint_experts
+            for e in range(n_exp):
+                out[m + f"experts.{e}.{gate}.weight"] = (inter_e, h)
+                out[m + f"experts.{e}.{up}.weight"] = (inter_e, h)
+                out[m + f"experts.{e}.{down}.weight"] = (h, inter_e)
+            continue
         out[p + "mlp.gate_proj.weight"] = (inter, h)
         out[p + "mlp.up_proj.weight"] = (inter, h)
         out[p + "mlp.down_proj.weight"] = (h, inter)
@@ -360,3 +374,12 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             out[p + "mlp.up_proj.bias"] = (inter,)
             out[p + "mlp.down_proj.bias"] = (h,)
     return out
+
+
+def _sparse_layer(config: dict[str, Any], i: int) -> bool:
+    """Whether layer ``i`` of an MoE ``config`` has experts (Qwen3-MoE: not in ``mlp_only_layers`` and on the
+    ``decoder_sparse_step``; Mixtral: every layer)."""
+    if i in (config.get("mlp_only_layers") or []):
+        return False
+    step = int(config.get("decoder_sparse_step") or 1)
+    return (i + 1) % step == 0

@@ -166,6 +166,12 @@ def gguf_refusals(config: dict[str, Any], arch: Arch) -> list[str]:
     A Gemma GGUF is refused rather than written with another model's function: llama.cpp fixes these
     settings in code (:class:`GemmaInLlamaCpp`), so no metadata key could carry a different value.
     """
+    if arch.moe is not None:
+        return [
+            f"{arch.model_type} is a mixture of experts: strop's GGUF writer does not write llama.cpp's expert "
+            "tensors (ffn_gate_exps/ffn_up_exps/ffn_down_exps, ffn_gate_inp) yet; export merged safetensors and "
+            "convert them with llama.cpp's convert_hf_to_gguf.py"
+        ]
     gemma = GEMMA_IN_LLAMA_CPP.get(arch.gguf_arch)
     if gemma is None:
         return []

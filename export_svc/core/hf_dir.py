@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from strop.common.archs import ARCHS, expected_tensors
+from strop.common.archs import ARCHS, MOE_ARCHS, arch_of, expected_tensors
 from strop.export_svc.core.merge import iter_merged
 from strop.export_svc.core.sources import DTYPES, TOKENIZER_FILES, Adapter, BaseModel, read_json
 from strop.export_svc.core.st_io import PlannedTensor, SafetensorsFile, ShardedSafetensorsWriter
@@ -34,7 +34,7 @@ def clean_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:
     if "torch_dtype" in out:
         out["torch_dtype"] = dtype  # older readers (transformers < 4.56, older vLLM) use this key
     if not out.get("architectures"):
-        out["architectures"] = [ARCHS[out["model_type"]].hf_class]
+        out["architectures"] = [arch_of(out["model_type"]).hf_class]
     return out
 
 
@@ -134,7 +134,11 @@ def check_vllm_model_dir(d: Path) -> list[str]:
     except (OSError, ValueError) as exc:
         return [f"config.json unreadable: {exc}"]
     archs = config.get("architectures") or []
-    known = {a.hf_class for a in ARCHS.values()}
+    known = {
+        a.hf_class
+        for a in (*ARCHS.values(), *MOE_ARCHS.values())
+        if a.moe is None or a.moe.checkpoint_experts
+    }
     if not archs or archs[0] not in known:
         problems.append(f"architectures {archs} is not one of {sorted(known)}")
     if "quantization_config" in config:

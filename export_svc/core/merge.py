@@ -133,8 +133,8 @@ def iter_merged(
             m = adapter.modules[name]
             w = merge_weight(
                 base.read_fp32(name),
-                adapter.read(m.a_key),
-                adapter.read(m.b_key),
+                adapter.read_a(m),
+                adapter.read_b(m),
                 m.scale,
                 kind=m.kind,
                 magnitude=adapter.read(m.magnitude_key) if m.magnitude_key else None,

@@ -18,6 +18,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from strop.export_svc.core import moe
 from strop.export_svc.core.errors import TargetRefused
 from strop.export_svc.core.sources import TOKENIZER_FILES, Adapter, BaseModel, read_json
 from strop.export_svc.core.st_io import SafetensorsFile
@@ -65,7 +66,8 @@ def refusals(adapter: Adapter, model_type: str | None = None) -> list[str]:
     if adapter.config.get("bias", "none") != "none":
         out.append(f"bias={adapter.config.get('bias')!r}; vLLM only supports bias='none'")
     unknown = sorted(
-        {m.module.rsplit(".", 1)[-1] for m in adapter.modules.values()} - vllm_lora_modules(model_type)
+        {m.module.rsplit(".", 1)[-1] for m in adapter.modules.values() if m.a_rows is None}
+        - vllm_lora_modules(model_type)
     )
     if unknown:
         out.append(
@@ -116,6 +118,10 @@ def write_peft_dir(out_dir: Path, adapter: Adapter, base: BaseModel, tokenizer_d
         raise TargetRefused(f"adapter {adapter.label!r} cannot be a vLLM LoRA adapter: " + "; ".join(why))
     tensors = {}
     for m in adapter.modules.values():
+        if m.a_rows is not None:  # one expert of a fused experts pair: the pair is written as PEFT saved it
+            for key in (m.a_key, m.b_key):
+                tensors[key] = adapter.read(key).contiguous()
+            continue
         a, b = (
             ("lora_A.weight", "lora_B.weight")
             if m.kind == "linear"
@@ -126,14 +132,16 @@ def write_peft_dir(out_dir: Path, adapter: Adapter, base: BaseModel, tokenizer_d
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     cfg = dict(adapter.config)
-    ranks = {m.module: m.r for m in adapter.modules.values()}
+    ranks = {m.module: m.r for m in adapter.modules.values() if m.a_rows is None} or {"": adapter.config["r"]}
     r = max(set(ranks.values()), key=list(ranks.values()).count)  # the most common rank is `r`
     cfg.update(
         peft_type="LORA",
         base_model_name_or_path=peft_base_name(base),
         r=r,
         rank_pattern={k: v for k, v in ranks.items() if v != r},
-        target_modules=sorted({m.module.rsplit(".", 1)[-1] for m in adapter.modules.values()}),
+        target_modules=sorted(
+            {m.module.rsplit(".", 1)[-1] for m in adapter.modules.values() if m.a_rows is None}
+        ),
         bias="none",
         modules_to_save=None,
         use_dora=False,
@@ -185,6 +193,8 @@ def check_vllm_lora_dir(d: Path, base: BaseModel) -> tuple[list[str], int | None
     for key, e in f.entries.items():
         if not key.startswith("base_model.model."):
             problems.append(f"tensor {key!r} does not start with 'base_model.model.'")
+            continue
+        if moe.is_expert_lora(key):  # PEFT's target_parameters on fused experts (export_svc/core/moe.py)
             continue
         k = key.removeprefix("base_model.model.")
         suffixes = {

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from strop.common.archs import ARCHS, Arch
+from strop.common.archs import ARCHS, MOE_ARCHS, Arch
+from strop.export_svc.core import moe
 from strop.export_svc.core.errors import (
     BaseMismatch,
     CorruptInput,
@@ -57,15 +58,20 @@ def arch_of(config: dict[str, Any], *, where: str = "model") -> Arch:
 
     Raises:
         UnsupportedModel: ``model_type`` is not in ``strop.common.archs.ARCHS`` (llama, mistral, qwen2, qwen3,
-            gemma2, gemma3_text).
+            gemma2, gemma3_text) or ``MOE_ARCHS`` with a per-expert checkpoint layout (qwen3_moe, mixtral).
     """
     model_type = config.get("model_type")
-    arch = ARCHS.get(str(model_type))
+    arch = ARCHS.get(str(model_type)) or MOE_ARCHS.get(str(model_type))
+    if arch is not None and arch.moe is not None and not arch.moe.checkpoint_experts:
+        raise UnsupportedModel(
+            f"{where}: {model_type!r} is not exported: its checkpoints hold the experts fused and transposed "
+            "(released as MXFP4, which strop does not load), and a merge into that layout is not written yet"
+        )
     if arch is None:
         archs = config.get("architectures") or []
         raise UnsupportedModel(
             f"{where}: architecture {model_type!r} {archs} is not supported for export; "
-            f"supported: {sorted(ARCHS)}"
+            f"supported: {sorted([*ARCHS, *(t for t, a in MOE_ARCHS.items() if a.moe.checkpoint_experts)])}"
         )
     return arch
 
@@ -446,6 +452,19 @@ class LoraModule:
     scale: float
     kind: str = "linear"  # "linear" | "embedding"
     magnitude_key: str = ""  # DoRA
+    # one expert of a fused experts LoRA (export_svc/core/moe.py): A's rows [a_rows), B's rows [b_rows) and its
+    # columns b_cols[0]::b_cols[1]
+    a_rows: tuple[int, int] | None = None
+    b_rows: tuple[int, int] | None = None
+    b_cols: tuple[int, int] | None = None
+
+    def a_slice(self, a: torch.Tensor) -> torch.Tensor:
+        return a if self.a_rows is None else a[self.a_rows[0] : self.a_rows[1]]
+
+    def b_slice(self, b: torch.Tensor) -> torch.Tensor:
+        if self.b_rows is not None:
+            b = b[self.b_rows[0] : self.b_rows[1]]
+        return b if self.b_cols is None else b[:, self.b_cols[0] :: self.b_cols[1]]
 
 
 @dataclass
@@ -458,6 +477,8 @@ class Adapter:
     file: SafetensorsFile
     modules: dict[str, LoraModule] = field(default_factory=dict)
     replacements: dict[str, str] = field(default_factory=dict)  # base key → adapter key
+    # LoRA pairs on fused experts, bound to a base's per-expert tensors by ``bind_experts``
+    expert_pairs: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
 
     @property
     def use_dora(self) -> bool:
@@ -473,6 +494,12 @@ class Adapter:
 
     def read(self, key: str) -> torch.Tensor:
         return self.file.read(key)
+
+    def read_a(self, m: LoraModule) -> torch.Tensor:
+        return m.a_slice(self.file.read(m.a_key))
+
+    def read_b(self, m: LoraModule) -> torch.Tensor:
+        return m.b_slice(self.file.read(m.b_key))
 
     def tokenizer_dir(self) -> Path | None:
         return self.path if has_tokenizer(self.path) else None
@@ -525,7 +552,10 @@ def open_adapter(path: Path, label: str) -> Adapter:
     f = SafetensorsFile(wpath, label=f"{label}/adapter_model.safetensors")
     ad = Adapter(path, label, cfg, f)
     parts: dict[str, dict[str, str]] = {}
+    ad.expert_pairs = moe.expert_pairs(f.names())
     for key in f.names():
+        if moe.is_expert_lora(key):
+            continue
         k = key.removeprefix("base_model.model.")
         m = re.fullmatch(r"(.+)\.(lora_A|lora_B)\.weight", k) or re.fullmatch(
             r"(.+)\.(lora_embedding_A|lora_embedding_B)", k
@@ -570,22 +600,48 @@ def open_adapter(path: Path, label: str) -> Adapter:
             kind=kind,
             magnitude_key=p.get("magnitude", ""),
         )
-    if not ad.modules and not ad.replacements:
+    if not ad.modules and not ad.replacements and not ad.expert_pairs:
         raise CorruptInput(f"adapter {label!r} holds no LoRA tensors")
     return ad
 
 
+def bind_experts(adapter: Adapter, base: BaseModel) -> None:
+    """Turn the adapter's LoRA pairs on fused experts into one module per expert tensor of ``base``'s checkpoint
+    (``export_svc/core/moe.py``); a trained router's copy is renamed as the checkpoint names it. Idempotent.
+
+    Raises:
+        BaseMismatch, CorruptInput: as ``moe.expert_slices``.
+    """
+    if adapter.expert_pairs:
+        shapes = {
+            k: tuple(adapter.file.entries[k].shape) for p in adapter.expert_pairs.values() for k in p.values()
+        }
+        slices = moe.expert_slices(
+            adapter.expert_pairs, shapes, base.config, adapter_label=adapter.label, base_label=base.label
+        )
+        patterns = adapter.config.get("alpha_pattern") or {}
+        for s in slices:
+            alpha = float(pattern_value(patterns, s.pop("experts_module")) or adapter.config["lora_alpha"])
+            adapter.modules[s["base_key"]] = LoraModule(
+                **s, alpha=alpha, scale=lora_scale(alpha, s["r"], adapter.use_rslora)
+            )
+        adapter.expert_pairs = {}
+    adapter.replacements = {moe.checkpoint_name(base.config, k): v for k, v in adapter.replacements.items()}
+
+
 def check_compatible(adapter: Adapter, base: BaseModel) -> None:
-    """Every adapted module must exist in the base with matching shapes.
+    """Every adapted module must exist in the base with matching shapes (expert LoRA bound to the base first:
+    ``bind_experts``).
 
     Raises:
         BaseMismatch: naming the first mismatches (module, adapter shapes, base shape).
     """
+    bind_experts(adapter, base)
     problems = []
     for key, m in adapter.modules.items():
         bt = base.tensors.get(key)
-        a = adapter.file.entries[m.a_key].shape
-        b = adapter.file.entries[m.b_key].shape
+        a = tuple(m.a_slice(torch.empty(adapter.file.entries[m.a_key].shape, device="meta")).shape)
+        b = tuple(m.b_slice(torch.empty(adapter.file.entries[m.b_key].shape, device="meta")).shape)
         if bt is None:
             problems.append(f"module {m.module!r} has no tensor {key!r} in the base")
             continue

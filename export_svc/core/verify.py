@@ -38,9 +38,10 @@ import numpy as np
 import torch
 
 from strop.common import hf_build
-from strop.common.archs import ARCHS, SlidingWindow
+from strop.common.archs import SlidingWindow, arch_of
 from strop.common.export_types import Comparison, Verification, VerifyOptions
 from strop.common.serde import to_dict
+from strop.export_svc.core import moe
 from strop.export_svc.core.errors import ConsumerRejected
 from strop.export_svc.core.merge import iter_merged
 from strop.export_svc.core.sources import Adapter, BaseModel
@@ -139,7 +140,7 @@ def _load_tokenizer(tok_dir: Path):
 
 def sliding_window_of(config: dict[str, Any]) -> int | None:
     """The attention window of ``config``'s sliding layers, or None when every layer attends fully."""
-    arch = ARCHS.get(str(config.get("model_type")))
+    arch = arch_of(str(config.get("model_type")))
     window = config.get("sliding_window")
     if arch is None or not isinstance(window, int) or window <= 0:
         return None
@@ -204,7 +205,8 @@ def reference_model(
     config = AutoConfig.for_model(**cfg)
     with hf_build.building():  # export jobs verify on a thread pool (common/hf_build)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = dict(iter_merged(base, adapter, before_tensor=before_tensor))
+    # a per-expert MoE checkpoint's tensors stacked into the model's fused expert parameters
+    state = moe.model_state(base.config, dict(iter_merged(base, adapter, before_tensor=before_tensor)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:

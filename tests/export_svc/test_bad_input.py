@@ -174,7 +174,7 @@ CASES = {
         _unsupported_arch,
         "UNIMPLEMENTED",
         r"architecture 'phi3' .* not supported for export; supported: "
-        r"\['gemma2', 'gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3'\]",
+        r"\['gemma2', 'gemma3_text', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]",
     ),
     "pickle_weights_only": Case(_pickle_only, "INVALID_ARGUMENT", r"only pickle weights .*safetensors only"),
     "dora_adapter_to_vllm_lora": Case(

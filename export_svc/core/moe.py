@@ -1,0 +1,151 @@
+"""Mixtures of experts in exports: LoRA on fused expert parameters, merged into a per-expert checkpoint.
+
+A trained MoE adapter (PEFT ``target_parameters``, ``trainer_svc/core/moe.py``) holds, for each layer's
+``mlp.experts``, one LoRA pair per fused parameter: ``A [E·r, in]`` and ``B [out, E·r]``, expert ``e``'s factors
+being (PEFT's ``ParamWrapper.get_delta_weight``)::
+
+    A_e = A[e·r : (e+1)·r]          B_e = B[:, e::E]   (B reshaped [out, r, E], column i·E + e)
+    ΔW_e = s · B_e @ A_e            [out, in]: gate_up_proj [2·I, H] (gate rows first, then up), down_proj [H, I]
+
+Two wrappers nest on one experts module (the inner one's keys carry ``.base_layer.``); which parameter each
+adapts is read from its shapes (gate_up: in H, out 2·I; down: in I, out H), never from the nesting order.
+Qwen3-MoE and Mixtral checkpoints (what vLLM loads) hold each expert's projections as separate matrices
+(``mlp.experts.{e}.gate_proj`` / Mixtral's ``block_sparse_moe.experts.{e}.w1``...), so each becomes a
+:class:`~strop.export_svc.core.sources.LoraModule` that slices its expert's rows out of ``A`` and its rows and
+strided columns out of ``B``; the merge is then the dense one (``W + s · B @ A`` in fp32), tensor by tensor.
+
+The reverse map (:func:`model_state`) turns such a checkpoint's tensors into the names and fused shapes of the
+transformers model (``mlp.experts.gate_up_proj [E, 2·I, H]``), for the in-memory reference model verification
+compares against.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from strop.common.archs import MOE_ARCHS, moe_sizes
+from strop.export_svc.core.errors import BaseMismatch, CorruptInput
+
+_EXPERT_KEY = re.compile(
+    r"(?:base_model\.model\.)?(.+\.mlp\.experts)((?:\.base_layer)*)\.(lora_A|lora_B)\.weight"
+)
+
+
+def is_expert_lora(key: str) -> bool:
+    """Whether an adapter tensor is a LoRA factor of a fused experts module."""
+    return _EXPERT_KEY.fullmatch(key) is not None
+
+
+def expert_pairs(keys) -> dict[tuple[str, str], dict[str, str]]:
+    """``{(experts module, nesting): {"lora_A": key, "lora_B": key}}`` of an adapter's expert LoRA tensors."""
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    for key in keys:
+        m = _EXPERT_KEY.fullmatch(key)
+        if m:
+            out.setdefault((m.group(1), m.group(2)), {})[m.group(3)] = key
+    return out
+
+
+def expert_slices(
+    pairs: dict[tuple[str, str], dict[str, str]],
+    shapes: dict[str, tuple[int, ...]],
+    config: dict[str, Any],
+    *,
+    adapter_label: str,
+    base_label: str,
+) -> list[dict[str, Any]]:
+    """Per-expert merge modules of a base checkpoint for an adapter's expert LoRA ``pairs``: one dict of
+    :class:`~strop.export_svc.core.sources.LoraModule` fields (module, base_key, a_key, b_key, r, a_rows, b_rows,
+    b_cols) for every expert tensor of the checkpoint a pair adapts, and ``experts_module`` (the adapted module's
+    name, which PEFT's alpha_pattern matches).
+
+    Raises:
+        BaseMismatch: the base is not a mixture of experts, its layout has no per-expert tensors, or a pair's
+            shapes fit neither fused parameter of the base's experts.
+        CorruptInput: a pair lacks A or B, or its rank does not divide by the expert count.
+    """
+    arch = MOE_ARCHS.get(str(config.get("model_type")))
+    if arch is None or not arch.moe.checkpoint_experts:
+        raise BaseMismatch(
+            f"adapter {adapter_label!r} adapts fused experts; base {base_label!r} ({config.get('model_type')!r}) "
+            "has no per-expert checkpoint tensors to merge them into"
+        )
+    experts, _, inter = moe_sizes(config)
+    hidden = int(config["hidden_size"])
+    gate, up, down = arch.moe.checkpoint_experts
+    out = []
+    for (module, _nest), p in sorted(pairs.items()):
+        if set(p) != {"lora_A", "lora_B"}:
+            raise CorruptInput(
+                f"adapter {adapter_label!r}: experts module {module!r} lacks its LoRA A or B tensor"
+            )
+        a_shape, b_shape = tuple(shapes[p["lora_A"]]), tuple(shapes[p["lora_B"]])
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] % experts:
+            raise CorruptInput(
+                f"adapter {adapter_label!r}: {module!r} A {list(a_shape)} / B {list(b_shape)} do not pair over "
+                f"{experts} experts"
+            )
+        r = a_shape[0] // experts
+        if (a_shape[1], b_shape[0]) == (hidden, 2 * inter):
+            parts = {gate: (0, inter), up: (inter, 2 * inter)}
+        elif (a_shape[1], b_shape[0]) == (inter, hidden):
+            parts = {down: (0, hidden)}
+        else:
+            raise BaseMismatch(
+                f"adapter {adapter_label!r}: {module!r} A {list(a_shape)} / B {list(b_shape)} fit neither "
+                f"experts.gate_up_proj [{experts}, {2 * inter}, {hidden}] nor experts.down_proj "
+                f"[{experts}, {hidden}, {inter}] of base {base_label!r}"
+            )
+        prefix = module.removesuffix(".mlp.experts") + f".{arch.moe.checkpoint_mlp}.experts"
+        for e in range(experts):
+            for leaf, rows in parts.items():
+                out.append(
+                    dict(
+                        module=f"{prefix}.{e}.{leaf}", experts_module=module,
+                        base_key=f"{prefix}.{e}.{leaf}.weight", a_key=p["lora_A"],
+                        b_key=p["lora_B"], r=r, a_rows=(e * r, (e + 1) * r), b_rows=rows, b_cols=(e, experts),
+                    )
+                )  # fmt: skip
+    return out
+
+
+def checkpoint_name(config: dict[str, Any], model_name: str) -> str:
+    """A transformers model's tensor name as the checkpoint names it (Mixtral's router: ``mlp.gate`` →
+    ``block_sparse_moe.gate``); unchanged for every other tensor."""
+    arch = MOE_ARCHS.get(str(config.get("model_type")))
+    if arch is None or arch.moe.checkpoint_mlp == "mlp" or f".mlp.{arch.moe.router}." not in model_name:
+        return model_name
+    return model_name.replace(".mlp.", f".{arch.moe.checkpoint_mlp}.")
+
+
+def model_state(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A per-expert checkpoint's tensors (``state``, checkpoint names) under the transformers model's names: each
+    layer's experts stacked into ``mlp.experts.gate_up_proj [E, 2·I, H]`` (gate rows, then up) and
+    ``mlp.experts.down_proj [E, H, I]``, the checkpoint's MLP name (Mixtral's ``block_sparse_moe``) as ``mlp``.
+    A dense config's state is returned as it is."""
+    arch = MOE_ARCHS.get(str(config.get("model_type")))
+    if arch is None or not arch.moe.checkpoint_experts:
+        return state
+    experts, _, _ = moe_sizes(config)
+    gate, up, down = arch.moe.checkpoint_experts
+    mlp = arch.moe.checkpoint_mlp
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if f".{mlp}.experts." not in k:
+            out[k.replace(f".{mlp}.", ".mlp.")] = v
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}.{mlp}.experts"
+        if f"{p}.0.{gate}.weight" not in state:
+            continue  # a dense layer (Qwen3-MoE's mlp_only_layers)
+        q = f"model.layers.{i}.mlp.experts"
+        out[f"{q}.gate_up_proj"] = torch.stack(
+            [
+                torch.cat([state[f"{p}.{e}.{gate}.weight"], state[f"{p}.{e}.{up}.weight"]])
+                for e in range(experts)
+            ]
+        )
+        out[f"{q}.down_proj"] = torch.stack([state[f"{p}.{e}.{down}.weight"] for e in range(experts)])
+    return out

@@ -1,0 +1,147 @@
+"""Mixture-of-experts exports: an adapter the trainer attached to a tiny Qwen3-MoE or Mixtral (LoRA on q/k/v/o and on
+the fused experts, PEFT ``target_parameters``; B randomised as if trained) merged into the per-expert checkpoint layout
+vLLM loads, and written back as a PEFT adapter; each verified in its consumer against the model as trained (the base
+with the adapter unmerged, by PEFT). GGUF and gpt-oss are refused with their reasons.
+
+Bounds. The merged fp32 directory and the as-trained model compute the same function in fp32, differing in
+whether ``s · B_e A_e`` is added to the weights before the product or (PEFT's ``ParamWrapper``) to the expert stack
+before the product as well: the same sums in another order, ~1e-6 of logits of O(1) over two layers; 1e-4 leaves
+room and is still far below what a wrong expert slice moves (a whole expert's delta: ~1e-2 here).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from strop.common.errors import StropError
+from strop.common.export_types import ExportRequest, ExportTarget, ExportTargetKind
+from strop.export_svc.core.pipeline import run_export
+
+FP32_BOUND = 1e-4
+
+
+def _trained_adapter(root: Path, arch: str, train_router: bool) -> Path:
+    from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
+    from strop.trainer_svc.core.models import attach_lora, load_model, write_adapter
+
+    loaded = load_model(
+        LoadModelRequest(model_path=arch, dtype="float32", quantization=Quantization.NONE),
+        model_root=root,
+        device="cpu",
+    )
+    attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0, train_router=train_router))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in loaded.model.named_parameters():
+            if "lora_B" in name or ("modules_to_save" in name and p.requires_grad):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    out = root / f"{arch}-lora"
+    write_adapter(loaded, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> Path:
+    from strop.fixtures.models import TinyShape, make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe-export")
+    shape = TinyShape(
+        hidden_size=64, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+    )
+    for arch in ("qwen3_moe", "mixtral", "gpt_oss"):
+        make_tiny_model(root / arch, arch=arch, shape=shape, dtype="float32", vocab_size=320)
+    _trained_adapter(root, "qwen3_moe", train_router=False)
+    _trained_adapter(root, "mixtral", train_router=True)
+    return root
+
+
+def _targets(*kinds):
+    return [
+        ExportTarget(kind=k, dtype="float32" if k is ExportTargetKind.MERGED_SAFETENSORS else "")
+        for k in kinds
+    ]
+
+
+def test_a_qwen3_moe_adapter_merges_into_per_expert_tensors_and_round_trips_as_peft(moe_models, store):
+    from safetensors import safe_open
+
+    from strop.export_svc.core.hf_dir import check_vllm_model_dir
+    from strop.export_svc.core.moe import expert_pairs
+
+    req = ExportRequest(
+        targets=_targets(ExportTargetKind.MERGED_SAFETENSORS, ExportTargetKind.PEFT_ADAPTER),
+        adapter_path="qwen3_moe-lora",
+        base_model_path="qwen3_moe",
+    )
+    by = {r.target.kind: r for r in run_export(req, model_root=moe_models, store=store)}
+    merged = by[ExportTargetKind.MERGED_SAFETENSORS]
+    v = merged.verification
+    assert v.max_abs_logit_delta < FP32_BOUND and v.as_trained.max_abs_logit_delta < FP32_BOUND, (
+        v.max_abs_logit_delta,
+        v.as_trained.max_abs_logit_delta,
+    )
+    d = store.path_of(merged.artifact.artifact_id)
+    assert check_vllm_model_dir(d) == [], "per-expert names and shapes vLLM's Qwen3MoeForCausalLM loads"
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in wm and not any("gate_up_proj" in k for k in wm)
+    # every expert moved by its own slice of the fused LoRA: expert e's gate = base + s · B[:I, e::E] @ A[e·r:(e+1)·r]
+    ad = moe_models / "qwen3_moe-lora"
+    with safe_open(str(ad / "adapter_model.safetensors"), "pt") as f:
+        pairs = [p for (m, _), p in expert_pairs(f.keys()).items() if m.endswith("layers.0.mlp.experts")]
+        # gate_up's A reads the hidden state (64), down's the expert's intermediate (32)
+        (gate_up,) = [p for p in pairs if f.get_slice(p["lora_A"]).get_shape()[1] == 64]
+        a, b = f.get_tensor(gate_up["lora_A"]), f.get_tensor(gate_up["lora_B"])
+    with safe_open(str(moe_models / "qwen3_moe" / "model.safetensors"), "pt") as f:
+        base_up = f.get_tensor("model.layers.0.mlp.experts.2.up_proj.weight")
+    shard = d / wm["model.layers.0.mlp.experts.2.up_proj.weight"]
+    with safe_open(str(shard), "pt") as f:
+        got = f.get_tensor("model.layers.0.mlp.experts.2.up_proj.weight")
+    want = base_up + 2.0 * (b[32:, 2::4] @ a[8:12])  # alpha 8 / r 4; up rows follow the 32 gate rows
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    peft = by[ExportTargetKind.PEFT_ADAPTER].verification
+    assert peft.max_abs_logit_delta < FP32_BOUND, (
+        "PeftModel.from_pretrained on the base reproduces the logits"
+    )
+
+
+def test_a_mixtral_adapter_with_a_trained_router_merges_into_block_sparse_moe_names(moe_models, store):
+    req = ExportRequest(
+        targets=_targets(ExportTargetKind.MERGED_SAFETENSORS),
+        adapter_path="mixtral-lora",
+        base_model_path="mixtral",
+    )
+    (r,) = run_export(req, model_root=moe_models, store=store)
+    assert r.verification.as_trained.max_abs_logit_delta < FP32_BOUND
+    d = store.path_of(r.artifact.artifact_id)
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {
+        "model.layers.0.block_sparse_moe.gate.weight",
+        "model.layers.0.block_sparse_moe.experts.1.w3.weight",
+    } <= set(wm)
+    from safetensors import safe_open
+
+    with safe_open(str(d / wm["model.layers.0.block_sparse_moe.gate.weight"]), "pt") as f:
+        router = f.get_tensor("model.layers.0.block_sparse_moe.gate.weight")
+    with safe_open(str(moe_models / "mixtral" / "model.safetensors"), "pt") as f:
+        assert not torch.equal(router, f.get_tensor("model.layers.0.block_sparse_moe.gate.weight")), (
+            "the trained router's copy replaced the base's"
+        )
+
+
+@pytest.mark.parametrize(
+    "kind,adapter,base,match",
+    [
+        (ExportTargetKind.GGUF, "qwen3_moe-lora", "qwen3_moe", "does not write llama.cpp's expert tensors"),
+        (ExportTargetKind.PEFT_ADAPTER, "mixtral-lora", "mixtral", "modules_to_save"),
+        (ExportTargetKind.MERGED_SAFETENSORS, None, "gpt_oss", "'gpt_oss' is not exported"),
+    ],
+)
+def test_what_moe_exports_cannot_do_is_refused_naming_why(moe_models, store, kind, adapter, base, match):
+    target = ExportTarget(kind=kind, gguf_type="F16" if kind is ExportTargetKind.GGUF else "")
+    req = ExportRequest(targets=[target], adapter_path=adapter or "", base_model_path=base)
+    with pytest.raises(StropError, match=match):
+        run_export(req, model_root=moe_models, store=store)
