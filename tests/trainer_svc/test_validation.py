@@ -13,6 +13,7 @@ import csv
 import io
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -426,3 +427,18 @@ def test_on_the_gpu_with_the_kernels_sft_valid_loss_matches_hf_peft_within_bf16(
             nll += -logp[mask].sum().item()
             tokens += int(mask.sum())
     assert evals[-1].full_valid_loss == pytest.approx(nll / tokens, rel=1e-2)
+
+
+def test_a_job_on_several_ranks_refuses_a_validation_set():
+    from strop.common.trainer_types import DatasetInfo
+
+    class Datasets:
+        def rows(self, dataset_id):
+            return DatasetInfo(dataset_id=dataset_id, format=DatasetFormat.TEXT), [{"text": "held out"}]
+
+    cfg = job_config.with_defaults(TrainConfig(method=TrainMethod.SFT, num_devices=2), session_max_len=64)
+    with pytest.raises(
+        InvalidArgument, match="validation runs in single-process jobs only; this job has 2 ranks"
+    ):
+        validation.load(Datasets(), "ds-1", cfg, DatasetFormat.TEXT, 640)
+    assert validation.load(Datasets(), "", replace(cfg, num_devices=1), DatasetFormat.TEXT, 640) is None
