@@ -66,7 +66,7 @@ def _add_train(sub) -> None:
     lora = LoraConfig()
     p = sub.add_parser(
         "train",
-        help="load a model, attach LoRA, upload a dataset and run SFT, DPO, ORPO, KTO or SimPO",
+        help="load a model, attach LoRA, upload a dataset and run SFT, DPO, ORPO, KTO, SimPO or GRPO",
         description="Upload a JSONL dataset (the trainer checks every row, and that the method trains on its format), "
         "then load a model on the trainer, attach LoRA, train and follow the job. "
         "The session is closed when the command ends (success, failure or Ctrl-C) unless --keep-session. "
@@ -80,8 +80,10 @@ def _add_train(sub) -> None:
         "--method",
         choices=[m.value.lower() for m in TrainMethod if m is not TrainMethod.UNSPECIFIED],
         default="sft",
-        help="orpo, simpo: preference rows (prompt/chosen/rejected), as dpo; kto: prompt/completion/label rows",
+        help="orpo, simpo: preference rows (prompt/chosen/rejected), as dpo; kto: prompt/completion/label rows; "
+        "grpo: prompts rows (messages ending with the user's turn + the fields --grader reads)",
     )
+    _add_grpo(p)
     p.add_argument(
         "--quantization",
         choices=("auto", "nf4", "none"),
@@ -213,6 +215,50 @@ def _add_train(sub) -> None:
     p.set_defaults(func=_cmd_train)
 
 
+def _add_grpo(p) -> None:
+    """GRPO's options (0 or empty: ``GRPO_DEFAULTS``; docs/grpo.md)."""
+    from strop.common.trainer_types import GRPO_DEFAULTS as D
+
+    g = p.add_argument_group("GRPO (--method grpo)")
+    g.add_argument(
+        "--grader", default="", help="JSON file holding the OpenAI grader object (string_check, multi...)"
+    )
+    g.add_argument("--group-size", type=int, default=0, help=f"completions per prompt; 0: {D['group_size']}")
+    g.add_argument("--max-new-tokens", type=int, default=0, help=f"0: {D['max_new_tokens']}")
+    g.add_argument("--temperature", type=float, default=0.0, help=f"0: {D['temperature']}")
+    g.add_argument("--top-p", type=float, default=0.0, help=f"0: {D['top_p']}")
+    g.add_argument(
+        "--kl-coef", type=float, default=0.0, help="KL to the base (adapter disabled); 0: no reference"
+    )
+    g.add_argument("--clip-eps-low", type=float, default=0.0, help=f"0: {D['clip_eps_low']}")
+    g.add_argument("--clip-eps-high", type=float, default=0.0, help=f"0: {D['clip_eps_high']} (DAPO: 0.28)")
+    g.add_argument(
+        "--grpo-loss", choices=("grpo", "dr_grpo", "dapo"), default="grpo", help="loss aggregation"
+    )
+    g.add_argument("--gspo", action="store_true", help="GSPO's sequence-level importance ratio")
+    g.add_argument(
+        "--tis-cap", type=float, default=0.0, help=f"truncated IS cap; 0: {D['tis_cap']}; < 0: off"
+    )
+    g.add_argument(
+        "--num-iterations", type=int, default=0, help=f"updates per batch; 0: {D['num_iterations']}"
+    )
+
+
+def _grpo_config(a):
+    """The GrpoConfig of ``--method grpo`` (None for other methods); the grader file read here."""
+    from strop.common.trainer_types import GrpoConfig, GrpoLoss
+
+    if a.method != "grpo":
+        return None
+    grader = Path(a.grader).read_text() if a.grader else ""
+    return GrpoConfig(
+        grader=grader, group_size=a.group_size, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+        top_p=a.top_p, kl_coef=a.kl_coef, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+        loss_type=GrpoLoss(a.grpo_loss.upper()), sequence_ratio=a.gspo, tis_cap=a.tis_cap,
+        num_iterations=a.num_iterations,
+    )  # fmt: skip
+
+
 def _cmd_train(a) -> int:
     from strop.client.trainer import TrainerClient
     from strop.common.trainer_types import LoraConfig, Quantization, Retention, TrainConfig
@@ -257,13 +303,17 @@ def _cmd_train(a) -> int:
         eval_batch_size=a.eval_batch_size,
         keep_best_checkpoint=a.keep_best,
     )
-    for path in (a.dataset, a.validation_file):
+    if a.method == "grpo" and not a.grader:
+        print("error: --method grpo needs --grader (a JSON file holding the grader object)", file=sys.stderr)
+        return 2
+    for path in (a.dataset, a.validation_file, a.grader):
         if path and not Path(path).is_file():
             print(f"error: {path!r} is not a file", file=sys.stderr)
             return 2
     with TrainerClient(target_of(a, DEFAULT_TRAINER)) as tc:
         # the dataset is uploaded (and validated by the trainer) before a model is loaded: a bad file costs seconds,
         # not a model load
+        config.grpo = _grpo_config(a)
         ds = tc.upload_dataset(a.dataset)
         print(f"dataset {ds.dataset_id}: {ds.num_rows} {ds.format.value.lower()} rows", file=sys.stderr)
         problem = _dataset_mismatch(config.method, ds.format)

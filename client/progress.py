@@ -72,6 +72,11 @@ def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
             }
             if s.dpo is not None:
                 post["margin"] = f"{s.dpo.reward_margin:.3f}"
+            rl = getattr(s, "rl", None)  # GRPO's
+            if rl is not None:
+                post["reward"] = f"{rl.reward_mean:.3f}"
+                if rl.eval_reward_mean is not None:
+                    post["eval"] = f"{rl.eval_reward_mean:.3f}"
             bar.set_postfix(post)
         elif ev.state is not None:
             tqdm.write(f"[{job_id}] {ev.state.state.value}: {ev.state.message}", file=sys.stderr)

@@ -203,3 +203,30 @@ def test_a_method_and_a_dataset_that_do_not_fit_are_refused(client, session, dat
     for dataset_id, cfg, message in cases:
         with pytest.raises(InvalidArgumentError, match=message):
             list(client.train(session, dataset_id, cfg))
+
+
+def test_the_cli_trains_grpo_with_a_grader_file(trainer, tmp_path, capsys):
+    from strop.cli.main import main
+
+    grader, data = tmp_path / "grader.json", tmp_path / "prompts.jsonl"
+    grader.write_text(json.dumps(GRADER))
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    target = ["--target", f"127.0.0.1:{trainer[0].port}"]
+    args = [
+        "train",
+        "--method",
+        "grpo",
+        "--model",
+        "tiny-llama",
+        "--dataset",
+        str(data),
+        "--quantization",
+        "none",
+    ]
+    assert main([*args, *target]) == 2  # no --grader: refused before anything is uploaded or loaded
+    assert "needs --grader" in capsys.readouterr().err
+    grpo = ["--grader", str(grader), "--max-steps", "1", "--batch-size", "2", "--group-size", "2"]
+    assert main([*args, *grpo, "--max-new-tokens", "2", "--grpo-loss", "dapo", *target]) == 0
+    job = json.loads(capsys.readouterr().out)
+    assert job["state"] == "SUCCEEDED" and job["config"]["grpo"]["loss_type"] == "DAPO"
+    assert job["config"]["grpo"]["grader"] == json.dumps(GRADER) and job["step"] == 1
