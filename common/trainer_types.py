@@ -439,6 +439,8 @@ class TrainConfig:
     retention: Retention = Retention.UNSPECIFIED
     # REPLAY: how many of the base's answers are mixed in (at most one a replay prompt)
     retention_rows: int = 0
+    # REPLAY: weight of a KL(base ‖ model) term on the replayed answers, added to each step's loss (0: none)
+    retention_kl: float = 0.0
     # validation (a job's validation dataset; docs/validation.md): evaluate every N steps (0: once training ends)
     eval_every_steps: int = 0
     keep_best_checkpoint: bool = False  # the job's adapter is the evaluated checkpoint of least valid_loss
