@@ -13,6 +13,7 @@ import csv
 import io
 import math
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -442,3 +443,30 @@ def test_a_job_on_several_ranks_refuses_a_validation_set():
     ):
         validation.load(Datasets(), "ds-1", cfg, DatasetFormat.TEXT, 640)
     assert validation.load(Datasets(), "", replace(cfg, num_devices=1), DatasetFormat.TEXT, 640) is None
+
+
+def test_the_cli_trains_with_a_validation_file_and_prints_each_evaluation(client, trainer, tmp_path, capsys):
+    import json
+
+    from strop.cli.main import main
+
+    running, _, _ = trainer
+    target = ["--target", f"127.0.0.1:{running.port}"]
+    data, held, bad = tmp_path / "train.jsonl", tmp_path / "valid.jsonl", tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _token_rows(4, 0, 640)))
+    held.write_text("".join(json.dumps(r) + "\n" for r in _token_rows(2, 1, 640)))
+    bad.write_text('{"input_ids": [5, 6]}\nnot json\n')
+    args = ["train", "--model", "tiny-llama", "--quantization", "none", "--dataset", str(data), "--max-steps", "2",
+            "--batch-size", "2", "--max-length", str(MAX_LEN), "--r", "4", *target]  # fmt: skip
+    before = len(client.list_sessions(include_closed=True))
+    assert main([*args, "--validation-file", str(bad), "--eval-every", "1"]) == 1
+    assert "line 2" in capsys.readouterr().err
+    assert len(client.list_sessions(include_closed=True)) == before, (
+        "no model was loaded for a bad validation file"
+    )
+    assert main([*args, "--validation-file", str(held), "--eval-every", "1", "--keep-best"]) == 0
+    out = capsys.readouterr()
+    assert re.findall(r"eval at step (\d): valid_loss", out.err) == ["1", "2"]
+    job = json.loads(out.out)
+    assert job["best_checkpoint"]["step"] in (1, 2) and job["metrics_csv"]["artifact_id"]
+    assert job["last_eval"]["step"] == 2 and job["last_eval"]["is_full"]
