@@ -430,7 +430,7 @@ def test_on_the_gpu_with_the_kernels_sft_valid_loss_matches_hf_peft_within_bf16(
     assert evals[-1].full_valid_loss == pytest.approx(nll / tokens, rel=1e-2)
 
 
-def test_a_job_on_several_ranks_refuses_a_validation_set():
+def test_a_job_on_several_ranks_or_of_a_method_without_a_held_out_loss_refuses_a_validation_set():
     from strop.common.trainer_types import DatasetInfo
 
     class Datasets:
@@ -443,6 +443,8 @@ def test_a_job_on_several_ranks_refuses_a_validation_set():
     ):
         validation.load(Datasets(), "ds-1", cfg, DatasetFormat.TEXT, 640)
     assert validation.load(Datasets(), "", replace(cfg, num_devices=1), DatasetFormat.TEXT, 640) is None
+    with pytest.raises(InvalidArgument, match="GRPO jobs have no held-out loss here"):
+        validation.load(Datasets(), "ds-1", TrainConfig(method=TrainMethod.GRPO), DatasetFormat.PROMPTS, 640)
 
 
 def test_the_cli_trains_with_a_validation_file_and_prints_each_evaluation(client, trainer, tmp_path, capsys):

@@ -25,7 +25,7 @@ from strop.common.trainer_types import (
 )
 from strop.trainer_svc.core import adapter_state, job_config
 from strop.trainer_svc.core.datasets import Datasets
-from strop.trainer_svc.core.evaluation import ValidationSet
+from strop.trainer_svc.core.evaluation import BATCH_LOSS, ValidationSet
 from strop.trainer_svc.core.store import TrainerStore
 
 log = logging.getLogger("strop.trainer")
@@ -51,7 +51,7 @@ def load(
     """The job's validation set, checked like its training set (the caller's own: NotFound otherwise), or None.
 
     Raises:
-        InvalidArgument: eval settings without a validation set; a set whose format is not the training set's, or
+        InvalidArgument: eval settings without a validation set; a method without a held-out loss; a set whose format is not the training set's, or
             that does not fit the method (the row named); a job on several ranks.
         NotFound: an unknown dataset, or another tenant's.
     """
@@ -60,6 +60,11 @@ def load(
         if asked:
             raise InvalidArgument(f"config: {', '.join(asked)} need a validation set (validation_dataset_id)")
         return None
+    if cfg.method not in BATCH_LOSS:
+        raise InvalidArgument(
+            f"validation_dataset_id: {cfg.method.value} jobs have no held-out loss here; validation covers "
+            + ", ".join(m.value for m in BATCH_LOSS)
+        )
     info, rows = datasets.rows(dataset_id)
     if info.format is not train_format:
         raise InvalidArgument(
