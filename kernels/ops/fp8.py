@@ -26,7 +26,7 @@ relative error ≤ 2⁻⁴ (3 mantissa bits; a subnormal adds ≤ 2⁻¹⁰ · s
 |Q-GEMM − exact| ≤ (2·2⁻⁴ + 2⁻⁸) Σ_k |a_k||b_k| + subnormal terms, plus the bf16 rounding of the result.
 
 The quantizer is one Triton program per row (rows ≤ ``MAX_FUSED_SIZE``): one read of the row in bf16/fp32,
-one write of its e4m3 codes and one fp32 scale. Under ``TRITON_INTERPRET=1`` the fp32 → e4m3 cast is done by
+one write of its e4m3 codes and one fp32 scale (under the interpreter, a block of rows a program: ``interpreter_rows``). Under ``TRITON_INTERPRET=1`` the fp32 → e4m3 cast is done by
 explicit rounding first (Triton 3.6's interpreter truncates where the compiled cast rounds to nearest even, and
 carries into the next binade wrongly: 125.2 came back as 64, not 128), so the CPU tier checks the kernel bit
 for bit against :func:`quantize_rows_reference`. Without CUDA or the interpreter the reference runs.
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import INTERPRETER, calculate_settings, check_float_tensor
+from .utils import INTERPRETER, calculate_settings, check_float_tensor, interpreter_rows
 
 __all__ = [
     "EPS",
@@ -89,19 +89,19 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, eps, BLOCK: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), eps)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < M) & (cols < K)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1, keep_dims=True), eps)
     # correctly rounded divisions (Triton's fp32 `/` is approximate on the GPU), as the reference's
-    v = x * tl.math.div_rn(448.0, amax)
+    v = x * tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
     if INTERPRETER:
         v = _round_e4m3(v)
-    tl.store(q_ptr + row * stride_q + cols, v.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + row, tl.math.div_rn(amax, 448.0))
+    tl.store(q_ptr + rows * stride_q + cols, v.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + rows, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rows < M)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,9 +121,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.contiguous()
     m, k = x.shape
     block, warps = calculate_settings(k)
+    rows = interpreter_rows(m, block)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), EPS, BLOCK=block, num_warps=warps)
+    _quantize_rows_kernel[(triton.cdiv(m, rows),)](
+        x, q, s, m, k, x.stride(0), q.stride(0), EPS, BLOCK=block, ROWS=rows, num_warps=warps
+    )
     return q, s
 
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .nf4_format import NF4_CODE
-from .utils import cdiv
+from .utils import cdiv, interpreter_rows
 
 __all__ = [
     "NF4_CODE",
@@ -246,7 +246,9 @@ def nf4_dequantize(
     if not _use_kernel(packed.device):
         return out.copy_(nf4_dequantize_reference(packed, quant_state, dtype))
     half_bs = quant_state.blocksize // 2
-    rows = max(1, _BYTES_PER_PROGRAM // half_bs)
+    rows = max(
+        1, _BYTES_PER_PROGRAM // half_bs, interpreter_rows(cdiv(n, quant_state.blocksize), 2 * half_bs)
+    )
     n_bytes = (n + 1) // 2
     grid = (cdiv(cdiv(n, quant_state.blocksize), rows),)
     absmax = quant_state.absmax.reshape(-1)

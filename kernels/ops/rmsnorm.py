@@ -48,6 +48,7 @@ from .utils import (
     cdiv,
     check_float_tensor,
     check_same_device,
+    interpreter_rows,
     is_writable_in_place,
     next_power_of_2,
     num_sms,
@@ -105,21 +106,22 @@ def rms_norm_bwd_reference(
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, x_row_stride, y_row_stride, n_cols, eps,
-    BLOCK_SIZE: tl.constexpr, GEMMA: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, rstd_ptr, x_row_stride, y_row_stride, n_rows, n_cols, eps,
+    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, GEMMA: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_SIZE)
-    mask = cols < n_cols
+    # ROWS rows a program: one compiled, a block under the interpreter (``interpreter_rows``)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_SIZE)[None, :]
+    mask = (row < n_rows) & (cols < n_cols)
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / n_cols + eps)
     if GEMMA:  # fp32 all the way, one rounding at the store
         y = x * rstd * (1.0 + w)
     else:  # HF casts the normalised row to the input dtype before the weight multiply; round the same way.
         y = cast_to(x * rstd, x_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(y_ptr + row * y_row_stride + cols, cast_to(y, y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    tl.store(rstd_ptr + row, rstd, mask=row < n_rows)
 
 
 # Launch shape of the backward with dW (see rms_norm_bwd), from bench/rmsnorm_dw_sweep.py on the H200 at
@@ -154,23 +156,25 @@ def _rms_norm_bwd_kernel(
     dy_row_stride,
     x_row_stride,
     dx_row_stride,
+    n_rows,
     n_cols,
     BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
     GEMMA: tl.constexpr,
 ):
-    """Frozen weight: one row per program, dx only."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_SIZE)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    """Frozen weight: one row per program (a block under the interpreter), dx only."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_SIZE)[None, :]
+    mask = (row < n_rows) & (cols < n_cols)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     if GEMMA:
         w = 1.0 + w
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + row)
+    rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
     n = x * rstd
     g = dy * w
-    dx = rstd * (g - n * (tl.sum(g * n, axis=0) / n_cols))
+    dx = rstd * (g - n * (tl.sum(g * n, axis=1, keep_dims=True) / n_cols))
     # dx may alias dy (in-place backward): this row of dy is already in registers.
     tl.store(dx_ptr + row * dx_row_stride + cols, cast_to(dx, dx_ptr.dtype.element_ty), mask=mask)
 
@@ -295,9 +299,11 @@ def rms_norm_fwd(
     if x.numel() == 0:
         return y, rstd
     block, num_warps = calculate_settings(n_cols)
-    _rms_norm_fwd_kernel[(x2.shape[0],)](
-        x2, weight, y, rstd, x2.stride(0), n_cols, n_cols, eps,
-        BLOCK_SIZE=block, GEMMA=mode is RMSNormMode.GEMMA, num_warps=num_warps,
+    n_rows = x2.shape[0]
+    rows = interpreter_rows(n_rows, block)
+    _rms_norm_fwd_kernel[(cdiv(n_rows, rows),)](
+        x2, weight, y, rstd, x2.stride(0), n_cols, n_rows, n_cols, eps,
+        BLOCK_SIZE=block, ROWS=rows, GEMMA=mode is RMSNormMode.GEMMA, num_warps=num_warps,
     )  # fmt: skip
     return y, rstd
 
@@ -351,7 +357,8 @@ def rms_norm_bwd(
         return dx, dw
     block, num_warps = calculate_settings(n_cols)
     if not compute_dw:
-        _rms_norm_bwd_kernel[(n_rows,)](
+        rows = interpreter_rows(n_rows, block)
+        _rms_norm_bwd_kernel[(cdiv(n_rows, rows),)](
             dy2,
             x2,
             weight,
@@ -360,8 +367,10 @@ def rms_norm_bwd(
             dy2.stride(0),
             x2.stride(0),
             dx2.stride(0),
+            n_rows,
             n_cols,
             BLOCK_SIZE=block,
+            ROWS=rows,
             GEMMA=gemma,
             num_warps=num_warps,
         )

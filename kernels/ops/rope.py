@@ -36,7 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import cast_to, check_float_tensor, check_same_device, is_writable_in_place, next_power_of_2
+from .utils import (
+    cast_to,
+    cdiv,
+    check_float_tensor,
+    check_same_device,
+    interpreter_rows,
+    is_writable_in_place,
+    next_power_of_2,
+)
 
 __all__ = [
     "RoPEQKFunction",
@@ -78,22 +86,25 @@ def rope_qk_bwd_reference(
 
 @triton.jit
 def _rotate_heads(
-    base_ptr, stride_h, stride_d, c1, c2, s1, s2, d, d_mask, HALF: tl.constexpr, N_HEADS: tl.constexpr,
+    base_ptr, stride_h, stride_d, c1, c2, s1, s2, d, d_mask, tok_mask, HALF: tl.constexpr, N_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr,
 ):  # fmt: skip
+    # base_ptr: [TOK] row bases, one per token; c1, c2, s1, s2: [TOK, BLOCK_D]; tiles are [TOK, BLOCK_H, BLOCK_D].
     for h0 in range(0, N_HEADS, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
-        mask = (h < N_HEADS)[:, None] & d_mask[None, :]
-        ptr1 = base_ptr + h[:, None].to(tl.int64) * stride_h + d[None, :] * stride_d
+        mask = tok_mask[:, None, None] & (h < N_HEADS)[None, :, None] & d_mask[None, None, :]
+        ptr1 = (
+            base_ptr[:, None, None] + h[None, :, None].to(tl.int64) * stride_h + d[None, None, :] * stride_d
+        )
         ptr2 = ptr1 + HALF * stride_d
         x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
         if BACKWARD:
-            y1 = x1 * c1[None, :] + x2 * s2[None, :]
-            y2 = x2 * c2[None, :] - x1 * s1[None, :]
+            y1 = x1 * c1[:, None, :] + x2 * s2[:, None, :]
+            y2 = x2 * c2[:, None, :] - x1 * s1[:, None, :]
         else:
-            y1 = x1 * c1[None, :] - x2 * s1[None, :]
-            y2 = x2 * c2[None, :] + x1 * s2[None, :]
+            y1 = x1 * c1[:, None, :] - x2 * s1[:, None, :]
+            y2 = x2 * c2[:, None, :] + x1 * s2[:, None, :]
         # In place: each element is read and written by this program only, and both halves are loaded
         # before either is stored.
         tl.store(ptr1, cast_to(y1, base_ptr.dtype.element_ty), mask=mask)
@@ -104,26 +115,33 @@ def _rotate_heads(
 def _rope_qk_fwd_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr,
     q_sb, q_sh, q_st, q_sd, k_sb, k_sh, k_st, k_sd, c_sb, c_st, c_sd, s_sb, s_st, s_sd,
-    T, HALF: tl.constexpr, N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
+    T, N_TOKENS, HALF: tl.constexpr, N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, TOK: tl.constexpr, BACKWARD: tl.constexpr,
 ):  # fmt: skip
-    # One program per (batch, token): cos/sin are loaded once and reused by all Hq + Hk heads.
-    # Serves both directions: BACKWARD=True applies the transposed map Mᵀ (see the module docstring).
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // T
-    t = pid % T
+    # One program per TOK (batch, token) pairs (one compiled; a block under the interpreter): cos/sin are loaded
+    # once and reused by all Hq + Hk heads. Serves both directions: BACKWARD=True applies the transposed map Mᵀ
+    # (see the module docstring).
+    tok = tl.program_id(0).to(tl.int64) * TOK + tl.arange(0, TOK)
+    tok_mask = tok < N_TOKENS
+    b = tok // T
+    t = tok % T
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HALF
-    c_row = cos_ptr + b * c_sb + t * c_st
-    s_row = sin_ptr + b * s_sb + t * s_st
-    c1 = tl.load(c_row + d * c_sd, mask=d_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c_row + (d + HALF) * c_sd, mask=d_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s_row + d * s_sd, mask=d_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_row + (d + HALF) * s_sd, mask=d_mask, other=0.0).to(tl.float32)
+    cs_mask = tok_mask[:, None] & d_mask[None, :]
+    c_row = (cos_ptr + b * c_sb + t * c_st)[:, None]
+    s_row = (sin_ptr + b * s_sb + t * s_st)[:, None]
+    c1 = tl.load(c_row + d[None, :] * c_sd, mask=cs_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + (d[None, :] + HALF) * c_sd, mask=cs_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + d[None, :] * s_sd, mask=cs_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + (d[None, :] + HALF) * s_sd, mask=cs_mask, other=0.0).to(tl.float32)
     q_base = q_ptr + b * q_sb + t * q_st
-    _rotate_heads(q_base, q_sh, q_sd, c1, c2, s1, s2, d, d_mask, HALF, N_Q_HEADS, BLOCK_HQ, BACKWARD)
+    _rotate_heads(
+        q_base, q_sh, q_sd, c1, c2, s1, s2, d, d_mask, tok_mask, HALF, N_Q_HEADS, BLOCK_HQ, BACKWARD
+    )
     k_base = k_ptr + b * k_sb + t * k_st
-    _rotate_heads(k_base, k_sh, k_sd, c1, c2, s1, s2, d, d_mask, HALF, N_K_HEADS, BLOCK_HK, BACKWARD)
+    _rotate_heads(
+        k_base, k_sh, k_sd, c1, c2, s1, s2, d, d_mask, tok_mask, HALF, N_K_HEADS, BLOCK_HK, BACKWARD
+    )
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -161,13 +179,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     # so Hq=32 takes two tiles and Hk=8 one, and no lane idles on padding heads.
     block_hq = min(next_power_of_2(hq), 16)
     block_hk = min(next_power_of_2(k.shape[1]), 16)
-    _rope_qk_fwd_kernel[(b * t,)](
+    tok = interpreter_rows(b * t, block_hq * next_power_of_2(half))
+    _rope_qk_fwd_kernel[(cdiv(b * t, tok),)](
         q, k, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         c_sb, cos.stride(1), cos.stride(2), s_sb, sin.stride(1), sin.stride(2),
-        t, HALF=half, N_Q_HEADS=hq, N_K_HEADS=k.shape[1], BLOCK_D=next_power_of_2(half),
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward, num_warps=4,
+        t, b * t, HALF=half, N_Q_HEADS=hq, N_K_HEADS=k.shape[1], BLOCK_D=next_power_of_2(half),
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, TOK=tok, BACKWARD=backward, num_warps=4,
     )  # fmt: skip
 
 

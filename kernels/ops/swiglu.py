@@ -47,7 +47,16 @@ import triton
 import triton.language as tl
 
 from .small_k import MAX_SMALL_K, block_k, small_k_tile
-from .utils import as_rows, cast_to, cdiv, check_float_tensor, check_same_device, is_writable_in_place, tanh
+from .utils import (
+    as_rows,
+    cast_to,
+    cdiv,
+    check_float_tensor,
+    check_same_device,
+    interpreter_rows,
+    is_writable_in_place,
+    tanh,
+)
 
 __all__ = [
     "GeGLUFunction",
@@ -253,8 +262,13 @@ def _out(out: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tenso
     return out
 
 
+def _block_m(n_rows: int) -> int:
+    """Tile rows: ``_BLOCK_M`` compiled; under the interpreter as many as fill its tile (``interpreter_rows``)."""
+    return max(_BLOCK_M, interpreter_rows(n_rows, _BLOCK_N))
+
+
 def _grid(n_rows: int, n_cols: int) -> tuple[int, int]:
-    return cdiv(n_rows, _BLOCK_M), cdiv(n_cols, _BLOCK_N)
+    return cdiv(n_rows, _block_m(n_rows)), cdiv(n_cols, _BLOCK_N)
 
 
 def _glu_fwd(
@@ -276,7 +290,7 @@ def _glu_fwd(
     _swiglu_fwd_kernel[_grid(n_rows, n_cols)](
         g2, u2, h2, n_rows, n_cols, g2.stride(0), u2.stride(0), h2.stride(0), *g_args, *u_args,
         ACTIVATION=activation, GATE_TERM=gate_term is not None, UP_TERM=up_term is not None,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_KG=bkg, BLOCK_KU=bku, IEEE=gate.dtype == torch.float32,
+        BLOCK_M=_block_m(n_rows), BLOCK_N=_BLOCK_N, BLOCK_KG=bkg, BLOCK_KU=bku, IEEE=gate.dtype == torch.float32,
         num_warps=_NUM_WARPS,
     )  # fmt: skip
     return h
@@ -317,7 +331,7 @@ def _glu_bwd(
         *g_args, *u_args, *d_args,
         ACTIVATION=activation, STORE_H=h_out is not None,
         GATE_TERM=gate_term is not None, UP_TERM=up_term is not None, DH_TERM=dh_term is not None,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_KG=bkg, BLOCK_KU=bku, BLOCK_KD=bkd,
+        BLOCK_M=_block_m(n_rows), BLOCK_N=_BLOCK_N, BLOCK_KG=bkg, BLOCK_KU=bku, BLOCK_KD=bkd,
         IEEE=gate.dtype == torch.float32, num_warps=_NUM_WARPS,
     )  # fmt: skip
     return dgate, dup

@@ -201,6 +201,19 @@ if INTERPRETER:
     _interpreter_skips_redundant_patching()
 
 
+# A program's cost under the interpreter is its count of ops, nearly whatever its tile's size (numpy runs each op
+# over the whole tile), so a kernel that keeps one row a program takes several rows a program there.
+_INTERPRETER_TILE = 1 << 16
+
+
+def interpreter_rows(m: int, block: int) -> int:
+    """Rows a program for a row kernel of ``m`` rows of ``block`` elements: 1 compiled; under ``TRITON_INTERPRET=1``
+    a power of two filling about 64K elements (at most ``next_power_of_2(m)``)."""
+    if not INTERPRETER:
+        return 1
+    return max(1, min(next_power_of_2(m), _INTERPRETER_TILE // block))
+
+
 @triton.jit
 def cast_to(x, dtype: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` rounding to nearest even, on the GPU and in the interpreter alike."""
