@@ -1,0 +1,321 @@
+"""GRPO benchmark (issue 37): strop's GRPO job loop vs TRL's ``GRPOTrainer`` on HF + PEFT (its transformers-generate
+path), each in its own process, same settings.
+
+Workload: the 8B Llama shape of ``bench/train_bench.py`` (its saved random model; QLoRA: NF4 double quant, bf16
+compute, loaded as DESIGN.md's baseline recipe loads it), LoRA r=16 alpha=16 on all seven projections. A synthetic
+verifiable task: ``--prompts`` prompts per step (chat messages of about ``--prompt-tokens`` tokens of random text,
+through the saved tiny BPE tokenizer's chat template), ``--group`` completions each of at most ``--new-tokens``
+tokens, temperature 1, top-p 1; the reward is 1 when the completion contains the row's letter (strop: a
+``string_check`` grader with ``like``; TRL: the same test as a Python reward function). The model is random, so the
+reward measures nothing here: the figures are speed and memory. GRPO loss, beta 0 (no reference pass), one update
+per batch (TRL: ``per_device_train_batch_size`` = one group, ``gradient_accumulation_steps`` = prompts per step, so
+both systems run one forward/backward per group and one AdamW update per batch), lr 1e-5, gradient checkpointing
+(strop: the jobs' default memory mode on CUDA, which checkpoints too).
+
+Systems:
+  ``trl``    TRL ``GRPOTrainer(model=PeftModel, reward_funcs=[...], args=GRPOConfig(...))``, ``use_vllm=False``,
+             bf16, ``gradient_checkpointing`` with ``use_reentrant=False``, adamw_torch.
+  ``strop``  ``strop.trainer_svc.core.grpo.run_grpo`` (the trainer job's loop) on a session of the trainer core
+             loaded from the same dir (NF4 on load, kernels on), LoRA attached by the service.
+
+Figures per system: end-to-end tokens/s = (prompt + completion tokens of every sequence of a step) / step wall
+time (sampling, grading and training), median over the steps after ``--warmup``; sampled tokens per step; GPU peak
+allocated and reserved over the training steps (reset after loading). ``--smoke`` runs a tiny shape on the CPU
+through the same paths: it checks the harness, not speed.
+
+Usage (GPU machine, after ``source bench/gpu_env.sh``)::
+
+    python bench/grpo_bench.py --json bench/out/grpo.json              # both systems, table
+    python bench/grpo_bench.py --systems strop --new-tokens 1024
+    python bench/grpo_bench.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# train_bench owns the saved 8B shape and the baseline's loading recipe
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_bench as tb
+
+LR = 1e-5
+GRADER = {
+    "type": "string_check",
+    "name": "has_letter",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.letter}}",
+    "operation": "like",
+}
+
+
+@dataclass
+class Row:
+    system: str
+    ok: bool = True
+    error: str = ""
+    steps: int = 0
+    prompt_tokens: float = 0.0  # mean per prompt
+    completion_tokens: float = 0.0  # mean per sample
+    seconds_per_step: float = 0.0
+    tokens_per_s: float = 0.0  # (prompt + completion) tokens of the step's sequences / step seconds
+    sampled_tokens_per_s: float = 0.0  # completion tokens / step seconds
+    peak_alloc_gib: float = 0.0
+    peak_reserved_gib: float = 0.0
+    rewards: list[float] | None = None
+    note: str = ""
+
+
+def rows(n: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
+    """``n`` prompts rows of random text (about ``prompt_tokens`` tokens each) asking for the letter 'e'."""
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+
+    tok = make_bpe_tokenizer()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = [rng.randrange(3, 640) for _ in range(prompt_tokens)]
+        text = tok.decode(ids, skip_special_tokens=True)
+        out.append({"messages": [{"role": "user", "content": text}], "letter": "e"})
+    return out
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def finish(row: Row, times: list[float], tokens: list[float], sampled: list[float], warmup: int) -> None:
+    t, n, c = times[warmup:], tokens[warmup:], sampled[warmup:]
+    row.steps = len(t)
+    row.seconds_per_step = median(t)
+    row.tokens_per_s = median([a / b for a, b in zip(n, t, strict=True)])
+    row.sampled_tokens_per_s = median([a / b for a, b in zip(c, t, strict=True)])
+    tb_res = tb.Result(part="grpo", system=row.system, seq=0, batch=0)
+    tb.record_peak_memory(tb_res)
+    row.peak_alloc_gib, row.peak_reserved_gib = tb_res.peak_alloc_gib, tb_res.peak_reserved_gib
+
+
+def run_strop(a) -> Row:
+    from strop.common.trainer_types import (
+        DatasetFormat,
+        GrpoConfig,
+        KernelMode,
+        LoadModelRequest,
+        LoraConfig,
+        Quantization,
+        TrainConfig,
+        TrainMethod,
+    )
+    from strop.trainer_svc.core import grpo, job_config, training
+    from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
+
+    row = Row("strop")
+    work = tempfile.mkdtemp(prefix="grpo-bench-")
+    core = TrainerCore(
+        TrainerConfig(
+            model_root=tb.MODEL_ROOT, artifact_root=f"{work}/artifacts", state_dir=f"{work}/state",
+            device="cuda:0" if tb.DEVICE == "cuda" else "cpu",
+        )
+    )  # fmt: skip
+    info = core.sessions.load(
+        LoadModelRequest(
+            model_path=os.path.basename(tb.saved_model_dir()), quantization=Quantization.NF4,
+            kernels=KernelMode.UNSPECIFIED, max_seq_length=a.prompt_tokens * 2 + a.new_tokens + 64,
+        )
+    )  # fmt: skip
+    core.sessions.attach_lora(info.session_id, LoraConfig(r=16, alpha=16, seed=0))
+    loaded = core.sessions.open(info.session_id).loaded
+    data = rows(a.prompts * (a.steps + a.warmup), a.prompt_tokens)
+    cfg = TrainConfig(
+        method=TrainMethod.GRPO, learning_rate=LR, lr_scheduler="constant", max_steps=a.steps + a.warmup,
+        batch_size=a.prompts, seed=0,
+        grpo=GrpoConfig(grader=json.dumps(GRADER), group_size=a.group, max_new_tokens=a.new_tokens, temperature=1.0),
+    )  # fmt: skip
+    cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(data))
+    cfg = grpo.check_job(cfg, DatasetFormat.PROMPTS, data, loaded.tokenizer)
+    metrics = []
+
+    def on_step(m) -> None:
+        metrics.append(m)
+        if len(metrics) == a.warmup:
+            tb.reset_peak_memory()  # the measured steps' peaks
+
+    sinks = training.Sinks(on_step=on_step, on_checkpoint=lambda s, p: None, on_start=lambda t: None)
+    if a.warmup == 0:
+        tb.reset_peak_memory()
+    grpo.run_grpo(loaded, data, cfg, Path(work) / "job", training.JobControl(), sinks)
+    times = [m.step_seconds for m in metrics]
+    sampled = [m.rl.sampled_length_mean * a.prompts * a.group for m in metrics]
+    tokens = [m.tokens_per_second * m.step_seconds for m in metrics]
+    row.prompt_tokens = (tokens[-1] - sampled[-1]) / (a.prompts * a.group)
+    row.completion_tokens = metrics[-1].rl.sampled_length_mean
+    row.rewards = [m.rl.reward_mean for m in metrics]
+    finish(row, times, tokens, sampled, a.warmup)
+    row.note = (
+        f"sampling {median([m.rl.sampling_seconds for m in metrics[a.warmup :]]):.1f} s, training "
+        f"{median([m.rl.training_seconds for m in metrics[a.warmup :]]):.1f} s a step; {loaded.facts.kernels_reason[:80]}"
+    )
+    return row
+
+
+def run_trl(a) -> Row:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    row = Row("trl")
+    model = tb.attach_lora(tb.load_model(qlora=True))
+    tok = AutoTokenizer.from_pretrained(tb.saved_model_dir())
+    data = rows(a.prompts * (a.steps + a.warmup), a.prompt_tokens)
+    dataset = Dataset.from_list([{"prompt": r["messages"], "letter": r["letter"]} for r in data])
+
+    def reward(completions, letter, **kw):
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        return [float(x in t) for t, x in zip(texts, letter, strict=True)]
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="grpo-bench-trl-"), learning_rate=LR, lr_scheduler_type="constant",
+        per_device_train_batch_size=a.group, gradient_accumulation_steps=a.prompts, num_generations=a.group,
+        max_completion_length=a.new_tokens, temperature=1.0, top_p=1.0, beta=0.0, loss_type="grpo",
+        num_iterations=1, max_steps=a.steps + a.warmup, bf16=tb.DEVICE == "cuda", use_cpu=tb.DEVICE == "cpu",
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, optim="adamw_torch",
+        logging_steps=1, report_to="none", disable_tqdm=True, use_vllm=False, save_strategy="no", seed=0,
+        shuffle_dataset=False,
+    )  # fmt: skip
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if tb.DEVICE == "cuda":
+                torch.cuda.synchronize()
+            if state.global_step == a.warmup:
+                tb.reset_peak_memory()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if tb.DEVICE == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[reward], args=args, train_dataset=dataset, processing_class=tok,
+        callbacks=[Timer()],
+    )  # fmt: skip
+    tb.upcast_adapters_(model)  # LoRA weights fp32, as the baseline recipe and the trainer service keep them
+    trainer.train()
+    hist = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    lengths = [h["completions/mean_length"] for h in hist]
+    prompt_len = sum(
+        len(tok.apply_chat_template(r["messages"], tokenize=True, add_generation_prompt=True, return_dict=True)[
+            "input_ids"])
+        for r in data
+    ) / len(data)  # fmt: skip
+    n = a.prompts * a.group
+    tokens = [n * (prompt_len + c) for c in lengths]
+    sampled = [n * c for c in lengths]
+    row.prompt_tokens, row.completion_tokens = prompt_len, lengths[-1]
+    row.rewards = [h.get("reward", 0.0) for h in hist]
+    finish(row, times[: len(lengths)], tokens, sampled, a.warmup)
+    return row
+
+
+def spawn(system: str, a) -> Row:
+    env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    if a.smoke:
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--prompts", str(a.prompts),
+           "--group", str(a.group), "--new-tokens", str(a.new_tokens), "--prompt-tokens", str(a.prompt_tokens),
+           "--steps", str(a.steps), "--warmup", str(a.warmup), *(["--smoke"] if a.smoke else [])]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return Row(system, ok=False, error=f"timeout after {a.timeout}s")
+    if a.show_stderr and proc.stderr:
+        print(f"--- {system} worker stderr (tail) ---\n{proc.stderr[-a.show_stderr :]}", flush=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return Row(**json.loads(line[7:]))
+    return Row(system, ok=False, error=f"rc={proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
+
+
+def table(results: list[Row], a) -> str:
+    base = next((r for r in results if r.system == "trl" and r.ok), None)
+    lines = [
+        f"GRPO, 8B-shape QLoRA r16: {a.prompts} prompts x {a.group} samples a step, prompt ~{a.prompt_tokens} "
+        f"tokens, <= {a.new_tokens} new tokens"
+        if not a.smoke
+        else "smoke (tiny shape, CPU): harness only",
+        "| system | steps | prompt tok | completion tok | s/step | tokens/s | vs trl | sampled tok/s | peak alloc GiB "
+        "| vs trl | reserved GiB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if not r.ok:
+            lines.append(f"| {r.system} | failed: {r.error[:300]} |")
+            continue
+        speed = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+        mem = f"{r.peak_alloc_gib / base.peak_alloc_gib:.2f}x" if base and base.peak_alloc_gib else "-"
+        lines.append(
+            f"| {r.system} | {r.steps} | {r.prompt_tokens:.0f} | {r.completion_tokens:.0f} | {r.seconds_per_step:.2f} "
+            f"| {r.tokens_per_s:,.0f} | {speed} | {r.sampled_tokens_per_s:,.0f} | {r.peak_alloc_gib:.1f} | {mem} "
+            f"| {r.peak_reserved_gib:.1f} | {r.note[:160]} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", choices=["trl", "strop"])
+    p.add_argument("--systems", default="trl,strop")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3, help="measured steps")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--json")
+    p.add_argument("--show-stderr", type=int, default=0, metavar="CHARS")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
+    )
+    a = p.parse_args()
+    if a.smoke:
+        tb.DEVICE, tb.DTYPE = "cpu", "float32"
+    tb.use_shape("qlora", a.smoke)
+    if a.worker:
+        try:
+            row = run_trl(a) if a.worker == "trl" else run_strop(a)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            row = Row(a.worker, ok=False, error=repr(exc)[:400])
+        print("RESULT " + json.dumps(asdict(row)), flush=True)
+        return
+    tb.ensure_saved_model(tb.MAX_POSITIONS, "qlora")
+    results = []
+    for system in a.systems.split(","):
+        r = spawn(system, a)
+        results.append(r)
+        print(f"{system}: " + (f"{r.tokens_per_s:,.0f} tok/s, {r.peak_alloc_gib:.1f} GiB" if r.ok else r.error[:300]),
+              flush=True)  # fmt: skip
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    print(table(results, a))
+
+
+if __name__ == "__main__":
+    main()
