@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from strop.common.trainer_types import DatasetFormat
 from strop.gateways.openai.errors import bad
 
 MAX_REPORTED = 20
@@ -40,7 +39,6 @@ class RowError(ValueError):
 class Converted:
     data: bytes  # the trainer's JSONL, one line for each line of the file
     kind: str  # "chat", "preference", "prompts" (a chat row ending with a user turn) or "prompt_completion"
-    format: DatasetFormat  # what to tell the trainer (UNSPECIFIED: let it detect)
 
 
 def _content(value, where: str):
@@ -126,11 +124,9 @@ def convert_row(row) -> tuple[object, str]:
     return row, ""
 
 
-def convert_file(raw: bytes, *, allow_prompts: bool) -> Converted:
-    """The trainer's JSONL for an uploaded file, line for line.
-
-    ``allow_prompts``: the trainer takes prompt rows (chat rows ending with a user turn, for reinforcement); the
-    file's first row decides, as the trainer's format detection does.
+def convert_file(raw: bytes) -> Converted:
+    """The trainer's JSONL for an uploaded file, line for line (its format detected by the trainer, from the first
+    row; ``kind`` says the same of the gateway's reading, for the methods' file checks).
 
     Raises:
         OpenAIError: 400 naming each line the gateway refuses (the trainer reports the rest the same way).
@@ -162,7 +158,4 @@ def convert_file(raw: bytes, *, allow_prompts: bool) -> Converted:
     if n_errors:
         more = f" (and {n_errors - len(errors)} more)" if n_errors > len(errors) else ""
         raise bad(f"the file has {n_errors} bad line(s): " + "; ".join(errors) + more, "file", "invalid_file")
-    # prompt rows go to the trainer as such only where it trains on them; otherwise it detects chat rows and says
-    # which line lacks its assistant answer
-    fmt = DatasetFormat.PROMPTS if kind == "prompts" and allow_prompts else DatasetFormat.UNSPECIFIED
-    return Converted("\n".join(lines).encode(), kind or "chat", fmt)
+    return Converted("\n".join(lines).encode(), kind or "chat")

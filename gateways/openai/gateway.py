@@ -20,7 +20,7 @@ from openai.types.fine_tuning import FineTuningJob, FineTuningJobEvent
 from openai.types.fine_tuning.jobs import FineTuningJobCheckpoint
 
 from strop.client.errors import NotFoundError, StropClientError
-from strop.common.trainer_types import LoraConfig, Quantization
+from strop.common.trainer_types import DatasetFormat, LoraConfig, Quantization
 from strop.gateways.common import TrainerClients, base_models, owner_hash
 from strop.gateways.openai import params
 from strop.gateways.openai.errors import OpenAIError, bad, from_strop, not_found
@@ -86,10 +86,10 @@ class Files:
             raise bad(f"the file is {len(data)} bytes; the limit is {self.gw.config.max_file_bytes}", "file")
         if not data.strip():
             raise bad("the file is empty", "file")
-        converted = convert_file(data, allow_prompts=False)
+        converted = convert_file(data)
         try:
             ds = self.gw.clients.get(api_key).upload_dataset(
-                converted.data, name=filename, format=converted.format
+                converted.data, name=filename, format=DatasetFormat.UNSPECIFIED
             )
         except StropClientError as exc:
             raise from_strop(exc, "file") from None
@@ -169,6 +169,12 @@ class Gateway:
                     if job.get("following"):
                         self.runner.follow(api_key, job["id"])
         return owner
+
+    def forget_owner(self, owner: str) -> None:
+        """Check the owner's key again at its next request, and follow its live jobs from there."""
+        with self._lock:
+            self._verified.pop(owner, None)
+            self._following.discard(owner)
 
     # ---- jobs ---------------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from strop.client.errors import NotFoundError, StropClientError, UnavailableError
+from strop.client.errors import NotFoundError, StropClientError
 from strop.common.serde import to_proto
 from strop.common.trainer_types import LoraConfig
 from strop.gateways.openai import params
@@ -36,6 +36,8 @@ log = logging.getLogger("strop.gateways.openai")
 
 LIVE = ("validating_files", "queued", "running")
 TERMINAL = ("succeeded", "failed", "cancelled")
+# trainer errors a follower waits out (a restart, a network blip) before it reads the job's events again
+TRANSIENT = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "INTERNAL", "UNKNOWN", "RESOURCE_EXHAUSTED"}
 _STATE = trainer_pb2.JobState
 
 
@@ -57,11 +59,19 @@ class JobRunner:
 
     # ---- events -------------------------------------------------------------------------------------------
 
-    def event(self, job_id: str, message: str, *, level: str = "info", data: dict | None = None) -> None:
+    def event(
+        self,
+        job_id: str,
+        message: str,
+        *,
+        level: str = "info",
+        data: dict | None = None,
+        src: str | None = None,
+    ) -> None:
         self.store.append("oai_events", job_id, "ftevent", {
             "object": "fine_tuning.job.event", "created_at": int(time.time()), "level": level, "message": message,
             "data": data or {}, "type": "metrics" if data else "message",
-        })  # fmt: skip
+        }, src)  # fmt: skip
 
     # ---- starting a strop job -----------------------------------------------------------------------------
 
@@ -139,27 +149,36 @@ class JobRunner:
                         return
                 self._settle(api_key, job_id)
                 return
-            except (UnavailableError, StropClientError) as exc:
+            except StropClientError as exc:
                 if isinstance(exc, NotFoundError):
                     self._fail(
                         job_id, f"the trainer no longer knows job {sid}: {exc.details}", "server_error"
                     )
                     return
+                if (
+                    exc.code not in TRANSIENT
+                ):  # the key was revoked, say: its owner's next request follows again
+                    log.warning("job %s: not followed (%s: %s)", job_id, exc.code, exc.details)
+                    self.gw.forget_owner(job["owner"])
+                    return
                 if self._stop.wait(backoff):
                     return
                 backoff = min(backoff * 2, 10.0)
             except Exception:  # a bug of ours: the job is failed rather than followed forever
+                if self._stop.is_set():  # the gateway is closing under the follower (its store, its channels)
+                    return
                 log.exception("following %s", job_id)
                 self._fail(job_id, "the gateway could not follow this job (see its log)", "server_error")
                 return
 
     def _on_event(self, job_id: str, ev) -> None:
         kind = ev.WhichOneof("event")
+        src = f"{ev.job_id}:{ev.seq}"  # each trainer event makes its records once, however often it is read
         job = self.store.get("oai_jobs", job_id)
         changes: dict = {"seq": int(ev.seq)}
         if kind == "state" and ev.state.state == _STATE.JOB_STATE_RUNNING:
             if self.store.update_if("oai_jobs", job_id, "status", "queued", status="running"):
-                self.event(job_id, "Fine-tuning job started")
+                self.event(job_id, "Fine-tuning job started", src=src)
         elif kind == "step":
             s = ev.step
             changes.update(
@@ -168,7 +187,9 @@ class JobRunner:
             data = {"step": int(s.step), "total_steps": int(s.total_steps), "train_loss": s.loss}
             if s.HasField("dpo"):
                 data.update(reward_margin=s.dpo.reward_margin, reward_accuracy=s.dpo.reward_accuracy)
-            self.event(job_id, f"Step {s.step}/{s.total_steps}: training loss={s.loss:.4f}", data=data)
+            self.event(
+                job_id, f"Step {s.step}/{s.total_steps}: training loss={s.loss:.4f}", data=data, src=src
+            )
         elif kind == "eval":
             e = ev.eval
             data = {"step": int(e.step), "valid_loss": e.valid_loss}
@@ -181,15 +202,15 @@ class JobRunner:
             msg = f"Step {e.step}: validation loss={e.valid_loss:.4f}"
             if e.is_full:
                 msg += f", full validation loss={e.full_valid_loss:.4f}"
-            self.event(job_id, msg, data=data)
+            self.event(job_id, msg, data=data, src=src)
         elif kind == "checkpoint":
-            self._checkpoint(job, ev.checkpoint)
+            self._checkpoint(job, ev.checkpoint, src)
         elif kind == "log":
             level = {"warning": "warn", "error": "error"}.get(ev.log.level, "info")
-            self.event(job_id, ev.log.message, level=level)
+            self.event(job_id, ev.log.message, level=level, src=src)
         self.store.update("oai_jobs", job_id, **changes)
 
-    def _checkpoint(self, job: dict, ck) -> None:
+    def _checkpoint(self, job: dict, ck, src: str) -> None:
         step = int(ck.step)
         metrics = {"step": float(step), "train_loss": ck.train_loss or job.get("last_loss")}
         for name in ("valid_loss", "full_valid_loss", "valid_mean_token_accuracy"):
@@ -199,8 +220,8 @@ class JobRunner:
             "object": "fine_tuning.job.checkpoint", "created_at": int(ck.artifact.created_at or time.time()),
             "fine_tuning_job_id": job["id"], "step_number": step, "metrics": metrics,
             "fine_tuned_model_checkpoint": f"{model_name(job)}:ckpt-step-{step}", "artifact_id": ck.artifact.artifact_id,
-        })  # fmt: skip
-        self.event(job["id"], f"Checkpoint created at step {step}")
+        }, src)  # fmt: skip
+        self.event(job["id"], f"Checkpoint created at step {step}", src=src)
 
     # ---- settling -----------------------------------------------------------------------------------------
 
@@ -282,6 +303,7 @@ class JobRunner:
             raise OpenAIError(f"Job {job['id']} has already ended ({job['status']}); it cannot be cancelled", 409,
                               code="job_not_cancellable")  # fmt: skip
         was_paused = job["status"] == "paused" and not job.get("following")
+        _created(job)
         job = self.store.update(
             "oai_jobs", job["id"], want="cancel", status="cancelled", finished_at=int(time.time())
         )
@@ -294,6 +316,7 @@ class JobRunner:
         if job["status"] not in LIVE:
             raise OpenAIError(f"Job {job['id']} is {job['status']}; only a queued or running job can be paused", 409,
                               code="job_not_pausable")  # fmt: skip
+        _created(job)
         job = self.store.update("oai_jobs", job["id"], want="pause", status="paused")
         self._stop_strop_job(api_key, job)
         self.event(job["id"], "Pause requested: the job stops at its next step boundary, saving a checkpoint")
@@ -330,6 +353,14 @@ class JobRunner:
             c.cancel_job(job["chain"][-1])
         except StropClientError as exc:  # it ended meanwhile: the follower settles it
             log.info("job %s: cancel of %s: %s", job["id"], job["chain"][-1], exc.details)
+
+
+def _created(job: dict) -> None:
+    """A job still in its create request has no strop job to stop yet (409: the SDK's ConflictError)."""
+    if not job.get("chain"):
+        raise OpenAIError(
+            f"Job {job['id']} is still being created; retry shortly", 409, code="job_validating"
+        )
 
 
 def model_name(job: dict) -> str:

@@ -33,6 +33,7 @@ CREATE TABLE IF NOT EXISTS oai_events (
     job_id TEXT NOT NULL,
     n BIGINT NOT NULL,
     id TEXT NOT NULL,
+    src TEXT,
     data TEXT NOT NULL,
     PRIMARY KEY (job_id, n)
 );
@@ -40,6 +41,7 @@ CREATE TABLE IF NOT EXISTS oai_checkpoints (
     job_id TEXT NOT NULL,
     n BIGINT NOT NULL,
     id TEXT NOT NULL,
+    src TEXT,
     data TEXT NOT NULL,
     PRIMARY KEY (job_id, n)
 );
@@ -101,14 +103,20 @@ class GatewayStore:
 
     # ---- numbered records of a job (events, checkpoints) --------------------------------------------------
 
-    def append(self, table: str, job_id: str, prefix: str, doc: dict) -> dict:
+    def append(self, table: str, job_id: str, prefix: str, doc: dict, src: str | None = None) -> dict | None:
+        """Number and store ``doc``; ``src`` (the trainer event it comes from, ``<strop job>:<seq>``) stores it once
+        only (None when stored already), so a follower that reads an event again after a restart adds nothing."""
         with self._lock:
+            if src is not None and self.db.query_one(
+                f"SELECT n FROM {table} WHERE job_id = ? AND src = ?", (job_id, src)
+            ):
+                return None
             row = self.db.query_one(f"SELECT MAX(n) AS n FROM {table} WHERE job_id = ?", (job_id,))
             n = int(row["n"] or 0) + 1 if row else 1
             doc = {**doc, "id": f"{prefix}-{job_id.split('-', 1)[-1]}-{n}"}
             self.db.execute(
-                f"INSERT INTO {table} (job_id, n, id, data) VALUES (?, ?, ?, ?)",
-                (job_id, n, doc["id"], json.dumps(doc)),
+                f"INSERT INTO {table} (job_id, n, id, src, data) VALUES (?, ?, ?, ?, ?)",
+                (job_id, n, doc["id"], src, json.dumps(doc)),
             )
             return doc
 

@@ -188,3 +188,15 @@ def test_a_script_written_for_openai_runs_unchanged(stack, tmp_path):
     assert "fine-tuned model: ft:tiny-llama:a:example:" in out.stdout
     assert "[info] The job has successfully completed" in out.stdout
     assert "checkpoint ft:tiny-llama:a:example:" in out.stdout  # 4 rows, batch 4: one step, its checkpoint
+
+
+def test_a_prompts_file_is_stored_but_not_trained_by_sft(stack):
+    c = stack.client()
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "answer": str(2 * i)}
+        for i in range(3)
+    ]
+    f = c.files.create(file=("rft.jsonl", jsonl(rows)), purpose="fine-tune")  # OpenAI's reinforcement rows
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(model="tiny-llama", training_file=f.id)
+    assert e.value.param == "training_file" and "prompts rows" in e.value.message
