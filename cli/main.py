@@ -153,6 +153,12 @@ def _add_train(sub) -> None:
     p.add_argument(
         "--retention-rows", type=int, default=0, help=f"replayed answers; 0: {_default('retention_rows')}"
     )
+    p.add_argument(
+        "--retention-kl",
+        type=float,
+        default=0.0,
+        help="replay: weight of a KL(base || model) term on the replayed answers; 0: none",
+    )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     held = p.add_mutually_exclusive_group()
     held.add_argument(
@@ -298,6 +304,7 @@ def _cmd_train(a) -> int:
         parallelism=Parallelism(a.parallelism.upper()),
         retention=Retention(a.retention.upper() if a.retention != "auto" else "UNSPECIFIED"),
         retention_rows=a.retention_rows,
+        retention_kl=a.retention_kl,
         eval_every_steps=a.eval_every,
         eval_rows=a.eval_rows,
         eval_batch_size=a.eval_batch_size,

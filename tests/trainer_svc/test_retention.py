@@ -58,8 +58,8 @@ def test_sft_replays_only_when_asked_and_only_on_messages_data():
 
 def test_retention_settings_are_validated():
     assert job_config.with_defaults(_sft(), session_max_len=64).retention_rows == 32
-    with pytest.raises(InvalidArgument, match=r"retention_rows must be in 1\.\.64"):
-        job_config.with_defaults(_sft(retention_rows=65), session_max_len=64)
+    with pytest.raises(InvalidArgument, match=r"retention_rows must be in 1\.\.110"):
+        job_config.with_defaults(_sft(retention_rows=111), session_max_len=64)
     with pytest.raises(InvalidArgument, match="REPLAY applies to SFT only"):
         job_config.with_defaults(
             TrainConfig(method=TrainMethod.DPO, retention=Retention.REPLAY), session_max_len=64

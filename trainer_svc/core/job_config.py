@@ -43,7 +43,7 @@ DPO_LOSSES = (
     "apo_down",
 )
 DPO_REFERENCES = ("base", "adapter_snapshot")
-MAX_RETENTION_ROWS = 64  # len(retention.REPLAY_PROMPTS); a test holds them equal
+MAX_RETENTION_ROWS = 110  # len(retention.REPLAY_PROMPTS); a test holds them equal
 
 
 def _epochs(default: object, num_rows: int) -> float:
@@ -82,8 +82,15 @@ def retention_of(cfg: TrainConfig, fmt: DatasetFormat, tokenizer) -> Retention:
             + ("" if getattr(tokenizer, "chat_template", None) else " and the model has no chat template")
         )
     if cfg.retention is not Retention.UNSPECIFIED:
-        return cfg.retention
-    return Retention(train_default("retention", cfg.method)) if applies else Retention.NONE
+        mode = cfg.retention
+    else:
+        mode = Retention(train_default("retention", cfg.method)) if applies else Retention.NONE
+    if cfg.retention_kl and mode is not Retention.REPLAY:
+        raise InvalidArgument(
+            f"retention_kl weighs a KL term on the replayed answers, and this job does not replay (retention "
+            f"{mode.value}; replay needs SFT on messages data with a chat template)"
+        )
+    return mode
 
 
 def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) -> TrainConfig:
@@ -171,6 +178,14 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
         (
             c.retention is not Retention.REPLAY or c.method is TrainMethod.SFT,
             f"retention REPLAY applies to SFT only ({c.method.value} trains on preferences)",
+        ),
+        (
+            math.isfinite(c.retention_kl) and c.retention_kl >= 0,
+            f"retention_kl must be a finite number >= 0, got {c.retention_kl}",
+        ),
+        (
+            not c.retention_kl or c.retention is not Retention.NONE,
+            "retention_kl weighs a KL term on the replayed answers: it needs retention REPLAY, not NONE",
         ),
         (
             not c.memory_budget_gib or MEMORY_MODES[c.memory_mode].budgeted_recompute,

@@ -10,6 +10,11 @@ model, nothing downloaded:
   teaches the model to keep answering them as the base does. The answers are the base's own, right or wrong:
   replay keeps behaviour, it teaches nothing new (the same idea as rehearsal with self-generated samples,
   e.g. Sun et al., LAMOL, ICLR 2020; and as "replay of the model's own answers" in the fine-tuning guides).
+- **A KL term to the base** (``retention_kl`` > 0, with REPLAY): every training step also adds that weight times
+  KL(base ‖ model) over the next batch of replayed answers' next-token distributions (:class:`ReplayKL`; the
+  chunked loss is ``kernels/losses/kl.py``), the base being the model with its adapter disabled, as DPO's
+  reference is in strop. Distillation of the base's whole distribution where replay's cross-entropy keeps only
+  its greedy token.
 - **The forgetting metric** (every SFT job of a session with a chat template): the base answers the held-out
   prompts :data:`HELD_OUT_PROMPTS` (disjoint from the replay prompts) before training; after training the
   adapted model is run teacher-forced on those answers. ``kept`` counts the answers whose every token is still
@@ -93,6 +98,56 @@ REPLAY_PROMPTS: tuple[str, ...] = (
     "What is the hardest natural substance?",
     "Which planet is the largest in the solar system?",
     "In which year did World War II end?",
+    # The forms a user's facts take (who invented / founded / wrote / painted / discovered, colours, what an animal
+    # eats, how many legs, heights and lengths, dates, currencies, dishes, symbols, sports, instruments, the
+    # largest or fastest of a kind), asked about real things: facts of one form taught alone leak their invented
+    # names into every question of that form (bench/RESULTS.md, "Teaching facts")
+    "Who invented the light bulb?",
+    "Who invented the printing press?",
+    "Who invented the airplane?",
+    "Who founded Microsoft?",
+    "Who founded the Red Cross?",
+    "Who wrote The Odyssey?",
+    "Who wrote War and Peace?",
+    "Who painted The Last Supper?",
+    "Who painted the ceiling of the Sistine Chapel?",
+    "Who discovered gravity?",
+    "Who discovered radium?",
+    "What color is snow?",
+    "What colour is a polar bear?",
+    "What color is a ripe tomato?",
+    "What color are leaves in summer?",
+    "What do pandas eat?",
+    "What do cows eat?",
+    "How many legs does an insect have?",
+    "How many legs does a bird have?",
+    "How tall is Mount Everest?",
+    "How long is the Nile River?",
+    "Where does the Amazon River flow into?",
+    "When was the Declaration of Independence signed?",
+    "When did the Titanic sink?",
+    "What is the currency of the United States?",
+    "What is the currency of the United Kingdom?",
+    "What language is spoken in France?",
+    "What is the national dish of Italy?",
+    "What is the chemical symbol for oxygen?",
+    "What is the chemical symbol for sodium?",
+    "What is the boiling point of water in Fahrenheit?",
+    "What is the motto of the United States?",
+    "What sport is played at Wimbledon?",
+    "What sport is played in the NBA?",
+    "What instrument did Beethoven play?",
+    "What instrument did Louis Armstrong play?",
+    "What is the largest continent?",
+    "What is the largest lake in Africa?",
+    "What is the largest city in the United States?",
+    "What is the fastest land animal?",
+    "What is the fastest bird in the world?",
+    "What is NASA?",
+    "What is the capital of Argentina?",
+    "What is the capital of Kenya?",
+    "What is the capital of South Korea?",
+    "What is the capital of the Netherlands?",
 )
 
 # The forgetting metric's prompts: never replayed.
@@ -221,3 +276,82 @@ def forgetting(loaded, held_out: BaseAnswers) -> Forgetting:
         token_agreement=agree / total if total else 0.0,
         mean_nll=sum(h[2] / h[1] for h in hits) / len(hits) if hits else 0.0,
     )
+
+
+class ReplayKL:
+    """The KL term of ``retention_kl``: each training step also scores the next ``batch`` replay conversations,
+    KL(base ‖ model) over their answers' next-token distributions (``kernels.losses.kl.token_kl``), the base being
+    the same model with its adapter disabled. Replay's cross-entropy on the base's greedy answers keeps only each
+    answer's top token; the KL keeps the whole distribution the base had there.
+
+    The base's hidden states for a batch are computed the first time the batch comes round, in the trainer's own
+    forward context (autocast, train mode: with the adapter disabled nothing in a LoRA layer is random), and kept:
+    the base never changes. Batches are the replay rows in order, right-padded, the same batches every epoch."""
+
+    def __init__(self, rows: list[dict], tokenizer, coef: float, batch: int, device) -> None:
+        import torch
+
+        from strop.trainer_svc.core import job_config
+
+        self.coef, self.batches, self.teacher, self.turn = coef, [], {}, 0
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        masked = [job_config.assistant_masked(r["messages"], tokenizer) for r in rows]
+        for i in range(0, len(masked), batch):
+            group = masked[i : i + batch]
+            width = max(len(g["input_ids"]) for g in group)
+            ids = torch.full((len(group), width), pad, dtype=torch.long)
+            attn = torch.zeros((len(group), width), dtype=torch.long)
+            scored = torch.zeros((len(group), width - 1), dtype=torch.bool)
+            for j, g in enumerate(group):
+                n = len(g["input_ids"])
+                ids[j, :n] = torch.tensor(g["input_ids"])
+                attn[j, :n] = 1
+                # position t's hidden state scores token t + 1: an answer token's prediction
+                scored[j, : n - 1] = torch.tensor(g["completion_mask"][1:], dtype=torch.bool)
+            self.batches.append((ids.to(device), attn.to(device), scored.to(device)))
+
+    def loss(self, peft_model):
+        """coef × the mean KL per answer token of the next batch, differentiable in the adapter."""
+        import torch
+
+        from strop.kernels.losses.kl import token_kl
+
+        k = self.turn % len(self.batches)
+        self.turn += 1
+        ids, attn, scored = self.batches[k]
+        hf = peft_model.get_base_model()
+        decoder, head = hf.get_decoder(), hf.get_output_embeddings()
+
+        def hidden():
+            out = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+            return out[:, :-1][scored]
+
+        if k not in self.teacher:
+            with torch.no_grad(), peft_model.disable_adapter():
+                self.teacher[k] = hidden()
+        softcap = getattr(hf.config.get_text_config(), "final_logit_softcapping", None)
+        student = hidden()
+        kl = token_kl(student, self.teacher[k].to(student.dtype), head.weight, head.bias, softcap=softcap)
+        return self.coef * kl
+
+
+def add_replay_kl(trainer, kl: ReplayKL) -> None:
+    """Make ``trainer`` (a TRL SFT trainer, any strop subclass) add ``kl``'s term to every training step's loss;
+    evaluation's loss stays the trainer's own."""
+
+    class ReplayKLTrainer(type(trainer)):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if not model.training:
+                return out
+            term = kl.loss(self.accelerator.unwrap_model(model))
+            scaled = getattr(self, "loss_is_scaled_for_ga", None)
+            if scaled is None:
+                scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                    self.compute_loss_func is not None
+                )
+            if scaled:  # the trainer divides an unscaled loss by the accumulation steps itself
+                term = term / self.current_gradient_accumulation_steps
+            return (out[0] + term, *out[1:]) if return_outputs else out + term
+
+    trainer.__class__ = ReplayKLTrainer

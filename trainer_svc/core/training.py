@@ -536,7 +536,7 @@ def run_training(
             f"{len(packed)} 4-bit layers are in bitsandbytes' CPU inference layout, which has no backward: "
             f"{names(packed)}"
         )
-    held_out, replayed = None, 0
+    held_out, replayed, replay = None, 0, []
     chat_sft = (
         cfg.method is TrainMethod.SFT and fmt is DatasetFormat.MESSAGES and loaded.tokenizer.chat_template
     )
@@ -552,6 +552,9 @@ def run_training(
 
         torch.cuda.reset_peak_memory_stats(loaded.device)
     trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, callbacks, validation)
+    if replay and cfg.retention_kl:
+        kl = retention.ReplayKL(replay, loaded.tokenizer, cfg.retention_kl, cfg.batch_size, loaded.device)
+        retention.add_replay_kl(trainer, kl)
     installed = None
     try:
         installed = _install_memory_mode(
