@@ -194,7 +194,7 @@ def token_entropy_rows(
     weight: Tensor,
     bias: Tensor | None = None,
     *,
-    chunk_rows: int = 1024,
+    chunk_rows: int = 256,
     softcap: float | None = None,
 ) -> Tensor:
     """Each row's next-token entropy ``−Σ_v p_v log p_v`` [M] (fp32, no gradient), ``chunk_rows`` rows at a time so

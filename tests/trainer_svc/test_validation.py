@@ -443,7 +443,10 @@ def test_a_job_on_several_ranks_or_of_a_method_without_a_held_out_loss_refuses_a
     ):
         validation.load(Datasets(), "ds-1", cfg, DatasetFormat.TEXT, 640)
     assert validation.load(Datasets(), "", replace(cfg, num_devices=1), DatasetFormat.TEXT, 640) is None
-    with pytest.raises(InvalidArgument, match="GRPO jobs have no held-out loss here"):
+    # GRPO takes a validation set (its held-out prompts' mean reward, tests/trainer_svc/test_grpo.py), of its format
+    with pytest.raises(
+        InvalidArgument, match="the validation set is text rows and the training set prompts rows"
+    ):
         validation.load(Datasets(), "ds-1", TrainConfig(method=TrainMethod.GRPO), DatasetFormat.PROMPTS, 640)
 
 

@@ -507,6 +507,12 @@ def run_grpo(
         torch.cuda.reset_peak_memory_stats(loaded.device)
     loop = GrpoLoop(loaded, rows, cfg, eval_rows)
     step = loop.load(resume_from) if resume_from is not None else 0
+    # on CUDA each layer is recomputed in backward, as the step API's runs and the jobs' memory mode assume
+    # (step_ops.memory_mode sizes its offload for checkpointed layers); elsewhere as the config asks
+    checkpointing = loaded.device.startswith("cuda") or cfg.gradient_checkpointing
+    was_checkpointing = bool(getattr(loaded.model, "is_gradient_checkpointing", False))
+    if checkpointing and not was_checkpointing:
+        loaded.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     sinks.on_start(loop.total_steps)
 
     def checkpoint(at: int) -> None:
@@ -531,6 +537,8 @@ def run_grpo(
                 break
         return step
     finally:
+        if checkpointing and not was_checkpointing:
+            loaded.model.gradient_checkpointing_disable()
         loaded.model.train(False)
         loop.opt.zero_grad(set_to_none=True)
         shutil.rmtree(work_dir, ignore_errors=True)

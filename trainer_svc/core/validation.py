@@ -22,6 +22,7 @@ from strop.common.trainer_types import (
     JobInfo,
     LogMessage,
     TrainConfig,
+    TrainMethod,
 )
 from strop.trainer_svc.core import adapter_state, job_config
 from strop.trainer_svc.core.datasets import Datasets
@@ -60,10 +61,12 @@ def load(
         if asked:
             raise InvalidArgument(f"config: {', '.join(asked)} need a validation set (validation_dataset_id)")
         return None
-    if cfg.method not in BATCH_LOSS:
+    # GRPO evaluates its held-out prompts' mean reward itself (trainer_svc/core/grpo.py, RlMetrics.eval_reward_mean)
+    if cfg.method not in BATCH_LOSS and cfg.method is not TrainMethod.GRPO:
         raise InvalidArgument(
             f"validation_dataset_id: {cfg.method.value} jobs have no held-out loss here; validation covers "
             + ", ".join(m.value for m in BATCH_LOSS)
+            + " (and GRPO's held-out mean reward)"
         )
     info, rows = datasets.rows(dataset_id)
     if info.format is not train_format:
