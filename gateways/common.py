@@ -63,10 +63,22 @@ class TrainerClients:
             self._clients.clear()
 
 
+def _exit_zero(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def serve(app, listen: str, *, tls_cert: str | None = None, tls_key: str | None = None) -> None:
-    """Run ``app`` under uvicorn on ``host:port`` (HTTPS with a certificate and key) until SIGINT/SIGTERM."""
+    """Run ``app`` under uvicorn on ``host:port`` (HTTPS with a certificate and key) until SIGINT/SIGTERM.
+
+    uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it found: the one set here makes a
+    finished drain end in ``SystemExit(0)`` (the caller's ``finally`` runs; the process exits 0, as the gRPC services
+    do on SIGTERM) instead of dying of the signal (exit -15, which a pod's status reports as an error)."""
+    import signal
+
     import uvicorn
 
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_zero)
     host, _, port = listen.rpartition(":")
     uvicorn.run(
         app, host=host or "127.0.0.1", port=int(port), ssl_certfile=tls_cert, ssl_keyfile=tls_key,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 from pathlib import Path
 
 from strop.common.trainer_types import Quantization
@@ -74,10 +73,6 @@ def config_from_args(args) -> GatewayConfig:
     )  # fmt: skip
 
 
-def _exit_zero(signum, frame) -> None:
-    raise SystemExit(0)
-
-
 def main(argv: list[str] | None = None) -> int:
     from strop.gateways.common import serve
     from strop.gateways.health import HealthServer, trainer_reachable
@@ -94,10 +89,6 @@ def main(argv: list[str] | None = None) -> int:
 
         probe = TrainerClient(gw.config.trainer, tls_ca=gw.config.tls_ca)  # its channel only: no call is made
         health = HealthServer(host, args.health_port, lambda: trainer_reachable(probe)).start()
-    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it found: this one makes a
-    # finished drain exit 0 (as the gRPC services do) instead of dying of the signal
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit_zero)
     try:
         serve(create_app(gw), args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key)
     finally:
