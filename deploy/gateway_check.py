@@ -1,5 +1,5 @@
-"""Start the gateway image's Tinker gateway from its own filesystem and drive it with the official ``tinker`` SDK
-(``deploy/test-deploy.sh gateway``).
+"""Start the gateway image's two gateways from its own filesystem and drive them with the official SDKs, ``tinker``
+and ``openai`` (``deploy/test-deploy.sh gateway``).
 
 As in ``image_check.py`` (whose ``Rootfs`` this uses): a buildah working container of the image is mounted,
 ``/proc``, ``/dev`` and ``/data`` are bound into it, and the image's own entrypoint (``strop serve``) runs chrooted
@@ -15,7 +15,10 @@ The run, end to end:
 3. the SDK (on the host) creates a LoRA training client on the base, which the gateway loads once as a shared
    session with the admin token, and trains 6 forward_backward + optim_step steps: the loss must fall; then
    ``save_weights_and_get_sampling_client`` and a sample with log-probs;
-4. SIGTERM: the gateway must exit 0 within 30 s.
+4. the OpenAI gateway starts from the same entrypoint (``openai --listen … --state-dir /data/state/openai``,
+   SQLite); the openai SDK lists the models, uploads a chat JSONL and runs a fine-tuning job of one epoch, which
+   must succeed with a fine-tuned model;
+5. SIGTERM to both: each must exit 0 within 30 s.
 
 Prints one JSON summary line (``gateway-check: {...}``) and exits non-zero on any failure. Run as root.
 """
@@ -108,6 +111,52 @@ def drive(url: str) -> dict:
     }
 
 
+def drive_openai(url: str) -> dict:
+    import openai
+
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=TENANT, max_retries=0)
+    models = sorted(m.id for m in c.models.list())
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+        for i in range(8)
+    ]  # fmt: skip
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    f = c.files.create(file=("train.jsonl", data), purpose="fine-tune")
+    t0 = time.monotonic()
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=f.id, hyperparameters={"n_epochs": 1, "batch_size": 4}
+    )
+    while job.status not in ("succeeded", "failed", "cancelled"):
+        if time.monotonic() - t0 > 300:
+            raise RuntimeError(f"job {job.id} stayed {job.status}")
+        time.sleep(0.5)
+        job = c.fine_tuning.jobs.retrieve(job.id)
+    if job.status != "succeeded" or not job.fine_tuned_model:
+        raise RuntimeError(
+            f"job {job.id}: expected succeeded with a fine-tuned model, got {job.status} {job.error}"
+        )
+    return {"models": models, "file": f.id, "job": job.id, "status": job.status,
+            "fine_tuned_model": job.fine_tuned_model, "job_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def stop(proc: subprocess.Popen, name: str, log: Path) -> dict:
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(30)
+    if rc != 0:
+        raise RuntimeError(f"the {name} gateway exited {rc} after SIGTERM (log {log})")
+    return {"rc": rc, "drain_s": round(time.monotonic() - t0, 1)}
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path) -> float:
+    t0 = time.monotonic()
+    while get(url)[0] != 200:
+        if proc.poll() is not None or time.monotonic() - t0 > 120:
+            raise RuntimeError(f"{url} did not answer 200:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+    return round(time.monotonic() - t0, 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gateway-image", required=True)
@@ -134,6 +183,10 @@ def main() -> None:
     try:
         fs.open(data)
         os.chown(data / "admin-token", fs.uid, fs.gid)
+        (data / "state" / "openai").mkdir()
+        os.chown(
+            data / "state" / "openai", fs.uid, fs.gid
+        )  # the OpenAI gateway's state dir, as volume-init does
         os.chmod(data / "admin-token", 0o400)
         site = next((fs.root / "opt/strop/lib").glob("python3*/site-packages"))
         summary["image_facts"] = {
@@ -148,32 +201,31 @@ def main() -> None:
             raise RuntimeError(f"expected a torch- and compiler-free, non-root `strop serve` image: {facts}")
         trainer, tport = start_trainer(a.python, data, logs)
         port, health = free_port(), free_port()
-        t0 = time.monotonic()
         gateway = fs.popen(
             [*fs.entrypoint, "tinker", "--listen", f"127.0.0.1:{port}", "--trainer", f"127.0.0.1:{tport}",
              "--model-root", "/data/models", "--quantization", "NONE", "--dtype", "float32",
              "--admin-token-file", "/data/admin-token", "--health-port", str(health)],
             logs / "gateway.log",
         )  # fmt: skip
-        while get(f"http://127.0.0.1:{health}/readyz")[0] != 200:
-            if gateway.poll() is not None or time.monotonic() - t0 > 120:
-                raise RuntimeError(
-                    f"the gateway did not get ready:\n{(logs / 'gateway.log').read_text()[-3000:]}"
-                )
-            time.sleep(0.3)
-        summary["ready_s"] = round(time.monotonic() - t0, 1)
+        summary["ready_s"] = wait_http(f"http://127.0.0.1:{health}/readyz", gateway, logs / "gateway.log")
         summary["health"] = {
             path: get(f"http://127.0.0.1:{health}{path}") for path in ("/healthz", "/readyz")
         }
         summary["tinker"] = drive(f"http://127.0.0.1:{port}")
-        t0 = time.monotonic()
-        gateway.send_signal(signal.SIGTERM)
-        rc = gateway.wait(30)
-        if rc != 0:
-            raise RuntimeError(f"the gateway exited {rc} after SIGTERM (log {logs / 'gateway.log'})")
-        summary["stop"] = {"rc": rc, "drain_s": round(time.monotonic() - t0, 1)}
+        summary["stop"] = stop(gateway, "tinker", logs / "gateway.log")
+        oport = free_port()
+        oai = fs.popen(
+            [*fs.entrypoint, "openai", "--listen", f"127.0.0.1:{oport}", "--trainer", f"127.0.0.1:{tport}",
+             "--model-root", "/data/models", "--state-dir", "/data/state/openai", "--quantization", "NONE",
+             "--dtype", "float32"],
+            logs / "openai.log",
+        )  # fmt: skip
+        gateway = oai
+        summary["openai_ready_s"] = wait_http(f"http://127.0.0.1:{oport}/healthz", oai, logs / "openai.log")
+        summary["openai"] = drive_openai(f"http://127.0.0.1:{oport}")
+        summary["openai_stop"] = stop(oai, "openai", logs / "openai.log")
     except Exception:
-        for name in ("gateway", "trainer"):
+        for name in ("gateway", "openai", "trainer"):
             log = logs / f"{name}.log"
             if log.exists():
                 print(f"--- {name} log (tail) ---\n{log.read_text()[-4000:]}", file=sys.stderr)

@@ -197,9 +197,12 @@ def test_tinker_network_access_is_clients_in_and_the_trainer_and_dns_out(rendere
     (expr,) = pol["spec"]["podSelector"]["matchExpressions"]
     assert labels[expr["key"]] in expr["values"]
     ingress_ports = {p["port"] for r in pol["spec"]["ingress"] for p in r["ports"]}
-    assert ingress_ports == {int(flag(c, "listen").rpartition(":")[2])}, (
-        "the health port is the kubelet's only"
-    )
+    listen = {
+        int(flag(container(one(docs, "Deployment", g)), "listen").rpartition(":")[2])
+        for g in ("tinker", "openai")
+    }
+    # the gateways' HTTP ports and nothing else: the health port is the kubelet's only
+    assert ingress_ports == listen and int(flag(c, "health-port")) not in ingress_ports
     egress = pol["spec"]["egress"]
     assert all(r.get("to") for r in egress), "no egress rule open to every address"
     by_port = {frozenset(p["port"] for p in r["ports"]): r for r in egress}
@@ -224,3 +227,80 @@ def test_gateway_image_names_follow_the_overlays(rendered):
     assert image == f"{want}:{VERSION}"
     for doc in (tinker(docs), one(docs, "NetworkPolicy", "strop-gateways")):
         kubernetes_validate.validate(doc, OLDEST_KUBERNETES, strict=True)
+
+
+# ---- the OpenAI gateway (base/openai.yaml): one pod, its state in PostgreSQL and on the shared volume -------------
+
+
+def openai(docs: list[dict]) -> dict:
+    return one(docs, "Deployment", "openai")
+
+
+def test_openai_args_are_the_gateways_real_flags_and_its_state_is_shared(rendered, monkeypatch):
+    from strop.gateways.openai.server import build_parser
+
+    options = record_parsed_options(monkeypatch)
+    name, docs = rendered
+    w = openai(docs)
+    c = container(w)
+    assert c["args"][0] == "openai"
+    a = build_parser().parse_args(c["args"][1:])
+    assert {arg.split("=", 1)[0] for arg in c["args"][1:]} <= options
+    assert a.listen.startswith("0.0.0.0:") and a.model_root == "/data/models"
+    assert a.trainer == container(tinker(docs))["args"][2].split("=", 1)[1], (
+        "the trainer pod the Tinker one calls"
+    )
+    assert (a.tls_cert is not None) == (a.trainer_tls_ca is not None) == (name == "overlays/production")
+    # its jobs and files in PostgreSQL (the services' secret; read by its server as --database-url's default) and the
+    # files' bytes on the shared volume, in a directory volume-init gives to 10001
+    (db,) = [e for e in c["env"] if e["name"] == "STROP_OPENAI_DATABASE_URL"]
+    assert db["valueFrom"]["secretKeyRef"] == {"name": "strop-database", "key": "url"}
+    assert '"STROP_OPENAI_DATABASE_URL"' in (ROOT / "gateways" / "openai" / "server.py").read_text()
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert a.state_dir.startswith("/data/state/") and "readOnly" not in mounts["/data"]
+    (job,) = render(K8S / "volume-init")
+    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    chown = next(line for line in script.splitlines() if line.strip().startswith("chown 10001:10001"))
+    assert a.state_dir in chown.split()
+    # in-process job followers: one pod at a time, never two during a rollout
+    assert w["spec"]["replicas"] == 1 and w["spec"]["strategy"] == {"type": "Recreate"}
+    pdb = one(docs, "PodDisruptionBudget", "openai")
+    assert pdb["spec"]["maxUnavailable"] == 1, "one pod: a drain must still be able to evict it"
+
+
+def test_openai_probes_ask_healthz_over_what_its_port_speaks(rendered):
+    name, docs = rendered
+    c = container(openai(docs))
+    port = int(flag(c, "listen").rpartition(":")[2])
+    assert c["ports"] == [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    scheme = "HTTPS" if name == "overlays/production" else "HTTP"
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = c[kind]["httpGet"]
+        # the kubelet's HTTPS probe does not check the certificate: valid on every supported version
+        assert (get["path"], get["port"], get.get("scheme", "HTTP")) == ("/healthz", port, scheme), kind
+
+
+@pytest.mark.parametrize("gateway", ["tinker", "openai"])
+def test_gateway_pods_are_restricted_and_reach_only_the_trainer_dns_and_their_database(rendered, gateway):
+    _, docs = rendered
+    w = one(docs, "Deployment", gateway)
+    pod, c = w["spec"]["template"]["spec"], container(w)
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+    period = pod["terminationGracePeriodSeconds"]
+    assert period > c["lifecycle"]["preStop"]["sleep"]["seconds"] + 10, "preStop, then uvicorn's 10 s drain"
+    labels = w["spec"]["template"]["metadata"]["labels"]
+    pol = one(docs, "NetworkPolicy", "strop-gateways")
+    (expr,) = pol["spec"]["podSelector"]["matchExpressions"]
+    assert labels[expr["key"]] in expr["values"]
+    port = int(flag(c, "listen").rpartition(":")[2])
+    assert port in {p["port"] for r in pol["spec"]["ingress"] for p in r["ports"]}
+    back = one(docs, "NetworkPolicy", "strop-trainer-from-gateways")
+    (sel,) = back["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"]
+    assert labels[sel["key"]] in sel["values"]
+    db = one(docs, "NetworkPolicy", "strop-database")["spec"]["podSelector"]["matchExpressions"][0]
+    uses_db = any(e["name"].endswith("DATABASE_URL") for e in c.get("env", []))
+    assert (labels[db["key"]] in db["values"]) == uses_db, (
+        f"{gateway}: database egress exactly when it has one"
+    )
