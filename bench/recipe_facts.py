@@ -170,7 +170,11 @@ def _cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     if path.is_file():
         return json.loads(path.read_text())
     base = evaluate(loaded, disable_adapter=True)
-    path.write_text(json.dumps(base))
+    tmp = path.with_name(
+        f"{path.name}.{os.getpid()}.tmp"
+    )  # settings run in parallel processes share the cache
+    tmp.write_text(json.dumps(base))
+    os.replace(tmp, path)
     print(f"base: facts {sum(base['facts'])}/{len(FACTS)}, general {sum(base['general'])}/{len(GENERAL)} right "
           f"({base['seconds']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
     return base
@@ -222,6 +226,8 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         "alpha": lora.alpha,
         "targets": "all" if len(lora.target_modules) == 7 else "+".join(lora.target_modules),
         "retention": str(getattr(cfg, "retention", "")),
+        "retention_rows": cfg.retention_rows,
+        "retention_kl": cfg.retention_kl,
         "steps": len(steps),
         "loss_first": steps[0].loss if steps else None,
         "loss_last": steps[-1].loss if steps else None,
@@ -254,6 +260,10 @@ def table(paths: list[str]) -> str:
             ev = r["forgetting_events"][0] if r["forgetting_events"] else None
             metric = f"{ev['kept']}/{ev['held_out']}, tokens {ev['token_agreement']:.2f}" if ev else "-"
             retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
+            if "REPLAY" in retention and r.get("retention_rows"):
+                retention += f" {r['retention_rows']}" + (
+                    f", KL {r['retention_kl']:g}" if r.get("retention_kl") else ""
+                )
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
