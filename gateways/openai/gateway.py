@@ -15,8 +15,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import pydantic
 from openai.types import FileDeleted, FileObject, Model, ModelDeleted
 from openai.types.fine_tuning import FineTuningJob, FineTuningJobEvent
+from openai.types.fine_tuning.fine_tuning_job import Method
 from openai.types.fine_tuning.jobs import FineTuningJobCheckpoint
 
 from strop.client.errors import NotFoundError, StropClientError
@@ -213,7 +215,7 @@ class Gateway:
             "config": params.config_doc(cfg), "lora": dataclasses.asdict(LoraConfig(seed=req.seed)),
             "dataset_id": train["dataset_id"], "validation_dataset_id": valid["dataset_id"] if valid else "",
             "eval_every_steps": params.eval_every(cfg, valid is not None), "status": "validating_files", "chain": [],
-            "want": "", "following": False, "result_files": [],
+            "want": "", "following": False, "result_files": [], "grader": req.grader,
         }  # fmt: skip
         self.store.put("oai_jobs", job)
         files = f"training file: {req.training_file}" + (
@@ -239,6 +241,14 @@ class Gateway:
     def job_wire(self, job: dict) -> FineTuningJob:
         h = job["hyperparameters"]
         method = {"type": job["method"], job["method"]: {"hyperparameters": h}}
+        if job.get("grader"):
+            method[job["method"]]["grader"] = job["grader"]
+        try:
+            method = Method.model_validate(method)
+        except (
+            pydantic.ValidationError
+        ):  # a grader type of strop's own (numeric_check, …) the SDK does not know
+            method = Method.model_construct(**method)
         out = FineTuningJob(
             id=job["id"], created_at=job["created_at"], object="fine_tuning.job", model=job["model"],
             organization_id=f"org-{job.get('tenant') or 'local'}", result_files=job.get("result_files") or [],

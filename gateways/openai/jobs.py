@@ -187,6 +187,8 @@ class JobRunner:
             data = {"step": int(s.step), "total_steps": int(s.total_steps), "train_loss": s.loss}
             if s.HasField("dpo"):
                 data.update(reward_margin=s.dpo.reward_margin, reward_accuracy=s.dpo.reward_accuracy)
+            if s.HasField("rl"):  # reinforcement: the grader's mean score over the step's samples
+                data.update(train_reward_mean=s.rl.reward_mean, train_reward_std=s.rl.reward_std)
             self.event(
                 job_id, f"Step {s.step}/{s.total_steps}: training loss={s.loss:.4f}", data=data, src=src
             )

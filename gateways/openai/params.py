@@ -5,16 +5,29 @@ hyperparameters resolved to a strop :class:`TrainConfig`.
 ``n_epochs`` SFT :func:`auto_epochs` of the training rows (300 rows' worth, 1 to 10), DPO 1; ``batch_size`` SFT 4,
 DPO 1; ``learning_rate_multiplier`` 1 (× strop's learning rate for the method: SFT 1e-3, DPO 5e-6); ``beta`` 0.1.
 A checkpoint is taken at the end of every epoch (OpenAI's), and with a validation file the job evaluates there too.
+
+``reinforcement`` is strop's GRPO job: the grader as OpenAI defines it (checked by ``strop.graders``), ``n_epochs``
+(auto 1), ``batch_size`` (prompts a step, auto 4), ``learning_rate_multiplier`` (× 1e-5), ``compute_multiplier``
+(× the 8 samples drawn for each prompt); ``eval_interval``/``eval_samples`` only "auto" (no validation file yet),
+``reasoning_effort`` only "default".
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
 from dataclasses import dataclass, field
 
-from strop.common.trainer_types import TrainConfig, TrainMethod, auto_epochs, train_default
+from strop.common.trainer_types import (
+    GRPO_DEFAULTS,
+    GrpoConfig,
+    TrainConfig,
+    TrainMethod,
+    auto_epochs,
+    train_default,
+)
 from strop.gateways.openai.errors import bad
 
 METHODS = {"supervised": TrainMethod.SFT, "dpo": TrainMethod.DPO, "reinforcement": TrainMethod.GRPO}
@@ -27,6 +40,15 @@ METHOD_FILE_KINDS = {
 HYPERPARAMETERS = {
     "supervised": ("n_epochs", "batch_size", "learning_rate_multiplier"),
     "dpo": ("n_epochs", "batch_size", "learning_rate_multiplier", "beta"),
+    "reinforcement": (
+        "n_epochs",
+        "batch_size",
+        "learning_rate_multiplier",
+        "compute_multiplier",
+        "eval_interval",
+        "eval_samples",
+        "reasoning_effort",
+    ),
 }
 CREATE_FIELDS = {
     "model", "training_file", "validation_file", "suffix", "seed", "metadata", "method", "hyperparameters",
@@ -39,6 +61,9 @@ RANGES = {
     "batch_size": (int, 1, 256),
     "learning_rate_multiplier": (float, 0.0, math.inf),
     "beta": (float, 0.0, 2.0),
+    "compute_multiplier": (float, 0.0, math.inf),
+    "eval_interval": (int, 1, 1 << 30),
+    "eval_samples": (int, 1, 1 << 30),
 }
 
 
@@ -52,6 +77,7 @@ class JobRequest:
     metadata: dict[str, str] | None
     method: str  # supervised | dpo | reinforcement
     hyperparameters: dict[str, object] = field(default_factory=dict)  # as given: a number or "auto"
+    grader: dict | None = None  # reinforcement: OpenAI's grader object, checked by strop.graders
 
 
 def _str(body: dict, name: str, *, required: bool = False) -> str | None:
@@ -78,6 +104,14 @@ def _hyper(raw, allowed: tuple[str, ...], where: str) -> dict[str, object]:
         if value is None or value == "auto":
             out[name] = "auto"
             continue
+        if (
+            name == "reasoning_effort"
+        ):  # the effort of a reasoning model's thinking; strop samples plain answers
+            if value != "default":
+                raise bad(f"'reasoning_effort' {value!r}: strop samples answers without a reasoning budget; "
+                          "leave it \"default\"", param)  # fmt: skip
+            out[name] = value
+            continue
         kind, low, high = RANGES[name]
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         if ok and kind is int:
@@ -94,6 +128,22 @@ def _hyper(raw, allowed: tuple[str, ...], where: str) -> dict[str, object]:
                       f"got {value!r}", param)  # fmt: skip
         out[name] = kind(value)
     return out
+
+
+def _grader(conf: dict) -> dict:
+    """The reinforcement method's grader, checked by strop's graders (the one owner of what a grader may say), each
+    problem named by its field under ``method.reinforcement.grader``."""
+    from strop.graders import GraderSpecError, parse_grader
+
+    where = "method.reinforcement.grader"
+    grader = conf.get("grader")
+    if not isinstance(grader, dict):
+        raise bad(f"Missing required parameter: '{where}' (an object)", where, "missing_required_parameter")
+    try:
+        parse_grader(grader, root=where)
+    except GraderSpecError as exc:
+        raise bad(str(exc), exc.field) from None
+    return grader
 
 
 def parse_create(body) -> JobRequest:
@@ -126,7 +176,11 @@ def parse_create(body) -> JobRequest:
     method = body.get("method")
     legacy = body.get("hyperparameters")
     if method is None:
-        kind, hyper = "supervised", _hyper(legacy, HYPERPARAMETERS["supervised"], "hyperparameters")
+        kind, hyper, grader = (
+            "supervised",
+            _hyper(legacy, HYPERPARAMETERS["supervised"], "hyperparameters"),
+            None,
+        )
     else:
         if not isinstance(method, dict):
             raise bad("'method' must be an object", "method")
@@ -144,12 +198,15 @@ def parse_create(body) -> JobRequest:
         conf = method.get(kind) or {}
         if not isinstance(conf, dict):
             raise bad(f"'method.{kind}' must be an object", f"method.{kind}")
-        if kind == "reinforcement":
-            raise bad(
-                "method type 'reinforcement' is not served by this gateway yet (strop's GRPO jobs are not wired "
-                "to it); use supervised or dpo", "method.type",
-            )  # fmt: skip
-        extra = set(conf) - {"hyperparameters"}
+        grader = _grader(conf) if kind == "reinforcement" else None
+        if grader is not None and body.get("validation_file") is not None:
+            raise bad("strop's reinforcement (GRPO) jobs evaluate no validation file yet; leave validation_file "
+                      "out", "validation_file")  # fmt: skip
+        extra = (
+            set(conf) - {"hyperparameters", "grader"}
+            if kind == "reinforcement"
+            else set(conf) - {"hyperparameters"}
+        )
         if extra:
             raise bad(f"'method.{kind}.{sorted(extra)[0]}' is not a field of the {kind} method",
                       f"method.{kind}.{sorted(extra)[0]}")  # fmt: skip
@@ -157,10 +214,14 @@ def parse_create(body) -> JobRequest:
         hyper.update(
             _hyper(conf.get("hyperparameters"), HYPERPARAMETERS[kind], f"method.{kind}.hyperparameters")
         )
+        for name in ("eval_interval", "eval_samples"):
+            if hyper.get(name, "auto") != "auto":
+                raise bad(f"'{name}' evaluates a validation file, which strop's reinforcement (GRPO) jobs do not "
+                          "yet; leave it \"auto\"", f"method.reinforcement.hyperparameters.{name}")  # fmt: skip
     return JobRequest(
         model=_str(body, "model", required=True), training_file=_str(body, "training_file", required=True),
         validation_file=_str(body, "validation_file"), suffix=suffix, seed=seed, metadata=metadata, method=kind,
-        hyperparameters=hyper,
+        hyperparameters=hyper, grader=grader,
     )  # fmt: skip
 
 
@@ -188,6 +249,14 @@ def resolve(req: JobRequest, num_rows: int) -> tuple[TrainConfig, dict[str, obje
     if method is TrainMethod.DPO:
         cfg.dpo_beta = float(pick("beta", train_default("dpo_beta", method)))
         out["beta"] = cfg.dpo_beta
+    if method is TrainMethod.GRPO:
+        # compute_multiplier scales the samples drawn for each prompt (GRPO's group), strop's default 8 at 1
+        compute = float(pick("compute_multiplier", 1.0))
+        group = max(2, round(int(GRPO_DEFAULTS["group_size"]) * compute))
+        cfg.grpo = GrpoConfig(grader=json.dumps(req.grader), group_size=group)
+        out.update(
+            compute_multiplier=compute, eval_interval="auto", eval_samples="auto", reasoning_effort="default"
+        )
     return cfg, out
 
 
@@ -196,11 +265,13 @@ CONFIG_FIELDS = ("learning_rate", "num_epochs", "batch_size", "seed", "checkpoin
 
 def config_doc(cfg: TrainConfig) -> dict:
     """What the gateway stores of a job's TrainConfig (the fields it sets; the trainer defaults the rest)."""
-    return {"method": cfg.method.value, **{f: getattr(cfg, f) for f in CONFIG_FIELDS}}
+    grpo = {"grader": cfg.grpo.grader, "group_size": cfg.grpo.group_size} if cfg.grpo else None
+    return {"method": cfg.method.value, **{f: getattr(cfg, f) for f in CONFIG_FIELDS}, "grpo": grpo}
 
 
 def config_from_doc(doc: dict) -> TrainConfig:
-    return TrainConfig(method=TrainMethod(doc["method"]), **{f: doc[f] for f in CONFIG_FIELDS})
+    grpo = GrpoConfig(**doc["grpo"]) if doc.get("grpo") else None
+    return TrainConfig(method=TrainMethod(doc["method"]), grpo=grpo, **{f: doc[f] for f in CONFIG_FIELDS})
 
 
 def eval_every(cfg: TrainConfig, validation: bool) -> int:

@@ -4,6 +4,8 @@ resume, models, tenants, a full queue, and a gateway restart. Every response is 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -267,3 +269,32 @@ def test_a_job_the_trainer_fails_reports_its_error(stack, files):
         "invalid_training_file" if failed.error_code == "INVALID_ARGUMENT" else "server_error"
     )
     assert next(iter(c.fine_tuning.jobs.list_events(job.id))).level == "error"
+
+
+GRADER = {"type": "string_check", "name": "has_answer", "input": "{{ sample.output_text }}",
+          "reference": "{{ item.answer }}", "operation": "like"}  # fmt: skip
+
+
+def test_reinforcement_job_runs_grpo_with_the_grader(stack):
+    c = stack.client()
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "answer": str(2 * i)}
+        for i in range(2)
+    ]
+    f = c.files.create(file=("rft.jsonl", jsonl(rows)), purpose="fine-tune")
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=f.id,
+        method={"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": {
+            "n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.25}}},
+    )  # fmt: skip
+    done = wait_status(c, job.id, DONE)
+    assert done.status == "succeeded", done.error
+    assert done.method.type == "reinforcement" and done.method.reinforcement.grader.name == "has_answer"
+    assert done.method.reinforcement.hyperparameters.compute_multiplier == 0.25
+    (step,) = [
+        e.data for e in c.fine_tuning.jobs.list_events(job.id) if e.type == "metrics"
+    ]  # 2 prompts, batch 2
+    # a string_check scores 0 or 1: the step's mean over its 2 x 2 samples (group 8 x 0.25) is a multiple of 1/4
+    assert step["train_reward_mean"] * 4 == pytest.approx(round(step["train_reward_mean"] * 4), abs=1e-9)
+    config = stack.gateway.gw.store.get("oai_jobs", job.id)["config"]["grpo"]
+    assert config["group_size"] == 2 and json.loads(config["grader"]) == GRADER

@@ -99,7 +99,16 @@ def test_bad_job_requests_name_their_param(stack, train_file):
     cases = {
         "model": dict(model="gpt-4o-mini-2024-07-18", training_file=train_file.id),
         "training_file": dict(model="tiny-llama", training_file="file-nope"),
-        "method.type": dict(model="tiny-llama", training_file=train_file.id, method={"type": "reinforcement"}),
+        "method.type": dict(model="tiny-llama", training_file=train_file.id, method={"type": "rlhf"}),
+        "method.reinforcement.grader": dict(
+            model="tiny-llama", training_file=train_file.id, method={"type": "reinforcement"}),
+        "method.reinforcement.grader.operation": dict(
+            model="tiny-llama", training_file=train_file.id, method={"type": "reinforcement", "reinforcement": {
+                "grader": {"type": "string_check", "name": "g", "input": "a", "reference": "b", "operation": "zz"}}}),
+        "method.reinforcement.hyperparameters.reasoning_effort": dict(
+            model="tiny-llama", training_file=train_file.id, method={"type": "reinforcement", "reinforcement": {
+                "grader": {"type": "string_check", "name": "g", "input": "a", "reference": "b", "operation": "eq"},
+                "hyperparameters": {"reasoning_effort": "high"}}}),
         "method.supervised.hyperparameters.n_epochs": dict(
             model="tiny-llama", training_file=train_file.id,
             method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}}),
