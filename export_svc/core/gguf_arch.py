@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import torch
 
-from strop.common.archs import Arch, head_dim
+from strop.common.archs import Arch, TopKNorm, head_dim, moe_sizes
 from strop.export_svc.core.errors import TargetRefused, UnsupportedModel
 from strop.export_svc.core.sources import BaseModel
 
@@ -101,6 +101,12 @@ def add_model_metadata(w: gguf.GGUFWriter, config: dict[str, Any], arch: Arch, n
         w.add_rope_scaling_orig_ctx_len(int(p["original_max_position_embeddings"]))
     elif rope_type not in ("default", "llama3"):
         raise UnsupportedModel(f"rope type {rope_type!r} is not supported for GGUF export")
+    if arch.moe is not None:  # llama.cpp's MoE keys (convert_hf_to_gguf writes the same for these archs)
+        experts, used, inter = moe_sizes(config)
+        w.add_expert_count(experts)
+        w.add_expert_used_count(used)
+        if arch.moe.intermediate_key != "intermediate_size":
+            w.add_expert_feed_forward_length(inter)
     gemma = GEMMA_IN_LLAMA_CPP.get(arch.gguf_arch)
     if gemma is not None:
         w.add_sliding_window(int(config["sliding_window"]))
@@ -167,11 +173,11 @@ def gguf_refusals(config: dict[str, Any], arch: Arch) -> list[str]:
     settings in code (:class:`GemmaInLlamaCpp`), so no metadata key could carry a different value.
     """
     if arch.moe is not None:
-        return [
-            f"{arch.model_type} is a mixture of experts: strop's GGUF writer does not write llama.cpp's expert "
-            "tensors (ffn_gate_exps/ffn_up_exps/ffn_down_exps, ffn_gate_inp) yet; export merged safetensors and "
-            "convert them with llama.cpp's convert_hf_to_gguf.py"
-        ]
+        if arch.moe.topk_norm is TopKNorm.CONFIG and not config.get("norm_topk_prob", False):
+            return [
+                f"norm_topk_prob false: llama.cpp's {arch.gguf_arch} always renormalizes the top-k routing weights"
+            ]
+        return []
     gemma = GEMMA_IN_LLAMA_CPP.get(arch.gguf_arch)
     if gemma is None:
         return []

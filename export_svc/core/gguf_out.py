@@ -18,6 +18,7 @@ import torch
 
 from strop.common.export_types import DEFAULT_GGUF_LORA_TYPE
 from strop.common.gguf_vocab import GgufVocab
+from strop.export_svc.core import moe
 from strop.export_svc.core.errors import TargetRefused, UnknownFormat
 from strop.export_svc.core.gguf_arch import (
     add_model_metadata,
@@ -82,13 +83,22 @@ def write_gguf_model(
         names = [n for n in base.tensors if "rotary_emb.inv_freq" not in n]
         if base.config.get("tie_word_embeddings") and not (adapter and "lm_head.weight" in adapter.modules):
             names = [n for n in names if n != "lm_head.weight"]  # llama.cpp reads token_embd as the output
-        gnames = {n: gguf_tensor_name(name_map, n) for n in names}
+        # an MoE layer's experts go out stacked, [E, out, in], when the last of them has been merged
+        stacks = moe.expert_stacks(base.config, names)
+        gnames = {n: gguf_tensor_name(name_map, stacks[n][0] if n in stacks else n) for n in names}
+        last = {gnames[n]: n for n in names}
         for n in names:
             shape = base.tensors[n].shape
+            if n in stacks:
+                if last[gnames[n]] != n:
+                    continue
+                shape = (stacks[n][2], *shape)
             w.plan(gnames[n], shape, tensor_type(gnames[n], shape, model_type))
+        qtypes = {pt.name: pt.qtype for pt in w.planned}
         w.begin()
         for gname, arr in extra:
             w.write(gname, arr)
+        pending: dict[str, dict[int, torch.Tensor]] = {}
         for i, (n, x) in enumerate(iter_merged(base, adapter, names=names, before_tensor=before_tensor)):
             heads = qk_heads(base, n)
             if heads is not None:
@@ -96,7 +106,14 @@ def write_gguf_model(
             offset = norm_offset(arch, n)
             if offset:
                 x = x.to(torch.float32) + offset  # 1-D norms are written F32: the shift is exact
-            w.write(gnames[n], encode(x, w.planned[len(extra) + i].qtype))
+            if n in stacks:
+                group = pending.setdefault(gnames[n], {})
+                group[stacks[n][1]] = x
+                if last[gnames[n]] != n:
+                    continue
+                x = torch.stack([group[e].to(torch.float32) for e in range(stacks[n][2])])
+                del pending[gnames[n]]
+            w.write(gnames[n], encode(x, qtypes[gnames[n]]))
             if after_tensor is not None:
                 after_tensor(n, i, w.bytes_written, w.bytes_total)
         w.finish()
@@ -128,6 +145,10 @@ def gguf_lora_refusals(adapter: Adapter) -> list[str]:
         why.append("LoRA on embeddings")
     if adapter.replacements:
         why.append(f"whole-module weights ({sorted(adapter.replacements)[:2]})")
+    if adapter.expert_pairs or any(m.a_rows is not None for m in adapter.modules.values()):
+        why.append(
+            "LoRA on fused experts (llama.cpp's LoRA adapters carry 2-D pairs only; a merged GGUF can)"
+        )
     return why
 
 

@@ -149,3 +149,22 @@ def model_state(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[
         )
         out[f"{q}.down_proj"] = torch.stack([state[f"{p}.{e}.{down}.weight"] for e in range(experts)])
     return out
+
+
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def expert_stacks(config: dict[str, Any], names: list[str]) -> dict[str, tuple[str, int, int]]:
+    """For each per-expert tensor among ``names``: the stacked tensor it is expert ``e`` of, as llama.cpp's MoE tensors
+    hold a layer's experts (``blk.i.ffn_{gate,up,down}_exps``: ``[E, out, in]``), named the way gguf-py's tensor map
+    knows it (``model.layers.i.mlp.experts.gate_proj.weight``), ``e`` and ``E``. Empty for a dense config."""
+    arch = MOE_ARCHS.get(str(config.get("model_type")))
+    if arch is None or not arch.moe.checkpoint_experts:
+        return {}
+    experts, _, _ = moe_sizes(config)
+    out = {}
+    for n in names:
+        m = _PER_EXPERT.fullmatch(n)
+        if m:
+            out[n] = (f"{m.group(1)}.{m.group(3)}.weight", int(m.group(2)), experts)
+    return out
