@@ -163,6 +163,7 @@ def test_a_cancelled_job_resumed_continues_as_one_never_stopped(client, datasets
         # the same rewards, and the same fp32 arithmetic for the loss
         assert got.rl.reward_mean == want.rl.reward_mean
         assert got.rl.clip_fraction == want.rl.clip_fraction
+        assert got.tokens_seen == want.tokens_seen  # counted on from the checkpoint
         assert got.loss == pytest.approx(want.loss, rel=1e-6, abs=1e-9)
         assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-6)
     client.close_session(b)

@@ -288,6 +288,7 @@ class GrpoLoop:
         warmup = cfg.warmup_steps * self.g.num_iterations or math.ceil(cfg.warmup_ratio * self.total_updates)
         self.sched = get_scheduler(cfg.lr_scheduler, self.opt, warmup, self.total_updates)
         self.updates = 0
+        self.tokens_seen = 0
         base = model.get_base_model()
         self.softcap = getattr(base.config, "final_logit_softcapping", None)
         head = base.lm_head
@@ -307,7 +308,8 @@ class GrpoLoop:
         )
         self.loaded.model.peft_config[self.adapter].save_pretrained(str(out_dir))
         opt = step_ops.optimizer_tensors(self.opt, [n for n, _ in self.named])
-        step_ops.write_state(out_dir, {"grpo_step": step, "updates": self.updates}, opt)
+        meta = {"grpo_step": step, "updates": self.updates, "tokens_seen": self.tokens_seen}
+        step_ops.write_state(out_dir, meta, opt)
 
     def load(self, ckpt: Path) -> int:
         meta, adapter, opt = step_ops.read_state(ckpt)
@@ -321,6 +323,7 @@ class GrpoLoop:
             for _ in range(int(meta["updates"])):
                 self.sched.step()
         self.updates = int(meta["updates"])
+        self.tokens_seen = int(meta.get("tokens_seen", 0))
         return int(meta["grpo_step"])
 
     # -- sampling and grading ------------------------------------------------------------------------------
@@ -371,7 +374,10 @@ class GrpoLoop:
         """Mean reward of one sample per held-out prompt, each with its own fixed seed (the same at every eval, so
         evaluations differ by the weights only)."""
         seeds = [_seed(self.cfg.seed, "eval", i) for i in range(len(self.eval_prompts))]
-        results = self._sample(self.eval_prompts, 1, seeds)
+        per_call = self.cfg.batch_size * self.g.group_size  # as many rows as a training step samples
+        results = []
+        for i in range(0, len(seeds), per_call):
+            results += self._sample(self.eval_prompts[i : i + per_call], 1, seeds[i : i + per_call])
         rewards, grades = self._grade(results, self.eval_rows)
         return float(rewards.mean()), self._grader_metrics(grades)
 
@@ -460,6 +466,7 @@ class GrpoLoop:
         t_end = time.perf_counter()
         n_tok = sum(lengths)
         trained = sum(len(p) * g.group_size for p in prompts) + n_tok
+        self.tokens_seen += trained
         std = rewards.std(dim=1)
         rl = RlMetrics(
             reward_mean=float(rewards.mean()),
@@ -481,7 +488,7 @@ class GrpoLoop:
             step=step + 1, total_steps=self.total_steps, epoch=(step + 1) * cfg.batch_size / len(self.prompts),
             loss=first_loss, learning_rate=float(opt_metrics["learning_rate:mean"]),
             grad_norm=float(opt_metrics["grad_norm:mean"]), tokens_per_second=trained / max(t_end - t0, 1e-9),
-            tokens_seen=trained * (step + 1), peak_memory_bytes=_peak_memory(loaded.device),
+            tokens_seen=self.tokens_seen, peak_memory_bytes=_peak_memory(loaded.device),
             step_seconds=t_end - t0, rl=rl,
         )  # fmt: skip
 
