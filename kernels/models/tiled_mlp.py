@@ -341,6 +341,11 @@ def enable_tiled_mlp(
         if "forward" in mlp.__dict__ and getattr(mlp.__dict__["forward"], "_strop_tiled", False):
             report.skipped[name] = "already tiled"
             continue
+        if "experts" in mlp._modules:
+            # token-wise, but its router's logits are recorded once per call for the load-balancing loss (chunks
+            # would record one entry each) and Mixtral's jitter draws random numbers
+            report.skipped[name] = "mixture-of-experts block (router logits recorded per call)"
+            continue
         inter = getattr(mlp, "intermediate_size", None) or getattr(
             getattr(mlp, "config", None), "intermediate_size", None
         )

@@ -129,3 +129,14 @@ def test_gpt_oss_keeps_hf_peft_and_kernels_on_is_refused_naming_it():
     with pytest.raises(InvalidArgument, match="gpt_oss has no fast path"):
         decide_kernels(KernelMode.ON, "cpu", "gpt_oss")
     assert decide_kernels(KernelMode.UNSPECIFIED, "cpu", "gpt_oss")[0] is False
+
+
+def test_the_long_context_tiling_leaves_moe_blocks_whole_and_says_why():
+    from strop.kernels.models.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp
+
+    model = _model("qwen3_moe", False, None)
+    report = enable_tiled_mlp(model)
+    assert report.tiled == []
+    assert set(report.skipped.values()) == {"mixture-of-experts block (router logits recorded per call)"}
+    assert len(report.skipped) == 2
+    disable_tiled_mlp(model)
