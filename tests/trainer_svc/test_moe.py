@@ -203,3 +203,43 @@ def test_the_admission_estimate_bounds_what_an_moe_step_saves():
     )
     model = get_peft_model(model, cfg)
     assert_estimate_bounds_a_real_step(config, model, rows=2, length=96, expert_lora=True)
+
+
+@pytest.fixture(scope="module")
+def moe_trainer(moe_root):
+    from strop.trainer_svc.core.trainer_core import TrainerConfig
+    from strop.trainer_svc.server import start
+
+    work = moe_root.parent / f"{moe_root.name}-svc"
+    (work / "data").mkdir(parents=True)
+    service = start(
+        TrainerConfig(
+            model_root=moe_root,
+            artifact_root=work / "artifacts",
+            state_dir=work / "state",
+            data_root=work / "data",
+        )
+    )
+    yield service.running
+    service.stop(grace=10.0)
+
+
+@pytest.mark.parametrize("arch,name", [("qwen3_moe", "qwen3_moe-4bit"), ("mixtral", "mixtral")])
+def test_an_sft_job_on_an_moe_runs_over_grpc_and_lowers_the_loss(moe_trainer, arch, name):
+    """Through the service and the SDK: LoadModel (prequantized 4-bit, or 16-bit), AttachLora with the router trained
+    on request, a 4-step SFT job whose loss falls."""
+    from strop.client import JobState, TrainerClient
+    from strop.client import LoraConfig as ClientLora
+
+    with TrainerClient(f"127.0.0.1:{moe_trainer.port}") as client:
+        s = client.load_model(name, dtype="float32")
+        assert s.facts.model_type == arch and "4 experts, 2 per token" in s.facts.kernels_reason
+        s = client.attach_lora(s.session_id, ClientLora(r=4, alpha=8, seed=0, train_router=arch == "mixtral"))
+        ds = client.upload_dataset(ROWS * 2, name=f"{arch}.jsonl")
+        cfg = TrainConfig(method=TrainMethod.SFT, max_steps=4, learning_rate=5e-3, batch_size=2,
+                          lr_scheduler="constant", max_length=32, seed=0)  # fmt: skip
+        events = list(client.train(s.session_id, ds.dataset_id, cfg))
+        assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
+        losses = [e.step.loss for e in events if e.step is not None]
+        assert len(losses) == 4 and losses[-1] < losses[0], losses
+        client.close_session(s.session_id)
