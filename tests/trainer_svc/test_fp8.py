@@ -36,20 +36,40 @@ def test_fp8_sessions_need_bf16_and_say_so(client, mode):
     assert err.value.code == "INVALID_ARGUMENT" and f"kernels {mode} needs dtype 'bfloat16'" in str(err.value)
 
 
+@pytest.fixture(scope="module")
+def fp8_sessions(trainer):
+    """One bf16 session with LoRA per FP8 mode, shared by the module's tests (loading one quantizes every base
+    weight), made on first use and closed after the module."""
+    from strop.client import TrainerClient
+
+    running, _, _ = trainer
+    sessions = {}  # mode -> (LoadModel's answer, AttachLora's answer)
+    with TrainerClient(f"127.0.0.1:{running.port}") as c:
+
+        def session(mode: KernelMode):
+            if mode not in sessions:
+                s = c.load_model("tiny-llama", dtype="bfloat16", kernels=mode)
+                sessions[mode] = s, c.attach_lora(s.session_id, FAST_LORA)
+            return sessions[mode]
+
+        yield session
+        for loaded, _ in sessions.values():
+            c.close_session(loaded.session_id)
+
+
 @pytest.mark.parametrize(
     "mode,what,forward",
     [(KernelMode.ON_FP8, "FP8 base GEMMs", 14), (KernelMode.ON_FP8_DX, "FP8 dx GEMMs (forward exact)", 0)],
 )
 def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(
-    client, monkeypatch, mode, what, forward
+    client, fp8_sessions, monkeypatch, mode, what, forward
 ):
     from tests.kernels.test_fp8 import count_fp8_gemms
 
-    calls = count_fp8_gemms(monkeypatch)
-    s = client.load_model("tiny-llama", dtype="bfloat16", kernels=mode)
-    assert s.facts.kernels_enabled and what.split(" (")[0] in s.facts.kernels_reason, s.facts.kernels_reason
-    s = client.attach_lora(s.session_id, FAST_LORA)
+    loaded, s = fp8_sessions(mode)
+    assert loaded.facts.kernels_enabled and what.split(" (")[0] in loaded.facts.kernels_reason, loaded.facts
     assert f"{what} (opt-in, inexact) on 14 projections" in s.facts.kernels_reason, s.facts.kernels_reason
+    calls = count_fp8_gemms(monkeypatch)
     ds = client.upload_dataset([ROW] * 8, name="fp8.jsonl")
     cfg = sft_config(3, learning_rate=5e-3, batch_size=1, max_length=32)
     events = list(client.train(s.session_id, ds.dataset_id, cfg))
@@ -60,15 +80,13 @@ def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(
     # dx of each projection but the first layer's q, k and v (their input, the embeddings' output, needs no
     # gradient)
     assert calls == {"forward": 3 * forward, "backward": 3 * 11}, calls
-    client.close_session(s.session_id)
 
 
 @pytest.mark.parametrize("mode", [KernelMode.ON_FP8, KernelMode.ON_FP8_DX])
-def test_an_fp8_session_refuses_fsdp_jobs_before_they_start(client, mode):
+def test_an_fp8_session_refuses_fsdp_jobs_before_they_start(client, fp8_sessions, mode):
     from strop.client import Parallelism
 
-    s = client.load_model("tiny-llama", dtype="bfloat16", kernels=mode)
-    s = client.attach_lora(s.session_id, FAST_LORA)
+    _, s = fp8_sessions(mode)
     ds = client.upload_dataset([ROW] * 4, name="fp8-fsdp.jsonl")
     cfg = sft_config(1, num_devices=2, parallelism=Parallelism.FSDP)
     with pytest.raises(StropClientError) as err:
@@ -77,4 +95,3 @@ def test_an_fp8_session_refuses_fsdp_jobs_before_they_start(client, mode):
         err.value.code == "FAILED_PRECONDITION"
         and "does not combine with kernels ON_FP8 or ON_FP8_DX" in str(err.value)
     )
-    client.close_session(s.session_id)
