@@ -41,19 +41,20 @@ def base_models(root: Path | None) -> list[str]:
 
 
 class TrainerClients:
-    """One :class:`TrainerClient` per API key, the key as its bearer token: the trainer decides the tenant."""
+    """One client per API key (a :class:`TrainerClient`, or ``cls``), the key as its bearer token: the service
+    decides the tenant."""
 
-    def __init__(self, target: str, tls_ca: str | None = None):
-        self.target, self.tls_ca = target, tls_ca
+    def __init__(self, target: str, tls_ca: str | None = None, cls=TrainerClient):
+        self.target, self.tls_ca, self.cls = target, tls_ca, cls
         self._lock = threading.Lock()
-        self._clients: dict[str, TrainerClient] = {}
+        self._clients: dict = {}
 
-    def get(self, api_key: str) -> TrainerClient:
+    def get(self, api_key: str):
         owner = owner_hash(api_key)
         with self._lock:
             c = self._clients.get(owner)
             if c is None:
-                c = self._clients[owner] = TrainerClient(self.target, token=api_key, tls_ca=self.tls_ca)
+                c = self._clients[owner] = self.cls(self.target, token=api_key, tls_ca=self.tls_ca)
             return c
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from openai.types.fine_tuning.fine_tuning_job import Method
 from openai.types.fine_tuning.jobs import FineTuningJobCheckpoint
 
 from strop.client.errors import NotFoundError, StropClientError
+from strop.client.export import ExportClient
 from strop.common.trainer_types import DatasetFormat, LoraConfig, Quantization
 from strop.gateways.common import TrainerClients, base_models, owner_hash
 from strop.gateways.openai import params
@@ -45,6 +46,7 @@ class GatewayConfig:
     max_seq_length: int = 0
     max_file_bytes: int = 512 << 20  # OpenAI's limit for a fine-tuning file
     tls_ca: str | None = None
+    exporter: str = ""  # the export service's gRPC address (metadata.strop_export); "": none
 
 
 def _page(items: list, after: str | None, limit: int) -> dict:
@@ -134,6 +136,9 @@ class Gateway:
         Path(config.state_dir).mkdir(parents=True, exist_ok=True)
         self.store = GatewayStore(config.database_url, Path(config.state_dir))
         self.clients = TrainerClients(config.trainer, config.tls_ca)
+        self.exporters = (
+            TrainerClients(config.exporter, config.tls_ca, cls=ExportClient) if config.exporter else None
+        )
         self.files = Files(self)
         self.runner = JobRunner(self)
         self._lock = threading.Lock()
@@ -143,6 +148,8 @@ class Gateway:
     def close(self) -> None:
         self.runner.close()
         self.clients.close()
+        if self.exporters is not None:
+            self.exporters.close()
         self.store.close()
 
     # ---- callers ------------------------------------------------------------------------------------------
@@ -197,6 +204,9 @@ class Gateway:
     def create_job(self, api_key: str, body) -> FineTuningJob:
         owner = self.owner(api_key)
         req = params.parse_create(body)
+        if params.EXPORT_KEY in (req.metadata or {}) and self.exporters is None:
+            raise bad(f"metadata {params.EXPORT_KEY!r}: this gateway has no export service (strop serve openai "
+                      "--exporter)", "metadata")  # fmt: skip
         if req.model not in base_models(self.config.model_root):
             hint = " (fine-tuning a fine-tuned model is not supported)" if req.model.startswith("ft:") else ""
             raise bad(f"model {req.model!r} is not a base model served here{hint}; GET /v1/models lists them",
@@ -257,6 +267,7 @@ class Gateway:
             hyperparameters={k: h[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")},
             method=method, metadata=job.get("metadata"), fine_tuned_model=job.get("fine_tuned_model"),
             finished_at=job.get("finished_at"), trained_tokens=job.get("trained_tokens"), error=job.get("error"),
+            **({"strop_exports": job["exports"]} if job.get("exports") else {}),  # the SDK keeps extra fields
         )  # fmt: skip
         # "paused" is a status OpenAI's API returns (jobs.pause) that the SDK's literal does not list yet
         return out.model_copy(update={"status": "paused"}) if job["status"] == "paused" else out

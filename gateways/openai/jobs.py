@@ -19,6 +19,7 @@ starts a follower for every job that was live.
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 import threading
 import time
@@ -251,10 +252,7 @@ class JobRunner:
                 adapter_id=info.adapter.artifact_id, result_files=results, trained_tokens=job.get("tokens", 0),
             )  # fmt: skip
             self.event(job_id, f"New fine-tuned model created: {name}")
-            exports = (job.get("metadata") or {}).get("strop_export")
-            if exports:
-                self.event(job_id, f"Export requested in metadata ({exports}): run `strop export` on adapter "
-                                   f"{info.adapter.artifact_id}; the gateway records the request only")  # fmt: skip
+            self._export(api_key, job, info.adapter.artifact_id)
             self.event(job_id, "The job has successfully completed")
             return
         if info.state == _STATE.JOB_STATE_INTERRUPTED and info.HasField("last_checkpoint"):
@@ -270,6 +268,24 @@ class JobRunner:
             return
         code = "invalid_training_file" if info.error_code == "INVALID_ARGUMENT" else "server_error"
         self._fail(job_id, info.error or f"the trainer's job ended {_STATE.Name(info.state)}", code)
+
+    def _export(self, api_key: str, job: dict, adapter_id: str) -> None:
+        """``metadata.strop_export``: the export service writes the fine-tuned model (its own job, followed there)."""
+        spec = (job.get("metadata") or {}).get(params.EXPORT_KEY)
+        if not spec or self.gw.exporters is None:
+            return
+        try:
+            exp = self.gw.exporters.get(api_key).create_export(
+                params.export_targets(spec),
+                adapter_artifact_id=adapter_id,
+                name=re.sub(r"[^A-Za-z0-9._-]", "-", model_name(job)),
+            )
+        except StropClientError as exc:
+            self.event(job["id"], f"The export ({spec}) was refused: {exc.details}", level="warn")
+            return
+        ids = [t.artifact_id for t in exp.request.targets]
+        self.store.update("oai_jobs", job["id"], exports=[{"export_id": exp.export_id, "artifacts": ids}])
+        self.event(job["id"], f"Export {exp.export_id} submitted ({spec}): artifacts {', '.join(ids)}")
 
     def _fail(self, job_id: str, message: str, code: str) -> None:
         self.store.update(

@@ -20,6 +20,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from strop.common.export_types import ExportTarget
 from strop.common.trainer_types import (
     GRPO_DEFAULTS,
     GrpoConfig,
@@ -130,6 +131,24 @@ def _hyper(raw, allowed: tuple[str, ...], where: str) -> dict[str, object]:
     return out
 
 
+EXPORT_KEY = "strop_export"  # metadata: what the export service writes of the fine-tuned model on success
+
+
+def export_targets(spec: str) -> list[ExportTarget]:
+    """``metadata.strop_export``: comma-separated ``merged[:dtype]``, ``peft``, ``gguf[:type]``, ``gguf_lora[:type]``
+    (types as ``strop export`` takes them; the export service checks them when the export is submitted)."""
+    out = []
+    for item in (x.strip() for x in spec.split(",")):
+        name, _, arg = item.partition(":")
+        make = {"merged": ExportTarget.merged, "peft": ExportTarget.peft, "gguf": ExportTarget.gguf,
+                "gguf_lora": ExportTarget.gguf_lora}.get(name)  # fmt: skip
+        if make is None or (name == "peft" and arg):
+            raise bad(f"metadata {EXPORT_KEY!r}: {item!r} is not merged[:dtype], peft, gguf[:type] or "
+                      "gguf_lora[:type]", "metadata")  # fmt: skip
+        out.append(make(arg) if arg else make())
+    return out
+
+
 def _grader(conf: dict) -> dict:
     """The reinforcement method's grader, checked by strop's graders (the one owner of what a grader may say), each
     problem named by its field under ``method.reinforcement.grader``."""
@@ -173,6 +192,8 @@ def parse_create(body) -> JobRequest:
             if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
                 raise bad(f"metadata {k!r}: keys are at most 64 characters, values strings of at most 512",
                           "metadata")  # fmt: skip
+        if EXPORT_KEY in metadata:
+            export_targets(metadata[EXPORT_KEY])
     method = body.get("method")
     legacy = body.get("hyperparameters")
     if method is None:

@@ -5,7 +5,8 @@ Flags (each with an environment variable): ``--listen`` (STROP_OPENAI_LISTEN, de
 the trainer's model root, read-only: the base models served), ``--state-dir`` (STROP_OPENAI_STATE_DIR: the SQLite file
 and the uploaded files), ``--database-url`` (STROP_OPENAI_DATABASE_URL: PostgreSQL instead of SQLite),
 ``--quantization``/``--dtype``/``--max-seq-length`` (how jobs' bases are loaded), ``--tls-cert``/``--tls-key``
-(HTTPS), ``--trainer-tls-ca`` (STROP_TLS_CA). ``GET /healthz`` is the probe.
+(HTTPS), ``--trainer-tls-ca`` (STROP_TLS_CA), ``--exporter`` (STROP_EXPORTER: the export service, for jobs whose
+metadata asks for exports). ``GET /healthz`` is the probe.
 """
 
 from __future__ import annotations
@@ -45,8 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=env("STROP_OPENAI_TLS_CERT"), help="HTTPS certificate (PEM)")
     p.add_argument("--tls-key", default=env("STROP_OPENAI_TLS_KEY"), help="HTTPS private key (PEM)")
     p.add_argument(
-        "--trainer-tls-ca", default=env("STROP_TLS_CA"), help="CA of the trainer's TLS certificate"
+        "--trainer-tls-ca",
+        default=env("STROP_TLS_CA"),
+        help="CA of the trainer's (and the exporter's) certificate",
     )
+    p.add_argument("--exporter", default=env("STROP_EXPORTER", ""),
+                   help="the export service's gRPC address: jobs whose metadata asks (strop_export) are exported "
+                        "on success ('' = none)")  # fmt: skip
     return p
 
 
@@ -57,6 +63,7 @@ def config_from_args(args) -> GatewayConfig:
         trainer=args.trainer, model_root=Path(args.model_root), state_dir=Path(args.state_dir),
         database_url=args.database_url, quantization=Quantization(args.quantization), dtype=args.dtype,
         max_seq_length=args.max_seq_length, max_file_bytes=args.max_file_mb << 20, tls_ca=args.trainer_tls_ca,
+        exporter=args.exporter,
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ MAX_QUEUED = 1  # the trainer's queue: one job waits while one runs, a third is 
 class ServedGateway:
     """The OpenAI gateway over ``trainer`` with its state in ``state_dir``, served by uvicorn in a thread."""
 
-    def __init__(self, trainer: str, model_root, state_dir):
+    def __init__(self, trainer: str, model_root, state_dir, exporter: str = ""):
         import uvicorn
 
         from strop.common.trainer_types import Quantization
@@ -25,7 +25,7 @@ class ServedGateway:
 
         self.gw = Gateway(GatewayConfig(
             trainer=trainer, model_root=model_root, state_dir=state_dir, quantization=Quantization.NONE,
-            dtype="float32",
+            dtype="float32", exporter=exporter,
         ))  # fmt: skip
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -64,8 +64,19 @@ class Stack:
             model_root=model_root, artifact_root=work / "artifacts", state_dir=work / "state",
             data_root=work / "data", max_queued_jobs=MAX_QUEUED,
         )  # fmt: skip
-        self.trainer = start(config, security=Security(tokens=TokenTable.load(tokens)))
-        self.gateway = ServedGateway(self.trainer_address, model_root, work / "gateway")
+        from strop.export_svc.server import ExportConfig
+        from strop.export_svc.server import start as start_export
+
+        security = Security(tokens=TokenTable.load(tokens))
+        self.trainer = start(config, security=security)
+        # the export service on the same artifact store (jobs whose metadata asks for exports)
+        self.exporter = start_export(
+            ExportConfig(model_root, work / "artifacts", work / "export"), security=security
+        )
+        self.exporter_address = f"127.0.0.1:{self.exporter.running.port}"
+        self.gateway = ServedGateway(
+            self.trainer_address, model_root, work / "gateway", self.exporter_address
+        )
 
     @property
     def trainer_address(self) -> str:
@@ -78,7 +89,9 @@ class Stack:
     def restart_gateway(self) -> None:
         """Stop the gateway and start a new one on the same state (another port)."""
         self.gateway.stop()
-        self.gateway = ServedGateway(self.trainer_address, self.model_root, self.work / "gateway")
+        self.gateway = ServedGateway(
+            self.trainer_address, self.model_root, self.work / "gateway", self.exporter_address
+        )
 
     def client(self, key: str = KEY_A):
         import openai
@@ -88,6 +101,7 @@ class Stack:
 
     def stop(self) -> None:
         self.gateway.stop()
+        self.exporter.stop(grace=5.0)
         self.trainer.stop(grace=5.0)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from strop.client.export import ExportClient  # noqa: E402
 from tests.gateways.openai_stack import (  # noqa: E402
     KEY_A,
     KEY_B,
@@ -44,7 +45,7 @@ def sft_job(stack, files):
     train, valid, _ = files
     job = c.fine_tuning.jobs.create(
         model="tiny-llama", training_file=train.id, validation_file=valid.id, suffix="adder", seed=7,
-        metadata={"team": "a"},
+        metadata={"team": "a", "strop_export": "peft"},
         method={"type": "supervised", "supervised": {"hyperparameters": {
             "n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 5.0}}},
     )  # fmt: skip
@@ -81,7 +82,8 @@ def test_sft_job_trains_and_reports(stack, sft_job):
         and job.method.supervised.hyperparameters.learning_rate_multiplier == 5.0
     )
     assert job.fine_tuned_model == f"ft:tiny-llama:a:adder:{job.id.split('-', 1)[1]}"
-    assert job.metadata == {"team": "a"} and job.finished_at >= job.created_at and job.trained_tokens > 0
+    assert job.metadata == {"team": "a", "strop_export": "peft"}
+    assert job.finished_at >= job.created_at and job.trained_tokens > 0
     events = list(c.fine_tuning.jobs.list_events(job.id, limit=3))  # three a page: the SDK pages with after=
     assert events[0].message == "The job has successfully completed"
     steps = [e.data for e in reversed(events) if e.type == "metrics" and "train_loss" in e.data]
@@ -107,6 +109,13 @@ def test_sft_job_trains_and_reports(stack, sft_job):
     assert c.files.retrieve(result).purpose == "fine-tune-results"
     csv = c.files.content(result).text.splitlines()
     assert csv[0].startswith("step,train_loss") and len(csv) == 1 + 4
+    # metadata.strop_export: the export service wrote the fine-tuned model as a PEFT adapter directory
+    (export,) = job.model_extra["strop_exports"]
+    with ExportClient(stack.exporter_address, token=KEY_A) as ec:
+        done = ec.wait_export(export["export_id"], timeout=120)
+    assert done.state.value == "SUCCEEDED", done.error
+    assert [r.artifact.kind for r in done.results] == ["peft_adapter"]
+    assert [r.artifact.artifact_id for r in done.results] == export["artifacts"]
 
 
 def test_models_list_retrieve_delete(stack, sft_job):
