@@ -423,16 +423,17 @@ class Gateway:
             raise KeyError(p["k"])
         fut = self._start(api_key, rid, p)  # after a restart: done again, or found done
         try:
-            out = fut.result(timeout=self.config.poll_ms / 1000.0)
+            return fut.result(timeout=self.config.poll_ms / 1000.0)
         except cf.TimeoutError:
             return None
         except WireError as exc:
-            out = _failed(str(exc), "user" if exc.status < 500 else "server")
+            return _failed(str(exc), "user" if exc.status < 500 else "server")
         except StropClientError as exc:
-            out = _failed(exc.details, "user" if exc.code in USER_CODES else "server")
-        with self._lock:
-            self._inflight.pop(rid, None)  # answered: a later poll finds the model (or fails) again
-        return out
+            return _failed(exc.details, "user" if exc.code in USER_CODES else "server")
+        finally:
+            if fut.done():  # answered (or a payload that cannot be done): a later poll finds the model again
+                with self._lock:
+                    self._inflight.pop(rid, None)
 
     def _answer_step(self, api_key: str, p: dict[str, Any]) -> Any:
         c = self.client(api_key)

@@ -178,3 +178,38 @@ def test_the_health_port_answers_liveness_and_readiness(tinker_stack):
         finally:
             ok.stop()
             bad.stop()
+
+
+def test_an_edited_id_is_not_found_never_a_500(tinker_stack):
+    """The ids carry their payload in the clear: an edited one is the caller's own problem, answered 404."""
+    import httpx
+
+    from strop.gateways.common import owner_hash
+    from strop.gateways.tinker import handles
+
+    owner, h = owner_hash(KEY_A), {"X-API-Key": KEY_A}
+    session = handles.new_session_id(owner)
+    edited = [
+        handles.encode(handles.FUTURE, owner, {"k": "create_model", "m": "not-a-model-id"}),
+        handles.encode(handles.FUTURE, owner, {"k": "forward_backward", "f": "fut-none", "ks": [[1, 1]]}),
+        handles.encode(
+            handles.FUTURE,
+            owner,
+            {"k": "create_model", "m": f"{session}:train:0", "b": "tiny-llama", "l": {"no_such_field": 1}},
+        ),
+        handles.encode(handles.FUTURE, owner, {"k": "forward_backward", "f": 7, "ks": [[1, 10**12]]}),
+        handles.encode(
+            handles.FUTURE, handles.tag(owner_hash(KEY_B)) + "0" * 52, {"k": "optim_step", "f": "x"}
+        ),
+        f"tkf-{handles.tag(owner)}-%%%not-base64",
+    ]
+    url = f"{tinker_stack[0]}/api/v1/retrieve_future"
+    for rid in edited:
+        for _ in range(3):  # a local future's work may need a poll or two to fail
+            r = httpx.post(url, json={"request_id": rid}, headers=h, timeout=30)
+            if r.status_code != 200 or r.json().get("type") != "try_again":
+                break
+        assert r.status_code == 404, (rid, r.status_code, r.text)
+    sampler = handles.encode(handles.SAMPLER, owner, {"s": 1, "r": [], "b": None})
+    r = httpx.get(f"{tinker_stack[0]}/api/v1/samplers/{sampler}", headers=h, timeout=30)
+    assert r.status_code == 404, r.text
