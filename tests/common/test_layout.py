@@ -96,3 +96,24 @@ def test_no_top_level_folder_is_a_package_named_like_an_installed_distribution()
     }
     assert not clashes, f"top-level packages named like installed distributions: {clashes}"
     assert not (ROOT / "kernels" / "__init__.py").exists(), "kernels/ must stay a namespace folder"
+
+
+def test_the_readme_and_docs_link_only_to_files_of_the_repository_that_exist():
+    """The README is the front door and docs/ the rest: every relative link (and every ``docs/*.md`` named in
+    code) resolves to a file of the checkout, and none leaves the repository."""
+    import re
+
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL or an anchor of the page itself
+            path = (page.parent / target.split("#")[0]).resolve()
+            if ROOT not in path.parents or not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: ({target})")
+        for named in re.findall(r"`(docs/[\w./-]+\.md)`", text):
+            if not (ROOT / named).is_file():
+                broken.append(f"{page.relative_to(ROOT)}: `{named}`")
+    assert not broken, broken
