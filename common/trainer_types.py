@@ -284,7 +284,7 @@ class DatasetInfo:
 
 
 # What a zero/empty TrainConfig field becomes on the trainer (``job_config.with_defaults``); the CLI's --help and the
-# README show the same table. Per method where they differ: SFT's learning rate, batch and epochs are the setting that
+# docs/trainer.md show the same table. Per method where they differ: SFT's learning rate, batch and epochs are the setting that
 # taught SmolLM2-135M-Instruct 30 of 30 new facts in issue 31 (NF4, LoRA r 16 alpha 32, batch 4, 10 epochs: lr 2e-4
 # taught 0 of 30, 5e-4 16, 1e-3 30), which also lost every general answer it had right; replay (``retention``) is
 # the option against that, opt-in until bench/recipe_facts.py has measured what it keeps (bench/RESULTS.md): it
