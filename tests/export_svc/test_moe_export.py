@@ -190,3 +190,24 @@ def test_a_qwen3_moe_without_top_k_renormalization_is_refused_as_gguf():
         "norm_topk_prob false: llama.cpp's qwen3moe always renormalizes the top-k routing weights"
     ]
     assert gguf_refusals({**config, "norm_topk_prob": True}, MOE_ARCHS["qwen3_moe"]) == []
+
+
+def test_a_q4_k_m_gguf_of_an_moe_quantizes_the_expert_tensors_without_fallback(moe_models, store):
+    """llama.cpp's quantizer on the stacked expert tensors: with hidden and expert intermediate 256 (K-quants pack
+    rows in 256-wide super-blocks) nothing falls back; the file loads in llama.cpp and passes the export's
+    verification gate against the model as trained."""
+    from strop.fixtures.models import TinyShape, make_tiny_model
+
+    shape = TinyShape(
+        hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64
+    )
+    make_tiny_model(
+        moe_models / "qwen3_moe-256", arch="qwen3_moe", shape=shape, dtype="float32", vocab_size=320
+    )
+    req = ExportRequest(targets=[ExportTarget.gguf("Q4_K_M")], base_model_path="qwen3_moe-256")
+    (r,) = run_export(req, model_root=moe_models, store=store)
+    (rep,) = r.quantization
+    assert rep.fallbacks == [], rep.summary
+    types = {c.type: c.count for c in rep.tensor_types}
+    assert set(types) <= {"Q4_K", "Q6_K", "F32"} and types.get("Q4_K", 0) >= 6, types
+    assert r.verification is not None and r.verification.positions > 50

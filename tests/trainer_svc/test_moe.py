@@ -119,7 +119,7 @@ def _reference_peft(root: Path, arch: str, train_router: bool):
     return get_peft_model(model, cfg)
 
 
-@pytest.mark.parametrize("arch,train_router", [("qwen3_moe", False), ("mixtral", True), ("gpt_oss", False)])
+@pytest.mark.parametrize("arch,train_router", [("qwen3_moe", False), ("mixtral", True), ("gpt_oss", True)])
 def test_an_sft_step_equals_hf_peft_with_the_load_balancing_loss(moe_root, tmp_path, arch, train_router):
     """One step of the trainer's SFT engine on a session against HF + PEFT's forward and backward on the same batch:
     the loss the job trains (and reports) is cross-entropy + router_aux_loss_coef · the model's own load-balancing
