@@ -27,11 +27,9 @@ import uuid
 from pathlib import Path
 
 from strop.client.errors import NotFoundError, StropClientError
-from strop.common.serde import to_proto
-from strop.common.trainer_types import LoraConfig
+from strop.common.trainer_types import Artifact, Checkpoint, JobEvent, JobState, LoraConfig
 from strop.gateways.openai import params
 from strop.gateways.openai.errors import OpenAIError, from_strop
-from strop.v1 import trainer_pb2
 
 log = logging.getLogger("strop.gateways.openai")
 
@@ -39,7 +37,6 @@ LIVE = ("validating_files", "queued", "running")
 TERMINAL = ("succeeded", "failed", "cancelled")
 # trainer errors a follower waits out (a restart, a network blip) before it reads the job's events again
 TRANSIENT = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "INTERNAL", "UNKNOWN", "RESOURCE_EXHAUSTED"}
-_STATE = trainer_pb2.JobState
 
 
 def short_id(job_id: str) -> str:
@@ -88,20 +85,16 @@ class JobRunner:
             raise from_strop(exc, "model") from None
         try:
             c.attach_lora(sess.session_id, LoraConfig(**job["lora"]))
-            req = trainer_pb2.TrainRequest(
-                session_id=sess.session_id, dataset_id=job["dataset_id"], resume_from_job_id=resume_from,
-                name=job["id"], validation_dataset_id=job.get("validation_dataset_id") or "",
+            cfg = params.config_from_doc(job["config"])
+            cfg.eval_every_steps = int(job.get("eval_every_steps") or 0)
+            events = c.train(
+                sess.session_id, job["dataset_id"], cfg, resume_from_job_id=resume_from, name=job["id"],
+                validation_dataset_id=job.get("validation_dataset_id") or "",
             )  # fmt: skip
-            req.config.CopyFrom(to_proto(trainer_pb2.TrainConfig, params.config_from_doc(job["config"])))
-            if job.get("validation_dataset_id"):
-                req.config.eval_every_steps = int(job["eval_every_steps"])
-            stream = c._stream(c._stub.Train, req, name="Train")
-            try:
-                first = next(
-                    stream
-                )  # the job exists once its first event is out; closing detaches, it goes on
+            try:  # the job exists once its first event is out; closing the stream detaches, the job goes on
+                first = next(events)
             finally:
-                stream.close()
+                events.close()
         except StropClientError as exc:
             self._close_session(c, sess.session_id)
             param = "training_file" if exc.code == "INVALID_ARGUMENT" else None
@@ -143,8 +136,7 @@ class JobRunner:
                 return
             sid = job["chain"][-1]
             try:
-                req = trainer_pb2.WatchJobRequest(job_id=sid, after_seq=int(job.get("seq", 0)))
-                for ev in c._stream(c._stub.WatchJob, req, name="WatchJob"):
+                for ev in c.watch_job(sid, int(job.get("seq", 0))):
                     self._on_event(job_id, ev)
                     if self._stop.is_set():
                         return
@@ -172,59 +164,54 @@ class JobRunner:
                 self._fail(job_id, "the gateway could not follow this job (see its log)", "server_error")
                 return
 
-    def _on_event(self, job_id: str, ev) -> None:
-        kind = ev.WhichOneof("event")
+    def _on_event(self, job_id: str, ev: JobEvent) -> None:
         src = f"{ev.job_id}:{ev.seq}"  # each trainer event makes its records once, however often it is read
         job = self.store.get("oai_jobs", job_id)
-        changes: dict = {"seq": int(ev.seq)}
-        if kind == "state" and ev.state.state == _STATE.JOB_STATE_RUNNING:
+        changes: dict = {"seq": ev.seq}
+        if ev.state is not None and ev.state.state is JobState.RUNNING:
             if self.store.update_if("oai_jobs", job_id, "status", "queued", status="running"):
                 self.event(job_id, "Fine-tuning job started", src=src)
-        elif kind == "step":
+        elif ev.step is not None:
             s = ev.step
-            changes.update(
-                tokens=int(s.tokens_seen), step=int(s.step), total_steps=int(s.total_steps), last_loss=s.loss
-            )
-            data = {"step": int(s.step), "total_steps": int(s.total_steps), "train_loss": s.loss}
-            if s.HasField("dpo"):
+            changes.update(tokens=s.tokens_seen, step=s.step, total_steps=s.total_steps, last_loss=s.loss)
+            data = {"step": s.step, "total_steps": s.total_steps, "train_loss": s.loss}
+            if s.dpo is not None:
                 data.update(reward_margin=s.dpo.reward_margin, reward_accuracy=s.dpo.reward_accuracy)
-            if s.HasField("rl"):  # reinforcement: the grader's mean score over the step's samples
+            if s.rl is not None:  # reinforcement: the grader's mean score over the step's samples
                 data.update(train_reward_mean=s.rl.reward_mean, train_reward_std=s.rl.reward_std)
-            self.event(
-                job_id, f"Step {s.step}/{s.total_steps}: training loss={s.loss:.4f}", data=data, src=src
-            )
-        elif kind == "eval":
+            msg = f"Step {s.step}/{s.total_steps}: training loss={s.loss:.4f}"
+            self.event(job_id, msg, data=data, src=src)
+        elif ev.eval is not None:
             e = ev.eval
-            data = {"step": int(e.step), "valid_loss": e.valid_loss}
-            if e.HasField("valid_mean_token_accuracy"):
+            data = {"step": e.step, "valid_loss": e.valid_loss}
+            if e.valid_mean_token_accuracy is not None:
                 data["valid_mean_token_accuracy"] = e.valid_mean_token_accuracy
-            if e.is_full:
-                data["full_valid_loss"] = e.full_valid_loss
-                if e.HasField("full_valid_mean_token_accuracy"):
-                    data["full_valid_mean_token_accuracy"] = e.full_valid_mean_token_accuracy
             msg = f"Step {e.step}: validation loss={e.valid_loss:.4f}"
             if e.is_full:
+                data["full_valid_loss"] = e.full_valid_loss
+                if e.full_valid_mean_token_accuracy is not None:
+                    data["full_valid_mean_token_accuracy"] = e.full_valid_mean_token_accuracy
                 msg += f", full validation loss={e.full_valid_loss:.4f}"
             self.event(job_id, msg, data=data, src=src)
-        elif kind == "checkpoint":
+        elif ev.checkpoint is not None:
             self._checkpoint(job, ev.checkpoint, src)
-        elif kind == "log":
+        elif ev.log is not None:
             level = {"warning": "warn", "error": "error"}.get(ev.log.level, "info")
             self.event(job_id, ev.log.message, level=level, src=src)
         self.store.update("oai_jobs", job_id, **changes)
 
-    def _checkpoint(self, job: dict, ck, src: str) -> None:
-        step = int(ck.step)
-        metrics = {"step": float(step), "train_loss": ck.train_loss or job.get("last_loss")}
+    def _checkpoint(self, job: dict, ck: Checkpoint, src: str) -> None:
+        metrics = {"step": float(ck.step), "train_loss": ck.train_loss or job.get("last_loss")}
         for name in ("valid_loss", "full_valid_loss", "valid_mean_token_accuracy"):
-            if ck.HasField(name):
+            if getattr(ck, name) is not None:
                 metrics[name] = getattr(ck, name)
+        art = ck.artifact or Artifact()
         self.store.append("oai_checkpoints", job["id"], "ftckpt", {
-            "object": "fine_tuning.job.checkpoint", "created_at": int(ck.artifact.created_at or time.time()),
-            "fine_tuning_job_id": job["id"], "step_number": step, "metrics": metrics,
-            "fine_tuned_model_checkpoint": f"{model_name(job)}:ckpt-step-{step}", "artifact_id": ck.artifact.artifact_id,
+            "object": "fine_tuning.job.checkpoint", "created_at": int(art.created_at or time.time()),
+            "fine_tuning_job_id": job["id"], "step_number": ck.step, "metrics": metrics,
+            "fine_tuned_model_checkpoint": f"{model_name(job)}:ckpt-step-{ck.step}", "artifact_id": art.artifact_id,
         }, src)  # fmt: skip
-        self.event(job["id"], f"Checkpoint created at step {step}", src=src)
+        self.event(job["id"], f"Checkpoint created at step {ck.step}", src=src)
 
     # ---- settling -----------------------------------------------------------------------------------------
 
@@ -232,30 +219,32 @@ class JobRunner:
         """The strop job ended: the OpenAI job's outcome (or its pause), and its session closed."""
         c = self.gw.clients.get(api_key)
         job = self.store.get("oai_jobs", job_id)
-        info = c._call(c._stub.GetJob, trainer_pb2.GetJobRequest(job_id=job["chain"][-1]), name="GetJob")
+        info = c.get_job(job["chain"][-1])
         self._close_session(c, job["session_id"])
         now = int(time.time())
         if job.get("want") == "pause":
             self.store.update("oai_jobs", job_id, following=False, status="paused")
             self.event(job_id, f"Fine-tuning job paused at step {info.step}")
             return
-        if job.get("want") == "cancel" or info.state == _STATE.JOB_STATE_CANCELLED:
+        if job.get("want") == "cancel" or info.state is JobState.CANCELLED:
             self.store.update("oai_jobs", job_id, following=False, status="cancelled", finished_at=now)
             if job.get("want") != "cancel":
                 self.event(job_id, "Fine-tuning job cancelled")
             return
-        if info.state == _STATE.JOB_STATE_SUCCEEDED:
-            name = model_name(job)
+        if info.state is JobState.SUCCEEDED:
+            name, adapter_id = model_name(job), info.adapter.artifact_id if info.adapter else ""
             results = self._result_files(api_key, job, info)
+            exports, export_note = self._export(api_key, job, adapter_id)
             self.store.update(
                 "oai_jobs", job_id, following=False, status="succeeded", finished_at=now, fine_tuned_model=name,
-                adapter_id=info.adapter.artifact_id, result_files=results, trained_tokens=job.get("tokens", 0),
+                adapter_id=adapter_id, result_files=results, trained_tokens=job.get("tokens", 0), exports=exports,
             )  # fmt: skip
             self.event(job_id, f"New fine-tuned model created: {name}")
-            self._export(api_key, job, info.adapter.artifact_id)
+            if export_note:
+                self.event(job_id, export_note, level="warn" if not exports else "info")
             self.event(job_id, "The job has successfully completed")
             return
-        if info.state == _STATE.JOB_STATE_INTERRUPTED and info.HasField("last_checkpoint"):
+        if info.state is JobState.INTERRUPTED and info.last_checkpoint is not None:
             self.event(job_id, f"The trainer stopped at step {info.step}; the job continues from its checkpoint",
                        level="warn")  # fmt: skip
             try:
@@ -267,25 +256,25 @@ class JobRunner:
             self.follow(api_key, job_id)
             return
         code = "invalid_training_file" if info.error_code == "INVALID_ARGUMENT" else "server_error"
-        self._fail(job_id, info.error or f"the trainer's job ended {_STATE.Name(info.state)}", code)
+        self._fail(job_id, info.error or f"the trainer's job ended {info.state.value}", code)
 
-    def _export(self, api_key: str, job: dict, adapter_id: str) -> None:
-        """``metadata.strop_export``: the export service writes the fine-tuned model (its own job, followed there)."""
+    def _export(self, api_key: str, job: dict, adapter_id: str) -> tuple[list[dict], str]:
+        """``metadata.strop_export``: the export service writes the fine-tuned model (its own job, followed there).
+        The exports submitted (``[{export_id, artifacts}]``) and what to say of them in an event."""
         spec = (job.get("metadata") or {}).get(params.EXPORT_KEY)
         if not spec or self.gw.exporters is None:
-            return
+            return [], ""
         try:
             exp = self.gw.exporters.get(api_key).create_export(
-                params.export_targets(spec),
-                adapter_artifact_id=adapter_id,
+                params.export_targets(spec), adapter_artifact_id=adapter_id,
                 name=re.sub(r"[^A-Za-z0-9._-]", "-", model_name(job)),
-            )
+            )  # fmt: skip
         except StropClientError as exc:
-            self.event(job["id"], f"The export ({spec}) was refused: {exc.details}", level="warn")
-            return
+            return [], f"The export ({spec}) was refused: {exc.details}"
         ids = [t.artifact_id for t in exp.request.targets]
-        self.store.update("oai_jobs", job["id"], exports=[{"export_id": exp.export_id, "artifacts": ids}])
-        self.event(job["id"], f"Export {exp.export_id} submitted ({spec}): artifacts {', '.join(ids)}")
+        return [
+            {"export_id": exp.export_id, "artifacts": ids}
+        ], f"Export {exp.export_id} submitted ({spec}): " + (f"artifacts {', '.join(ids)}")
 
     def _fail(self, job_id: str, message: str, code: str) -> None:
         self.store.update(
@@ -296,7 +285,7 @@ class JobRunner:
 
     def _result_files(self, api_key: str, job: dict, info) -> list[str]:
         """The job's metrics CSV (the trainer's ``metrics.csv`` artifact) as a ``fine-tune-results`` file."""
-        if not (info.HasField("metrics_csv") and info.metrics_csv.artifact_id):
+        if info.metrics_csv is None or not info.metrics_csv.artifact_id:
             return []
         c = self.gw.clients.get(api_key)
         with tempfile.TemporaryDirectory() as tmp:
@@ -352,9 +341,9 @@ class JobRunner:
             if time.monotonic() > deadline:
                 raise OpenAIError(f"Job {job['id']} is still pausing; retry shortly", 409, code="job_pausing")
             time.sleep(0.1)
-        info = c._call(c._stub.GetJob, trainer_pb2.GetJobRequest(job_id=job["chain"][-1]), name="GetJob")
+        info = c.get_job(job["chain"][-1])
         # a job paused before its first step has no checkpoint: it starts again from the beginning
-        resume_from = info.job_id if info.HasField("last_checkpoint") else ""
+        resume_from = info.job_id if info.last_checkpoint is not None else ""
         job = self.start(api_key, self.store.get("oai_jobs", job["id"]), resume_from=resume_from)
         at = (
             f"from step {info.last_checkpoint.step}"
