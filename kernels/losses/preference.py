@@ -64,7 +64,6 @@ __all__ = [
     "grouped_logps_reference",
     "kto_kl",
     "kto_loss_from_logps",
-    "kto_loss_reference",
     "mean_logits",
     "orpo_loss_from_logps",
     "orpo_loss_reference",
@@ -590,11 +589,3 @@ def strop_kto_loss(
     """
     return _kto(grouped_logps, hidden, weight, labels, desirable, ref_logps, kl, bias, beta, desirable_weight,
                 undesirable_weight, loss_type, ignore_index, dict(chunk_size=chunk_size, softcap=softcap))  # fmt: skip
-
-
-def kto_loss_reference(hidden, weight, labels, desirable, *, ref_logps, kl, bias=None, beta=0.1,
-                       desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto", ignore_index=-100,
-                       chunk_size=None, softcap=None) -> KTOLossOutput:  # fmt: skip
-    """:func:`strop_kto_loss` from full fp32 logits."""
-    return _kto(grouped_logps_reference, hidden, weight, labels, desirable, ref_logps, kl, bias, beta,
-                desirable_weight, undesirable_weight, loss_type, ignore_index, dict(softcap=softcap))  # fmt: skip
