@@ -74,6 +74,7 @@ from ..lora.mlp import lora_mlp
 from ..ops.fp8 import fp8_device_reason
 from ..ops.rmsnorm import RMSNormMode
 from .hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
+from .moe_experts import experts_forward, experts_reason
 from .saved_attention import attention_call
 
 __all__ = [
@@ -614,10 +615,16 @@ def patch_model(
                     skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
         projections = {"lora_qkv": (attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
                        "lora_o": (attn.o_proj, (attn.o_proj,))}  # fmt: skip
-        if "gate_proj" in mlp._modules:  # dense (an MoE model's dense layers too); experts keep HF's path
+        if "gate_proj" in mlp._modules:  # dense (an MoE model's dense layers too)
             projections["lora_mlp"] = (mlp, (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        elif lora_mlp:
-            skip("lora_mlp", names[mlp], "mixture-of-experts layer: the experts run HF's expert path")
+        elif lora_mlp:  # an MoE layer: its experts on the grouped expert GEMM, or HF's expert loop and why
+            experts = mlp._modules.get("experts")
+            why = experts_reason(experts, arch) if experts is not None else "no experts module"
+            if why:
+                skip("lora_mlp", names[mlp], why)
+            else:
+                _swap(state, experts, experts_forward(_ours))
+                report.patched["lora_mlp"].append(names[experts])
         ok = {"lora_mlp": False}
         for c, (owner, mods) in projections.items():
             reasons = [s for s in (_spec(m) for m in mods) if isinstance(s, str)]

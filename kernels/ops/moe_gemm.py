@@ -68,7 +68,7 @@ def expert_tiles(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, tor
 def _dot(a, b, IEEE: tl.constexpr):
     if IEEE or INTERPRETER:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+    return tl.dot(a, b.to(a.dtype))  # 16-bit rows: fp32 LoRA factors round to them, as under PEFT's autocast
 
 
 @triton.jit

@@ -19,10 +19,10 @@ T = rows × the longest tokenized row, capped at max_length; H hidden, I interme
                                                          + 10·E (HF's expert loop: each routed copy of the input,
                                                          gate/up, the activation and product, the weighted output;
                                                          the router's logits and fp32 probabilities)
-    expert stacks      E · 3·I_e·H · 2 per layer kept    LoRA on fused experts (PEFT's ParamWrapper): each forward
-                                                         builds W + s·BA for the whole stack and the expert GEMMs
-                                                         save it for backward; counted for every layer kept
-                                                         (checkpointed: 2)
+    expert stacks      E · 3·I_e·H · 2 per layer kept    LoRA on fused experts on HF's path (PEFT's ParamWrapper):
+                                                         each forward builds W + s·BA for the whole stack and the
+                                                         expert GEMMs save it for backward; counted for every layer
+                                                         kept (checkpointed: 2); none on strop's grouped expert GEMM
     layers kept        L · one layer                     without checkpointing
                        L · T·H·2 + 2 · one layer         checkpointed: every layer input, one layer recomputed
                                                          and its backward's transients
@@ -101,7 +101,8 @@ def estimate(
     if arch is not None and arch.moe is not None:  # the experts run HF's path either way
         n_exp, top_k, inter_e = moe_sizes(text)
         one_layer = t * (a * h + b * kv + top_k * (8 * h + 10 * inter_e) + 10 * n_exp)
-        stack = n_exp * 3 * inter_e * h * 2 if expert_lora else 0
+        # HF's expert path under PEFT merges W + s·BA for the whole stack; the grouped expert GEMM never does
+        stack = n_exp * 3 * inter_e * h * 2 if expert_lora and not kernels else 0
     else:
         one_layer = t * (a * h + b * kv + c * inter)
     if not checkpointed:

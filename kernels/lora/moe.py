@@ -1,0 +1,70 @@
+"""A mixture-of-experts layer's experts with LoRA, on the grouped expert GEMM: tokens grouped by expert, two launches.
+
+HF's Qwen3-MoE / Mixtral experts module, given the router's choices (``top_k_index [T, k]``) and weights
+(``top_k_weights [T, k]``), computes for every token t and each chosen expert e::
+
+    g, u = split(x_t · GU_eᵀ)          GU [E, 2·I, H]: gate rows, then up rows
+    y_t += w_{t,e} · (silu(g) · u) · D_eᵀ          D [E, H, I]
+
+and PEFT's ``target_parameters`` LoRA adds ``s · B_e A_e`` to GU_e and D_e (``trainer_svc/core/moe.py``). Here the
+T·k routed copies are sorted by expert once (a stable sort of the expert ids: ``offsets`` from their counts), gathered,
+run through :func:`~strop.kernels.ops.moe_gemm.moe_lora_gemm` for gate/up and again for down (LoRA terms fused, no
+merged [E, N, K] stack), weighted and scattered back with ``index_add``. Autograd carries the gather, the activation,
+the weighting (the router's gradient path) and the scatter; the GEMMs have their own backward.
+
+PEFT's factors are reshaped, never copied: ``lora_A.weight [E·r, in]`` → ``[E, r, in]``; ``lora_B.weight
+[out, E·r]`` (expert e's columns at ``e::E``) → ``[E, out, r]`` as a permuted view.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.moe_gemm import moe_lora_gemm
+
+__all__ = ["lora_moe_experts", "peft_expert_factors"]
+
+
+def peft_expert_factors(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT ``ParamWrapper`` factors as per-expert stacks: A ``[E, r, in]`` and B ``[E, out, r]`` (views)."""
+    a = lora_a.view(experts, -1, lora_a.shape[-1])
+    b = lora_b.view(lora_b.shape[0], -1, experts).permute(2, 0, 1)
+    return a, b
+
+
+def lora_moe_experts(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float],
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float],
+) -> torch.Tensor:
+    """The experts' output for ``x [T, H]`` (HF's experts forward with PEFT's LoRA, by the grouped GEMM).
+
+    Args:
+        x: [T, H] hidden states.
+        top_k_index: [T, k] chosen experts; top_k_weights: [T, k] their weights.
+        gate_up: (GU [E, 2·I, H], A [E, r, H], B [E, 2·I, r], scale).
+        down: (D [E, H, I], A [E, r, I], B [E, H, r], scale).
+
+    Returns:
+        [T, H] in x's dtype.
+    """
+    experts = gate_up[0].shape[0]
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    counts = torch.bincount(flat, minlength=experts)
+    offsets = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    xs = x[token]
+    gu = moe_lora_gemm(xs, offsets, *gate_up)
+    g, u = gu.chunk(2, dim=-1)
+    h = F.silu(g) * u
+    out = moe_lora_gemm(h.contiguous(), offsets, *down)
+    weighted = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
