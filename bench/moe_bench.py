@@ -9,8 +9,8 @@ PYTORCH_ALLOC_CONF=expandable_segments:True, the same random tokens and seed for
 
 QLoRA here is what bitsandbytes gives an MoE: its 4-bit quantization covers ``nn.Linear`` layers only, so the
 attention projections are NF4 (double quant, bf16 compute) and the experts stay bf16 (~57 GiB of the model's ~61).
-Strop's NF4 experts need the grouped expert kernel (issue 38's layer 4), not written yet; until then the
-``strop`` system is strop's kernels on attention, norms and loss with HF's expert loop, and its memory is HF's.
+Strop's NF4 experts are not written yet; the ``strop`` system is strop's kernels on attention, norms and loss with
+the experts on the grouped expert GEMM (``kernels/ops/moe_gemm.py``: 16-bit experts, LoRA fused, no merged stack).
 
 Deviation from DESIGN's baseline recipe, and why: the model is built in GPU memory (``from_config`` under bf16)
 and its attention quantized to NF4 by hand with bitsandbytes' own ``Linear4bit``/``Params4bit``, instead of saved
