@@ -36,6 +36,7 @@ log = logging.getLogger("strop.gateways.openai")
 LIVE = ("validating_files", "queued", "running")
 TERMINAL = ("succeeded", "failed", "cancelled")
 # trainer errors a follower waits out (a restart, a network blip) before it reads the job's events again
+RETRY_MAX_S = 2.0  # the longest wait between tries at a trainer that is away (a failed connect costs nothing)
 TRANSIENT = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "INTERNAL", "UNKNOWN", "RESOURCE_EXHAUSTED"}
 
 
@@ -140,8 +141,9 @@ class JobRunner:
                     self._on_event(job_id, ev)
                     if self._stop.is_set():
                         return
-                self._settle(api_key, job_id)
-                return
+                if not self._settle(api_key, job_id):
+                    return
+                backoff = 0.5  # the job goes on as a new strop job (after a trainer restart): follow that one
             except StropClientError as exc:
                 if isinstance(exc, NotFoundError):
                     self._fail(
@@ -156,7 +158,7 @@ class JobRunner:
                     return
                 if self._stop.wait(backoff):
                     return
-                backoff = min(backoff * 2, 10.0)
+                backoff = min(backoff * 2, RETRY_MAX_S)
             except Exception:  # a bug of ours: the job is failed rather than followed forever
                 if self._stop.is_set():  # the gateway is closing under the follower (its store, its channels)
                     return
@@ -215,8 +217,9 @@ class JobRunner:
 
     # ---- settling -----------------------------------------------------------------------------------------
 
-    def _settle(self, api_key: str, job_id: str) -> None:
-        """The strop job ended: the OpenAI job's outcome (or its pause), and its session closed."""
+    def _settle(self, api_key: str, job_id: str) -> bool:
+        """The strop job ended: the OpenAI job's outcome (or its pause), and its session closed. True when the job
+        goes on as a new strop job (one the trainer interrupted continues from its checkpoint)."""
         c = self.gw.clients.get(api_key)
         job = self.store.get("oai_jobs", job_id)
         info = c.get_job(job["chain"][-1])
@@ -225,12 +228,12 @@ class JobRunner:
         if job.get("want") == "pause":
             self.store.update("oai_jobs", job_id, following=False, status="paused")
             self.event(job_id, f"Fine-tuning job paused at step {info.step}")
-            return
+            return False
         if job.get("want") == "cancel" or info.state is JobState.CANCELLED:
             self.store.update("oai_jobs", job_id, following=False, status="cancelled", finished_at=now)
             if job.get("want") != "cancel":
                 self.event(job_id, "Fine-tuning job cancelled")
-            return
+            return False
         if info.state is JobState.SUCCEEDED:
             name, adapter_id = model_name(job), info.adapter.artifact_id if info.adapter else ""
             results = self._result_files(api_key, job, info)
@@ -243,20 +246,26 @@ class JobRunner:
             if export_note:
                 self.event(job_id, export_note, level="warn" if not exports else "info")
             self.event(job_id, "The job has successfully completed")
-            return
+            return False
         if info.state is JobState.INTERRUPTED and info.last_checkpoint is not None:
             self.event(job_id, f"The trainer stopped at step {info.step}; the job continues from its checkpoint",
-                       level="warn")  # fmt: skip
-            try:
-                self.start(api_key, self.store.get("oai_jobs", job_id), resume_from=info.job_id)
-            except OpenAIError as exc:
-                self._fail(job_id, f"the job could not continue after the trainer stopped: {exc.message}",
-                           "server_error")  # fmt: skip
-                return
-            self.follow(api_key, job_id)
-            return
+                       level="warn", src=f"{info.job_id}:interrupted")  # fmt: skip
+            delay = 0.5
+            while True:  # the trainer may still be restarting (503) or full (429): wait for it
+                try:
+                    self.start(api_key, self.store.get("oai_jobs", job_id), resume_from=info.job_id)
+                    return True
+                except OpenAIError as exc:
+                    if exc.status in (429, 502, 503, 504) and not self._stop.wait(delay):
+                        delay = min(delay * 2, RETRY_MAX_S)
+                        continue
+                    if not self._stop.is_set():  # (closing: the next gateway process continues it)
+                        self._fail(job_id, f"the job could not continue after the trainer stopped: {exc.message}",
+                                   "server_error")  # fmt: skip
+                    return False
         code = "invalid_training_file" if info.error_code == "INVALID_ARGUMENT" else "server_error"
         self._fail(job_id, info.error or f"the trainer's job ended {info.state.value}", code)
+        return False
 
     def _export(self, api_key: str, job: dict, adapter_id: str) -> tuple[list[dict], str]:
         """``metadata.strop_export``: the export service writes the fine-tuned model (its own job, followed there).

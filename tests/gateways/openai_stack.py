@@ -68,6 +68,7 @@ class Stack:
         from strop.export_svc.server import start as start_export
 
         security = Security(tokens=TokenTable.load(tokens))
+        self.trainer_config, self.security = config, security
         self.trainer = start(config, security=security)
         # the export service on the same artifact store (jobs whose metadata asks for exports)
         self.exporter = start_export(
@@ -92,6 +93,15 @@ class Stack:
         self.gateway = ServedGateway(
             self.trainer_address, self.model_root, self.work / "gateway", self.exporter_address
         )
+
+    def restart_trainer(self) -> None:
+        """Stop the trainer (draining: a running job stops INTERRUPTED at a step, checkpointed) and start it again on
+        the same port and state, as a pod restart does."""
+        from strop.trainer_svc.server import start
+
+        address = self.trainer_address
+        self.trainer.stop(grace=30.0)
+        self.trainer = start(self.trainer_config, address=address, security=self.security)
 
     def client(self, key: str = KEY_A):
         import openai

@@ -182,7 +182,7 @@ def _steps(c, job_id: str) -> list[int]:
 def test_pause_and_resume_keep_the_job(stack, files):
     c = stack.client()
     job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id,
-                                    hyperparameters={"n_epochs": 4, "batch_size": 1})  # 32 steps, a checkpoint at 8 each  # fmt: skip
+                                    hyperparameters={"n_epochs": 2, "batch_size": 1})  # 16 steps, a checkpoint at 8 each  # fmt: skip
     deadline_steps = 2
     import time
 
@@ -199,10 +199,10 @@ def test_pause_and_resume_keep_the_job(stack, files):
     done = wait_status(c, job.id, DONE)
     assert done.status == "succeeded", done.error
     steps = _steps(c, job.id)
-    # the resumed strop job continues from the pause's checkpoint: after the paused step, the steps go on to 32
+    # the resumed strop job continues from the pause's checkpoint: after the paused step, the steps go on to 16
     # with none repeated past the pause (HF resumes at the checkpoint's global step)
     after = steps[steps.index(paused_at) + 1 :]
-    assert after == list(range(paused_at + 1, 33)), steps
+    assert after == list(range(paused_at + 1, 17)), steps
     chain = stack.gateway.gw.store.get("oai_jobs", job.id)["chain"]
     assert len(chain) == 2  # two strop jobs, one OpenAI job
 
@@ -307,3 +307,23 @@ def test_reinforcement_job_runs_grpo_with_the_grader(stack):
     assert step["train_reward_mean"] * 4 == pytest.approx(round(step["train_reward_mean"] * 4), abs=1e-9)
     config = stack.gateway.gw.store.get("oai_jobs", job.id)["config"]["grpo"]
     assert config["group_size"] == 2 and json.loads(config["grader"]) == GRADER
+
+
+def test_a_trainer_restart_continues_the_job(stack, files):
+    import time
+
+    c = stack.client()
+    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id,
+                                    hyperparameters={"n_epochs": 2, "batch_size": 1})  # 16 steps  # fmt: skip
+    while len(_steps(c, job.id)) < 2:
+        time.sleep(0.05)
+    stack.restart_trainer()  # the job stops INTERRUPTED at a step boundary, with a checkpoint there
+    done = wait_status(c, job.id, DONE, timeout=180)
+    assert done.status == "succeeded", done.error
+    events = [e.message for e in reversed(list(c.fine_tuning.jobs.list_events(job.id, limit=100)))]
+    (note,) = [m for m in events if m.startswith("The trainer stopped at step")]
+    stopped = int(note.split()[5].rstrip(";"))
+    steps = _steps(c, job.id)
+    # the continuation starts after the interrupted step: none repeated, none missing, to the 16th
+    assert steps[steps.index(stopped) + 1 :] == list(range(stopped + 1, 17)), steps
+    assert len(stack.gateway.gw.store.get("oai_jobs", job.id)["chain"]) == 2
