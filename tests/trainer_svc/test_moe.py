@@ -224,17 +224,26 @@ def moe_trainer(moe_root):
     service.stop(grace=10.0)
 
 
-@pytest.mark.parametrize("arch,name", [("qwen3_moe", "qwen3_moe-4bit"), ("mixtral", "mixtral")])
-def test_an_sft_job_on_an_moe_runs_over_grpc_and_lowers_the_loss(moe_trainer, arch, name):
+@pytest.mark.parametrize(
+    "arch,name,kernels",
+    [("qwen3_moe", "qwen3_moe-4bit", False), ("mixtral", "mixtral", False), ("qwen3_moe", "qwen3_moe", True)],
+)
+def test_an_sft_job_on_an_moe_runs_over_grpc_and_lowers_the_loss(moe_trainer, arch, name, kernels):
     """Through the service and the SDK: LoadModel (prequantized 4-bit, or 16-bit), AttachLora with the router trained
     on request, a 4-step SFT job whose loss falls."""
-    from strop.client import JobState, TrainerClient
+    from strop.client import JobState, KernelMode, TrainerClient
     from strop.client import LoraConfig as ClientLora
 
     with TrainerClient(f"127.0.0.1:{moe_trainer.port}") as client:
-        s = client.load_model(name, dtype="float32")
+        mode = KernelMode.ON if kernels else KernelMode.UNSPECIFIED
+        s = client.load_model(name, dtype="float32", kernels=mode)
         assert s.facts.model_type == arch and "4 experts, 2 per token" in s.facts.kernels_reason
         s = client.attach_lora(s.session_id, ClientLora(r=4, alpha=8, seed=0, train_router=arch == "mixtral"))
+        if (
+            kernels
+        ):  # the interpreter runs them: attention, norms, loss and the grouped expert GEMM all patched
+            assert "lora_mlp patched 2/2" in s.facts.kernels_reason, s.facts.kernels_reason
+            assert "reference path" not in s.facts.kernels_reason, s.facts.kernels_reason
         ds = client.upload_dataset(ROWS * 2, name=f"{arch}.jsonl")
         cfg = TrainConfig(method=TrainMethod.SFT, max_steps=4, learning_rate=5e-3, batch_size=2,
                           lr_scheduler="constant", max_length=32, seed=0)  # fmt: skip
