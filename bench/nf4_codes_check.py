@@ -2,7 +2,7 @@
 
 The exporter merges an adapter into "the model as trained": for a 16-bit base quantized to NF4 when the trainer
 loaded it, it re-creates the NF4 codes and absmax with bitsandbytes' CPU ``quantize_4bit`` from the stored
-weights (export_svc/core/sources.py). On the CPU tier that is checked bitwise against the trainer's own
+weights (export_svc/core/base_source.py). On the CPU tier that is checked bitwise against the trainer's own
 ``Linear4bit``; this script checks it where training really happens: the trainer's ``load_model`` on CUDA
 (a random Llama of 8B layer shapes, 2 layers, bf16 on disk), each Linear4bit's codes, absmax and nested
 statistics against the CPU re-creation from the same weights, and the fp32 dequantizations: with scales

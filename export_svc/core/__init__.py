@@ -1,7 +1,8 @@
 """The export core: plain Python, no gRPC. Requests, targets and results are the export API's dataclasses
 (``strop.common.export_types``); architectures come from ``strop.common.archs``.
 
-- ``sources``: open and validate base model / adapter directories (safetensors only).
+- ``base_source`` / ``adapter_source``: open and validate the base model and the adapter directories
+  (safetensors only); ``nf4_on_load``: how the trainer quantized a 16-bit base on load, to re-create its codes.
 - ``merge``: the exact fp32 merge (``merge_weight``, streamed over a model by ``iter_merged``).
 - ``hf_dir`` / ``peft_dir``: vLLM-ready merged directories and LoRA adapter directories, with the
   checks vLLM would make.

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from strop.common.archs import Arch, TopKNorm, head_dim, moe_sizes
+from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.errors import TargetRefused, UnsupportedModel
-from strop.export_svc.core.sources import BaseModel
 
 # gguf-py's architecture enum by llama.cpp's name for it (general.architecture)
 _MODEL_ARCH_BY_NAME = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}

@@ -19,6 +19,8 @@ import torch
 from strop.common.export_types import DEFAULT_GGUF_LORA_TYPE
 from strop.common.gguf_vocab import GgufVocab
 from strop.export_svc.core import moe
+from strop.export_svc.core.adapter_source import Adapter
+from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.errors import TargetRefused, UnknownFormat
 from strop.export_svc.core.gguf_arch import (
     add_model_metadata,
@@ -34,7 +36,6 @@ from strop.export_svc.core.gguf_arch import (
 from strop.export_svc.core.gguf_types import GGUF_TYPES, LORA_TYPES, QT, tensor_type
 from strop.export_svc.core.gguf_writer import GgufStreamWriter, encode
 from strop.export_svc.core.merge import iter_merged
-from strop.export_svc.core.sources import Adapter, BaseModel
 
 
 def write_gguf_model(

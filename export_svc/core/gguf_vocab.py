@@ -10,9 +10,9 @@ from typing import Any
 
 from strop.common.errors import InvalidArgument, Unimplemented
 from strop.common.gguf_vocab import GgufVocab, build_vocab, runtime_pipeline
+from strop.export_svc.core.base_source import read_json
 from strop.export_svc.core.errors import CorruptInput, UnsupportedModel
 from strop.export_svc.core.hf_dir import chat_template_of
-from strop.export_svc.core.sources import read_json
 
 __all__ = ["GgufVocab", "load_vocab"]
 

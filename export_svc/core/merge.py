@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from strop.export_svc.core.adapter_source import Adapter
+from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.errors import CorruptInput
-from strop.export_svc.core.sources import Adapter, BaseModel
 
 
 def merge_weight(

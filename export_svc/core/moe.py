@@ -11,7 +11,7 @@ Two wrappers nest on one experts module (the inner one's keys carry ``.base_laye
 adapts is read from its shapes (gate_up: in H, out 2·I; down: in I, out H), never from the nesting order.
 Qwen3-MoE and Mixtral checkpoints (what vLLM loads) hold each expert's projections as separate matrices
 (``mlp.experts.{e}.gate_proj`` / Mixtral's ``block_sparse_moe.experts.{e}.w1``...), so each becomes a
-:class:`~strop.export_svc.core.sources.LoraModule` that slices its expert's rows out of ``A`` and its rows and
+:class:`~strop.export_svc.core.adapter_source.LoraModule` that slices its expert's rows out of ``A`` and its rows and
 strided columns out of ``B``; the merge is then the dense one (``W + s · B @ A`` in fp32), tensor by tensor.
 
 The reverse map (:func:`model_state`) turns such a checkpoint's tensors into the names and fused shapes of the
@@ -58,7 +58,7 @@ def expert_slices(
     base_label: str,
 ) -> list[dict[str, Any]]:
     """Per-expert merge modules of a base checkpoint for an adapter's expert LoRA ``pairs``: one dict of
-    :class:`~strop.export_svc.core.sources.LoraModule` fields (module, base_key, a_key, b_key, r, a_rows, b_rows,
+    :class:`~strop.export_svc.core.adapter_source.LoraModule` fields (module, base_key, a_key, b_key, r, a_rows, b_rows,
     b_cols) for every expert tensor of the checkpoint a pair adapts, and ``experts_module`` (the adapted module's
     name, which PEFT's alpha_pattern matches).
 

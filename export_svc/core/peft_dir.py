@@ -19,8 +19,9 @@ from typing import Any
 from safetensors.torch import save_file
 
 from strop.export_svc.core import moe
+from strop.export_svc.core.adapter_source import Adapter
+from strop.export_svc.core.base_source import TOKENIZER_FILES, BaseModel, read_json
 from strop.export_svc.core.errors import TargetRefused
-from strop.export_svc.core.sources import TOKENIZER_FILES, Adapter, BaseModel, read_json
 from strop.export_svc.core.st_io import SafetensorsFile
 
 LORA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -41,6 +41,7 @@ from strop.common.export_types import (
     Verification,
 )
 from strop.export_svc.core import verify as V
+from strop.export_svc.core.base_source import DTYPES
 from strop.export_svc.core.errors import ConsumerRejected, ExportCancelled, VerificationFailed
 from strop.export_svc.core.gguf_out import write_gguf_lora, write_gguf_model
 from strop.export_svc.core.gguf_types import EXACT_TYPE_OF, GGUF_TYPES, LORA_TYPES
@@ -53,7 +54,6 @@ from strop.export_svc.core.hf_dir import (
 from strop.export_svc.core.peft_dir import check_vllm_lora_dir, write_peft_dir
 from strop.export_svc.core.quantize import LoggedFallback, quantization_report, quantize_gguf, report_metadata
 from strop.export_svc.core.resolve import Inputs, ValidatedExport, validate
-from strop.export_svc.core.sources import DTYPES
 
 K = ExportTargetKind
 

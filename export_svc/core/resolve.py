@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common import auth
-from strop.common.adapter_base import base_record, read_base_record
+from strop.common.adapter_base import NF4_STATS_FILE, base_record, read_base_record
 from strop.common.artifacts import ArtifactStore, check_artifact_id, key_of
 from strop.common.export_types import (
     DEFAULT_GGUF_LORA_BASE_TYPE,
@@ -38,6 +38,14 @@ from strop.common.export_types import (
     MergeBase,
 )
 from strop.common.paths import confine, confine_files
+from strop.export_svc.core.adapter_source import (
+    Adapter,
+    check_compatible,
+    check_same_family,
+    open_adapter,
+    tokenizer_source,
+)
+from strop.export_svc.core.base_source import DTYPES, BaseModel, read_json
 from strop.export_svc.core.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -50,19 +58,8 @@ from strop.export_svc.core.gguf_arch import check_gguf_model
 from strop.export_svc.core.gguf_out import check_gguf_lora
 from strop.export_svc.core.gguf_types import GGUF_TYPES, LORA_TYPES
 from strop.export_svc.core.gguf_vocab import GgufVocab, load_vocab
+from strop.export_svc.core.nf4_on_load import Nf4OnLoad
 from strop.export_svc.core.peft_dir import refusals
-from strop.export_svc.core.sources import (
-    DTYPES,
-    NF4_STATS_FILE,
-    Adapter,
-    BaseModel,
-    Nf4OnLoad,
-    check_compatible,
-    check_same_family,
-    open_adapter,
-    read_json,
-    tokenizer_source,
-)
 
 K = ExportTargetKind
 ADAPTER_KINDS = ("adapter", "peft_adapter", "checkpoint")  # artifact kinds an export takes as its adapter

@@ -42,9 +42,10 @@ from strop.common.archs import SlidingWindow, arch_of
 from strop.common.export_types import Comparison, Verification, VerifyOptions
 from strop.common.serde import to_dict
 from strop.export_svc.core import moe
+from strop.export_svc.core.adapter_source import Adapter
+from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.errors import ConsumerRejected
 from strop.export_svc.core.merge import iter_merged
-from strop.export_svc.core.sources import Adapter, BaseModel
 
 DEFAULT_PROMPTS = (
     "The old engine repairs the final answer before sunrise.",

@@ -34,7 +34,7 @@ def fp32_model_from_dir(base_dir: Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from strop.export_svc.core.sources import BaseModel
+    from strop.export_svc.core.base_source import BaseModel
 
     base = BaseModel(base_dir, base_dir.name)
     cfg = {k: v for k, v in base.config.items() if k not in ("quantization_config", "transformers_version")}

@@ -31,9 +31,10 @@ import pytest
 import torch
 
 from strop.common.export_types import ExportRequest, ExportTarget, MergeBase
+from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.errors import FailedPrecondition
+from strop.export_svc.core.nf4_on_load import Nf4OnLoad
 from strop.export_svc.core.pipeline import run_export
-from strop.export_svc.core.sources import BaseModel, Nf4OnLoad
 
 UNIT_ROUNDOFF = 2.0**-24
 
@@ -107,7 +108,7 @@ def test_the_as_trained_reference_computes_what_the_trainers_own_model_computes(
     from peft import PeftModel
 
     from strop.export_svc.core import verify as V
-    from strop.export_svc.core.sources import open_adapter
+    from strop.export_svc.core.adapter_source import open_adapter
     from strop.trainer_svc.core import models
 
     loaded = _trainer_load(export_models, "llama-bpe", "float32")

@@ -23,12 +23,13 @@ from strop.common.archs import ARCHS
 from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
 from strop.export_svc.core import gguf_arch, gguf_out
 from strop.export_svc.core import verify as V
+from strop.export_svc.core.adapter_source import open_adapter
+from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.errors import TargetRefused
 from strop.export_svc.core.gguf_out import write_gguf_model
 from strop.export_svc.core.gguf_vocab import load_vocab
 from strop.export_svc.core.peft_dir import refusals
 from strop.export_svc.core.pipeline import run_export
-from strop.export_svc.core.sources import BaseModel, open_adapter
 from strop.fixtures.models import GEMMA_SLIDING_WINDOW
 
 from .conftest import GEMMA_LAYERS, make_random_adapter, store_is_empty

@@ -14,11 +14,12 @@ import torch
 from safetensors import safe_open
 
 from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
+from strop.export_svc.core.adapter_source import open_adapter
+from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.errors import InvalidArgument
 from strop.export_svc.core.hf_dir import write_merged_dir
 from strop.export_svc.core.merge import iter_merged
 from strop.export_svc.core.pipeline import run_export
-from strop.export_svc.core.sources import BaseModel, open_adapter
 
 from .conftest import copy_tree, fp32_model_from_dir, make_random_adapter, store_is_empty
 
@@ -173,7 +174,8 @@ _RSS_SCRIPT = textwrap.dedent(
     from pathlib import Path
     import torch, bitsandbytes  # noqa: F401  (imports before the baseline)
     from strop.export_svc.core.hf_dir import write_merged_dir
-    from strop.export_svc.core.sources import BaseModel, open_adapter
+    from strop.export_svc.core.base_source import BaseModel
+    from strop.export_svc.core.adapter_source import open_adapter
 
     def status(key):
         for line in open("/proc/self/status"):

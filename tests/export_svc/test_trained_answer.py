@@ -18,8 +18,8 @@ import gguf
 import pytest
 
 from strop.common.export_types import ExportRequest, ExportTarget, VerifyOptions
+from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.pipeline import run_export
-from strop.export_svc.core.sources import BaseModel
 
 from .conftest import ANSWER, QUESTION
 
