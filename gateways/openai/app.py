@@ -62,7 +62,7 @@ def create_app(gw: Gateway, *, threads: int = 64) -> FastAPI:
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_req, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(HTTPException)
     async def _http_error(_req, exc: HTTPException):

@@ -22,6 +22,11 @@ ERROR_TYPES = {
 }
 
 
+# conflicts that end by themselves: a job still being created, or still stopping for a pause
+RETRYABLE_CONFLICTS = frozenset({"job_validating", "job_pausing"})
+RATE_LIMIT_RETRY_AFTER_S = 10  # a full trainer queue frees a place when a job ends: minutes, so wait a while
+
+
 class OpenAIError(Exception):
     """A request the gateway answers with an error: HTTP ``status`` and OpenAI's error object."""
 
@@ -35,6 +40,16 @@ class OpenAIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """What the SDK's retry loop reads: it retries 409, 429 and 5xx unless told not to (``x-should-retry``), after
+        ``retry-after`` seconds when given. A conflict retrying cannot resolve is final; a full trainer is worth a
+        retry a little later."""
+        if self.status == 409 and self.code not in RETRYABLE_CONFLICTS:
+            return {"x-should-retry": "false"}
+        if self.status == 429:
+            return {"retry-after": str(RATE_LIMIT_RETRY_AFTER_S)}
+        return {}
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

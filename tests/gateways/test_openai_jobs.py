@@ -156,8 +156,9 @@ def test_cancel_stops_a_running_job(stack, files):
                                     hyperparameters={"n_epochs": 50, "batch_size": 1})  # fmt: skip
     wait_status(c, job.id, ("running",))
     assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
-    with pytest.raises(openai.ConflictError):
+    with pytest.raises(openai.ConflictError) as e:
         c.fine_tuning.jobs.cancel(job.id)
+    assert e.value.response.headers["x-should-retry"] == "false"  # final: the SDK must not retry it
     _wait_followed(stack, job.id)
     job = c.fine_tuning.jobs.retrieve(job.id)
     assert job.status == "cancelled" and job.fine_tuned_model is None
@@ -233,7 +234,7 @@ def test_a_full_queue_is_a_rate_limit(stack, files):
     assert c.fine_tuning.jobs.retrieve(queued.id).status == "queued"
     with pytest.raises(openai.RateLimitError) as e:  # the trainer's queue holds one (MAX_QUEUED)
         c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id, hyperparameters=slow)
-    assert e.value.code == "rate_limit_exceeded"
+    assert e.value.code == "rate_limit_exceeded" and e.value.response.headers["retry-after"] == "10"
     for j in (queued, running):
         c.fine_tuning.jobs.cancel(j.id)
     for j in (queued, running):
