@@ -56,6 +56,11 @@ log = logging.getLogger("strop.trainer")
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")  # the loop's AdamW (step_ops.new_optimizer)
 ADAM = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}  # HF TrainingArguments' defaults, as the other jobs train
+# A group whose advantages are all 0 (every sample scored alike) adds exactly 0 to the loss and the gradient when
+# kl_coef is 0: it is not run (DAPO's dynamic sampling drops such groups too), and a step with no other group makes
+# no update (AdamW would move the adapter on its momentum alone: in tests/trainer_svc/test_grpo.py's task, seeds 0-8
+# at lr 1e-2, that undid the solved task in 7 of 18 runs on the step after a perfect one). bench/grpo_bench.py turns it off to train every group, as TRL does.
+SKIP_GROUPS_WITHOUT_SIGNAL = True
 
 
 # ---- the job's settings, checked before anything runs -------------------------------------------------------
@@ -428,15 +433,20 @@ class GrpoLoop:
             "kl_coef": g.kl_coef, "tis_cap": g.tis_cap, "sequence_ratio": g.sequence_ratio,
             "num_seqs": len(lengths), "num_tokens": sum(lengths), "max_new_tokens": g.max_new_tokens,
         }  # fmt: skip
+        keep = [not SKIP_GROUPS_WITHOUT_SIGNAL or g.kl_coef > 0 or bool((a != 0).any()) for a in adv]
+        groups = [grp for grp, k in zip(groups, keep, strict=True) if k]
         if g.kl_coef > 0:  # the reference: the same base with the adapter disabled, no gradient
             with torch.no_grad(), loaded.model.disable_adapter(), _autocast(loaded):
                 for grp in groups:
                     ref_rows = self._rows(grp)
                     grp.inputs["ref_logps"] = self._logps(ref_rows, grp.targets, g.temperature)
         sums = {"clipped": 0.0, "kl": 0.0, "tis": 0.0, "entropy": 0.0}
-        first_loss, opt_metrics = 0.0, {}
+        first_loss, opt_metrics = (
+            0.0,
+            {"learning_rate:mean": self.sched.get_last_lr()[0], "grad_norm:mean": 0.0},
+        )
         loaded.model.train()
-        for it in range(g.num_iterations):
+        for it in range(g.num_iterations if groups else 0):
             total = 0.0
             for grp in groups:
                 with step_ops.memory_mode(loaded, grp.batch):
@@ -462,26 +472,37 @@ class GrpoLoop:
             opt_metrics = step_ops.optim_step(self.opt, self.params, adam)
             self.sched.step()
             self.updates += 1
+        if not groups:  # nothing to learn from this batch: no update, the schedule still advances
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(g.num_iterations):
+                    self.sched.step()
+            self.updates += g.num_iterations
         loaded.model.train(False)
         t_end = time.perf_counter()
         n_tok = sum(lengths)
         trained = sum(len(p) * g.group_size for p in prompts) + n_tok
         self.tokens_seen += trained
+        # per token of the groups that trained
+        n_run = max(sum(len(grp.targets) for grp in groups) * g.num_iterations, 1)
+        run_tok = sum(
+            int(grp.batch.mask.sum()) + grp.batch.mask.shape[0] for grp in groups
+        )  # prompt + completion
         std = rewards.std(dim=1)
         rl = RlMetrics(
             reward_mean=float(rewards.mean()),
             reward_std=float(rewards.flatten().std()) if rewards.numel() > 1 else 0.0,
             graders=self._grader_metrics(grades),
-            kl=sums["kl"] / (n_tok * g.num_iterations),
-            clip_fraction=sums["clipped"] / (n_tok * g.num_iterations),
-            entropy=sums["entropy"] / n_tok,
+            kl=sums["kl"] / n_run,
+            clip_fraction=sums["clipped"] / n_run,
+            entropy=sums["entropy"] / max(sum(len(grp.targets) for grp in groups), 1),
             sampled_length_mean=n_tok / len(lengths),
             sampled_length_max=max(lengths),
             sampling_tokens_per_second=n_tok / max(t_sampled - t0, 1e-9),
-            training_tokens_per_second=trained * g.num_iterations / max(t_end - t_sampled, 1e-9),
+            training_tokens_per_second=run_tok * g.num_iterations / max(t_end - t_sampled, 1e-9),
             sampling_seconds=t_sampled - t0,
             training_seconds=t_end - t_sampled,
-            tis_weight_mean=sums["tis"] / (n_tok * g.num_iterations),
+            tis_weight_mean=sums["tis"] / n_run if groups else 1.0,
             zero_std_groups=float((std == 0).float().mean()),
         )
         return StepMetrics(
