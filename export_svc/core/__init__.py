@@ -13,6 +13,5 @@
   ``gguf_writer`` (the streaming writer); ``quantize``: K-quants via llama.cpp.
 - ``verify``: load each output in its consumer and compare it with the merged fp32 model.
 - ``resolve``: validate a request once (``validate``); ``pipeline``: write a validated export
-  (``write_export``, or ``run_export`` for both); ``jobs``: persistent export jobs and events
-  (``legacy_rows`` reads rows earlier versions stored).
+  (``write_export``, or ``run_export`` for both); ``jobs``: persistent export jobs and events.
 """

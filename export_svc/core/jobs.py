@@ -19,8 +19,7 @@ With several pods on one database each export records the ``instance_id`` that r
 watches every export, a restart recovers only its own and those of pods whose heartbeat stopped, and cancelling
 an export another pod runs sets ``cancel_requested``, which that pod's heartbeat turns into a cancel.
 
-Rows hold the export API's dataclasses as ``serde.to_dict`` writes them; rows an earlier version
-wrote are read through ``legacy_rows``.
+Rows hold the export API's dataclasses as ``serde.to_dict`` writes them.
 """
 
 from __future__ import annotations
@@ -61,7 +60,6 @@ from strop.export_svc.core.errors import (
     StropError,
     Unavailable,
 )
-from strop.export_svc.core.legacy_rows import upgrade_progress, upgrade_request, upgrade_result
 from strop.export_svc.core.pipeline import CancelToken, write_export
 from strop.export_svc.core.resolve import ValidatedExport, validate
 
@@ -75,11 +73,11 @@ def check_transition(old: ExportState, new: ExportState) -> None:
 
 
 def _request(data: str) -> ExportRequest:
-    return from_dict(ExportRequest, upgrade_request(json.loads(data)))
+    return from_dict(ExportRequest, json.loads(data))
 
 
 def _result(data: dict[str, Any]) -> ExportResult:
-    return from_dict(ExportResult, upgrade_result(data))
+    return from_dict(ExportResult, data)
 
 
 def _event(row) -> ExportEvent:
@@ -89,7 +87,7 @@ def _event(row) -> ExportEvent:
     if kind == "state":
         ev.state = from_dict(ExportStateChange, data)
     elif kind == "progress":
-        ev.progress = from_dict(ExportProgress, upgrade_progress(data))
+        ev.progress = from_dict(ExportProgress, data)
     elif kind == "result":
         ev.result = _result(data)
     return ev

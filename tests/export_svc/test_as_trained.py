@@ -301,37 +301,6 @@ def test_peft_dir_names_its_base_by_hub_id_or_model_root_name_never_a_server_pat
     assert peft_base_name(BaseModel(hub, "artifact:base-1")) is None
 
 
-def test_rows_stored_with_false_for_not_checked_read_back_as_not_checked():
-    from strop.export_svc.core.legacy_rows import upgrade_result
-
-    row = {
-        "verification": {
-            "consumer": "transformers",
-            "tokens_checked": False,
-            "tokens_match": False,
-            "chat_tokens_checked": False,
-            "chat_tokens_match": False,
-            "answer_checked": False,
-            "answer_reproduced": False,
-            "answer_top1_agreement": 0.0,
-        }
-    }
-    v = upgrade_result(row)["verification"]
-    assert (
-        v["tokens_match"],
-        v["chat_tokens_match"],
-        v["answer_reproduced"],
-        v["answer_top1_agreement"],
-    ) == (
-        None,
-        None,
-        None,
-        None,
-    ), "a False written under *_checked=False meant 'not checked'"
-    ran = upgrade_result({"verification": {**row["verification"], "tokens_checked": True}})["verification"]
-    assert ran["tokens_match"] is False, "a check that ran and failed stays False"
-
-
 def test_cli_table_says_not_checked_and_shows_the_as_trained_figure():
     import io
 
