@@ -52,12 +52,16 @@ def test_two_keys_train_on_one_shared_base_and_see_only_their_own_runs(tinker_st
 
 
 def test_without_an_admin_token_an_unloaded_base_is_refused_with_how_to_fix_it(tinker_stack, model_root):
+    # tiny-llama loaded shared by the gateway that holds the admin token (tiny-llama-4bit by nobody)
+    tinker.ServiceClient(base_url=tinker_stack[0], api_key=KEY_B).create_lora_training_client(
+        "tiny-llama", rank=1
+    ).result()
     served = Served(gateway(trainer_of(tinker_stack), model_root, admin_token=None), free_port())
     try:
         sc = tinker.ServiceClient(base_url=served.url, api_key=KEY_A)
         with pytest.raises(tinker.RequestFailedError, match="admin token"):  # tiny-llama-4bit: not loaded yet
             sc.create_lora_training_client("tiny-llama-4bit", rank=2).result()
-        # a base loaded shared already (tiny-llama, by the other gateway's admin token) needs no token
+        # a base loaded shared already needs no token
         tc = sc.create_lora_training_client("tiny-llama", rank=2, seed=1).result()
         assert tc.forward([datum(SEQ)], "cross_entropy").result().metrics["loss:sum"] > 0
     finally:
