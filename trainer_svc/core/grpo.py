@@ -237,9 +237,8 @@ class _Group:
     batch: step_ops.Batch  # prompt + completion minus its last token, per sample
     scored: torch.Tensor  # [real positions] bool: the positions that predict a completion token
     targets: torch.Tensor  # [M] completion tokens, sample by sample
-    inputs: dict[
-        str, torch.Tensor
-    ]  # per token: sampler_logps, advantages, seq_index (+ old_logps, ref_logps)
+    # per token: sampler_logps, advantages, seq_index (later old_logps, ref_logps, trainer_logps)
+    inputs: dict[str, torch.Tensor]
 
 
 def _group(prompt: list[int], seqs, adv: torch.Tensor, device: str) -> _Group:
@@ -551,7 +550,9 @@ def run_grpo(
 
     try:
         while step < loop.total_steps:
-            metrics = loop.step(step)
+            # the step seeds torch's generator (dropout) for itself; the process's generator is put back after
+            with torch.random.fork_rng(devices=[loaded.device] if loaded.device.startswith("cuda") else []):
+                metrics = loop.step(step)
             step += 1
             at_eval = (eval_every_steps > 0 and step % eval_every_steps == 0) or step == loop.total_steps
             if loop.eval_prompts and at_eval:
