@@ -178,6 +178,8 @@ def test_a_cancelled_job_resumed_continues_as_one_never_stopped(client, datasets
         (dict(grader=json.dumps({**GRADER, "type": "regex_magic"})), "config.grpo.grader.type"),
         (dict(grader=json.dumps({**GRADER, "reference": "{{item.answer}}"})), "config.grpo.grader.reference"),
         (dict(grader="{not json"), "config.grpo.grader is not valid JSON"),
+        (dict(grader="[" * 100_000), "config.grpo.grader is not valid JSON: nested too deeply"),
+        (dict(grader="[]"), "config.grpo.grader: a grader is a JSON object"),
         (dict(grader=json.dumps({**GRADER, "type": "python", "source": "x"})), "config.grpo.grader.type"),
         (dict(group_size=1), "config.grpo.group_size"),
         (dict(kl_coef=float("nan")), "config.grpo.kl_coef"),

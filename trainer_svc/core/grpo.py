@@ -123,6 +123,8 @@ def parse_grader(grader_json: str):
         spec = json.loads(grader_json)
     except ValueError as exc:
         raise InvalidArgument(f"config.grpo.grader is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument("config.grpo.grader is not valid JSON: nested too deeply") from None
     try:
         grader = parse(spec)
     except GraderSpecError as exc:
