@@ -257,3 +257,15 @@ def test_grpo_on_cuda_with_the_kernels_on_an_nf4_base(client, trainer, datasets)
     report = trainer[1].sessions.open(s.session_id).loaded.extra.get("step_memory_mode", "")
     assert "memory mode STANDARD" in report, report
     client.close_session(s.session_id)
+
+
+def test_gspo_with_dapo_clips_from_the_second_update_of_a_batch(client, session, datasets, torch_engine):
+    cfg = grpo_config(
+        2, GrpoLoss.DAPO, sequence_ratio=True, num_iterations=2, clip_eps_low=0.01, clip_eps_high=0.01
+    )
+    events = list(client.train(session, datasets[0].dataset_id, cfg))
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1]
+    clips = [s.rl.clip_fraction for s in steps_of(events)]
+    # update 1 has ratio exactly 1 (nothing clips); update 2's sequence ratios moved by lr 2e-2 leave [0.99, 1.01]
+    # for some sequences, so 0 < fraction ≤ 1/2 (averaged over both updates)
+    assert all(0.0 <= c <= 0.5 for c in clips) and any(c > 0 for c in clips), clips
