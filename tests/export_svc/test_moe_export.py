@@ -62,23 +62,41 @@ def moe_models(tmp_path_factory) -> Path:
 
 def _targets(*kinds):
     return [
-        ExportTarget(kind=k, dtype="float32" if k is ExportTargetKind.MERGED_SAFETENSORS else "")
+        ExportTarget(
+            kind=k,
+            dtype="float32" if k is ExportTargetKind.MERGED_SAFETENSORS else "",
+            gguf_type="F32" if k is ExportTargetKind.GGUF else "",
+        )
         for k in kinds
     ]
 
 
-def test_a_qwen3_moe_adapter_merges_into_per_expert_tensors_and_round_trips_as_peft(moe_models, store):
+@pytest.fixture(scope="module")
+def exported(moe_models, tmp_path_factory):
+    """One export per arch (one probe, one as-trained model each): Qwen3-MoE to merged fp32 + PEFT + F32 GGUF,
+    Mixtral (router trained) to merged fp32 + F32 GGUF. Returns the store and the results by arch and kind."""
+    from strop.common.artifacts import ArtifactStore
+
+    store = ArtifactStore(tmp_path_factory.mktemp("moe-artifacts"))
+    k = ExportTargetKind
+    out = {}
+    for arch, kinds in (
+        ("qwen3_moe", (k.MERGED_SAFETENSORS, k.PEFT_ADAPTER, k.GGUF)),
+        ("mixtral", (k.MERGED_SAFETENSORS, k.GGUF)),
+    ):
+        req = ExportRequest(targets=_targets(*kinds), adapter_path=f"{arch}-lora", base_model_path=arch)
+        out[arch] = {r.target.kind: r for r in run_export(req, model_root=moe_models, store=store)}
+    return store, out
+
+
+def test_a_qwen3_moe_adapter_merges_into_per_expert_tensors_and_round_trips_as_peft(moe_models, exported):
     from safetensors import safe_open
 
     from strop.export_svc.core.hf_dir import check_vllm_model_dir
     from strop.export_svc.core.moe import expert_pairs
 
-    req = ExportRequest(
-        targets=_targets(ExportTargetKind.MERGED_SAFETENSORS, ExportTargetKind.PEFT_ADAPTER),
-        adapter_path="qwen3_moe-lora",
-        base_model_path="qwen3_moe",
-    )
-    by = {r.target.kind: r for r in run_export(req, model_root=moe_models, store=store)}
+    store, results = exported
+    by = results["qwen3_moe"]
     merged = by[ExportTargetKind.MERGED_SAFETENSORS]
     v = merged.verification
     assert v.max_abs_logit_delta < FP32_BOUND and v.as_trained.max_abs_logit_delta < FP32_BOUND, (
@@ -109,13 +127,9 @@ def test_a_qwen3_moe_adapter_merges_into_per_expert_tensors_and_round_trips_as_p
     )
 
 
-def test_a_mixtral_adapter_with_a_trained_router_merges_into_block_sparse_moe_names(moe_models, store):
-    req = ExportRequest(
-        targets=_targets(ExportTargetKind.MERGED_SAFETENSORS),
-        adapter_path="mixtral-lora",
-        base_model_path="mixtral",
-    )
-    (r,) = run_export(req, model_root=moe_models, store=store)
+def test_a_mixtral_adapter_with_a_trained_router_merges_into_block_sparse_moe_names(moe_models, exported):
+    store, results = exported
+    r = results["mixtral"][ExportTargetKind.MERGED_SAFETENSORS]
     assert r.verification.as_trained.max_abs_logit_delta < FP32_BOUND
     d = store.path_of(r.artifact.artifact_id)
     wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
@@ -149,19 +163,15 @@ def test_what_moe_exports_cannot_do_is_refused_naming_why(moe_models, store, kin
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_an_moe_gguf_has_llama_cpps_expert_tensors_and_matches_the_model_as_trained(moe_models, store, arch):
+def test_an_moe_gguf_has_llama_cpps_expert_tensors_and_matches_the_model_as_trained(exported, arch):
     """F32 GGUF through llama.cpp (llama-cpp-python) against the merged fp32 model and the model as trained: the
     expert tensors stacked [E, out, in] per layer, the router as ffn_gate_inp, expert_count / expert_used_count.
     Bound: F32_GGUF_BOUND, llama.cpp's kernels in another summation order over two layers (the dense archs' F32
     GGUFs measure ~1e-5 to 1e-4 here; a wrong expert or routing is O(1e-2) or more)."""
     import gguf
 
-    req = ExportRequest(
-        targets=[ExportTarget(kind=ExportTargetKind.GGUF, gguf_type="F32")],
-        adapter_path=f"{arch}-lora",
-        base_model_path=arch,
-    )
-    (r,) = run_export(req, model_root=moe_models, store=store)
+    store, results = exported
+    r = results[arch][ExportTargetKind.GGUF]
     v = r.verification
     assert v.max_abs_logit_delta < F32_GGUF_BOUND and v.as_trained.max_abs_logit_delta < F32_GGUF_BOUND, (
         v.max_abs_logit_delta,

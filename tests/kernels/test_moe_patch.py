@@ -74,10 +74,8 @@ def _rel(a, b):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize(  # QLoRA (NF4 attention) once: the interpreter is slow and the attention path is shared
-    "model_type,qlora",
-    [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", False)],
-    ids=["qwen3_moe", "qwen3_moe-qlora", "mixtral"],
+@pytest.mark.parametrize(  # QLoRA (NF4 attention) on Mixtral only: the interpreter is slow, attention is shared
+    "model_type,qlora", [("qwen3_moe", False), ("mixtral", True)], ids=["qwen3_moe", "mixtral-qlora"]
 )
 def test_an_moe_on_the_kernels_trains_like_hf_peft(model_type, qlora, tmp_path, caplog):
     model = _model(model_type, qlora, tmp_path)
