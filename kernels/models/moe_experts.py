@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["experts_forward", "experts_reason"]
+__all__ = ["expert_factors", "expert_wrappers", "experts_forward", "experts_reason"]
 
 
-def _expert_wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+def expert_wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
     """The HF experts module under PEFT's nested ``ParamWrapper``s, and the wrappers by parameter name."""
     wrappers = {}
     while "base_layer" in experts._modules:
@@ -27,7 +27,7 @@ def _expert_wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module
 
 def experts_reason(experts: nn.Module, arch) -> str | None:
     """Why the grouped expert GEMM cannot run this experts module (checked when patching), or None."""
-    base, wrappers = _expert_wrappers(experts)
+    base, wrappers = expert_wrappers(experts)
     if arch.moe.activation != "swiglu" or getattr(base, "is_transposed", False):
         return f"{arch.model_type} experts: not the SwiGLU gate_up/down layout the grouped GEMM takes"
     if set(wrappers) != {"gate_up_proj", "down_proj"}:
@@ -37,7 +37,7 @@ def experts_reason(experts: nn.Module, arch) -> str | None:
     return None
 
 
-def _expert_factors(wrapper: nn.Module, base: nn.Module):
+def expert_factors(wrapper: nn.Module, base: nn.Module):
     """(W, A, B, scale) of one ``ParamWrapper`` for this call, or the reason PEFT must run it."""
     from ..lora.moe import peft_expert_factors
 
@@ -61,8 +61,8 @@ def experts_forward(ours: Callable) -> Callable:
         state, prev = ours(self)
         if not state.active or args or kwargs or top_k_index is None:
             return prev(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-        base, wrappers = _expert_wrappers(self)
-        parts = [_expert_factors(wrappers[n], base) for n in ("gate_up_proj", "down_proj")]
+        base, wrappers = expert_wrappers(self)
+        parts = [expert_factors(wrappers[n], base) for n in ("gate_up_proj", "down_proj")]
         bad = next((p for p in parts if isinstance(p, str)), None)
         if bad is not None:
             state.fallback(self, bad)

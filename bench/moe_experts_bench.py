@@ -1,0 +1,125 @@
+"""One MoE layer's experts, forward + backward: HF + PEFT (its expert path over PEFT's merged stacks) vs strop's
+grouped expert GEMM (``kernels/lora/moe.py``), on a Qwen3-30B-A3B layer's shape.
+
+Shape: hidden 2048, 128 experts of intermediate 768, 8 per token, LoRA r=16 alpha=16 on gate_up_proj and down_proj
+(PEFT ``target_parameters``), bf16 experts, fp32 adapters, bf16 autocast; routing from a random router (softmax,
+top-8, renormalized, as Qwen3-MoE). Reported per system: ms per forward + backward (median of --iters after
+--warmup), peak allocated memory above the inputs, and the largest difference of the output and of the LoRA
+gradients from HF + PEFT's (bf16 both: a sanity check, not a parity test; tests/kernels/test_moe_gpu.py is that).
+
+Usage (GPU machine)::
+
+    python bench/moe_experts_bench.py --tokens 16384
+    python bench/moe_experts_bench.py --smoke          # CPU, interpreter, tiny shape: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def build(a, device):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    h, inter, experts, k = (64, 32, 8, 2) if a.smoke else (2048, 768, 128, 8)
+    cfg = Qwen3MoeConfig(
+        hidden_size=h, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=k
+    )
+    dtype = torch.float32 if a.smoke else torch.bfloat16
+    torch.manual_seed(0)
+
+    class Holder(nn.Module):  # PEFT wants a model; the experts module is all this benchmark runs
+        def __init__(self):
+            super().__init__()
+            self.experts = Qwen3MoeExperts(cfg)
+
+    m = Holder()
+    with torch.no_grad():
+        m.experts.gate_up_proj.normal_(0, 0.02)
+        m.experts.down_proj.normal_(0, 0.02)
+    m = m.to(device=device, dtype=dtype)
+    lora = LoraConfig(r=16, lora_alpha=16, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    pm = get_peft_model(m, lora)
+    for p in pm.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+            with torch.no_grad():
+                p.normal_(0, 0.02)
+    x = torch.randn(a.tokens, h, device=device, dtype=dtype) * 0.1
+    router = torch.randn(experts, h, device=device, dtype=dtype) * 0.02
+    probs = torch.softmax((x @ router.T).float(), -1)
+    w, idx = torch.topk(probs, k, -1)
+    w = (w / w.sum(-1, keepdim=True)).to(dtype)
+    return pm, x, idx, w
+
+
+def run_system(system, pm, x, idx, w, a):
+    import torch
+
+    from strop.kernels.lora.moe import lora_moe_experts
+    from strop.kernels.models.moe_experts import expert_factors, expert_wrappers
+
+    experts = pm.base_model.model.experts
+
+    def strop_experts(xg, idx, w):
+        base, wrappers = expert_wrappers(experts)
+        parts = [expert_factors(wrappers[n], base) for n in ("gate_up_proj", "down_proj")]
+        return lora_moe_experts(xg, idx, w, *parts)
+
+    run = strop_experts if system == "strop" else experts
+    cuda = x.is_cuda
+    xg = x.clone().requires_grad_()
+    times, out, base = [], None, 0
+    for i in range(a.warmup + a.iters):
+        pm.zero_grad(set_to_none=True)
+        xg.grad = None
+        if cuda:
+            torch.cuda.synchronize()
+            if i == a.warmup:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=not a.smoke):
+            out = run(xg, idx, w)
+        out.float().square().mean().backward()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
+    grads = {n: p.grad.float() for n, p in pm.named_parameters() if p.requires_grad}
+    return statistics.median(times) * 1000, peak, out.detach().float(), grads
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args()
+    if a.smoke:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        a.tokens, a.warmup, a.iters = 64, 0, 1
+    device = "cpu" if a.smoke else "cuda"
+    pm, x, idx, w = build(a, device)
+    res = {s: run_system(s, pm, x, idx, w, a) for s in ("baseline", "strop")}
+    ref_out, ref_grads = res["baseline"][2], res["baseline"][3]
+    print(f"one Qwen3-30B-A3B MoE layer's experts, {a.tokens} tokens, forward + backward")
+    print("system     ms      peak GiB   max|Δout|/max|out|   worst rel Δgrad")
+    for s, (ms, peak, out, grads) in res.items():
+        dout = float((out - ref_out).abs().max() / ref_out.abs().max())
+        dg = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items())
+        print(f"{s:9} {ms:7.2f} {peak:9.2f} {dout:18.2e} {dg:17.2e}")
+
+
+if __name__ == "__main__":
+    main()
