@@ -57,7 +57,7 @@ def test_sft_replays_only_when_asked_and_only_on_messages_data():
 
 
 def test_retention_settings_are_validated():
-    assert job_config.with_defaults(_sft(), session_max_len=64).retention_rows == 32
+    assert job_config.with_defaults(_sft(), session_max_len=64).retention_rows == 110
     with pytest.raises(InvalidArgument, match=r"retention_rows must be in 1\.\.110"):
         job_config.with_defaults(_sft(retention_rows=111), session_max_len=64)
     with pytest.raises(InvalidArgument, match="REPLAY applies to SFT only"):
