@@ -3,7 +3,7 @@ hyperparameters resolved to a strop :class:`TrainConfig`.
 
 ``"auto"`` (or a hyperparameter left out) is strop's documented default for the method (``TRAIN_DEFAULTS``):
 ``n_epochs`` SFT :func:`auto_epochs` of the training rows (300 rows' worth, 1 to 10), DPO 1; ``batch_size`` SFT 4,
-DPO 1; ``learning_rate_multiplier`` 1 (× strop's learning rate for the method: SFT 1e-3, DPO 5e-6); ``beta`` 0.1.
+DPO 1; ``learning_rate_multiplier`` 1 (× strop's learning rate for the method: SFT 2e-3, DPO 5e-6); ``beta`` 0.1.
 A checkpoint is taken at the end of every epoch (OpenAI's), and with a validation file the job evaluates there too.
 
 ``reinforcement`` is strop's GRPO job: the grader as OpenAI defines it (checked by ``strop.graders``), ``n_epochs``
