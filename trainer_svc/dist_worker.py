@@ -271,6 +271,7 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
             loaded.pending_device_bytes = fsdp.device_bytes_after_sharding(loaded.model, rank.world_size)
         cfg = job_config.with_defaults(spec.config, session_max_len=loaded.facts.max_seq_length)
         job_config.check_dataset_fits(cfg, ds.format, ds.rows, loaded.facts.vocab_size)
+        job_config.check_tools_rendered(ds.rows, loaded.tokenizer)
         sharded = fsdp.is_fsdp(cfg) and rank.world_size > 1
         if sharded:
             fsdp.prepare(device)

@@ -10,9 +10,15 @@ numbers are the file's:
   strop's conversational ``{"prompt", "chosen", "rejected"}`` (DPO);
 - ``prompt``/``completion`` rows (OpenAI's legacy format) pass through.
 
-What the trainer cannot train on faithfully is refused here, by line: function calling (``tools``, ``functions``,
-``tool_calls``, ``function_call``: the trainer renders each message's role and content only, so the tool
-definitions and calls would be dropped without a word) and non-text content parts (images, audio).
+- function calling passes through as the trainer's chat rows carry it: ``tools`` on the row, assistant
+  ``tool_calls`` (content may be null) and ``tool`` messages with ``tool_call_id``; the trainer checks at job
+  creation that the model's chat template renders them (and refuses the job, naming the row, when it does not).
+  OpenAI's legacy spelling is mapped: ``functions`` become ``tools``, an assistant ``function_call`` a one-call
+  ``tool_calls`` (id ``call_<message index>``), and a ``function`` message a ``tool`` message answering the latest
+  call. ``parallel_tool_calls`` is dropped (a sampling switch: it changes nothing that is rendered).
+
+What the trainer cannot train on faithfully is refused here, by line: function calling in preference rows (the
+trainer trains tool calls in chat SFT rows only) and non-text content parts (images, audio).
 """
 
 from __future__ import annotations
@@ -23,12 +29,7 @@ from dataclasses import dataclass
 from strop.gateways.openai.errors import bad
 
 MAX_REPORTED = 20
-TOOL_KEYS = ("tools", "functions", "parallel_tool_calls")
-TOOL_MESSAGE_KEYS = ("tool_calls", "function_call")
-TOOL_REFUSAL = (
-    "function calling is not supported: strop's trainer renders each message's role and content only, so "
-    "the tool definitions and calls would be dropped silently"
-)
+TOOL_REFUSAL = "function calling is trained in chat SFT rows ('messages') only"
 
 
 class RowError(ValueError):
@@ -56,38 +57,49 @@ def _content(value, where: str):
                 )
             texts.append(part["text"])
         return "".join(texts)
-    if value is None:
-        raise RowError(
-            f"'{where}.content' is null (an assistant message that only calls tools): {TOOL_REFUSAL}"
-        )
     return value  # a string, or something the trainer refuses by line
 
 
-def _messages(value, where: str):
+def _messages(value, where: str, *, tools: bool = True):
     if not isinstance(value, list):
         return value  # the trainer says what a message list must be
-    out = []
+    out, last_call = [], ""
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             out.append(m)
             continue
         at = f"{where}[{i}]"
-        for k in TOOL_MESSAGE_KEYS:
-            if m.get(k):
-                raise RowError(f"'{at}.{k}': {TOOL_REFUSAL}")
-        if m.get("role") == "function":
-            raise RowError(f"'{at}.role' is 'function': {TOOL_REFUSAL}")
-        m = {k: v for k, v in m.items() if k not in TOOL_MESSAGE_KEYS and k != "name"}
+        legacy = m.get("function_call")
+        if not tools and (m.get("tool_calls") or legacy or m.get("role") == "function"):
+            raise RowError(f"'{at}': {TOOL_REFUSAL}")
+        m = {k: v for k, v in m.items() if k not in ("function_call", "name")}
+        if legacy:
+            if m.get("tool_calls"):
+                raise RowError(f"'{at}' has both 'function_call' and 'tool_calls'")
+            last_call = f"call_{i}"
+            m["tool_calls"] = [{"id": last_call, "type": "function", "function": legacy}]
+        for c in m.get("tool_calls") or []:
+            if isinstance(c, dict) and isinstance(c.get("id"), str):
+                last_call = c["id"]
+        if m.get("role") == "function":  # the legacy result message: answers the latest call
+            m = {**m, "role": "tool", "tool_call_id": last_call}
+        if m.get("role") == "tool" and isinstance(value[i].get("name"), str):
+            m["name"] = value[i]["name"]
         if "content" in m or m.get("role") == "assistant":
             m["content"] = _content(m.get("content"), at)
         out.append(m)
     return out
 
 
-def _tools(row: dict, where: str) -> None:
-    for k in TOOL_KEYS:
-        if row.get(k):
-            raise RowError(f"'{where}{k}': {TOOL_REFUSAL}")
+def _tools(row: dict, where: str) -> dict:
+    """``row`` with OpenAI's legacy ``functions`` as ``tools`` and without ``parallel_tool_calls``."""
+    row = {k: v for k, v in row.items() if k != "parallel_tool_calls"}
+    if "functions" in row:
+        if "tools" in row:
+            raise RowError(f"'{where}functions' and '{where}tools' both given; use 'tools'")
+        fns = row.pop("functions")
+        row["tools"] = [{"type": "function", "function": f} for f in fns] if isinstance(fns, list) else fns
+    return row
 
 
 def convert_row(row) -> tuple[object, str]:
@@ -98,8 +110,10 @@ def convert_row(row) -> tuple[object, str]:
         inp = row.get("input")
         if not isinstance(inp, dict) or "messages" not in inp:
             raise RowError("'input' must be an object with 'messages' (a preference row)")
-        _tools(inp, "input.")
-        out = {"prompt": _messages(inp["messages"], "input.messages")}
+        for k in ("tools", "functions"):
+            if inp.get(k):
+                raise RowError(f"'input.{k}': {TOOL_REFUSAL}")
+        out = {"prompt": _messages(inp["messages"], "input.messages", tools=False)}
         for src, dst in (("preferred_output", "chosen"), ("non_preferred_output", "rejected")):
             if src not in row:
                 raise RowError(
@@ -110,15 +124,13 @@ def convert_row(row) -> tuple[object, str]:
                 raise RowError(f"'{src}' must be a list of exactly one assistant message")
             if msgs[0].get("role") != "assistant":
                 raise RowError(f"'{src}[0].role' must be 'assistant', got {msgs[0].get('role')!r}")
-            out[dst] = _messages(msgs, src)
+            out[dst] = _messages(msgs, src, tools=False)
         return out, "preference"
     if "messages" in row:
-        _tools(row, "")
-        msgs = _messages(row["messages"], "messages")
-        out = {k: v for k, v in row.items() if k not in TOOL_KEYS}
-        out["messages"] = msgs
+        out = _tools(row, "")
+        msgs = out["messages"] = _messages(row["messages"], "messages")
         last = msgs[-1] if isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) else {}
-        return out, "prompts" if last.get("role") in ("user", "system") else "chat"
+        return out, "prompts" if last.get("role") in ("user", "system", "tool") else "chat"
     if "prompt" in row and "completion" in row:
         return row, "prompt_completion"
     return row, ""

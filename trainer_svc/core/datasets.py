@@ -9,6 +9,10 @@ rows); and ``input_ids`` (pre-tokenized SFT rows, optionally with a 0/1 ``comple
 the model's vocabulary when a job starts).
 Prompt, completion, chosen and rejected may be strings or message lists (conversational form).
 Every bad row is reported with its 1-based line number; nothing is stored unless all rows are good.
+A ``messages`` row may carry function calling as OpenAI's fine-tuning format spells it: ``tools`` (function
+definitions) and assistant messages with ``tool_calls`` (their content then may be null), answered by ``tool``
+messages (``tool_call_id``); whether a session's chat template renders them is checked when a job starts
+(``job_config.check_tools_rendered``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,50 @@ class ValidatedDataset:
     sha256: str
 
 
-def _check_messages(value, field: str) -> str | None:
+def _check_tool_calls(calls, at: str) -> str | None:
+    if not isinstance(calls, list) or not calls:
+        return f"'{at}' must be a non-empty list of tool calls"
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or c.get("type", "function") != "function":
+            return f'\'{at}[{j}]\' must be {{"type": "function", "function": {{"name", "arguments"}}}}'
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            return f"'{at}[{j}].function.name' must be a non-empty string"
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return f"'{at}[{j}].function.arguments' is not valid JSON"
+        if not isinstance(args, dict):
+            return f"'{at}[{j}].function.arguments' must be a JSON object (or a string holding one)"
+    return None
+
+
+def _check_tools(tools) -> str | None:
+    if not isinstance(tools, list) or not tools:
+        return "'tools' must be a non-empty list of function definitions"
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or t.get("type", "function") != "function":
+            return f'\'tools[{j}]\' must be {{"type": "function", "function": {{"name", ...}}}}'
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            return f"'tools[{j}].function.name' must be a non-empty string"
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            return f"'tools[{j}].function.parameters' must be a JSON schema object"
+    return None
+
+
+def uses_tools(row: dict) -> bool:
+    """Whether a row carries function calling: ``tools``, ``tool_calls`` or ``tool`` results by ``tool_call_id``."""
+    msgs = row.get("messages")
+    return "tools" in row or (
+        isinstance(msgs, list)
+        and any(isinstance(m, dict) and ("tool_calls" in m or "tool_call_id" in m) for m in msgs)
+    )
+
+
+def _check_messages(value, field: str, *, tool_calls: bool = False) -> str | None:
     if not isinstance(value, list) or not value:
         return f"'{field}' must be a non-empty list of messages"
     for i, m in enumerate(value):
@@ -55,6 +102,16 @@ def _check_messages(value, field: str) -> str | None:
             return f"'{field}[{i}]' is not an object"
         if m.get("role") not in ROLES:
             return f"'{field}[{i}].role' must be one of {sorted(ROLES)}, got {m.get('role')!r}"
+        if "tool_calls" in m:
+            if not tool_calls:
+                return f"'{field}[{i}].tool_calls': tool calls are trained in chat SFT rows (messages) only"
+            if m["role"] != "assistant":
+                return f"'{field}[{i}].tool_calls' belongs on assistant messages only"
+            problem = _check_tool_calls(m["tool_calls"], f"{field}[{i}].tool_calls")
+            if problem:
+                return problem
+            if m.get("content") is None:  # a message that only calls tools
+                continue
         if not isinstance(m.get("content"), str):
             return f"'{field}[{i}].content' must be a string"
         if "weight" in m and (
@@ -116,10 +173,14 @@ def check_row(row: dict, fmt: DatasetFormat) -> str | None:
         ):
             return "'completion_mask' must be a list of 0/1 as long as 'input_ids'"
         return None
+    if fmt is not DatasetFormat.MESSAGES and "tools" in row:
+        return "'tools': function definitions are trained in chat SFT rows (messages ending with an assistant turn) only"
     if fmt is DatasetFormat.MESSAGES:
         if "messages" not in row:
             return "missing 'messages'"
-        problem = _check_messages(row["messages"], "messages")
+        problem = _check_messages(row["messages"], "messages", tool_calls=True) or (
+            _check_tools(row["tools"]) if "tools" in row else None
+        )
         if problem:
             return problem
         if row["messages"][-1]["role"] != "assistant":

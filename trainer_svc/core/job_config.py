@@ -3,6 +3,7 @@ the dataset checked against the method, and rows shaped the way TRL's trainers r
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import fields, replace
 
@@ -19,6 +20,7 @@ from strop.common.trainer_types import (
     auto_epochs,
     train_default,
 )
+from strop.trainer_svc.core.datasets import uses_tools
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial")
 OPTIMIZERS = {
@@ -290,6 +292,22 @@ def sft_rows(rows: list[dict], fmt: DatasetFormat, cfg: TrainConfig, tokenizer) 
         return [
             {"prompt": r["prompt"], "completion": r["completion"]} for r in rows
         ], not cfg.loss_on_all_tokens
+    if any(uses_tools(r) for r in rows):  # tokenized here, with the row's tools passed to the template
+        if cfg.loss_on_all_tokens:
+            return [
+                {
+                    "input_ids": _chat_ids(
+                        tokenizer, r["messages"], generation_prompt=False, tools=r.get("tools")
+                    )
+                }
+                for r in rows
+            ], False
+        return [
+            assistant_masked(
+                r["messages"], tokenizer, tools=r.get("tools"), last_only=cfg.completion_only_loss
+            )
+            for r in rows
+        ], True
     if cfg.loss_on_all_tokens:
         return [{"messages": _plain(r["messages"])} for r in rows], False
     if cfg.completion_only_loss:  # conversational prompt/completion: all turns but the last are the prompt
@@ -300,34 +318,129 @@ def sft_rows(rows: list[dict], fmt: DatasetFormat, cfg: TrainConfig, tokenizer) 
 
 
 def _plain(messages: list[dict]) -> list[dict]:
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    """Messages as the chat template reads them: role and content, and the function-calling fields where present
+    (tool calls' JSON-string ``arguments`` as objects, the form Hugging Face's tool templates render)."""
+    out = []
+    for m in messages:
+        msg = {"role": m["role"], "content": m.get("content") or ""}
+        if "tool_calls" in m:
+            msg["tool_calls"] = [
+                {
+                    **c,
+                    "type": "function",
+                    "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))},
+                }
+                for c in m["tool_calls"]
+            ]
+        for k in ("tool_call_id", "name"):
+            if m["role"] == "tool" and k in m:
+                msg[k] = m[k]
+        out.append(msg)
+    return out
 
 
-def _chat_ids(tokenizer, messages: list[dict], *, generation_prompt: bool) -> list[int]:
+def _arguments(args) -> dict:
+    return json.loads(args) if isinstance(args, str) else args
+
+
+def _chat_ids(
+    tokenizer, messages: list[dict], *, generation_prompt: bool, tools: list | None = None
+) -> list[int]:
     # As TRL tokenizes a conversation (``trl.data_utils._tokenize``): the template's own special tokens only.
     out = tokenizer.apply_chat_template(
-        _plain(messages), tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+        _plain(messages),
+        tools=tools,
+        tokenize=True,
+        return_dict=True,
+        add_generation_prompt=generation_prompt,
     )
     return list(out["input_ids"])
 
 
-def assistant_masked(messages: list[dict], tokenizer) -> dict:
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "strop_probe_lookup",
+        "description": "Look a word up.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}
+_PROBE_CALL = [
+    {"role": "user", "content": "Look the word up."},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_probe",
+                "type": "function",
+                "function": {"name": "strop_probe_lookup", "arguments": '{"word": "zebrafinchprobe"}'},
+            }
+        ],
+    },
+]
+
+
+def _renders(tokenizer, messages: list[dict], tools: list, needle: str) -> bool:
+    try:
+        text = tokenizer.apply_chat_template(_plain(messages), tools=tools, tokenize=False)
+    except Exception:  # a template that fails on tools (a Jinja error of its own) does not render them
+        return False
+    return needle in text
+
+
+def check_tools_rendered(rows: list[dict], tokenizer, what: str = "") -> None:
+    """Refuse chat rows with function calling (``tools``, ``tool_calls``) that the model's chat template would drop.
+
+    The probe renders a tiny conversation: the tool's name must appear once ``tools`` is passed, and a call's
+    arguments once an assistant message calls it.
+
+    Raises:
+        InvalidArgument: naming the first such row and what the template leaves out.
+    """
+    found = [(i, r) for i, r in enumerate(rows, 1) if uses_tools(r)]
+    if not found:
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgument(
+            f"{what}row {found[0][0]}: function calling needs a chat template; the model has none"
+        )
+    tools_ok = _renders(tokenizer, _PROBE_CALL[:1], [_PROBE_TOOL], "strop_probe_lookup")
+    calls_ok = _renders(tokenizer, _PROBE_CALL, [_PROBE_TOOL], "zebrafinchprobe")
+    for i, r in found:
+        if "tools" in r and not tools_ok:
+            raise InvalidArgument(
+                f"{what}row {i}: the model's chat template does not render tools (the row's 'tools' would be "
+                "dropped); train on a model whose template renders them, or drop 'tools'"
+            )
+        if not calls_ok and any("tool_calls" in m for m in r["messages"]):
+            raise InvalidArgument(
+                f"{what}row {i}: the model's chat template does not render tool calls (assistant 'tool_calls' "
+                "would be dropped); train on a model whose template renders them, or drop the calls"
+            )
+
+
+def assistant_masked(
+    messages: list[dict], tokenizer, *, tools: list | None = None, last_only: bool = False
+) -> dict:
     """A conversation tokenized with its chat template and a mask of 1 on the tokens of its assistant messages.
 
     Assistant message i spans from the end of the conversation before it rendered with the generation prompt
     (``<|im_start|>assistant\n``, …) to the end of the conversation up to and including it, so the message's
-    end-of-turn token is trained (the model learns to stop). Spans are found on token ids: where the shorter
+    end-of-turn token is trained (the model learns to stop); an assistant message's tool calls are in its span,
+    a ``tool`` message's result is not. ``tools`` go to the template as its ``tools``; ``last_only`` masks the
+    last message only (``completion_only_loss``). Spans are found on token ids: where the shorter
     rendering stops being a prefix of the whole one (as TRL's ``common_prefix_length`` does for one completion).
     A template that renders an earlier part of a conversation differently once more turns follow cannot be
     masked this way: InvalidArgument, naming the way out (``loss_on_all_tokens``).
     """
-    ids = _chat_ids(tokenizer, messages, generation_prompt=False)
+    ids = _chat_ids(tokenizer, messages, generation_prompt=False, tools=tools)
     mask = [0] * len(ids)
     for i, m in enumerate(messages):
-        if m["role"] != "assistant" or m.get("weight", 1) == 0:
+        if m["role"] != "assistant" or m.get("weight", 1) == 0 or (last_only and i < len(messages) - 1):
             continue
-        start = _common_prefix(_chat_ids(tokenizer, messages[:i], generation_prompt=True), ids)
-        upto = _chat_ids(tokenizer, messages[: i + 1], generation_prompt=False)
+        start = _common_prefix(_chat_ids(tokenizer, messages[:i], generation_prompt=True, tools=tools), ids)
+        upto = _chat_ids(tokenizer, messages[: i + 1], generation_prompt=False, tools=tools)
         end = _common_prefix(upto, ids)
         if end < len(upto):
             raise InvalidArgument(

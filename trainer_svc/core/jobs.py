@@ -181,6 +181,11 @@ class Jobs:
         held_out = validation.load(
             self.datasets, validation_dataset_id, cfg, ds_info.format, sess.info.facts.vocab_size
         )
+        job_config.check_tools_rendered(rows, sess.loaded.tokenizer)
+        if held_out is not None:
+            job_config.check_tools_rendered(
+                held_out.rows, sess.loaded.tokenizer, f"validation_dataset_id {held_out.dataset_id}: "
+            )
         # GRPO: the grader, its templates against every row and the prompt lengths, all before any sampling
         if cfg.method is TrainMethod.GRPO:
             from strop.trainer_svc.core import grpo
