@@ -99,6 +99,31 @@ def test_function_calling_rows_pass_to_the_trainer_and_images_are_refused_by_lin
     assert "line 3" in err.message and "'image_url' part" in err.message
 
 
+def test_legacy_function_calling_is_mapped_to_tools():
+    from strop.gateways.openai.files import convert_row
+
+    row = {
+        "functions": [TOOLS[0]["function"]],
+        "parallel_tool_calls": True,
+        "messages": [
+            {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": "{}"}},
+            {"role": "function", "name": "add", "content": "2"},
+            {"role": "assistant", "content": "2"},
+        ],
+    }
+    out, kind = convert_row(row)
+    assert (
+        kind == "chat"
+        and out["tools"] == TOOLS
+        and "functions" not in out
+        and "parallel_tool_calls" not in out
+    )
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    assert out["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert out["messages"][2] == {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": "2"}
+
+
 def test_text_parts_and_preference_rows_are_mapped(stack):
     c = stack.client()
     parts = chat_rows(1)[0]
