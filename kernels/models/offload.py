@@ -290,6 +290,11 @@ class ActivationOffloader:
         """Why this call must go to ``torch.utils.checkpoint`` instead, or None."""
         if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
             return "first positional argument is not a floating tensor"
+        recorded = _recorded_outputs()
+        if recorded:
+            # HF records these (an MoE's router logits, for the aux loss) with hooks inside the layer; under this
+            # function's no-grad forward they would be recorded detached and their loss would give no gradient
+            return f"the layer's {', '.join(recorded)} are recorded by HF's output hooks for the loss"
         bound = function.keywords if isinstance(function, functools.partial) else {}
         for name, value in bound.items():
             values = value if isinstance(value, (tuple, list)) else (value,)
@@ -341,6 +346,18 @@ class ActivationOffloader:
         anchor = self._anchors[device]
         outputs = OffloadedCheckpointFunction.apply(function, self, (layer, offload, meta), anchor, *args)
         return _unflatten(outputs, meta["template"])
+
+
+def _recorded_outputs() -> list[str]:
+    """What HF's output capturing records from inside the running layer (hidden states are recorded outside it)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output capturing records nothing this way
+        return []
+    collected = _active_collector.get()
+    return sorted(
+        k for k in collected or () if not k.startswith("_") and k not in ("hidden_states", "attentions")
+    )
 
 
 # ---- autograd ------------------------------------------------------------------------------------------
