@@ -131,11 +131,14 @@ def test_cli_train_help_shows_every_default():
         check=True,
     ).stdout
     flat = " ".join(out.split())
+    from strop.common.trainer_types import TRAIN_DEFAULTS
+
+    lr = TRAIN_DEFAULTS["learning_rate"]  # the table is the owner; the help must show what it says
     for shown in (
-        "1e-03 (SFT)",
+        f"{lr['SFT']:.0e} (SFT)",
         "auto: 300 rows' worth, 1 to 10 (SFT)",
         "(default: 32.0)",
-        "5e-06 (DPO)",
+        f"{lr['DPO']:.0e} (DPO)",
         "linear",
         "adamw_torch",
         "standard",
