@@ -285,11 +285,9 @@ class DatasetInfo:
 
 # What a zero/empty TrainConfig field becomes on the trainer (``job_config.with_defaults``); the CLI's --help and the
 # docs/trainer.md show the same table. Per method where they differ: SFT's learning rate, batch, epochs and replay rows
-# are the setting bench/recipe_facts.py measured (bench/RESULTS.md, "Teaching facts: replay of 110 answers"): with
-# ``retention`` REPLAY, SmolLM2-135M-Instruct (NF4, LoRA r 16 alpha 32, batch 4, 10 epochs) learned 30 of 30 invented
-# facts and kept 11 of the 12 general answers it had right at lr 2e-3 (one run, H200; 1e-3: 9 of 12; 2e-4 taught 6 of
-# 30). Replay itself stays opt-in: it costs a generation pass before training and an evaluation after every chat SFT
-# job (about a minute on this repo's CPU even for the test tier's tiny random models). DPO's is TRL's (a preference
+# are the setting bench/recipe_facts.py chose by measurement (the figures: bench/RESULTS.md and docs/trainer.md,
+# "Teaching facts"). Replay itself stays opt-in: it costs a generation pass before training and an evaluation after
+# every chat SFT job (about a minute on this repo's CPU even for the test tier's tiny random models). DPO's is TRL's (a preference
 # shift is slower than SFT by design: raise it, or
 # train more steps, when 10 steps show no margin). ORPO, KTO and SimPO take DPO's learning rate, and TRL's defaults
 # for their own hyperparameters (ORPO's lambda is TRL's ORPOConfig.beta) but SimPO's beta: TRL's CPOConfig beta 0.1 is

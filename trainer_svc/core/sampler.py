@@ -392,9 +392,8 @@ def sample(
         cuda_graphs: On CUDA, replay the decode step as a CUDA graph (falls back to eager if capture fails).
         check_every: Steps between host checks of the finished flags and the stop strings.
         nf4_decode: Decode an NF4 base's LoRA layers with the fused NF4 decode kernel
-            (``strop.kernels.models.decode``) where it applies. Off by default: on the H200, 8B-shape QLoRA,
-            64 prompts x 512 new tokens, it ran at 377 tokens/s against 2,543 with the model's own forwards
-            (strop's patch where it applies, PEFT + bitsandbytes elsewhere; bench/RESULTS.md).
+            (``strop.kernels.models.decode``) where it applies. Off by default: at 64 decode rows its GEMV tile
+            measured slower than the model's own dequantize + GEMM forwards (bench/RESULTS.md, issue 34).
         stats: Filled in with what the call did.
 
     Returns:
