@@ -3,7 +3,9 @@ of the model root, one trainer client per API key, and the uvicorn runner their 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import os
 import threading
 from pathlib import Path
 
@@ -62,6 +64,31 @@ class TrainerClients:
             for c in self._clients.values():
                 c.close()
             self._clients.clear()
+
+
+def add_server_flags(p: argparse.ArgumentParser, prefix: str, port: int, loads: str) -> None:
+    """The flags both gateways' servers take, each with its environment variable (``STROP_<PREFIX>_…``): where to
+    listen, the trainer and the model root, how bases are loaded (``loads`` says what by), HTTPS and the trainer's CA."""
+    from strop.common.trainer_types import Quantization
+
+    env = os.environ.get
+    own = f"STROP_{prefix}_"
+    p.add_argument(
+        "--listen", default=env(own + "LISTEN", f"127.0.0.1:{port}"), help="host:port to serve HTTP on"
+    )
+    p.add_argument(
+        "--trainer", default=env("STROP_TRAINER", "127.0.0.1:50051"), help="the trainer's gRPC address"
+    )
+    p.add_argument("--model-root", default=env("STROP_MODEL_ROOT", "models"),
+                   help="the trainer's model root (read-only)")  # fmt: skip
+    p.add_argument("--quantization", default=env(own + "QUANTIZATION", "UNSPECIFIED"),
+                   choices=[q.value for q in Quantization], help=f"how {loads} are loaded")  # fmt: skip
+    p.add_argument("--dtype", default=env(own + "DTYPE", ""), help=f"{loads}' compute dtype ('' = trainer's)")
+    p.add_argument("--max-seq-length", type=int, default=int(env(own + "MAX_SEQ_LENGTH", "0")))
+    p.add_argument("--tls-cert", default=env(own + "TLS_CERT"), help="HTTPS certificate (PEM)")
+    p.add_argument("--tls-key", default=env(own + "TLS_KEY"), help="HTTPS private key (PEM)")
+    p.add_argument("--trainer-tls-ca", default=env("STROP_TLS_CA"),
+                   help="CA of the trainer's (and the exporter's) TLS certificate")  # fmt: skip
 
 
 def _exit_zero(signum, frame) -> None:

@@ -16,40 +16,20 @@ import os
 from pathlib import Path
 
 from strop.common.trainer_types import Quantization
+from strop.gateways.common import add_server_flags
 from strop.gateways.openai.gateway import Gateway, GatewayConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="strop serve openai", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--listen", default=env("STROP_OPENAI_LISTEN", "127.0.0.1:8001"), help="host:port to serve HTTP on"
-    )
-    p.add_argument(
-        "--trainer", default=env("STROP_TRAINER", "127.0.0.1:50051"), help="the trainer's gRPC address"
-    )
-    p.add_argument(
-        "--model-root", default=env("STROP_MODEL_ROOT", "models"), help="the trainer's model root (read-only)"
-    )
+    add_server_flags(p, "OPENAI", 8001, "jobs' bases")
     p.add_argument("--state-dir", default=env("STROP_OPENAI_STATE_DIR", "state/openai"),
                    help="the gateway's SQLite state and uploaded files")  # fmt: skip
     p.add_argument("--database-url", default=env("STROP_OPENAI_DATABASE_URL", ""),
                    help="'' (SQLite in --state-dir) or postgresql://…")  # fmt: skip
-    p.add_argument("--quantization", default=env("STROP_OPENAI_QUANTIZATION", "UNSPECIFIED"),
-                   choices=[q.value for q in Quantization], help="how jobs' bases are loaded")  # fmt: skip
-    p.add_argument(
-        "--dtype", default=env("STROP_OPENAI_DTYPE", ""), help="jobs' compute dtype ('' = trainer's)"
-    )
-    p.add_argument("--max-seq-length", type=int, default=int(env("STROP_OPENAI_MAX_SEQ_LENGTH", "0")))
     p.add_argument("--max-file-mb", type=int, default=int(env("STROP_OPENAI_MAX_FILE_MB", "512")),
                    help="the largest file /v1/files takes (OpenAI's: 512 MB)")  # fmt: skip
-    p.add_argument("--tls-cert", default=env("STROP_OPENAI_TLS_CERT"), help="HTTPS certificate (PEM)")
-    p.add_argument("--tls-key", default=env("STROP_OPENAI_TLS_KEY"), help="HTTPS private key (PEM)")
-    p.add_argument(
-        "--trainer-tls-ca",
-        default=env("STROP_TLS_CA"),
-        help="CA of the trainer's (and the exporter's) certificate",
-    )
     p.add_argument("--exporter", default=env("STROP_EXPORTER", ""),
                    help="the export service's gRPC address: jobs whose metadata asks (strop_export) are exported "
                         "on success ('' = none)")  # fmt: skip

@@ -16,34 +16,16 @@ import os
 from pathlib import Path
 
 from strop.common.trainer_types import Quantization
+from strop.gateways.common import add_server_flags
 from strop.gateways.tinker.gateway import Gateway, GatewayConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="strop serve tinker", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--listen", default=env("STROP_TINKER_LISTEN", "127.0.0.1:8000"), help="host:port to serve HTTP on"
-    )
-    p.add_argument(
-        "--trainer", default=env("STROP_TRAINER", "127.0.0.1:50051"), help="the trainer's gRPC address"
-    )
-    p.add_argument(
-        "--model-root", default=env("STROP_MODEL_ROOT", "models"), help="the trainer's model root (read-only)"
-    )
-    p.add_argument("--quantization", default=env("STROP_TINKER_QUANTIZATION", "UNSPECIFIED"),
-                   choices=[q.value for q in Quantization], help="how base sessions are loaded")  # fmt: skip
-    p.add_argument(
-        "--dtype", default=env("STROP_TINKER_DTYPE", ""), help="base sessions' dtype ('' = trainer's)"
-    )
-    p.add_argument("--max-seq-length", type=int, default=int(env("STROP_TINKER_MAX_SEQ_LENGTH", "0")))
+    add_server_flags(p, "TINKER", 8000, "base sessions")
     p.add_argument("--poll-ms", type=int, default=int(env("STROP_TINKER_POLL_MS", "10000")),
                    help="how long retrieve_future holds a pending future before try_again (< the SDK's 45 s)")  # fmt: skip
-    p.add_argument("--tls-cert", default=env("STROP_TINKER_TLS_CERT"), help="HTTPS certificate (PEM)")
-    p.add_argument("--tls-key", default=env("STROP_TINKER_TLS_KEY"), help="HTTPS private key (PEM)")
-    p.add_argument(
-        "--trainer-tls-ca", default=env("STROP_TLS_CA"), help="CA of the trainer's TLS certificate"
-    )
     p.add_argument("--admin-token-file", default=env("STROP_TINKER_ADMIN_TOKEN_FILE"),
                    help="a file holding a trainer admin token: the gateway loads shared bases with it")  # fmt: skip
     p.add_argument("--health-port", type=int, default=int(env("STROP_HEALTH_PORT", "0")),
