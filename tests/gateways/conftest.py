@@ -19,16 +19,21 @@ def free_port() -> int:
 
 
 class Served:
-    """A gateway served by uvicorn in a thread on 127.0.0.1:``port``; ``stop()`` ends it as SIGTERM would."""
+    """A gateway served by uvicorn in a thread on 127.0.0.1:``port`` (its ``app``; default the Tinker gateway's app
+    over ``gw``); ``stop()`` ends it as SIGTERM would."""
 
-    def __init__(self, gw, port: int):
+    def __init__(self, gw, port: int, app=None):
         import uvicorn
 
         from strop.gateways.tinker.app import create_app
 
         self.gw, self.url = gw, f"http://127.0.0.1:{port}"
         config = uvicorn.Config(
-            create_app(gw), host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
+            app or create_app(gw),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -4,47 +4,29 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
+
+from tests.gateways.conftest import Served, free_port
 
 KEY_A = "sk-tenant-a-openai-0123456789"
 KEY_B = "sk-tenant-b-openai-9876543210"
 MAX_QUEUED = 1  # the trainer's queue: one job waits while one runs, a third is RESOURCE_EXHAUSTED (429)
 
 
-class ServedGateway:
+class ServedGateway(Served):
     """The OpenAI gateway over ``trainer`` with its state in ``state_dir``, served by uvicorn in a thread."""
 
     def __init__(self, trainer: str, model_root, state_dir, exporter: str = ""):
-        import uvicorn
-
         from strop.common.trainer_types import Quantization
         from strop.gateways.openai.app import create_app
         from strop.gateways.openai.gateway import Gateway, GatewayConfig
 
-        self.gw = Gateway(GatewayConfig(
+        gw = Gateway(GatewayConfig(
             trainer=trainer, model_root=model_root, state_dir=state_dir, quantization=Quantization.NONE,
             dtype="float32", exporter=exporter,
         ))  # fmt: skip
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.gw), host="127.0.0.1", port=port,
-                                                    log_level="warning", timeout_graceful_shutdown=5))  # fmt: skip
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the gateway did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        assert not self.thread.is_alive(), "the gateway did not stop"
-        self.gw.close()
+        super().__init__(gw, free_port(), create_app(gw))
+        self.url += "/v1"
 
 
 class Stack:
