@@ -119,6 +119,8 @@ def parse_setting(text: str):
         key, _, value = item.partition("=")
         if key in ("r", "alpha"):
             lora = replace(lora, **{key: type(getattr(lora, key))(value)})
+        elif key == "seed":  # one seed for the run: the adapter's initialisation and the data order
+            lora, cfg = replace(lora, seed=int(value)), replace(cfg, seed=int(value))
         elif key == "targets":
             lora = replace(lora, target_modules=value.split("+"))
         elif key in train_fields:
