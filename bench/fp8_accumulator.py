@@ -1,6 +1,6 @@
 """How far the H200's e4m3 GEMM (``torch._scaled_mm``, rowwise scales) lands from the fp64 product of its
 dequantized operands, in units of the e8m13 accumulator's rounding on Σ|â||b̂| — the model behind the bound of
-``tests/kernels/test_fp8.py`` (at most K roundings of 2⁻¹³ each; an fp32 accumulator would show ~2⁻¹⁰ of a unit).
+``tests/kernels/ops/test_fp8.py`` (at most K roundings of 2⁻¹³ each; an fp32 accumulator would show ~2⁻¹⁰ of a unit).
 
     python3 bench/fp8_accumulator.py
 """

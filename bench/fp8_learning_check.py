@@ -1,7 +1,7 @@
 """How much of a step's learning the FP8 base GEMMs' definition keeps, in plain torch on the CPU (no strop kernel).
 
 ``patch_model(fp8_base=True)`` computes, per frozen base, y = deq(Q(x)) deq(Q(W))ᵀ and dx = deq(Q(dy)) deq(Q(Wᵀ))ᵀ
-(``kernels/ops/fp8.py``; tests/kernels/test_fp8.py checks the kernels against that definition). This script trains
+(``kernels/ops/fp8.py``; tests/kernels/ops/test_fp8.py checks the kernels against that definition). This script trains
 one random Llama-shaped model with PEFT LoRA four times from the same start — exact, both GEMMs fake-quantized,
 forward only, backward only (``quantize_rows_reference``, fp32 arithmetic otherwise) — and prints each run's loss
 drop as a share of the exact run's. ``--init`` sets the weights' std: 0.02 at width 512 gives each projection

@@ -5,7 +5,7 @@ Shape: hidden 2048, 128 experts of intermediate 768, 8 per token, LoRA r=16 alph
 (PEFT ``target_parameters``), bf16 experts, fp32 adapters, bf16 autocast; routing from a random router (softmax,
 top-8, renormalized, as Qwen3-MoE). Reported per system: ms per forward + backward (median of --iters after
 --warmup), peak allocated memory above the inputs, and the largest difference of the output and of the LoRA
-gradients from HF + PEFT's (bf16 both: a sanity check, not a parity test; tests/kernels/test_moe_gpu.py is that).
+gradients from HF + PEFT's (bf16 both: a sanity check, not a parity test; tests/kernels/models/test_moe_gpu.py is that).
 
 Usage (GPU machine)::
 

@@ -33,7 +33,7 @@ def timed(fn, reps=20) -> float:
 
 def main() -> None:
     from strop.kernels.trainers.shared_prompt import share_prompts
-    from tests.kernels.test_shared_prompt import _batch
+    from tests.kernels.trainers.test_shared_prompt import _batch
 
     ids, am, cm = _batch(prompts=(512,) * 4, chosen=(512,) * 4, rejected=(512,) * 4)
     mask = share_prompts(ids.cuda(), am.cuda(), cm.cuda(), attn_implementation="sdpa").attention_mask

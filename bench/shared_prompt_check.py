@@ -20,7 +20,7 @@ def main() -> None:
 
     from strop.kernels.models import patch_model
     from strop.kernels.trainers.shared_prompt import share_prompts
-    from tests.kernels.test_shared_prompt import _batch
+    from tests.kernels.trainers.test_shared_prompt import _batch
 
     ids, am, cm = _batch(prompts=(512,) * 4, chosen=(512,) * 4, rejected=(512,) * 4, vocab=300)
     ids, am, cm = ids.cuda(), am.cuda(), cm.cuda()

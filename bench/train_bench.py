@@ -95,7 +95,7 @@ LLAMA_SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vo
 SHAPE = dict(LLAMA_SHAPE)  # the model of the part in hand (use_shape)
 # --smoke: a tiny shape on the CPU, to check the harness itself without a GPU (numbers meaningless)
 SMOKE_SHAPE = dict(hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=640, head_dim=32)
-# The gemma part: Gemma 3 1B's shape (the GPU tier's parity test, tests/kernels/test_gemma.py), bf16 LoRA.
+# The gemma part: Gemma 3 1B's shape (the GPU tier's parity test, tests/kernels/models/test_gemma.py), bf16 LoRA.
 # window: the sliding layers' attention window; full_every: every 6th layer attends to the whole sequence.
 GEMMA_SHAPE = dict(
     hidden=1152,

@@ -13,7 +13,7 @@ Forward:  y = addmm(b, x, Wᵀ);  u = x Aᵀ  [N, r];  y += s · u Bᵀ  (one ad
 
 Saved for backward: x and u (N·r values, small). Never y, never the dequantized W.
 
-Backward, derived from the forward (checked against autograd in tests/kernels/test_lora.py):
+Backward, derived from the forward (checked against autograd in tests/kernels/lora/test_lora.py):
 
     g  = s · dy B        [N, r]
     dA = gᵀ x            [r, in]     LoRA grads contract the [N, r] factors first, so no [N, in] or

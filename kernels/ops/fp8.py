@@ -21,7 +21,7 @@ dx is half of a step's base GEMMs where no layer is recomputed.
 
 What stays exact: the LoRA factors and their products (u = x Aᵀ, dA, dB, g A) read x and dy in bf16; the
 norms, attention, activations and loss are unchanged. Only the base's contributions to y and dx carry the
-e4m3 rounding. Bound (tests/kernels/test_fp8.py derives it): each factor of a product is rounded with
+e4m3 rounding. Bound (tests/kernels/ops/test_fp8.py derives it): each factor of a product is rounded with
 relative error ≤ 2⁻⁴ (3 mantissa bits; a subnormal adds ≤ 2⁻¹⁰ · s absolute), so
 |Q-GEMM − exact| ≤ (2·2⁻⁴ + 2⁻⁸) Σ_k |a_k||b_k| + subnormal terms, plus the bf16 rounding of the result.
 

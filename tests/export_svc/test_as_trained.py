@@ -9,7 +9,7 @@ ORIGINAL_16BIT merges into the stored 16-bit weights, as every export did before
 
 The bound of the as-trained comparison. With AS_TRAINED, the merged fp32 model ``x·(W + s·B@A)ᵀ`` and
 the as-trained model (PEFT, unmerged: ``x·Wᵀ + s·(x·Aᵀ)·Bᵀ`` on the same dequantized ``W``) are one
-function in exact arithmetic; in fp32 they differ only by rounding. As in ``tests/kernels/test_patch.py``:
+function in exact arithmetic; in fp32 they differ only by rounding. As in ``tests/kernels/models/test_patch.py``:
 a value that passes through ``S`` sequential fp32 reductions of at most ``K`` terms is off by about
 ``S · √K · u`` relative (u = 2⁻²⁴); each side is one forward pass (8 reductions per layer: norms,
 q/k/v/o, attention, gate/up, down; 4 for the final norm and head), plus, on the merged side, the merge's

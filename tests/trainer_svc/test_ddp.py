@@ -14,7 +14,7 @@ doubles it. Checked by hand with a DDP comm hook: summing instead of averaging m
 and the losses by 3.8e-3, never synchronising by 107% and 2.0e-3, against bounds of 2.2e-4 and 5.4e-5 (measured
 here: 3.0e-7 and 7.4e-8). SGD also keeps the bound derivable: no m/sqrt(v) amplifies rounding.
 
-The bound, derived as in ``tests/kernels/test_patch.py``. Both runs compute the same fp32 function; they differ
+The bound, derived as in ``tests/kernels/models/test_patch.py``. Both runs compute the same fp32 function; they differ
 in summation order (batch 2 in one process against batch 1 per rank) and in one more addition, the all-reduce
 of two fp32 gradient halves (one rounding per element). One forward and backward passes through ``S`` = 8
 sequential reductions per layer and pass, twice, plus 4 for the head and the loss, of at most ``K`` terms (the
@@ -643,7 +643,7 @@ def test_fsdp_jobs_gather_parameters_as_stored_where_accelerate_would_cast_them_
     """What a bf16 FSDP job on GPUs gets from accelerate (its policy for ``mixed_precision="bf16"``) and what
     ``fsdp.gather_as_stored`` makes of it before training shards the model: no cast, so the fp32 adapters train
     under autocast and reduce in fp32 as in one process (the H200 check of the difference is in
-    ``tests/kernels/test_fsdp_nf4.py``). The CPU tier's FSDP jobs run without mixed precision, where both agree."""
+    ``tests/kernels/models/test_fsdp_nf4.py``). The CPU tier's FSDP jobs run without mixed precision, where both agree."""
     import types
 
     import torch
@@ -668,7 +668,7 @@ def test_sharded_jobs_on_accelerators_stage_the_base_in_host_memory_and_admissio
 ):
     """Where a rank loads the base (``fsdp.staging_device``): host memory for an FSDP job on several accelerators,
     so the base need not fit one device (FSDP2 moves each layer there as it shards it: the H200 check is in
-    ``tests/kernels/test_fsdp_nf4.py``); the rank's device otherwise. Admission must count what the sharding will
+    ``tests/kernels/models/test_fsdp_nf4.py``); the rank's device otherwise. Admission must count what the sharding will
     place on the device before it is there: 1/N of every parameter plus two layers gathered whole."""
     from strop.common.trainer_types import (
         LoadModelRequest,

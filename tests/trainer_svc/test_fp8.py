@@ -64,7 +64,7 @@ def fp8_sessions(trainer):
 def test_an_fp8_session_trains_on_fp8_base_gemms_and_lowers_the_loss(
     client, fp8_sessions, monkeypatch, mode, what, forward
 ):
-    from tests.kernels.test_fp8 import count_fp8_gemms
+    from tests.kernels.ops.test_fp8 import count_fp8_gemms
 
     loaded, s = fp8_sessions(mode)
     assert loaded.facts.kernels_enabled and what.split(" (")[0] in loaded.facts.kernels_reason, loaded.facts

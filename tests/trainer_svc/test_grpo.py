@@ -17,7 +17,7 @@ signal made no update, AdamW's momentum alone undid the solved task in 7 of 18 r
 Speed. The CPU tier shares two cores among several processes, where torch's two threads spin against each other
 (a tiny linear took 9 ms instead of 0.3 ms here): the module trains with one thread. The learning tests take the
 chunked engine's torch path (``TRITON_INTERPRET`` off at call time): the Triton kernel path of the same loss is
-``tests/kernels/test_grpo_loss.py``'s.
+``tests/kernels/losses/test_grpo.py``'s.
 """
 
 from __future__ import annotations

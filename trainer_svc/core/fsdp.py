@@ -171,7 +171,7 @@ def gather_as_stored(trainer) -> bool:
     For a bf16 job accelerate sets ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``: the fp32 adapters
     are rounded to bf16 before each step's matmuls and their gradients reduced in bf16. One process and DDP keep
     the adapters fp32 under autocast (which rounds inside each matmul) and reduce fp32 gradients; measured on the
-    H200 (``tests/kernels/test_fsdp_nf4.py``), accelerate's policy moves the LoRA gradients by 2% where the gather
+    H200 (``tests/kernels/models/test_fsdp_nf4.py``), accelerate's policy moves the LoRA gradients by 2% where the gather
     as stored gives them bitwise. Autocast (the Trainer's, for bf16) still computes in bf16, and the 4-bit codes,
     stored as compute-dtype words, are gathered as they are either way.
     """

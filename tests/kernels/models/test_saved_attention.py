@@ -26,7 +26,7 @@ peft = locked("peft")
 
 import strop.kernels.models.saved_attention as sa  # noqa: E402
 from strop.kernels.models import disable_offloaded_checkpointing, enable_offloaded_checkpointing, patch_model  # noqa: E402
-from tests.kernels.test_offload import LAYERS, VOCAB, _gpu_model_1b, _ids, _lora, _step, _tiny_llama  # noqa: E402
+from tests.kernels.models.test_offload import LAYERS, VOCAB, _gpu_model_1b, _ids, _lora, _step, _tiny_llama  # noqa: E402
 
 
 def _counting(monkeypatch) -> dict[str, int]:

@@ -3,7 +3,7 @@ expert path) under each memory mode the trainer installs, against HF + PEFT; LoR
 
 Bound (DESIGN's bf16 rule): against an fp32 run of the same weights, strop's bf16 loss and adapter gradients are no
 further off than 2× HF + PEFT's own bf16 run (plus a 1e-6 floor of the value's scale). Run with
-``pytest -m gpu tests/kernels/test_moe_gpu.py`` on the H200.
+``pytest -m gpu tests/kernels/models/test_moe_gpu.py`` on the H200.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ from strop.kernels.ops.swiglu import (
     swiglu_fwd,
     swiglu_reference,
 )
-
-from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 # (name used by swiglu_bwd_reference, HF ACT2FN key, our op)
 ACTIVATIONS = [

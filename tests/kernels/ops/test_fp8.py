@@ -43,7 +43,7 @@ from strop.kernels.ops.fp8 import (
     quantize_rows_reference,
 )
 from strop.kernels.ops.nf4 import dequantize_weight
-from tests.kernels.test_lora import _nf4, _rel
+from tests.kernels.lora.test_lora import _nf4, _rel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
@@ -359,7 +359,7 @@ def test_stacked_nf4_gate_and_up_are_not_stacked_when_they_run_fp8():
 def _tiny_llama():
     """test_patch's 2-layer Llama with its adapters on all seven projections, bf16 base."""
     transformers = locked("transformers")
-    from tests.kernels.test_patch import _config, _peft
+    from tests.kernels.models.test_patch import _config, _peft
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(

@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from tests.kernels.test_moe_patch import _loss_and_grads, _model, _rel
+from tests.kernels.models.test_moe_patch import _loss_and_grads, _model, _rel
 
 
 @pytest.mark.parametrize("mode", ["STANDARD", "LONG_CONTEXT"])

@@ -12,8 +12,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from strop.kernels.ops.rope import rope_qk, rope_qk_bwd, rope_qk_bwd_reference, rope_qk_reference
-
-from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 
 def hf_cos_sin(position_ids: torch.Tensor, head_dim: int, dtype: torch.dtype, device="cpu"):

@@ -20,8 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from strop.kernels.trainers.shared_prompt import SharedPrompts, share_prompts
-
-from ._chunked_losses import tiny_peft_llama, tiny_tokenizer
+from tests.kernels._chunked_losses import tiny_peft_llama, tiny_tokenizer
 
 ATOL = 1e-4
 

@@ -25,7 +25,7 @@ transformers = locked("transformers")
 peft = locked("peft")
 
 from strop.kernels.models.recompute import enable_budgeted_recompute  # noqa: E402
-from tests.kernels.test_offload import _assert_same_step, _ids, _layers, _lora, _step, _tiny_llama  # noqa: E402
+from tests.kernels.models.test_offload import _assert_same_step, _ids, _layers, _lora, _step, _tiny_llama  # noqa: E402
 
 MiB = 1 << 20
 OUT, ACT = 1 * MiB, 10 * MiB  # simulated: a layer's output; an uncheckpointed layer's saved activations
@@ -166,7 +166,7 @@ def test_gpu_budget_is_honoured_and_the_step_gets_faster():
     import gc
 
     from strop.kernels.models import patch_model
-    from tests.kernels.test_offload import _gpu_model_1b
+    from tests.kernels.models.test_offload import _gpu_model_1b
 
     # Earlier tests' cached blocks would count in this test's reserved peak (and so its budget): start empty.
     gc.collect()

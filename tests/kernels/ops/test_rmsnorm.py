@@ -20,8 +20,7 @@ from strop.kernels.ops.rmsnorm import (
     rms_norm_fwd,
     rms_norm_reference,
 )
-
-from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 # Odd hidden sizes (not powers of two), one row, several batch dims, enough rows (37) that the dW
 # reduction runs several rows per program with a partial last program, and H spanning 8 warps.

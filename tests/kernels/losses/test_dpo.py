@@ -42,8 +42,7 @@ from strop.kernels.losses.dpo import (
     strop_dpo_loss,
 )
 from strop.kernels.trainers import add_hidden_states_head, remove_hidden_states_head, strop_dpo_trainer_class
-
-from ._chunked_losses import (
+from tests.kernels._chunked_losses import (
     cuda_loss_grad_and_extra_bytes,
     preference_pairs,
     tiny_peft_llama,

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from strop.common.trainer_types import MEMORY_MODES, MemoryMode
 from strop.kernels.models import StepShape, apply_memory_mode
-from tests.kernels.test_offload import _tiny_llama
+from tests.kernels.models.test_offload import _tiny_llama
 
 STEP = StepShape(rows=2, seq_len=17)
 

@@ -17,8 +17,7 @@ from strop.kernels.ops.fused_linear_ce import (
     fused_linear_cross_entropy_fwd,
     fused_linear_cross_entropy_reference,
 )
-
-from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 N, H, V = 37, 67, 300  # odd token count, hidden and vocab
 

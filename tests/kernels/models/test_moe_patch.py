@@ -25,7 +25,7 @@ transformers = locked("transformers")
 peft = locked("peft")
 
 from strop.kernels.models import patch_model  # noqa: E402
-from tests.kernels.test_patch import nf4_reload, parity_bound  # noqa: E402
+from tests.kernels.models.test_patch import nf4_reload, parity_bound  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 import strop.kernels.ops.fused_linear_logprobs as flp
 from strop.kernels.ops.fused_linear_logprobs import fused_linear_logprobs, fused_linear_logprobs_reference
 from tests.deps import locked
-
-from ._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 N, H, V = 37, 67, 300  # odd token count, hidden and vocab
 
