@@ -67,3 +67,35 @@ def test_connection_age_flags_have_environment_defaults(monkeypatch):
     # grace 0: calls open on an old connection run to their end (a training job's stream lasts hours)
     assert ConnectionAge(300, 0).options() == [("grpc.max_connection_age_ms", 300_000)]
     assert ConnectionAge().options() == []
+
+
+class Slow(export_pb2_grpc.ExportServiceServicer):
+    """A call that outlasts the connection's age (an export's WatchExport stream, a long upload)."""
+
+    def GetCapabilities(self, request, context):
+        time.sleep(1.0)
+        return export_pb2.Capabilities(targets=["merged"])
+
+
+def slow_call(age: ConnectionAge) -> grpc.StatusCode:
+    server = build_server(
+        [ServiceBinding(export_pb2_grpc.add_ExportServiceServicer_to_server, Slow(), SERVICE)],
+        connection_age=age,
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = export_pb2_grpc.ExportServiceStub(channel)
+            try:
+                stub.GetCapabilities(export_pb2.GetCapabilitiesRequest(), timeout=5)
+            except grpc.RpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+    finally:
+        server.stop(0)
+
+
+def test_a_call_open_when_its_connection_ages_out_runs_to_its_end_unless_a_grace_is_set():
+    # 1 s call, 0.2 s age: the GOAWAY comes mid-call. Grace 0 (the manifests'): gRPC's unlimited grace, the call
+    # ends normally on the old connection; a 0.2 s grace closes the connection under it.
+    assert slow_call(ConnectionAge(max_age_s=0.2)) == grpc.StatusCode.OK
+    assert slow_call(ConnectionAge(max_age_s=0.2, grace_s=0.2)) == grpc.StatusCode.UNAVAILABLE
