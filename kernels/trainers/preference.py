@@ -1,5 +1,5 @@
 """TRL glue: ``ORPOTrainer``, ``CPOTrainer`` (SimPO) and ``KTOTrainer`` on the backbone's hidden states and strop's
-chunked preference losses (:mod:`strop.kernels.losses.preference`).
+chunked preference losses (:mod:`strop.kernels.losses.orpo`, ``cpo``, ``kto``).
 
 Each mixin overrides the narrowest method its TRL trainer routes the loss through: ORPO's and CPO's
 ``get_batch_loss_metrics`` (``compute_loss`` and ``prediction_step`` both call it; it returns the loss and the
@@ -17,15 +17,10 @@ from typing import Any
 
 import torch
 
+from ..losses.cpo import CPO_LOSS_TYPES, strop_cpo_loss
+from ..losses.kto import KTO_LOSS_TYPES, kto_kl, strop_kto_loss
 from ..losses.logps import sequence_logps
-from ..losses.preference import (
-    CPO_LOSS_TYPES,
-    KTO_LOSS_TYPES,
-    kto_kl,
-    strop_cpo_loss,
-    strop_kto_loss,
-    strop_orpo_loss,
-)
+from ..losses.orpo import strop_orpo_loss
 from ._glue import (
     final_logit_softcap,
     head_unsupported_reason,

@@ -32,19 +32,10 @@ if not torch.cuda.is_available():
 
 import strop.kernels.losses.dpo as cd
 import strop.kernels.losses.logps as logps_engine
-from strop.kernels.losses.preference import (
-    cpo_loss_from_logps,
-    cpo_loss_reference,
-    grouped_logps,
-    grouped_logps_reference,
-    kto_loss_from_logps,
-    mean_logits,
-    orpo_loss_from_logps,
-    orpo_loss_reference,
-    strop_cpo_loss,
-    strop_kto_loss,
-    strop_orpo_loss,
-)
+from strop.kernels.losses.cpo import cpo_loss_from_logps, cpo_loss_reference, strop_cpo_loss
+from strop.kernels.losses.kto import kto_loss_from_logps, strop_kto_loss
+from strop.kernels.losses.orpo import orpo_loss_from_logps, orpo_loss_reference, strop_orpo_loss
+from strop.kernels.losses.preference import grouped_logps, grouped_logps_reference, mean_logits
 
 from ._chunked_losses import (
     cuda_loss_grad_and_extra_bytes,
