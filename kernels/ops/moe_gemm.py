@@ -21,6 +21,14 @@ The first is the same kernel as the forward (``out[m, j] = Σ_i in[m, i] P[e, j,
 R[e, j, ρ]`` with P, Q, R given by strides); it also writes v = dy · B_e, which the dA reduction reads. The two
 weight gradients are one segmented-reduction kernel (``out[e, j, ρ] = s Σ_{m ∈ e} U[m, j] V[m, ρ]``).
 
+NF4 experts (:class:`Nf4Experts`, a frozen base quantized as bitsandbytes' NF4: blocks of 64 along each expert's
+flattened [N, K], the absmax double-quantized): the kernel gathers the packed codes and absmax of the W tile it is
+about to multiply and dequantizes it in registers (``nf4.nf4_gather``, the format of ``nf4.py``), in the forward
+and in dx's ``W_e`` alike. The tile index is a flat index into the logical [E, N, K] stack, so the transposed read
+is the same stride swap as for a 16-bit W; no [E, N, K] 16-bit temporary exists. The values are bit-identical to
+:func:`~strop.kernels.ops.nf4.nf4_dequantize`'s (fp contraction off in those launches), so the NF4 path computes
+exactly the 16-bit path over the dequantized stack.
+
 Numerics: loads upcast to fp32, fp32 accumulation, one rounding on store; fp32 inputs (and the interpreter) use
 IEEE fp32 dots, so the CPU tier compares with :func:`moe_lora_gemm_reference` to fp32 rounding. Saved for backward:
 x (the caller's gathered rows, not copied), u [M, r] and the tile tables.
@@ -28,20 +36,109 @@ x (the caller's gathered rows, not copied), u [M, r] and the tile tables.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import torch
 import triton
 import triton.language as tl
 
+from .nf4 import nf4_code, nf4_dequantize, nf4_gather
 from .utils import INTERPRETER, cdiv, next_power_of_2
 
-__all__ = ["MoeLoraGemmFunction", "expert_tiles", "moe_lora_gemm", "moe_lora_gemm_reference"]
+__all__ = ["MoeLoraGemmFunction", "Nf4Experts", "expert_tiles", "moe_lora_gemm", "moe_lora_gemm_reference"]
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+NF4_BLOCKSIZE = (
+    64  # strop's NF4 block (the dense layers' on-load setting: export_svc/core/nf4_on_load.Nf4OnLoad)
+)
+
+
+@dataclass(frozen=True)
+class Nf4Experts:
+    """A frozen fused expert stack ``[E, N, K]`` in NF4: bitsandbytes' codes and absmax, quantized per expert.
+
+    ``packed`` [E·N·K/2] uint8 (two codes a byte, high nibble first); ``absmax`` one per block of
+    ``blocksize`` elements of the flattened stack (blocks never straddle experts: N·K is a multiple of the
+    block), uint8 codes of ``absmax2``/``code2``/``offset`` when double-quantized (``nested``), else fp32;
+    ``dtype`` the dtype the weights had when quantized (what dequantization rounds to first).
+    """
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    absmax2: torch.Tensor | None
+    code2: torch.Tensor | None
+    offset: torch.Tensor | None
+    shape: tuple[int, int, int]
+    dtype: torch.dtype
+    blocksize: int = NF4_BLOCKSIZE
+    blocksize2: int = 256
+
+    @property
+    def nested(self) -> bool:
+        return self.absmax2 is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, *, double_quant: bool = True) -> Nf4Experts:
+        """bitsandbytes' ``quantize_4bit`` (NF4, blocks of 64) of each expert's ``[N, K]``, on ``w``'s device.
+
+        Raises:
+            ValueError: not a 3-D stack, or N·K not a multiple of the block (blocks would straddle experts).
+        """
+        from bitsandbytes.functional import quantize_4bit
+
+        if w.dim() != 3 or (w.shape[1] * w.shape[2]) % NF4_BLOCKSIZE:
+            raise ValueError(
+                f"NF4 experts need an [E, N, K] stack with N·K a multiple of {NF4_BLOCKSIZE}, got {list(w.shape)}"
+            )
+        # one row an expert: bitsandbytes' CPU kernel blocks per row, its CUDA kernel over the flat index; with
+        # rows a multiple of the block both are the flat blocks this file (and nf4.py) read
+        packed, qs = quantize_4bit(
+            w.detach().contiguous().view(w.shape[0], -1), blocksize=NF4_BLOCKSIZE,
+            compress_statistics=double_quant, quant_type="nf4", quant_storage=torch.uint8,
+        )  # fmt: skip
+        nested = bool(qs.nested)
+        return cls(
+            packed=packed.reshape(-1), absmax=qs.absmax.reshape(-1),
+            absmax2=qs.state2.absmax.reshape(-1).float() if nested else None,
+            code2=qs.state2.code.float() if nested else None,
+            offset=torch.as_tensor(qs.offset, dtype=torch.float32, device=w.device).reshape(1) if nested else None,
+            shape=tuple(w.shape), dtype=w.dtype, blocksize2=qs.state2.blocksize if nested else 256,
+        )  # fmt: skip
+
+    def quant_state(self) -> SimpleNamespace:
+        """The stack's quantization as the attributes of a bitsandbytes ``QuantState`` (what nf4.py reads)."""
+        state2 = SimpleNamespace(absmax=self.absmax2, code=self.code2, blocksize=self.blocksize2)
+        return SimpleNamespace(
+            quant_type="nf4", blocksize=self.blocksize, dtype=self.dtype, shape=self.shape, absmax=self.absmax,
+            nested=self.nested, state2=state2, offset=self.offset,
+        )  # fmt: skip
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense ``[E, N, K]`` stack (``nf4_dequantize``: what the kernel multiplies, bit for bit)."""
+        return nf4_dequantize(self.packed, self.quant_state(), dtype=dtype)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The storage's tensors by role (for buffers, memory counts and digests)."""
+        named = {"packed": self.packed, "absmax": self.absmax}
+        if self.nested:
+            named |= {"absmax2": self.absmax2, "code2": self.code2, "offset": self.offset}
+        return named
+
 
 # Untuned: the CPU tier's shapes; a GPU sweep (bench) is still to be run.
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
 
 
 def moe_lora_gemm_reference(x, offsets, w, a, b, scale: float) -> torch.Tensor:
-    """``y[m] = x[m] W_eᵀ + s (x[m] A_eᵀ) B_eᵀ`` expert by expert, in fp32 (the definition, for tests)."""
+    """``y[m] = x[m] W_eᵀ + s (x[m] A_eᵀ) B_eᵀ`` expert by expert, in fp32 (the definition, for tests; NF4
+    experts dequantized first)."""
+    if isinstance(w, Nf4Experts):
+        w = w.dequantize(torch.float32)
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
     for e in range(w.shape[0]):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
@@ -76,11 +173,15 @@ def _grouped_fwd_kernel(
     in_ptr, p_ptr, q_ptr, r_ptr, out_ptr, u_ptr, tile_expert, tile_start, offsets, scale,
     J, RANK,
     s_in_m, s_in_i, s_pe, s_pj, s_pi, s_qe, s_qr, s_qi, s_re, s_rj, s_rr, s_out_m, s_out_j, s_u_m, s_u_r,
+    absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
     WRITE_U: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr,
     K_IN: tl.constexpr, N_I: tl.constexpr,
+    P_NF4: tl.constexpr, NESTED: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, QDTYPE: tl.constexpr,
 ):  # fmt: skip
-    """out[m, j] = Σ_i in[m, i] P[e, j, i] + s · Σ_ρ u[m, ρ] R[e, j, ρ], u[m, ρ] = Σ_i in[m, i] Q[e, ρ, i]."""
+    """out[m, j] = Σ_i in[m, i] P[e, j, i] + s · Σ_ρ u[m, ρ] R[e, j, ρ], u[m, ρ] = Σ_i in[m, i] Q[e, ρ, i].
+
+    ``P_NF4``: ``p_ptr`` holds NF4 codes and ``s_p*`` are the logical stack's strides (a flat element index)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.load(tile_expert + t).to(tl.int64)
     m0 = tl.load(tile_start + t)
@@ -99,11 +200,26 @@ def _grouped_fwd_kernel(
             mask=m_mask[:, None] & i_mask[None, :],
             other=0.0,
         )
-        p = tl.load(
-            p_ptr + e * s_pe + rj[None, :] * s_pj + ri[:, None] * s_pi,
-            mask=i_mask[:, None] & j_mask[None, :],
-            other=0.0,
-        )
+        p_mask = i_mask[:, None] & j_mask[None, :]
+        p_idx = e * s_pe + rj[None, :] * s_pj + ri[:, None] * s_pi
+        if P_NF4:
+            p = nf4_gather(
+                p_ptr,
+                p_idx,
+                p_mask,
+                absmax_ptr,
+                absmax2_ptr,
+                code2_ptr,
+                offset_ptr,
+                code_ptr,
+                BS,
+                BS2,
+                NESTED,
+                QDTYPE,
+            )
+            p = tl.where(p_mask, p, 0.0)
+        else:
+            p = tl.load(p_ptr + p_idx, mask=p_mask, other=0.0)
         q = tl.load(
             q_ptr + e * s_qe + rr[None, :] * s_qr + ri[:, None] * s_qi,
             mask=i_mask[:, None] & r_mask[None, :],
@@ -158,7 +274,7 @@ def _grouped_outer_kernel(
 
 
 def _check(x, offsets, w, a, b) -> None:
-    if x.dim() != 2 or w.dim() != 3 or a.dim() != 3 or b.dim() != 3:
+    if x.dim() != 2 or len(w.shape) != 3 or a.dim() != 3 or b.dim() != 3:
         raise ValueError(
             f"x [M, K], w [E, N, K], a [E, r, K], b [E, N, r]; got {x.shape}, {w.shape}, {a.shape}, {b.shape}"
         )
@@ -175,6 +291,16 @@ def _check(x, offsets, w, a, b) -> None:
         raise ValueError("x, offsets, w, a and b must be on one device")
 
 
+def _nf4_args(p) -> tuple[tuple, dict]:
+    """The kernel's NF4 pointer arguments and constexprs for ``p`` (placeholders for a 16-bit stack)."""
+    if not isinstance(p, Nf4Experts):
+        return (p,) * 5, dict(P_NF4=False, NESTED=False, BS=1, BS2=1, QDTYPE=tl.float32)
+    nested = p.nested
+    ptrs = (p.absmax, p.absmax2, p.code2, p.offset) if nested else (p.absmax,) * 4
+    consts = dict(P_NF4=True, NESTED=nested, BS=p.blocksize, BS2=p.blocksize2, QDTYPE=_TL[p.dtype])
+    return (*ptrs, nf4_code(p.device)), consts
+
+
 def _grouped(inp, p, q, r, offsets, tiles, scale, n_out, strides_p, strides_q, strides_r, want_u):
     """The forward kernel on ``inp`` [M, I]: out [M, n_out] and (``want_u``) the rank-r product [M, r] in fp32."""
     m, i = inp.shape
@@ -184,14 +310,26 @@ def _grouped(inp, p, q, r, offsets, tiles, scale, n_out, strides_p, strides_q, s
     tile_expert, tile_start = tiles
     if m and len(tile_expert):
         grid = (len(tile_expert), cdiv(n_out, BLOCK_N))
+        nf4_ptrs, nf4_consts = _nf4_args(p)
         _grouped_fwd_kernel[grid](
-            inp, p, q, r, out, u, tile_expert, tile_start, offsets, float(scale), n_out, rank,
+            inp, p.packed if nf4_consts["P_NF4"] else p, q, r, out, u, tile_expert, tile_start, offsets,
+            float(scale), n_out, rank,
             inp.stride(0), inp.stride(1), *strides_p, *strides_q[:3], *strides_r, out.stride(0), out.stride(1),
-            u.stride(0), u.stride(1) if want_u else 0,
+            u.stride(0), u.stride(1) if want_u else 0, *nf4_ptrs,
             WRITE_U=want_u, IEEE=inp.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_J=BLOCK_N, BLOCK_I=BLOCK_K,
-            BLOCK_R=max(16, next_power_of_2(rank)), K_IN=i, N_I=cdiv(i, BLOCK_K),
+            BLOCK_R=max(16, next_power_of_2(rank)), K_IN=i, N_I=cdiv(i, BLOCK_K), **nf4_consts,
+            # NF4: the absmax's multiply and add round twice, as bitsandbytes does (no FMA)
+            enable_fp_fusion=not nf4_consts["P_NF4"],
         )  # fmt: skip
     return out, (u if want_u else None)
+
+
+def _strides(w) -> tuple[int, int, int]:
+    """W's element strides: a 16-bit tensor's own; an NF4 stack's logical (contiguous [E, N, K]) ones."""
+    if isinstance(w, Nf4Experts):
+        _, n, k = w.shape
+        return n * k, k, 1
+    return w.stride(0), w.stride(1), w.stride(2)
 
 
 class MoeLoraGemmFunction(torch.autograd.Function):
@@ -201,23 +339,26 @@ class MoeLoraGemmFunction(torch.autograd.Function):
         tiles = expert_tiles(offsets, BLOCK_M)
         rank = a.shape[1]
         y, u = _grouped(
-            x, w, a, b, offsets, tiles, scale, w.shape[1],
-            (w.stride(0), w.stride(1), w.stride(2)), (a.stride(0), a.stride(1), a.stride(2), rank),
-            (b.stride(0), b.stride(1), b.stride(2)), True,
+            x, w, a, b, offsets, tiles, scale, w.shape[1], _strides(w),
+            (a.stride(0), a.stride(1), a.stride(2), rank), (b.stride(0), b.stride(1), b.stride(2)), True,
         )  # fmt: skip
-        ctx.save_for_backward(x, offsets, w, a, b, u, *tiles)
+        # NF4 experts are frozen buffers, kept by reference (no activation is saved for them)
+        ctx.nf4 = w if isinstance(w, Nf4Experts) else None
+        ctx.save_for_backward(x, offsets, a if ctx.nf4 else w, a, b, u, *tiles)
         ctx.scale = scale
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, offsets, w, a, b, u, tile_expert, tile_start = ctx.saved_tensors
+        w = ctx.nf4 or w
         s, rank, k = ctx.scale, a.shape[1], x.shape[1]
+        ws = _strides(w)
         dy = dy.contiguous()
         # dx = dy W_e + s (dy B_e) A_e: P[e, j=k, i=n] = W[e, n, k], Q[e, ρ, i=n] = B[e, n, ρ], R[e, j=k, ρ] = A[e, ρ, k]
         dx, v = _grouped(
             dy, w, b, a, offsets, (tile_expert, tile_start), s, k,
-            (w.stride(0), w.stride(2), w.stride(1)), (b.stride(0), b.stride(2), b.stride(1), rank),
+            (ws[0], ws[2], ws[1]), (b.stride(0), b.stride(2), b.stride(1), rank),
             (a.stride(0), a.stride(2), a.stride(1)), True,
         )  # fmt: skip
         da = db = None
@@ -251,7 +392,7 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float) -> torch.Tensor:
     Args:
         x: [M, K] routed rows, grouped by expert.
         offsets: [E + 1] row offsets (int32/int64), ``offsets[0] = 0``, ``offsets[E] = M``.
-        w: [E, N, K] frozen expert weights (any strides).
+        w: [E, N, K] frozen expert weights (any strides), or an :class:`Nf4Experts` stack dequantized in the kernel.
         a: [E, r, K] LoRA A per expert; b: [E, N, r] LoRA B per expert.
         scale: the LoRA scale s.
 

@@ -1,0 +1,142 @@
+"""NF4 experts in the grouped LoRA GEMM (``kernels/ops/moe_gemm.py``): the stack's storage and the kernel that
+dequantizes its W tiles in registers, against the NF4 op's dequantization run through the 16-bit path.
+
+CPU tier under the interpreter, odd shapes as ``test_moe_gemm.py`` (experts holding 5, 0 and 37 rows, N 24, rank
+4; K 64 so each expert's N·K is whole NF4 blocks). The NF4 path multiplies the values ``nf4_dequantize`` gives,
+bit for bit, in the same tiles and order as the 16-bit path, so on the same inputs both give equal tensors: the
+exact comparison is the bound (a wrong nibble, block or absmax moves a weight by ≥ one NF4 step, ~0.08 of its
+block's absmax). Against the fp32 per-expert definition the bound is the 16-bit test's, fp32 rounding.
+
+GPU tier (``pytest -m gpu``): bf16 rows on a Qwen3-30B-A3B expert shape, NF4 kernel vs the 16-bit path over the
+dequantized stack, DESIGN's bf16 rule against the fp32 definition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier
+
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+
+def _inputs(counts=(5, 0, 37), k=64, n=24, r=4, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    e = len(counts)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+    x = torch.randn(int(offsets[-1]), k, generator=gen)
+    w = torch.randn(e, n, k, generator=gen) / k**0.5
+    a = torch.randn(e, r, k, generator=gen) / k**0.5
+    b = torch.randn(e, n, r, generator=gen) / r**0.5
+    return (t.to(device) for t in (x, offsets, w, a, b))
+
+
+def _run(x, offsets, w, a, b, scale, dy):
+    from strop.kernels.ops.moe_gemm import moe_lora_gemm
+
+    xs, as_, bs = (t.clone().requires_grad_() for t in (x, a, b))
+    y = moe_lora_gemm(xs, offsets, w, as_, bs, scale)
+    y.backward(dy)
+    return y.detach(), xs.grad, as_.grad, bs.grad
+
+
+@cpu_tier
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["from-fp32", "from-bf16"])
+def test_nf4_experts_hold_bitsandbytes_codes_per_expert(dtype):
+    """Each expert's 4-bit codes are the ones bitsandbytes gives that expert's [N, K] alone (its blocks never
+    straddle experts), and the stack dequantizes as bitsandbytes' own dequantize_4bit."""
+    from strop.kernels.ops.moe_gemm import Nf4Experts
+
+    _, _, w, _, _ = _inputs()
+    w = w.to(dtype)
+    q = Nf4Experts.quantize(w)
+    assert q.nested and q.packed.dtype == torch.uint8 and q.absmax.dtype == torch.uint8
+    per = w.shape[1] * w.shape[2] // 2
+    for e in range(w.shape[0]):
+        packed_e, _ = bnb_functional.quantize_4bit(w[e].reshape(1, -1), blocksize=64, quant_type="nf4")
+        assert torch.equal(q.packed[e * per : (e + 1) * per], packed_e.reshape(-1)), f"expert {e}'s codes"
+    packed, qs = bnb_functional.quantize_4bit(
+        w.reshape(w.shape[0], -1), blocksize=64, compress_statistics=True, quant_type="nf4"
+    )
+    expected = bnb_functional.dequantize_4bit(packed, qs).reshape(w.shape)
+    assert torch.equal(q.dequantize(), expected), "the stack is bitsandbytes' NF4 of the whole stack"
+    assert q.dequantize().dtype == dtype
+
+
+@cpu_tier
+@pytest.mark.parity
+@pytest.mark.parametrize(
+    "dtype,double_quant",
+    [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)],
+    ids=["fp32-double-quant", "bf16-double-quant", "fp32-fp32-absmax"],
+)
+def test_the_nf4_grouped_gemm_equals_the_16_bit_path_on_the_dequantized_stack(dtype, double_quant):
+    from strop.kernels.ops.moe_gemm import Nf4Experts, moe_lora_gemm_reference
+
+    x, offsets, w, a, b = _inputs()
+    q = Nf4Experts.quantize(w.to(dtype), double_quant=double_quant)
+    dense = q.dequantize(torch.float32)
+    assert (dense - w).abs().max() > 1e-3, "NF4 moved the weights: the comparison sees the quantized ones"
+    dy = torch.randn(x.shape[0], w.shape[1], generator=torch.Generator().manual_seed(1))
+    ours = _run(x, offsets, q, a, b, 2.0, dy)
+    dense_path = _run(x, offsets, dense, a, b, 2.0, dy)
+    for name, got, want in zip(("y", "dx", "dA", "dB"), ours, dense_path, strict=True):
+        assert torch.equal(got, want), f"{name}: the NF4 tiles are not the dequantized stack's values"
+    xr, ar, br = (t.clone().requires_grad_() for t in (x, a, b))
+    ref = moe_lora_gemm_reference(xr, offsets, q, ar, br, 2.0)
+    ref.backward(dy)
+    for name, got, want in zip(("y", "dx", "dA", "dB"), ours, (ref, xr.grad, ar.grad, br.grad), strict=True):
+        assert_close_fp32(got, want.detach(), name)
+    assert not ours[2][1].any() and not ours[3][1].any(), "an expert with no rows gets zero gradients"
+
+
+@cpu_tier
+def test_a_stack_whose_experts_are_not_whole_nf4_blocks_is_refused():
+    from strop.kernels.ops.moe_gemm import Nf4Experts
+
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Nf4Experts.quantize(torch.randn(2, 5, 9))
+
+
+def _per_expert(x, offsets, w, a, b, scale):
+    """The definition in the inputs' dtype (torch's own bf16 GEMMs when they are bf16)."""
+    out = []
+    for e in range(w.shape[0]):
+        xe = x[int(offsets[e]) : int(offsets[e + 1])]
+        out.append(xe @ w[e].T + scale * (xe @ a[e].T) @ b[e].T)
+    return torch.cat(out)
+
+
+def _grads(offsets, w, inputs, dy):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    y = _per_expert(leaves[0], offsets, w, leaves[1], leaves[2], 2.0)
+    y.backward(dy)
+    return (y.detach(), *(t.grad for t in leaves))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_nf4_grouped_gemm_on_cuda_is_within_the_bf16_rule():
+    """Qwen3-30B-A3B's expert shapes (H 2048, I 768), 8 experts of uneven load, bf16 rows, bf16-quantized stack:
+    y and dx equal the 16-bit path's over the dequantized stack bit for bit (same tiles; dA/dB add per tile
+    atomically, so their last bits may vary), and all four are within DESIGN's bf16 rule of the fp32 definition."""
+    from strop.kernels.ops.moe_gemm import Nf4Experts
+
+    counts = (300, 0, 17, 1024, 64, 129, 700, 1)
+    for k, n in ((2048, 2 * 768), (768, 2048)):
+        x, offsets, w, a, b = _inputs(counts, k=k, n=n, r=16, seed=k, device="cuda")
+        q = Nf4Experts.quantize(w.to(torch.bfloat16))
+        dense = q.dequantize(torch.bfloat16)
+        dy = torch.randn(x.shape[0], n, device="cuda").bfloat16()
+        xb, ab, bb = x.bfloat16(), a.bfloat16(), b.bfloat16()
+        ours = _run(xb, offsets, q, ab, bb, 2.0, dy)
+        dense_path = _run(xb, offsets, dense, ab, bb, 2.0, dy)
+        for name, got, want in zip(("y", "dx"), ours, dense_path, strict=False):
+            assert torch.equal(got, want), (
+                f"K={k} {name}: the NF4 tiles are not the dequantized stack's values"
+            )
+        truth = _grads(offsets, dense.float(), (xb.float(), ab.float(), bb.float()), dy.float())
+        torch_bf16 = _grads(offsets, dense, (xb, ab, bb), dy)
+        for name, got, tb, tr in zip(("y", "dx", "dA", "dB"), ours, torch_bf16, truth, strict=True):
+            assert_bf16_within_torch_bound(got, tb, tr, f"K={k} {name}")
