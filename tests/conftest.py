@@ -63,6 +63,15 @@ def smollm2_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def export_models(tmp_path_factory) -> Path:
+    """The export tests' model root (``tests/export_svc/conftest.py``): tiny bases of every exported architecture,
+    random and trained adapters; built once per session for the export service's and the CLI's tests."""
+    from tests.export_svc.conftest import build_export_models
+
+    return build_export_models(tmp_path_factory.mktemp("models"))
+
+
 @pytest.fixture(scope="module")
 def trainer(model_root, tmp_path_factory):
     """A trainer service over real gRPC on 127.0.0.1 with a free port; stopped after the module."""

@@ -2,11 +2,11 @@
 
 Everything is generated here (nothing downloaded). The expensive pieces are built once per session:
 
-- ``export_models``: a model root holding tiny llama / mistral / qwen2 / qwen3 models with the BPE
-  tokenizer, a llama with the SentencePiece tokenizer, Gemma 2 and Gemma 3 (text) with the SentencePiece
-  tokenizer (sliding window 16; Gemma 3 with six layers, so that layer 5 attends fully with its own RoPE
-  base), and an NF4 (bitsandbytes, double-quant) prequantized copy of the BPE llama; hidden 256 /
-  intermediate 512 so K-quants apply.
+- ``export_models`` (the root conftest's, built by ``build_export_models``): a model root holding tiny
+  llama / mistral / qwen2 / qwen3 models with the BPE tokenizer, a llama with the SentencePiece tokenizer,
+  Gemma 2 and Gemma 3 (text) with the SentencePiece tokenizer (sliding window 16; Gemma 3 with six layers, so
+  that layer 5 attends fully with its own RoPE base), and an NF4 (bitsandbytes, double-quant) prequantized
+  copy of the BPE llama; hidden 256 / intermediate 512 so K-quants apply.
 - random adapters (non-zero B) for every architecture, saved with PEFT next to their bases;
 - two adapters trained with plain PEFT + torch on the CPU to answer one fixed question: on the NF4
   llama (trained on its fp32 dequantized weights, i.e. the QLoRA objective), on the SentencePiece
@@ -136,14 +136,13 @@ def _record_base(adapter_dir: Path, base_dir: Path) -> None:
     p.write_text(json.dumps(cfg, indent=2))
 
 
-@pytest.fixture(scope="session")
-def export_models(tmp_path_factory) -> Path:
-    """The model root with every tiny base and adapter the export tests use."""
+def build_export_models(root: Path) -> Path:
+    """The model root with every tiny base and adapter the export tests use (the root conftest's
+    session-scoped ``export_models``, shared by the export service's and the CLI's tests)."""
     import torch
 
     from strop.fixtures import make_tiny_model, quantize_4bit
 
-    root = tmp_path_factory.mktemp("models")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and immune to a busy second core
     try:

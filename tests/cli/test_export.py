@@ -12,8 +12,7 @@ from strop.cli import main as cli
 from strop.cli.main import main as strop_main
 from strop.common.artifacts import ArtifactStore
 from strop.export_svc.server import ExportConfig, start
-
-from .conftest import ANSWER, QUESTION
+from tests.export_svc.conftest import ANSWER, QUESTION
 
 
 def test_offline_export_runs_the_core_in_process_and_prints_the_figures(export_models, tmp_path, capsys):
