@@ -3,17 +3,6 @@
 One call decodes every request x ``num_samples`` together. Each request's prompt is prefilled once (left-padded to
 the longest prompt) and its K/V rows are copied to its samples; then one token per row per step, all rows in step.
 
-Cache and masks. :class:`StaticKVCache` holds ``[rows, kv_heads, slots, head_dim]`` buffers per layer, allocated once
-(the longest prompt plus the largest ``max_tokens``); a step writes its slot with ``index_copy_`` at a device index, so
-nothing about a step depends on host values. Slot ``s`` of row ``b`` holds position ``s - pad_b``; the 4-D additive
-mask the model receives hides pads, slots not yet written and (sliding-window layers) keys outside the window, and
-position ids are per row. A padded query (prefill only) sees itself, so no softmax row is empty.
-
-Decode attention. HF's SDPA path repeats K/V to every query head when a mask is given (its ``use_gqa_in_sdpa``),
-copying the whole cache per layer and step; for one query token the grouped product is computed directly instead
-(``gqa_decode_attention``, registered as an attention implementation for the duration of a call; prefill keeps the
-model's own implementation).
-
 Sampled-token log-probs are ``log_softmax`` of the raw logits (temperature 1, no top-k/top-p), whatever the sampling
 parameters: the distribution of the weights, not of the sampling procedure. Tinker's engine returns the same (its
 cookbook PR #86, where J. Schulman notes the returned logprobs are the original model's, not the temperature-scaled
@@ -35,8 +24,9 @@ string in the reply, which this keeps. ``stop_reason`` is ``"stop"`` for either,
 The model is put back as found: every module's train/eval flag, the attention implementation, requires_grad is
 untouched (``torch.no_grad``; never ``inference_mode``, whose tensors would poison buffers reused by training).
 
-On CUDA the decode step (backbone + head) is captured once per call as a CUDA graph and replayed (``cuda_graphs``);
-if capture fails the call decodes eagerly and says so in ``SampleStats``.
+The model side of a step (the static KV cache, the masks, the grouped decode attention, the CUDA-graphed
+step) is ``decode_step.py``; on CUDA, if the graph capture fails the call decodes eagerly and says so in
+``SampleStats``.
 """
 
 from __future__ import annotations
@@ -48,11 +38,20 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 import torch
 
-from strop.common.errors import FailedPrecondition, InvalidArgument
+from strop.common.errors import InvalidArgument
+from strop.trainer_svc.core.decode_step import (
+    DECODE_ATTENTION,
+    DecodeStep,
+    ModelParts,
+    StaticKVCache,
+    head_logits,
+    masks,
+    model_parts,
+    register_decode_attention,
+)
 
 log = logging.getLogger("strop.trainer.sampler")
 
@@ -62,13 +61,10 @@ __all__ = [
     "SampleStats",
     "SampledSequence",
     "SamplingParams",
-    "StaticKVCache",
     "StopReason",
-    "gqa_decode_attention",
     "sample",
 ]
 
-DECODE_ATTENTION = "strop_gqa_decode"
 CHECK_EVERY = 16  # steps between host reads of the finished flags (each is a device sync)
 # prompt positions per head matmul: bounds the [positions, vocab] logits held at once
 PROMPT_LOGPROB_CHUNK = 1024
@@ -125,175 +121,6 @@ class SampleStats:
     extra: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------------------------- the cache
-
-
-class StaticKVCache:
-    """Preallocated K/V per layer, written at device-held slots; what HF attention calls as its cache.
-
-    HF attention calls ``update(key, value, layer_idx, ...)`` (the rest differs between transformers versions and
-    is ignored) and attends over what it returns: the layer's whole buffers, the mask hiding what is not yet
-    written. ``slots`` (a device tensor) says where the current tokens go."""
-
-    is_compileable = False
-
-    def __init__(self, num_layers: int, slots: torch.Tensor, length: int):
-        # read by transformers 5.17's mask builder to pick a full-attention layer (the masks passed are used as is)
-        self.is_sliding = [False] * num_layers
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.slots = slots
-        self.length = length
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.k[layer_idx] is None:
-            b, h, _, d = key.shape
-            self.k[layer_idx] = key.new_zeros(b, h, self.length, d)
-            self.v[layer_idx] = value.new_zeros(b, h, self.length, value.shape[-1])
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        k.index_copy_(2, self.slots, key.to(k.dtype))
-        v.index_copy_(2, self.slots, value.to(v.dtype))
-        return k, v
-
-    def expand(self, rows: torch.Tensor) -> None:
-        """Row ``i`` becomes a copy of row ``rows[i]`` (a request's prefill copied to its samples)."""
-        self.k = [None if t is None else t.index_select(0, rows) for t in self.k]
-        self.v = [None if t is None else t.index_select(0, rows) for t in self.v]
-
-    # what HF may ask a cache besides update (transformers 5.17 reads the length for its default positions)
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def __len__(self) -> int:
-        return len(self.k)
-
-
-def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention for one query token per row over a grouped-query cache, without repeating K/V per query head.
-
-    ``query`` ``[B, H, 1, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (query head ``h`` reads kv head ``h // (H/Hkv)``,
-    as HF's ``repeat_kv`` pairs them), ``attention_mask`` additive ``[B, 1, 1, L]``. The H/Hkv query heads of a group
-    become that kv head's query positions, so plain SDPA over Hkv heads computes it with the mask broadcast.
-    Returns ``([B, 1, H, D], None)`` as HF's attention functions do. Longer queries (prefill) go to HF's SDPA.
-    """
-    if query.shape[2] != 1:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    b, h, _, d = query.shape
-    hkv, length = key.shape[1], key.shape[2]
-    scale = scaling if scaling is not None else d**-0.5
-    q = query.reshape(b, hkv, h // hkv, d)  # a group's query heads as the "positions" of its kv head
-    mask = (
-        None if attention_mask is None else attention_mask[:, :, :, :length]
-    )  # [B, 1, 1, L] over all of them
-    softcap = kwargs.get("softcap")
-    if not softcap:  # SDPA's own kernels (fp32 softmax inside), K/V read in place
-        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
-    else:  # Gemma 2's logit soft-cap, which SDPA has no argument for
-        scores = torch.matmul(q.float(), key.float().transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            scores = scores + mask.float()
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
-    return out.reshape(b, 1, h, value.shape[-1]), None
-
-
-# --------------------------------------------------------------------------------------------- the model
-
-
-@dataclass
-class _Parts:
-    inner: Any  # the transformers *ForCausalLM
-    backbone: Any
-    head: Any
-    softcap: float | None
-    cache_kw: str  # "cache" (transformers >= 5.2x) or "past_key_values"
-    layers: int
-    sliding: int | None  # window of the sliding layers, if any
-    layer_types: tuple[str, ...] | None  # per-layer "full_attention"/"sliding_attention": masks go in a dict
-    configs: list  # every config whose _attn_implementation the attention modules read
-
-
-def _parts(model) -> _Parts:
-    import inspect
-
-    from strop.kernels.models.hf import scaled_logits_reason, unwrap_peft
-
-    inner = unwrap_peft(model)
-    backbone = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if backbone is None or head is None:
-        raise FailedPrecondition(f"cannot sample from {type(inner).__name__}: no backbone or LM head")
-    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-    reason = scaled_logits_reason(config)
-    if reason:
-        raise FailedPrecondition(f"cannot sample from this model: {reason}")
-    params = inspect.signature(backbone.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    layer_types = tuple(getattr(config, "layer_types", None) or ()) or None
-    window = getattr(config, "sliding_window", None)
-    sliding = None
-    if layer_types and "sliding_attention" in layer_types:
-        sliding = int(window)
-    elif layer_types is None and window and getattr(config, "use_sliding_window", True):
-        sliding = int(window)  # Mistral: every layer slides, one mask
-    if layer_types and "sliding_attention" not in layer_types:
-        layer_types = None
-    configs, seen = [], set()
-    for m in model.modules():
-        c = getattr(m, "config", None)
-        if c is not None and hasattr(c, "_attn_implementation_internal") and id(c) not in seen:
-            seen.add(id(c))
-            configs.append(c)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    return _Parts(
-        inner, backbone, head, float(softcap) if softcap else None, cache_kw, int(config.num_hidden_layers),
-        sliding, layer_types, configs,
-    )  # fmt: skip
-
-
-def _logits(parts: _Parts, hidden: torch.Tensor) -> torch.Tensor:
-    logits = parts.head(hidden).float()
-    if parts.softcap:
-        logits = torch.tanh(logits / parts.softcap) * parts.softcap
-    return logits
-
-
-def _mask(
-    valid: torch.Tensor,  # [B, L] bool: slot holds a token of the row (not a pad)
-    key_pos: torch.Tensor,  # [B, L] position of each slot
-    q_slots: torch.Tensor,  # [Q] slots of the queries
-    q_pos: torch.Tensor,  # [B, Q] positions of the queries
-    window: int | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    slots = torch.arange(valid.shape[1], device=valid.device)
-    seen = slots[None, :] <= q_slots[:, None]  # [Q, L] causal over slots: nothing not yet written
-    allowed = valid[:, None, :] & seen[None]  # [B, Q, L]
-    if window is not None:
-        allowed = allowed & ((q_pos[:, :, None] - key_pos[:, None, :]) < window)
-    allowed = allowed | (slots[None, None, :] == q_slots[None, :, None])  # a (padded) query sees itself
-    zero = torch.zeros((), dtype=dtype, device=valid.device)
-    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=valid.device)
-    return torch.where(allowed, zero, low)[:, None]  # [B, 1, Q, L]
-
-
-def _masks(parts: _Parts, valid, key_pos, q_slots, q_pos, dtype):
-    full = _mask(valid, key_pos, q_slots, q_pos, None if parts.layer_types else parts.sliding, dtype)
-    if not parts.layer_types:
-        return full
-    return {
-        "full_attention": full,
-        "sliding_attention": _mask(valid, key_pos, q_slots, q_pos, parts.sliding, dtype),
-    }
-
-
 # ------------------------------------------------------------------------------------------- validation
 
 
@@ -338,7 +165,7 @@ def _validate(requests: list[SampleRequest], vocab: int, max_length: int | None,
 class _ModelState:
     """Everything a call changes on the model, recorded and put back."""
 
-    def __init__(self, model, parts: _Parts):
+    def __init__(self, model, parts: ModelParts):
         self.model = model
         self.flags = [(m, m.training) for m in model.modules()]
         self.attn = [(c, c._attn_implementation_internal) for c in parts.configs]
@@ -360,12 +187,6 @@ def _decode_forwards(model, on: bool, rows: int):
     notes: list[str] = []
     with nf4_decode_forwards(model, notes, rows) as n:
         yield n, notes
-
-
-def _register_decode_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(DECODE_ATTENTION, gqa_decode_attention)
 
 
 def sample(
@@ -403,7 +224,7 @@ def sample(
         InvalidArgument: a request names tokens outside the vocabulary, bad parameters, or exceeds ``max_length``.
         FailedPrecondition: the model's logits are not ``h Wᵀ`` (optionally soft-capped), so no raw log-probs.
     """
-    parts = _parts(model)
+    parts = model_parts(model)
     config = parts.inner.config
     vocab = int(parts.head.weight.shape[0])
     if max_length is None:
@@ -459,7 +280,7 @@ def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, st
     t0 = time.perf_counter()
     out = parts.backbone(
         input_ids=ids,
-        attention_mask=_masks(parts, valid, key_pos, prefill_slots, q_pos, dtype),
+        attention_mask=masks(parts, valid, key_pos, prefill_slots, q_pos, dtype),
         position_ids=q_pos,
         use_cache=True,
         **{parts.cache_kw: cache},
@@ -469,7 +290,7 @@ def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, st
     for i, r in enumerate(requests):
         if r.prompt_logprobs:
             prompt_lps[i] = _prompt_logprobs(parts, hidden[i, pads[i] :], r.prompt)
-    first = _logits(parts, hidden[:, -1])  # [R, V]
+    first = head_logits(parts, hidden[:, -1])  # [R, V]
     del out, hidden
 
     # ---- expand to one row per sample
@@ -548,10 +369,10 @@ def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, st
     slot = torch.full((1,), prompt_len, dtype=torch.long, device=device)  # the slot the next token goes to
     pos = key_pos.gather(1, slot.expand(rows)[:, None])  # [B, 1] its position per row
     cache.slots = slot
-    step = _DecodeStep(parts, cache, ids_in, pos, slot, valid, key_pos, dtype)
+    step = DecodeStep(parts, cache, ids_in, pos, slot, valid, key_pos, dtype)
     for c in parts.configs:
         c._attn_implementation_internal = DECODE_ATTENTION
-    _register_decode_attention()
+    register_decode_attention()
     use_graph = cuda_graphs and device.type == "cuda"
     t1 = time.perf_counter()
     choose(logits, 0)
@@ -614,63 +435,12 @@ def _check_strings(string_rows, string_end, tokens, end, finished, t, requests, 
         finished[b] = True
 
 
-def _prompt_logprobs(parts: _Parts, hidden: torch.Tensor, prompt: list[int]) -> list[float | None]:
+def _prompt_logprobs(parts: ModelParts, hidden: torch.Tensor, prompt: list[int]) -> list[float | None]:
     """log p(prompt[i] | prompt[:i]) for i >= 1 from the prefill's hidden states (``[len(prompt), H]``)."""
     out: list[float | None] = [None]
     targets = torch.tensor(prompt[1:], device=hidden.device)
     for s in range(0, len(prompt) - 1, PROMPT_LOGPROB_CHUNK):
-        logits = _logits(parts, hidden[s : s + PROMPT_LOGPROB_CHUNK][: len(prompt) - 1 - s])
+        logits = head_logits(parts, hidden[s : s + PROMPT_LOGPROB_CHUNK][: len(prompt) - 1 - s])
         lp = torch.log_softmax(logits, dim=-1).gather(1, targets[s : s + logits.shape[0], None])[:, 0]
         out.extend(lp.tolist())
     return out
-
-
-class _DecodeStep:
-    """One decode step over static buffers: the slot's mask column, the model, the head; then slot and positions
-    advance. Everything it reads and writes lives on the device, so the same step replays as a CUDA graph."""
-
-    def __init__(self, parts, cache, ids, pos, slot, valid, key_pos, dtype):
-        self.parts, self.cache, self.ids, self.pos, self.slot = parts, cache, ids, pos, slot
-        self.valid, self.key_pos, self.dtype = valid, key_pos, dtype
-        self.graph = None
-        self.out: torch.Tensor | None = None
-
-    def _step(self) -> torch.Tensor:
-        parts = self.parts
-        mask = _masks(parts, self.valid, self.key_pos, self.slot, self.pos, self.dtype)
-        out = parts.backbone(
-            input_ids=self.ids,
-            attention_mask=mask,
-            position_ids=self.pos,
-            use_cache=True,
-            **{parts.cache_kw: self.cache},
-        )
-        logits = _logits(parts, out.last_hidden_state[:, -1])
-        self.slot.add_(1)
-        self.pos.add_(1)
-        return logits
-
-    def run(self) -> torch.Tensor:
-        if self.graph is None:
-            return self._step()
-        self.graph.replay()
-        return self.out
-
-    def capture(self, stats: SampleStats) -> bool:
-        """Capture the step as a CUDA graph; False (and eager from here on) if this model's step cannot be."""
-        try:
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another session's work on this device from another thread is neither captured nor
-            # broken by the capture
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = self._step()
-            self.graph, self.out = graph, out
-            return True
-        except Exception as exc:  # a host sync or an uncapturable op somewhere in the model's forward
-            note = f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: {exc}"[:500]
-            stats.note = f"{stats.note}; {note}" if stats.note else note
-            log.warning("%s", note)
-            self.graph = None
-            torch.cuda.synchronize()
-            return False

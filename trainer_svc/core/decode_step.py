@@ -1,0 +1,250 @@
+"""One decode step of a causal LM over a static KV cache, for the sampler (``sampler.py``).
+
+Cache and masks. :class:`StaticKVCache` holds ``[rows, kv_heads, slots, head_dim]`` buffers per layer, allocated once
+(the longest prompt plus the largest ``max_tokens``); a step writes its slot with ``index_copy_`` at a device index, so
+nothing about a step depends on host values. Slot ``s`` of row ``b`` holds position ``s - pad_b``; the 4-D additive
+mask the model receives hides pads, slots not yet written and (sliding-window layers) keys outside the window, and
+position ids are per row. A padded query (prefill only) sees itself, so no softmax row is empty.
+
+Decode attention. HF's SDPA path repeats K/V to every query head when a mask is given (its ``use_gqa_in_sdpa``),
+copying the whole cache per layer and step; for one query token the grouped product is computed directly instead
+(``gqa_decode_attention``, registered as an attention implementation for the duration of a call; prefill keeps the
+model's own implementation).
+
+On CUDA the decode step (backbone + head, :class:`DecodeStep`) is captured once per call as a CUDA graph and
+replayed; if capture fails the call decodes eagerly and says so in the sampler's stats.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from strop.common.errors import FailedPrecondition
+
+log = logging.getLogger("strop.trainer.sampler")
+
+DECODE_ATTENTION = "strop_gqa_decode"
+
+
+class StaticKVCache:
+    """Preallocated K/V per layer, written at device-held slots; what HF attention calls as its cache.
+
+    HF attention calls ``update(key, value, layer_idx, ...)`` (the rest differs between transformers versions and
+    is ignored) and attends over what it returns: the layer's whole buffers, the mask hiding what is not yet
+    written. ``slots`` (a device tensor) says where the current tokens go."""
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, slots: torch.Tensor, length: int):
+        # read by transformers 5.17's mask builder to pick a full-attention layer (the masks passed are used as is)
+        self.is_sliding = [False] * num_layers
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.slots = slots
+        self.length = length
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.k[layer_idx] is None:
+            b, h, _, d = key.shape
+            self.k[layer_idx] = key.new_zeros(b, h, self.length, d)
+            self.v[layer_idx] = value.new_zeros(b, h, self.length, value.shape[-1])
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        k.index_copy_(2, self.slots, key.to(k.dtype))
+        v.index_copy_(2, self.slots, value.to(v.dtype))
+        return k, v
+
+    def expand(self, rows: torch.Tensor) -> None:
+        """Row ``i`` becomes a copy of row ``rows[i]`` (a request's prefill copied to its samples)."""
+        self.k = [None if t is None else t.index_select(0, rows) for t in self.k]
+        self.v = [None if t is None else t.index_select(0, rows) for t in self.v]
+
+    # what HF may ask a cache besides update (transformers 5.17 reads the length for its default positions)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+
+def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention for one query token per row over a grouped-query cache, without repeating K/V per query head.
+
+    ``query`` ``[B, H, 1, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (query head ``h`` reads kv head ``h // (H/Hkv)``,
+    as HF's ``repeat_kv`` pairs them), ``attention_mask`` additive ``[B, 1, 1, L]``. The H/Hkv query heads of a group
+    become that kv head's query positions, so plain SDPA over Hkv heads computes it with the mask broadcast.
+    Returns ``([B, 1, H, D], None)`` as HF's attention functions do. Longer queries (prefill) go to HF's SDPA.
+    """
+    if query.shape[2] != 1:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    b, h, _, d = query.shape
+    hkv, length = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else d**-0.5
+    q = query.reshape(b, hkv, h // hkv, d)  # a group's query heads as the "positions" of its kv head
+    mask = (
+        None if attention_mask is None else attention_mask[:, :, :, :length]
+    )  # [B, 1, 1, L] over all of them
+    softcap = kwargs.get("softcap")
+    if not softcap:  # SDPA's own kernels (fp32 softmax inside), K/V read in place
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    else:  # Gemma 2's logit soft-cap, which SDPA has no argument for
+        scores = torch.matmul(q.float(), key.float().transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores + mask.float()
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+    return out.reshape(b, 1, h, value.shape[-1]), None
+
+
+@dataclass
+class ModelParts:
+    inner: Any  # the transformers *ForCausalLM
+    backbone: Any
+    head: Any
+    softcap: float | None
+    cache_kw: str  # "cache" (transformers >= 5.2x) or "past_key_values"
+    layers: int
+    sliding: int | None  # window of the sliding layers, if any
+    layer_types: tuple[str, ...] | None  # per-layer "full_attention"/"sliding_attention": masks go in a dict
+    configs: list  # every config whose _attn_implementation the attention modules read
+
+
+def model_parts(model) -> ModelParts:
+    import inspect
+
+    from strop.kernels.models.hf import scaled_logits_reason, unwrap_peft
+
+    inner = unwrap_peft(model)
+    backbone = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if backbone is None or head is None:
+        raise FailedPrecondition(f"cannot sample from {type(inner).__name__}: no backbone or LM head")
+    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    reason = scaled_logits_reason(config)
+    if reason:
+        raise FailedPrecondition(f"cannot sample from this model: {reason}")
+    params = inspect.signature(backbone.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    layer_types = tuple(getattr(config, "layer_types", None) or ()) or None
+    window = getattr(config, "sliding_window", None)
+    sliding = None
+    if layer_types and "sliding_attention" in layer_types:
+        sliding = int(window)
+    elif layer_types is None and window and getattr(config, "use_sliding_window", True):
+        sliding = int(window)  # Mistral: every layer slides, one mask
+    if layer_types and "sliding_attention" not in layer_types:
+        layer_types = None
+    configs, seen = [], set()
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "_attn_implementation_internal") and id(c) not in seen:
+            seen.add(id(c))
+            configs.append(c)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return ModelParts(
+        inner, backbone, head, float(softcap) if softcap else None, cache_kw, int(config.num_hidden_layers),
+        sliding, layer_types, configs,
+    )  # fmt: skip
+
+
+def head_logits(parts: ModelParts, hidden: torch.Tensor) -> torch.Tensor:
+    logits = parts.head(hidden).float()
+    if parts.softcap:
+        logits = torch.tanh(logits / parts.softcap) * parts.softcap
+    return logits
+
+
+def _mask(
+    valid: torch.Tensor,  # [B, L] bool: slot holds a token of the row (not a pad)
+    key_pos: torch.Tensor,  # [B, L] position of each slot
+    q_slots: torch.Tensor,  # [Q] slots of the queries
+    q_pos: torch.Tensor,  # [B, Q] positions of the queries
+    window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    slots = torch.arange(valid.shape[1], device=valid.device)
+    seen = slots[None, :] <= q_slots[:, None]  # [Q, L] causal over slots: nothing not yet written
+    allowed = valid[:, None, :] & seen[None]  # [B, Q, L]
+    if window is not None:
+        allowed = allowed & ((q_pos[:, :, None] - key_pos[:, None, :]) < window)
+    allowed = allowed | (slots[None, None, :] == q_slots[None, :, None])  # a (padded) query sees itself
+    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=valid.device)
+    return torch.where(allowed, zero, low)[:, None]  # [B, 1, Q, L]
+
+
+def masks(parts: ModelParts, valid, key_pos, q_slots, q_pos, dtype):
+    full = _mask(valid, key_pos, q_slots, q_pos, None if parts.layer_types else parts.sliding, dtype)
+    if not parts.layer_types:
+        return full
+    return {
+        "full_attention": full,
+        "sliding_attention": _mask(valid, key_pos, q_slots, q_pos, parts.sliding, dtype),
+    }
+
+
+def register_decode_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, gqa_decode_attention)
+
+
+class DecodeStep:
+    """One decode step over static buffers: the slot's mask column, the model, the head; then slot and positions
+    advance. Everything it reads and writes lives on the device, so the same step replays as a CUDA graph."""
+
+    def __init__(self, parts, cache, ids, pos, slot, valid, key_pos, dtype):
+        self.parts, self.cache, self.ids, self.pos, self.slot = parts, cache, ids, pos, slot
+        self.valid, self.key_pos, self.dtype = valid, key_pos, dtype
+        self.graph = None
+        self.out: torch.Tensor | None = None
+
+    def _step(self) -> torch.Tensor:
+        parts = self.parts
+        mask = masks(parts, self.valid, self.key_pos, self.slot, self.pos, self.dtype)
+        out = parts.backbone(
+            input_ids=self.ids,
+            attention_mask=mask,
+            position_ids=self.pos,
+            use_cache=True,
+            **{parts.cache_kw: self.cache},
+        )
+        logits = head_logits(parts, out.last_hidden_state[:, -1])
+        self.slot.add_(1)
+        self.pos.add_(1)
+        return logits
+
+    def run(self) -> torch.Tensor:
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        return self.out
+
+    def capture(self, stats) -> bool:
+        """Capture the step as a CUDA graph; False (and eager from here on) if this model's step cannot be."""
+        try:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another session's work on this device from another thread is neither captured nor
+            # broken by the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = self._step()
+            self.graph, self.out = graph, out
+            return True
+        except Exception as exc:  # a host sync or an uncapturable op somewhere in the model's forward
+            note = f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: {exc}"[:500]
+            stats.note = f"{stats.note}; {note}" if stats.note else note
+            log.warning("%s", note)
+            self.graph = None
+            torch.cuda.synchronize()
+            return False
