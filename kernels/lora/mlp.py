@@ -47,7 +47,7 @@ the norm saves the MLP's output for its backward, so ``patch_model`` never sets 
 (``Arch.sandwich_norms``), and its recompute computes the down projection.
 
 Such a recompute computes h only for u_d = h A_dᵀ ([N, r]): one activation pass over [N, I] and a GEMM reading
-h, ~0.7 ms a layer at 16K tokens of an 8B shape on the H200. So the forward that strop's checkpoint runs stashes
+h, a memory-bound pass over the layer's largest operand. So the forward that strop's checkpoint runs stashes
 its u_d (N·r values, 0.5 MiB at 16K tokens and r = 16) and the recompute takes it back instead of making h
 (``kernels/lora/stash.py``). u_d is the same tensor the recompute would compute (the same ops on the same inputs),
 so the gradients stay bitwise those of the full recompute.

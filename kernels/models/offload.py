@@ -31,8 +31,8 @@ embeddings, position ids) stay bound in the layer call HF hands over, shared by 
 Where offload does not apply the same function recomputes from the input kept on its device (plain
 checkpointing), and the reason is logged once: the last checkpointed layer (its input is the first one
 backward needs, so a round trip would only add latency), inputs under ``min_offload_bytes`` (4 MiB by
-default: 512 tokens of a 4096-wide bf16 state; Unsloth measured plain checkpointing 2.8 % faster at 256
-tokens and offload 5.9 % faster at 1024 on a B200), and inputs already on the CPU. A layer whose keyword
+default: 512 tokens of a 4096-wide bf16 state; below a few hundred tokens a round trip's fixed cost makes
+offload slower than plain checkpointing, as Unsloth's published comparison found), and inputs already on the CPU. A layer whose keyword
 arguments hold a tensor that requires grad runs ``torch.utils.checkpoint`` (non-reentrant) instead,
 because this function returns gradients for positional inputs only.
 

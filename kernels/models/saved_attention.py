@@ -21,11 +21,12 @@ ops on the same input), o and lse are the forward's own. GPU memory at the step'
 takes the place of the o the recompute would have made, and it is reloaded only when the layer above has freed its
 own o (its attention backward done, past the MLP backward, where a layer's backward holds the most).
 
-When it pays (H200, bench/RESULTS.md, 2026-12-01 session 6): at 128K tokens on the 8B QLoRA shape the step went
-from 49.4 s to 42.6 s (44.8% → 51.9% MFU) at the same 24.3 GiB; on a 1B shape at 16K tokens from 543 to 519 ms; on
-the 8B shape at 8 × 2048 tokens it cost 3% (12,496 → 12,114 tok/s): there attention's forward is ~0.6 ms a layer,
-less than reloading o (128 MB) takes beside the layer input on the same link, so the recompute waits for it. The
-trainer's LONG_CONTEXT mode turns it on (``MemoryFeatures.save_attention``), STANDARD does not.
+What it costs and saves: pinned host memory for every offloaded layer's o and lse, and more device-to-host copies
+in the forward, against one attention forward per layer in the recompute. The saving grows with T² and the cost
+with T; reloaded as above, the copies cost less than the skipped forwards at a few thousand tokens per row too. The
+figures: bench/RESULTS.md, "attention outputs kept for the recompute (`save_attention`), at 16K and 128K tokens"
+and "The attention output kept for the recompute, reloaded one layer early". STANDARD and LONG_CONTEXT both turn it
+on where the host has room for it (``MemoryFeatures.save_attention``, ``apply_memory_mode``'s host-room rule).
 
 Where it applies (anything else runs the model's attention interface as usual and the reason is logged once):
 ``config._attn_implementation == "sdpa"`` (whose semantics this reproduces), causal self-attention over the whole

@@ -15,8 +15,8 @@ output, never along its inner dimension: the forward scales W by output row, the
 1 byte a weight each: 2 × 6.5 GiB for an 8B model's decoder projections (the LM head stays bf16).
 
 ``fp8_base="dx"`` keeps the forward (and its recompute) exact and runs only the backward's dx in e4m3, from one
-copy (Q(Wᵀ), 6.5 GiB): the forward's rounding is what costs learning on a deep model (``bench/fp8_learning_check.py``:
-a 32-layer model with the 8B's per-layer gain keeps 86% of the exact loss drop with both, 99% with dx alone), and
+copy (Q(Wᵀ), 6.5 GiB): the forward's rounding is what costs learning on a deep model (``bench/fp8_learning_check.py``: a deep model
+keeps most of the exact loss drop with dx alone, less with both; bench/RESULTS.md, "What FP8 costs in learning"), and
 dx is half of a step's base GEMMs where no layer is recomputed.
 
 What stays exact: the LoRA factors and their products (u = x Aᵀ, dA, dB, g A) read x and dy in bf16; the

@@ -124,8 +124,8 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + row, rstd, mask=row < n_rows)
 
 
-# Launch shape of the backward with dW (see rms_norm_bwd), from bench/rmsnorm_dw_sweep.py on the H200 at
-# 16,384 × 4,096 bf16 (bench/RESULTS.md): 1 program per SM, 2-row tiles, loads pipelined 3 deep. The
+# Launch shape of the backward with dW (see rms_norm_bwd), the best of bench/rmsnorm_dw_sweep.py (bench/RESULTS.md,
+# "RMSNorm backward with dW: pipelined row tiles"): 1 program per SM, 2-row tiles, loads pipelined 3 deep. The
 # pipeline's shared memory (stages × rows × 2 tensors × H × itemsize) is capped at DW_SMEM_BYTES: wider rows
 # or fp32 inputs get fewer rows per step, then fewer stages.
 DW_PROGRAMS_PER_SM = 1

@@ -1,9 +1,9 @@
 """``y += alpha · a @ b`` for a small inner dimension K (the LoRA rank): a memory-bound Triton kernel.
 
 LoRA adds its low-rank term to a large output, y [M, N] += s · u [M, r] · Bᵀ [r, N], with r = 8–64. cuBLAS
-runs that as a GEMM with beta = 1 and compute-bound tiles: on the H200 the gate/up term of an 8B MLP at 16K
-tokens (y 16,384 × 14,336 bf16) takes 0.387 ms, 59% of copy bandwidth for its one read and one write of y
-(bench/RESULTS.md). The work is one read-modify-write of y;
+runs that as a GEMM with beta = 1 and compute-bound tiles, well short of copy bandwidth for its one read and one
+write of y (bench/RESULTS.md, "small-K update (LoRA's y += s·u·Bᵀ) vs cuBLAS addmm_"). The work is one
+read-modify-write of y;
 this kernel does exactly that, one [BLOCK_M, BLOCK_N] tile of y per program with the whole K in one
 ``tl.dot`` (K ≤ 128 after padding to a power of two ≥ 16, masked).
 
@@ -27,8 +27,8 @@ from .utils import INTERPRETER, cast_to, cdiv, next_power_of_2
 __all__ = ["MAX_SMALL_K", "addmm_small_k_", "block_k", "small_k_tile"]
 
 MAX_SMALL_K = 128
-# Tile of y per program and warps, from bench/small_k.py on the H200 (bench/RESULTS.md): 64 × 128 with 8 warps
-# ran the gate/up update at 89% of copy bandwidth (cuBLAS addmm_: 59%), q/o at 86% (58%).
+# Tile of y per program and warps: the best of bench/small_k.py's sweep for the gate/up and q/o updates
+# (bench/RESULTS.md, "small-K update (LoRA's y += s·u·Bᵀ) vs cuBLAS addmm_").
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 
 

@@ -32,10 +32,10 @@ projections' outputs and their adapters' terms ``s · (x Aᵀ) Bᵀ`` beside the
 ``g_d A_d`` from the down adapter. Each kernel adds a term in fp32 to the tile it has just read (one ``tl.dot``
 of [32, K] by [K, 128] a tile), so gate' = gate + term is never written or rounded, and the forward and backward above
 apply to gate', up' and dh'. What that saves: one read-modify-write of each [N, I] operand per pass, which
-``small_k.addmm_small_k_`` spends otherwise (8B shape at 16K tokens: 0.26 ms each, four a layer in the forward and
-recompute, one in the backward); what it costs: the dots, which take more than their arithmetic (a tile's fixed
-cost: 0.19 ms a forward with two terms, 0.5 ms a backward with three, bench/swiglu_tiles.py). Net, on the H200, a
-layer's two forwards and one backward take 2.29 ms instead of 2.70.
+``small_k.addmm_small_k_`` spends otherwise (four a layer in the forward and recompute, one in the backward); what
+it costs: the dots, which take more than their arithmetic (a tile's fixed cost, ``bench/swiglu_tiles.py``). Net, a
+layer's two forwards and one backward are faster with the terms inside (bench/RESULTS.md, "LoRA terms inside the
+SwiGLU kernels").
 """
 
 from __future__ import annotations
@@ -79,9 +79,8 @@ _INV_SQRT_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 _GELU_K1 = 0.044715
 # One [32, 128] tile of the [rows, I] operands per program over 4 warps, the best of bench/swiglu_tiles.py's sweep
-# on the H200 (bench/RESULTS.md, session 8): without terms as fast as the earlier one-row kernel (0.346 ms forward,
-# 0.71 ms backward at 16,384 × 14,336 bf16); with two terms the forward takes 0.54 ms and with three the backward
-# 1.22 ms, against 0.87 and 0.97 ms for the row kernel plus small_k's separate updates.
+# (bench/RESULTS.md, "LoRA terms inside the SwiGLU kernels"): without terms as fast as the earlier one-row kernel,
+# with terms faster than the row kernel plus small_k's separate updates.
 _BLOCK_M, _BLOCK_N, _NUM_WARPS = 32, 128, 4
 
 

@@ -140,9 +140,9 @@ def _interpreter_skips_redundant_patching() -> bool:
     or ``triton.language.core``; every builtin of it, of its ``tensor`` and ``math``, the reduce/scan ops) once per
     launch and restores it when the launch ends; then at every call of a nested jit function
     (``InterpretedFunction.__call__``) it patches the modules of that function's globals again and discards the
-    record. For a module the launch has patched that is the same assignment again, and it costs ~4.5 ms a call;
-    strop's kernels call small helpers (``cast_to``, the RoPE head loop, the activations) per program, and on a
-    2-core CI machine 60% of the CPU tier's library example went to it. A nested call whose modules are all patched
+    record. For a module the launch has patched that is the same assignment again, and it costs milliseconds a
+    call; strop's kernels call small helpers (``cast_to``, the RoPE head loop, the activations) per program, so on
+    a 2-core CI machine most of the CPU tier's library example went to it. A nested call whose modules are all patched
     in this launch now only runs the rewritten function; one that names another module (``tl.max`` is a jit
     function of ``triton.language.standard``, whose globals hold ``core``) is patched as before, and the launch
     remembers that module. Outside a launch, or on a Triton whose interpreter lacks these names, nothing changes;

@@ -706,9 +706,9 @@ def write_nf4_stats(model, path: Path) -> int:
 
     Why. The exporter re-creates the NF4 codes of a base quantized on load from the 16-bit checkpoint, and
     the codes come out identical on CPU and CUDA (they depend only on each block's exact max). The double
-    quantization of the absmax does not: its offset is a mean, summed in a different order by CUDA, and on
-    the H200 0.37% of the 8-bit absmax codes of 8B-shape layers came out one step apart
-    (``bench/nf4_codes_check.py``), moving those blocks' weights by up to 1%. These few MB (1 byte per 64
+    quantization of the absmax does not: its offset is a mean, summed in a different order by CUDA, so some
+    8-bit absmax codes come out one step apart and move their blocks' weights (``bench/nf4_codes_check.py``;
+    bench/RESULTS.md, "NF4 codes on CUDA vs the exporter"). These few MB (1 byte per 64
     weights) make the exporter's weights exactly the trained ones.
     """
     from bitsandbytes.nn import Linear4bit
