@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-openai = pytest.importorskip("openai")
+from tests.deps import locked
+
+openai = locked("openai")
 
 from strop.client.export import ExportClient  # noqa: E402
 from tests.gateways.openai_stack import (  # noqa: E402

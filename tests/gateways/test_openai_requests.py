@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+from tests.deps import locked
+
+openai = locked("openai")
+httpx = locked("httpx")
 
 from tests.gateways.openai_stack import KEY_A, chat_rows, jsonl, running_stack  # noqa: E402
 

@@ -11,7 +11,9 @@ import urllib.request
 import pytest
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-tinker = pytest.importorskip("tinker")
+from tests.deps import locked
+
+tinker = locked("tinker")
 from tinker import types  # noqa: E402
 
 from tests.gateways.conftest import ADMIN, KEY_A, KEY_B, Served, free_port, gateway  # noqa: E402

@@ -10,7 +10,9 @@ import os
 import pytest
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-tinker = pytest.importorskip("tinker")
+from tests.deps import locked
+
+tinker = locked("tinker")
 from tinker import types  # noqa: E402
 
 from tests.gateways.conftest import KEY_A, KEY_B  # noqa: E402

@@ -24,7 +24,6 @@ def example():
 
 @pytest.mark.slow
 def test_the_client_side_reward_example_raises_its_reward_on_a_real_trainer(client, model_root, example):
-    pytest.importorskip("strop.trainer_svc.core.sampler")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_root / "tiny-llama")

@@ -202,7 +202,6 @@ def _reward(tokens: list[int]) -> float:
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
 def test_toy_rl_loop_raises_the_reward(client, session_id, loss_fn):
-    pytest.importorskip("strop.trainer_svc.core.sampler")
     # a LoRA on the head (train_unembed: the recomputing chunked log-prob path) can raise half the vocabulary's
     # logits along one direction; the random model's next-token distribution is nearly flat (≈ −6.4 nats each)
     run = client.create_training_run(session_id, RunLora(rank=8, seed=0, train_unembed=True))
@@ -237,7 +236,6 @@ def test_toy_rl_loop_raises_the_reward(client, session_id, loss_fn):
 
 
 def test_sample_logprobs_equal_forward_logprobs_of_the_sampled_tokens(client, session_id):
-    pytest.importorskip("strop.trainer_svc.core.sampler")
     run = client.create_training_run(session_id, RunLora(rank=4, seed=9))
     run.forward_backward([ce_datum(SEQ)])
     run.optim_step(AdamParams(learning_rate=1e-2))
@@ -633,7 +631,6 @@ def test_a_sample_of_the_live_run_sees_every_primitive_submitted_before_it(clien
     three ForwardBackward + OptimStep rounds, it samples with the weights after all three. The worker is held
     (the session's lock) while everything is submitted, so without the order the sample queue's turn would come
     after at most one primitive, before any update."""
-    pytest.importorskip("strop.trainer_svc.core.sampler")
     run = client.create_training_run(session_id, RunLora(rank=4, seed=21))
     prompt = SEQ[:8]
     prompt_datum = Datum.of(prompt[:-1], target_tokens=prompt[1:], weights=[0.0] * 7)

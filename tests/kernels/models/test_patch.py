@@ -399,9 +399,7 @@ def test_runtime_dtype_mismatch_falls_back_and_says_so(caplog):
 
 @pytest.mark.parametrize("order", ["patch_then_trl", "trl_then_patch"])
 def test_composes_with_trl_fused_lm_head_in_either_order(order):
-    trl_utils = locked("trl.trainer.utils")
-    if not hasattr(trl_utils, "add_fused_lm_head"):
-        pytest.skip("this TRL has no fused LM head")
+    trl_utils = locked("trl.trainer.utils")  # the locked TRL has the fused LM head this composes with
     ids = _batches()[0]
     reference = _peft(_model("llama", False, None))
     trl_utils.add_fused_lm_head(reference.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))

@@ -190,7 +190,7 @@ def test_strop_sft_trainer_trains_like_trls_sft_trainer(tmp_path):
 
     Plain SGD, so the adapters differ by what the gradients differ by (Adam's m/√v turns fp32 summation-order
     differences in near-zero gradients into relative ones)."""
-    pytest.importorskip("trl")
+    locked("trl")
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -250,7 +250,7 @@ def test_sft_metrics_stay_on_device_and_log_trls_values_to_the_bit(tmp_path, mon
     """StropSFTMixin.compute_loss reads nothing back from the device (TRL's reads five scalars a micro-batch), and the
     logs it produces — loss, entropy, token accuracy, token count — equal those of TRL's own compute_loss and log on
     the same head, step for step, bit for bit."""
-    pytest.importorskip("trl")
+    locked("trl")
     import sys
 
     from datasets import Dataset
@@ -322,7 +322,7 @@ def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_pat
     """With logging_nan_inf_filter on, StropSFTTrainer's loop reads no loss back after the backward, and a step whose
     loss is NaN logs what HF's own filter logs (the mean of the losses since the last log in its place), bit for bit;
     the user's setting is back after train()."""
-    pytest.importorskip("trl")
+    locked("trl")
     import sys
 
     from datasets import Dataset
