@@ -100,7 +100,8 @@ class MemoryMode(enum.StrEnum):
 
     @classmethod
     def _missing_(cls, value):
-        # state databases written before the enum hold "standard", "long_context", "max_speed" or ""
+        # the lower-case names and "" parse too: the CLI's --memory-mode takes "standard", "long_context",
+        # "max_speed" and "" (the default mode), as the proto's enum names read in a shell
         return cls.__members__.get(str(value).upper() or "UNSPECIFIED")
 
 
