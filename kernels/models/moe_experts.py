@@ -5,15 +5,123 @@ experts module's forward for :func:`experts_forward`'s: the router's choices go 
 :func:`~strop.kernels.lora.moe.lora_moe_experts` with the frozen expert stacks and PEFT's factors read on every call
 (adapters can be switched, disabled or merged after patching; then HF + PEFT's forward runs and the reason is logged
 once, as for every patched module).
+
+NF4 experts (:func:`quantize_experts`): strop's own 4-bit storage of the fused stacks (bitsandbytes quantizes
+``nn.Linear`` only), read by the grouped GEMM, which dequantizes each W tile in registers; HF's forward gets the
+stacks dequantized for its call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
-__all__ = ["expert_factors", "expert_wrappers", "experts_forward", "experts_reason"]
+__all__ = [
+    "EXPERT_STACKS",
+    "expert_factors",
+    "expert_wrappers",
+    "experts_forward",
+    "experts_reason",
+    "nf4_expert_modules",
+    "nf4_experts",
+    "quantize_experts",
+]
+
+EXPERT_STACKS = ("gate_up_proj", "down_proj")  # the fused expert parameters NF4 storage holds
+_NF4 = (
+    "_strop_nf4"  # an experts module's NF4 stacks: {parameter name: (shape, dtype, blocksize2, placeholder)}
+)
+
+
+def _fused_experts(module: nn.Module) -> bool:
+    """An HF fused experts module of the SwiGLU [E, out, in] layout (Qwen3-MoE, Mixtral), not a PEFT wrapper."""
+    params = module._parameters
+    return (
+        type(module).__name__.endswith("Experts")
+        and "base_layer" not in module._modules
+        and not getattr(module, "is_transposed", False)
+        and all(params.get(n) is not None and params[n].dim() == 3 for n in EXPERT_STACKS)
+    )
+
+
+def quantize_experts(model: nn.Module, *, double_quant: bool = True) -> list[str]:
+    """Hold every fused experts module's ``gate_up_proj``/``down_proj`` as NF4 (:class:`Nf4Experts`); their names.
+
+    Each stack is quantized where it lies and kept as non-persistent buffers of its module; the parameter stays
+    (PEFT's ``target_parameters`` wraps it, counts read its shape) but holds no memory: a stride-0 view of one
+    element, frozen. The grouped expert GEMM reads the NF4 buffers (:func:`experts_forward`); any other caller of
+    the module's forward (HF's expert loop: kernels off, adapters disabled or merged) runs on the stack
+    dequantized by :func:`nf4_dequantize` for that call, so every path computes with the same weights. Quantize on
+    the device the model trains on: moving the model afterwards would expand the placeholders.
+    """
+    from strop.kernels.ops.moe_gemm import Nf4Experts
+
+    done = []
+    for name, module in model.named_modules():
+        if not _fused_experts(module) or _NF4 in module.__dict__:
+            continue
+        held = module.__dict__[_NF4] = {}
+        for pname in EXPERT_STACKS:
+            param = module._parameters[pname]
+            q = Nf4Experts.quantize(param.data, double_quant=double_quant)
+            for role, t in q.tensors().items():
+                module.register_buffer(f"{pname}_nf4_{role}", t, persistent=False)
+            param.requires_grad_(False)
+            param.data = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
+            held[pname] = (q.shape, q.dtype, q.blocksize2, param.data)
+            done.append(f"{name}.{pname}".removeprefix("base_model.model."))
+        module.register_forward_pre_hook(_materialize)
+        module.register_forward_hook(_release)
+    return done
+
+
+def nf4_experts(module: nn.Module, pname: str):
+    """The :class:`Nf4Experts` stack an experts module holds for ``pname``, or None (16-bit)."""
+    from strop.kernels.ops.moe_gemm import Nf4Experts
+
+    held = module.__dict__.get(_NF4, {}).get(pname)
+    if held is None:
+        return None
+    shape, dtype, bs2, _ = held
+    buf = module._buffers
+    nested = f"{pname}_nf4_absmax2" in buf
+    return Nf4Experts(
+        packed=buf[f"{pname}_nf4_packed"], absmax=buf[f"{pname}_nf4_absmax"],
+        absmax2=buf[f"{pname}_nf4_absmax2"] if nested else None,
+        code2=buf[f"{pname}_nf4_code2"] if nested else None,
+        offset=buf[f"{pname}_nf4_offset"] if nested else None,
+        shape=shape, dtype=dtype, blocksize2=bs2,
+    )  # fmt: skip
+
+
+def nf4_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The experts modules holding NF4 stacks, by name (PEFT's prefix and wrappers left out of the name)."""
+    return {
+        n.removeprefix("base_model.model.").replace(".base_layer", ""): m
+        for n, m in model.named_modules()
+        if _NF4 in m.__dict__
+    }
+
+
+def _params(module: nn.Module, pname: str) -> nn.Parameter:
+    # under PEFT's forward the parameter sits in a parametrization (``parametrizations.<name>.original``)
+    par = getattr(module, "parametrizations", None)
+    if par is not None and pname in par:
+        return par[pname].original
+    return module._parameters[pname]
+
+
+def _materialize(module: nn.Module, args) -> None:
+    """HF's forward is about to run: the stacks' dense values for this call (autograd keeps what it saves)."""
+    for pname, (_, dtype, _, _) in module.__dict__[_NF4].items():
+        _params(module, pname).data = nf4_experts(module, pname).dequantize(dtype)
+
+
+def _release(module: nn.Module, args, output) -> None:
+    for pname, (*_, placeholder) in module.__dict__[_NF4].items():
+        _params(module, pname).data = placeholder
 
 
 def expert_wrappers(experts: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
@@ -50,7 +158,7 @@ def expert_factors(wrapper: nn.Module, base: nn.Module):
     if w.requires_grad:
         return "trainable expert weights (the grouped GEMM computes no base-weight gradient)"
     a, b = peft_expert_factors(wrapper.lora_A[active[0]].weight, wrapper.lora_B[active[0]].weight, w.shape[0])
-    return w, a, b, float(wrapper.scaling[active[0]])
+    return nf4_experts(base, wrapper.parameter_name) or w, a, b, float(wrapper.scaling[active[0]])
 
 
 def experts_forward(ours: Callable) -> Callable:
