@@ -38,9 +38,11 @@ class ArtifactServicer:
     def ListArtifacts(self, request, context):
         me = auth.current()
         page, token = self.artifacts.list_page(
-            request.kind or None, request.page_size, request.page_token,
+            request.kind or None,
+            request.page_size,
+            request.page_token,
             keep=lambda a: me.can_see(a.metadata.get("tenant", "")),
-        )  # fmt: skip
+        )
         return common_pb2.ListArtifactsResponse(
             artifacts=[to_proto(common_pb2.Artifact, a) for a in page], next_page_token=token
         )

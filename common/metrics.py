@@ -197,9 +197,12 @@ class TrainerMetrics:
             registry=r,
         )
         self.primitive_seconds = Histogram(
-            "strop_trainer_primitive_seconds", "Device time of one step-API primitive.", ["kind"],
-            buckets=STEP_BUCKETS, registry=r,
-        )  # fmt: skip
+            "strop_trainer_primitive_seconds",
+            "Device time of one step-API primitive.",
+            ["kind"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.primitive_tokens = Counter(
             "strop_trainer_primitive_tokens", "Tokens processed by step-API primitives.", ["kind"], registry=r
         )

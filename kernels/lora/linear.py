@@ -142,9 +142,13 @@ def check_proj(p: LoRAProj, name: str, width: int, device: torch.device) -> None
         raise TypeError(f"{name}.base must be a tensor or NF4 Params4bit, got {type(p.base).__name__}")
     if not is_nf4(p.base):
         if getattr(p.base, "quant_state", None) is not None:
-            raise TypeError(f"{name}.base: only NF4 quantized weights are supported, got {p.base.quant_state.quant_type!r}")  # fmt: skip
+            raise TypeError(
+                f"{name}.base: only NF4 quantized weights are supported, got {p.base.quant_state.quant_type!r}"
+            )
         if p.base.dim() != 2 or not p.base.is_floating_point():
-            raise ValueError(f"{name}.base must be a 2-D float weight [out, in], got {p.base.dtype} {tuple(p.base.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name}.base must be a 2-D float weight [out, in], got {p.base.dtype} {tuple(p.base.shape)}"
+            )
     if p.base.requires_grad or (p.bias is not None and p.bias.requires_grad):
         raise ValueError(
             f"{name}: the base weight and bias must be frozen (their gradients are not computed)"
@@ -434,9 +438,15 @@ class LoRALinearFunction(torch.autograd.Function):
         projs = with_factors(frozen, (lora_A, lora_B))
         with no_autocast(x.device.type):
             dx, (d_a,), (d_b,) = backward_projections(
-                x, u, [dy.to(frozen.dtype)], projs, frozen.dtype, ctx.factors, ctx.needs_input_grad[0],
+                x,
+                u,
+                [dy.to(frozen.dtype)],
+                projs,
+                frozen.dtype,
+                ctx.factors,
+                ctx.needs_input_grad[0],
                 dx_out=x if frozen.inplace_dx else None,
-            )  # fmt: skip
+            )
         ctx.factors = None
         return dx, d_a, d_b, None
 
@@ -467,9 +477,15 @@ class LoRAQKVFunction(torch.autograd.Function):
         ]
         with no_autocast(x.device.type):
             dx, d_a, d_b = backward_projections(
-                x, u, dys, projs, frozen.dtype, ctx.factors, ctx.needs_input_grad[0],
+                x,
+                u,
+                dys,
+                projs,
+                frozen.dtype,
+                ctx.factors,
+                ctx.needs_input_grad[0],
                 dx_out=x if frozen.inplace_dx else None,
-            )  # fmt: skip
+            )
         ctx.factors = None
         return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a[2], d_b[2], None
 

@@ -225,9 +225,15 @@ class LoRAMLPFunction(torch.autograd.Function):
             if d_a_down is not None:
                 d_a_down = d_a_down.to(down.lora_A.dtype)
             dx, d_a, d_b = backward_projections(
-                x, u_gu, (e, g), (gate, up), dtype, f_gu, ctx.needs_input_grad[0],
+                x,
+                u_gu,
+                (e, g),
+                (gate, up),
+                dtype,
+                f_gu,
+                ctx.needs_input_grad[0],
                 dx_out=x if frozen.inplace_dx else None,
-            )  # fmt: skip
+            )
         return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a_down, d_b_down, None
 
 

@@ -77,8 +77,20 @@ def cpo_loss_from_logps(
     return CPOLossOutput(loss, nll_loss, chosen_logps, rejected_logps, beta)
 
 
-def _cpo(logps_fn, hidden, weight, labels, bias, beta, loss_type, label_smoothing, simpo_gamma, cpo_alpha,
-         ignore_index, head_kw) -> CPOLossOutput:  # fmt: skip
+def _cpo(
+    logps_fn,
+    hidden,
+    weight,
+    labels,
+    bias,
+    beta,
+    loss_type,
+    label_smoothing,
+    simpo_gamma,
+    cpo_alpha,
+    ignore_index,
+    head_kw,
+) -> CPOLossOutput:
     b = pair_count(hidden)
     s = 2 * b
     groups, counts = completion_groups(labels, ignore_index)
@@ -90,9 +102,15 @@ def _cpo(logps_fn, hidden, weight, labels, bias, beta, loss_type, label_smoothin
         nll = -sums[:b].sum() / counts[:b].sum().clamp(min=1)
     logps = sums / counts.clamp(min=1) if loss_type in ("ipo", "simpo") else sums
     out = cpo_loss_from_logps(
-        logps[:b], logps[b:], nll, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
-        simpo_gamma=simpo_gamma, cpo_alpha=cpo_alpha,
-    )  # fmt: skip
+        logps[:b],
+        logps[b:],
+        nll,
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=label_smoothing,
+        simpo_gamma=simpo_gamma,
+        cpo_alpha=cpo_alpha,
+    )
     set_pair_mean_logits(out, hidden, weight, bias, b, head_kw, shifted=False)
     return out
 
@@ -128,13 +146,49 @@ def strop_cpo_loss(
     Returns:
         A :class:`CPOLossOutput`; ``.metrics()`` gives TRL's logged values.
     """
-    return _cpo(grouped_logps, hidden, weight, labels, bias, beta, loss_type, label_smoothing, simpo_gamma,
-                cpo_alpha, ignore_index, dict(chunk_size=chunk_size, softcap=softcap))  # fmt: skip
+    return _cpo(
+        grouped_logps,
+        hidden,
+        weight,
+        labels,
+        bias,
+        beta,
+        loss_type,
+        label_smoothing,
+        simpo_gamma,
+        cpo_alpha,
+        ignore_index,
+        dict(chunk_size=chunk_size, softcap=softcap),
+    )
 
 
-def cpo_loss_reference(hidden, weight, labels, bias=None, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
-                       simpo_gamma=0.5, cpo_alpha=1.0, ignore_index=-100, chunk_size=None,
-                       softcap=None) -> CPOLossOutput:  # fmt: skip
+def cpo_loss_reference(
+    hidden,
+    weight,
+    labels,
+    bias=None,
+    *,
+    beta=0.1,
+    loss_type="sigmoid",
+    label_smoothing=0.0,
+    simpo_gamma=0.5,
+    cpo_alpha=1.0,
+    ignore_index=-100,
+    chunk_size=None,
+    softcap=None,
+) -> CPOLossOutput:
     """:func:`strop_cpo_loss` from full fp32 logits."""
-    return _cpo(grouped_logps_reference, hidden, weight, labels, bias, beta, loss_type, label_smoothing,
-                simpo_gamma, cpo_alpha, ignore_index, dict(softcap=softcap))  # fmt: skip
+    return _cpo(
+        grouped_logps_reference,
+        hidden,
+        weight,
+        labels,
+        bias,
+        beta,
+        loss_type,
+        label_smoothing,
+        simpo_gamma,
+        cpo_alpha,
+        ignore_index,
+        dict(softcap=softcap),
+    )

@@ -191,9 +191,13 @@ def chunked_dpo_loss_reference(
     """:func:`strop_dpo_loss` computed from full logits, in plain torch."""
     logps = sequence_logps_reference(hidden, weight, labels, bias, ignore_index=ignore_index, softcap=softcap)
     ref = _reference_logps(
-        ref_chosen_logps, ref_rejected_logps, ref_hidden,
-        lambda h: sequence_logps_reference(h, weight, labels, bias, ignore_index=ignore_index, softcap=softcap),
-    )  # fmt: skip
+        ref_chosen_logps,
+        ref_rejected_logps,
+        ref_hidden,
+        lambda h: sequence_logps_reference(
+            h, weight, labels, bias, ignore_index=ignore_index, softcap=softcap
+        ),
+    )
     return dpo_loss_on_pairs(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)
 
 
@@ -223,9 +227,17 @@ def dpo_loss_on_pairs(
     ref_chosen, ref_rejected = ref.chunk(2)
     chosen_tokens, rejected_tokens = tokens.chunk(2)
     return dpo_loss_from_logps(
-        chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss_type=loss_type, loss_weights=loss_weights,
-        label_smoothing=label_smoothing, chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens,
-    )  # fmt: skip
+        chosen,
+        rejected,
+        ref_chosen,
+        ref_rejected,
+        beta=beta,
+        loss_type=loss_type,
+        loss_weights=loss_weights,
+        label_smoothing=label_smoothing,
+        chosen_tokens=chosen_tokens,
+        rejected_tokens=rejected_tokens,
+    )
 
 
 def strop_dpo_loss(

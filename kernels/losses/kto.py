@@ -108,14 +108,34 @@ def kto_kl(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
     return (kl_logps.float() - ref_kl_logps.float().to(kl_logps.device)).mean().detach()
 
 
-def _kto(logps_fn, hidden, weight, labels, desirable, ref_logps, kl, bias, beta, desirable_weight,
-         undesirable_weight, loss_type, ignore_index, head_kw) -> KTOLossOutput:  # fmt: skip
+def _kto(
+    logps_fn,
+    hidden,
+    weight,
+    labels,
+    desirable,
+    ref_logps,
+    kl,
+    bias,
+    beta,
+    desirable_weight,
+    undesirable_weight,
+    loss_type,
+    ignore_index,
+    head_kw,
+) -> KTOLossOutput:
     groups, counts = completion_groups(labels, ignore_index)
     logps = logps_fn(hidden, weight, labels.clamp(min=0), groups, hidden.shape[0], bias, **head_kw)
     out = kto_loss_from_logps(
-        logps, ref_logps, desirable, kl, beta=beta, desirable_weight=desirable_weight,
-        undesirable_weight=undesirable_weight, loss_type=loss_type,
-    )  # fmt: skip
+        logps,
+        ref_logps,
+        desirable,
+        kl,
+        beta=beta,
+        desirable_weight=desirable_weight,
+        undesirable_weight=undesirable_weight,
+        loss_type=loss_type,
+    )
     if head_kw.get("softcap") is None:
         ml = mean_logits(hidden, weight, bias)[:, :-1] * (labels[:, 1:] != ignore_index)
         d = out.desirable
@@ -160,5 +180,19 @@ def strop_kto_loss(
     Returns:
         A :class:`KTOLossOutput`; ``.metrics()`` gives TRL's logged values.
     """
-    return _kto(grouped_logps, hidden, weight, labels, desirable, ref_logps, kl, bias, beta, desirable_weight,
-                undesirable_weight, loss_type, ignore_index, dict(chunk_size=chunk_size, softcap=softcap))  # fmt: skip
+    return _kto(
+        grouped_logps,
+        hidden,
+        weight,
+        labels,
+        desirable,
+        ref_logps,
+        kl,
+        bias,
+        beta,
+        desirable_weight,
+        undesirable_weight,
+        loss_type,
+        ignore_index,
+        dict(chunk_size=chunk_size, softcap=softcap),
+    )

@@ -136,10 +136,21 @@ def _sequence_logps_fwd(
                 torch.addmm(b, x, w.t(), out=logits)
             if triton_ok:
                 fused_linear_ce_fwd_kernel[(end - start,)](
-                    logits, logits.stride(0), targets[start:end], nll[start:end], ones, vocab, -100,
-                    1.0, float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, COMPUTE_GRAD=grad,
-                    BLOCK_V=block_v, N_BLOCKS=cdiv(vocab, block_v), num_warps=NUM_WARPS,
-                )  # fmt: skip
+                    logits,
+                    logits.stride(0),
+                    targets[start:end],
+                    nll[start:end],
+                    ones,
+                    vocab,
+                    -100,
+                    1.0,
+                    float(softcap or 1.0),
+                    HAS_SOFTCAP=softcap is not None,
+                    COMPUTE_GRAD=grad,
+                    BLOCK_V=block_v,
+                    N_BLOCKS=cdiv(vocab, block_v),
+                    num_warps=NUM_WARPS,
+                )
             else:
                 _nll_and_dlogits_torch(logits, targets[start:end], nll[start:end], grad, softcap)
             if grad:

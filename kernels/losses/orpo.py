@@ -128,8 +128,29 @@ def strop_orpo_loss(
     )
 
 
-def orpo_loss_reference(hidden, weight, input_ids, attention_mask, labels, bias=None, *, beta=0.1,
-                        ignore_index=-100, chunk_size=None, softcap=None) -> ORPOLossOutput:  # fmt: skip
+def orpo_loss_reference(
+    hidden,
+    weight,
+    input_ids,
+    attention_mask,
+    labels,
+    bias=None,
+    *,
+    beta=0.1,
+    ignore_index=-100,
+    chunk_size=None,
+    softcap=None,
+) -> ORPOLossOutput:
     """:func:`strop_orpo_loss` from full fp32 logits."""
-    return _orpo(grouped_logps_reference, hidden, weight, input_ids, attention_mask, labels, bias, beta,
-                 ignore_index, dict(softcap=softcap))  # fmt: skip
+    return _orpo(
+        grouped_logps_reference,
+        hidden,
+        weight,
+        input_ids,
+        attention_mask,
+        labels,
+        bias,
+        beta,
+        ignore_index,
+        dict(softcap=softcap),
+    )

@@ -196,10 +196,16 @@ def enable_memory_features(
     if offload_activations:
         try:
             report.offloader = enable_offloaded_checkpointing(
-                model, min_offload_bytes=min_offload_bytes, keep_last=keep_last_layers, save_layers=save_layers,
-                offload_cpu_tensors=offload_cpu_tensors, preserve_rng_state=preserve_rng_state, trace=trace,
-                save_attention=save_attention, host_budget_bytes=host_budget_bytes,
-            )  # fmt: skip
+                model,
+                min_offload_bytes=min_offload_bytes,
+                keep_last=keep_last_layers,
+                save_layers=save_layers,
+                offload_cpu_tensors=offload_cpu_tensors,
+                preserve_rng_state=preserve_rng_state,
+                trace=trace,
+                save_attention=save_attention,
+                host_budget_bytes=host_budget_bytes,
+            )
         except ValueError as e:
             report.skipped["offload_activations"] = str(e)
     else:
@@ -304,8 +310,11 @@ def memory_budget_bytes(features: MemoryFeatures, device: str | None, requested_
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     budget = requested_bytes or int(features.default_budget_fraction * total)
     if budget > total:
-        logger.warning("a memory budget of %.1f GiB exceeds the device's %.1f GiB: planning for the device",
-                       budget / 2**30, total / 2**30)  # fmt: skip
+        logger.warning(
+            "a memory budget of %.1f GiB exceeds the device's %.1f GiB: planning for the device",
+            budget / 2**30,
+            total / 2**30,
+        )
         budget = total
     return budget
 
@@ -364,10 +373,15 @@ def apply_memory_mode(
     try:
         if offload or features.tiled_mlp:
             installed.memory = enable_memory_features(
-                model, offload_activations=offload, tiled_mlp_chunks="auto" if features.tiled_mlp else None,
-                save_layers=features.save_layers, offload_cpu_tensors=offload_cpu_tensors,
-                min_offload_bytes=min_offload_bytes, save_attention=save_attention, host_budget_bytes=host_budget_bytes,
-            )  # fmt: skip
+                model,
+                offload_activations=offload,
+                tiled_mlp_chunks="auto" if features.tiled_mlp else None,
+                save_layers=features.save_layers,
+                offload_cpu_tensors=offload_cpu_tensors,
+                min_offload_bytes=min_offload_bytes,
+                save_attention=save_attention,
+                host_budget_bytes=host_budget_bytes,
+            )
         if features.budgeted_recompute:
             installed.recompute = enable_budgeted_recompute(model, budget)
     except BaseException:

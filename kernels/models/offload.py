@@ -139,9 +139,12 @@ class ActivationOffloader:
         trace: bool = False,
     ) -> None:
         self.pool = HostPool(
-            min_offload_bytes=min_offload_bytes, offload_cpu_tensors=offload_cpu_tensors,
-            max_inflight_bytes=max_inflight_bytes, host_budget_bytes=host_budget_bytes, trace=trace,
-        )  # fmt: skip
+            min_offload_bytes=min_offload_bytes,
+            offload_cpu_tensors=offload_cpu_tensors,
+            max_inflight_bytes=max_inflight_bytes,
+            host_budget_bytes=host_budget_bytes,
+            trace=trace,
+        )
         self.save_attention = save_attention
         self.preserve_rng_state = preserve_rng_state
         self._last: weakref.ref[InputRecord | SavedGroup] | None = None

@@ -355,9 +355,14 @@ def enable_tiled_mlp(
             if not owner.active or args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
                 return prev(x, *args, **kwargs)
             return tiled_mlp(
-                prev, x, num_chunks=num_chunks, params=_trainable_params(self),
-                intermediate_size=_inter, budget_bytes=budget_bytes, output_unused_in_recompute=_last,
-            )  # fmt: skip
+                prev,
+                x,
+                num_chunks=num_chunks,
+                params=_trainable_params(self),
+                intermediate_size=_inter,
+                budget_bytes=budget_bytes,
+                output_unused_in_recompute=_last,
+            )
 
         forward._strop_tiled = True
         swaps.forward(mlp, forward)

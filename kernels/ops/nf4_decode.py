@@ -70,9 +70,13 @@ class NF4DecodeWeight:
 
 
 def nf4_lora_decode_reference(
-    x: torch.Tensor, w: NF4DecodeWeight, xa: torch.Tensor | None, lora_b: torch.Tensor | None, scale: float,
+    x: torch.Tensor,
+    w: NF4DecodeWeight,
+    xa: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
+    scale: float,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The same function in plain torch (fp32 accumulation; the weight through ``nf4_dequantize_reference``)."""
     from types import SimpleNamespace
 
@@ -148,9 +152,13 @@ def _nf4_lora_decode_kernel(
 
 
 def nf4_lora_decode(
-    x: torch.Tensor, w: NF4DecodeWeight, xa: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
-    scale: float = 1.0, bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    w: NF4DecodeWeight,
+    xa: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    scale: float = 1.0,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x·Wᵀ + scale·xa·lora_bᵀ (+ bias)`` over the leading dims of ``x`` (≤ ``MAX_DECODE_ROWS`` rows in all).
 
     Raises:

@@ -158,13 +158,22 @@ class StropDPOMixin:
             )
             with torch.no_grad():
                 ref = sequence_logps(
-                    (unshare(ref_hidden) if own else ref_hidden).to(ref_head.weight.device), ref_head.weight, labels, ref_head.bias,
+                    (unshare(ref_hidden) if own else ref_hidden).to(ref_head.weight.device),
+                    ref_head.weight,
+                    labels,
+                    ref_head.bias,
                     softcap=ref_softcap,
-                )  # fmt: skip
+                )
         out = dpo_loss_on_pairs(
-            logps, ref.to(logps.device), labels, -100, self.beta, self.loss_types,
-            getattr(self, "loss_weights", None), self.label_smoothing,
-        )  # fmt: skip
+            logps,
+            ref.to(logps.device),
+            labels,
+            -100,
+            self.beta,
+            self.loss_types,
+            getattr(self, "loss_weights", None),
+            self.label_smoothing,
+        )
 
         gather = self.accelerator.gather
         metrics = self._metrics[mode]

@@ -130,9 +130,15 @@ class StropORPOMixin(_StropPreferenceMixin):
         ids, mask = cb["concatenated_input_ids"], cb["concatenated_attention_mask"]
         hidden = self._strop_pair_hidden(model, head, cb)
         out = strop_orpo_loss(
-            hidden, head.weight, ids.to(dev), mask.to(dev), cb["concatenated_labels"].to(dev), head.bias,
-            beta=self.beta, softcap=self._strop_softcap(),
-        )  # fmt: skip
+            hidden,
+            head.weight,
+            ids.to(dev),
+            mask.to(dev),
+            cb["concatenated_labels"].to(dev),
+            head.bias,
+            beta=self.beta,
+            softcap=self._strop_softcap(),
+        )
         return out.loss, self._strop_metrics(out, train_eval)
 
 
@@ -158,19 +164,34 @@ class StropCPOMixin(_StropPreferenceMixin):
         head = self._strop_head()
         hidden = self._strop_pair_hidden(model, head, cb)
         out = strop_cpo_loss(
-            hidden, head.weight, cb["concatenated_labels"].to(head.weight.device), head.bias, beta=self.beta,
-            loss_type=self.loss_type, label_smoothing=self.label_smoothing,
-            simpo_gamma=getattr(self, "simpo_gamma", 0.0), cpo_alpha=self.cpo_alpha,
+            hidden,
+            head.weight,
+            cb["concatenated_labels"].to(head.weight.device),
+            head.bias,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+            simpo_gamma=getattr(self, "simpo_gamma", 0.0),
+            cpo_alpha=self.cpo_alpha,
             softcap=self._strop_softcap(),
-        )  # fmt: skip
+        )
         return out.loss, self._strop_metrics(out, train_eval)
 
 
 # TRL 1.16's KTOTrainer._compute_loss: batch keys that are not model inputs (the main and the KL passes)
 _KTO_NON_MODEL = frozenset(
-    {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
-     "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps"}
-)  # fmt: skip
+    {
+        "completion_mask",
+        "KL_input_ids",
+        "KL_attention_mask",
+        "KL_completion_mask",
+        "KL_token_type_ids",
+        "KL_mm_token_type_ids",
+        "label",
+        "ref_logps",
+        "ref_KL_logps",
+    }
+)
 
 
 def _kto_trl_helpers() -> tuple[Any, Any]:
@@ -253,10 +274,19 @@ class StropKTOMixin(_StropPreferenceMixin):
         if self.calculate_KL:
             kl = gather(kto_kl(kl_logps, ref_kl)).mean().clamp(min=0)
         out = strop_kto_loss(
-            hidden, head.weight, labels.to(head.weight.device), desirable.to(head.weight.device),
-            ref_logps=ref_logps, kl=kl, bias=head.bias, beta=self.beta, desirable_weight=self.desirable_weight,
-            undesirable_weight=self.undesirable_weight, loss_type=self.loss_type, softcap=self._strop_softcap(),
-        )  # fmt: skip
+            hidden,
+            head.weight,
+            labels.to(head.weight.device),
+            desirable.to(head.weight.device),
+            ref_logps=ref_logps,
+            kl=kl,
+            bias=head.bias,
+            beta=self.beta,
+            desirable_weight=self.desirable_weight,
+            undesirable_weight=self.undesirable_weight,
+            loss_type=self.loss_type,
+            softcap=self._strop_softcap(),
+        )
 
         metrics = self._metrics[mode]
         if mode == "train":

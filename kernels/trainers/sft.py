@@ -73,7 +73,11 @@ def add_fused_logprob_head(model: Any) -> None:
                 owner.warned = True
                 logger.warning("strop's fused LM head off (%s): TRL's head runs", reason)
             extra = {"fused_lm_head": True} if fused_lm_head else {}
-            for key, value in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):  # fmt: skip
+            for key, value in (
+                ("labels", labels),
+                ("shift_labels", shift_labels),
+                ("num_items_in_batch", num_items_in_batch),
+            ):
                 if value is not None:
                     extra[key] = value
             return previous(*args, **extra, **kwargs)

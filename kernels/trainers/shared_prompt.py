@@ -282,9 +282,12 @@ class PromptSharing:
             reason = _model_reason(hf, mask.shape[1])
         if reason is None:
             reason = share_prompts(
-                model_kwargs["input_ids"], mask, completion_mask.to(mask.device),
-                attn_implementation=getattr(hf.config, "_attn_implementation", None), dtype=hf.dtype,
-            )  # fmt: skip
+                model_kwargs["input_ids"],
+                mask,
+                completion_mask.to(mask.device),
+                attn_implementation=getattr(hf.config, "_attn_implementation", None),
+                dtype=hf.dtype,
+            )
         if isinstance(reason, str):
             return self.unshared(reason)
         self.batches += 1

@@ -664,8 +664,10 @@ def _inference_copy(loaded: LoadedModel) -> dict:
     if need > room:
         log.info(
             "generating from the 4-bit weights: their %.1f GiB dequantized copy is above %.0f%% of the host's "
-            "available memory", need / 2**30, INFERENCE_COPY_HOST_SHARE * 100,
-        )  # fmt: skip
+            "available memory",
+            need / 2**30,
+            INFERENCE_COPY_HOST_SHARE * 100,
+        )
         loaded.extra[INFERENCE_COPY] = {}
         return {}
     copy = {}

@@ -447,9 +447,12 @@ def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
     # preference methods: chosen and rejected rows (KTO: each row and its KL row)
     rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
     installed = apply_memory_mode(
-        loaded.model, cfg.memory_mode, step=StepShape(rows, cfg.max_length, bool(cfg.gradient_checkpointing)),
-        budget_bytes=int(cfg.memory_budget_gib * 2**30), device=loaded.device,
-    )  # fmt: skip
+        loaded.model,
+        cfg.memory_mode,
+        step=StepShape(rows, cfg.max_length, bool(cfg.gradient_checkpointing)),
+        budget_bytes=int(cfg.memory_budget_gib * 2**30),
+        device=loaded.device,
+    )
     log.info("%s", installed)
     if installed.recompute is not None:
 
@@ -542,8 +545,10 @@ def run_training(
     )
     if chat_sft and cfg.ranks() > 1:
         # each rank would generate on its own (an FSDP rank's base is not whole yet): not done on several ranks
-        log.info("retention (replay, the forgetting metric) runs in single-process jobs only; this job has %d ranks",
-                 cfg.ranks())  # fmt: skip
+        log.info(
+            "retention (replay, the forgetting metric) runs in single-process jobs only; this job has %d ranks",
+            cfg.ranks(),
+        )
     elif chat_sft:
         held_out, replay = _retention_before(loaded, cfg, fmt)
         rows, replayed = rows + replay, len(replay)
