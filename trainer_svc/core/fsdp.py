@@ -25,7 +25,7 @@ Four things strop adds to the engines:
 4-bit bases (bitsandbytes NF4) are sharded too. fully_shard turns each ``Params4bit`` into a DTensor sharded on
 dim 0, which splits the packed codes evenly (the codes are bytes; the gathered tensor is the same bytes) and drops
 the quant state (absmax, block size, shape) beside them; ``Linear4bit`` keeps its own reference to that state, from
-which bitsandbytes' forward (and strop's fast path, ``kernels.models.patch._base_weight``) puts it back on the
+which bitsandbytes' forward (and strop's fast path, ``kernels.models.proj_spec.base_weight``) puts it back on the
 gathered weight. What stops the engines is the storage dtype: accelerate leaves uint8 ``Params4bit`` out of the
 sharding (``ignored_params``: every rank would still hold the whole 4-bit base), and an FSDP2 mixed-precision
 policy casts every sharded parameter to its ``param_dtype`` for the all-gather, which would turn packed bytes of

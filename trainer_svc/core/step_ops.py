@@ -4,7 +4,7 @@ queueing (``runs.py`` owns those).
 
 How runs share the base. Each run is a PEFT adapter named after the run on the session's one model
 (``add_adapter``); a primitive makes its run's adapter the active one (``activate``) and runs. strop's fused LoRA
-kernels read the layer's active adapter on every call (``kernels/models/patch.py``: ``_spec``), so they compute
+kernels read the layer's active adapter on every call (``kernels/models/proj_spec.py``: ``layer_spec``), so they compute
 with whichever run is active, and nothing is copied per primitive. The alternative, one adapter slot whose
 tensors are swapped in per primitive, copies adapter-sized tensors (an 8B model's r=16 adapter is ~170 MB in
 fp32) twice a primitive and forces every run to one rank and target set; named adapters cost nothing to switch
