@@ -3,8 +3,9 @@ small file per loss (``dpo.py``, ``orpo.py``, ``cpo.py`` for CPO/SimPO, ``kto.py
 ``preference.py``; ``rl.py``, ``grpo.py``, ``kl.py``); the SFT loss is the fused linear cross-entropy op."""
 
 from .cpo import CPO_LOSS_TYPES, CPOLossOutput, cpo_loss_from_logps, strop_cpo_loss
-from .dpo import LOSS_TYPES, DPOLossOutput, dpo_loss_from_logps, sequence_logps, strop_dpo_loss
+from .dpo import LOSS_TYPES, DPOLossOutput, dpo_loss_from_logps, strop_dpo_loss
 from .kto import KTO_LOSS_TYPES, KTOLossOutput, kto_loss_from_logps, strop_kto_loss
+from .logps import sequence_logps
 from .orpo import ORPOLossOutput, orpo_loss_from_logps, strop_orpo_loss
 
 __all__ = [

@@ -34,24 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# the chunked log-prob engine lives in logps.py (one engine for every loss); re-exported for existing callers
-from .logps import (
-    SequenceLogProbFunction,
-    sequence_logps,
-    sequence_logps_reference,
-    sequence_logps_rows,
-)
+from .logps import sequence_logps, sequence_logps_reference
 
 __all__ = [
     "LOSS_TYPES",
     "DPOLossOutput",
-    "SequenceLogProbFunction",
     "chunked_dpo_loss_reference",
     "dpo_loss_from_logps",
     "dpo_loss_on_pairs",
-    "sequence_logps",
-    "sequence_logps_reference",
-    "sequence_logps_rows",
     "strop_dpo_loss",
 ]
 

@@ -30,7 +30,6 @@ from tests.deps import locked
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-import strop.kernels.losses.dpo as cd
 import strop.kernels.losses.logps as logps_engine
 from strop.kernels.losses.cpo import cpo_loss_from_logps, cpo_loss_reference, strop_cpo_loss
 from strop.kernels.losses.kto import kto_loss_from_logps, strop_kto_loss
@@ -247,7 +246,7 @@ def test_kto_loss_metrics_and_dhidden_equal_trl_on_full_logits(backend, loss_typ
     desirable = torch.tensor([True, False, True, True, False, False])
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        ref_logps = cd.sequence_logps_reference(
+        ref_logps = logps_engine.sequence_logps_reference(
             hidden + 0.3 * torch.randn(S, T, H, generator=gen), weight, labels, bias
         )
     kl = torch.tensor(0.7) if loss_type == "kto" else None

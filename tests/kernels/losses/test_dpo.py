@@ -33,14 +33,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import strop.kernels.losses.logps as logps_engine
-from strop.kernels.losses.dpo import (
-    chunked_dpo_loss_reference,
-    dpo_loss_from_logps,
-    sequence_logps,
-    sequence_logps_reference,
-    sequence_logps_rows,
-    strop_dpo_loss,
-)
+from strop.kernels.losses.dpo import chunked_dpo_loss_reference, dpo_loss_from_logps, strop_dpo_loss
+from strop.kernels.losses.logps import sequence_logps, sequence_logps_reference, sequence_logps_rows
 from strop.kernels.trainers import add_hidden_states_head, remove_hidden_states_head, strop_dpo_trainer_class
 from tests.kernels._chunked_losses import (
     cuda_loss_grad_and_extra_bytes,

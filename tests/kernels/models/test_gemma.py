@@ -238,7 +238,6 @@ def test_chunked_sequence_logps_apply_gemma2_final_softcap_like_hf_logits(monkey
     """Per-sequence log-probs from Gemma 2's final hidden states with the chunked loss (Triton kernel, and its
     torch fallback) equal those from HF's own (soft-capped) logits, and so do their gradients; without the
     soft-cap they would not (the cap of 3 binds on this fixture)."""
-    import strop.kernels.losses.dpo as dpo
     import strop.kernels.losses.logps as logps_engine
 
     model = gemma_model("gemma2")
@@ -256,11 +255,11 @@ def test_chunked_sequence_logps_apply_gemma2_final_softcap_like_hf_logits(monkey
     head = model.lm_head.weight.detach()
 
     def chunked(h):
-        return dpo.sequence_logps(h, head, labels, softcap=cap, chunk_size=7)
+        return logps_engine.sequence_logps(h, head, labels, softcap=cap, chunk_size=7)
 
     h = hidden.clone().requires_grad_()
     ref_h = hidden.clone().requires_grad_()
-    ref = dpo.sequence_logps_reference(ref_h, head, labels, softcap=cap)
+    ref = logps_engine.sequence_logps_reference(ref_h, head, labels, softcap=cap)
     torch.testing.assert_close(ref.detach(), hf_logps, rtol=1e-5, atol=1e-5)
     weights = torch.tensor([0.3, -1.0, 2.0, 0.5], device=DEVICE)
     (ref_grad,) = torch.autograd.grad((ref * weights).sum(), ref_h)
@@ -272,7 +271,7 @@ def test_chunked_sequence_logps_apply_gemma2_final_softcap_like_hf_logits(monkey
         torch.testing.assert_close(out.detach(), hf_logps, rtol=1e-5, atol=1e-5, msg=backend)
         assert _rel(grad, ref_grad) <= 1e-5, (backend, _rel(grad, ref_grad))
     with torch.no_grad():
-        uncapped = dpo.sequence_logps(hidden, head, labels)
+        uncapped = logps_engine.sequence_logps(hidden, head, labels)
     assert (uncapped - hf_logps).abs().max() > 0.1, "the soft-cap binds: leaving it out is visibly wrong"
 
 
