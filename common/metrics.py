@@ -28,7 +28,7 @@ from prometheus_client.exposition import start_http_server
 log = logging.getLogger("strop.metrics")
 
 PER_JOB_SERIES = 32
-# Step times from a tiny CPU model (~10 ms) to a long-context 8B step on the H200 (minutes).
+# Step times from a tiny CPU model (milliseconds) to a long-context 8B step on a GPU (minutes).
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Exports from a LoRA adapter copy (well under a second) to an 8B merge + K-quant on CPU (tens of minutes).
 EXPORT_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)

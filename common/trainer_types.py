@@ -288,11 +288,11 @@ class DatasetInfo:
 # docs/trainer.md show the same table. Per method where they differ: SFT's learning rate, batch, epochs and replay rows
 # are the setting bench/recipe_facts.py chose by measurement (the figures: bench/RESULTS.md and docs/trainer.md,
 # "Teaching facts"). Replay itself stays opt-in: it costs a generation pass before training and an evaluation after
-# every chat SFT job (about a minute on this repo's CPU even for the test tier's tiny random models). DPO's is TRL's (a preference
-# shift is slower than SFT by design: raise it, or
-# train more steps, when 10 steps show no margin). ORPO, KTO and SimPO take DPO's learning rate, and TRL's defaults
-# for their own hyperparameters (ORPO's lambda is TRL's ORPOConfig.beta) but SimPO's beta: TRL's CPOConfig beta 0.1 is
-# for CPO's sigmoid loss; SimPO's reward is a length-normalised log-prob and the SimPO paper trains with beta 2.0.
+# every chat SFT job, whatever the model's size. DPO's is TRL's (a preference shift is slower than SFT by design:
+# raise it, or train more steps, when 10 steps show no margin). ORPO, KTO and SimPO take DPO's learning rate, and
+# TRL's defaults for their own hyperparameters (ORPO's lambda is TRL's ORPOConfig.beta) but SimPO's beta: TRL's
+# CPOConfig beta 0.1 is for CPO's sigmoid loss; SimPO's reward is a length-normalised log-prob and the SimPO paper
+# trains with beta 2.0.
 TRAIN_DEFAULTS: dict[str, object] = {
     "learning_rate": {"SFT": 2e-3, "DPO": 5e-6, "ORPO": 5e-6, "KTO": 5e-6, "SIMPO": 5e-6, "GRPO": 1e-5},
     "lr_scheduler": "linear",

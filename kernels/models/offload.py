@@ -31,10 +31,10 @@ embeddings, position ids) stay bound in the layer call HF hands over, shared by 
 Where offload does not apply the same function recomputes from the input kept on its device (plain
 checkpointing), and the reason is logged once: the last checkpointed layer (its input is the first one
 backward needs, so a round trip would only add latency), inputs under ``min_offload_bytes`` (4 MiB by
-default: 512 tokens of a 4096-wide bf16 state; below a few hundred tokens a round trip's fixed cost makes
-offload slower than plain checkpointing, as Unsloth's published comparison found), and inputs already on the CPU. A layer whose keyword
-arguments hold a tensor that requires grad runs ``torch.utils.checkpoint`` (non-reentrant) instead,
-because this function returns gradients for positional inputs only.
+default, ``host_pool.DEFAULT_MIN_OFFLOAD_BYTES``: below it a copy's latency is not hidden by the layer's
+compute), and inputs already on the CPU. A layer whose keyword arguments hold a tensor that requires grad runs
+``torch.utils.checkpoint`` (non-reentrant) instead, because this function returns gradients for positional
+inputs only.
 
 Layers without recompute (``save_layers``). Recompute costs a layer's forward again in backward (about a
 third of a QLoRA step's matmul time); keeping the activations on the GPU instead costs ~1.8 GiB per
