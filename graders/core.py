@@ -82,6 +82,10 @@ class Grader:
         """The grader models this grader asks (the trainer must serve each, and inject ``model_fn``)."""
         return set().union(*(g.models() for g in self.leaves.values()))
 
+    def model_fields(self) -> tuple[tuple[str, str], ...]:
+        """``(field, model)`` for every model grader: the dotted spec field naming each model, and the name."""
+        return tuple((g.model_field, g.model) for g in self.leaves.values() if g.models())
+
     def references(self) -> tuple[Reference, ...]:
         return tuple(r for g in self.leaves.values() for r in g.references())
 

@@ -1,7 +1,7 @@
 """Model graders: ``score_model`` and ``label_model``, as OpenAI defines them, asking a model the trainer serves.
 
 The spec's ``model`` names a model the trainer can sample from (a trainer session: the trainer decides how the name
-resolves). This module renders the prompts and reads the replies; the sampling itself is a callable the trainer
+resolves; ``trainer_svc/core/grader_sessions.py`` for GRPO jobs). This module renders the prompts and reads the replies; the sampling itself is a callable the trainer
 injects (``ModelFn``): a batch of ``ModelRequest`` in, one reply text per request out, in order. A grade asks for
 every sample of a batch in one call.
 
@@ -79,12 +79,12 @@ def _sampling(s: Spec) -> SamplingParams:
     out = SamplingParams(
         seed=p.integer("seed", 0, lo=-(2**63)) if p.has("seed") else None,
         temperature=p.number("temperature", 1.0, lo=0.0) if p.has("temperature") else None,
-        top_p=p.number("top_p", 1.0, lo=0.0) if p.has("top_p") else None,
+        top_p=p.number("top_p", 1.0) if p.has("top_p") else None,
         max_completions_tokens=p.integer("max_completions_tokens", 1, lo=1)
         if p.has("max_completions_tokens")
         else None,
     )
-    if out.top_p is not None and out.top_p > 1:
+    if out.top_p is not None and not 0 < out.top_p <= 1:
         raise GraderSpecError(p.at("top_p"), f"must be in (0, 1], got {out.top_p}")
     p.done(implicit=())
     return out
@@ -134,6 +134,7 @@ class _ModelGrader(LeafGrader):
     def _parse_common(self, s: Spec) -> None:
         self.name = s.name()
         self.model = s.string("model", nonempty=True)
+        self.model_field = s.at("model")  # where a model the trainer cannot resolve is reported
         self.messages = _messages(s)
         self.templates = tuple(t for _, ts in self.messages for t in ts)
 

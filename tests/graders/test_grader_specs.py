@@ -129,6 +129,17 @@ BAD_SPECS = [
     ),
     (
         {
+            "type": "score_model",
+            "name": "j",
+            "model": "m",
+            "input": [{"role": "user", "content": "x"}],
+            "sampling_params": {"top_p": 0},
+        },
+        "grader.sampling_params.top_p",
+        "must be in (0, 1]",
+    ),
+    (
+        {
             "type": "label_model",
             "name": "l",
             "model": "m",

@@ -114,8 +114,9 @@ def grpo_with_defaults(cfg: TrainConfig) -> GrpoConfig:
     return g
 
 
-def parse_grader(grader_json: str):
-    """The job's grader (``strop.graders``), a bad spec InvalidArgument naming its field under ``config.grpo``."""
+def parse_grader(grader_json: str, model_fn=None):
+    """The job's grader (``strop.graders``), a bad spec InvalidArgument naming its field under ``config.grpo``;
+    ``model_fn`` answers its model graders (``grader_sessions.GraderSessions``)."""
     from strop.graders import GraderSpecError
     from strop.graders import parse_grader as parse
 
@@ -126,16 +127,20 @@ def parse_grader(grader_json: str):
     except RecursionError:
         raise InvalidArgument("config.grpo.grader is not valid JSON: nested too deeply") from None
     try:
-        grader = parse(spec)
+        return parse(spec, model_fn=model_fn)
     except GraderSpecError as exc:
         raise InvalidArgument(f"config.grpo.{exc.field}: {exc.message}") from None
-    if grader.models:
-        raise InvalidArgument(
-            f"config.grpo.grader: model graders ({', '.join(sorted(grader.models))}) need a grader model served to "
-            "the job, which GRPO jobs do not have yet; grade with string_check, text_similarity, numeric_check, "
-            "regex_match, json_schema, length_penalty or multi"
-        )
-    return grader
+
+
+def grader_models(cfg: TrainConfig, sessions, session) -> dict:
+    """The sessions answering the job's model graders (``grader_sessions.resolve``: INVALID_ARGUMENT naming the
+    field for a model no open session serves), resolved for the caller when the job is submitted or resumed."""
+    grader = parse_grader(cfg.grpo.grader)
+    if not grader.models:
+        return {}
+    from strop.trainer_svc.core import grader_sessions
+
+    return grader_sessions.resolve(grader, sessions, session)
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -200,6 +205,11 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:7], "little")
 
 
+def eval_seed(seed: int, i: int) -> int:
+    """The sampling seed of held-out prompt ``i`` at every evaluation of a job seeded ``seed``."""
+    return _seed(seed, "eval", i)
+
+
 def step_prompts(num_rows: int, batch: int, seed: int, step: int) -> list[int]:
     """Row indices of step ``step`` (0-based): consecutive slices of one seeded permutation per epoch."""
     out = []
@@ -223,13 +233,21 @@ def _peak_memory(device: str) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
+def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
     """The tokenizer's EOS and the generation config's (a chat model ends its turn with one of those)."""
     ids = [getattr(loaded.tokenizer, "eos_token_id", None)]
     gen = getattr(loaded.model, "generation_config", None)
     extra = getattr(gen, "eos_token_id", None)
     ids += extra if isinstance(extra, list) else [extra]
     return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def reply_text(tokenizer, seq, eos: tuple[int, ...]) -> str:
+    """A sampled sequence's text, as graders read it: its closing stop token dropped, special tokens skipped."""
+    body = (
+        seq.tokens[:-1] if seq.stop_reason == "stop" and seq.tokens and seq.tokens[-1] in eos else seq.tokens
+    )
+    return tokenizer.decode(body, skip_special_tokens=True)
 
 
 @dataclass
@@ -269,12 +287,27 @@ def _batch(full: list[list[int]], device: str) -> step_ops.Batch:
     return step_ops.Batch(tokens.to(device), mask.to(device), [len(t) for t in inputs])
 
 
+def _model_fn(graders: dict | None):
+    if not graders:
+        return None
+    from strop.trainer_svc.core.grader_sessions import GraderSessions
+
+    return GraderSessions(graders)
+
+
 class GrpoLoop:
     """One GRPO job's state on a session: its prompts, grader, optimizer and scheduler."""
 
-    def __init__(self, loaded: LoadedModel, rows: list[dict], cfg: TrainConfig, eval_rows: list[dict] | None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        rows: list[dict],
+        cfg: TrainConfig,
+        eval_rows: list[dict] | None,
+        graders: dict | None = None,
+    ):
         self.loaded, self.rows, self.cfg, self.g = loaded, rows, cfg, cfg.grpo
-        self.grader = parse_grader(self.g.grader)
+        self.grader = parse_grader(self.g.grader, _model_fn(graders))
         tok = loaded.tokenizer
         self.prompts = [prompt_ids(tok, r["messages"]) for r in rows]
         self.eval_rows = eval_rows or []
@@ -301,7 +334,7 @@ class GrpoLoop:
         layer = getattr(head, "base_layer", head)
         self.weight, self.bias = layer.weight, getattr(layer, "bias", None)
         self.head = head if hasattr(head, "lora_A") and self.adapter in head.lora_A else None
-        self.eos = _eos_ids(loaded)
+        self.eos = eos_ids(loaded)
 
     # -- state ---------------------------------------------------------------------------------------------
 
@@ -359,10 +392,7 @@ class GrpoLoop:
         samples, row_items = [], []
         for res, item in zip(results, items, strict=True):
             for s in res.sequences:
-                body = s.tokens[:-1] if s.stop_reason == "stop" and s.tokens[-1] in self.eos else s.tokens
-                samples.append(
-                    Sample.of(tok.decode(body, skip_special_tokens=True), num_tokens=len(s.tokens))
-                )
+                samples.append(Sample.of(reply_text(tok, s, self.eos), num_tokens=len(s.tokens)))
                 row_items.append(item)
         grades = self.grader.grade_many(samples, row_items)
         return torch.tensor([gr.score for gr in grades], dtype=torch.float32), grades
@@ -379,7 +409,7 @@ class GrpoLoop:
     def evaluate(self) -> tuple[float, list[GraderMetrics]]:
         """Mean reward of one sample per held-out prompt, each with its own fixed seed (the same at every eval, so
         evaluations differ by the weights only)."""
-        seeds = [_seed(self.cfg.seed, "eval", i) for i in range(len(self.eval_prompts))]
+        seeds = [eval_seed(self.cfg.seed, i) for i in range(len(self.eval_prompts))]
         per_call = self.cfg.batch_size * self.g.group_size  # as many rows as a training step samples
         results = []
         for i in range(0, len(seeds), per_call):
@@ -524,17 +554,18 @@ def run_grpo(
     sinks: Sinks,
     resume_from: Path | None = None,
     validation: ValidationSet | None = None,
+    graders: dict | None = None,
 ) -> int:
     """Train to completion or until stopped (a checkpoint at the step reached); returns that step. With a
     validation set, its prompts' mean reward (the first ``eval_rows`` of them when set) joins the step metrics every
-    ``eval_every_steps`` steps and at the last step."""
+    ``eval_every_steps`` steps and at the last step. ``graders`` (``grader_models``) answers model graders."""
     eval_rows = None if validation is None else validation.rows[: cfg.eval_rows or None]
     eval_every_steps = cfg.eval_every_steps
     work_dir.mkdir(parents=True, exist_ok=True)
     drop_inference_weights(loaded)
     if loaded.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(loaded.device)
-    loop = GrpoLoop(loaded, rows, cfg, eval_rows)
+    loop = GrpoLoop(loaded, rows, cfg, eval_rows, graders)
     step = loop.load(resume_from) if resume_from is not None else 0
     # on CUDA each layer is recomputed in backward, as the step API's runs and the jobs' memory mode assume
     # (step_ops.memory_mode sizes its offload for checkpointed layers); elsewhere as the config asks

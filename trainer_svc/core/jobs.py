@@ -191,6 +191,9 @@ class Jobs:
             from strop.trainer_svc.core import grpo
 
             cfg = grpo.check_job(cfg, ds_info.format, rows, sess.loaded.tokenizer, validation=held_out)
+            graders = grpo.grader_models(cfg, self.sessions, sess)  # resolved for the caller, here
+        else:
+            graders = {}
         if cfg.num_nodes > 1:
             raise FailedPrecondition(
                 f"num_nodes {cfg.num_nodes}: the trainer service trains on its own node; run a job over several "
@@ -245,7 +248,7 @@ class Jobs:
             thread = threading.Thread(
                 target=self._run,
                 name=f"strop-{job.job_id}",
-                args=(sess, job.job_id, cfg, ds_info.format, rows, control, resume_dir, held_out),
+                args=(sess, job.job_id, cfg, ds_info.format, rows, control, resume_dir, held_out, graders),
                 daemon=True,
             )
             self._jobs[job.job_id] = _RunningJob(job.job_id, control, thread)
@@ -312,6 +315,7 @@ class Jobs:
         control: training.JobControl,
         resume_dir: Path | None,
         held_out: validation.ValidationSet | None = None,
+        graders: dict | None = None,
     ) -> None:
         import torch
 
@@ -349,8 +353,9 @@ class Jobs:
                     from strop.trainer_svc.core import grpo
 
                     step = grpo.run_grpo(
-                        sess.loaded, rows, cfg, work_dir, control, sinks, resume_dir, validation=held_out
-                    )
+                        sess.loaded, rows, cfg, work_dir, control, sinks, resume_dir, validation=held_out,
+                        graders=graders,
+                    )  # fmt: skip
                     adapter = self.sessions.publish_adapter(
                         sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
                     )
