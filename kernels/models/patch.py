@@ -83,8 +83,13 @@ from .patched_forwards import (
 from .proj_spec import layer_spec
 
 __all__ = [
-    "COMPONENTS", "FP8_BASE_CHOICES", "SUPPORTED_MODEL_TYPES", "PatchReport", "patch_model", "unpatch_model",
-]  # fmt: skip
+    "COMPONENTS",
+    "FP8_BASE_CHOICES",
+    "SUPPORTED_MODEL_TYPES",
+    "PatchReport",
+    "patch_model",
+    "unpatch_model",
+]
 
 logger = logging.getLogger("strop.kernels")
 
@@ -159,9 +164,13 @@ def patch_model(
     report = state.report
     report.model_type = model_type = getattr(getattr(hf, "config", None), "model_type", None)
     wanted = dict(
-        rms_norm=rms_norm, rope=rope, lora_qkv=lora_qkv, lora_o=lora_o, lora_mlp=lora_mlp,
+        rms_norm=rms_norm,
+        rope=rope,
+        lora_qkv=lora_qkv,
+        lora_o=lora_o,
+        lora_mlp=lora_mlp,
         fused_cross_entropy=fused_cross_entropy,
-    )  # fmt: skip
+    )
 
     def skip(component: str, name: str, reason: str) -> None:
         report.skipped[component][name] = reason
@@ -205,8 +214,12 @@ def patch_model(
             # comes from the projections' backward. Not Gemma's post-norms (their output feeds a residual add,
             # which hands one gradient tensor to both branches), nor q/k norms.
             if arch.sandwich_norms:
-                norms = [(layer.input_layernorm, True), (layer.post_attention_layernorm, False),
-                         (layer.pre_feedforward_layernorm, True), (layer.post_feedforward_layernorm, False)]  # fmt: skip
+                norms = [
+                    (layer.input_layernorm, True),
+                    (layer.post_attention_layernorm, False),
+                    (layer.pre_feedforward_layernorm, True),
+                    (layer.post_feedforward_layernorm, False),
+                ]
             else:
                 norms = [(layer.input_layernorm, True), (layer.post_attention_layernorm, True)]
             if arch.qk_norm:
@@ -217,8 +230,10 @@ def patch_model(
                     report.patched["rms_norm"].append(names[norm])
                 else:
                     skip("rms_norm", names[norm], f"{type(norm).__name__} is not HF's RMSNorm")
-        projections = {"lora_qkv": (attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
-                       "lora_o": (attn.o_proj, (attn.o_proj,))}  # fmt: skip
+        projections = {
+            "lora_qkv": (attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
+            "lora_o": (attn.o_proj, (attn.o_proj,)),
+        }
         if "gate_proj" in mlp._modules:  # dense (an MoE model's dense layers too)
             projections["lora_mlp"] = (mlp, (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         elif lora_mlp:  # an MoE layer: its experts on the grouped expert GEMM, or HF's expert loop and why

@@ -125,10 +125,19 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
             kwargs["sliding_window"] = sliding(self)
         if softcap:  # Gemma 2 (eager, flash and flex honour it; HF's SDPA refuses it, as HF's forward would)
             kwargs["softcap"] = self.attn_logit_softcapping
-        out, weights = attention_call(  # HF's interface, or the output saved for a checkpointed layer's recompute
-            interface, self, q, k, v, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
-        )  # fmt: skip
+        out, weights = (
+            attention_call(  # HF's interface, or the output saved for a checkpointed layer's recompute
+                interface,
+                self,
+                q,
+                k,
+                v,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                **kwargs,
+            )
+        )
         out = out.reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), weights
 
@@ -151,7 +160,9 @@ def causal_lm_forward() -> Callable:
 
     from ..ops.fused_linear_ce import fused_linear_cross_entropy
 
-    cache_fields = [f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in ("cache", "past_key_values")]  # fmt: skip
+    cache_fields = [
+        f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name in ("cache", "past_key_values")
+    ]
 
     def forward(self, *args, **kwargs):
         state, prev = patched(self)
@@ -185,15 +196,23 @@ def causal_lm_forward() -> Callable:
         if shift_labels is None:  # as HF's ForCausalLMLoss: token t predicts labels[t + 1]
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         head = self.get_output_embeddings()
-        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype  # fmt: skip
+        dtype = (
+            torch.get_autocast_dtype(hidden.device.type)
+            if torch.is_autocast_enabled(hidden.device.type)
+            else hidden.dtype
+        )
         bias = None if head.bias is None else head.bias.to(dtype)
         softcap = getattr(self.config, "final_logit_softcapping", None)  # HF: c · tanh(logits / c)
         loss = fused_linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]).to(dtype), head.weight.to(dtype),
-            shift_labels.reshape(-1).to(hidden.device), bias,
-            ignore_index=ignore_index, reduction="mean", num_items_in_batch=num_items,
+            hidden.reshape(-1, hidden.shape[-1]).to(dtype),
+            head.weight.to(dtype),
+            shift_labels.reshape(-1).to(hidden.device),
+            bias,
+            ignore_index=ignore_index,
+            reduction="mean",
+            num_items_in_batch=num_items,
             softcap=None if softcap is None else float(softcap),
-        )  # fmt: skip
+        )
         extra = {name: getattr(outputs, name, None) for name in cache_fields}
         if moe is not None:
             aux = None
@@ -205,9 +224,14 @@ def causal_lm_forward() -> Callable:
                 aux = balance(outputs.router_logits, experts, top_k, kwargs.get("attention_mask"))
                 loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
             return MoeCausalLMOutputWithPast(
-                loss=loss, aux_loss=aux, logits=None, hidden_states=outputs.hidden_states,
-                attentions=outputs.attentions, router_logits=outputs.router_logits, **extra,
-            )  # fmt: skip
+                loss=loss,
+                aux_loss=aux,
+                logits=None,
+                hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions,
+                router_logits=outputs.router_logits,
+                **extra,
+            )
         return CausalLMOutputWithPast(
             loss=loss,
             logits=None,

@@ -152,9 +152,16 @@ def model_parts(model) -> ModelParts:
             configs.append(c)
     softcap = getattr(config, "final_logit_softcapping", None)
     return ModelParts(
-        inner, backbone, head, float(softcap) if softcap else None, cache_kw, int(config.num_hidden_layers),
-        sliding, layer_types, configs,
-    )  # fmt: skip
+        inner,
+        backbone,
+        head,
+        float(softcap) if softcap else None,
+        cache_kw,
+        int(config.num_hidden_layers),
+        sliding,
+        layer_types,
+        configs,
+    )
 
 
 def head_logits(parts: ModelParts, hidden: torch.Tensor) -> torch.Tensor:

@@ -468,9 +468,12 @@ class TrainingRuns(StepWorker):
         est = admission.estimate(
             loaded.model.get_base_model().config,
             TrainConfig(method=TrainMethod.SFT, batch_size=len(data), max_length=longest),
-            longest_row=longest, n_trainable=0, checkpointed=True, offloaded=False,
+            longest_row=longest,
+            n_trainable=0,
+            checkpointed=True,
+            offloaded=False,
             kernels=loaded.facts.kernels_enabled,
-        )  # fmt: skip
+        )
         free, _ = torch.cuda.mem_get_info(torch.device(loaded.device))
         free += torch.cuda.memory_reserved(loaded.device) - torch.cuda.memory_allocated(loaded.device)
         if est.total > free:

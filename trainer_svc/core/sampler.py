@@ -228,8 +228,11 @@ def sample(
     config = parts.inner.config
     vocab = int(parts.head.weight.shape[0])
     if max_length is None:
-        max_length = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
-                             "max_position_embeddings", None)  # fmt: skip
+        max_length = getattr(
+            config.get_text_config() if hasattr(config, "get_text_config") else config,
+            "max_position_embeddings",
+            None,
+        )
     _validate(requests, vocab, max_length, tokenizer)
     stats = stats if stats is not None else SampleStats()
     state = _ModelState(model, parts)

@@ -116,9 +116,13 @@ class StepWorker:
 
     def _entry(self, run: Run, seq: int, kind: PrimitiveKind, work, tokens: int = 0) -> Entry:
         fut = Future(
-            future_id=f"fut-{uuid.uuid4().hex[:16]}", run_id=run.info.run_id, seq_id=seq, kind=kind,
-            state=FutureState.PENDING, created_at=time.time(),
-        )  # fmt: skip
+            future_id=f"fut-{uuid.uuid4().hex[:16]}",
+            run_id=run.info.run_id,
+            seq_id=seq,
+            kind=kind,
+            state=FutureState.PENDING,
+            created_at=time.time(),
+        )
         return Entry(fut, run.info.tenant, work, tokens)
 
     def _pending_count(self) -> int:
