@@ -19,7 +19,7 @@ from strop.client import GrpoConfig, InvalidArgumentError, JobState, LoraConfig,
 from strop.common.trainer_types import Quantization
 from strop.graders import Sample
 from strop.graders.model import read_score
-from strop.trainer_svc.core import grader_sessions, grpo
+from strop.trainer_svc.core import chat_sampling, grader_sessions, grpo
 from strop.trainer_svc.core.sampler import SampleRequest, SamplingParams, sample
 
 NEW_TOKENS = 4
@@ -107,7 +107,7 @@ JUDGE_STEPS = 12
 def generate_replies(loaded, requests, max_new_tokens: int) -> list[str]:
     """The reference: each request's messages through the chat template, HF greedy generate, the new text."""
     tok, model = loaded.tokenizer, loaded.model
-    eos = list(grpo.eos_ids(loaded))
+    eos = list(chat_sampling.eos_ids(loaded))
     out = []
     was_training = model.training
     model.eval()
@@ -158,6 +158,43 @@ def test_score_model_asks_the_grader_session_once_per_batch_as_greedy_generate_a
         assert got.score == ref.value and got.per_grader["judge"] == ref.value
         assert got.passed["judge"] is (ref.value >= 5)
         assert ("judge" in got.invalid) is (ref.invalid is not None)
+
+
+def test_label_model_reads_the_grader_sessions_label(trainer, sessions):
+    core = trainer[1]
+    spec = {**JUDGE, "type": "label_model", "labels": ["9", "2"], "passing_labels": ["9"]}
+    for key in ("range", "pass_threshold"):
+        spec.pop(key)
+    table = grader_sessions.resolve(
+        grpo.parse_grader(json.dumps(spec)), core.sessions, core.sessions.open(sessions[0])
+    )
+    asked = []
+    answer = grader_sessions.GraderSessions(table)
+    grader = grpo.parse_grader(json.dumps(spec), lambda reqs: asked.extend(reqs) or answer(reqs))
+    outputs = ["tree", "moon", "boat"]
+    results = grader.grade_many([Sample.of(o) for o in outputs], [{"question": "q"}] * 3)
+    want = generate_replies(core.sessions.open(sessions[1]).loaded, asked, NEW_TOKENS)
+    leaf = grader.leaves["judge"]
+    assert [r.score for r in results] == [leaf.read(w).value for w in want]
+    assert any(r.score == 1.0 for r in results)  # the taught judge says 9 (a passing label) to these prompts
+
+
+def test_sampled_grader_replies_are_seeded_by_their_prompt(trainer, sessions):
+    """Without a seed, a grader sampling at temperature > 0 draws each reply from its own prompt's seed: the same
+    prompt gets the same reply in any batch (a resumed job grades as one never stopped)."""
+    core = trainer[1]
+    spec = {**JUDGE, "sampling_params": {"temperature": 1.0, "max_completions_tokens": 6}}
+    table = grader_sessions.resolve(
+        grpo.parse_grader(json.dumps(spec)), core.sessions, core.sessions.open(sessions[0])
+    )
+    answer = grader_sessions.GraderSessions(table)
+    leaf = grpo.parse_grader(json.dumps(spec)).leaves["judge"]
+    reqs = [leaf.request(Sample.of(o), {"question": "q"}) for o in ("tree", "moon", "boat", "tent")]
+    together = answer(reqs)
+    alone = [answer([r])[0] for r in reversed(reqs)][::-1]
+    assert together == alone
+    greedy = generate_replies(core.sessions.open(sessions[1]).loaded, reqs, 6)
+    assert together != greedy  # temperature 1 over the taught judge's distribution: not the greedy replies
 
 
 def test_grader_models_resolve_by_session_id_name_or_base(trainer, sessions):
@@ -240,14 +277,15 @@ def test_a_grpo_job_grades_with_a_score_model_on_another_session(trainer, client
     # the last step's evaluation, recomputed: the held-out prompts sampled as the job samples them (one call, one
     # sample each, the job's eval seeds) with the adapter the job ended with, each graded by the reference
     policy = core.sessions.open(policy_id).loaded
-    tok, eos = policy.tokenizer, grpo.eos_ids(policy)
+    tok, eos = policy.tokenizer, chat_sampling.eos_ids(policy)
     reqs = [
-        SampleRequest(grpo.prompt_ids(tok, r["messages"]), 1,
+        SampleRequest(chat_sampling.prompt_ids(tok, r["messages"]), 1,
                       SamplingParams(max_tokens=2, temperature=0.3, top_p=1.0, seed=grpo.eval_seed(0, i)))
         for i, r in enumerate(HELD_OUT)
     ]  # fmt: skip
     texts = [
-        grpo.reply_text(tok, res.sequences[0], eos) for res in sample(policy.model, reqs, eos_token_ids=eos)
+        chat_sampling.reply_text(tok, res.sequences[0], eos)
+        for res in sample(policy.model, reqs, eos_token_ids=eos)
     ]
     judge_leaf = grpo.parse_grader(json.dumps(grader)).leaves["judge"]
     asks = [judge_leaf.request(Sample.of(t), row) for t, row in zip(texts, HELD_OUT, strict=True)]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from strop.common import auth
 from strop.common.errors import FailedPrecondition, InvalidArgument
 from strop.common.trainer_types import SessionState
-from strop.trainer_svc.core.grpo import eos_ids, prompt_ids, reply_text
+from strop.trainer_svc.core.chat_sampling import eos_ids, prompt_ids, reply_text
 from strop.trainer_svc.core.guard import BrokenTraining, names
 from strop.trainer_svc.core.models import repacked_4bit_layers
 from strop.trainer_svc.core.sampler import SampleRequest, SamplingParams, sample

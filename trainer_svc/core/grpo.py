@@ -45,7 +45,8 @@ from strop.common.trainer_types import (
 )
 from strop.kernels.losses.grpo import group_advantages, grpo_loss, token_entropy_rows
 from strop.kernels.losses.logps import token_logps_rows, token_logps_trainable_head
-from strop.trainer_svc.core import step_ops
+from strop.trainer_svc.core import grader_sessions, step_ops
+from strop.trainer_svc.core.chat_sampling import eos_ids, prompt_ids, reply_text
 from strop.trainer_svc.core.evaluation import ValidationSet
 from strop.trainer_svc.core.guard import BrokenTraining, names
 from strop.trainer_svc.core.models import LoadedModel, drop_inference_weights, repacked_4bit_layers
@@ -138,16 +139,7 @@ def grader_models(cfg: TrainConfig, sessions, session) -> dict:
     grader = parse_grader(cfg.grpo.grader)
     if not grader.models:
         return {}
-    from strop.trainer_svc.core import grader_sessions
-
     return grader_sessions.resolve(grader, sessions, session)
-
-
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """A prompt row's conversation with the chat template's generation prompt (the assistant turn opened)."""
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    out = tokenizer.apply_chat_template(plain, tokenize=True, add_generation_prompt=True, return_dict=True)
-    return list(out["input_ids"])
 
 
 def check_job(
@@ -233,23 +225,6 @@ def _peak_memory(device: str) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
-    """The tokenizer's EOS and the generation config's (a chat model ends its turn with one of those)."""
-    ids = [getattr(loaded.tokenizer, "eos_token_id", None)]
-    gen = getattr(loaded.model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None)
-    ids += extra if isinstance(extra, list) else [extra]
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
-
-
-def reply_text(tokenizer, seq, eos: tuple[int, ...]) -> str:
-    """A sampled sequence's text, as graders read it: its closing stop token dropped, special tokens skipped."""
-    body = (
-        seq.tokens[:-1] if seq.stop_reason == "stop" and seq.tokens and seq.tokens[-1] in eos else seq.tokens
-    )
-    return tokenizer.decode(body, skip_special_tokens=True)
-
-
 @dataclass
 class _Group:
     """One prompt's sampled group, as the loss reads it."""
@@ -290,9 +265,7 @@ def _batch(full: list[list[int]], device: str) -> step_ops.Batch:
 def _model_fn(graders: dict | None):
     if not graders:
         return None
-    from strop.trainer_svc.core.grader_sessions import GraderSessions
-
-    return GraderSessions(graders)
+    return grader_sessions.GraderSessions(graders)
 
 
 class GrpoLoop:
