@@ -197,7 +197,7 @@ def test_with_kernels_on_each_method_runs_strops_chunked_loss_like_trl(model_roo
     assert issubclass(training.strop_preference_trainer_class(method), mixin[method])
     steps, strop_adapter = _strop_run(model_root, tmp_path, method, optimizer="sgd", kernels=True)
     trl_losses, trl_adapter = _trl_run(model_root, tmp_path, method, optim="sgd")
-    # the same loss from per-sequence sums taken in another order (tests/kernels/test_chunked_preference.py):
+    # the same loss from per-sequence sums taken in another order (tests/kernels/losses/test_preference.py):
     # fp32 rounding ≈1e-7 relative per step, carried forward linearly by SGD; 1e-5 holds with a wide margin
     for step, (a, b) in enumerate(zip([s.loss for s in steps], trl_losses, strict=True)):
         assert math.isclose(a, b, rel_tol=1e-5), f"step {step + 1}: strop {a} vs TRL {b}"

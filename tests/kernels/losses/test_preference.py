@@ -11,7 +11,7 @@ per term over ≤ 100 terms.
 
 Trainer parity: a tiny PEFT Llama trained 3 steps by TRL's ORPOTrainer / CPOTrainer(simpo) / KTOTrainer and by
 the same trainer with strop's mixin, same seed, data, fp32, SGD (rounding differences carry forward linearly,
-see tests/kernels/test_chunked_dpo.py): per-step losses to 1e-5 relative, logged metrics to 1e-5 of their
+see tests/kernels/losses/test_dpo.py): per-step losses to 1e-5 relative, logged metrics to 1e-5 of their
 scale, final adapter to 1e-5 of each tensor's scale.
 """
 
@@ -35,14 +35,13 @@ from strop.kernels.losses.cpo import cpo_loss_from_logps, cpo_loss_reference, st
 from strop.kernels.losses.kto import kto_loss_from_logps, strop_kto_loss
 from strop.kernels.losses.orpo import orpo_loss_from_logps, orpo_loss_reference, strop_orpo_loss
 from strop.kernels.losses.preference import grouped_logps, grouped_logps_reference, mean_logits
-
-from ._chunked_losses import (
+from tests.kernels._chunked_losses import (
     cuda_loss_grad_and_extra_bytes,
     preference_pairs,
     tiny_tokenizer,
     train_recording_losses,
 )
-from ._tolerances import assert_bf16_within_torch_bound, needs_cuda
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, needs_cuda
 
 trl = locked("trl")
 peft = locked("peft")
