@@ -79,16 +79,24 @@ def add_server_flags(p: argparse.ArgumentParser, prefix: str, port: int, loads: 
     p.add_argument(
         "--trainer", default=env("STROP_TRAINER", "127.0.0.1:50051"), help="the trainer's gRPC address"
     )
-    p.add_argument("--model-root", default=env("STROP_MODEL_ROOT", "models"),
-                   help="the trainer's model root (read-only)")  # fmt: skip
-    p.add_argument("--quantization", default=env(own + "QUANTIZATION", "UNSPECIFIED"),
-                   choices=[q.value for q in Quantization], help=f"how {loads} are loaded")  # fmt: skip
+    p.add_argument(
+        "--model-root", default=env("STROP_MODEL_ROOT", "models"), help="the trainer's model root (read-only)"
+    )
+    p.add_argument(
+        "--quantization",
+        default=env(own + "QUANTIZATION", "UNSPECIFIED"),
+        choices=[q.value for q in Quantization],
+        help=f"how {loads} are loaded",
+    )
     p.add_argument("--dtype", default=env(own + "DTYPE", ""), help=f"{loads}' compute dtype ('' = trainer's)")
     p.add_argument("--max-seq-length", type=int, default=int(env(own + "MAX_SEQ_LENGTH", "0")))
     p.add_argument("--tls-cert", default=env(own + "TLS_CERT"), help="HTTPS certificate (PEM)")
     p.add_argument("--tls-key", default=env(own + "TLS_KEY"), help="HTTPS private key (PEM)")
-    p.add_argument("--trainer-tls-ca", default=env("STROP_TLS_CA"),
-                   help="CA of the trainer's (and the exporter's) TLS certificate")  # fmt: skip
+    p.add_argument(
+        "--trainer-tls-ca",
+        default=env("STROP_TLS_CA"),
+        help="CA of the trainer's (and the exporter's) TLS certificate",
+    )
 
 
 def _exit_zero(signum, frame) -> None:
@@ -109,6 +117,11 @@ def serve(app, listen: str, *, tls_cert: str | None = None, tls_key: str | None 
         signal.signal(sig, _exit_zero)
     host, _, port = listen.rpartition(":")
     uvicorn.run(
-        app, host=host or "127.0.0.1", port=int(port), ssl_certfile=tls_cert, ssl_keyfile=tls_key,
-        log_level="info", timeout_graceful_shutdown=10,
-    )  # fmt: skip
+        app,
+        host=host or "127.0.0.1",
+        port=int(port),
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+        log_level="info",
+        timeout_graceful_shutdown=10,
+    )

@@ -114,8 +114,14 @@ def create_app(gw: Gateway, *, threads: int = 64) -> FastAPI:
     @app.get("/v1/files")
     async def list_files(req: Request):
         q = req.query_params
-        page = await run(gw.files.list, _key(req), q.get("purpose"), q.get("after"), _int(req, "limit", 10_000),
-                         q.get("order", "desc"))  # fmt: skip
+        page = await run(
+            gw.files.list,
+            _key(req),
+            q.get("purpose"),
+            q.get("after"),
+            _int(req, "limit", 10_000),
+            q.get("order", "desc"),
+        )
         return _out(page)
 
     @app.get("/v1/files/{file_id}")

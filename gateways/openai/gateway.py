@@ -57,8 +57,13 @@ def _page(items: list, after: str | None, limit: int) -> dict:
         ids = [i.id for i in items]
         items = items[ids.index(after) + 1 :] if after in ids else []
     data = items[:limit]
-    return {"object": "list", "data": data, "has_more": len(items) > limit,
-            "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}  # fmt: skip
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": len(items) > limit,
+        "first_id": data[0].id if data else None,
+        "last_id": data[-1].id if data else None,
+    }
 
 
 class Files:
@@ -76,16 +81,28 @@ class Files:
             os.fsync(f.fileno())
         os.replace(tmp, self.dir / fid)
         now = time.time()
-        doc = {"id": fid, "owner": owner, "created_at": int(now), "t": now, "filename": filename, "purpose": purpose,
-               "bytes": len(data), "status": "processed", **extra}  # fmt: skip
+        doc = {
+            "id": fid,
+            "owner": owner,
+            "created_at": int(now),
+            "t": now,
+            "filename": filename,
+            "purpose": purpose,
+            "bytes": len(data),
+            "status": "processed",
+            **extra,
+        }
         self.store.put("oai_files", doc)
         return doc
 
     def create(self, api_key: str, filename: str, purpose: str, data: bytes) -> FileObject:
         owner = self.gw.owner(api_key)
         if purpose != "fine-tune":
-            raise bad(f"purpose {purpose!r} is not served: this gateway stores fine-tuning files (purpose "
-                      "'fine-tune')", "purpose")  # fmt: skip
+            raise bad(
+                f"purpose {purpose!r} is not served: this gateway stores fine-tuning files (purpose "
+                "'fine-tune')",
+                "purpose",
+            )
         if len(data) > self.gw.config.max_file_bytes:
             raise bad(f"the file is {len(data)} bytes; the limit is {self.gw.config.max_file_bytes}", "file")
         if not data.strip():
@@ -97,14 +114,28 @@ class Files:
             )
         except StropClientError as exc:
             raise from_strop(exc, "file") from None
-        doc = self.store_file(owner, filename, purpose, data, dataset_id=ds.dataset_id, kind=converted.kind,
-                              num_rows=ds.num_rows)  # fmt: skip
+        doc = self.store_file(
+            owner,
+            filename,
+            purpose,
+            data,
+            dataset_id=ds.dataset_id,
+            kind=converted.kind,
+            num_rows=ds.num_rows,
+        )
         return self.wire(doc)
 
     @staticmethod
     def wire(doc: dict) -> FileObject:
-        return FileObject(id=doc["id"], bytes=doc["bytes"], created_at=doc["created_at"], filename=doc["filename"],
-                          object="file", purpose=doc["purpose"], status=doc["status"])  # fmt: skip
+        return FileObject(
+            id=doc["id"],
+            bytes=doc["bytes"],
+            created_at=doc["created_at"],
+            filename=doc["filename"],
+            object="file",
+            purpose=doc["purpose"],
+            status=doc["status"],
+        )
 
     def doc(self, api_key: str, file_id: str, param: str | None = None) -> dict:
         doc = self.store.get("oai_files", file_id)
@@ -157,8 +188,11 @@ class Gateway:
     def owner(self, api_key: str | None) -> str:
         """The caller's owner id, once the trainer has accepted the key (401 otherwise)."""
         if not api_key:
-            raise OpenAIError("You didn't provide an API key (header Authorization: Bearer <key>)", 401,
-                              code="invalid_api_key")  # fmt: skip
+            raise OpenAIError(
+                "You didn't provide an API key (header Authorization: Bearer <key>)",
+                401,
+                code="invalid_api_key",
+            )
         owner = owner_hash(api_key)
         with self._lock:
             fresh = time.monotonic() - self._verified.get(owner, -AUTH_TTL_S) < AUTH_TTL_S
@@ -197,20 +231,30 @@ class Gateway:
             )
         kinds = params.METHOD_FILE_KINDS[method]
         if doc["kind"] not in kinds:
-            raise bad(f"{param} {file_id!r} holds {doc['kind'].replace('_', '/')} rows; method {method} trains on "
-                      f"{' or '.join(k.replace('_', '/') for k in kinds)} rows", param, "invalid_file")  # fmt: skip
+            raise bad(
+                f"{param} {file_id!r} holds {doc['kind'].replace('_', '/')} rows; method {method} trains on "
+                f"{' or '.join(k.replace('_', '/') for k in kinds)} rows",
+                param,
+                "invalid_file",
+            )
         return doc
 
     def create_job(self, api_key: str, body) -> FineTuningJob:
         owner = self.owner(api_key)
         req = params.parse_create(body)
         if params.EXPORT_KEY in (req.metadata or {}) and self.exporters is None:
-            raise bad(f"metadata {params.EXPORT_KEY!r}: this gateway has no export service (strop serve openai "
-                      "--exporter)", "metadata")  # fmt: skip
+            raise bad(
+                f"metadata {params.EXPORT_KEY!r}: this gateway has no export service (strop serve openai "
+                "--exporter)",
+                "metadata",
+            )
         if req.model not in base_models(self.config.model_root):
             hint = " (fine-tuning a fine-tuned model is not supported)" if req.model.startswith("ft:") else ""
-            raise bad(f"model {req.model!r} is not a base model served here{hint}; GET /v1/models lists them",
-                      "model", "model_not_available")  # fmt: skip
+            raise bad(
+                f"model {req.model!r} is not a base model served here{hint}; GET /v1/models lists them",
+                "model",
+                "model_not_available",
+            )
         train = self._job_file(api_key, req.training_file, "training_file", req.method)
         valid = (
             self._job_file(api_key, req.validation_file, "validation_file", req.method)
@@ -219,14 +263,30 @@ class Gateway:
         )
         cfg, hyper = params.resolve(req, int(train["num_rows"]))
         job = {
-            "id": new_job_id(), "owner": owner, "created_at": int(time.time()), "t": time.time(), "model": req.model,
-            "training_file": req.training_file, "validation_file": req.validation_file, "suffix": req.suffix,
-            "seed": req.seed, "metadata": req.metadata, "method": req.method, "hyperparameters": hyper,
-            "config": params.config_doc(cfg), "lora": dataclasses.asdict(LoraConfig(seed=req.seed)),
-            "dataset_id": train["dataset_id"], "validation_dataset_id": valid["dataset_id"] if valid else "",
-            "eval_every_steps": params.eval_every(cfg, valid is not None), "status": "validating_files", "chain": [],
-            "want": "", "following": False, "result_files": [], "grader": req.grader,
-        }  # fmt: skip
+            "id": new_job_id(),
+            "owner": owner,
+            "created_at": int(time.time()),
+            "t": time.time(),
+            "model": req.model,
+            "training_file": req.training_file,
+            "validation_file": req.validation_file,
+            "suffix": req.suffix,
+            "seed": req.seed,
+            "metadata": req.metadata,
+            "method": req.method,
+            "hyperparameters": hyper,
+            "config": params.config_doc(cfg),
+            "lora": dataclasses.asdict(LoraConfig(seed=req.seed)),
+            "dataset_id": train["dataset_id"],
+            "validation_dataset_id": valid["dataset_id"] if valid else "",
+            "eval_every_steps": params.eval_every(cfg, valid is not None),
+            "status": "validating_files",
+            "chain": [],
+            "want": "",
+            "following": False,
+            "result_files": [],
+            "grader": req.grader,
+        }
         self.store.put("oai_jobs", job)
         files = f"training file: {req.training_file}" + (
             f", validation file: {req.validation_file}" if valid else ""
@@ -260,15 +320,25 @@ class Gateway:
         ):  # a grader type of strop's own (numeric_check, …) the SDK does not know
             method = Method.model_construct(**method)
         out = FineTuningJob(
-            id=job["id"], created_at=job["created_at"], object="fine_tuning.job", model=job["model"],
-            organization_id=f"org-{job.get('tenant') or 'local'}", result_files=job.get("result_files") or [],
-            seed=job["seed"], status="running" if job["status"] == "paused" else job["status"],
-            training_file=job["training_file"], validation_file=job.get("validation_file"),
+            id=job["id"],
+            created_at=job["created_at"],
+            object="fine_tuning.job",
+            model=job["model"],
+            organization_id=f"org-{job.get('tenant') or 'local'}",
+            result_files=job.get("result_files") or [],
+            seed=job["seed"],
+            status="running" if job["status"] == "paused" else job["status"],
+            training_file=job["training_file"],
+            validation_file=job.get("validation_file"),
             hyperparameters={k: h[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")},
-            method=method, metadata=job.get("metadata"), fine_tuned_model=job.get("fine_tuned_model"),
-            finished_at=job.get("finished_at"), trained_tokens=job.get("trained_tokens"), error=job.get("error"),
+            method=method,
+            metadata=job.get("metadata"),
+            fine_tuned_model=job.get("fine_tuned_model"),
+            finished_at=job.get("finished_at"),
+            trained_tokens=job.get("trained_tokens"),
+            error=job.get("error"),
             **({"strop_exports": job["exports"]} if job.get("exports") else {}),  # the SDK keeps extra fields
-        )  # fmt: skip
+        )
         # "paused" is a status OpenAI's API returns (jobs.pause) that the SDK's literal does not list yet
         return out.model_copy(update={"status": "paused"}) if job["status"] == "paused" else out
 
@@ -300,8 +370,13 @@ class Gateway:
             raise bad(f"'limit' must be within 1..{MAX_PAGE}, got {limit}", "limit")
         docs, more = self.store.page("oai_checkpoints", job_id, after, limit)
         data = [FineTuningJobCheckpoint(**{k: v for k, v in d.items() if k != "artifact_id"}) for d in docs]
-        return {"object": "list", "data": data, "has_more": more,
-                "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}  # fmt: skip
+        return {
+            "object": "list",
+            "data": data,
+            "has_more": more,
+            "first_id": data[0].id if data else None,
+            "last_id": data[-1].id if data else None,
+        }
 
     # ---- models -------------------------------------------------------------------------------------------
 
@@ -310,12 +385,19 @@ class Gateway:
         return Model(id=name, created=created, object="model", owned_by="strop")
 
     def _tuned(self, owner: str) -> dict[str, dict]:
-        return {j["fine_tuned_model"]: j for j in self.store.list("oai_jobs", owner)
-                if j.get("fine_tuned_model") and not j.get("model_deleted")}  # fmt: skip
+        return {
+            j["fine_tuned_model"]: j
+            for j in self.store.list("oai_jobs", owner)
+            if j.get("fine_tuned_model") and not j.get("model_deleted")
+        }
 
     def _tuned_wire(self, job: dict) -> Model:
-        return Model(id=job["fine_tuned_model"], created=job["finished_at"], object="model",
-                     owned_by=f"org-{job.get('tenant') or 'local'}")  # fmt: skip
+        return Model(
+            id=job["fine_tuned_model"],
+            created=job["finished_at"],
+            object="model",
+            owned_by=f"org-{job.get('tenant') or 'local'}",
+        )
 
     def models(self, api_key: str) -> dict:
         owner = self.owner(api_key)
@@ -335,8 +417,12 @@ class Gateway:
     def delete_model(self, api_key: str, name: str) -> ModelDeleted:
         owner = self.owner(api_key)
         if name in base_models(self.config.model_root):
-            raise OpenAIError(f"{name!r} is a base model of the model root; only fine-tuned models can be deleted",
-                              403, param="model", code="model_not_deletable")  # fmt: skip
+            raise OpenAIError(
+                f"{name!r} is a base model of the model root; only fine-tuned models can be deleted",
+                403,
+                param="model",
+                code="model_not_deletable",
+            )
         job = self._tuned(owner).get(name)
         if job is None:
             raise not_found("model", name, "model")

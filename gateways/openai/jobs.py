@@ -67,10 +67,20 @@ class JobRunner:
         data: dict | None = None,
         src: str | None = None,
     ) -> None:
-        self.store.append("oai_events", job_id, "ftevent", {
-            "object": "fine_tuning.job.event", "created_at": int(time.time()), "level": level, "message": message,
-            "data": data or {}, "type": "metrics" if data else "message",
-        }, src)  # fmt: skip
+        self.store.append(
+            "oai_events",
+            job_id,
+            "ftevent",
+            {
+                "object": "fine_tuning.job.event",
+                "created_at": int(time.time()),
+                "level": level,
+                "message": message,
+                "data": data or {},
+                "type": "metrics" if data else "message",
+            },
+            src,
+        )
 
     # ---- starting a strop job -----------------------------------------------------------------------------
 
@@ -79,9 +89,12 @@ class JobRunner:
         c = self.gw.clients.get(api_key)
         try:
             sess = c.load_model(
-                job["model"], quantization=self.gw.config.quantization, dtype=self.gw.config.dtype,
-                max_seq_length=self.gw.config.max_seq_length, name=f"openai-{job['id']}",
-            )  # fmt: skip
+                job["model"],
+                quantization=self.gw.config.quantization,
+                dtype=self.gw.config.dtype,
+                max_seq_length=self.gw.config.max_seq_length,
+                name=f"openai-{job['id']}",
+            )
         except StropClientError as exc:
             raise from_strop(exc, "model") from None
         try:
@@ -89,9 +102,13 @@ class JobRunner:
             cfg = params.config_from_doc(job["config"])
             cfg.eval_every_steps = int(job.get("eval_every_steps") or 0)
             events = c.train(
-                sess.session_id, job["dataset_id"], cfg, resume_from_job_id=resume_from, name=job["id"],
+                sess.session_id,
+                job["dataset_id"],
+                cfg,
+                resume_from_job_id=resume_from,
+                name=job["id"],
                 validation_dataset_id=job.get("validation_dataset_id") or "",
-            )  # fmt: skip
+            )
             try:  # the job exists once its first event is out; closing the stream detaches, the job goes on
                 first = next(events)
             finally:
@@ -104,9 +121,16 @@ class JobRunner:
             self._close_session(c, sess.session_id)
             raise
         return self.store.update(
-            "oai_jobs", job["id"], chain=[*job.get("chain", []), first.job_id], seq=0, session_id=sess.session_id,
-            tenant=sess.tenant or "local", following=True, status="queued", want="",
-        )  # fmt: skip
+            "oai_jobs",
+            job["id"],
+            chain=[*job.get("chain", []), first.job_id],
+            seq=0,
+            session_id=sess.session_id,
+            tenant=sess.tenant or "local",
+            following=True,
+            status="queued",
+            want="",
+        )
 
     @staticmethod
     def _close_session(c, session_id: str) -> None:
@@ -208,11 +232,21 @@ class JobRunner:
             if getattr(ck, name) is not None:
                 metrics[name] = getattr(ck, name)
         art = ck.artifact or Artifact()
-        self.store.append("oai_checkpoints", job["id"], "ftckpt", {
-            "object": "fine_tuning.job.checkpoint", "created_at": int(art.created_at or time.time()),
-            "fine_tuning_job_id": job["id"], "step_number": ck.step, "metrics": metrics,
-            "fine_tuned_model_checkpoint": f"{model_name(job)}:ckpt-step-{ck.step}", "artifact_id": art.artifact_id,
-        }, src)  # fmt: skip
+        self.store.append(
+            "oai_checkpoints",
+            job["id"],
+            "ftckpt",
+            {
+                "object": "fine_tuning.job.checkpoint",
+                "created_at": int(art.created_at or time.time()),
+                "fine_tuning_job_id": job["id"],
+                "step_number": ck.step,
+                "metrics": metrics,
+                "fine_tuned_model_checkpoint": f"{model_name(job)}:ckpt-step-{ck.step}",
+                "artifact_id": art.artifact_id,
+            },
+            src,
+        )
         self.event(job["id"], f"Checkpoint created at step {ck.step}", src=src)
 
     # ---- settling -----------------------------------------------------------------------------------------
@@ -239,17 +273,29 @@ class JobRunner:
             results = self._result_files(api_key, job, info)
             exports, export_note = self._export(api_key, job, adapter_id)
             self.store.update(
-                "oai_jobs", job_id, following=False, status="succeeded", finished_at=now, fine_tuned_model=name,
-                adapter_id=adapter_id, result_files=results, trained_tokens=job.get("tokens", 0), exports=exports,
-            )  # fmt: skip
+                "oai_jobs",
+                job_id,
+                following=False,
+                status="succeeded",
+                finished_at=now,
+                fine_tuned_model=name,
+                adapter_id=adapter_id,
+                result_files=results,
+                trained_tokens=job.get("tokens", 0),
+                exports=exports,
+            )
             self.event(job_id, f"New fine-tuned model created: {name}")
             if export_note:
                 self.event(job_id, export_note, level="warn" if not exports else "info")
             self.event(job_id, "The job has successfully completed")
             return False
         if info.state is JobState.INTERRUPTED and info.last_checkpoint is not None:
-            self.event(job_id, f"The trainer stopped at step {info.step}; the job continues from its checkpoint",
-                       level="warn", src=f"{info.job_id}:interrupted")  # fmt: skip
+            self.event(
+                job_id,
+                f"The trainer stopped at step {info.step}; the job continues from its checkpoint",
+                level="warn",
+                src=f"{info.job_id}:interrupted",
+            )
             delay = 0.5
             while True:  # the trainer may still be restarting (503) or full (429): wait for it
                 try:
@@ -260,8 +306,11 @@ class JobRunner:
                         delay = min(delay * 2, RETRY_MAX_S)
                         continue
                     if not self._stop.is_set():  # (closing: the next gateway process continues it)
-                        self._fail(job_id, f"the job could not continue after the trainer stopped: {exc.message}",
-                                   "server_error")  # fmt: skip
+                        self._fail(
+                            job_id,
+                            f"the job could not continue after the trainer stopped: {exc.message}",
+                            "server_error",
+                        )
                     return False
         code = "invalid_training_file" if info.error_code == "INVALID_ARGUMENT" else "server_error"
         self._fail(job_id, info.error or f"the trainer's job ended {info.state.value}", code)
@@ -275,9 +324,10 @@ class JobRunner:
             return [], ""
         try:
             exp = self.gw.exporters.get(api_key).create_export(
-                params.export_targets(spec), adapter_artifact_id=adapter_id,
+                params.export_targets(spec),
+                adapter_artifact_id=adapter_id,
                 name=re.sub(r"[^A-Za-z0-9._-]", "-", model_name(job)),
-            )  # fmt: skip
+            )
         except StropClientError as exc:
             return [], f"The export ({spec}) was refused: {exc.details}"
         ids = [t.artifact_id for t in exp.request.targets]
@@ -287,9 +337,13 @@ class JobRunner:
 
     def _fail(self, job_id: str, message: str, code: str) -> None:
         self.store.update(
-            "oai_jobs", job_id, following=False, status="failed", finished_at=int(time.time()),
+            "oai_jobs",
+            job_id,
+            following=False,
+            status="failed",
+            finished_at=int(time.time()),
             error={"code": code, "message": message, "param": None},
-        )  # fmt: skip
+        )
         self.event(job_id, f"Fine-tuning job failed: {message}", level="error")
 
     def _result_files(self, api_key: str, job: dict, info) -> list[str]:
@@ -316,8 +370,11 @@ class JobRunner:
 
     def cancel(self, api_key: str, job: dict) -> dict:
         if job["status"] in TERMINAL:
-            raise OpenAIError(f"Job {job['id']} has already ended ({job['status']}); it cannot be cancelled", 409,
-                              code="job_not_cancellable")  # fmt: skip
+            raise OpenAIError(
+                f"Job {job['id']} has already ended ({job['status']}); it cannot be cancelled",
+                409,
+                code="job_not_cancellable",
+            )
         was_paused = job["status"] == "paused" and not job.get("following")
         _created(job)
         job = self.store.update(
@@ -330,8 +387,11 @@ class JobRunner:
 
     def pause(self, api_key: str, job: dict) -> dict:
         if job["status"] not in LIVE:
-            raise OpenAIError(f"Job {job['id']} is {job['status']}; only a queued or running job can be paused", 409,
-                              code="job_not_pausable")  # fmt: skip
+            raise OpenAIError(
+                f"Job {job['id']} is {job['status']}; only a queued or running job can be paused",
+                409,
+                code="job_not_pausable",
+            )
         _created(job)
         job = self.store.update("oai_jobs", job["id"], want="pause", status="paused")
         self._stop_strop_job(api_key, job)
@@ -340,8 +400,11 @@ class JobRunner:
 
     def resume(self, api_key: str, job: dict) -> dict:
         if job["status"] != "paused":
-            raise OpenAIError(f"Job {job['id']} is {job['status']}; only a paused job can be resumed", 409,
-                              code="job_not_resumable")  # fmt: skip
+            raise OpenAIError(
+                f"Job {job['id']} is {job['status']}; only a paused job can be resumed",
+                409,
+                code="job_not_resumable",
+            )
         c = self.gw.clients.get(api_key)
         deadline = (
             time.monotonic() + 60.0

@@ -52,9 +52,16 @@ HYPERPARAMETERS = {
     ),
 }
 CREATE_FIELDS = {
-    "model", "training_file", "validation_file", "suffix", "seed", "metadata", "method", "hyperparameters",
+    "model",
+    "training_file",
+    "validation_file",
+    "suffix",
+    "seed",
+    "metadata",
+    "method",
+    "hyperparameters",
     "integrations",
-}  # fmt: skip
+}
 _SUFFIX = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # each hyperparameter's range as OpenAI's OpenAPI spec gives it: (kind, low, high); a float's low is exclusive
 RANGES = {
@@ -109,8 +116,11 @@ def _hyper(raw, allowed: tuple[str, ...], where: str) -> dict[str, object]:
             name == "reasoning_effort"
         ):  # the effort of a reasoning model's thinking; strop samples plain answers
             if value != "default":
-                raise bad(f"'reasoning_effort' {value!r}: strop samples answers without a reasoning budget; "
-                          "leave it \"default\"", param)  # fmt: skip
+                raise bad(
+                    f"'reasoning_effort' {value!r}: strop samples answers without a reasoning budget; "
+                    'leave it "default"',
+                    param,
+                )
             out[name] = value
             continue
         kind, low, high = RANGES[name]
@@ -125,8 +135,11 @@ def _hyper(raw, allowed: tuple[str, ...], where: str) -> dict[str, object]:
             span = (
                 f"[{low}, {high}]" if kind is int else f"({low}, {high}]" if high < math.inf else f"> {low}"
             )
-            raise bad(f"'{name}' must be \"auto\" or a{'n integer' if kind is int else ' number'} in {span}, "
-                      f"got {value!r}", param)  # fmt: skip
+            raise bad(
+                f"'{name}' must be \"auto\" or a{'n integer' if kind is int else ' number'} in {span}, "
+                f"got {value!r}",
+                param,
+            )
         out[name] = kind(value)
     return out
 
@@ -140,11 +153,18 @@ def export_targets(spec: str) -> list[ExportTarget]:
     out = []
     for item in (x.strip() for x in spec.split(",")):
         name, _, arg = item.partition(":")
-        make = {"merged": ExportTarget.merged, "peft": ExportTarget.peft, "gguf": ExportTarget.gguf,
-                "gguf_lora": ExportTarget.gguf_lora}.get(name)  # fmt: skip
+        make = {
+            "merged": ExportTarget.merged,
+            "peft": ExportTarget.peft,
+            "gguf": ExportTarget.gguf,
+            "gguf_lora": ExportTarget.gguf_lora,
+        }.get(name)
         if make is None or (name == "peft" and arg):
-            raise bad(f"metadata {EXPORT_KEY!r}: {item!r} is not merged[:dtype], peft, gguf[:type] or "
-                      "gguf_lora[:type]", "metadata")  # fmt: skip
+            raise bad(
+                f"metadata {EXPORT_KEY!r}: {item!r} is not merged[:dtype], peft, gguf[:type] or "
+                "gguf_lora[:type]",
+                "metadata",
+            )
         out.append(make(arg) if arg else make())
     return out
 
@@ -174,8 +194,9 @@ def parse_create(body) -> JobRequest:
     if body.get("integrations"):
         raise bad(
             "integrations are not supported: the gateway reaches no third-party service (Weights & Biases); "
-            "follow a job with its events, checkpoints and result file", "integrations",
-        )  # fmt: skip
+            "follow a job with its events, checkpoints and result file",
+            "integrations",
+        )
     suffix = _str(body, "suffix")
     if suffix is not None and not _SUFFIX.match(suffix):
         raise bad("'suffix' must be 1 to 64 characters of letters, digits, '.', '_' or '-'", "suffix")
@@ -190,8 +211,10 @@ def parse_create(body) -> JobRequest:
             raise bad("'metadata' must be an object of at most 16 pairs", "metadata")
         for k, v in metadata.items():
             if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
-                raise bad(f"metadata {k!r}: keys are at most 64 characters, values strings of at most 512",
-                          "metadata")  # fmt: skip
+                raise bad(
+                    f"metadata {k!r}: keys are at most 64 characters, values strings of at most 512",
+                    "metadata",
+                )
         if EXPORT_KEY in metadata:
             export_targets(metadata[EXPORT_KEY])
     method = body.get("method")
@@ -214,36 +237,53 @@ def parse_create(body) -> JobRequest:
             if k not in ("type", kind):
                 raise bad(f"'method.{k}' does not belong to method type {kind!r}", f"method.{k}")
         if legacy is not None and kind != "supervised":
-            raise bad("the top-level 'hyperparameters' are for supervised jobs; put them in method."
-                      f"{kind}.hyperparameters", "hyperparameters")  # fmt: skip
+            raise bad(
+                "the top-level 'hyperparameters' are for supervised jobs; put them in method."
+                f"{kind}.hyperparameters",
+                "hyperparameters",
+            )
         conf = method.get(kind) or {}
         if not isinstance(conf, dict):
             raise bad(f"'method.{kind}' must be an object", f"method.{kind}")
         grader = _grader(conf) if kind == "reinforcement" else None
         if grader is not None and body.get("validation_file") is not None:
-            raise bad("strop's reinforcement (GRPO) jobs evaluate no validation file yet; leave validation_file "
-                      "out", "validation_file")  # fmt: skip
+            raise bad(
+                "strop's reinforcement (GRPO) jobs evaluate no validation file yet; leave validation_file "
+                "out",
+                "validation_file",
+            )
         extra = (
             set(conf) - {"hyperparameters", "grader"}
             if kind == "reinforcement"
             else set(conf) - {"hyperparameters"}
         )
         if extra:
-            raise bad(f"'method.{kind}.{sorted(extra)[0]}' is not a field of the {kind} method",
-                      f"method.{kind}.{sorted(extra)[0]}")  # fmt: skip
+            raise bad(
+                f"'method.{kind}.{sorted(extra)[0]}' is not a field of the {kind} method",
+                f"method.{kind}.{sorted(extra)[0]}",
+            )
         hyper = _hyper(legacy, HYPERPARAMETERS[kind], "hyperparameters")
         hyper.update(
             _hyper(conf.get("hyperparameters"), HYPERPARAMETERS[kind], f"method.{kind}.hyperparameters")
         )
         for name in ("eval_interval", "eval_samples"):
             if hyper.get(name, "auto") != "auto":
-                raise bad(f"'{name}' evaluates a validation file, which strop's reinforcement (GRPO) jobs do not "
-                          "yet; leave it \"auto\"", f"method.reinforcement.hyperparameters.{name}")  # fmt: skip
+                raise bad(
+                    f"'{name}' evaluates a validation file, which strop's reinforcement (GRPO) jobs do not "
+                    'yet; leave it "auto"',
+                    f"method.reinforcement.hyperparameters.{name}",
+                )
     return JobRequest(
-        model=_str(body, "model", required=True), training_file=_str(body, "training_file", required=True),
-        validation_file=_str(body, "validation_file"), suffix=suffix, seed=seed, metadata=metadata, method=kind,
-        hyperparameters=hyper, grader=grader,
-    )  # fmt: skip
+        model=_str(body, "model", required=True),
+        training_file=_str(body, "training_file", required=True),
+        validation_file=_str(body, "validation_file"),
+        suffix=suffix,
+        seed=seed,
+        metadata=metadata,
+        method=kind,
+        hyperparameters=hyper,
+        grader=grader,
+    )
 
 
 def resolve(req: JobRequest, num_rows: int) -> tuple[TrainConfig, dict[str, object]]:
@@ -263,9 +303,13 @@ def resolve(req: JobRequest, num_rows: int) -> tuple[TrainConfig, dict[str, obje
     mult = float(pick("learning_rate_multiplier", 1.0))
     steps_per_epoch = max(1, -(-num_rows // batch))
     cfg = TrainConfig(
-        method=method, learning_rate=mult * float(train_default("learning_rate", method)), num_epochs=float(epochs),
-        batch_size=batch, seed=req.seed, checkpoint_every_steps=steps_per_epoch,
-    )  # fmt: skip
+        method=method,
+        learning_rate=mult * float(train_default("learning_rate", method)),
+        num_epochs=float(epochs),
+        batch_size=batch,
+        seed=req.seed,
+        checkpoint_every_steps=steps_per_epoch,
+    )
     out: dict[str, object] = {"n_epochs": epochs, "batch_size": batch, "learning_rate_multiplier": mult}
     if method is TrainMethod.DPO:
         cfg.dpo_beta = float(pick("beta", train_default("dpo_beta", method)))

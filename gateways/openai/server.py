@@ -24,15 +24,28 @@ def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="strop serve openai", description=__doc__.split("\n\n")[0])
     add_server_flags(p, "OPENAI", 8001, "jobs' bases")
-    p.add_argument("--state-dir", default=env("STROP_OPENAI_STATE_DIR", "state/openai"),
-                   help="the gateway's SQLite state and uploaded files")  # fmt: skip
-    p.add_argument("--database-url", default=env("STROP_OPENAI_DATABASE_URL", ""),
-                   help="'' (SQLite in --state-dir) or postgresql://…")  # fmt: skip
-    p.add_argument("--max-file-mb", type=int, default=int(env("STROP_OPENAI_MAX_FILE_MB", "512")),
-                   help="the largest file /v1/files takes (OpenAI's: 512 MB)")  # fmt: skip
-    p.add_argument("--exporter", default=env("STROP_EXPORTER", ""),
-                   help="the export service's gRPC address: jobs whose metadata asks (strop_export) are exported "
-                        "on success ('' = none)")  # fmt: skip
+    p.add_argument(
+        "--state-dir",
+        default=env("STROP_OPENAI_STATE_DIR", "state/openai"),
+        help="the gateway's SQLite state and uploaded files",
+    )
+    p.add_argument(
+        "--database-url",
+        default=env("STROP_OPENAI_DATABASE_URL", ""),
+        help="'' (SQLite in --state-dir) or postgresql://…",
+    )
+    p.add_argument(
+        "--max-file-mb",
+        type=int,
+        default=int(env("STROP_OPENAI_MAX_FILE_MB", "512")),
+        help="the largest file /v1/files takes (OpenAI's: 512 MB)",
+    )
+    p.add_argument(
+        "--exporter",
+        default=env("STROP_EXPORTER", ""),
+        help="the export service's gRPC address: jobs whose metadata asks (strop_export) are exported "
+        "on success ('' = none)",
+    )
     return p
 
 
@@ -40,11 +53,17 @@ def config_from_args(args) -> GatewayConfig:
     if args.max_file_mb < 1:
         raise SystemExit("strop: --max-file-mb must be >= 1")
     return GatewayConfig(
-        trainer=args.trainer, model_root=Path(args.model_root), state_dir=Path(args.state_dir),
-        database_url=args.database_url, quantization=Quantization(args.quantization), dtype=args.dtype,
-        max_seq_length=args.max_seq_length, max_file_bytes=args.max_file_mb << 20, tls_ca=args.trainer_tls_ca,
+        trainer=args.trainer,
+        model_root=Path(args.model_root),
+        state_dir=Path(args.state_dir),
+        database_url=args.database_url,
+        quantization=Quantization(args.quantization),
+        dtype=args.dtype,
+        max_seq_length=args.max_seq_length,
+        max_file_bytes=args.max_file_mb << 20,
+        tls_ca=args.trainer_tls_ca,
         exporter=args.exporter,
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,8 +161,11 @@ class Gateway:
                     run = self._call(lambda: c.create_training_run(base, lora, name=name))
                 else:  # load_weights into a new model: the run is created from the state
                     base = self.index.base_session(c, p["b"])
-                    run = self._call(lambda: c.create_training_run(
-                        base, from_state=p["a"], with_optimizer=bool(p["o"]), name=name))  # fmt: skip
+                    run = self._call(
+                        lambda: c.create_training_run(
+                            base, from_state=p["a"], with_optimizer=bool(p["o"]), name=name
+                        )
+                    )
                 self.index.remember(Model.of(owner, run.info))
         if p["k"] == "create_model":
             return tt.CreateModelResponse(model_id=model_id)
@@ -180,13 +183,24 @@ class Gateway:
         if getattr(req.optimizer_config, "type", "adamw") != "adamw":
             raise WireError(f"optimizer_config type {req.optimizer_config.type!r} is not supported (adamw)")
         lora = RunLora(
-            rank=int(lc.rank), alpha=self.config.lora_alpha, train_attn=lc.train_attn, train_mlp=lc.train_mlp,
-            train_unembed=lc.train_unembed, seed=lc.seed,
-        )  # fmt: skip
+            rank=int(lc.rank),
+            alpha=self.config.lora_alpha,
+            train_attn=lc.train_attn,
+            train_mlp=lc.train_mlp,
+            train_unembed=lc.train_unembed,
+            seed=lc.seed,
+        )
         meta = {str(k): str(v) for k, v in (req.user_metadata or {}).items()} or None
-        return self._submit(api_key, {
-            "k": "create_model", "m": model_id, "b": self._check_base(req.base_model), "l": vars(lora), "u": meta,
-        })  # fmt: skip
+        return self._submit(
+            api_key,
+            {
+                "k": "create_model",
+                "m": model_id,
+                "b": self._check_base(req.base_model),
+                "l": vars(lora),
+                "u": meta,
+            },
+        )
 
     def model(self, api_key: str, model_id: str) -> Model:
         owner = self.owner_of(api_key)
@@ -203,9 +217,12 @@ class Gateway:
     def get_info(self, api_key: str, model_id: str) -> tt.GetInfoResponse:
         m = self.model(api_key, model_id)
         return tt.GetInfoResponse(
-            model_id=model_id, model_data={"model_name": m.base_model, "tokenizer_id": self.tokenizer_id(m.base_model)},
-            is_lora=True, lora_rank=m.rank, model_name=m.base_model,
-        )  # fmt: skip
+            model_id=model_id,
+            model_data={"model_name": m.base_model, "tokenizer_id": self.tokenizer_id(m.base_model)},
+            is_lora=True,
+            lora_rank=m.rank,
+            model_name=m.base_model,
+        )
 
     def unload_model(self, api_key: str, model_id: str) -> None:
         m = self.model(api_key, model_id)
@@ -235,9 +252,12 @@ class Gateway:
         except WireError:
             if seq_id > 0:
                 filler = ForwardBackwardRequest(
-                    run_id=run_id, seq_id=seq_id, forward_only=True, loss_fn=LossFn.CROSS_ENTROPY,
+                    run_id=run_id,
+                    seq_id=seq_id,
+                    forward_only=True,
+                    loss_fn=LossFn.CROSS_ENTROPY,
                     data=[Datum.of([0], target_tokens=[0], weights=[0.0])],
-                )  # fmt: skip
+                )
                 with contextlib.suppress(WireError):
                     self._step(
                         api_key, "ForwardBackward", to_proto(trainer_pb2.ForwardBackwardRequest, filler)
@@ -255,10 +275,17 @@ class Gateway:
         m = self.model(api_key, msg.model_id)
         with self._seq_kept(api_key, m.run_id, msg.seq_id):
             data, loss, config = wire.forward_backward_from_proto(msg)
-            req = to_proto(trainer_pb2.ForwardBackwardRequest, ForwardBackwardRequest(
-                run_id=m.run_id, seq_id=msg.seq_id, data=data, loss_fn=loss, loss_fn_config=config,
-                forward_only=msg.forward_only,
-            ))  # fmt: skip
+            req = to_proto(
+                trainer_pb2.ForwardBackwardRequest,
+                ForwardBackwardRequest(
+                    run_id=m.run_id,
+                    seq_id=msg.seq_id,
+                    data=data,
+                    loss_fn=loss,
+                    loss_fn_config=config,
+                    forward_only=msg.forward_only,
+                ),
+            )
             ks = []
             for d in data:
                 t = d.inputs().get("target_tokens")
@@ -271,8 +298,10 @@ class Gateway:
         with self._seq_kept(api_key, m.run_id, req.seq_id or 0):
             if not isinstance(req.optim_params, tt.AdamParams):
                 raise WireError("optim_step: only adam_params are supported")
-            msg = to_proto(trainer_pb2.OptimStepRequest, OptimStepRequest(
-                m.run_id, req.seq_id or 0, wire.adam_from_wire(req.optim_params)))  # fmt: skip
+            msg = to_proto(
+                trainer_pb2.OptimStepRequest,
+                OptimStepRequest(m.run_id, req.seq_id or 0, wire.adam_from_wire(req.optim_params)),
+            )
             fut = self._step(api_key, "OptimStep", msg)
         return self._remote(api_key, "optim_step", fut, model_id=req.model_id)
 
@@ -286,9 +315,12 @@ class Gateway:
             msg = trainer_pb2.SaveRequest(run_id=m.run_id, seq_id=req.seq_id or 0, name=aid)
             fut = self._step(api_key, "SaveState", msg)
         return self._remote(
-            api_key, "save_weights", fut, model_id=req.model_id,
+            api_key,
+            "save_weights",
+            fut,
+            model_id=req.model_id,
             path=wire.tinker_path(req.model_id, "weights", name),
-        )  # fmt: skip
+        )
 
     def save_weights_for_sampler(
         self, api_key: str, req: tt.SaveWeightsForSamplerRequest
@@ -336,10 +368,18 @@ class Gateway:
         if art.metadata.get("run_state") != "true":
             raise WireError(f"{req.path!r} holds no training state")
         meta = {str(k): str(v) for k, v in (req.user_metadata or {}).items()} or None
-        return self._submit(api_key, {
-            "k": "load_weights", "m": model_id, "b": self._check_base(art.metadata.get("base_model", "")),
-            "a": aid, "o": bool(req.optimizer), "path": req.path, "u": meta,
-        })  # fmt: skip
+        return self._submit(
+            api_key,
+            {
+                "k": "load_weights",
+                "m": model_id,
+                "b": self._check_base(art.metadata.get("base_model", "")),
+                "a": aid,
+                "o": bool(req.optimizer),
+                "path": req.path,
+                "u": meta,
+            },
+        )
 
     # ---- sampling -----------------------------------------------------------------------------------------
 
@@ -385,9 +425,11 @@ class Gateway:
         if not req.sampling_session_id:
             raise WireError("sample needs a sampling_session_id")
         s = self._sampler(api_key, req.sampling_session_id, "sampling session")
-        for what, v in (("topk_prompt_logprobs", req.topk_prompt_logprobs),
-                        ("topk_sample_logprobs", req.topk_sample_logprobs),
-                        ("prompt_alt_tokens_k", req.prompt_alt_tokens_k)):  # fmt: skip
+        for what, v in (
+            ("topk_prompt_logprobs", req.topk_prompt_logprobs),
+            ("topk_sample_logprobs", req.topk_sample_logprobs),
+            ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
+        ):
             if v:
                 raise WireError(f"{what} is not supported by this server")
         if req.target_prompt_logprobs is not None or req.record_stability_info:
@@ -395,10 +437,13 @@ class Gateway:
                 "target_prompt_logprobs and record_stability_info are not supported by this server"
             )
         sreq = SampleRequest(
-            run_id="" if s["s"] else s["r"], sampler_id=s["s"], prompt=wire.prompt_tokens(req.prompt),
-            num_samples=req.num_samples, params=wire.sampling_from_wire(req.sampling_params, self.config.default_max_tokens),
+            run_id="" if s["s"] else s["r"],
+            sampler_id=s["s"],
+            prompt=wire.prompt_tokens(req.prompt),
+            num_samples=req.num_samples,
+            params=wire.sampling_from_wire(req.sampling_params, self.config.default_max_tokens),
             prompt_logprobs=bool(req.prompt_logprobs),
-        )  # fmt: skip
+        )
         fut = self._step(api_key, "Sample", to_proto(trainer_pb2.SampleRequest, sreq))
         ids = [f"{fut.future_id}:{i}" for i in range(req.num_samples)]
         return self._remote(
@@ -483,11 +528,15 @@ class Gateway:
             kind = {v: k for k, v in wire.KINDS.items()}.get(letter)
             if kind is None:
                 continue
-            out.append(tt.Checkpoint(
-                checkpoint_id=f"{kind}/{name}", checkpoint_type="training" if kind == "weights" else "sampler",
-                time=datetime.fromtimestamp(a.created_at, UTC), tinker_path=wire.tinker_path(model_id, kind, name),
-                size_bytes=a.size_bytes,
-            ))  # fmt: skip
+            out.append(
+                tt.Checkpoint(
+                    checkpoint_id=f"{kind}/{name}",
+                    checkpoint_type="training" if kind == "weights" else "sampler",
+                    time=datetime.fromtimestamp(a.created_at, UTC),
+                    tinker_path=wire.tinker_path(model_id, kind, name),
+                    size_bytes=a.size_bytes,
+                )
+            )
         return sorted(out, key=lambda c: c.time)
 
     def list_checkpoints(self, api_key: str, model_id: str) -> tt.CheckpointsListResponse:
@@ -515,10 +564,16 @@ class Gateway:
             for t in ("training", "sampler")
         }
         return tt.TrainingRun(
-            training_run_id=m.model_id, base_model=m.base_model, model_owner=info.tenant or "local", is_lora=True,
-            lora_rank=m.rank, last_request_time=datetime.fromtimestamp(info.last_activity_at or m.created, UTC),
-            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"], user_metadata=m.user_metadata,
-        )  # fmt: skip
+            training_run_id=m.model_id,
+            base_model=m.base_model,
+            model_owner=info.tenant or "local",
+            is_lora=True,
+            lora_rank=m.rank,
+            last_request_time=datetime.fromtimestamp(info.last_activity_at or m.created, UTC),
+            last_checkpoint=last["training"],
+            last_sampler_checkpoint=last["sampler"],
+            user_metadata=m.user_metadata,
+        )
 
     def training_run(self, api_key: str, model_id: str) -> tt.TrainingRun:
         return self._training_run(api_key, self.model(api_key, model_id))

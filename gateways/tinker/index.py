@@ -91,10 +91,16 @@ class TrainerIndex:
                 return found[0].session_id
             loader = self.admin or c
             try:
-                s = self._call(lambda: loader.load_model(
-                    base_model, quantization=self.spec.quantization, dtype=self.spec.dtype,
-                    max_seq_length=self.spec.max_seq_length, name=f"tinker:{base_model}", shared=True,
-                ))  # fmt: skip
+                s = self._call(
+                    lambda: loader.load_model(
+                        base_model,
+                        quantization=self.spec.quantization,
+                        dtype=self.spec.dtype,
+                        max_seq_length=self.spec.max_seq_length,
+                        name=f"tinker:{base_model}",
+                        shared=True,
+                    )
+                )
             except WireError as exc:
                 if exc.status != 403:
                     raise

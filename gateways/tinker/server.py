@@ -24,12 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="strop serve tinker", description=__doc__.split("\n\n")[0])
     add_server_flags(p, "TINKER", 8000, "base sessions")
-    p.add_argument("--poll-ms", type=int, default=int(env("STROP_TINKER_POLL_MS", "10000")),
-                   help="how long retrieve_future holds a pending future before try_again (< the SDK's 45 s)")  # fmt: skip
-    p.add_argument("--admin-token-file", default=env("STROP_TINKER_ADMIN_TOKEN_FILE"),
-                   help="a file holding a trainer admin token: the gateway loads shared bases with it")  # fmt: skip
-    p.add_argument("--health-port", type=int, default=int(env("STROP_HEALTH_PORT", "0")),
-                   help="plaintext HTTP port for /healthz and /readyz (0: none)")  # fmt: skip
+    p.add_argument(
+        "--poll-ms",
+        type=int,
+        default=int(env("STROP_TINKER_POLL_MS", "10000")),
+        help="how long retrieve_future holds a pending future before try_again (< the SDK's 45 s)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        default=env("STROP_TINKER_ADMIN_TOKEN_FILE"),
+        help="a file holding a trainer admin token: the gateway loads shared bases with it",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=int(env("STROP_HEALTH_PORT", "0")),
+        help="plaintext HTTP port for /healthz and /readyz (0: none)",
+    )
     return p
 
 
@@ -49,10 +60,15 @@ def config_from_args(args) -> GatewayConfig:
     if not 100 <= args.poll_ms <= 30_000:
         raise SystemExit("strop: --poll-ms must be within 100..30000")
     return GatewayConfig(
-        trainer=args.trainer, model_root=Path(args.model_root), quantization=Quantization(args.quantization),
-        dtype=args.dtype, max_seq_length=args.max_seq_length, poll_ms=args.poll_ms, tls_ca=args.trainer_tls_ca,
+        trainer=args.trainer,
+        model_root=Path(args.model_root),
+        quantization=Quantization(args.quantization),
+        dtype=args.dtype,
+        max_seq_length=args.max_seq_length,
+        poll_ms=args.poll_ms,
+        tls_ca=args.trainer_tls_ca,
         admin_token=_admin_token(args.admin_token_file),
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

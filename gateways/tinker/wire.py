@@ -163,9 +163,13 @@ def forward_backward_output_to_proto(out: ForwardBackwardOutput, k_by_datum: lis
 
 def adam_from_wire(p: tt.AdamParams) -> AdamParams:
     return AdamParams(
-        learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
-        weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm,
-    )  # fmt: skip
+        learning_rate=p.learning_rate,
+        beta1=p.beta1,
+        beta2=p.beta2,
+        eps=p.eps,
+        weight_decay=p.weight_decay,
+        grad_clip_norm=p.grad_clip_norm,
+    )
 
 
 def prompt_tokens(prompt: tt.ModelInput) -> list[int]:
@@ -188,9 +192,13 @@ def sampling_from_wire(p: tt.SamplingParams, default_max_tokens: int) -> Samplin
             (strs if isinstance(s, str) else ids).append(s)
     return SamplingParams(
         max_tokens=default_max_tokens if p.max_tokens is None else int(p.max_tokens),
-        temperature=float(p.temperature), top_p=float(p.top_p), top_k=int(p.top_k),
-        stop_token_ids=[int(i) for i in ids], stop_strings=list(strs), seed=p.seed,
-    )  # fmt: skip
+        temperature=float(p.temperature),
+        top_p=float(p.top_p),
+        top_k=int(p.top_k),
+        stop_token_ids=[int(i) for i in ids],
+        stop_strings=list(strs),
+        seed=p.seed,
+    )
 
 
 def sample_output_to_proto(out: SampleOutput, prompt_logprobs: bool) -> bytes:
