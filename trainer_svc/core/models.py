@@ -1,4 +1,6 @@
-"""Loading base models, attaching LoRA, generating and saving adapters (torch, transformers, PEFT).
+"""Loading base models and attaching LoRA and the kernels (torch, transformers, PEFT). Generating from a loaded
+model is ``generation.py``'s, the files a saved adapter holds ``adapter_files.py``'s; their names are importable
+from here too (``models.generate``, ``models.write_adapter``…), as the trainer's modules call them.
 
 A prequantized bitsandbytes 4-bit checkpoint is detected from its config and loaded as is; a 16-bit
 checkpoint is quantized to NF4 with double quant on load, or kept 16-bit for plain LoRA. Only
@@ -7,20 +9,17 @@ safetensors are read and remote code is never run.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
 import math
 import os
-import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from strop.common import adapter_base, hf_build
+from strop.common import hf_build
 from strop.common.archs import KERNEL_MODEL_TYPES, arch_of
-from strop.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from strop.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from strop.common.paths import confine, confine_files
 from strop.common.trainer_types import (
     DEFAULT_TARGET_MODULES,
@@ -32,39 +31,34 @@ from strop.common.trainer_types import (
     Quantization,
 )
 from strop.trainer_svc.core import moe
+from strop.trainer_svc.core.adapter_files import (  # noqa: F401  (models.X is how the trainer's modules call them)
+    NF4_STATS_FILE,
+    TOKENIZER_FILES,
+    adapter_metadata,
+    base_quant_metadata,
+    copy_tokenizer_files,
+    loaded_base_quant,
+    quant_state_of,
+    write_adapter,
+    write_base_record,
+    write_nf4_stats,
+)
+from strop.trainer_svc.core.generation import (  # noqa: F401  (as above)
+    INFERENCE_COPY,
+    INFERENCE_COPY_HOST_SHARE,
+    MAX_GENERATE_TOKENS,
+    drop_inference_weights,
+    generate,
+    generate_chat,
+    generate_chat_batch,
+    inference_weights,
+)
+from strop.trainer_svc.core.loaded_model import LoadedModel
 
 log = logging.getLogger("strop.trainer")
 
 KERNEL_ARCHS = frozenset(KERNEL_MODEL_TYPES)  # what the kernels patch (strop.common.archs)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-@dataclass
-class LoadedModel:
-    """A base model in memory, with its tokenizer, and (once attached) its PEFT adapter."""
-
-    model: Any
-    tokenizer: Any
-    facts: ModelFacts
-    model_dir: Path
-    model_rel: str
-    device: str
-    lora: LoraConfig | None = None
-    kernel_report: Any = None
-    # the FP8 kernel mode it was loaded with (ON_FP8, ON_FP8_DX: FP8_KERNEL_MODES), None for exact kernels or none
-    fp8_kernels: KernelMode | None = None
-    extra: dict = field(default_factory=dict)
-    # bytes the engine will still move onto ``device`` (a base staged in host memory for FSDP2, fsdp.py):
-    # admission counts them against the device's free memory
-    pending_device_bytes: int = 0
 
 
 def pick_device(requested: str = "auto") -> str:
@@ -193,6 +187,7 @@ def load_model(
     keep_4bit_layers_trainable(model)
     if existing == "bnb-4bit":
         compute_prequantized_in(model, dtype)
+    moe.hold_experts_in_nf4(model, hf_config, quant_label)  # a 4-bit MoE's experts: strop's NF4 storage
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
@@ -436,373 +431,6 @@ def apply_kernels(loaded: LoadedModel):
     text += "".join(f"; {note}" for note in report.notes if note.startswith("FP8"))
     loaded.facts.kernels_reason = f"{loaded.facts.kernels_reason}; {text}"
     return report
-
-
-MAX_GENERATE_TOKENS = 16_384  # per call, over all prompts: Generate shares the device with training
-
-
-def generate(
-    loaded: LoadedModel,
-    prompts: list[str],
-    *,
-    max_new_tokens: int,
-    disable_adapter: bool,
-    apply_chat_template: bool,
-    time_budget: float | None = None,
-) -> list[str]:
-    """Greedy completions of ``prompts`` (new text only, special tokens removed).
-
-    Raises:
-        DeadlineExceeded: ``time_budget`` seconds (the caller's deadline) ran out; generation stops there.
-    """
-    texts, _ = _generate(
-        loaded,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        disable_adapter=disable_adapter,
-        apply_chat_template=apply_chat_template,
-        time_budget=time_budget,
-    )
-    return texts
-
-
-def generate_chat(
-    loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int, disable_adapter: bool
-) -> tuple[list[str], list[bool]]:
-    """Greedy answers to ``prompts`` as user messages, and whether each ended its turn (the tokenizer's end of
-    sequence) within ``max_new_tokens``."""
-    return _generate(
-        loaded,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        disable_adapter=disable_adapter,
-        apply_chat_template=True,
-        time_budget=None,
-    )
-
-
-def _generate(
-    loaded: LoadedModel,
-    prompts: list[str],
-    *,
-    max_new_tokens: int,
-    disable_adapter: bool,
-    apply_chat_template: bool,
-    time_budget: float | None,
-) -> tuple[list[str], list[bool]]:
-    import contextlib
-    import time
-
-    import torch
-
-    if not prompts:
-        raise InvalidArgument("no prompts given")
-    if not 0 < max_new_tokens <= 4096:
-        raise InvalidArgument(f"max_new_tokens must be in 1..4096, got {max_new_tokens}")
-    if len(prompts) * max_new_tokens > MAX_GENERATE_TOKENS:
-        raise InvalidArgument(
-            f"{len(prompts)} prompts x {max_new_tokens} new tokens is above the {MAX_GENERATE_TOKENS} tokens "
-            "one Generate call may produce; split the prompts"
-        )
-    deadline = None if time_budget is None else time.monotonic() + max(0.0, time_budget)
-    tok = loaded.tokenizer
-    if apply_chat_template:
-        if not getattr(tok, "chat_template", None):
-            raise FailedPrecondition("the model's tokenizer has no chat template")
-        texts = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
-            for p in prompts
-        ]
-    else:
-        texts = list(prompts)
-    model = loaded.model
-    outs: list[str] = []
-    finished: list[bool] = []
-    ctx = (
-        model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
-    )
-    was_training = model.training
-    model.eval()
-    try:
-        with ctx, torch.no_grad(), inference_weights(loaded):
-            for text in texts:  # one at a time: no padding, so results do not depend on batch makeup
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise DeadlineExceeded(f"the deadline passed after {len(outs)} of {len(texts)} prompts")
-                enc = tok(text, return_tensors="pt", add_special_tokens=not apply_chat_template).to(
-                    loaded.device
-                )
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    num_beams=1,
-                    pad_token_id=tok.pad_token_id,
-                    use_cache=True,
-                    **({"max_time": left} if left is not None else {}),  # HF stops generating at max_time
-                )
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise DeadlineExceeded(
-                        f"the deadline passed during prompt {len(outs) + 1} of {len(texts)}"
-                    )
-                new = out[0, enc["input_ids"].shape[1] :]
-                outs.append(tok.decode(new, skip_special_tokens=True))
-                finished.append(bool(len(new)) and int(new[-1]) == tok.eos_token_id)
-    finally:
-        model.train(was_training)
-    return outs, finished
-
-
-def generate_chat_batch(
-    loaded: LoadedModel, prompts: list[str], *, max_new_tokens: int, disable_adapter: bool
-) -> tuple[list[str], list[bool]]:
-    """``generate_chat`` over all prompts at once (left-padded): one decoding pass for the batch, for the trainer's
-    own use (retention). Padding may change a near-tie argmax, so an answer can differ from the unbatched one."""
-    import contextlib
-
-    import torch
-
-    tok = loaded.tokenizer
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in prompts
-    ]
-    model = loaded.model
-    side = tok.padding_side
-    ctx = (
-        model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
-    )
-    was_training = model.training
-    model.eval()
-    try:
-        tok.padding_side = "left"
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(loaded.device)
-        with ctx, torch.no_grad(), inference_weights(loaded):
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                num_beams=1,
-                pad_token_id=tok.pad_token_id,
-                use_cache=True,
-            )
-    finally:
-        tok.padding_side = side
-        model.train(was_training)
-    answers, finished = [], []
-    for row in out[:, enc["input_ids"].shape[1] :].tolist():
-        done = tok.eos_token_id in row
-        answers.append(
-            tok.decode(row[: row.index(tok.eos_token_id)] if done else row, skip_special_tokens=True)
-        )
-        finished.append(done)
-    return answers, finished
-
-
-# A CPU session's 4-bit layers generate from a dequantized copy of their weights: bitsandbytes' CPU path
-# dequantizes every weight again at every decoding step. The copy costs 4 bytes a weight (fp32 compute) and is
-# kept only while it takes at most this share of the host's available memory.
-INFERENCE_COPY_HOST_SHARE = 0.25
-INFERENCE_COPY = "inference_weights"
-
-
-@contextlib.contextmanager
-def inference_weights(loaded: LoadedModel):
-    """Inside: on a CPU session, every bitsandbytes ``Linear4bit`` computes ``x @ W.T + b`` from a dequantized
-    copy of its weight (in the layer's compute dtype) instead of dequantizing it on every call.
-
-    The copy is exactly what bitsandbytes' training forward computes with (``dequantize_4bit`` then a linear:
-    ``MatMul4Bit``), built once and kept in ``loaded.extra`` between Generate calls; ``drop_inference_weights``
-    frees it (a job does, as it starts). The layers' own forwards are untouched outside the ``with``: nothing
-    about training changes (``tests/trainer_svc/test_training_guards.py`` checks gradients after a Generate
-    bitwise).
-    """
-    layers = _inference_copy(loaded)
-    if not layers:
-        yield
-        return
-    import torch
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inp_dtype = x.dtype
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return torch.nn.functional.linear(x, layers[self], bias).to(inp_dtype)
-
-    try:
-        for module in layers:
-            module.forward = forward.__get__(module)
-        yield
-    finally:
-        for module in layers:
-            module.__dict__.pop("forward", None)
-
-
-def _inference_copy(loaded: LoadedModel) -> dict:
-    if not loaded.device.startswith("cpu"):
-        return {}
-    if INFERENCE_COPY in loaded.extra:
-        return loaded.extra[INFERENCE_COPY]
-    try:
-        import bitsandbytes.functional as bnbf
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:
-        return {}
-    import torch
-
-    layers = [m for m in loaded.model.modules() if isinstance(m, Linear4bit)]
-    if not layers:
-        return {}
-    dtype = getattr(torch, loaded.facts.compute_dtype or "float32")
-    need = sum(m.weight.quant_state.shape.numel() for m in layers) * dtype.itemsize
-    import psutil
-
-    room = psutil.virtual_memory().available * INFERENCE_COPY_HOST_SHARE
-    if need > room:
-        log.info(
-            "generating from the 4-bit weights: their %.1f GiB dequantized copy is above %.0f%% of the host's "
-            "available memory",
-            need / 2**30,
-            INFERENCE_COPY_HOST_SHARE * 100,
-        )
-        loaded.extra[INFERENCE_COPY] = {}
-        return {}
-    copy = {}
-    with torch.no_grad():
-        for m in layers:
-            if getattr(m.weight.quant_state, "packing_format_for_cpu", False):
-                return {}  # another layout (keep_4bit_layers_trainable prevents it); generate as bitsandbytes does
-            w = bnbf.dequantize_4bit(m.weight.data, m.weight.quant_state)
-            copy[m] = w.to(m.compute_dtype or dtype)
-    loaded.extra[INFERENCE_COPY] = copy
-    log.info("generating from a %.1f GiB dequantized copy of the 4-bit weights", need / 2**30)
-    return copy
-
-
-def drop_inference_weights(loaded: LoadedModel) -> None:
-    """Free the dequantized inference copy (a job starts training, the session closes)."""
-    loaded.extra.pop(INFERENCE_COPY, None)
-
-
-NF4_STATS_FILE = adapter_base.NF4_STATS_FILE
-write_base_record = adapter_base.write_base_record  # checkpoints (jobs.publish_checkpoint) write it too
-
-
-def write_adapter(loaded: LoadedModel, out_dir: Path) -> None:
-    """PEFT adapter files (+ the base's tokenizer files, so exports have what they need; + the NF4 statistics
-    of a base quantized on load, ``write_nf4_stats``; + the record of the base it was trained on,
-    ``strop.common.adapter_base``, so the directory alone re-creates the model as trained)."""
-    loaded.model.save_pretrained(out_dir, safe_serialization=True)
-    copy_tokenizer_files(loaded.model_dir, out_dir)
-    if loaded.facts.quantization == "bnb-nf4-on-load":
-        write_nf4_stats(loaded.model, out_dir / NF4_STATS_FILE)
-    write_base_record(out_dir, adapter_metadata(loaded))
-
-
-def write_nf4_stats(model, path: Path) -> int:
-    """The scale statistics of every ``Linear4bit`` (absmax and, with double quant, its own quantization:
-    offset, nested absmax and code), by base weight name; returns how many layers.
-
-    Why. The exporter re-creates the NF4 codes of a base quantized on load from the 16-bit checkpoint, and
-    the codes come out identical on CPU and CUDA (they depend only on each block's exact max). The double
-    quantization of the absmax does not: its offset is a mean, summed in a different order by CUDA, so some
-    8-bit absmax codes come out one step apart and move their blocks' weights (``bench/nf4_codes_check.py``;
-    bench/RESULTS.md, "NF4 codes on CUDA vs the exporter"). These few MB (1 byte per 64
-    weights) make the exporter's weights exactly the trained ones.
-    """
-    from bitsandbytes.nn import Linear4bit
-    from safetensors.torch import save_file
-
-    out = {}
-    for name, mod in model.named_modules():
-        if not isinstance(mod, Linear4bit):
-            continue
-        qs = quant_state_of(mod)
-        key = name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
-        out[key + ".absmax"] = qs.absmax.detach().cpu().contiguous()
-        if qs.nested:
-            out[key + ".offset"] = qs.offset.detach().float().cpu().reshape(1)
-            out[key + ".nested_absmax"] = qs.state2.absmax.detach().cpu().contiguous()
-            out[key + ".nested_code"] = qs.state2.code.detach().cpu().contiguous()
-    if out:
-        save_file(out, str(path))
-    return sum(k.endswith(".absmax") and not k.endswith(".nested_absmax") for k in out)
-
-
-def copy_tokenizer_files(src: Path, dst: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-
-
-def adapter_metadata(loaded: LoadedModel) -> dict[str, str]:
-    return {
-        "base_model": loaded.model_rel,
-        "base_quantization": loaded.facts.quantization,
-        "base_architecture": loaded.facts.architecture,
-        "r": str(loaded.lora.r if loaded.lora else 0),
-        **loaded_base_quant(loaded),
-    }
-
-
-def loaded_base_quant(loaded: LoadedModel) -> dict[str, str]:
-    """``base_quant_metadata`` of the session's model as loaded, computed once: FSDP shards the base later (the
-    digest then has only a rank's share of the codes to read) and relabels the codes' storage dtype."""
-    if "base_quant" not in loaded.extra:
-        loaded.extra["base_quant"] = base_quant_metadata(loaded.model)
-    return loaded.extra["base_quant"]
-
-
-def quant_state_of(mod):
-    """A ``Linear4bit``'s quant state: its weight's, or (under FSDP2, whose sharded weight does not carry it) the
-    module's own reference to the same state."""
-    return getattr(mod.weight, "quant_state", None) or mod.quant_state
-
-
-def base_quant_metadata(model) -> dict[str, str]:
-    """How the base's 4-bit layers were quantized, read from their quant states (``base_quant.*``).
-
-    The exporter re-creates the exact NF4 codes of a base quantized on load from these (its merge
-    into "the model as trained"); empty for a 16-bit session.
-    """
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:  # no bitsandbytes: no 4-bit layers either
-        return {}
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear4bit)]
-    if not layers:
-        return {}
-    qs = quant_state_of(layers[0][1])
-    first = layers[0][0].removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
-    return {
-        **_nf4_digest(first, layers[0][1].weight),
-        "base_quant.type": str(qs.quant_type),
-        "base_quant.blocksize": str(qs.blocksize),
-        "base_quant.double_quant": str(bool(qs.nested)).lower(),
-        "base_quant.nested_blocksize": str(qs.state2.blocksize if qs.nested else 0),
-        "base_quant.quant_storage": str(layers[0][1].weight.quant_storage).removeprefix("torch."),
-        "base_quant.quantized_from": str(qs.dtype).removeprefix("torch."),
-        "base_quant.compute_dtype": str(layers[0][1].compute_dtype).removeprefix("torch."),
-        "base_quant.modules": ",".join(
-            sorted({n.replace(".base_layer", "").rsplit(".", 1)[-1] for n, _ in layers})
-        ),
-        "base_quant.tensors": str(len(layers)),
-    }
-
-
-def _nf4_digest(name: str, weight) -> dict[str, str]:
-    """The digest of one Linear4bit weight (``kernels/ops/nf4_format.nf4_digest``, which the exporter compares its
-    re-creation by). Skipped for a layer bitsandbytes repacked for CPU inference (its codes are in another
-    layout then)."""
-    from strop.kernels.ops.nf4_format import nf4_digest
-
-    qs = weight.quant_state
-    if getattr(qs, "packing_format_for_cpu", False):
-        return {}
-    return {"base_quant.digest_tensor": name, "base_quant.digest": nf4_digest(weight.data, qs)}
 
 
 def release(loaded: LoadedModel) -> None:
