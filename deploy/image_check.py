@@ -31,6 +31,7 @@ Prints one JSON summary line (``image-check: {...}``) and exits non-zero on any 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -86,13 +87,28 @@ class Rootfs:
         user = config.get("User", "0:0")
         uid, _, gid = user.partition(":")
         self.uid, self.gid = int(uid), int(gid or uid)  # the images set a numeric user, as runAsNonRoot needs
-        for src, dst, opts in (
+        mounts = (
             ("proc", "proc", ["-t", "proc"]),
             ("/dev", "dev", ["--bind"]),
             (str(data), "data", ["--bind"]),
-        ):
+            ("tmpfs", "tmp", ["-t", "tmpfs", "-o", "mode=1777"]),  # the pods' emptyDir at /tmp
+        )
+        for _, dst, _ in mounts:
+            (self.root / dst).mkdir(exist_ok=True)
+        # The root read-only, as the pods run it (readOnlyRootFilesystem): a read-only bind of the container's
+        # filesystem onto itself, under the mounts above
+        sh("mount", "--bind", str(self.root), str(self.root))
+        self.mounts.append(self.root)
+        sh("mount", "-o", "remount,bind,ro", str(self.root))
+        try:
+            (self.root / "etc" / ".strop-write-check").touch()
+        except OSError as e:
+            if e.errno != errno.EROFS:
+                raise
+        else:
+            raise RuntimeError(f"{self.image}: the root filesystem is still writable")
+        for src, dst, opts in mounts:
             target = self.root / dst
-            target.mkdir(exist_ok=True)
             sh("mount", *opts, src, str(target))
             self.mounts.append(target)
         return self
