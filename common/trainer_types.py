@@ -9,6 +9,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# the memory modes' enum and their one table live in memory_modes.py; the API names them from here too
+from strop.common.memory_modes import (  # noqa: F401
+    DEFAULT_MEMORY_MODE,
+    MEMORY_MODES,
+    MemoryFeatures,
+    MemoryMode,
+)
+
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -88,73 +96,6 @@ class Parallelism(enum.StrEnum):
     UNSPECIFIED = "UNSPECIFIED"  # DDP
     DDP = "DDP"  # every rank holds the whole base; the adapters' gradients are averaged
     FSDP = "FSDP"  # FSDP2: the frozen base (16-bit or 4-bit) and the adapters sharded over the ranks
-
-
-class MemoryMode(enum.StrEnum):
-    """How a job trades device memory for speed; :data:`MEMORY_MODES` says what each installs."""
-
-    UNSPECIFIED = "UNSPECIFIED"
-    STANDARD = "STANDARD"
-    LONG_CONTEXT = "LONG_CONTEXT"
-    MAX_SPEED = "MAX_SPEED"
-
-    @classmethod
-    def _missing_(cls, value):
-        # the lower-case names and "" parse too: the CLI's --memory-mode takes "standard", "long_context",
-        # "max_speed" and "" (the default mode), as the proto's enum names read in a shell
-        return cls.__members__.get(str(value).upper() or "UNSPECIFIED")
-
-
-@dataclass(frozen=True)
-class MemoryFeatures:
-    """What a memory mode installs on a CUDA device with strop's kernels (the one table: :data:`MEMORY_MODES`).
-
-    Attributes:
-        gradient_checkpointing: True forces it on, False off (the budget decides per layer), None leaves the
-            job's ``gradient_checkpointing`` setting.
-        offload_layer_inputs: Checkpointed layer inputs live in pinned host memory between forward and backward.
-        offload_needs_host_room: Offload only when a step's layer inputs fit in half the host's available
-            memory (otherwise the inputs stay on the device); attention outputs are saved only when they fit
-            there too.
-        tiled_mlp: Each decoder MLP runs over sequence chunks (``"auto"``: only when a chunk's intermediates
-            would pass ~1 GiB).
-        budgeted_recompute: The first step measures one layer's activations; then only as many layers
-            recompute as the memory budget needs.
-        default_budget_fraction: The budget when the job gives none, as a fraction of the device's memory.
-        save_attention: Offloaded layers keep their attention output and log-sum-exp in host memory, so the
-            recompute in backward skips attention's forward.
-        host_budget_fraction: The share of the host's available memory (at install) the offloaded copies may
-            hold; past it, layer inputs stay on the device and attention is recomputed (0: unbounded).
-        save_layers: Evenly spaced offloaded layers that skip the recompute, their activations in host memory
-            (no mode sets it; a benchmark's variant may).
-    """
-
-    gradient_checkpointing: bool | None
-    offload_layer_inputs: bool
-    offload_needs_host_room: bool
-    tiled_mlp: bool
-    budgeted_recompute: bool
-    default_budget_fraction: float = 0.0
-    save_attention: bool = False
-    host_budget_fraction: float = 0.0
-    save_layers: int = 0
-
-
-# The measurements behind each row: bench/RESULTS.md, "training: memory-allowed mode, offloaded checkpointing",
-# "attention outputs kept for the recompute" and "saved attention in the standard mode".
-MEMORY_MODES: dict[MemoryMode, MemoryFeatures] = {
-    # offloading the layer inputs costs no step time at a few thousand tokens per row and takes a quarter off the
-    # peak; keeping the offloaded layers' attention outputs (reloaded one layer early) makes the recompute skip
-    # attention for a few GiB of host memory — each only when the host has room for it (apply_memory_mode)
-    MemoryMode.STANDARD: MemoryFeatures(None, True, True, False, False, save_attention=True),
-    # what host memory holds goes there, layer inputs first (an attention output is saved only with room left for
-    # the inputs still to come), the rest stays on the device; the MLP runs over sequence chunks
-    MemoryMode.LONG_CONTEXT: MemoryFeatures(
-        True, True, False, True, False, save_attention=True, host_budget_fraction=0.8
-    ),
-    MemoryMode.MAX_SPEED: MemoryFeatures(False, False, False, False, True, default_budget_fraction=0.9),
-}
-DEFAULT_MEMORY_MODE = MemoryMode.STANDARD
 
 
 class JobState(enum.StrEnum):

@@ -1,6 +1,6 @@
 """strop's memory modes, installed on a model in one call: ``apply_memory_mode(model, mode, step=...)``.
 
-A mode is a row of ``MEMORY_MODES`` (``common/trainer_types.py``, the one table); this module owns the rules
+A mode is a row of ``MEMORY_MODES`` (``common/memory_modes.py``, the one table); this module owns the rules
 around the table — whether the host has room for what a mode offloads, how much host memory the copies may
 hold, the device budget for budgeted recompute — and installs, per model instance and reversibly:
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from strop.common.trainer_types import DEFAULT_MEMORY_MODE, MEMORY_MODES, MemoryFeatures, MemoryMode
+from strop.common.memory_modes import DEFAULT_MEMORY_MODE, MEMORY_MODES, MemoryFeatures, MemoryMode
 
 from .checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 from .hf import unwrap_peft
