@@ -175,6 +175,24 @@ def test_kernel_rooms_import_one_way(room):
     assert not _hits([f"strop.kernels.{room}"], others)
 
 
+# the log-prob engine, and what the preference losses share
+LOSS_ENGINE = ("strop.kernels.losses.logps", "strop.kernels.losses.preference")
+
+
+def test_each_loss_takes_the_one_engine_and_imports_no_other_loss():
+    # Liger's chunked_loss shape: one file per loss over one log-prob engine; a loss that imported another's
+    # module would make that module a second owner of what they share
+    losses = sorted(m for m in GRAPH if m.startswith("strop.kernels.losses.") and m not in LOSS_ENGINE)
+    assert {m.rsplit(".", 1)[1] for m in losses} >= {"dpo", "orpo", "cpo", "kto", "rl", "grpo", "kl"}
+    bad = [
+        f"{m} imports {name}"
+        for m in [*losses, *LOSS_ENGINE]
+        for name in sorted(GRAPH[m])
+        if any(name == o or name.startswith(o + ".") for o in losses if o != m)
+    ]
+    assert not bad
+
+
 def _cycles() -> list[list[str]]:
     """Strongly connected groups of strop modules (Tarjan). An import of ``a.b.c`` counts as an edge to the module
     ``a.b.c`` (or its nearest enclosing module), not to the packages above it, which Python initialises first but
