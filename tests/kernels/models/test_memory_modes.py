@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -52,6 +53,23 @@ def test_standard_keeps_inputs_on_the_device_when_the_host_has_no_room_but_long_
     loss = model(input_ids=torch.randint(0, 300, (2, 17)), labels=torch.randint(0, 300, (2, 17))).loss
     loss.backward()  # the installed machinery trains
     assert long_context.memory.offloader.stats.offloaded > 0
+
+
+def test_a_table_row_passed_as_its_features_installs_what_its_mode_does_and_a_variant_is_no_mode():
+    # the benchmark passes the row (a dataclasses.replace of it for its -sN/-aB/-tB variants), the trainer the
+    # mode: one installer, so the benchmark's strop-standard is the trainer's default
+    row = MEMORY_MODES[MemoryMode.STANDARD]
+    _, by_mode = _install(MemoryMode.STANDARD)
+    model, by_row = _install(dataclasses.replace(row))
+    assert by_row.mode is MemoryMode.STANDARD and by_row.features == by_mode.features == row
+    assert str(by_row) == str(by_mode) and by_row.notes == by_mode.notes
+    assert model.__dict__["_strop_offload"].save_layers == 0
+    model, variant = _install(dataclasses.replace(row, save_layers=1))
+    assert variant.mode is None and variant.features.save_layers == 1
+    assert model.__dict__["_strop_offload"].save_layers == 1
+    loss = model(input_ids=torch.randint(0, 300, (2, 17)), labels=torch.randint(0, 300, (2, 17))).loss
+    loss.backward()
+    assert variant.memory.offloader.stats.saved_offloaded > 0  # a layer skipped its recompute
 
 
 def test_max_speed_needs_a_budget_or_a_cuda_device_to_take_its_share_of():
