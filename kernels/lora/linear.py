@@ -46,9 +46,10 @@ output, and the backward's Σ_i dy_i W_i is one GEMM with K = Σ out_i instead o
 further projection. Only for callers that keep the y_i private (``forward_projections(stack=True)``); the fused
 QKV returns q, k, v as separate tensors, which the caller rotates in place.
 
-The GEMMs are cuBLAS's, the NF4 dequant is ``kernels/nf4.py``, and the rank-r updates of large outputs
-(y += s·u Bᵀ, dx += g A) are ``kernels/small_k.py``'s memory-bound kernel (cuBLAS's beta=1 GEMM with K = r
-runs at ~59% of copy bandwidth, the kernel at ~86–89%).
+The GEMMs are cuBLAS's, the NF4 dequant is ``kernels/ops/nf4.py``, and the rank-r updates of large outputs
+(y += s·u Bᵀ, dx += g A) are ``kernels/ops/small_k.py``'s memory-bound kernel (cuBLAS's beta=1 GEMM with K = r
+runs compute-bound tiles well short of copy bandwidth; bench/RESULTS.md, "small-K update (LoRA's y += s·u·Bᵀ) vs
+cuBLAS addmm_").
 """
 
 from __future__ import annotations
