@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from strop.client import GrpoConfig, InvalidArgumentError, JobState, LoraConfig, TrainConfig, TrainMethod
+from strop.common.errors import FailedPrecondition
 from strop.common.trainer_types import Quantization
 from strop.graders import Sample
 from strop.graders.model import read_score
@@ -214,13 +215,16 @@ def test_grader_models_resolve_by_session_id_name_or_base(trainer, sessions):
     assert base.session is own and not base.adapter
 
 
-def _train(client, sessions, grader: dict, steps: int = 1, **extra):
-    policy_id, _, train, _ = sessions
-    cfg = TrainConfig(
+def _config(grader: dict, steps: int) -> TrainConfig:
+    return TrainConfig(
         method=TrainMethod.GRPO, learning_rate=2e-2, lr_scheduler="constant", max_steps=steps, batch_size=2,
         seed=0, grpo=GrpoConfig(grader=json.dumps(grader), group_size=4, max_new_tokens=2, temperature=0.3),
     )  # fmt: skip
-    return list(client.train(policy_id, train, cfg, **extra))
+
+
+def _train(client, sessions, grader: dict, steps: int = 1, **extra):
+    policy_id, _, train, _ = sessions
+    return list(client.train(policy_id, train, _config(grader, steps), **extra))
 
 
 def _multi(judge: dict) -> dict:
@@ -296,3 +300,53 @@ def test_a_grpo_job_grades_with_a_score_model_on_another_session(trainer, client
         torch.equal(p, taught[k]) for k, p in judge_model.named_parameters() if "lora_" in k
     )
     assert not client.get_session(judge_id).busy_job_id  # the grader session was asked, never trained or held
+
+
+def test_a_cancelled_job_resumed_grades_as_one_never_stopped(client, sessions, torch_engine):
+    """The grader model samples at temperature 0.5 (each reply seeded by its prompt) and is resolved again when the
+    job resumes: the resumed steps' rewards and the judge's own mean score equal a job never stopped."""
+    _, judge_id, train, _ = sessions
+    judge = {**JUDGE, "model": judge_id, "sampling_params": {"temperature": 0.5, "max_completions_tokens": 4}}
+    steps = 6  # room for the cancel, sent after the first step's event, to land before the last step
+    cfg = _config(_multi(judge), steps)
+
+    def fresh():
+        s = client.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32")
+        client.attach_lora(s.session_id, LoraConfig(r=8, alpha=16, seed=0))
+        return s.session_id
+
+    a = fresh()
+    reference = [e.step for e in client.train(a, train, cfg) if e.step is not None]
+    client.close_session(a)
+    # the sampled judge's replies vary (some state a score, some do not), so equal means below say something
+    assert len({g.mean_score for m in reference for g in m.rl.graders if g.name == "judge"}) > 1
+    b = fresh()
+    job_id, cancelled = "", False
+    for event in client.train(b, train, cfg):
+        job_id = event.job_id
+        if event.step is not None and not cancelled:
+            client.cancel_job(job_id)  # lands between steps: the job checkpoints the step it reached
+            cancelled = True
+    job = client.get_job(job_id)
+    assert job.state is JobState.CANCELLED and job.last_checkpoint is not None, job
+    stopped = job.last_checkpoint.step
+    assert 1 <= stopped < steps
+    resumed = [e.step for e in client.train(b, resume_from_job_id=job_id) if e.step is not None]
+    assert [s.step for s in resumed] == list(range(stopped + 1, steps + 1))
+    for got, want in zip(resumed, reference[stopped:], strict=True):
+        assert got.rl.reward_mean == want.rl.reward_mean
+        assert {g.name: g.mean_score for g in got.rl.graders} == {
+            g.name: g.mean_score for g in want.rl.graders
+        }
+    client.close_session(b)
+
+
+def test_a_closed_grader_session_fails_the_grade(trainer, client, sessions):
+    core = trainer[1]
+    gone = client.load_model("tiny-llama", quantization=Quantization.NONE, dtype="float32")
+    grader = grpo.parse_grader(json.dumps({**JUDGE, "model": gone.session_id}))
+    table = grader_sessions.resolve(grader, core.sessions, core.sessions.open(sessions[0]))
+    leaf = grader.leaves["judge"]
+    client.close_session(gone.session_id)
+    with pytest.raises(FailedPrecondition, match=f"grader session {gone.session_id} .* was closed"):
+        grader_sessions.GraderSessions(table)([leaf.request(Sample.of("x"), {"question": "q"})])
