@@ -7,10 +7,12 @@ Shape (Qwen3-30B-A3B's config): hidden 2048, 48 layers, 32 query / 4 KV heads of
 adapters fp32, bf16 autocast, gradient checkpointing (use_reentrant=False), torch.optim.AdamW(lr=1e-4),
 PYTORCH_ALLOC_CONF=expandable_segments:True, the same random tokens and seed for every system.
 
-QLoRA here is what bitsandbytes gives an MoE: its 4-bit quantization covers ``nn.Linear`` layers only, so the
-attention projections are NF4 (double quant, bf16 compute) and the experts stay bf16 (~57 GiB of the model's ~61).
-Strop's NF4 experts are not written yet; the ``strop`` system is strop's kernels on attention, norms and loss with
-the experts on the grouped expert GEMM (``kernels/ops/moe_gemm.py``: 16-bit experts, LoRA fused, no merged stack).
+QLoRA for the baseline is what bitsandbytes gives an MoE: its 4-bit quantization covers ``nn.Linear`` layers only,
+so the attention projections are NF4 (double quant, bf16 compute) and the experts stay bf16 (~57 GiB of the model's
+~61). The ``strop`` system is strop's kernels on attention, norms and loss with the experts on the grouped expert GEMM
+(``kernels/ops/moe_gemm.py``: LoRA fused, no merged stack) and, under QLoRA, the experts held in strop's NF4 storage
+as the trainer holds them in a 4-bit session (``kernels/models/moe_experts.quantize_experts``, dequantized in the
+GEMM's tiles); ``--no-nf4-experts`` keeps them bf16 (the previous strop system).
 
 Deviation from DESIGN's baseline recipe, and why: the model is built in GPU memory (``from_config`` under bf16)
 and its attention quantized to NF4 by hand with bitsandbytes' own ``Linear4bit``/``Params4bit``, instead of saved
@@ -87,6 +89,12 @@ def build_model(a, device: str):
     torch.set_default_dtype(torch.float32)
     if a.qlora:
         quantize_attention_nf4(model, dtype, device)
+        if a.system == "strop" and a.nf4_experts:
+            from strop.kernels.models.moe_experts import quantize_experts
+
+            quantize_experts(model)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     model.config.use_cache = False
     return model
 
@@ -178,7 +186,7 @@ def run_worker(a) -> Result:
 def spawn(system: str, a) -> Result:
     cmd = [sys.executable, __file__, "--worker", "--system", system, "--batch", str(a.batch), "--seq", str(a.seq),
            "--layers", str(a.layers), "--steps", str(a.steps), "--warmup", str(a.warmup)]  # fmt: skip
-    cmd += ["--smoke"] * a.smoke + ["--no-qlora"] * (not a.qlora)
+    cmd += ["--smoke"] * a.smoke + ["--no-qlora"] * (not a.qlora) + ["--no-nf4-experts"] * (not a.nf4_experts)
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"
@@ -203,6 +211,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-qlora", dest="qlora", action="store_false", help="bf16 LoRA: no NF4 attention")
+    p.add_argument(
+        "--no-nf4-experts", dest="nf4_experts", action="store_false",
+        help="strop under QLoRA: keep the experts bf16 instead of strop's NF4 expert storage",
+    )  # fmt: skip
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
@@ -215,8 +227,12 @@ def main() -> None:
         print("RESULT " + json.dumps(asdict(run_worker(a))), flush=True)
         return
     results = [spawn(s, a) for s in a.systems.split(",")]
-    print(f"Qwen3-30B-A3B shape, {a.layers} layers, {'QLoRA (NF4 attention)' if a.qlora else 'bf16 LoRA'}, "
-          f"{a.batch} x {a.seq}")  # fmt: skip
+    quant = (
+        ("QLoRA (NF4 attention; strop's experts " + ("NF4)" if a.nf4_experts else "bf16)"))
+        if a.qlora
+        else "bf16 LoRA"
+    )
+    print(f"Qwen3-30B-A3B shape, {a.layers} layers, {quant}, {a.batch} x {a.seq}")
     print("system     tok/s    ms/step  weights GiB  peak alloc GiB  peak reserved GiB  losses")
     for r in results:
         if r.error:

@@ -128,6 +128,7 @@ class BaseModel:
         self.files = self._open_files()
         self.tensors: dict[str, BaseTensor] = self._logical_tensors()
         self.on_load: Nf4OnLoad | None = None  # set on the copy ``quantized_on_load`` returns
+        self.expert_nf4 = None  # NF4 experts as the trainer held them (``moe.ExpertNf4``), set on a copy too
 
     def quantized_on_load(self, spec: Nf4OnLoad) -> BaseModel:
         """This 16-bit base as the trainer held it: the weights ``spec`` covers read as their NF4 codes,
@@ -155,6 +156,8 @@ class BaseModel:
     def is_dequantized(self, name: str) -> bool:
         """Whether ``read_fp32(name)`` dequantizes 4-bit codes (stored ones, or re-created on load)."""
         t = self.tensors[name]
+        if self.expert_nf4 is not None and self.expert_nf4.stack_of(name) is not None:
+            return True
         return bool(t.quant) or (self.on_load is not None and self.on_load.covers(name, t.shape))
 
     def _quantization(self) -> str:
@@ -257,6 +260,8 @@ class BaseModel:
     def read_fp32(self, name: str) -> torch.Tensor:
         """One logical tensor as float32; 4-bit weights dequantized in fp32 (bitsandbytes, on the CPU)."""
         t = self.tensors[name]
+        if self.expert_nf4 is not None and self.expert_nf4.stack_of(name) is not None:
+            return self.expert_nf4.read(self, name)
         if not t.quant and self.is_dequantized(name):
             return self._requantized_fp32(name)
         if not t.quant:

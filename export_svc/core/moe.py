@@ -17,11 +17,19 @@ strided columns out of ``B``; the merge is then the dense one (``W + s · B @ A`
 The reverse map (:func:`model_state`) turns such a checkpoint's tensors into the names and fused shapes of the
 transformers model (``mlp.experts.gate_up_proj [E, 2·I, H]``), for the in-memory reference model verification
 compares against.
+
+NF4 experts (the trainer holds a 4-bit session's fused stacks as NF4, ``kernels/models/moe_experts.py``; the
+adapter's ``base_quant.experts*`` metadata says so): the as-trained value of a per-expert tensor is read from its
+layer's stack quantized again as the trainer did (:class:`ExpertNf4`: bitsandbytes' NF4 of ``[E, N·K]``, blocks of
+64, double quant, from the recorded dtype), with the trainer's recorded absmax statistics where the adapter carries
+them (the codes re-create exactly on any device, the double-quantized scales need not: ``write_nf4_stats``), and
+dequantized exactly as the trainer's kernel does (rounded to that dtype, then fp32).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -168,3 +176,105 @@ def expert_stacks(config: dict[str, Any], names: list[str]) -> dict[str, tuple[s
         if m:
             out[n] = (f"{m.group(1)}.{m.group(3)}.weight", int(m.group(2)), experts)
     return out
+
+
+EXPERTS_META = "base_quant.experts"  # "nf4" when the trainer held the fused expert stacks in NF4
+EXPERTS_FROM_META = "base_quant.experts_from"  # the dtype the stacks had when quantized
+
+
+@dataclass
+class ExpertNf4:
+    """How the trainer held a 4-bit session's expert stacks (NF4, blocks of 64, double quant), to re-create them."""
+
+    config: dict[str, Any]
+    quantized_from: str
+    stats_file: str = ""
+    _cache: tuple[str, torch.Tensor] | None = (
+        None  # the last stack dequantized (a merge walks expert by expert)
+    )
+
+    @classmethod
+    def from_metadata(
+        cls, meta: dict[str, str], config: dict[str, Any], stats_file: str = ""
+    ) -> ExpertNf4 | None:
+        """The adapter's record of NF4 experts, or None when its experts were held in 16 bits.
+
+        Raises:
+            CorruptInput: a quantization strop does not write.
+        """
+        kind = meta.get(EXPERTS_META, "")
+        if not kind:
+            return None
+        dtype = meta.get(EXPERTS_FROM_META, "")
+        if kind != "nf4" or dtype not in ("bfloat16", "float16", "float32"):
+            raise CorruptInput(
+                f"the adapter records experts held as {kind!r} from {dtype!r}: strop writes nf4"
+            )
+        return cls(config, dtype, stats_file)
+
+    def stack_of(self, name: str) -> tuple[str, list[str], int, tuple[int, int]] | None:
+        """For a per-expert checkpoint tensor: (its stack's model name, the checkpoint names stacked in it in
+        order, its expert, its rows in that expert's matrix); None for any other tensor."""
+        arch = MOE_ARCHS.get(str(self.config.get("model_type")))
+        m = _PER_EXPERT.fullmatch(name)
+        if arch is None or not arch.moe.checkpoint_experts or m is None:
+            return None
+        experts, _, inter = moe_sizes(self.config)
+        hidden = int(self.config["hidden_size"])
+        gate, up, down = arch.moe.checkpoint_experts
+        prefix, e, leaf = m.group(1), int(m.group(2)), m.group(3)
+        layer = prefix.removesuffix(f".{arch.moe.checkpoint_mlp}.experts") + ".mlp.experts"
+        if leaf == down:
+            return (
+                f"{layer}.down_proj",
+                [f"{prefix}.{i}.{down}.weight" for i in range(experts)],
+                e,
+                (0, hidden),
+            )
+        rows = (0, inter) if leaf == gate else (inter, 2 * inter)
+        names = [f"{prefix}.{i}.{x}.weight" for i in range(experts) for x in (gate, up)]
+        return f"{layer}.gate_up_proj", names, e, rows
+
+    def read(self, base, name: str) -> torch.Tensor:
+        """The fp32 values the trainer's kernel multiplied for per-expert tensor ``name`` of ``base``."""
+        stack, names, e, (lo, hi) = self.stack_of(name)
+        if self._cache is None or self._cache[0] != stack:
+            self._cache = None  # free the previous stack first
+            self._cache = (stack, self._dequantized(base, stack, names))
+        return self._cache[1][e, lo:hi].clone()
+
+    def _dequantized(self, base, stack: str, names: list[str]) -> torch.Tensor:
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+        experts = moe_sizes(self.config)[0]
+        dtype = getattr(torch, self.quantized_from)
+        rows = torch.cat([base.files[base.tensors[n].file].read(n).to(dtype).reshape(-1) for n in names])
+        w = rows.view(experts, -1)
+        packed, qs = quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        if self.stats_file:
+            _recorded_scales(self.stats_file, stack, qs)
+        return dequantize_4bit(packed, qs).float().view(experts, -1, _in_features(self.config, stack))
+
+
+def _in_features(config: dict[str, Any], stack: str) -> int:
+    return int(config["hidden_size"]) if stack.endswith("gate_up_proj") else moe_sizes(config)[2]
+
+
+def _recorded_scales(path: str, stack: str, qs) -> None:
+    """``qs``'s absmax statistics replaced by the trainer's for ``stack`` (keys as ``write_nf4_stats``'s)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        want = [stack + s for s in (".absmax", ".offset", ".nested_absmax", ".nested_code")]
+        if any(k not in keys for k in want):
+            raise CorruptInput(f"the adapter's recorded NF4 statistics lack the expert stack {stack!r}")
+        absmax = f.get_tensor(stack + ".absmax")
+        if absmax.shape != qs.absmax.shape or absmax.dtype != qs.absmax.dtype:
+            raise CorruptInput(
+                f"the adapter's recorded NF4 statistics of {stack!r} do not fit its base experts"
+            )
+        qs.absmax = absmax
+        qs.offset = f.get_tensor(stack + ".offset").reshape(qs.offset.shape).to(qs.offset.dtype)
+        qs.state2.absmax = f.get_tensor(stack + ".nested_absmax")
+        qs.state2.code = f.get_tensor(stack + ".nested_code")

@@ -181,7 +181,8 @@ class _Exporter:
             base = self.inputs.base
             dtypes = {t.dtype for t in base.tensors.values()}
             lossless = EXACT_TYPE_OF.get(next(iter(dtypes))) if len(dtypes) == 1 else None
-            untouched = base.quantization == "none" and base.on_load is None  # nothing dequantized
+            # nothing dequantized
+            untouched = base.quantization == "none" and base.on_load is None and base.expert_nf4 is None
             gguf_type = lossless if key == "base" and lossless and untouched else "F32"
             p = self.scratch / f"{key}-{gguf_type}.gguf"
             self.write_gguf(p, gguf_type, label, merged=key == "merged")

@@ -19,6 +19,7 @@ the writer (``pipeline.write_export``) takes: it re-checks nothing.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import uuid
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from strop.export_svc.core.gguf_arch import check_gguf_model
 from strop.export_svc.core.gguf_out import check_gguf_lora
 from strop.export_svc.core.gguf_types import GGUF_TYPES, LORA_TYPES
 from strop.export_svc.core.gguf_vocab import GgufVocab, load_vocab
+from strop.export_svc.core.moe import ExpertNf4
 from strop.export_svc.core.nf4_on_load import Nf4OnLoad
 from strop.export_svc.core.peft_dir import refusals
 
@@ -235,6 +237,10 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
     if on_load is not None and (adapter.path / NF4_STATS_FILE).is_file():
         on_load = dataclasses.replace(on_load, stats_file=str(adapter.path / NF4_STATS_FILE))
     trained = base.quantized_on_load(on_load) if on_load is not None and base.quantization == "none" else base
+    experts = ExpertNf4.from_metadata(meta, base.config, _stats(adapter)) if adapter is not None else None
+    if experts is not None:  # the trainer held the expert stacks in NF4: the model as trained reads them so
+        trained = copy.copy(trained)
+        trained.expert_nf4 = experts
     return Inputs(
         trained if merge_base is MergeBase.AS_TRAINED else base,
         adapter,
@@ -244,9 +250,15 @@ def resolve(req: ExportRequest, model_root: Path, store: ArtifactStore) -> Input
         {k: v for k, v in meta.items() if k in _SOURCE_KEYS},
         trained_base=trained,
         merge_base=merge_base,
-        on_load=on_load if trained is not base else None,
+        on_load=on_load if trained.on_load is not None else None,
         base_record=base_record(meta),
     )
+
+
+def _stats(adapter: Adapter) -> str:
+    """The trainer's recorded NF4 scale statistics in the adapter's directory, or ""."""
+    path = adapter.path / NF4_STATS_FILE
+    return str(path) if path.is_file() else ""
 
 
 def check_finite(adapter: Adapter) -> None:

@@ -35,7 +35,9 @@ def _saved_bytes_of_a_real_step(model, tokens: torch.Tensor) -> int:
     return sum(seen.values())
 
 
-def assert_estimate_bounds_a_real_step(config, model, rows: int, length: int, expert_lora: bool = False):
+def assert_estimate_bounds_a_real_step(
+    config, model, rows: int, length: int, expert_lora: bool = False, nf4_experts: bool = False
+):
     """The estimate of keeping every layer (HF + PEFT, no checkpointing) against what a real forward of ``model``
     on ``rows`` × ``length`` random tokens saves for backward: at least that, and at most twice it. Returns the
     job config, the trainable parameter count and the estimate."""
@@ -52,6 +54,7 @@ def assert_estimate_bounds_a_real_step(config, model, rows: int, length: int, ex
         offloaded=False,
         kernels=False,
         expert_lora=expert_lora,
+        nf4_experts=nf4_experts,
     )
     predicted = est.layers + est.logits
     assert measured <= predicted <= 2.0 * measured, (measured, predicted, str(est))

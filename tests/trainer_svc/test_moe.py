@@ -63,10 +63,15 @@ def test_an_moe_loads_as_each_quantization_and_lora_wraps_attention_and_every_ex
 
     loaded = _load(moe_root, name.format(a=arch), quantization)
     assert loaded.facts.model_type == arch and loaded.facts.quantization == label
-    # bitsandbytes 4-bit covers nn.Linear only: attention is NF4, the experts stay float32 (the session says so)
+    # bitsandbytes 4-bit covers nn.Linear only: attention is its NF4; a 4-bit session's Qwen3-MoE / Mixtral experts
+    # are strop's NF4 stacks (gpt-oss's stay float32), and the session says which
     n4 = sum(isinstance(m, Linear4bit) for m in loaded.model.modules())
     assert n4 == (0 if label == "none" else 2 * 4), "q/k/v/o of two layers"
-    assert "4 experts, 2 per token, experts held in float32" in loaded.facts.kernels_reason
+    nf4_experts = label != "none" and arch != "gpt_oss"
+    held = "NF4" if nf4_experts else "float32"
+    assert f"4 experts, 2 per token, experts held in {held}" in loaded.facts.kernels_reason
+    stacks = [b for n, b in loaded.model.named_buffers() if n.endswith("_nf4_packed")]
+    assert len(stacks) == (2 * 2 if nf4_experts else 0), "gate_up and down of two layers"
     attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
     trainable = {n for n, p in loaded.model.named_parameters() if p.requires_grad}
     for i in range(2):
@@ -203,6 +208,37 @@ def test_the_admission_estimate_bounds_what_an_moe_step_saves():
     )
     model = get_peft_model(model, cfg)
     assert_estimate_bounds_a_real_step(config, model, rows=2, length=96, expert_lora=True)
+
+
+@pytest.mark.parametrize("expert_lora", [False, True], ids=["attention-lora", "expert-lora"])
+def test_the_admission_estimate_counts_what_hf_saves_of_nf4_experts(expert_lora):
+    """NF4 experts on HF's expert path: the stacks dequantized for each layer's call are what its expert GEMMs save
+    (attention-only LoRA) or are merged with s·BA (expert LoRA); the estimate still bounds the real step within 2×."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from strop.kernels.models.moe_experts import quantize_experts
+    from tests.trainer_svc.test_admission import assert_estimate_bounds_a_real_step
+
+    config = Qwen3MoeConfig(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000,
+        max_position_embeddings=512, output_router_logits=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    assert len(quantize_experts(model)) == 4
+    params = ["experts.gate_up_proj", "experts.down_proj"] if expert_lora else None
+    cfg = PeftLoraConfig(
+        r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=params
+    )
+    model = get_peft_model(model, cfg)
+    assert_estimate_bounds_a_real_step(
+        config, model, rows=2, length=96, expert_lora=expert_lora, nf4_experts=True
+    )
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,11 @@ T = rows × the longest tokenized row, capped at max_length; H hidden, I interme
     expert stacks      E · 3·I_e·H · 2 per layer kept    LoRA on fused experts on HF's path (PEFT's ParamWrapper):
                                                          each forward builds W + s·BA for the whole stack and the
                                                          expert GEMMs save it for backward; counted for every layer
-                                                         kept (checkpointed: 2); none on strop's grouped expert GEMM
+                                                         kept (checkpointed: 2); none on strop's grouped expert GEMM.
+                                                         NF4 experts on HF's path: the same per layer kept (the
+                                                         dequantized stack the expert GEMMs save), plus one layer's
+                                                         stack dequantized for the call; none on the grouped GEMM,
+                                                         which dequantizes tiles in registers
     layers kept        L · one layer                     without checkpointing
                        L · T·H·2 + 2 · one layer         checkpointed: every layer input, one layer recomputed
                                                          and its backward's transients
@@ -80,9 +84,10 @@ def estimate(
     offloaded: bool,
     kernels: bool,
     expert_lora: bool = False,
+    nf4_experts: bool = False,
 ) -> Estimate:
     """The estimate of the module docstring for one step of ``cfg`` on a model of ``hf_config`` (``expert_lora``: a
-    mixture of experts whose experts carry LoRA)."""
+    mixture of experts whose experts carry LoRA; ``nf4_experts``: whose experts are held in NF4)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     h, inter = int(text.hidden_size), int(text.intermediate_size)
     n_layers, vocab = int(text.num_hidden_layers), int(text.vocab_size)
@@ -97,12 +102,14 @@ def estimate(
     arch = arch_of(model_type)
     if arch is not None and arch.sandwich_norms:
         a += 4 if kernels else 16
-    stack = 0
+    stack = dequantized = 0
     if arch is not None and arch.moe is not None:  # the experts run HF's path either way
         n_exp, top_k, inter_e = moe_sizes(text)
         one_layer = t * (a * h + b * kv + top_k * (8 * h + 10 * inter_e) + 10 * n_exp)
-        # HF's expert path under PEFT merges W + s·BA for the whole stack; the grouped expert GEMM never does
-        stack = n_exp * 3 * inter_e * h * 2 if expert_lora and not kernels else 0
+        # HF's expert path under PEFT merges W + s·BA for the whole stack (NF4 experts: it saves the stack
+        # dequantized for the call); the grouped expert GEMM never does
+        stack = n_exp * 3 * inter_e * h * 2 if (expert_lora or nf4_experts) and not kernels else 0
+        dequantized = n_exp * 3 * inter_e * h * 2 if nf4_experts and not kernels else 0
     else:
         one_layer = t * (a * h + b * kv + c * inter)
     if not checkpointed:
@@ -119,7 +126,7 @@ def estimate(
         softcapped = getattr(text, "final_logit_softcapping", None) is not None
         logits = t * vocab * (12 if softcapped else 10)
     per_param = 6 if "8bit" in cfg.optimizer else 12
-    return Estimate(t, per_param * n_trainable, layers, logits)
+    return Estimate(t, per_param * n_trainable, layers + dequantized, logits)
 
 
 def longest_row(dataset) -> int:

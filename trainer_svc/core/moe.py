@@ -13,9 +13,14 @@ The router is frozen unless a LoRA config asks for it (``train_router``): then P
 (``load_balancing_loss_func`` in each modeling file), added as the config says: ``router_aux_loss_coef`` times it
 when ``output_router_logits`` is true, nothing otherwise.
 
-bitsandbytes quantizes ``nn.Linear`` layers only: a 4-bit session (quantized on load or prequantized) holds the
-attention in NF4 and the experts — most of an MoE model's weights — in the compute dtype. :func:`expert_note` says
-so in the session's facts.
+bitsandbytes quantizes ``nn.Linear`` layers only, so the experts — most of an MoE model's weights — would stay in
+the compute dtype. A 4-bit session (quantized on load or prequantized) of Qwen3-MoE or Mixtral holds them in strop's
+own NF4 storage instead (:func:`hold_experts_in_nf4`: the memory default of every 4-bit load, no flag): the same
+NF4 code book, blocks of 64 and double quant as the attention's, per expert, dequantized inside the grouped expert
+GEMM (and for the call where HF's expert loop runs). The adapter records it (:func:`expert_quant_metadata`, the
+scale statistics in ``write_nf4_stats``'s file) so exports merge into the experts as trained
+(``export_svc/core/moe.ExpertNf4``). gpt-oss keeps 16-bit experts (transposed stacks with biases, no kernel).
+:func:`expert_note` says which in the session's facts.
 """
 
 from __future__ import annotations
@@ -110,16 +115,83 @@ def aux_loss_coef(hf_config) -> float:
     return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
 
 
+def hold_experts_in_nf4(model, hf_config, quantization: str) -> int:
+    """Quantize a 4-bit session's fused expert stacks into strop's NF4 storage (``quantization``: the session's
+    label, ``"none"`` for 16-bit); returns how many stacks. Qwen3-MoE and Mixtral only."""
+    arch = moe_arch(hf_config)
+    if quantization == "none" or arch is None or arch.model_type not in NF4_EXPERT_ARCHS:
+        return 0
+    from strop.kernels.models.moe_experts import quantize_experts
+
+    return len(quantize_experts(model))
+
+
+NF4_EXPERT_ARCHS = ("qwen3_moe", "mixtral")  # fused SwiGLU stacks [E, out, in]: the grouped GEMM's layout
+
+
+def _nf4_stacks(model) -> dict[str, Any]:
+    """``{stack name: Nf4Experts}`` of a model's NF4 experts (names as the base checkpoint's model names)."""
+    from strop.kernels.models.moe_experts import EXPERT_STACKS, nf4_expert_modules, nf4_experts
+
+    return {
+        f"{name}.{p}": nf4_experts(module, p)
+        for name, module in nf4_expert_modules(model).items()
+        for p in EXPERT_STACKS
+    }
+
+
+def holds_nf4_experts(model) -> bool:
+    """Whether a session's experts are held in strop's NF4 storage (admission counts what HF's path dequantizes)."""
+    from strop.kernels.models.moe_experts import nf4_expert_modules
+
+    return bool(nf4_expert_modules(model))
+
+
+def expert_quant_metadata(model) -> dict[str, str]:
+    """``base_quant.experts*`` of a session whose experts are NF4 (what ``export_svc/core/moe.ExpertNf4`` reads);
+    empty otherwise."""
+    if moe_arch(getattr(model, "config", None) or {}) is None:
+        return {}
+    stacks = _nf4_stacks(model)
+    if not stacks:
+        return {}
+    first = next(iter(stacks.values()))
+    return {
+        "base_quant.experts": "nf4",
+        "base_quant.experts_from": str(first.dtype).removeprefix("torch."),
+        "base_quant.expert_stacks": str(len(stacks)),
+    }
+
+
+def expert_nf4_stats(model) -> dict[str, Any]:
+    """The NF4 experts' scale statistics by stack name, keyed as ``write_nf4_stats`` keys a layer's (absmax,
+    offset, nested absmax and code): the double quantization's scales are not re-created bit for bit across
+    devices, so the exporter reads the trainer's."""
+    out = {}
+    for name, q in _nf4_stacks(model).items():
+        out[name + ".absmax"] = q.absmax.detach().cpu().contiguous()
+        if q.nested:
+            out[name + ".offset"] = q.offset.detach().float().cpu().reshape(1)
+            out[name + ".nested_absmax"] = q.absmax2.detach().cpu().contiguous()
+            out[name + ".nested_code"] = q.code2.detach().cpu().contiguous()
+    return out
+
+
 def expert_note(model, hf_config) -> str:
-    """One line for the session's facts: experts per layer and per token, and the dtype the experts are held in."""
+    """One line for the session's facts: experts per layer and per token, and how the experts are held."""
     arch = moe_arch(hf_config)
     if arch is None:
         return ""
     n, k, _ = moe_sizes(hf_config)
-    dtypes = sorted(
-        {str(p.dtype).removeprefix("torch.") for name, p in model.named_parameters() if ".experts." in name}
-    )
-    return (
-        f"MoE {arch.model_type}: {n} experts, {k} per token, experts held in {'/'.join(dtypes) or '?'} "
-        "(bitsandbytes 4-bit covers nn.Linear layers only: the attention), HF's expert path"
-    )
+    if _nf4_stacks(model):
+        held = "NF4 (strop's expert storage, dequantized in the grouped expert GEMM)"
+    else:
+        dtypes = sorted(
+            {
+                str(p.dtype).removeprefix("torch.")
+                for name, p in model.named_parameters()
+                if ".experts." in name
+            }
+        )
+        held = f"{'/'.join(dtypes) or '?'} (bitsandbytes 4-bit covers nn.Linear layers only: the attention)"
+    return f"MoE {arch.model_type}: {n} experts, {k} per token, experts held in {held}"

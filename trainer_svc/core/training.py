@@ -487,6 +487,7 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
         offloaded=offloaded,
         kernels=loaded.facts.kernels_enabled,
         expert_lora=moe.expert_lora(loaded.model.config, loaded.lora),
+        nf4_experts=moe.holds_nf4_experts(loaded.model),
     )
     dev = torch.device(loaded.device)
     free, _ = torch.cuda.mem_get_info(dev)

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 transformers = locked("transformers")
 peft = locked("peft")
-pytest.importorskip("bitsandbytes")
+locked("bitsandbytes")
 
 from strop.kernels.models import patch_model  # noqa: E402
 from tests.kernels.models.test_patch import parity_bound  # noqa: E402

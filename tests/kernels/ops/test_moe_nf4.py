@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.deps import locked
 from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier
 
-bnb_functional = pytest.importorskip("bitsandbytes.functional")
+bnb_functional = locked("bitsandbytes.functional")
 
 
 def _inputs(counts=(5, 0, 37), k=64, n=24, r=4, seed=0, device="cpu"):
