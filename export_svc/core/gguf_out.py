@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from strop.common.export_types import DEFAULT_GGUF_LORA_TYPE
-from strop.common.gguf_vocab import GgufVocab
+from strop.common.gguf_metadata import GgufVocab
 from strop.export_svc.core import moe
 from strop.export_svc.core.adapter_source import Adapter
 from strop.export_svc.core.base_source import BaseModel

@@ -1,6 +1,6 @@
 """The export's tokenizer metadata: a tokenizer directory read as transformers runs it, into
-:class:`strop.common.gguf_vocab.GgufVocab` (the builders and the pre-tokenizer decision live there, shared with
-the trainer's LoadModel report).
+:class:`strop.common.gguf_metadata.GgufVocab` by ``strop.common.gguf_vocab``'s builders (which hold the
+pre-tokenizer decision, shared with the trainer's LoadModel report).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from strop.common.errors import InvalidArgument, Unimplemented
-from strop.common.gguf_vocab import GgufVocab, build_vocab, runtime_pipeline
+from strop.common.gguf_metadata import GgufVocab
+from strop.common.gguf_vocab import build_vocab, runtime_pipeline
 from strop.export_svc.core.base_source import read_json
 from strop.export_svc.core.errors import CorruptInput, UnsupportedModel
 from strop.export_svc.core.hf_dir import chat_template_of
