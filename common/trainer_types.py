@@ -147,7 +147,7 @@ class Artifact:
 @dataclass
 class LoraConfig:
     r: int = 16
-    alpha: float = 32.0  # issue 31's facts recipe (r 16, alpha 32); TRAIN_DEFAULTS says how it was measured
+    alpha: float = 32.0  # the facts recipe's (r 16, alpha 32); TRAIN_DEFAULTS' comment says how it was chosen
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     use_rslora: bool = False

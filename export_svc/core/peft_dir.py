@@ -95,7 +95,7 @@ def peft_base_name(base: BaseModel) -> str | None:
     1. the hub id the base's config records (``_name_or_path``, when it has the ``owner/name`` form):
        what ``AutoPeftModelForCausalLM.from_pretrained`` downloads;
     2. else the base's path relative to the export service's model root (``base.label``: a model root
-       laid out by hub id gives the hub id; never an absolute server path, see issue 11);
+       laid out by hub id gives the hub id; never an absolute server path, which would tell clients the server's layout);
     3. an uploaded base (``artifact:<id>``): None, as PEFT writes for a model it cannot name.
     """
     recorded = str(base.config.get("_name_or_path") or "")
