@@ -6,6 +6,9 @@ Shape: hidden 2048, 128 experts of intermediate 768, 8 per token, LoRA r=16 alph
 top-8, renormalized, as Qwen3-MoE). Reported per system: ms per forward + backward (median of --iters after
 --warmup), peak allocated memory above the inputs, and the largest difference of the output and of the LoRA
 gradients from HF + PEFT's (bf16 both: a sanity check, not a parity test; tests/kernels/models/test_moe_gpu.py is that).
+A third system, ``strop-nf4``, runs the grouped GEMM over the same experts held in strop's NF4 storage (quantized in
+place after the first two, as a 4-bit session holds them); its differences include the NF4 error of the weights
+(tests/kernels/ops/test_moe_nf4.py is its parity test).
 
 Usage (GPU machine)::
 
@@ -72,7 +75,7 @@ def run_system(system, pm, x, idx, w, a):
         parts = [expert_factors(wrappers[n], base) for n in ("gate_up_proj", "down_proj")]
         return lora_moe_experts(xg, idx, w, *parts)
 
-    run = strop_experts if system == "strop" else experts
+    run = strop_experts if system.startswith("strop") else experts
     cuda = x.is_cuda
     xg = x.clone().requires_grad_()
     times, out, base = [], None, 0
@@ -112,6 +115,14 @@ def main() -> None:
     device = "cpu" if a.smoke else "cuda"
     pm, x, idx, w = build(a, device)
     res = {s: run_system(s, pm, x, idx, w, a) for s in ("baseline", "strop")}
+    from strop.kernels.models.moe_experts import quantize_experts
+
+    quantize_experts(pm)
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    res["strop-nf4"] = run_system("strop-nf4", pm, x, idx, w, a)
     ref_out, ref_grads = res["baseline"][2], res["baseline"][3]
     print(f"one Qwen3-30B-A3B MoE layer's experts, {a.tokens} tokens, forward + backward")
     print("system     ms      peak GiB   max|Δout|/max|out|   worst rel Δgrad")
