@@ -350,3 +350,42 @@ def test_a_closed_grader_session_fails_the_grade(trainer, client, sessions):
     client.close_session(gone.session_id)
     with pytest.raises(FailedPrecondition, match=f"grader session {gone.session_id} .* was closed"):
         grader_sessions.GraderSessions(table)([leaf.request(Sample.of("x"), {"question": "q"})])
+
+
+def test_a_multi_asks_each_grader_model_once_and_drops_prompts_too_long(trainer, sessions):
+    """Two model graders on two sessions: the judge (its adapter on) and the job's own base (named by its model
+    path: the policy session with its adapter off), each asked once for the batch; a prompt longer than the grader
+    session's max_seq_length gets the empty reply, scored 0 and invalid."""
+    core = trainer[1]
+    policy_id, judge_id, _, _ = sessions
+    spec = _multi({**JUDGE, "model": judge_id})
+    spec["graders"] = {
+        "judge": spec["graders"]["judge"],
+        "base": {**JUDGE, "name": "base", "model": "tiny-llama"},
+    }
+    spec["calculate_output"] = "judge + base"
+    own = core.sessions.open(policy_id)
+    table = grader_sessions.resolve(grpo.parse_grader(json.dumps(spec)), core.sessions, own)
+    assert table["tiny-llama"].session is own and not table["tiny-llama"].adapter
+    asked = []
+    answer = grader_sessions.GraderSessions(table)
+
+    def model_fn(requests):
+        asked.append(list(requests))
+        return answer(requests)
+
+    grader = grpo.parse_grader(json.dumps(spec), model_fn)
+    too_long = "word " * own.loaded.facts.max_seq_length
+    outputs = ["tree", too_long, "moon"]
+    results = grader.grade_many([Sample.of(o) for o in outputs], [{"question": "q"}] * 3)
+    assert [len(a) for a in asked] == [3, 3] and {a[0].model for a in asked} == {judge_id, "tiny-llama"}
+    judge = core.sessions.open(judge_id).loaded
+    by_model = {a[0].model: a for a in asked}
+    want_judge = generate_replies(judge, [by_model[judge_id][i] for i in (0, 2)], NEW_TOKENS)
+    with own.loaded.model.disable_adapter():
+        want_base = generate_replies(own.loaded, [by_model["tiny-llama"][i] for i in (0, 2)], NEW_TOKENS)
+    for k, i in enumerate((0, 2)):
+        assert results[i].per_grader["judge"] == read_score(want_judge[k], 0, 10).value
+        assert results[i].per_grader["base"] == read_score(want_base[k], 0, 10).value
+    assert results[1].per_grader == {"judge": 0.0, "base": 0.0, "total": 0.0}
+    assert set(results[1].invalid) >= {"judge", "base"}  # "states no score: ''"
