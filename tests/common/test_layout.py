@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,23 @@ def test_hugging_face_kernels_is_installed_for_these_tests():
     assert "kernels" in (dist.read_text("top_level.txt") or "kernels").split(), dist.metadata["Name"]
 
 
-@pytest.mark.parametrize("name", list(ENTRY_POINTS))
-def test_import_kernels_resolves_to_hugging_face_from_the_repo_root(name, probe):
+@pytest.fixture(scope="module")
+def started(probe) -> dict[str, subprocess.CompletedProcess]:
+    """Every entry point, run with the probe, as many at a time as there are CPUs: each is an interpreter start,
+    mostly one thread, so side by side they take the time of the slowest few rather than of all of them."""
     env = {**os.environ, "PYTHONPATH": str(probe), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(ENTRY_POINTS[name], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        running = {name: pool.submit(run, argv) for name, argv in ENTRY_POINTS.items()}
+        return {name: future.result() for name, future in running.items()}
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_import_kernels_resolves_to_hugging_face_from_the_repo_root(name, started):
+    proc = started[name]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("STROP_PROBE")]
     assert lines, f"{name}: no probe line (rc {proc.returncode}): {proc.stderr[-2000:]}"
     report = lines[-1]
