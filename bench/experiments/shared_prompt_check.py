@@ -24,8 +24,15 @@ def main() -> None:
 
     ids, am, cm = _batch(prompts=(512,) * 4, chosen=(512,) * 4, rejected=(512,) * 4, vocab=300)
     ids, am, cm = ids.cuda(), am.cuda(), cm.cuda()
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     cfg._attn_implementation = "sdpa"
     for patched in (False, True):
         torch.manual_seed(0)
@@ -60,8 +67,10 @@ def main() -> None:
                 SDPBackend.CUDNN_ATTENTION,
             ):
                 row = []
-                for name, kwargs, unshare in (("unshared", plain, lambda h: h),
-                                              ("shared", shared.model_kwargs(), shared.unshare)):  # fmt: skip
+                for name, kwargs, unshare in (
+                    ("unshared", plain, lambda h: h),
+                    ("shared", shared.model_kwargs(), shared.unshare),
+                ):
                     try:
                         h, g = grads(kwargs, unshare, dtype, None if backend is None else [backend])
                     except RuntimeError as e:

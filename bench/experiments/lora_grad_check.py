@@ -21,8 +21,15 @@ def wide_llama_config(layers: int):
     """A Llama config of Llama-3.1-8B's widths with ``layers`` decoder layers (32K vocabulary), SDPA attention."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+    )
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -42,8 +49,12 @@ def main() -> None:
         if kind == "bf16":
             base = dense.cuda()
         else:
-            q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+            q = transformers.BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+            )
             base = transformers.AutoModelForCausalLM.from_pretrained(
                 "/tmp/lora-grad-check",
                 quantization_config=q,

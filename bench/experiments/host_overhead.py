@@ -100,8 +100,10 @@ def main() -> None:
     ident = per_call_us(fwd_bwd(_Identity.apply), a.calls)
     rows_out.append(f"| floor: empty Triton launch | {launch:.1f} | | | |")
     rows_out.append(f"| floor: identity autograd.Function fwd+bwd | | {ident:.1f} | | |")
-    print(f"GPU {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"inputs [{rows}, {h}] {dt}, {a.calls} calls each")  # fmt: skip
+    print(
+        f"GPU {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"inputs [{rows}, {h}] {dt}, {a.calls} calls each"
+    )
     print("\n".join(rows_out))
 
 
