@@ -1,5 +1,8 @@
 """Observability of the exporter: /metrics scraped over HTTP after a real export, and the JSON log format of a
-service process started the way a pod starts it (``--log-format json --metrics-port N``)."""
+service process started the way a pod starts it (``--log-format json --metrics-port N``).
+
+The service keeps its state in the embedded SQLite file: the one query the metrics add (the exports by state) runs
+on both backends in ``tests/common/test_state_store.py``, and PostgreSQL-backed exporters in ``test_replicas.py``."""
 
 from __future__ import annotations
 
@@ -27,12 +30,11 @@ def small_models(tmp_path_factory):
     return root
 
 
-def test_metrics_count_the_export_just_run_and_its_bytes(small_models, tmp_path, database_url):
+def test_metrics_count_the_export_just_run_and_its_bytes(small_models, tmp_path):
     config = ExportConfig(
         small_models,
         tmp_path / "artifacts",
         tmp_path / "state",
-        database_url=database_url,
         instance_id="exp-0",
     )
     svc = start(config, metrics="127.0.0.1:0")

@@ -1,6 +1,8 @@
-"""Observability of the trainer: /metrics scraped over HTTP from a running service (on each state backend) shows
-the job it just ran; the job's loss curve, stored as it ends and fetched by ``strop jobs plot``, plots exactly
-the job's recorded losses."""
+"""Observability of the trainer: /metrics scraped over HTTP from a running service shows the job it just ran; the
+job's loss curve, stored as it ends and fetched by ``strop jobs plot``, plots exactly the job's recorded losses.
+
+The service keeps its state in the embedded SQLite file: the one query the metrics add (``job_counts``) runs on
+both backends in ``tests/common/test_state_store.py``, and PostgreSQL-backed services in ``test_replicas.py``."""
 
 from __future__ import annotations
 
@@ -32,12 +34,11 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 @pytest.fixture
-def service(model_root, tmp_path, database_url):
+def service(model_root, tmp_path):
     config = TrainerConfig(
         model_root=model_root,
         artifact_root=tmp_path / "artifacts",
         state_dir=tmp_path / "state",
-        database_url=database_url,
         instance_id="trainer-0",
     )
     svc = start(config, metrics="127.0.0.1:0")
