@@ -117,9 +117,15 @@ def aux_loss_coef(hf_config) -> float:
 
 def hold_experts_in_nf4(model, hf_config, quantization: str) -> int:
     """Quantize a 4-bit session's fused expert stacks into strop's NF4 storage (``quantization``: the session's
-    label, ``"none"`` for 16-bit); returns how many stacks. Qwen3-MoE and Mixtral only."""
+    label, ``"none"`` for 16-bit); returns how many stacks. Qwen3-MoE and Mixtral only, one process only: a rank of
+    a DDP/FSDP job (its process group up) keeps them 16-bit, since DDP's broadcast and FSDP's sharding of the
+    parameters would meet the stride-0 placeholders (untested, so not entered)."""
+    import torch.distributed as dist
+
     arch = moe_arch(hf_config)
     if quantization == "none" or arch is None or arch.model_type not in NF4_EXPERT_ARCHS:
+        return 0
+    if dist.is_available() and dist.is_initialized():
         return 0
     from strop.kernels.models.moe_experts import quantize_experts
 
