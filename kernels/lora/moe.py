@@ -49,6 +49,7 @@ def lora_moe_experts(
         top_k_index: [T, k] chosen experts; top_k_weights: [T, k] their weights.
         gate_up: (GU [E, 2·I, H], A [E, r, H], B [E, 2·I, r], scale).
         down: (D [E, H, I], A [E, r, I], B [E, H, r], scale).
+            GU and D may be 16-bit tensors or :class:`~strop.kernels.ops.moe_gemm.Nf4Experts` stacks.
 
     Returns:
         [T, H] in x's dtype.
