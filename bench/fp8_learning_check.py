@@ -50,10 +50,16 @@ class _FakeFp8Linear(torch.autograd.Function):
 def train(a, fwd: bool, bwd: bool) -> list[float]:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        hidden_size=a.width, intermediate_size=3 * a.width, num_hidden_layers=a.layers, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=4096, max_position_embeddings=a.seq, tie_word_embeddings=False,
+        hidden_size=a.width,
+        intermediate_size=3 * a.width,
+        num_hidden_layers=a.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=a.seq,
+        tie_word_embeddings=False,
         initializer_range=a.init,
-    )  # fmt: skip
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=TARGETS))
     if fwd or bwd:

@@ -86,11 +86,17 @@ def bandwidth_rows(op: str, mode: str, nbytes: int, fns: dict[str, Callable], co
         strop = system == "strop" and target
         rows.append(
             Row(
-                op, mode, system, ms, nbytes / 1e9, tbps, pct,
+                op,
+                mode,
+                system,
+                ms,
+                nbytes / 1e9,
+                tbps,
+                pct,
                 target=f"≥ {BW_TARGET:.0%} of copy" if strop else "",
                 meets=(pct >= 100 * BW_TARGET) if strop else None,
             )
-        )  # fmt: skip
+        )
     return rows
 
 
@@ -111,25 +117,59 @@ def bench_rmsnorm(tokens: int, n_sets: int, copy_tbps: float) -> list[Row]:
     row_bytes, vec_bytes, rstd_bytes = tokens * h * 2, h * 2, tokens * 4
     fwd_bytes = 2 * row_bytes + vec_bytes + rstd_bytes
     bwd_bytes = 3 * row_bytes + vec_bytes + rstd_bytes  # read dy, x, w, rstd; write dx
-    rows = bandwidth_rows("RMSNorm", "fwd", fwd_bytes, {
-        "strop": cycling(lambda x, w, *_: rms_norm_fwd(x, w), sets),
-        "torch": cycling(lambda x, w, *_: rms_norm_reference(x, w), sets),
-    }, copy_tbps, True)  # fmt: skip
-    rows += bandwidth_rows("RMSNorm", "bwd (frozen w)", bwd_bytes, {
-        "strop": cycling(lambda x, w, dy, rstd, *_: rms_norm_bwd(dy, x, w, rstd, compute_dw=False), sets),
-        "torch": cycling(lambda x, w, dy, r, xg, wg, y, _: torch.autograd.grad(y, xg, dy, retain_graph=True), sets),
-    }, copy_tbps, True)  # fmt: skip
-    rows += bandwidth_rows("RMSNorm", "bwd (+dW)", bwd_bytes + vec_bytes, {
-        "strop": cycling(lambda x, w, dy, rstd, *_: rms_norm_bwd(dy, x, w, rstd, compute_dw=True), sets),
-        "torch": cycling(lambda x, w, dy, r, xg, wg, y, yw: torch.autograd.grad(yw, (xg, wg), dy, retain_graph=True), sets),
-    }, copy_tbps, True)  # fmt: skip
+    rows = bandwidth_rows(
+        "RMSNorm",
+        "fwd",
+        fwd_bytes,
+        {
+            "strop": cycling(lambda x, w, *_: rms_norm_fwd(x, w), sets),
+            "torch": cycling(lambda x, w, *_: rms_norm_reference(x, w), sets),
+        },
+        copy_tbps,
+        True,
+    )
+    rows += bandwidth_rows(
+        "RMSNorm",
+        "bwd (frozen w)",
+        bwd_bytes,
+        {
+            "strop": cycling(lambda x, w, dy, rstd, *_: rms_norm_bwd(dy, x, w, rstd, compute_dw=False), sets),
+            "torch": cycling(
+                lambda x, w, dy, r, xg, wg, y, _: torch.autograd.grad(y, xg, dy, retain_graph=True), sets
+            ),
+        },
+        copy_tbps,
+        True,
+    )
+    rows += bandwidth_rows(
+        "RMSNorm",
+        "bwd (+dW)",
+        bwd_bytes + vec_bytes,
+        {
+            "strop": cycling(lambda x, w, dy, rstd, *_: rms_norm_bwd(dy, x, w, rstd, compute_dw=True), sets),
+            "torch": cycling(
+                lambda x, w, dy, r, xg, wg, y, yw: torch.autograd.grad(yw, (xg, wg), dy, retain_graph=True),
+                sets,
+            ),
+        },
+        copy_tbps,
+        True,
+    )
 
     def fwd_bwd(op):
         return lambda x, w, dy, r, xg, *_: torch.autograd.grad(op(xg, w), xg, dy)
 
-    rows += bandwidth_rows("RMSNorm", "fwd+bwd", fwd_bytes + bwd_bytes, {
-        "strop": cycling(fwd_bwd(rms_norm), sets), "torch": cycling(fwd_bwd(rms_norm_reference), sets),
-    }, copy_tbps, False)  # fmt: skip
+    rows += bandwidth_rows(
+        "RMSNorm",
+        "fwd+bwd",
+        fwd_bytes + bwd_bytes,
+        {
+            "strop": cycling(fwd_bwd(rms_norm), sets),
+            "torch": cycling(fwd_bwd(rms_norm_reference), sets),
+        },
+        copy_tbps,
+        False,
+    )
     return rows
 
 
@@ -149,14 +189,30 @@ def bench_rope(tokens: int, n_sets: int, copy_tbps: float) -> list[Row]:
         sets.append((q_src.transpose(1, 2), k_src.transpose(1, 2), cos, sin, dq, dk, qg, kg, q_ref, k_ref))
     qk_bytes, cs_bytes = tokens * (hq + hk) * d * 2, 2 * tokens * d * 2
     nbytes = 2 * qk_bytes + cs_bytes  # read and write q/k, read cos/sin
-    rows = bandwidth_rows("RoPE (q+k)", "fwd", nbytes, {
-        "strop": cycling(lambda q, k, c, s, *_: rope_qk_fwd(q, k, c, s), sets),
-        "torch": cycling(lambda q, k, c, s, *_: apply_rotary_pos_emb(q, k, c, s), sets),
-    }, copy_tbps, True)  # fmt: skip
-    rows += bandwidth_rows("RoPE (q+k)", "bwd", nbytes, {
-        "strop": cycling(lambda q, k, c, s, dq, dk, *_: rope_qk_bwd(dq, dk, c, s), sets),
-        "torch": cycling(lambda *a: torch.autograd.grad(a[8:10], a[6:8], a[4:6], retain_graph=True), sets),
-    }, copy_tbps, True)  # fmt: skip
+    rows = bandwidth_rows(
+        "RoPE (q+k)",
+        "fwd",
+        nbytes,
+        {
+            "strop": cycling(lambda q, k, c, s, *_: rope_qk_fwd(q, k, c, s), sets),
+            "torch": cycling(lambda q, k, c, s, *_: apply_rotary_pos_emb(q, k, c, s), sets),
+        },
+        copy_tbps,
+        True,
+    )
+    rows += bandwidth_rows(
+        "RoPE (q+k)",
+        "bwd",
+        nbytes,
+        {
+            "strop": cycling(lambda q, k, c, s, dq, dk, *_: rope_qk_bwd(dq, dk, c, s), sets),
+            "torch": cycling(
+                lambda *a: torch.autograd.grad(a[8:10], a[6:8], a[4:6], retain_graph=True), sets
+            ),
+        },
+        copy_tbps,
+        True,
+    )
 
     def fwd_bwd(op):
         # strop rotates the leaf projections in place, which only drifts their values (a rotation).
@@ -164,9 +220,17 @@ def bench_rope(tokens: int, n_sets: int, copy_tbps: float) -> list[Row]:
             op(qg.transpose(1, 2), kg.transpose(1, 2), c, s), (qg, kg), (dq, dk)
         )
 
-    rows += bandwidth_rows("RoPE (q+k)", "fwd+bwd", 2 * nbytes, {
-        "strop": cycling(fwd_bwd(rope_qk), sets), "torch": cycling(fwd_bwd(apply_rotary_pos_emb), sets),
-    }, copy_tbps, False)  # fmt: skip
+    rows += bandwidth_rows(
+        "RoPE (q+k)",
+        "fwd+bwd",
+        2 * nbytes,
+        {
+            "strop": cycling(fwd_bwd(rope_qk), sets),
+            "torch": cycling(fwd_bwd(apply_rotary_pos_emb), sets),
+        },
+        copy_tbps,
+        False,
+    )
     return rows
 
 
@@ -178,21 +242,45 @@ def bench_swiglu(tokens: int, n_sets: int, copy_tbps: float) -> list[Row]:
         gg, ug = g.clone().requires_grad_(), u.clone().requires_grad_()
         sets.append((g, u, dh, gg, ug, F.silu(gg) * ug))
     elems = tokens * inter * 2
-    rows = bandwidth_rows("SwiGLU", "fwd", 3 * elems, {
-        "strop": cycling(lambda g, u, *_: swiglu_fwd(g, u), sets),
-        "torch": cycling(lambda g, u, *_: F.silu(g) * u, sets),
-    }, copy_tbps, True)  # fmt: skip
-    rows += bandwidth_rows("SwiGLU", "bwd", 5 * elems, {  # read dh, g, u; write dg, du
-        "strop": cycling(lambda g, u, dh, *_: swiglu_bwd(dh, g, u), sets),
-        "torch": cycling(lambda g, u, dh, gg, ug, h: torch.autograd.grad(h, (gg, ug), dh, retain_graph=True), sets),
-    }, copy_tbps, True)  # fmt: skip
+    rows = bandwidth_rows(
+        "SwiGLU",
+        "fwd",
+        3 * elems,
+        {
+            "strop": cycling(lambda g, u, *_: swiglu_fwd(g, u), sets),
+            "torch": cycling(lambda g, u, *_: F.silu(g) * u, sets),
+        },
+        copy_tbps,
+        True,
+    )
+    rows += bandwidth_rows(
+        "SwiGLU",
+        "bwd",
+        5 * elems,
+        {  # read dh, g, u; write dg, du
+            "strop": cycling(lambda g, u, dh, *_: swiglu_bwd(dh, g, u), sets),
+            "torch": cycling(
+                lambda g, u, dh, gg, ug, h: torch.autograd.grad(h, (gg, ug), dh, retain_graph=True), sets
+            ),
+        },
+        copy_tbps,
+        True,
+    )
 
     def fwd_bwd(op):
         return lambda g, u, dh, gg, ug, _: torch.autograd.grad(op(gg, ug), (gg, ug), dh)
 
-    rows += bandwidth_rows("SwiGLU", "fwd+bwd", 8 * elems, {
-        "strop": cycling(fwd_bwd(swiglu), sets), "torch": cycling(fwd_bwd(lambda g, u: F.silu(g) * u), sets),
-    }, copy_tbps, False)  # fmt: skip
+    rows += bandwidth_rows(
+        "SwiGLU",
+        "fwd+bwd",
+        8 * elems,
+        {
+            "strop": cycling(fwd_bwd(swiglu), sets),
+            "torch": cycling(fwd_bwd(lambda g, u: F.silu(g) * u), sets),
+        },
+        copy_tbps,
+        False,
+    )
     return rows
 
 
@@ -232,9 +320,17 @@ def bench_flce(tokens: int, h: int = 4096, v: int = 128256) -> list[Row]:
         meets = (extra <= FLCE_MEM_TARGET * ref_extra and ms <= ref_ms) if strop else None
         target = f"mem ≤ {FLCE_MEM_TARGET:.0%} of torch, time ≤ torch" if strop else ""
         rows.append(
-            Row(f"FLCE V={v} (frozen head)", "fwd+bwd", system, ms, tflops=flops / (ms * 1e-3) / 1e12,
-                peak_extra_gib=extra, target=target, meets=meets)
-        )  # fmt: skip
+            Row(
+                f"FLCE V={v} (frozen head)",
+                "fwd+bwd",
+                system,
+                ms,
+                tflops=flops / (ms * 1e-3) / 1e12,
+                peak_extra_gib=extra,
+                target=target,
+                meets=meets,
+            )
+        )
     return rows
 
 

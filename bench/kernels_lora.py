@@ -77,7 +77,9 @@ def _adapters(gen: torch.Generator):
 def _nf4(w: torch.Tensor):
     import bitsandbytes as bnb
 
-    return bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64).to("cuda")  # fmt: skip
+    return bnb.nn.Params4bit(
+        w, requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64
+    ).to("cuda")
 
 
 def _peak(fn) -> float:
@@ -146,13 +148,23 @@ def run_system(system: str, tokens: int, iters: int) -> dict:
 
             for k in ("gate", "up", "down"):
                 lin = getattr(mlp, f"{k}_proj")
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
-                                      compress_statistics=True, quant_type="nf4")  # fmt: skip
-                q.weight = bnb.nn.Params4bit(lin.weight.data.cpu(), requires_grad=False, quant_type="nf4", compress_statistics=True)  # fmt: skip
+                q = bnb.nn.Linear4bit(
+                    lin.in_features,
+                    lin.out_features,
+                    bias=False,
+                    compute_dtype=torch.bfloat16,
+                    compress_statistics=True,
+                    quant_type="nf4",
+                )
+                q.weight = bnb.nn.Params4bit(
+                    lin.weight.data.cpu(), requires_grad=False, quant_type="nf4", compress_statistics=True
+                )
                 setattr(mlp, f"{k}_proj", q.to("cuda"))
             del w
         mlp.requires_grad_(False)
-        config = peft.LoraConfig(r=RANK, lora_alpha=RANK, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"])  # fmt: skip
+        config = peft.LoraConfig(
+            r=RANK, lora_alpha=RANK, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"]
+        )
         mlp = peft.inject_adapter_in_model(config, mlp)
         for n, p in mlp.named_parameters():
             if "lora_" in n:
@@ -210,7 +222,12 @@ def _subprocess(system: str, args) -> dict:
         "--iters",
         str(args.iters),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"})  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+    )
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"error": " | ".join(tail)}
@@ -247,7 +264,9 @@ def _table(results: dict, tokens: int) -> str:
             lines.append(f"| strop nf4_dequantize | {d['ms']:.3f} | {d['gbps']:.0f} |")
             lines.append(f"| bitsandbytes dequantize_4bit | {d['bnb_ms']:.3f} | {d['bnb_gbps']:.0f} |")
             if floor:
-                lines.append(f"\nDequant share of strop_nf4 (two passes: forward and backward): {2 * d['ms']:.2f} ms, {2 * d['ms'] / floor:.1%} of the base GEMMs.")  # fmt: skip
+                lines.append(
+                    f"\nDequant share of strop_nf4 (two passes: forward and backward): {2 * d['ms']:.2f} ms, {2 * d['ms'] / floor:.1%} of the base GEMMs."
+                )
     return "\n".join(lines)
 
 
@@ -273,8 +292,15 @@ def main() -> None:
         print(f"{system}: {results[system]} ({time.time() - t:.0f} s)", file=sys.stderr)
     print(_table(results, args.tokens))
     if args.json:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": args.tokens,
-                "hidden": HIDDEN, "intermediate": INTER, "rank": RANK, "targets": TARGETS}  # fmt: skip
+        meta = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "tokens": args.tokens,
+            "hidden": HIDDEN,
+            "intermediate": INTER,
+            "rank": RANK,
+            "targets": TARGETS,
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
 

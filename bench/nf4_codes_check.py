@@ -34,9 +34,14 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp())
     cfg = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=1024, max_position_embeddings=4096,
-    )  # fmt: skip
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "m")
     save_tokenizer(make_bpe_tokenizer(), root / "m")
@@ -55,9 +60,12 @@ def main() -> int:
         qs = w.quant_state
         src = stored[name + ".weight"].to(getattr(torch, meta["base_quant.quantized_from"]))
         packed, cpu_qs = quantize_4bit(
-            src, blocksize=qs.blocksize, compress_statistics=qs.nested, quant_type=qs.quant_type,
+            src,
+            blocksize=qs.blocksize,
+            compress_statistics=qs.nested,
+            quant_type=qs.quant_type,
             quant_storage=torch.uint8,
-        )  # fmt: skip
+        )
         codes_diff = int((packed.flatten() != w.data.cpu().flatten()).sum())
         absmax_diff = int((cpu_qs.absmax != qs.absmax.cpu()).sum())
         nested_diff = int((cpu_qs.state2.absmax != qs.state2.absmax.cpu()).sum()) if qs.nested else 0

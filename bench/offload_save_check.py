@@ -42,17 +42,26 @@ def build(seq: int):
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=seq,
-        tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     lora = peft.LoraConfig(
-        r=16, lora_alpha=16, lora_dropout=0.0,
+        r=16,
+        lora_alpha=16,
+        lora_dropout=0.0,
         target_modules=list(DEFAULT_TARGET_MODULES),
-    )  # fmt: skip
+    )
     return peft.get_peft_model(model, lora).train()
 
 
@@ -96,10 +105,14 @@ def main() -> None:
         r = measure(model, ids, a.steps)
         s = off.stats
         r.update(
-            save_layers=n, prefetch_misses=s.prefetch_misses, saved_offloaded=s.saved_offloaded,
-            saved_prefetched=s.saved_prefetched, copy_waits=s.copy_waits, host_peak_gib=s.peak_host_bytes / 2**30,
+            save_layers=n,
+            prefetch_misses=s.prefetch_misses,
+            saved_offloaded=s.saved_offloaded,
+            saved_prefetched=s.saved_prefetched,
+            copy_waits=s.copy_waits,
+            host_peak_gib=s.peak_host_bytes / 2**30,
             host_left=s.host_bytes,
-        )  # fmt: skip
+        )
         rows.append(r)
         disable_offloaded_checkpointing(model)
     base = rows[0]

@@ -75,8 +75,10 @@ def main() -> None:
         fp, bp = 3 * nbytes / t["ft"] / 1e9 / copy, 6 * nbytes / t["bt"] / 1e9 / copy
         if err < 0.1 and (best is None or 2 * t["ft"] + t["bt"] < best[0]):  # a layer: 2 forwards, 1 backward
             best = (2 * t["ft"] + t["bt"], f"{bm}x{bn}x{warps}")
-        print(f"| {bm}×{bn} | {warps} | {t['f']:.3f} | {t['ft']:.3f} | {t['b']:.3f} | {t['bt']:.3f} | "
-              f"{100 * fp:.0f} | {100 * bp:.0f} | {err:.2e} |")  # fmt: skip
+        print(
+            f"| {bm}×{bn} | {warps} | {t['f']:.3f} | {t['ft']:.3f} | {t['b']:.3f} | {t['bt']:.3f} | "
+            f"{100 * fp:.0f} | {100 * bp:.0f} | {err:.2e} |"
+        )
     if best is not None:
         print(
             f"best (2 forwards + 1 backward with terms, {best[0]:.3f} ms): {best[1]} (BLOCK_M x BLOCK_N x warps)"
