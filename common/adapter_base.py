@@ -22,6 +22,19 @@ from pathlib import Path
 from strop.common.errors import InvalidArgument
 
 BASE_RECORD_FILE = "strop_base.json"
+# A Hugging Face tokenizer's files: what an adapter directory carries of its base's (the trainer's adapters and
+# checkpoints, the export's PEFT dirs) and what a merged export copies, so each directory loads on its own
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+)
 NF4_STATS_FILE = "base_quant_stats.safetensors"  # the trainer's NF4 scale statistics, by base weight name
 FORMAT = "strop.adapter_base/1"
 _KEYS = ("base_model", "base_quantization", "base_architecture")

@@ -22,17 +22,6 @@ from strop.export_svc.core.nf4_on_load import Nf4OnLoad
 from strop.export_svc.core.st_io import SafetensorsFile
 from strop.kernels.ops.nf4_format import nf4_digest
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-)
 _BNB_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _QS_PREFIX = "quant_state.bitsandbytes__"
 

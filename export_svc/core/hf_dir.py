@@ -19,9 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from strop.common.adapter_base import TOKENIZER_FILES
 from strop.common.archs import ARCHS, MOE_ARCHS, arch_of, expected_tensors
 from strop.export_svc.core.adapter_source import Adapter
-from strop.export_svc.core.base_source import DTYPES, TOKENIZER_FILES, BaseModel, read_json
+from strop.export_svc.core.base_source import DTYPES, BaseModel, read_json
 from strop.export_svc.core.merge import iter_merged
 from strop.export_svc.core.st_io import PlannedTensor, SafetensorsFile, ShardedSafetensorsWriter
 

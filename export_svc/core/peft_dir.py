@@ -18,9 +18,10 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from strop.common.adapter_base import TOKENIZER_FILES
 from strop.export_svc.core import moe
 from strop.export_svc.core.adapter_source import Adapter
-from strop.export_svc.core.base_source import TOKENIZER_FILES, BaseModel, read_json
+from strop.export_svc.core.base_source import BaseModel, read_json
 from strop.export_svc.core.errors import TargetRefused
 from strop.export_svc.core.st_io import SafetensorsFile
 

@@ -11,14 +11,6 @@ from strop.common import adapter_base
 from strop.trainer_svc.core import moe
 from strop.trainer_svc.core.loaded_model import LoadedModel
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 NF4_STATS_FILE = adapter_base.NF4_STATS_FILE
 write_base_record = adapter_base.write_base_record  # checkpoints (jobs.publish_checkpoint) write it too
 
@@ -66,7 +58,7 @@ def write_nf4_stats(model, path: Path) -> int:
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
-    for name in TOKENIZER_FILES:
+    for name in adapter_base.TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
 

@@ -33,7 +33,6 @@ from strop.common.trainer_types import (
 from strop.trainer_svc.core import moe
 from strop.trainer_svc.core.adapter_files import (  # noqa: F401  (models.X is how the trainer's modules call them)
     NF4_STATS_FILE,
-    TOKENIZER_FILES,
     adapter_metadata,
     base_quant_metadata,
     copy_tokenizer_files,
