@@ -180,6 +180,7 @@ def expert_stacks(config: dict[str, Any], names: list[str]) -> dict[str, tuple[s
 
 EXPERTS_META = "base_quant.experts"  # "nf4" when the trainer held the fused expert stacks in NF4
 EXPERTS_FROM_META = "base_quant.experts_from"  # the dtype the stacks had when quantized
+EXPERTS_DIGEST_META = ("base_quant.experts_digest_stack", "base_quant.experts_digest")  # one stack's, by name
 
 
 @dataclass
@@ -189,6 +190,8 @@ class ExpertNf4:
     config: dict[str, Any]
     quantized_from: str
     stats_file: str = ""
+    digest_stack: str = ""  # one stack the trainer hashed (codes and absmax statistics) ...
+    digest: str = ""  # ... and its sha256 (``nf4_format.nf4_digest``)
     _cache: tuple[str, torch.Tensor] | None = (
         None  # the last stack dequantized (a merge walks expert by expert)
     )
@@ -210,7 +213,35 @@ class ExpertNf4:
             raise CorruptInput(
                 f"the adapter records experts held as {kind!r} from {dtype!r}: strop writes nf4"
             )
-        return cls(config, dtype, stats_file)
+        return cls(
+            config,
+            dtype,
+            stats_file,
+            meta.get(EXPERTS_DIGEST_META[0], ""),
+            meta.get(EXPERTS_DIGEST_META[1], ""),
+        )
+
+    def check_codes(self, base) -> str:
+        """Whether the stacks re-created from ``base`` are the trainer's: ``"bit-identical"``, ``"differ"`` or
+        ``"not recorded"`` (the digest of one stack's codes and absmax statistics against the trainer's)."""
+        from strop.kernels.ops.nf4_format import nf4_digest
+
+        names = self._checkpoint_names(self.digest_stack) if self.digest else None
+        if not names or any(n not in base.tensors for n in names):
+            return "not recorded"
+        packed, qs = self._quantized(base, self.digest_stack, names)
+        return "bit-identical" if nf4_digest(packed, qs) == self.digest else "differ"
+
+    def _checkpoint_names(self, stack: str) -> list[str] | None:
+        """The checkpoint tensors a stack (``model.layers.i.mlp.experts.gate_up_proj``) is made of, in order."""
+        arch = MOE_ARCHS.get(str(self.config.get("model_type")))
+        m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", stack)
+        if arch is None or not arch.moe.checkpoint_experts or m is None:
+            return None
+        gate, up, down = arch.moe.checkpoint_experts
+        prefix = f"{m.group(1)}.{arch.moe.checkpoint_mlp}.experts"
+        leaves = (down,) if m.group(2) == "down_proj" else (gate, up)
+        return [f"{prefix}.{e}.{x}.weight" for e in range(moe_sizes(self.config)[0]) for x in leaves]
 
     def stack_of(self, name: str) -> tuple[str, list[str], int, tuple[int, int]] | None:
         """For a per-expert checkpoint tensor: (its stack's model name, the checkpoint names stacked in it in
@@ -243,16 +274,25 @@ class ExpertNf4:
             self._cache = (stack, self._dequantized(base, stack, names))
         return self._cache[1][e, lo:hi].clone()
 
-    def _dequantized(self, base, stack: str, names: list[str]) -> torch.Tensor:
-        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+    def _quantized(self, base, stack: str, names: list[str]):
+        """The stack's NF4 codes and quant state as the trainer made them (its recorded scales where it has them)."""
+        from bitsandbytes.functional import quantize_4bit
 
         experts = moe_sizes(self.config)[0]
         dtype = getattr(torch, self.quantized_from)
         rows = torch.cat([base.files[base.tensors[n].file].read(n).to(dtype).reshape(-1) for n in names])
-        w = rows.view(experts, -1)
-        packed, qs = quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        packed, qs = quantize_4bit(
+            rows.view(experts, -1), blocksize=64, compress_statistics=True, quant_type="nf4"
+        )
         if self.stats_file:
             _recorded_scales(self.stats_file, stack, qs)
+        return packed, qs
+
+    def _dequantized(self, base, stack: str, names: list[str]) -> torch.Tensor:
+        from bitsandbytes.functional import dequantize_4bit
+
+        packed, qs = self._quantized(base, stack, names)
+        experts = moe_sizes(self.config)[0]
         return dequantize_4bit(packed, qs).float().view(experts, -1, _in_features(self.config, stack))
 
 

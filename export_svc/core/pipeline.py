@@ -344,9 +344,11 @@ def merge_base_weights(inputs: Inputs) -> str:
 def _nf4_codes_metadata(inputs: Inputs) -> dict[str, str]:
     """For a base quantized on load: whether the NF4 codes re-created here are the trainer's (one weight's
     codes and absmax against the sha256 the trainer recorded)."""
+    experts = getattr(inputs.as_trained, "expert_nf4", None)
+    out = {"merge.nf4_expert_codes": _expert_codes(experts, inputs.as_trained)} if experts is not None else {}
     spec = inputs.on_load
     if spec is None:
-        return {}
+        return out
     verdict = inputs.as_trained.check_codes()
     words = {
         "bit-identical": f"bit-identical to the trainer's ({spec.digest_tensor}: sha256 of codes and absmax)",
@@ -356,7 +358,19 @@ def _nf4_codes_metadata(inputs: Inputs) -> dict[str, str]:
         ),
         "not recorded": "not checked (the adapter's artifact records no digest of the trainer's codes)",
     }
-    return {"merge.nf4_codes": words[verdict]}
+    return {"merge.nf4_codes": words[verdict], **out}
+
+
+def _expert_codes(experts, base) -> str:
+    """The NF4 experts' verdict in words (``moe.ExpertNf4.check_codes``)."""
+    return {
+        "bit-identical": f"bit-identical to the trainer's ({experts.digest_stack}: sha256 of codes and absmax)",
+        "differ": (
+            f"DIFFER from the trainer's for {experts.digest_stack}: this bitsandbytes quantizes the experts "
+            "otherwise (another version or device); the model as trained is approximated, not reproduced"
+        ),
+        "not recorded": "not checked (the adapter records no digest of the trainer's expert codes)",
+    }[experts.check_codes(base)]
 
 
 def _artifact_metadata(

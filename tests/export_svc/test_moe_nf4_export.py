@@ -99,6 +99,8 @@ def test_a_merged_export_of_an_nf4_expert_session_is_the_model_as_trained(
     (merged,) = run_export(req, model_root=moe_models, store=store)
     v = merged.verification
     assert v.as_trained.max_abs_logit_delta < FP32_BOUND, v.as_trained
+    codes = merged.artifact.metadata["merge.nf4_expert_codes"]
+    assert codes.startswith("bit-identical to the trainer's (model.layers.0.mlp.experts."), codes
     d = store.path_of(merged.artifact.artifact_id)
     got = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     with torch.no_grad():

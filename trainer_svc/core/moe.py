@@ -161,11 +161,16 @@ def expert_quant_metadata(model) -> dict[str, str]:
     stacks = _nf4_stacks(model)
     if not stacks:
         return {}
-    first = next(iter(stacks.values()))
+    from strop.kernels.ops.nf4_format import nf4_digest
+
+    name, first = next(iter(stacks.items()))
     return {
         "base_quant.experts": "nf4",
         "base_quant.experts_from": str(first.dtype).removeprefix("torch."),
         "base_quant.expert_stacks": str(len(stacks)),
+        # one stack's codes and absmax statistics, which the exporter's re-creation must match
+        "base_quant.experts_digest_stack": name,
+        "base_quant.experts_digest": nf4_digest(first.packed, first.quant_state()),
     }
 
 
