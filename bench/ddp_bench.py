@@ -37,8 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_bench  # the saved model and its shape: one owner
+from lib import harness  # the saved model and its shape: one owner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,9 +90,22 @@ def run_point(n: int, a, work: Path, model_root: Path, model_path: str, fsdp: bo
     spec = work / f"{job}.json"
     spec.write_text(json.dumps(_spec(job, a, model_path, fsdp, n)))
     events = work / f"{job}.events"
-    worker = ["-m", "strop.trainer_svc.dist_worker", "--spec", str(spec), "--model-root", str(model_root),
-              "--artifact-root", str(work / "artifacts"), "--data-root", str(work / "data"),
-              "--work-dir", str(work / "scratch"), "--events", str(events)]  # fmt: skip
+    worker = [
+        "-m",
+        "strop.trainer_svc.dist_worker",
+        "--spec",
+        str(spec),
+        "--model-root",
+        str(model_root),
+        "--artifact-root",
+        str(work / "artifacts"),
+        "--data-root",
+        str(work / "data"),
+        "--work-dir",
+        str(work / "scratch"),
+        "--events",
+        str(events),
+    ]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RANK", None)
@@ -103,8 +117,14 @@ def run_point(n: int, a, work: Path, model_root: Path, model_path: str, fsdp: bo
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "cap"), env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     with open(work / f"{job}.log", "w") as log:
-        proc = subprocess.run([sys.executable, *launcher, *worker], cwd=ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=a.timeout)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, *launcher, *worker],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=a.timeout,
+        )
     wall = time.perf_counter() - t0
     steps = []
     if events.exists():
@@ -112,8 +132,13 @@ def run_point(n: int, a, work: Path, model_root: Path, model_path: str, fsdp: bo
             ev = json.loads(line)
             if ev.get("step"):
                 steps.append(ev["step"])
-    point = {"devices": n, "parallelism": "FSDP" if fsdp else "DDP" if n > 1 else "-", "rc": proc.returncode,
-             "wall_s": round(wall, 1), "steps": len(steps)}  # fmt: skip
+    point = {
+        "devices": n,
+        "parallelism": "FSDP" if fsdp else "DDP" if n > 1 else "-",
+        "rc": proc.returncode,
+        "wall_s": round(wall, 1),
+        "steps": len(steps),
+    }
     timed = [s["step_seconds"] for s in steps[a.warmup :]]
     if proc.returncode != 0 or not timed:
         point["error"] = (work / f"{job}.log").read_text()[-1500:]
@@ -143,13 +168,12 @@ def main() -> int:
     p.add_argument("--device-cap-gib", type=float, default=0.0, help="GPU memory each rank may use (0: all)")
     a = p.parse_args()
     if a.smoke:
-        train_bench.DEVICE, train_bench.DTYPE = "cpu", "float32"
         a.steps, a.warmup = min(a.steps, 4), min(a.warmup, 1)
     a.seq = a.seq or (32 if a.smoke else 2048)
     a.batch = a.batch or (2 if a.smoke else 8)
-    train_bench.use_shape("qlora", a.smoke)  # the standard workload's Llama shape (--smoke: the tiny one)
-    train_bench.ensure_saved_model(a.seq, "qlora")
-    model_dir = Path(train_bench.saved_model_dir())
+    w = harness.workload("qlora", a.smoke)  # the standard workload's Llama shape (--smoke: the tiny one)
+    w.ensure_saved_model(a.seq, "qlora")
+    model_dir = Path(w.saved_model_dir())
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -171,8 +195,10 @@ def main() -> int:
     )
     print("|---:|---|---:|---:|---:|---:|---|---:|")
     for pt in points:
-        print(f"| {pt['devices']} | {pt['parallelism']} | {pt.get('tokens_per_s', '-')} | {pt.get('step_ms', '-')} | "
-              f"{pt.get('efficiency', '-')} | {pt.get('peak_gib', '-')} | {pt.get('losses', '-')} | {pt['rc']} |")  # fmt: skip
+        print(
+            f"| {pt['devices']} | {pt['parallelism']} | {pt.get('tokens_per_s', '-')} | {pt.get('step_ms', '-')} | "
+            f"{pt.get('efficiency', '-')} | {pt.get('peak_gib', '-')} | {pt.get('losses', '-')} | {pt['rc']} |"
+        )
     for pt in points:
         if "error" in pt:
             print(f"\n## {pt['devices']} devices ({pt['parallelism']}) failed\n{pt['error']}")

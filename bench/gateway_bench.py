@@ -38,16 +38,11 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
-tb = None  # bench/train_bench.py (the saved model and its shape), imported after --help
+# bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib import harness
+
 KEY = "tml-gateway-bench"  # the trainer runs without authentication: every key is the one local tenant
-
-
-def _load_train_bench() -> None:
-    global tb
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import train_bench
-
-    tb = train_bench
 
 
 @dataclass
@@ -84,8 +79,9 @@ class GpuPeak:
         while not self._stop.wait(0.5):
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                capture_output=True, text=True,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+            )
             if out.returncode == 0 and out.stdout.strip():
                 self.peak = max(self.peak, float(out.stdout.split()[0]))
 
@@ -115,11 +111,26 @@ class Processes:
 
     def trainer(self) -> str:
         port_file = os.path.join(self.work, "trainer.port")
-        p = self.start([
-            sys.executable, "-m", "strop.trainer_svc", "--address", "127.0.0.1:0", "--port-file", port_file,
-            "--model-root", tb.MODEL_ROOT, "--artifact-root", os.path.join(self.work, "artifacts"),
-            "--state-dir", os.path.join(self.work, "state"), "--device", "cpu" if self.a.smoke else "cuda:0",
-        ], "trainer")  # fmt: skip
+        p = self.start(
+            [
+                sys.executable,
+                "-m",
+                "strop.trainer_svc",
+                "--address",
+                "127.0.0.1:0",
+                "--port-file",
+                port_file,
+                "--model-root",
+                harness.MODEL_ROOT,
+                "--artifact-root",
+                os.path.join(self.work, "artifacts"),
+                "--state-dir",
+                os.path.join(self.work, "state"),
+                "--device",
+                "cpu" if self.a.smoke else "cuda:0",
+            ],
+            "trainer",
+        )
         deadline = time.monotonic() + 300
         while not os.path.exists(port_file):
             if p.poll() is not None or time.monotonic() > deadline:
@@ -129,11 +140,28 @@ class Processes:
 
     def gateway(self, trainer: str) -> str:
         port, health = free_port(), free_port()
-        p = self.start([
-            sys.executable, "-m", "strop.gateways.tinker", "--listen", f"127.0.0.1:{port}", "--trainer", trainer,
-            "--model-root", tb.MODEL_ROOT, "--quantization", self.a.quantization, "--dtype", tb.DTYPE,
-            "--max-seq-length", str(self.a.max_seq), "--health-port", str(health),
-        ], "gateway")  # fmt: skip
+        p = self.start(
+            [
+                sys.executable,
+                "-m",
+                "strop.gateways.tinker",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--trainer",
+                trainer,
+                "--model-root",
+                harness.MODEL_ROOT,
+                "--quantization",
+                self.a.quantization,
+                "--dtype",
+                self.a.dtype,
+                "--max-seq-length",
+                str(self.a.max_seq),
+                "--health-port",
+                str(health),
+            ],
+            "gateway",
+        )
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -166,7 +194,7 @@ class GrpcLoop:
         self.st, self.a = st, a
         self.tc = TrainerClient(trainer)
         sess = self.tc.load_model(
-            a.base, quantization=Quantization(a.quantization), dtype=tb.DTYPE, max_seq_length=a.max_seq
+            a.base, quantization=Quantization(a.quantization), dtype=a.dtype, max_seq_length=a.max_seq
         )
         lora = st.RunLora(rank=16, train_attn=True, train_mlp=True, train_unembed=False, seed=0)
         self.run = self.tc.create_training_run(sess.session_id, lora)
@@ -217,19 +245,24 @@ class TinkerLoop:
     def sample(self, snap, prompts, seeds):
         t = self.types
         futs = [
-            snap.sample(t.ModelInput.from_ints(p), self.a.group,
-                        t.SamplingParams(max_tokens=self.a.max_tokens, temperature=1.0, seed=s))
+            snap.sample(
+                t.ModelInput.from_ints(p),
+                self.a.group,
+                t.SamplingParams(max_tokens=self.a.max_tokens, temperature=1.0, seed=s),
+            )
             for p, s in zip(prompts, seeds, strict=True)
-        ]  # fmt: skip
+        ]
         return [[(list(s.tokens), list(s.logprobs)) for s in f.result().sequences] for f in futs]
 
     def train(self, rows) -> None:
         t = self.types
         data = [
-            t.Datum(model_input=t.ModelInput.from_ints(x),
-                    loss_fn_inputs={"target_tokens": tt_, "logprobs": lp, "advantages": adv})
+            t.Datum(
+                model_input=t.ModelInput.from_ints(x),
+                loss_fn_inputs={"target_tokens": tt_, "logprobs": lp, "advantages": adv},
+            )
             for x, tt_, lp, adv in rows
-        ]  # fmt: skip
+        ]
         fb = self.tc.forward_backward(data, "importance_sampling")
         opt = self.tc.optim_step(t.AdamParams(learning_rate=1e-5))
         fb.result()
@@ -247,9 +280,14 @@ def rl_rows(prompt: list[int], group: list[tuple[list[int], list[float]]]):
     for (toks, lps), r in zip(group, rewards, strict=True):
         full = prompt + toks
         n_prompt = len(prompt) - 1
-        rows.append((
-            full[:-1], full[1:], [0.0] * n_prompt + list(lps), [0.0] * n_prompt + [r - mean] * len(toks),
-        ))  # fmt: skip
+        rows.append(
+            (
+                full[:-1],
+                full[1:],
+                [0.0] * n_prompt + list(lps),
+                [0.0] * n_prompt + [r - mean] * len(toks),
+            )
+        )
     return rows, rewards
 
 
@@ -262,7 +300,7 @@ def loop(system: str, a) -> LoopResult:
         trainer = procs.trainer()
         driver = GrpcLoop(trainer, a) if system == "grpc" else TinkerLoop(procs.gateway(trainer), a)
         rng = random.Random(0)
-        vocab = tb.SHAPE["vocab"]
+        vocab = a.vocab
         with GpuPeak() as peak:
             for step in range(a.warmup + a.steps):
                 prompts = [[rng.randrange(vocab) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
@@ -319,18 +357,16 @@ def main() -> None:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (checks the harness)")
     a = p.parse_args()
-    _load_train_bench()
-    if a.smoke:
-        tb.DEVICE, tb.DTYPE = "cpu", "float32"
-    tb.use_shape("qlora", a.smoke)
+    w = harness.workload("qlora", a.smoke)
+    a.dtype, a.vocab = w.dtype, w.shape["vocab"]
     a.prompts = a.prompts or (2 if a.smoke else 8)
     a.group = a.group or (2 if a.smoke else 8)
     a.prompt_len = a.prompt_len or (8 if a.smoke else 256)
     a.max_tokens = a.max_tokens or (4 if a.smoke else 256)
     a.max_seq = a.prompt_len + a.max_tokens + 1
     a.quantization = "NF4" if a.quant == "qlora" else "NONE"
-    tb.ensure_saved_model(a.max_seq, "qlora")
-    a.base = os.path.basename(tb.saved_model_dir())
+    w.ensure_saved_model(a.max_seq, "qlora")
+    a.base = os.path.basename(w.saved_model_dir())
     results = [loop(s, a) for s in a.systems.split(",")]
     for r in results:
         if not r.ok:

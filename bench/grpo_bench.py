@@ -43,9 +43,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# train_bench owns the saved 8B shape and the baseline's loading recipe
+# bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_bench as tb
+from lib import harness  # the saved 8B shape and the baseline's loading recipe
 
 LR = 1e-5
 GRADER = {
@@ -93,18 +93,20 @@ def median(xs: list[float]) -> float:
     return s[len(s) // 2]
 
 
-def finish(row: Row, times: list[float], tokens: list[float], sampled: list[float], warmup: int) -> None:
+def finish(
+    w: harness.Workload, row: Row, times: list[float], tokens: list[float], sampled: list[float], warmup: int
+) -> None:
     t, n, c = times[warmup:], tokens[warmup:], sampled[warmup:]
     row.steps = len(t)
     row.seconds_per_step = median(t)
     row.tokens_per_s = median([a / b for a, b in zip(n, t, strict=True)])
     row.sampled_tokens_per_s = median([a / b for a, b in zip(c, t, strict=True)])
-    tb_res = tb.Result(part="grpo", system=row.system, seq=0, batch=0)
-    tb.record_peak_memory(tb_res)
-    row.peak_alloc_gib, row.peak_reserved_gib = tb_res.peak_alloc_gib, tb_res.peak_reserved_gib
+    res = harness.Result(part="grpo", system=row.system, seq=0, batch=0)
+    w.record_peak_memory(res)
+    row.peak_alloc_gib, row.peak_reserved_gib = res.peak_alloc_gib, res.peak_reserved_gib
 
 
-def run_strop(a) -> Row:
+def run_strop(a, w: harness.Workload) -> Row:
     from strop.common.trainer_types import (
         DatasetFormat,
         GrpoConfig,
@@ -122,24 +124,34 @@ def run_strop(a) -> Row:
     work = tempfile.mkdtemp(prefix="grpo-bench-")
     core = TrainerCore(
         TrainerConfig(
-            model_root=tb.MODEL_ROOT, artifact_root=f"{work}/artifacts", state_dir=f"{work}/state",
-            device="cuda:0" if tb.DEVICE == "cuda" else "cpu",
+            model_root=harness.MODEL_ROOT,
+            artifact_root=f"{work}/artifacts",
+            state_dir=f"{work}/state",
+            device="cuda:0" if w.device == "cuda" else "cpu",
         )
-    )  # fmt: skip
+    )
     info = core.sessions.load(
         LoadModelRequest(
-            model_path=os.path.basename(tb.saved_model_dir()), quantization=Quantization.NF4,
-            kernels=KernelMode.UNSPECIFIED, max_seq_length=a.prompt_tokens * 2 + a.new_tokens + 64,
+            model_path=os.path.basename(w.saved_model_dir()),
+            quantization=Quantization.NF4,
+            kernels=KernelMode.UNSPECIFIED,
+            max_seq_length=a.prompt_tokens * 2 + a.new_tokens + 64,
         )
-    )  # fmt: skip
+    )
     core.sessions.attach_lora(info.session_id, LoraConfig(r=16, alpha=16, seed=0))
     loaded = core.sessions.open(info.session_id).loaded
     data = rows(a.prompts * (a.steps + a.warmup), a.prompt_tokens)
     cfg = TrainConfig(
-        method=TrainMethod.GRPO, learning_rate=LR, lr_scheduler="constant", max_steps=a.steps + a.warmup,
-        batch_size=a.prompts, seed=0,
-        grpo=GrpoConfig(grader=json.dumps(GRADER), group_size=a.group, max_new_tokens=a.new_tokens, temperature=1.0),
-    )  # fmt: skip
+        method=TrainMethod.GRPO,
+        learning_rate=LR,
+        lr_scheduler="constant",
+        max_steps=a.steps + a.warmup,
+        batch_size=a.prompts,
+        seed=0,
+        grpo=GrpoConfig(
+            grader=json.dumps(GRADER), group_size=a.group, max_new_tokens=a.new_tokens, temperature=1.0
+        ),
+    )
     cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(data))
     cfg = grpo.check_job(cfg, DatasetFormat.PROMPTS, data, loaded.tokenizer)
     # the random model's completions score alike (their ids mostly lie outside the tiny tokenizer): train every group
@@ -150,11 +162,11 @@ def run_strop(a) -> Row:
     def on_step(m) -> None:
         metrics.append(m)
         if len(metrics) == a.warmup:
-            tb.reset_peak_memory()  # the measured steps' peaks
+            w.reset_peak_memory()  # the measured steps' peaks
 
     sinks = training.Sinks(on_step=on_step, on_checkpoint=lambda s, p: None, on_start=lambda t: None)
     if a.warmup == 0:
-        tb.reset_peak_memory()
+        w.reset_peak_memory()
     grpo.run_grpo(loaded, data, cfg, Path(work) / "job", training.JobControl(), sinks)
     times = [m.step_seconds for m in metrics]
     sampled = [m.rl.sampled_length_mean * a.prompts * a.group for m in metrics]
@@ -162,7 +174,7 @@ def run_strop(a) -> Row:
     row.prompt_tokens = (tokens[-1] - sampled[-1]) / (a.prompts * a.group)
     row.completion_tokens = metrics[-1].rl.sampled_length_mean
     row.rewards = [m.rl.reward_mean for m in metrics]
-    finish(row, times, tokens, sampled, a.warmup)
+    finish(w, row, times, tokens, sampled, a.warmup)
     row.note = (
         f"sampling {median([m.rl.sampling_seconds for m in metrics[a.warmup :]]):.1f} s, training "
         f"{median([m.rl.training_seconds for m in metrics[a.warmup :]]):.1f} s a step; {loaded.facts.kernels_reason[:80]}"
@@ -170,15 +182,15 @@ def run_strop(a) -> Row:
     return row
 
 
-def run_trl(a) -> Row:
+def run_trl(a, w: harness.Workload) -> Row:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     row = Row("trl")
-    model = tb.attach_lora(tb.load_model(qlora=True))
-    tok = AutoTokenizer.from_pretrained(tb.saved_model_dir())
+    model = harness.attach_lora(w.load_model(qlora=True))
+    tok = AutoTokenizer.from_pretrained(w.saved_model_dir())
     data = rows(a.prompts * (a.steps + a.warmup), a.prompt_tokens)
     dataset = Dataset.from_list([{"prompt": r["messages"], "letter": r["letter"]} for r in data])
 
@@ -187,48 +199,74 @@ def run_trl(a) -> Row:
         return [float(x in t) for t, x in zip(texts, letter, strict=True)]
 
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo-bench-trl-"), learning_rate=LR, lr_scheduler_type="constant",
-        per_device_train_batch_size=a.group, gradient_accumulation_steps=a.prompts, num_generations=a.group,
-        max_completion_length=a.new_tokens, temperature=1.0, top_p=1.0, beta=0.0, loss_type="grpo",
-        num_iterations=1, max_steps=a.steps + a.warmup, bf16=tb.DEVICE == "cuda", use_cpu=tb.DEVICE == "cpu",
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, optim="adamw_torch",
-        logging_steps=1, report_to="none", disable_tqdm=True, use_vllm=False, save_strategy="no", seed=0,
+        output_dir=tempfile.mkdtemp(prefix="grpo-bench-trl-"),
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=a.group,
+        gradient_accumulation_steps=a.prompts,
+        num_generations=a.group,
+        max_completion_length=a.new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        beta=0.0,
+        loss_type="grpo",
+        num_iterations=1,
+        max_steps=a.steps + a.warmup,
+        bf16=w.device == "cuda",
+        use_cpu=w.device == "cpu",
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        optim="adamw_torch",
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        use_vllm=False,
+        save_strategy="no",
+        seed=0,
         shuffle_dataset=False,
-    )  # fmt: skip
+    )
     times: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            if tb.DEVICE == "cuda":
+            if w.device == "cuda":
                 torch.cuda.synchronize()
             if state.global_step == a.warmup:
-                tb.reset_peak_memory()
+                w.reset_peak_memory()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            if tb.DEVICE == "cuda":
+            if w.device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
 
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[reward], args=args, train_dataset=dataset, processing_class=tok,
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
         callbacks=[Timer()],
-    )  # fmt: skip
-    tb.upcast_adapters_(model)  # LoRA weights fp32, as the baseline recipe and the trainer service keep them
+    )
+    # LoRA weights fp32, as the baseline recipe and the trainer service keep them
+    harness.upcast_adapters_(model)
     trainer.train()
     hist = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     lengths = [h["completions/mean_length"] for h in hist]
     prompt_len = sum(
-        len(tok.apply_chat_template(r["messages"], tokenize=True, add_generation_prompt=True, return_dict=True)[
-            "input_ids"])
+        len(
+            tok.apply_chat_template(
+                r["messages"], tokenize=True, add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
         for r in data
-    ) / len(data)  # fmt: skip
+    ) / len(data)
     n = a.prompts * a.group
     tokens = [n * (prompt_len + c) for c in lengths]
     sampled = [n * c for c in lengths]
     row.prompt_tokens, row.completion_tokens = prompt_len, lengths[-1]
     row.rewards = [h.get("reward", 0.0) for h in hist]
-    finish(row, times[: len(lengths)], tokens, sampled, a.warmup)
+    finish(w, row, times[: len(lengths)], tokens, sampled, a.warmup)
     return row
 
 
@@ -236,9 +274,25 @@ def spawn(system: str, a) -> Row:
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--prompts", str(a.prompts),
-           "--group", str(a.group), "--new-tokens", str(a.new_tokens), "--prompt-tokens", str(a.prompt_tokens),
-           "--steps", str(a.steps), "--warmup", str(a.warmup), *(["--smoke"] if a.smoke else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        system,
+        "--prompts",
+        str(a.prompts),
+        "--group",
+        str(a.group),
+        "--new-tokens",
+        str(a.new_tokens),
+        "--prompt-tokens",
+        str(a.prompt_tokens),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        *(["--smoke"] if a.smoke else []),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:
@@ -293,12 +347,10 @@ def main() -> None:
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
     a = p.parse_args()
-    if a.smoke:
-        tb.DEVICE, tb.DTYPE = "cpu", "float32"
-    tb.use_shape("qlora", a.smoke)
+    w = harness.workload("qlora", a.smoke)
     if a.worker:
         try:
-            row = run_trl(a) if a.worker == "trl" else run_strop(a)
+            row = run_trl(a, w) if a.worker == "trl" else run_strop(a, w)
         except Exception as exc:
             import traceback
 
@@ -306,13 +358,16 @@ def main() -> None:
             row = Row(a.worker, ok=False, error=repr(exc)[:400])
         print("RESULT " + json.dumps(asdict(row)), flush=True)
         return
-    tb.ensure_saved_model(tb.MAX_POSITIONS, "qlora")
+    w.ensure_saved_model(harness.MAX_POSITIONS, "qlora")
     results = []
     for system in a.systems.split(","):
         r = spawn(system, a)
         results.append(r)
-        print(f"{system}: " + (f"{r.tokens_per_s:,.0f} tok/s, {r.peak_alloc_gib:.1f} GiB" if r.ok else r.error[:300]),
-              flush=True)  # fmt: skip
+        print(
+            f"{system}: "
+            + (f"{r.tokens_per_s:,.0f} tok/s, {r.peak_alloc_gib:.1f} GiB" if r.ok else r.error[:300]),
+            flush=True,
+        )
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:

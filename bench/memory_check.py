@@ -1,7 +1,7 @@
 """Memory check on the 8B QLoRA shape at batch 1: plain HF checkpointing vs strop's memory features.
 
 For each sequence length and system, one fresh process loads the Llama-3.1-8B-shape model with random
-weights, NF4 double-quantized on load (``bench/train_bench.py``'s saved dir and ``load_model``, written
+weights, NF4 double-quantized on load (``bench/lib/harness.py``'s saved dir and ``load_model``, written
 once per machine before any point runs), attaches LoRA r=16 on all seven projections, and runs two
 training steps (bf16 autocast, AdamW on the LoRA weights; the first warms the allocators, pinned host
 memory included). Reported per point: peak allocated and reserved GPU memory over both steps, host RSS
@@ -33,7 +33,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+# bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib import harness  # the saved 8B shape and the baseline's loading recipe
 
 SYSTEMS = ("hf", "patch", "strop")
 
@@ -64,11 +66,12 @@ def _rss_now_gib() -> float:
 
 def run_worker(a: argparse.Namespace) -> Point:
     import torch
-    from train_bench import SHAPE, attach_lora, host_peak_rss_gib, load_model, reset_peak_memory
+
+    w = harness.workload("qlora", smoke=False)
 
     point = Point(a.system, a.seq)
     notes = []
-    model = attach_lora(load_model(qlora=True))
+    model = harness.attach_lora(w.load_model(qlora=True))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = None
     if a.system in ("patch", "strop"):
@@ -87,9 +90,9 @@ def run_worker(a: argparse.Namespace) -> Point:
         notes.append(f"memory features: {report.summary()}")
     model.train()
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    ids = torch.randint(0, SHAPE["vocab"], (1, a.seq), device="cuda", generator=gen)
+    ids = torch.randint(0, w.shape["vocab"], (1, a.seq), device="cuda", generator=gen)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    if note := reset_peak_memory().strip():
+    if note := w.reset_peak_memory().strip():
         notes.append(note)
     point.rss_before_gib = _rss_now_gib()
     for _ in range(2):
@@ -105,7 +108,7 @@ def run_worker(a: argparse.Namespace) -> Point:
         point.loss = float(loss.detach())
     point.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
     point.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
-    point.rss_peak_gib = host_peak_rss_gib()
+    point.rss_peak_gib = harness.host_peak_rss_gib()
     if report is not None and report.offloader is not None:
         point.offload_host_peak_gib = report.offloader.stats.peak_host_bytes / 2**30
         notes.append(f"offload stats: {report.offloader!r}")
@@ -173,9 +176,7 @@ def main() -> None:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         p.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    from train_bench import ensure_saved_model
-
-    ensure_saved_model(max(int(s) for s in a.seq.split(",")))
+    harness.workload("qlora", smoke=False).ensure_saved_model(max(int(s) for s in a.seq.split(",")), "qlora")
     points = []
     for system in systems:
         for seq in (int(s) for s in a.seq.split(",")):

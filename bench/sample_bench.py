@@ -37,9 +37,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-# train_bench owns the saved 8B shape and the baseline's loading recipe
+# bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_bench as tb
+from lib import harness  # the saved 8B shape and the baseline's loading recipe
 
 PROMPTS = 64
 NEW_TOKENS = 512
@@ -78,10 +78,10 @@ def prompts(n: int, vocab: int, lo: int, hi: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (lo + (i * 37) % (hi - lo + 1),), generator=g).tolist() for i in range(n)]
 
 
-def build_model(patch: bool):
+def build_model(w: harness.Workload, patch: bool):
     import torch
 
-    model = tb.attach_lora(tb.load_model(qlora=True))
+    model = harness.attach_lora(w.load_model(qlora=True))
     g = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -96,55 +96,63 @@ def build_model(patch: bool):
     return model, notes
 
 
-def reset_peak():
+def reset_peak(w: harness.Workload):
     import torch
 
-    if tb.DEVICE == "cuda":
+    if w.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak(row: Row):
+def peak(w: harness.Workload, row: Row):
     import torch
 
-    if tb.DEVICE == "cuda":
+    if w.device == "cuda":
         row.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
         row.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
 
 
-def run_hf(a) -> Report:
+def run_hf(a, w: harness.Workload) -> Report:
     import torch
 
     t0 = time.perf_counter()
-    model, _ = build_model(patch=False)
+    model, _ = build_model(w, patch=False)
     rep = Report(build_s=time.perf_counter() - t0)
-    ps = prompts(a.prompts, tb.SHAPE["vocab"], a.prompt_min, a.prompt_max)
+    ps = prompts(a.prompts, w.shape["vocab"], a.prompt_min, a.prompt_max)
     width = max(map(len, ps))
     ids = torch.zeros(len(ps), width, dtype=torch.long)
     mask = torch.zeros(len(ps), width, dtype=torch.long)
     for i, p in enumerate(ps):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    dev = "cuda" if tb.DEVICE == "cuda" else "cpu"
+    dev = "cuda" if w.device == "cuda" else "cpu"
     ids, mask = ids.to(dev), mask.to(dev)
 
     def gen(n: int):
         with torch.no_grad():
             return model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                max_new_tokens=n, min_new_tokens=n, pad_token_id=0, use_cache=True,
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+                use_cache=True,
+            )
 
     torch.manual_seed(0)
     gen(8)
     row = Row("hf", "generate")
-    reset_peak()
-    tb.sync()
+    reset_peak(w)
+    w.sync()
     ts = time.perf_counter()
     out = gen(a.new_tokens)
-    tb.sync()
+    w.sync()
     row.seconds = time.perf_counter() - ts
-    peak(row)
+    peak(w, row)
     row.new_tokens = int((out.shape[1] - width) * out.shape[0])
     row.tokens_per_s = row.new_tokens / row.seconds
     row.ms_per_step = row.seconds / a.new_tokens * 1e3
@@ -152,18 +160,21 @@ def run_hf(a) -> Report:
     return rep
 
 
-def run_strop(a) -> Report:
+def run_strop(a, w: harness.Workload) -> Report:
     import torch
 
     from strop.trainer_svc.core.sampler import SampleRequest, SampleStats, SamplingParams, sample
 
     t0 = time.perf_counter()
-    model, notes = build_model(patch=tb.DEVICE == "cuda")
+    model, notes = build_model(w, patch=w.device == "cuda")
     rep = Report(build_s=time.perf_counter() - t0)
-    ps = prompts(a.prompts, tb.SHAPE["vocab"], a.prompt_min, a.prompt_max)
+    ps = prompts(a.prompts, w.shape["vocab"], a.prompt_min, a.prompt_max)
     variants = {
-        "full": {}, "nf4": {"nf4_decode": True}, "no-nf4": {"nf4_decode": False}, "eager": {"cuda_graphs": False},
-    }  # fmt: skip
+        "full": {},
+        "nf4": {"nf4_decode": True},
+        "no-nf4": {"nf4_decode": False},
+        "eager": {"cuda_graphs": False},
+    }
     names = [alt for group in a.variants.split(",") for alt in group.split("|")]
     checks = []
     for name in names:
@@ -180,13 +191,13 @@ def run_strop(a) -> Report:
                 SampleRequest(p, 1, SamplingParams(max_tokens=a.new_tokens, seed=i)) for i, p in enumerate(ps)
             ]
             stats = SampleStats()
-            reset_peak()
-            tb.sync()
+            reset_peak(w)
+            w.sync()
             ts = time.perf_counter()
             res = sample(model, reqs, stats=stats, **kw)
-            tb.sync()
+            w.sync()
             row.seconds = time.perf_counter() - ts
-            peak(row)
+            peak(w, row)
             row.new_tokens = sum(len(s.tokens) for r in res for s in r.sequences)
             row.tokens_per_s = row.new_tokens / row.seconds
             row.ms_per_step = stats.decode_s / max(1, stats.steps) * 1e3
@@ -201,9 +212,9 @@ def run_strop(a) -> Report:
             traceback.print_exc()
             row.ok, row.error = False, repr(exc)[:400]
         rep.rows.append(row)
-        torch.cuda.empty_cache() if tb.DEVICE == "cuda" else None
+        torch.cuda.empty_cache() if w.device == "cuda" else None
     # the reference forward on HF + PEFT + bitsandbytes (no kernel compiles for new shapes on the clock)
-    if tb.DEVICE == "cuda":
+    if w.device == "cuda":
         from strop.kernels.models import unpatch_model
 
         unpatch_model(model)
@@ -232,9 +243,23 @@ def spawn(system: str, a) -> Report:
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--variants", a.variants,
-           "--prompts", str(a.prompts), "--new-tokens", str(a.new_tokens),
-           "--prompt-min", str(a.prompt_min), "--prompt-max", str(a.prompt_max), *(["--smoke"] if a.smoke else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        system,
+        "--variants",
+        a.variants,
+        "--prompts",
+        str(a.prompts),
+        "--new-tokens",
+        str(a.new_tokens),
+        "--prompt-min",
+        str(a.prompt_min),
+        "--prompt-max",
+        str(a.prompt_max),
+        *(["--smoke"] if a.smoke else []),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:
@@ -293,12 +318,10 @@ def main() -> None:
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
     a = p.parse_args()
-    if a.smoke:
-        tb.DEVICE, tb.DTYPE = "cpu", "float32"
-    tb.use_shape("qlora", a.smoke)
+    w = harness.workload("qlora", a.smoke)
     if a.worker:
         try:
-            rep = run_hf(a) if a.worker == "hf" else run_strop(a)
+            rep = run_hf(a, w) if a.worker == "hf" else run_strop(a, w)
         except Exception as exc:
             import traceback
 
@@ -307,7 +330,7 @@ def main() -> None:
         print("RESULT " + json.dumps(asdict(rep)), flush=True)
         return
     t0 = time.perf_counter()
-    tb.ensure_saved_model(tb.MAX_POSITIONS, "qlora")
+    w.ensure_saved_model(harness.MAX_POSITIONS, "qlora")
     print(f"saved model ready in {time.perf_counter() - t0:.0f} s", flush=True)
     reports = []
     for system in a.systems.split(","):

@@ -34,15 +34,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-tb = None  # bench/train_bench.py (the saved model, its shape, the jobs path's worker), imported after --help
-
-
-def _load_train_bench() -> None:
-    global tb
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import train_bench
-
-    tb = train_bench
+# bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib import harness
 
 
 @dataclass
@@ -62,7 +56,7 @@ class StepResult:
     losses: list[float] | None = None
 
 
-def worker(a) -> StepResult:
+def worker(a, w: harness.Workload) -> StepResult:
     import random
     from pathlib import Path
 
@@ -76,23 +70,27 @@ def worker(a) -> StepResult:
     work = Path(f"/tmp/strop-step-bench-{os.getpid()}")
     core = TrainerCore(
         TrainerConfig(
-            model_root=Path(tb.MODEL_ROOT), artifact_root=work / "artifacts", state_dir=work / "state",
-            device="cuda:0" if tb.DEVICE == "cuda" else "cpu",
+            model_root=Path(harness.MODEL_ROOT),
+            artifact_root=work / "artifacts",
+            state_dir=work / "state",
+            device="cuda:0" if w.device == "cuda" else "cpu",
         )
-    )  # fmt: skip
+    )
     quant = Quantization.NF4 if a.quant == "qlora" else Quantization.NONE
     sess = core.sessions.load(
         LoadModelRequest(
-            model_path=os.path.basename(tb.saved_model_dir()), quantization=quant, dtype=tb.DTYPE,
+            model_path=os.path.basename(w.saved_model_dir()),
+            quantization=quant,
+            dtype=w.dtype,
             max_seq_length=a.seq + 1,
         )
-    )  # fmt: skip
+    )
     lora = st.RunLora(rank=16, alpha=16, train_attn=True, train_mlp=True, seed=0)
     runs = [
         core.runs.create(st.CreateTrainingRun(session_id=sess.session_id, lora=lora)) for _ in range(a.runs)
     ]
     rng = random.Random(0)
-    vocab = tb.SHAPE["vocab"]
+    vocab = w.shape["vocab"]
     data = []
     for _ in range(a.batch):
         toks = [rng.randrange(vocab) for _ in range(a.seq + 1)]
@@ -129,21 +127,21 @@ def worker(a) -> StepResult:
     losses: list[float] = []
     for _ in range(a.warmup):
         all_runs(losses)
-    if tb.DEVICE == "cuda":
+    if w.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
         all_runs(losses)
-        if tb.DEVICE == "cuda":
+        if w.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     res.steps = a.steps
     res.ms_per_step = 1000 * sum(times) / len(times)
     res.tokens_per_s = a.runs * a.batch * a.seq * a.steps / sum(times)
     res.losses = [round(x, 5) for x in losses]
-    if tb.DEVICE == "cuda":
+    if w.device == "cuda":
         res.peak_alloc_gib = torch.cuda.max_memory_allocated() / 2**30
         res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
     core.runs.stop()
@@ -152,10 +150,27 @@ def worker(a) -> StepResult:
 
 def worker_cmd(a, runs: int, system: str) -> list[str]:
     return [
-        sys.executable, os.path.abspath(__file__), "--worker", "--part", a.part_now, "--system", system,
-        "--runs", str(runs), "--quant", a.quant, "--seq", str(a.seq), "--batch", str(a.batch),
-        "--steps", str(a.steps), "--warmup", str(a.warmup), *(["--smoke"] if a.smoke else []),
-    ]  # fmt: skip
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--part",
+        a.part_now,
+        "--system",
+        system,
+        "--runs",
+        str(runs),
+        "--quant",
+        a.quant,
+        "--seq",
+        str(a.seq),
+        "--batch",
+        str(a.batch),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        *(["--smoke"] if a.smoke else []),
+    ]
 
 
 def _env(a) -> dict:
@@ -213,12 +228,23 @@ def jobs_path(a) -> StepResult:
     ns = argparse.Namespace(
         steps=a.steps, warmup=a.warmup, smoke=a.smoke, profile=False, progress="", timeout=a.timeout
     )
-    r = tb.spawn(part, "service", a.seq, a.batch, ns)
+    import train_bench  # its service system: a Train job over gRPC
+
+    r = train_bench.spawn(part, "service", a.seq, a.batch, ns)
     return StepResult(
-        a.part_now, "jobs-path", 1, a.seq, a.batch, ok=r.ok, error=r.error, steps=r.steps,
-        ms_per_step=r.ms_per_step, tokens_per_s=r.tokens_per_s, peak_alloc_gib=r.peak_alloc_gib,
+        a.part_now,
+        "jobs-path",
+        1,
+        a.seq,
+        a.batch,
+        ok=r.ok,
+        error=r.error,
+        steps=r.steps,
+        ms_per_step=r.ms_per_step,
+        tokens_per_s=r.tokens_per_s,
+        peak_alloc_gib=r.peak_alloc_gib,
         peak_reserved_gib=r.peak_reserved_gib,
-    )  # fmt: skip
+    )
 
 
 def main() -> None:
@@ -241,15 +267,12 @@ def main() -> None:
     p.add_argument("--system", default="step-api", help=argparse.SUPPRESS)
     p.add_argument("--runs", type=int, default=1, help=argparse.SUPPRESS)
     a = p.parse_args()
-    _load_train_bench()
-    if a.smoke:
-        tb.DEVICE, tb.DTYPE = "cpu", "float32"
-    tb.use_shape("qlora", a.smoke)
+    w = harness.workload("qlora", a.smoke)
     a.seq = a.seq or (64 if a.smoke else 2048)
     a.batch = a.batch or (2 if a.smoke else 8)
     if a.worker:
         try:
-            res = worker(a)
+            res = worker(a, w)
         except Exception as exc:
             import traceback
 
@@ -257,7 +280,7 @@ def main() -> None:
             res = StepResult(a.part, a.system, a.runs, a.seq, a.batch, ok=False, error=repr(exc)[:300])
         print("RESULT " + json.dumps(asdict(res)), flush=True)
         return
-    tb.ensure_saved_model(a.seq + 1, "qlora")
+    w.ensure_saved_model(a.seq + 1, "qlora")
     results = []
     for part in a.parts.split(","):
         a.part_now = part
