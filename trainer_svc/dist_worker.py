@@ -215,8 +215,16 @@ def _peer_failure(world_size: int) -> RankFailure | None:
     return min(found, key=lambda f: f.time) if found else None
 
 
-def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_root: Path, work_dir: Path,
-        events_path: str = "", stop_file: Path | None = None) -> JobState:  # fmt: skip
+def run(
+    spec: DistributedJob,
+    *,
+    model_root: Path,
+    artifact_root: Path,
+    data_root: Path,
+    work_dir: Path,
+    events_path: str = "",
+    stop_file: Path | None = None,
+) -> JobState:
     """Train ``spec`` as this rank; returns how the job ended (every rank returns the same state)."""
     import torch
 
@@ -333,9 +341,12 @@ def run(spec: DistributedJob, *, model_root: Path, artifact_root: Path, data_roo
             fsdp.unshard_adapter(loaded.model)  # every rank: a collective
         if rank.is_main:
             adapter = publish_adapter(
-                artifacts, loaded, tenant=tenant, artifact_id=None,
+                artifacts,
+                loaded,
+                tenant=tenant,
+                artifact_id=None,
                 metadata={"job_id": spec.job_id, "step": str(step), "world_size": str(rank.world_size)},
-            )  # fmt: skip
+            )
             emit(adapter=adapter)
         if control.stop is None:
             state, message = JobState.SUCCEEDED, f"finished at step {step}"
@@ -414,10 +425,14 @@ def main(argv: list[str] | None = None) -> None:
     spec = serde.from_dict(DistributedJob, json.loads(Path(a.spec).read_text()))
     try:
         state = run(
-            spec, model_root=Path(a.model_root), artifact_root=Path(a.artifact_root), data_root=Path(a.data_root),
-            work_dir=Path(a.work_dir) / (spec.job_id or "job"), events_path=a.events,
+            spec,
+            model_root=Path(a.model_root),
+            artifact_root=Path(a.artifact_root),
+            data_root=Path(a.data_root),
+            work_dir=Path(a.work_dir) / (spec.job_id or "job"),
+            events_path=a.events,
             stop_file=Path(a.stop_file) if a.stop_file else None,
-        )  # fmt: skip
+        )
     except PeerLost as exc:
         log.warning("stopped: a peer rank was lost (%s)", _first_line(exc))
         sys.exit(EXIT_LOST_PEER)

@@ -102,10 +102,15 @@ class TrainerServicer(ArtifactServicer, trainer_pb2_grpc.TrainerServiceServicer)
         self.drain.check()
         config = from_proto(TrainConfig, request.config) if request.HasField("config") else None
         job = await in_pool(
-            self.core.jobs.start, request.session_id, request.dataset_id, config,
-            resume_from_job_id=request.resume_from_job_id, name=request.name, fail_if_busy=request.fail_if_busy,
+            self.core.jobs.start,
+            request.session_id,
+            request.dataset_id,
+            config,
+            resume_from_job_id=request.resume_from_job_id,
+            name=request.name,
+            fail_if_busy=request.fail_if_busy,
             validation_dataset_id=request.validation_dataset_id,
-        )  # fmt: skip
+        )
         async for event in self._events(job.job_id, 0, context):
             yield event
 

@@ -212,12 +212,28 @@ def run_distributed(
     events, stop_file, log_path = work_dir / "events.jsonl", work_dir / "stop", work_dir / "ranks.log"
     events.touch()
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.num_devices}",
-        "-m", "strop.trainer_svc.dist_worker", "--spec", str(work_dir / "spec.json"),
-        "--model-root", str(model_root), "--artifact-root", str(artifacts.root),
-        "--data-root", str(work_dir / "data"), "--work-dir", str(work_dir / "ranks"),
-        "--events", str(events), "--stop-file", str(stop_file),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={cfg.num_devices}",
+        "-m",
+        "strop.trainer_svc.dist_worker",
+        "--spec",
+        str(work_dir / "spec.json"),
+        "--model-root",
+        str(model_root),
+        "--artifact-root",
+        str(artifacts.root),
+        "--data-root",
+        str(work_dir / "data"),
+        "--work-dir",
+        str(work_dir / "ranks"),
+        "--events",
+        str(events),
+        "--stop-file",
+        str(stop_file),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["STROP_LAUNCHER_PID"] = str(os.getpid())  # the ranks stop (checkpointed) if this service dies
     with open(log_path, "w") as log_file:

@@ -123,10 +123,16 @@ def shard_4bit_as_compute_dtype(model, dtype) -> int:
                 f"FSDP cannot shard {name}: its {data.numel()} bytes of NF4 codes are not whole {dtype} words"
             )
         mod.weight = Params4bit(
-            data.view(dtype).reshape(-1, 1), requires_grad=False, quant_state=qs, blocksize=qs.blocksize,
-            compress_statistics=qs.nested, quant_type=qs.quant_type, quant_storage=dtype, module=mod,
+            data.view(dtype).reshape(-1, 1),
+            requires_grad=False,
+            quant_state=qs,
+            blocksize=qs.blocksize,
+            compress_statistics=qs.nested,
+            quant_type=qs.quant_type,
+            quant_storage=dtype,
+            module=mod,
             bnb_quantized=True,
-        )  # fmt: skip
+        )
         mod.quant_state, mod.quant_storage = qs, dtype  # what the forward restores the gathered weight from
         count += 1
     return count

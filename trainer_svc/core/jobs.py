@@ -345,17 +345,32 @@ class Jobs:
                 before = adapter_state.snapshot(sess.loaded)  # what a FAILED job leaves the session with
                 if cfg.num_devices > 1:  # torchrun's ranks train; rank 0 publishes (``dist_launch``)
                     step, adapter = dist_launch.run_distributed(
-                        sess, job_id, cfg, fmt, rows, control, resume_dir, work_dir=work_dir,
-                        artifacts=self.artifacts, model_root=self.sessions.model_root,
+                        sess,
+                        job_id,
+                        cfg,
+                        fmt,
+                        rows,
+                        control,
+                        resume_dir,
+                        work_dir=work_dir,
+                        artifacts=self.artifacts,
+                        model_root=self.sessions.model_root,
                         on_event=lambda e: self._on_rank_event(job_id, e),
-                    )  # fmt: skip
+                    )
                 elif cfg.method is TrainMethod.GRPO:  # strop's own loop on the step API's sampler
                     from strop.trainer_svc.core import grpo
 
                     step = grpo.run_grpo(
-                        sess.loaded, rows, cfg, work_dir, control, sinks, resume_dir, validation=held_out,
+                        sess.loaded,
+                        rows,
+                        cfg,
+                        work_dir,
+                        control,
+                        sinks,
+                        resume_dir,
+                        validation=held_out,
                         graders=graders,
-                    )  # fmt: skip
+                    )
                     adapter = self.sessions.publish_adapter(
                         sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
                     )
@@ -472,9 +487,13 @@ class Jobs:
     def _on_step(self, job_id: str, m: StepMetrics) -> None:
         if self.metrics is not None:  # before the event: a client that saw the step finds it in the metrics
             self.metrics.on_step(
-                job_id, step=m.step, loss=m.loss, tokens_per_second=m.tokens_per_second,
-                seconds=m.step_seconds, peak_bytes=m.peak_memory_bytes,
-            )  # fmt: skip
+                job_id,
+                step=m.step,
+                loss=m.loss,
+                tokens_per_second=m.tokens_per_second,
+                seconds=m.step_seconds,
+                peak_bytes=m.peak_memory_bytes,
+            )
         self.store.append_event(
             JobEvent(job_id=job_id, step=m), step=m.step, total_steps=m.total_steps, last_loss=m.loss
         )

@@ -254,9 +254,12 @@ def memory_mode(loaded: models.LoadedModel, batch: Batch):
     from strop.kernels.models import StepShape, apply_memory_mode
 
     installed = apply_memory_mode(
-        loaded.model, MemoryMode.UNSPECIFIED, step=StepShape(len(batch.lengths), max(batch.lengths), True),
-        device=loaded.device, **({} if on_cuda else _MEMORY_MODE_ON_CPU),
-    )  # fmt: skip
+        loaded.model,
+        MemoryMode.UNSPECIFIED,
+        step=StepShape(len(batch.lengths), max(batch.lengths), True),
+        device=loaded.device,
+        **({} if on_cuda else _MEMORY_MODE_ON_CPU),
+    )
     try:
         yield installed
     finally:
@@ -317,9 +320,11 @@ def optim_step(opt: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: d
         torch._foreach_mul_(grads, clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
     for group in opt.param_groups:
         group.update(
-            lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
+            lr=adam["learning_rate"],
+            betas=(adam["beta1"], adam["beta2"]),
+            eps=adam["eps"],
             weight_decay=adam["weight_decay"],
-        )  # fmt: skip
+        )
     with torch.no_grad():
         weights = [p.detach() for p in params]
         before = torch._foreach_mul(weights, 1.0)  # an exact copy, one grouped launch

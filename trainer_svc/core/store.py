@@ -111,10 +111,15 @@ class TrainerStore:
             "INSERT INTO jobs (job_id, session_id, state, created_at, last_seq, body, instance_id) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
-                job.job_id, job.session_id, job.state.value, job.created_at, 0, json.dumps(to_dict(job)),
+                job.job_id,
+                job.session_id,
+                job.state.value,
+                job.created_at,
+                0,
+                json.dumps(to_dict(job)),
                 job.instance_id,
             ),
-        )  # fmt: skip
+        )
 
     @staticmethod
     def _job(row) -> JobInfo:

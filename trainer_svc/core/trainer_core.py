@@ -53,9 +53,12 @@ class TrainerCore:
         self.artifacts = ArtifactStore(config.artifact_root)
         self.device = models.pick_device(config.device)
         self.sessions = Sessions(
-            self.store, self.artifacts, model_root=Path(config.model_root), device=self.device,
+            self.store,
+            self.artifacts,
+            model_root=Path(config.model_root),
+            device=self.device,
             max_sessions=config.max_sessions,
-        )  # fmt: skip
+        )
         self.datasets = Datasets(
             self.store, Path(config.state_dir), data_root=config.data_root, limits=config.dataset_limits
         )
@@ -66,14 +69,22 @@ class TrainerCore:
             states=[s.value for s in JobState],
         )
         self.jobs = Jobs(
-            self.store, self.artifacts, self.sessions, self.datasets, state_dir=Path(config.state_dir),
-            max_queued=config.max_queued_jobs, metrics=self.metrics,
-        )  # fmt: skip
+            self.store,
+            self.artifacts,
+            self.sessions,
+            self.datasets,
+            state_dir=Path(config.state_dir),
+            max_queued=config.max_queued_jobs,
+            metrics=self.metrics,
+        )
         # the step API: training runs on loaded sessions, their primitives sharing the device with jobs
         self.runs = TrainingRuns(
-            self.sessions, self.artifacts, self.jobs.device_turn, metrics=self.metrics,
+            self.sessions,
+            self.artifacts,
+            self.jobs.device_turn,
+            metrics=self.metrics,
             hole_seconds=config.step_hole_seconds,
-        )  # fmt: skip
+        )
         self.liveness = Liveness(self.store.db, SERVICE, self.instance_id)
         # Our previous incarnation is dead by definition; other live pods' sessions and jobs are theirs.
         interrupted = self._recover(self.liveness.others_alive())
