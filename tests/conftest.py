@@ -28,6 +28,17 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_finish(session):
+    """Freeze what collection built (torch, transformers and every test module imported) out of the
+    garbage collector's reach. The services call ``gc.collect()`` as each session closes and each export step ends,
+    and every full collection walks every tracked object; these live for the whole run, so walking them again
+    frees nothing. Objects the tests make afterwards (models, sessions) are collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return
