@@ -40,20 +40,10 @@ from lib import harness
 
 
 @dataclass
-class StepResult:
-    part: str
-    system: str
-    runs: int
-    seq: int
-    batch: int
-    ok: bool = True
-    error: str = ""
-    steps: int = 0
-    ms_per_step: float = 0.0
-    tokens_per_s: float = 0.0
-    peak_alloc_gib: float = 0.0
-    peak_reserved_gib: float = 0.0
-    losses: list[float] | None = None
+class StepResult(harness.Result):
+    """The harness's result row, plus how many runs shared the trainer."""
+
+    runs: int = 1
 
 
 def worker(a, w: harness.Workload) -> StepResult:
@@ -66,7 +56,7 @@ def worker(a, w: harness.Workload) -> StepResult:
     from strop.common.trainer_types import LoadModelRequest, Quantization
     from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
 
-    res = StepResult(a.part, a.system, a.runs, a.seq, a.batch)
+    res = StepResult(a.part, a.system, a.seq, a.batch, runs=a.runs)
     work = Path(f"/tmp/strop-step-bench-{os.getpid()}")
     core = TrainerCore(
         TrainerConfig(
@@ -192,7 +182,7 @@ def spawn(a, runs: int, system: str) -> StepResult:
     proc = subprocess.run(
         worker_cmd(a, runs, system), env=_env(a), capture_output=True, text=True, timeout=a.timeout
     )
-    return _parse(proc.stdout + proc.stderr, StepResult(a.part_now, system, runs, a.seq, a.batch))
+    return _parse(proc.stdout + proc.stderr, StepResult(a.part_now, system, a.seq, a.batch, runs=runs))
 
 
 def spawn_together(a, n: int) -> StepResult:
@@ -208,8 +198,8 @@ def spawn_together(a, n: int) -> StepResult:
         for _ in range(n)
     ]
     outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
-    parts = [_parse(o, StepResult(a.part_now, "separate", 1, a.seq, a.batch)) for o in outs]
-    total = StepResult(a.part_now, f"{n}-processes", n, a.seq, a.batch)
+    parts = [_parse(o, StepResult(a.part_now, "separate", a.seq, a.batch)) for o in outs]
+    total = StepResult(a.part_now, f"{n}-processes", a.seq, a.batch, runs=n)
     bad = [p for p in parts if not p.ok]
     if bad:
         total.ok, total.error = False, bad[0].error
@@ -231,20 +221,7 @@ def jobs_path(a) -> StepResult:
     import train_bench  # its service system: a Train job over gRPC
 
     r = train_bench.spawn(part, "service", a.seq, a.batch, ns)
-    return StepResult(
-        a.part_now,
-        "jobs-path",
-        1,
-        a.seq,
-        a.batch,
-        ok=r.ok,
-        error=r.error,
-        steps=r.steps,
-        ms_per_step=r.ms_per_step,
-        tokens_per_s=r.tokens_per_s,
-        peak_alloc_gib=r.peak_alloc_gib,
-        peak_reserved_gib=r.peak_reserved_gib,
-    )
+    return StepResult(**{**asdict(r), "part": a.part_now, "system": "jobs-path"})
 
 
 def main() -> None:
@@ -277,7 +254,7 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-            res = StepResult(a.part, a.system, a.runs, a.seq, a.batch, ok=False, error=repr(exc)[:300])
+            res = StepResult(a.part, a.system, a.seq, a.batch, runs=a.runs, ok=False, error=repr(exc)[:300])
         print("RESULT " + json.dumps(asdict(res)), flush=True)
         return
     w.ensure_saved_model(a.seq + 1, "qlora")

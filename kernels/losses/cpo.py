@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .preference import (
+    GroupedLogps,
     Reduce,
     completion_groups,
     grouped_logps,
@@ -77,24 +78,46 @@ def cpo_loss_from_logps(
     return CPOLossOutput(loss, nll_loss, chosen_logps, rejected_logps, beta)
 
 
-def _cpo(
-    logps_fn,
-    hidden,
-    weight,
-    labels,
-    bias,
-    beta,
-    loss_type,
-    label_smoothing,
-    simpo_gamma,
-    cpo_alpha,
-    ignore_index,
-    head_kw,
+def strop_cpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+    cpo_alpha: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    logps_fn: GroupedLogps = grouped_logps,
 ) -> CPOLossOutput:
+    """CPO (SimPO: ``loss_type="simpo", cpo_alpha=0``) of [chosen; rejected] hidden states without their logits.
+
+    Args:
+        hidden: ``[2B, T, H]`` final hidden states, chosen rows first.
+        weight: ``[V, H]`` frozen LM head.
+        labels: ``[2B, T]`` unshifted completion labels.
+        bias: Optional frozen ``[V]`` head bias.
+        beta, loss_type, label_smoothing, simpo_gamma, cpo_alpha: TRL's ``CPOConfig`` fields.
+        ignore_index: Label value that is not scored.
+        chunk_size: Rows per chunk (default: ~256 MiB of logits).
+        softcap: The model's final-logit soft-cap (Gemma's ``final_logit_softcapping``), or None; the
+            ``logits/*`` metrics are not computed under one.
+        logps_fn: The per-group log-prob engine (``preference.grouped_logps``; :func:`cpo_loss_reference`
+            passes the full-logits one).
+
+    Returns:
+        A :class:`CPOLossOutput`; ``.metrics()`` gives TRL's logged values.
+    """
     b = pair_count(hidden)
     s = 2 * b
     groups, counts = completion_groups(labels, ignore_index)
-    sums = logps_fn(hidden, weight, labels.clamp(min=0), groups, s, bias, **head_kw)
+    sums = logps_fn(
+        hidden, weight, labels.clamp(min=0), groups, s, bias, chunk_size=chunk_size, softcap=softcap
+    )
     # TRL: nll = 0 when cpo_alpha == 0, else CrossEntropyLoss over the chosen completions (one mean)
     if cpo_alpha == 0:
         nll = torch.zeros((), device=hidden.device)
@@ -111,84 +134,10 @@ def _cpo(
         simpo_gamma=simpo_gamma,
         cpo_alpha=cpo_alpha,
     )
-    set_pair_mean_logits(out, hidden, weight, bias, b, head_kw, shifted=False)
+    set_pair_mean_logits(out, hidden, weight, bias, b, softcap, shifted=False)
     return out
 
 
-def strop_cpo_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    beta: float = 0.1,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    simpo_gamma: float = 0.5,
-    cpo_alpha: float = 1.0,
-    ignore_index: int = -100,
-    chunk_size: int | None = None,
-    softcap: float | None = None,
-) -> CPOLossOutput:
-    """CPO (SimPO: ``loss_type="simpo", cpo_alpha=0``) of [chosen; rejected] hidden states without their logits.
-
-    Args:
-        hidden: ``[2B, T, H]`` final hidden states, chosen rows first.
-        weight: ``[V, H]`` frozen LM head.
-        labels: ``[2B, T]`` unshifted completion labels.
-        bias: Optional frozen ``[V]`` head bias.
-        beta, loss_type, label_smoothing, simpo_gamma, cpo_alpha: TRL's ``CPOConfig`` fields.
-        ignore_index: Label value that is not scored.
-        chunk_size: Rows per chunk (default: ~256 MiB of logits).
-        softcap: The model's final-logit soft-cap (Gemma's ``final_logit_softcapping``), or None; the
-            ``logits/*`` metrics are not computed under one.
-
-    Returns:
-        A :class:`CPOLossOutput`; ``.metrics()`` gives TRL's logged values.
-    """
-    return _cpo(
-        grouped_logps,
-        hidden,
-        weight,
-        labels,
-        bias,
-        beta,
-        loss_type,
-        label_smoothing,
-        simpo_gamma,
-        cpo_alpha,
-        ignore_index,
-        dict(chunk_size=chunk_size, softcap=softcap),
-    )
-
-
-def cpo_loss_reference(
-    hidden,
-    weight,
-    labels,
-    bias=None,
-    *,
-    beta=0.1,
-    loss_type="sigmoid",
-    label_smoothing=0.0,
-    simpo_gamma=0.5,
-    cpo_alpha=1.0,
-    ignore_index=-100,
-    chunk_size=None,
-    softcap=None,
-) -> CPOLossOutput:
-    """:func:`strop_cpo_loss` from full fp32 logits."""
-    return _cpo(
-        grouped_logps_reference,
-        hidden,
-        weight,
-        labels,
-        bias,
-        beta,
-        loss_type,
-        label_smoothing,
-        simpo_gamma,
-        cpo_alpha,
-        ignore_index,
-        dict(softcap=softcap),
-    )
+def cpo_loss_reference(*args, **kwargs) -> CPOLossOutput:
+    """:func:`strop_cpo_loss` (same arguments) from full fp32 logits."""
+    return strop_cpo_loss(*args, **kwargs, logps_fn=grouped_logps_reference)

@@ -27,7 +27,7 @@ The LM head must be frozen (LoRA never trains it here).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,35 +162,6 @@ def dpo_loss_from_logps(
 # ---- reference: full logits ---------------------------------------------------------------------------------
 
 
-def chunked_dpo_loss_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ref_chosen_logps: torch.Tensor | None = None,
-    ref_rejected_logps: torch.Tensor | None = None,
-    ref_hidden: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    beta: float = 0.1,
-    loss_type: str | Sequence[str] = "sigmoid",
-    loss_weights: Sequence[float] | None = None,
-    label_smoothing: float = 0.0,
-    ignore_index: int = -100,
-    softcap: float | None = None,
-) -> DPOLossOutput:
-    """:func:`strop_dpo_loss` computed from full logits, in plain torch."""
-    logps = sequence_logps_reference(hidden, weight, labels, bias, ignore_index=ignore_index, softcap=softcap)
-    ref = _reference_logps(
-        ref_chosen_logps,
-        ref_rejected_logps,
-        ref_hidden,
-        lambda h: sequence_logps_reference(
-            h, weight, labels, bias, ignore_index=ignore_index, softcap=softcap
-        ),
-    )
-    return dpo_loss_on_pairs(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)
-
-
 def _reference_logps(ref_chosen, ref_rejected, ref_hidden, compute) -> torch.Tensor:
     if ref_hidden is not None:
         if ref_chosen is not None or ref_rejected is not None:
@@ -246,6 +217,7 @@ def strop_dpo_loss(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     softcap: float | None = None,
+    logps_fn: Callable[..., torch.Tensor] = sequence_logps,
 ) -> DPOLossOutput:
     """DPO loss of [chosen; rejected] final hidden states without materialising their logits.
 
@@ -263,16 +235,20 @@ def strop_dpo_loss(
         ignore_index: Label value that is not scored.
         chunk_size: Rows per chunk (default: ~256 MiB of logits).
         softcap: The model's final-logit soft-cap (Gemma's ``final_logit_softcapping``), or None.
+        logps_fn: The per-sequence log-prob engine (``logps.sequence_logps``;
+            :func:`chunked_dpo_loss_reference` passes the full-logits one).
 
     Returns:
         A :class:`DPOLossOutput`; ``.metrics()`` gives TRL's logged values.
     """
     kw = {"ignore_index": ignore_index, "chunk_size": chunk_size, "softcap": softcap}
-    logps = sequence_logps(hidden, weight, labels, bias, **kw)
+    logps = logps_fn(hidden, weight, labels, bias, **kw)
     ref = _reference_logps(
-        ref_chosen_logps,
-        ref_rejected_logps,
-        ref_hidden,
-        lambda h: sequence_logps(h, weight, labels, bias, **kw),
+        ref_chosen_logps, ref_rejected_logps, ref_hidden, lambda h: logps_fn(h, weight, labels, bias, **kw)
     )
     return dpo_loss_on_pairs(logps, ref, labels, ignore_index, beta, loss_type, loss_weights, label_smoothing)
+
+
+def chunked_dpo_loss_reference(*args, **kwargs) -> DPOLossOutput:
+    """:func:`strop_dpo_loss` (same arguments) computed from full logits, in plain torch."""
+    return strop_dpo_loss(*args, **kwargs, logps_fn=sequence_logps_reference)

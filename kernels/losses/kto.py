@@ -108,42 +108,6 @@ def kto_kl(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
     return (kl_logps.float() - ref_kl_logps.float().to(kl_logps.device)).mean().detach()
 
 
-def _kto(
-    logps_fn,
-    hidden,
-    weight,
-    labels,
-    desirable,
-    ref_logps,
-    kl,
-    bias,
-    beta,
-    desirable_weight,
-    undesirable_weight,
-    loss_type,
-    ignore_index,
-    head_kw,
-) -> KTOLossOutput:
-    groups, counts = completion_groups(labels, ignore_index)
-    logps = logps_fn(hidden, weight, labels.clamp(min=0), groups, hidden.shape[0], bias, **head_kw)
-    out = kto_loss_from_logps(
-        logps,
-        ref_logps,
-        desirable,
-        kl,
-        beta=beta,
-        desirable_weight=desirable_weight,
-        undesirable_weight=undesirable_weight,
-        loss_type=loss_type,
-    )
-    if head_kw.get("softcap") is None:
-        ml = mean_logits(hidden, weight, bias)[:, :-1] * (labels[:, 1:] != ignore_index)
-        d = out.desirable
-        out.logits_sum_chosen, out.logits_sum_rejected = ml[d].sum(), ml[~d].sum()
-        out.tokens_chosen, out.tokens_rejected = counts[d].sum(), counts[~d].sum()
-    return out
-
-
 def strop_kto_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -180,19 +144,30 @@ def strop_kto_loss(
     Returns:
         A :class:`KTOLossOutput`; ``.metrics()`` gives TRL's logged values.
     """
-    return _kto(
-        grouped_logps,
+    groups, counts = completion_groups(labels, ignore_index)
+    logps = grouped_logps(
         hidden,
         weight,
-        labels,
-        desirable,
-        ref_logps,
-        kl,
+        labels.clamp(min=0),
+        groups,
+        hidden.shape[0],
         bias,
-        beta,
-        desirable_weight,
-        undesirable_weight,
-        loss_type,
-        ignore_index,
-        dict(chunk_size=chunk_size, softcap=softcap),
+        chunk_size=chunk_size,
+        softcap=softcap,
     )
+    out = kto_loss_from_logps(
+        logps,
+        ref_logps,
+        desirable,
+        kl,
+        beta=beta,
+        desirable_weight=desirable_weight,
+        undesirable_weight=undesirable_weight,
+        loss_type=loss_type,
+    )
+    if softcap is None:
+        ml = mean_logits(hidden, weight, bias)[:, :-1] * (labels[:, 1:] != ignore_index)
+        d = out.desirable
+        out.logits_sum_chosen, out.logits_sum_rejected = ml[d].sum(), ml[~d].sum()
+        out.tokens_chosen, out.tokens_rejected = counts[d].sum(), counts[~d].sum()
+    return out

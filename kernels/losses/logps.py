@@ -62,10 +62,12 @@ def sequence_logps_reference(
     bias: torch.Tensor | None = None,
     *,
     ignore_index: int = -100,
+    chunk_size: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-sequence Σ log p(label) from the full ``[S, T−1, V]`` logits, upcast to fp32 (TRL's semantics),
-    soft-capped as HF's Gemma forward does when ``softcap`` is given."""
+    soft-capped as HF's Gemma forward does when ``softcap`` is given. ``chunk_size`` is unused: it takes
+    :func:`sequence_logps`' arguments."""
     logits = F.linear(hidden[:, :-1], weight, bias).float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .preference import (
+    GroupedLogps,
     Reduce,
     completion_groups,
     grouped_logps,
@@ -71,27 +72,6 @@ def orpo_loss_from_logps(
     return ORPOLossOutput(loss, nll_loss, c, r, ratio, log_odds, beta)
 
 
-def _orpo(logps_fn, hidden, weight, input_ids, attention_mask, labels, bias, beta, ignore_index, head_kw):
-    b = pair_count(hidden)
-    s = 2 * b
-    groups, counts = completion_groups(labels, ignore_index)
-    # TRL's NLL scores input_ids where attended; on completion positions these are the labels (tokenize_row), so
-    # a chosen row's NLL terms are its completion group plus a prompt group 2B + s.
-    torch._assert_async(((labels == ignore_index) | ((labels == input_ids) & (attention_mask == 1))).all())
-    prompt = (labels == ignore_index) & (attention_mask == 1)
-    prompt[b:] = False
-    seq = torch.arange(s, device=labels.device).unsqueeze(1)
-    groups = torch.where(prompt, seq + s, groups)
-    sums = logps_fn(hidden, weight, input_ids, groups, s + b, bias, **head_kw)
-    nll_tokens = attention_mask[:b, 1:].sum()
-    # TRL: one mean over the batch's chosen tokens (NaN when there are none; clamped here)
-    nll = -(sums[:b].sum() + sums[s:].sum()) / nll_tokens.clamp(min=1)
-    avg = sums[:s] / counts.clamp(min=1)  # TRL divides by n_s unclamped: NaN for an empty completion
-    out = orpo_loss_from_logps(avg[:b], avg[b:], nll, beta=beta)
-    set_pair_mean_logits(out, hidden, weight, bias, b, head_kw, shifted=True)
-    return out
-
-
 def strop_orpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -104,6 +84,7 @@ def strop_orpo_loss(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     softcap: float | None = None,
+    logps_fn: GroupedLogps = grouped_logps,
 ) -> ORPOLossOutput:
     """ORPO of [chosen; rejected] final hidden states without their logits (one chunked pass for both terms).
 
@@ -118,39 +99,32 @@ def strop_orpo_loss(
         chunk_size: Rows per chunk (default: ~256 MiB of logits).
         softcap: The model's final-logit soft-cap (Gemma's ``final_logit_softcapping``), or None; the
             ``logits/*`` metrics are not computed under one.
+        logps_fn: The per-group log-prob engine (``preference.grouped_logps``; :func:`orpo_loss_reference`
+            passes the full-logits one).
 
     Returns:
         An :class:`ORPOLossOutput`; ``.metrics()`` gives TRL's logged values.
     """
-    head_kw = dict(chunk_size=chunk_size, softcap=softcap)
-    return _orpo(
-        grouped_logps, hidden, weight, input_ids, attention_mask, labels, bias, beta, ignore_index, head_kw
-    )
+    b = pair_count(hidden)
+    s = 2 * b
+    groups, counts = completion_groups(labels, ignore_index)
+    # TRL's NLL scores input_ids where attended; on completion positions these are the labels (tokenize_row), so
+    # a chosen row's NLL terms are its completion group plus a prompt group 2B + s.
+    torch._assert_async(((labels == ignore_index) | ((labels == input_ids) & (attention_mask == 1))).all())
+    prompt = (labels == ignore_index) & (attention_mask == 1)
+    prompt[b:] = False
+    seq = torch.arange(s, device=labels.device).unsqueeze(1)
+    groups = torch.where(prompt, seq + s, groups)
+    sums = logps_fn(hidden, weight, input_ids, groups, s + b, bias, chunk_size=chunk_size, softcap=softcap)
+    nll_tokens = attention_mask[:b, 1:].sum()
+    # TRL: one mean over the batch's chosen tokens (NaN when there are none; clamped here)
+    nll = -(sums[:b].sum() + sums[s:].sum()) / nll_tokens.clamp(min=1)
+    avg = sums[:s] / counts.clamp(min=1)  # TRL divides by n_s unclamped: NaN for an empty completion
+    out = orpo_loss_from_logps(avg[:b], avg[b:], nll, beta=beta)
+    set_pair_mean_logits(out, hidden, weight, bias, b, softcap, shifted=True)
+    return out
 
 
-def orpo_loss_reference(
-    hidden,
-    weight,
-    input_ids,
-    attention_mask,
-    labels,
-    bias=None,
-    *,
-    beta=0.1,
-    ignore_index=-100,
-    chunk_size=None,
-    softcap=None,
-) -> ORPOLossOutput:
-    """:func:`strop_orpo_loss` from full fp32 logits."""
-    return _orpo(
-        grouped_logps_reference,
-        hidden,
-        weight,
-        input_ids,
-        attention_mask,
-        labels,
-        bias,
-        beta,
-        ignore_index,
-        dict(softcap=softcap),
-    )
+def orpo_loss_reference(*args, **kwargs) -> ORPOLossOutput:
+    """:func:`strop_orpo_loss` (same arguments) from full fp32 logits."""
+    return strop_orpo_loss(*args, **kwargs, logps_fn=grouped_logps_reference)

@@ -16,8 +16,8 @@ Metrics are the keys each TRL trainer logs. ``logits/*`` (mean logit) needs no l
 vocabulary of h·Wᵀ + b is h·mean(W) + mean(b), one [S·T, H]×[H] product (``mean_logits``; not under a soft-cap,
 whose mean is not linear in h).
 
-Each ``strop_*_loss`` has a ``*_reference`` twin with the same signature that scores full fp32 logits in plain
-torch (``grouped_logps_reference``); the formulas are shared.
+Each paired ``strop_*_loss`` takes its log-prob engine as ``logps_fn``; its ``*_reference`` twin is the same
+function with ``grouped_logps_reference``, which scores full fp32 logits in plain torch.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .logps import sequence_logps_rows
 
 __all__ = [
+    "GroupedLogps",
     "Reduce",
     "completion_groups",
     "grouped_logps",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+GroupedLogps = Callable[..., torch.Tensor]  # grouped_logps or grouped_logps_reference
 _MEAN_BLOCK = 8192  # vocabulary rows per block of mean_logits' column sums (8192 × 4096 fp32: 128 MiB)
 
 
@@ -190,11 +192,11 @@ def pair_metrics(out, reduce: Reduce) -> dict[str, torch.Tensor]:
     return metrics
 
 
-def set_pair_mean_logits(out, hidden, weight, bias, b: int, head_kw: dict, *, shifted: bool) -> None:
+def set_pair_mean_logits(out, hidden, weight, bias, b: int, softcap: float | None, *, shifted: bool) -> None:
     """``out.logits_chosen``/``logits_rejected``: the mean logit of each half, over every position (TRL's
     ORPO: ``all_logits[:, :-1]``, ``shifted``; CPO: all of them). Not under a soft-cap, whose logits' mean is
     not linear in h."""
-    if head_kw.get("softcap") is None:
+    if softcap is None:
         ml = mean_logits(hidden, weight, bias)
         if shifted:
             ml = ml[:, :-1]
