@@ -1,4 +1,4 @@
-"""Grouped LoRA GEMM over experts: every expert's projection of its own tokens, with its LoRA term, in one launch.
+"""Grouped LoRA GEMM over experts: every expert's projection of its own tokens, with its LoRA term, on torch's grouped GEMM.
 
 A mixture-of-experts layer routes each token to k experts. With the routed copies of the tokens sorted by expert
 (rows ``offsets[e] : offsets[e+1]`` of ``x`` belong to expert e), each expert's projection is::
@@ -6,32 +6,31 @@ A mixture-of-experts layer routes each token to k experts. With the routed copie
     y[m] = x[m] · W_eᵀ + s · (x[m] · A_eᵀ) · B_eᵀ          W [E, N, K] frozen, A [E, r, K], B [E, N, r]
 
 (PEFT's ``ParamWrapper`` on a fused experts parameter, expert e's factors: ``trainer_svc/core/moe.py``). HF's
-expert loop runs this as one small GEMM pair per expert after adding ``s · B_e A_e`` to the whole stack (an
-[E, N, K] temporary per layer and call). Here one launch covers all experts: the grid walks row tiles that never
-straddle two experts (the host lists each tile's expert and first row), and each program accumulates
-``x · W_eᵀ`` and the rank-r ``x · A_eᵀ`` over K in the same loop, then adds ``s · (x A_eᵀ) B_eᵀ``.
+expert path under PEFT adds ``s · B_e A_e`` to the whole stack first (an [E, N, K] temporary per layer and call,
+saved for backward). Here every product is one call of torch's grouped GEMM (``torch.nn.functional.grouped_mm``,
+else ``torch._grouped_mm``: what transformers' ``grouped_mm`` experts run), on the same row offsets: the base
+``x · W_eᵀ``, then the rank-r ``u = x · A_eᵀ`` and ``s · u · B_eᵀ``; no merged stack exists.
 
-Backward (W frozen: no weight gradient), with u = x · A_eᵀ [M, r] saved from the forward (r values a row)::
+Backward (W frozen: no weight gradient), with u [M, r] saved from the forward::
 
-    dx[m] = dy[m] · W_e + s · (dy[m] · B_e) · A_e          the forward kernel with W, B, A transposed by strides
-    dA_e  = s · Σ_{m ∈ e} (dy[m] · B_e)ᵀ ⊗ x[m]            [r, K]   one program per (row tile, K tile)
-    dB_e  = s · Σ_{m ∈ e} dy[m]ᵀ ⊗ u[m]                    [N, r]   one program per (row tile, N tile)
-
-The first is the same kernel as the forward (``out[m, j] = Σ_i in[m, i] P[e, j, i] + s Σ_ρ (Σ_i in[m, i] Q[e, ρ, i])
-R[e, j, ρ]`` with P, Q, R given by strides); it also writes v = dy · B_e, which the dA reduction reads. The two
-weight gradients are one segmented-reduction kernel (``out[e, j, ρ] = s Σ_{m ∈ e} U[m, j] V[m, ρ]``).
+    v     = dy · B_e                                   [M, r]
+    dx    = dy · W_e + s · v · A_e                     two grouped GEMMs over the [E, ·, ·] stacks
+    dA_e  = s · Σ_{m ∈ e} v[m]ᵀ ⊗ x[m]                  [E, r, K]  one grouped GEMM reducing over each expert's rows
+    dB_e  = s · Σ_{m ∈ e} dy[m]ᵀ ⊗ u[m]                 [E, N, r]  likewise
 
 NF4 experts (:class:`Nf4Experts`, a frozen base quantized as bitsandbytes' NF4: blocks of 64 along each expert's
-flattened [N, K], the absmax double-quantized): the kernel gathers the packed codes and absmax of the W tile it is
-about to multiply and dequantizes it in registers (``nf4.nf4_gather``, the format of ``nf4.py``), in the forward
-and in dx's ``W_e`` alike. The tile index is a flat index into the logical [E, N, K] stack, so the transposed read
-is the same stride swap as for a 16-bit W; no [E, N, K] 16-bit temporary exists. The values are bit-identical to
-:func:`~strop.kernels.ops.nf4.nf4_dequantize`'s (fp contraction off in those launches), so the NF4 path computes
-exactly the 16-bit path over the dequantized stack.
+flattened [N, K], the absmax double-quantized) are dequantized by :func:`~strop.kernels.ops.nf4.nf4_dequantize`
+(one launch) into nf4.py's shared per-device scratch buffer just before the base GEMM, in the forward and again in
+the backward's ``dy · W_e``; no 16-bit stack is saved, and one is resident at a time (every NF4 weight of the model
+reuses that buffer, in stream order). The NF4 path is therefore the 16-bit path over the dequantized stack, bit for
+bit, by construction.
 
-Numerics: loads upcast to fp32, fp32 accumulation, one rounding on store; fp32 inputs (and the interpreter) use
-IEEE fp32 dots, so the CPU tier compares with :func:`moe_lora_gemm_reference` to fp32 rounding. Saved for backward:
-x (the caller's gathered rows, not copied), u [M, r] and the tile tables.
+Numerics: everything in the compute dtype (the autocast dtype when autocast is on, else x's), as PEFT's LoRA under
+autocast: fp32 LoRA factors round to it, each GEMM accumulates in fp32 and rounds once, the LoRA term is added to the
+base product after both round. The weight gradients are rounded to the compute dtype, then cast to the factors'.
+Where torch's grouped GEMM cannot take the operands (no such op; a stride that is not a multiple of 16 bytes, as
+rank 4 in bf16), the same products run expert by expert with ``torch.mm``. Saved for backward: x (the caller's
+gathered rows, not copied), u [M, r] and the offsets.
 """
 
 from __future__ import annotations
@@ -40,18 +39,16 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-import triton
-import triton.language as tl
 
-from .nf4 import nf4_code, nf4_dequantize, nf4_gather
-from .utils import INTERPRETER, cdiv, next_power_of_2
+from .nf4 import _shared_buffer, nf4_dequantize
 
-__all__ = ["MoeLoraGemmFunction", "Nf4Experts", "expert_tiles", "moe_lora_gemm", "moe_lora_gemm_reference"]
+__all__ = ["MoeLoraGemmFunction", "Nf4Experts", "grouped_mm", "moe_lora_gemm", "moe_lora_gemm_reference"]
 
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 NF4_BLOCKSIZE = (
     64  # strop's NF4 block (the dense layers' on-load setting: export_svc/core/nf4_on_load.Nf4OnLoad)
 )
+
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 @dataclass(frozen=True)
@@ -130,10 +127,6 @@ class Nf4Experts:
         return named
 
 
-# Untuned: the CPU tier's shapes; a GPU sweep (bench) is still to be run.
-BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 32
-
-
 def moe_lora_gemm_reference(x, offsets, w, a, b, scale: float) -> torch.Tensor:
     """``y[m] = x[m] W_eᵀ + s (x[m] A_eᵀ) B_eᵀ`` expert by expert, in fp32 (the definition, for tests; NF4
     experts dequantized first)."""
@@ -145,132 +138,6 @@ def moe_lora_gemm_reference(x, offsets, w, a, b, scale: float) -> torch.Tensor:
         xe = x[lo:hi].float()
         out[lo:hi] = xe @ w[e].float().T + scale * (xe @ a[e].float().T) @ b[e].float().T
     return out
-
-
-def expert_tiles(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert, first row) of every BLOCK_M row tile, tiles never straddling two experts (empty experts: none)."""
-    counts = (offsets[1:] - offsets[:-1]).tolist()
-    experts, starts = [], []
-    for e, n in enumerate(counts):
-        for t in range(cdiv(int(n), block_m)):
-            experts.append(e)
-            starts.append(int(offsets[e]) + t * block_m)
-    dev = offsets.device
-    return torch.tensor(experts, dtype=torch.int32, device=dev), torch.tensor(
-        starts, dtype=torch.int64, device=dev
-    )
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE or INTERPRETER:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b.to(a.dtype))  # 16-bit rows: fp32 LoRA factors round to them, as under PEFT's autocast
-
-
-@triton.jit
-def _grouped_fwd_kernel(
-    in_ptr, p_ptr, q_ptr, r_ptr, out_ptr, u_ptr, tile_expert, tile_start, offsets, scale,
-    J, RANK,
-    s_in_m, s_in_i, s_pe, s_pj, s_pi, s_qe, s_qr, s_qi, s_re, s_rj, s_rr, s_out_m, s_out_j, s_u_m, s_u_r,
-    absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
-    WRITE_U: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr,
-    K_IN: tl.constexpr, N_I: tl.constexpr,
-    P_NF4: tl.constexpr, NESTED: tl.constexpr, BS: tl.constexpr, BS2: tl.constexpr, QDTYPE: tl.constexpr,
-):  # fmt: skip
-    """out[m, j] = Σ_i in[m, i] P[e, j, i] + s · Σ_ρ u[m, ρ] R[e, j, ρ], u[m, ρ] = Σ_i in[m, i] Q[e, ρ, i].
-
-    ``P_NF4``: ``p_ptr`` holds NF4 codes and ``s_p*`` are the logical stack's strides (a flat element index)."""
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.load(tile_expert + t).to(tl.int64)
-    m0 = tl.load(tile_start + t)
-    m_end = tl.load(offsets + e + 1)
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rj = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
-    rr = tl.arange(0, BLOCK_R)
-    m_mask, j_mask, r_mask = rm < m_end, rj < J, rr < RANK
-    acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
-    u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for it in range(N_I):  # constexpr bound: triton 3.6's interpreter cannot loop to a runtime one
-        ri = it * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_mask = ri < K_IN
-        xin = tl.load(
-            in_ptr + rm[:, None] * s_in_m + ri[None, :] * s_in_i,
-            mask=m_mask[:, None] & i_mask[None, :],
-            other=0.0,
-        )
-        p_mask = i_mask[:, None] & j_mask[None, :]
-        p_idx = e * s_pe + rj[None, :] * s_pj + ri[:, None] * s_pi
-        if P_NF4:
-            p = nf4_gather(
-                p_ptr,
-                p_idx,
-                p_mask,
-                absmax_ptr,
-                absmax2_ptr,
-                code2_ptr,
-                offset_ptr,
-                code_ptr,
-                BS,
-                BS2,
-                NESTED,
-                QDTYPE,
-            )
-            p = tl.where(p_mask, p, 0.0)
-        else:
-            p = tl.load(p_ptr + p_idx, mask=p_mask, other=0.0)
-        q = tl.load(
-            q_ptr + e * s_qe + rr[None, :] * s_qr + ri[:, None] * s_qi,
-            mask=i_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )
-        acc += _dot(xin, p, IEEE)
-        u += _dot(xin, q, IEEE)
-    rmat = tl.load(
-        r_ptr + e * s_re + rj[None, :] * s_rj + rr[:, None] * s_rr,
-        mask=r_mask[:, None] & j_mask[None, :],
-        other=0.0,
-    )
-    acc += scale * _dot(u, rmat.to(tl.float32), True)
-    tl.store(
-        out_ptr + rm[:, None] * s_out_m + rj[None, :] * s_out_j,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & j_mask[None, :],
-    )
-    if WRITE_U and tl.program_id(1) == 0:
-        tl.store(u_ptr + rm[:, None] * s_u_m + rr[None, :] * s_u_r, u, mask=m_mask[:, None] & r_mask[None, :])
-
-
-@triton.jit
-def _grouped_outer_kernel(
-    u_ptr, v_ptr, out_ptr, tile_expert, tile_start, offsets, scale, J, RANK,
-    s_u_m, s_u_j, s_v_m, s_v_r, s_oe, s_oj, s_or,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """out[e, j, ρ] += s · Σ_{m in this row tile of e} U[m, j] V[m, ρ]: each tile adds its share to its expert's
-    fp32 gradient (an atomic add: a tile's rows are a runtime count, and the interpreter loops only to constexpr
-    bounds; on the GPU the order of the adds, and so the last bits, may vary run to run)."""
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.load(tile_expert + t).to(tl.int64)
-    m0 = tl.load(tile_start + t)
-    m_end = tl.load(offsets + e + 1)
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rj = tl.program_id(1).to(tl.int64) * BLOCK_J + tl.arange(0, BLOCK_J)
-    rr = tl.arange(0, BLOCK_R)
-    m_mask, j_mask, r_mask = rm < m_end, rj < J, rr < RANK
-    uu = tl.load(
-        u_ptr + rm[None, :] * s_u_m + rj[:, None] * s_u_j, mask=j_mask[:, None] & m_mask[None, :], other=0.0
-    )
-    vv = tl.load(
-        v_ptr + rm[:, None] * s_v_m + rr[None, :] * s_v_r, mask=m_mask[:, None] & r_mask[None, :], other=0.0
-    )
-    acc = scale * _dot(uu, vv, IEEE)
-    tl.atomic_add(
-        out_ptr + e * s_oe + rj[:, None] * s_oj + rr[None, :] * s_or,
-        acc,
-        mask=j_mask[:, None] & r_mask[None, :],
-    )
 
 
 def _check(x, offsets, w, a, b) -> None:
@@ -291,112 +158,105 @@ def _check(x, offsets, w, a, b) -> None:
         raise ValueError("x, offsets, w, a and b must be on one device")
 
 
-def _nf4_args(p) -> tuple[tuple, dict]:
-    """The kernel's NF4 pointer arguments and constexprs for ``p`` (placeholders for a 16-bit stack)."""
-    if not isinstance(p, Nf4Experts):
-        return (p,) * 5, dict(P_NF4=False, NESTED=False, BS=1, BS2=1, QDTYPE=tl.float32)
-    nested = p.nested
-    ptrs = (p.absmax, p.absmax2, p.code2, p.offset) if nested else (p.absmax,) * 4
-    consts = dict(P_NF4=True, NESTED=nested, BS=p.blocksize, BS2=p.blocksize2, QDTYPE=_TL[p.dtype])
-    return (*ptrs, nf4_code(p.device)), consts
+def _aligned(t: torch.Tensor) -> bool:
+    """torch's grouped GEMM's layout rule: 16-byte aligned start, one unit stride among the last two, the others
+    multiples of 16 bytes."""
+    size = t.element_size()
+    if t.data_ptr() % 16 or 1 not in t.stride()[-2:]:
+        return False
+    return all((st * size) % 16 == 0 for st, n in zip(t.stride(), t.shape, strict=True) if st != 1 and n > 1)
 
 
-def _grouped(inp, p, q, r, offsets, tiles, scale, n_out, strides_p, strides_q, strides_r, want_u):
-    """The forward kernel on ``inp`` [M, I]: out [M, n_out] and (``want_u``) the rank-r product [M, r] in fp32."""
-    m, i = inp.shape
-    rank = q.shape[1] if strides_q is None else strides_q[3]
-    out = torch.empty(m, n_out, dtype=inp.dtype, device=inp.device)
-    u = torch.empty(m, rank, dtype=torch.float32, device=inp.device) if want_u else out
-    tile_expert, tile_start = tiles
-    if m and len(tile_expert):
-        grid = (len(tile_expert), cdiv(n_out, BLOCK_N))
-        nf4_ptrs, nf4_consts = _nf4_args(p)
-        _grouped_fwd_kernel[grid](
-            inp, p.packed if nf4_consts["P_NF4"] else p, q, r, out, u, tile_expert, tile_start, offsets,
-            float(scale), n_out, rank,
-            inp.stride(0), inp.stride(1), *strides_p, *strides_q[:3], *strides_r, out.stride(0), out.stride(1),
-            u.stride(0), u.stride(1) if want_u else 0, *nf4_ptrs,
-            WRITE_U=want_u, IEEE=inp.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_J=BLOCK_N, BLOCK_I=BLOCK_K,
-            BLOCK_R=max(16, next_power_of_2(rank)), K_IN=i, N_I=cdiv(i, BLOCK_K), **nf4_consts,
-            # NF4: the absmax's multiply and add round twice, as bitsandbytes does (no FMA)
-            enable_fp_fusion=not nf4_consts["P_NF4"],
-        )  # fmt: skip
-    return out, (u if want_u else None)
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM on row groups ending at ``ends`` [E] (int32, cumulative), in a's dtype.
+
+    ``a`` [M, K] with ``b`` [E, K, N]: ``out[m] = a[m] · b[e]`` for the rows m of group e ([M, N]).
+    ``a`` [K, M] with ``b`` [M, N]: ``out[e] = a[:, rows of e] · b[rows of e]`` ([E, K, N]; an empty group gives 0).
+    """
+    if _GROUPED_MM is not None and a.numel() and _aligned(a) and _aligned(b):
+        return _GROUPED_MM(a, b, offs=ends)
+    starts = [0, *ends.tolist()]
+    if b.dim() == 3:  # per expert over its rows
+        out = torch.zeros(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
+        for e in range(b.shape[0]):
+            if starts[e + 1] > starts[e]:
+                torch.mm(a[starts[e] : starts[e + 1]], b[e], out=out[starts[e] : starts[e + 1]])
+        return out
+    out = torch.zeros(len(starts) - 1, a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    for e in range(out.shape[0]):
+        if starts[e + 1] > starts[e]:
+            torch.mm(a[:, starts[e] : starts[e + 1]], b[starts[e] : starts[e + 1]], out=out[e])
+    return out
 
 
-def _strides(w) -> tuple[int, int, int]:
-    """W's element strides: a 16-bit tensor's own; an NF4 stack's logical (contiguous [E, N, K]) ones."""
+def _dense(w, dtype: torch.dtype) -> torch.Tensor:
+    """W [E, N, K] in the compute dtype: an NF4 stack dequantized into the shared scratch buffer (valid until the
+    next NF4 dequantization on this device: used for one GEMM, never kept)."""
     if isinstance(w, Nf4Experts):
-        _, n, k = w.shape
-        return n * k, k, 1
-    return w.stride(0), w.stride(1), w.stride(2)
+        n = w.shape[0] * w.shape[1] * w.shape[2]
+        return nf4_dequantize(
+            w.packed, w.quant_state(), out=_shared_buffer(w.device, dtype, n)[:n], dtype=dtype
+        )
+    return w.to(dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 class MoeLoraGemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, w, a, b, scale):
-        _check(x, offsets, w, a, b)
-        tiles = expert_tiles(offsets, BLOCK_M)
-        rank = a.shape[1]
-        y, u = _grouped(
-            x, w, a, b, offsets, tiles, scale, w.shape[1], _strides(w),
-            (a.stride(0), a.stride(1), a.stride(2), rank), (b.stride(0), b.stride(1), b.stride(2)), True,
-        )  # fmt: skip
+        with torch.autocast(x.device.type, enabled=False):  # the caller chose the dtype: no per-op casts
+            return MoeLoraGemmFunction._forward(ctx, x, offsets, w, a, b, scale)
+
+    @staticmethod
+    def _forward(ctx, x, offsets, w, a, b, scale):
+        dt = x.dtype
+        ends = offsets[1:].to(torch.int32)
+        a_, b_ = a.to(dt), b.to(dt)
+        y = grouped_mm(x, _dense(w, dt).transpose(1, 2), ends)
+        u = grouped_mm(x, a_.transpose(1, 2), ends)
+        y.add_(grouped_mm(u, b_.transpose(1, 2), ends), alpha=scale)
         # NF4 experts are frozen buffers, kept by reference (no activation is saved for them)
         ctx.nf4 = w if isinstance(w, Nf4Experts) else None
-        ctx.save_for_backward(x, offsets, a if ctx.nf4 else w, a, b, u, *tiles)
+        ctx.save_for_backward(x, ends, a if ctx.nf4 else w, a, b, u)
         ctx.scale = scale
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, offsets, w, a, b, u, tile_expert, tile_start = ctx.saved_tensors
-        w = ctx.nf4 or w
-        s, rank, k = ctx.scale, a.shape[1], x.shape[1]
-        ws = _strides(w)
-        dy = dy.contiguous()
-        # dx = dy W_e + s (dy B_e) A_e: P[e, j=k, i=n] = W[e, n, k], Q[e, ρ, i=n] = B[e, n, ρ], R[e, j=k, ρ] = A[e, ρ, k]
-        dx, v = _grouped(
-            dy, w, b, a, offsets, (tile_expert, tile_start), s, k,
-            (ws[0], ws[2], ws[1]), (b.stride(0), b.stride(2), b.stride(1), rank),
-            (a.stride(0), a.stride(2), a.stride(1)), True,
-        )  # fmt: skip
-        da = db = None
-        n = w.shape[1]
-        block_r = max(16, next_power_of_2(rank))
-        ieee = x.dtype == torch.float32
-        if ctx.needs_input_grad[
-            3
-        ]:  # dA_e[ρ, k] = s Σ v[m, ρ] x[m, k]: out[e, j=k, ρ] written into dA's strides
-            da = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
-            _grouped_outer_kernel[(len(tile_expert), cdiv(k, BLOCK_N))](
-                x, v, da, tile_expert, tile_start, offsets, float(s), k, rank, x.stride(0), x.stride(1), v.stride(0), v.stride(1),
-                da.stride(0), da.stride(2), da.stride(1),
-                IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_J=BLOCK_N, BLOCK_R=block_r,
-            )  # fmt: skip
-            da = da.to(a.dtype)
-        if ctx.needs_input_grad[4]:  # dB_e[n, ρ] = s Σ dy[m, n] u[m, ρ]
-            db = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
-            _grouped_outer_kernel[(len(tile_expert), cdiv(n, BLOCK_N))](
-                dy, u, db, tile_expert, tile_start, offsets, float(s), n, rank, dy.stride(0), dy.stride(1), u.stride(0), u.stride(1),
-                db.stride(0), db.stride(1), db.stride(2),
-                IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_J=BLOCK_N, BLOCK_R=block_r,
-            )  # fmt: skip
-            db = db.to(b.dtype)
-        return dx if ctx.needs_input_grad[0] else None, None, None, da, db, None
+        x, ends, w, a, b, u = ctx.saved_tensors
+        w, s, dt = ctx.nf4 or w, ctx.scale, x.dtype
+        dy = dy.to(dt).contiguous()
+        a_, b_ = a.to(dt), b.to(dt)
+        v = grouped_mm(dy, b_, ends)  # dy · B_e   [M, r]
+        dx = da = db = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_mm(dy, _dense(w, dt), ends)
+            dx.add_(grouped_mm(v, a_, ends), alpha=s)
+        # an expert without rows gets exactly 0 (the per-expert loop's zeros; torch's kernel is not relied on)
+        has_rows = (torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None]
+        if ctx.needs_input_grad[3]:  # dA_e = s Σ v[m]ᵀ x[m]
+            da = (grouped_mm(v.t(), x, ends) * has_rows).to(a.dtype).mul_(s)
+        if ctx.needs_input_grad[4]:  # dB_e = s Σ dy[m]ᵀ u[m]
+            db = (grouped_mm(dy.t(), u, ends) * has_rows).to(b.dtype).mul_(s)
+        return dx, None, None, da, db, None
 
 
 def moe_lora_gemm(x, offsets, w, a, b, scale: float) -> torch.Tensor:
-    """``y[m] = x[m] W_eᵀ + s (x[m] A_eᵀ) B_eᵀ`` for rows sorted by expert (``offsets`` [E + 1]), one launch.
+    """``y[m] = x[m] W_eᵀ + s (x[m] A_eᵀ) B_eᵀ`` for rows sorted by expert (``offsets`` [E + 1]), grouped GEMMs.
 
     Args:
         x: [M, K] routed rows, grouped by expert.
         offsets: [E + 1] row offsets (int32/int64), ``offsets[0] = 0``, ``offsets[E] = M``.
-        w: [E, N, K] frozen expert weights (any strides), or an :class:`Nf4Experts` stack dequantized in the kernel.
+        w: [E, N, K] frozen expert weights (any strides), or an :class:`Nf4Experts` stack (dequantized per call).
         a: [E, r, K] LoRA A per expert; b: [E, N, r] LoRA B per expert.
         scale: the LoRA scale s.
 
     Returns:
-        y [M, N] in x's dtype; gradients flow to x, a and b (w is frozen).
+        y [M, N] in the compute dtype (autocast's when on, else x's); gradients flow to x, a and b (w is frozen).
     """
-    return MoeLoraGemmFunction.apply(x, offsets, w, a, b, scale)
+    _check(x, offsets, w, a, b)
+    return MoeLoraGemmFunction.apply(x.to(_compute_dtype(x)), offsets, w, a, b, scale)

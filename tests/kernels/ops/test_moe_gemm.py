@@ -1,7 +1,7 @@
 """The grouped LoRA GEMM over experts (``kernels/ops/moe_gemm.py``) against its definition, expert by expert.
 
-CPU tier under the interpreter, fp32, odd shapes: three experts holding 5, 0 and 37 routed rows (an empty expert,
-one that spans two row tiles and a partial one), K 40 and N 24 (neither a tile multiple), rank 4. Forward and the
+CPU tier, fp32, odd shapes: three experts holding 5, 0 and 37 routed rows (an empty expert between two uneven ones),
+K 40 and N 24, rank 4. Forward and the
 hand-written backward (dx, dA, dB) are compared with the reference's output and its autograd gradients to fp32
 rounding (DESIGN: ≈1e-5 relative to the tensor's scale; every value here is one dot of ≤ 40 + 24 products).
 """
@@ -66,3 +66,34 @@ def test_mismatched_shapes_are_refused_naming_them():
         moe_lora_gemm(x[:, :-1], offsets, w, a, b, 1.0)
     with pytest.raises(ValueError, match="offsets must be"):
         moe_lora_gemm(x, offsets[:-1], w, a, b, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_grouped_gemm_and_the_per_expert_loop_agree(dtype):
+    """``grouped_mm`` runs torch's op on operands it takes and an expert-by-expert ``torch.mm`` otherwise (here a
+    start off the 16-byte alignment). Both layouts (rows × stack; the reduction over each expert's rows) are within
+    one rounding of the dtype plus fp32 accumulation (K·2⁻²⁴ of Σ|terms|) of the exact fp32 products of the same
+    inputs, whichever runs; an expert with no rows reduces to exactly 0."""
+    from strop.kernels.ops.moe_gemm import _aligned, grouped_mm
+
+    x, offsets, w, _, _ = _inputs(k=64, n=24)
+    x, w = x.to(dtype), w.to(dtype)
+    ends = offsets[1:].to(torch.int32)
+    dy = torch.randn(x.shape[0], 24, generator=torch.Generator().manual_seed(2)).to(dtype)
+    shifted = torch.empty(x.numel() + 1, dtype=dtype)[1:].view_as(x).copy_(x)  # same values, unaligned start
+    assert _aligned(x) and not _aligned(shifted)
+    rows = [slice(int(offsets[e]), int(offsets[e + 1])) for e in range(3)]
+    xf, wf, dyf = x.double(), w.double(), dy.double()
+    exact_rows = torch.cat([xf[r] @ wf[e].T for e, r in enumerate(rows)])
+    mag_rows = torch.cat([xf[r].abs() @ wf[e].abs().T for e, r in enumerate(rows)])
+    exact_red = torch.stack([dyf[r].T @ xf[r] for r in rows])
+    mag_red = torch.stack([dyf[r].abs().T @ xf[r].abs() for r in rows])
+    u = 2**-24 if dtype == torch.float32 else 2**-8
+    for xin in (x, shifted):
+        for got, exact, mag, k in (
+            (grouped_mm(xin, w.transpose(1, 2), ends), exact_rows, mag_rows, 64),
+            (grouped_mm(dy.t(), xin, ends), exact_red, mag_red, 37),
+        ):
+            bound = u * exact.abs() + k * 2**-24 * mag
+            assert ((got.double() - exact).abs() <= bound).all(), (dtype, _aligned(xin))
+    assert not grouped_mm(dy.t(), x, ends)[1].any(), "the empty expert's reduction is 0"

@@ -1,14 +1,15 @@
-"""NF4 experts in the grouped LoRA GEMM (``kernels/ops/moe_gemm.py``): the stack's storage and the kernel that
-dequantizes its W tiles in registers, against the NF4 op's dequantization run through the 16-bit path.
+"""NF4 experts in the grouped LoRA GEMM (``kernels/ops/moe_gemm.py``): the stack's storage, and the GEMM that
+dequantizes it (``nf4_dequantize``, into the shared scratch buffer) before torch's grouped GEMM, against the 16-bit
+path run on the dequantized stack.
 
 CPU tier under the interpreter, odd shapes as ``test_moe_gemm.py`` (experts holding 5, 0 and 37 rows, N 24, rank
-4; K 64 so each expert's N·K is whole NF4 blocks). The NF4 path multiplies the values ``nf4_dequantize`` gives,
-bit for bit, in the same tiles and order as the 16-bit path, so on the same inputs both give equal tensors: the
-exact comparison is the bound (a wrong nibble, block or absmax moves a weight by ≥ one NF4 step, ~0.08 of its
-block's absmax). Against the fp32 per-expert definition the bound is the 16-bit test's, fp32 rounding.
+4; K 64 so each expert's N·K is whole NF4 blocks). The NF4 path runs the 16-bit path's GEMMs on the values
+``nf4_dequantize`` gives, so on the same inputs both give equal tensors: the exact comparison is the bound (a wrong
+nibble, block or absmax moves a weight by ≥ one NF4 step, ~0.08 of its block's absmax). Against the fp32
+per-expert definition the bound is the 16-bit test's, fp32 rounding.
 
-GPU tier (``pytest -m gpu``): bf16 rows on a Qwen3-30B-A3B expert shape, NF4 kernel vs the 16-bit path over the
-dequantized stack, DESIGN's bf16 rule against the fp32 definition.
+GPU tier (``pytest -m gpu``): bf16 rows on a Qwen3-30B-A3B expert shape, the NF4 path equal to the 16-bit path over
+the dequantized stack (y, dx, dA, dB), and DESIGN's bf16 rule against the fp32 definition.
 """
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ def _grads(offsets, w, inputs, dy):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_nf4_grouped_gemm_on_cuda_is_within_the_bf16_rule():
-    """Qwen3-30B-A3B's expert shapes (H 2048, I 768), 8 experts of uneven load, bf16 rows, bf16-quantized stack:
-    y and dx equal the 16-bit path's over the dequantized stack bit for bit (same tiles; dA/dB add per tile
-    atomically, so their last bits may vary), and all four are within DESIGN's bf16 rule of the fp32 definition."""
+    """Qwen3-30B-A3B's expert shapes (H 2048, I 768), 8 experts of uneven load (one empty), bf16 rows,
+    bf16-quantized stack: y, dx, dA and dB equal the 16-bit path's over the dequantized stack bit for bit (the same
+    grouped GEMMs on the same values), and all four are within DESIGN's bf16 rule of the fp32 definition."""
     from strop.kernels.ops.moe_gemm import Nf4Experts
 
     counts = (300, 0, 17, 1024, 64, 129, 700, 1)
@@ -133,7 +134,7 @@ def test_the_nf4_grouped_gemm_on_cuda_is_within_the_bf16_rule():
         xb, ab, bb = x.bfloat16(), a.bfloat16(), b.bfloat16()
         ours = _run(xb, offsets, q, ab, bb, 2.0, dy)
         dense_path = _run(xb, offsets, dense, ab, bb, 2.0, dy)
-        for name, got, want in zip(("y", "dx"), ours, dense_path, strict=False):
+        for name, got, want in zip(("y", "dx", "dA", "dB"), ours, dense_path, strict=True):
             assert torch.equal(got, want), (
                 f"K={k} {name}: the NF4 tiles are not the dequantized stack's values"
             )
