@@ -1,4 +1,4 @@
-"""A mixture-of-experts layer's experts with LoRA, on the grouped expert GEMM: tokens grouped by expert, two launches.
+"""A mixture-of-experts layer's experts with LoRA, on the grouped expert GEMM: tokens grouped by expert, two projections.
 
 HF's Qwen3-MoE / Mixtral experts module, given the router's choices (``top_k_index [T, k]``) and weights
 (``top_k_weights [T, k]``), computes for every token t and each chosen expert e::
@@ -8,8 +8,8 @@ HF's Qwen3-MoE / Mixtral experts module, given the router's choices (``top_k_ind
 
 and PEFT's ``target_parameters`` LoRA adds ``s · B_e A_e`` to GU_e and D_e (``trainer_svc/core/moe.py``). Here the
 T·k routed copies are sorted by expert once (a stable sort of the expert ids: ``offsets`` from their counts), gathered,
-run through :func:`~strop.kernels.ops.moe_gemm.moe_lora_gemm` for gate/up and again for down (LoRA terms fused, no
-merged [E, N, K] stack), weighted and scattered back with ``index_add``. Autograd carries the gather, the activation,
+run through :func:`~strop.kernels.ops.moe_gemm.moe_lora_gemm` for gate/up and again for down (torch's grouped GEMM
+for the base and the LoRA terms, no merged [E, N, K] stack), weighted and scattered back with ``index_add``. Autograd carries the gather, the activation,
 the weighting (the router's gradient path) and the scatter; the GEMMs have their own backward.
 
 PEFT's factors are reshaped, never copied: ``lora_A.weight [E·r, in]`` → ``[E, r, in]``; ``lora_B.weight

@@ -7,7 +7,7 @@ experts module's forward for :func:`experts_forward`'s: the router's choices go 
 once, as for every patched module).
 
 NF4 experts (:func:`quantize_experts`): strop's own 4-bit storage of the fused stacks (bitsandbytes quantizes
-``nn.Linear`` only), read by the grouped GEMM, which dequantizes each W tile in registers; HF's forward gets the
+``nn.Linear`` only), read by the grouped GEMM, which dequantizes a stack just before its GEMM; HF's forward gets the
 stacks dequantized for its call.
 """
 

@@ -50,10 +50,8 @@ __all__ = [
     "dequantize_shared_stacked",
     "dequantize_weight",
     "is_nf4",
-    "nf4_code",
     "nf4_dequantize",
     "nf4_dequantize_reference",
-    "nf4_gather",
 ]
 
 _BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -86,11 +84,6 @@ def _code(device: torch.device) -> torch.Tensor:
     if code is None:
         code = _CODE[device] = torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
     return code
-
-
-def nf4_code(device: torch.device) -> torch.Tensor:
-    """The NF4 table as an fp32 tensor on ``device`` (cached), for kernels that gather from it."""
-    return _code(device)
 
 
 def _offset(quant_state, device: torch.device) -> torch.Tensor:
@@ -178,30 +171,6 @@ def _nf4_dequant_kernel(
     out = blk[:, None] * (2 * HALF_BS) + tl.arange(0, 2 * HALF_BS)[None, :]
     # The values are exact in the output dtype by now, so this cast only changes the representation.
     tl.store(out_ptr + out, v.to(OUT_DTYPE), mask=out < n_out)
-
-
-@triton.jit
-def nf4_gather(packed_ptr, flat, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
-               BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr, QDTYPE: tl.constexpr):  # fmt: skip
-    """The weights at flat indices ``flat`` (any tile shape), in fp32 holding values of ``QDTYPE``: the module
-    docstring's format element by element, for GEMMs that dequantize their weight tile in registers
-    (``moe_gemm.py``); bit-exact with :func:`nf4_dequantize` when launched with fp contraction off."""
-    byte = tl.load(packed_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
-    nib = tl.where((flat & 1) == 0, byte >> 4, byte & 0x0F)
-    blk = flat // BS
-    if NESTED:
-        q2 = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
-        absmax = tl.load(code2_ptr + q2) * tl.load(absmax2_ptr + blk // BS2, mask=mask, other=0.0)
-        absmax = absmax + tl.load(offset_ptr)
-    else:
-        absmax = tl.load(absmax_ptr + blk, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(code_ptr + nib) * absmax
-    if QDTYPE == tl.bfloat16:  # noqa: SIM300 (integer round-to-nearest-even: see _nf4_dequant_kernel)
-        u = v.to(tl.uint32, bitcast=True)
-        v = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    elif QDTYPE == tl.float16:  # noqa: SIM300
-        v = v.to(tl.float16).to(tl.float32)
-    return v
 
 
 def _use_kernel(device: torch.device) -> bool:
