@@ -10,9 +10,11 @@ PYTORCH_ALLOC_CONF=expandable_segments:True, the same random tokens and seed for
 QLoRA for the baseline is what bitsandbytes gives an MoE: its 4-bit quantization covers ``nn.Linear`` layers only,
 so the attention projections are NF4 (double quant, bf16 compute) and the experts stay bf16 (~57 GiB of the model's
 ~61). The ``strop`` system is strop's kernels on attention, norms and loss with the experts on the grouped expert GEMM
-(``kernels/ops/moe_gemm.py``: LoRA fused, no merged stack) and, under QLoRA, the experts held in strop's NF4 storage
-as the trainer holds them in a 4-bit session (``kernels/models/moe_experts.quantize_experts``, dequantized in the
-GEMM's tiles); ``--no-nf4-experts`` keeps them bf16 (the previous strop system).
+(``kernels/ops/moe_gemm.py``: torch's grouped GEMM for the base and the LoRA terms, no merged stack) and, under
+QLoRA, the experts held in strop's NF4 storage as the trainer holds them in a 4-bit session
+(``kernels/models/moe_experts.quantize_experts``, each stack dequantized into one shared buffer just before its
+GEMM); ``--no-nf4-experts`` keeps them bf16. The baseline's experts run what ``from_config`` resolves for a Qwen3-MoE
+(transformers' ``grouped_mm`` experts).
 
 Deviation from DESIGN's baseline recipe, and why: the model is built in GPU memory (``from_config`` under bf16)
 and its attention quantized to NF4 by hand with bitsandbytes' own ``Linear4bit``/``Params4bit``, instead of saved

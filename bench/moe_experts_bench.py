@@ -1,6 +1,10 @@
 """One MoE layer's experts, forward + backward: HF + PEFT (its expert path over PEFT's merged stacks) vs strop's
 grouped expert GEMM (``kernels/lora/moe.py``), on a Qwen3-30B-A3B layer's shape.
 
+``baseline`` runs HF's experts with the implementation the model's config resolves to (``from_config`` of a
+Qwen3-MoE: transformers' ``grouped_mm`` experts, torch's grouped GEMM, wherever torch has it); ``hf-eager`` is HF's
+per-expert loop (``experts_implementation="eager"``). The output names the implementation the baseline ran.
+
 Shape: hidden 2048, 128 experts of intermediate 768, 8 per token, LoRA r=16 alpha=16 on gate_up_proj and down_proj
 (PEFT ``target_parameters``), bf16 experts, fp32 adapters, bf16 autocast; routing from a random router (softmax,
 top-8, renormalized, as Qwen3-MoE). Reported per system: ms per forward + backward (median of --iters after
@@ -59,7 +63,17 @@ def build(a, device):
     probs = torch.softmax((x @ router.T).float(), -1)
     w, idx = torch.topk(probs, k, -1)
     w = (w / w.sum(-1, keepdim=True)).to(dtype)
-    return pm, x, idx, w
+    return pm, cfg, x, idx, w
+
+
+def model_experts_implementation(cfg) -> str:
+    """The experts implementation a Qwen3-MoE model built from ``cfg`` dispatches to (built on the meta device)."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    small = cfg.__class__(**{**cfg.to_dict(), "num_hidden_layers": 1, "vocab_size": 128})
+    with torch.device("meta"):
+        return Qwen3MoeForCausalLM(small).config._experts_implementation
 
 
 def run_system(system, pm, x, idx, w, a):
@@ -113,8 +127,13 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         a.tokens, a.warmup, a.iters = 64, 0, 1
     device = "cpu" if a.smoke else "cuda"
-    pm, x, idx, w = build(a, device)
-    res = {s: run_system(s, pm, x, idx, w, a) for s in ("baseline", "strop")}
+    pm, cfg, x, idx, w = build(a, device)
+    impl = model_experts_implementation(cfg)
+    res = {}
+    for system, experts_impl in (("baseline", impl), ("hf-eager", "eager")):
+        cfg._experts_implementation = experts_impl  # the experts module reads it on every call
+        res[system] = run_system(system, pm, x, idx, w, a)
+    res["strop"] = run_system("strop", pm, x, idx, w, a)
     from strop.kernels.models.moe_experts import quantize_experts
 
     quantize_experts(pm)
@@ -125,6 +144,9 @@ def main() -> None:
     res["strop-nf4"] = run_system("strop-nf4", pm, x, idx, w, a)
     ref_out, ref_grads = res["baseline"][2], res["baseline"][3]
     print(f"one Qwen3-30B-A3B MoE layer's experts, {a.tokens} tokens, forward + backward")
+    print(
+        f"baseline: HF + PEFT, experts_implementation={impl!r} (the model's); hf-eager: HF's per-expert loop"
+    )
     print("system     ms      peak GiB   max|Δout|/max|out|   worst rel Δgrad")
     for s, (ms, peak, out, grads) in res.items():
         dout = float((out - ref_out).abs().max() / ref_out.abs().max())
