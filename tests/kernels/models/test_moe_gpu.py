@@ -18,31 +18,31 @@ from tests.deps import locked
 transformers = locked("transformers")
 peft = locked("peft")
 
+from tests.kernels.models.moe_setup import expert_lora, moe_config  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _model(model_type: str):
     common = dict(
-        hidden_size=1024, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-        vocab_size=32000, max_position_embeddings=4096, num_experts_per_tok=4, output_router_logits=True,
-        router_aux_loss_coef=0.01, tie_word_embeddings=False,
-    )  # fmt: skip
-    if model_type == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(
-            **common, intermediate_size=2816, moe_intermediate_size=512, num_experts=16
-        )
-    else:
-        cfg = transformers.MixtralConfig(**common, intermediate_size=512, num_local_experts=16)
+        hidden_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        num_experts_per_tok=4,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        tie_word_embeddings=False,
+    )
+    cfg = moe_config(model_type, common, dense=2816, expert=512, experts=16)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         cfg, attn_implementation="sdpa", dtype=torch.float32
     )
-    torch.manual_seed(1)
-    lora = peft.LoraConfig(
-        r=16, lora_alpha=16, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
-    )  # fmt: skip
-    return peft.get_peft_model(model.cuda(), lora)
+    return expert_lora(model.cuda(), r=16, alpha=16)
 
 
 def _step(model, ids, autocast: bool):

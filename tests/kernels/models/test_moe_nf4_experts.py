@@ -25,34 +25,16 @@ peft = locked("peft")
 locked("bitsandbytes")
 
 from strop.kernels.models import patch_model  # noqa: E402
+from tests.kernels.models.moe_setup import expert_lora, loss_and_grads, moe_config, rel  # noqa: E402
 from tests.kernels.models.test_patch import parity_bound  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _base(model_type: str):
-    common = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
-    )  # fmt: skip
-    if model_type == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(
-            **common, intermediate_size=128, moe_intermediate_size=64, num_experts=4, norm_topk_prob=True
-        )
-    else:
-        cfg = transformers.MixtralConfig(**common, intermediate_size=64, num_local_experts=4)
     torch.manual_seed(0)
+    cfg = moe_config(model_type, norm_topk_prob=True)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().to(DEVICE)
-
-
-def _peft(model):
-    torch.manual_seed(1)
-    lora = peft.LoraConfig(
-        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
-    )  # fmt: skip
-    return peft.get_peft_model(model, lora)
 
 
 def _pair(model_type: str):
@@ -68,20 +50,7 @@ def _pair(model_type: str):
             for pname in ("gate_up_proj", "down_proj"):
                 dense = nf4_experts(module, pname).dequantize(torch.float32)
                 getattr(ref.get_submodule(name), pname).copy_(dense)
-    return _peft(ours), _peft(ref)
-
-
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.loss.item(), {
-        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad
-    }
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    return expert_lora(ours), expert_lora(ref)
 
 
 def test_nf4_experts_hold_no_16_bit_stack_and_hf_forward_sees_the_dequantized_one():
@@ -94,8 +63,8 @@ def test_nf4_experts_hold_no_16_bit_stack_and_hf_forward_sees_the_dequantized_on
             assert not p.requires_grad and p.stride() == (0, 0, 0), "the parameter holds no 16-bit stack"
             assert module._buffers[f"{pname}_nf4_packed"].numel() == p.numel() // 2, "two codes a byte"
     ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    loss, grads = _loss_and_grads(ours, ids)
-    ref_loss, ref_grads = _loss_and_grads(ref, ids)
+    loss, _, grads = loss_and_grads(ours, ids)
+    ref_loss, _, ref_grads = loss_and_grads(ref, ids)
     assert loss == ref_loss, "HF's expert loop on the stacks dequantized for the call is the reference itself"
     for name, g in ref_grads.items():
         assert torch.equal(grads[name], g), name
@@ -121,11 +90,11 @@ def test_nf4_experts_on_the_grouped_gemm_train_like_hf_peft_on_the_dequantized_s
             for n, p in ours.named_parameters():
                 if n in state:
                     p.copy_(state[n])
-        ref_loss, ref_grads = _loss_and_grads(ref, ids)
-        loss, grads = _loss_and_grads(ours, ids)
+        ref_loss, _, ref_grads = loss_and_grads(ref, ids)
+        loss, _, grads = loss_and_grads(ours, ids)
         assert abs(loss - ref_loss) <= bound * abs(ref_loss), (step, loss, ref_loss, bound)
         for name, g in ref_grads.items():
-            err = _rel(grads[name], g)
+            err = rel(grads[name], g)
             assert err <= bound, f"step {step}: {name} gradient off by {err:.3g} (bound {bound:.3g})"
         opt.step()
     assert "reference path" not in caplog.text, "every call ran the grouped expert GEMM over the NF4 stacks"

@@ -25,52 +25,21 @@ transformers = locked("transformers")
 peft = locked("peft")
 
 from strop.kernels.models import patch_model  # noqa: E402
+from tests.kernels.models.moe_setup import expert_lora, loss_and_grads, moe_config, rel  # noqa: E402
 from tests.kernels.models.test_patch import nf4_reload, parity_bound  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _config(model_type: str):
-    common = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
-    )  # fmt: skip
-    if model_type == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **common, intermediate_size=128, moe_intermediate_size=64, num_experts=4, norm_topk_prob=True
-        )
-    if model_type == "mixtral":
-        return transformers.MixtralConfig(**common, intermediate_size=64, num_local_experts=4)
-    return transformers.GptOssConfig(**common, intermediate_size=64, num_local_experts=4)
 
 
 def _model(model_type: str, qlora: bool, tmp_path):
     torch.manual_seed(0)
     attn = "eager" if model_type == "gpt_oss" else "sdpa"  # HF has no SDPA path for gpt-oss's sinks
     model = transformers.AutoModelForCausalLM.from_config(
-        _config(model_type), attn_implementation=attn
+        moe_config(model_type, norm_topk_prob=True), attn_implementation=attn
     ).float()
     if qlora:
         model = nf4_reload(model, tmp_path / model_type)
-    torch.manual_seed(1)
-    lora = peft.LoraConfig(
-        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
-    )  # fmt: skip
-    return peft.get_peft_model(model.to(DEVICE), lora)
-
-
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return out.loss.item(), out.aux_loss.item(), grads
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    return expert_lora(model.to(DEVICE))
 
 
 @pytest.mark.parity
@@ -97,15 +66,15 @@ def test_an_moe_on_the_kernels_trains_like_hf_peft(model_type, qlora, tmp_path, 
             for n, p in twin.named_parameters():
                 if n in state:
                     p.copy_(state[n])
-        ref_loss, ref_aux, ref_grads = _loss_and_grads(model, ids)
-        loss, aux, grads = _loss_and_grads(twin, ids)
+        ref_loss, ref_aux, ref_grads = loss_and_grads(model, ids)
+        loss, aux, grads = loss_and_grads(twin, ids)
         assert coef * ref_aux > 10 * bound * abs(ref_loss), (
             "the aux term is far above the bound: dropping it fails"
         )
         assert abs(loss - ref_loss) <= bound * abs(ref_loss), (step, loss, ref_loss, bound)
         assert abs(aux - ref_aux) <= bound * abs(ref_aux), (step, aux, ref_aux)
         for name, ref in ref_grads.items():
-            err = _rel(grads[name], ref)
+            err = rel(grads[name], ref)
             assert err <= bound, f"step {step}: {name} gradient off by {err:.3g} (bound {bound:.3g})"
         opt.step()
     assert "reference path" not in caplog.text, (
