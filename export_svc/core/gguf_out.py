@@ -1,7 +1,7 @@
 """GGUF files for llama.cpp: merged models (F32/F16/BF16/Q8_0) and LoRA adapters.
 
 The pieces, one module each: the type table (``gguf_types``), the tokenizer metadata
-(``gguf_vocab``), what llama.cpp expects of an architecture (``gguf_arch``: metadata, tensor names,
+(``gguf_tokenizer``), what llama.cpp expects of an architecture (``gguf_arch``: metadata, tensor names,
 the q/k permutation) and the streaming writer (``gguf_writer``). This module puts them together:
 the tensor plan is fixed first, then tensors are merged, permuted, converted and written one at a
 time. K-quants are made from an exact GGUF by llama.cpp's quantizer (``quantize``).

@@ -38,6 +38,7 @@ from strop.common.export_types import (
     ExportTargetKind,
     MergeBase,
 )
+from strop.common.gguf_metadata import GgufVocab
 from strop.common.paths import confine, confine_files
 from strop.export_svc.core.adapter_source import (
     Adapter,
@@ -57,8 +58,8 @@ from strop.export_svc.core.errors import (
 )
 from strop.export_svc.core.gguf_arch import check_gguf_model
 from strop.export_svc.core.gguf_out import check_gguf_lora
+from strop.export_svc.core.gguf_tokenizer import load_vocab
 from strop.export_svc.core.gguf_types import GGUF_TYPES, LORA_TYPES
-from strop.export_svc.core.gguf_vocab import GgufVocab, load_vocab
 from strop.export_svc.core.moe import ExpertNf4
 from strop.export_svc.core.nf4_on_load import Nf4OnLoad
 from strop.export_svc.core.peft_dir import refusals

@@ -27,7 +27,7 @@ from strop.export_svc.core.adapter_source import open_adapter
 from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.errors import TargetRefused
 from strop.export_svc.core.gguf_out import write_gguf_model
-from strop.export_svc.core.gguf_vocab import load_vocab
+from strop.export_svc.core.gguf_tokenizer import load_vocab
 from strop.export_svc.core.peft_dir import refusals
 from strop.export_svc.core.pipeline import run_export
 from strop.fixtures.models import GEMMA_SLIDING_WINDOW

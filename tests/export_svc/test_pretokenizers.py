@@ -18,7 +18,7 @@ import pytest
 from strop.common import gguf_pretok
 from strop.common import pretokenizers as P
 from strop.export_svc.core.errors import UnsupportedModel
-from strop.export_svc.core.gguf_vocab import load_vocab
+from strop.export_svc.core.gguf_tokenizer import load_vocab
 from strop.fixtures.tokenizers_pretok import PreShape, make_pretok_tokenizer
 from strop.fixtures.tokenizers_tiny import make_spm_tokenizer, save_tokenizer
 

@@ -25,7 +25,7 @@ from strop.export_svc.core import verify as V
 from strop.export_svc.core.adapter_source import open_adapter
 from strop.export_svc.core.base_source import BaseModel
 from strop.export_svc.core.gguf_out import write_gguf_lora, write_gguf_model
-from strop.export_svc.core.gguf_vocab import load_vocab
+from strop.export_svc.core.gguf_tokenizer import load_vocab
 from strop.export_svc.core.hf_dir import check_vllm_model_dir
 from strop.export_svc.core.peft_dir import check_vllm_lora_dir
 from strop.export_svc.core.pipeline import run_export

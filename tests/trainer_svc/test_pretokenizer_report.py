@@ -89,7 +89,7 @@ def test_load_model_reports_the_name_the_export_writes_where_the_hash_and_llama_
     import json
 
     from strop.common import pretokenizers as P
-    from strop.export_svc.core.gguf_vocab import load_vocab
+    from strop.export_svc.core.gguf_tokenizer import load_vocab
 
     name = _with_tokenizer(model_root, PreShape.GPT2)
     tok_dir = model_root / name

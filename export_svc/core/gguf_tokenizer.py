@@ -1,4 +1,4 @@
-"""The export's tokenizer metadata: a tokenizer directory read as transformers runs it, into
+"""The export's GGUF tokenizer metadata: a tokenizer directory read as transformers runs it, into
 :class:`strop.common.gguf_metadata.GgufVocab` by ``strop.common.gguf_vocab``'s builders (which hold the
 pre-tokenizer decision, shared with the trainer's LoadModel report).
 """
@@ -15,7 +15,7 @@ from strop.export_svc.core.base_source import read_json
 from strop.export_svc.core.errors import CorruptInput, UnsupportedModel
 from strop.export_svc.core.hf_dir import chat_template_of
 
-__all__ = ["GgufVocab", "load_vocab"]
+__all__ = ["load_vocab"]
 
 
 def _read_optional(tok_dir: Path, name: str) -> dict[str, Any]:
