@@ -63,14 +63,29 @@ class Result:
 def shape(layers: int, smoke: bool) -> dict:
     if smoke:
         return dict(
-            vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        )  # fmt: skip
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
     return dict(
-        vocab_size=151_936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
         num_experts_per_tok=8,
-    )  # fmt: skip
+    )
 
 
 def build_model(a, device: str):
@@ -78,10 +93,16 @@ def build_model(a, device: str):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        **shape(a.layers, a.smoke), norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.001,
-        max_position_embeddings=40_960, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=False, rms_norm_eps=1e-6, use_sliding_window=False,
-    )  # fmt: skip
+        **shape(a.layers, a.smoke),
+        norm_topk_prob=True,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+        max_position_embeddings=40_960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+    )
     cfg._attn_implementation = "sdpa"
     dtype = torch.float32 if a.smoke else torch.bfloat16
     torch.manual_seed(0)
@@ -112,9 +133,14 @@ def quantize_attention_nf4(model, compute_dtype, device: str) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(attn, name)
             q = bnb.nn.Linear4bit(
-                lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=compute_dtype,
-                compress_statistics=True, quant_type="nf4", device="meta",
-            )  # fmt: skip
+                lin.in_features,
+                lin.out_features,
+                bias=lin.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
             q.bias = lin.bias
             # Params4bit quantizes on its move to the device, as transformers' loader has it do
             w = lin.weight.detach().to("cpu")
@@ -132,9 +158,12 @@ def attach_lora(model):
 
     torch.manual_seed(1)
     cfg = LoraConfig(
-        r=16, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        r=16,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         target_parameters=["experts.gate_up_proj", "experts.down_proj"],
-    )  # fmt: skip
+    )
     model = get_peft_model(model, cfg)
     for p in model.parameters():
         if p.requires_grad:
@@ -186,8 +215,23 @@ def run_worker(a) -> Result:
 
 
 def spawn(system: str, a) -> Result:
-    cmd = [sys.executable, __file__, "--worker", "--system", system, "--batch", str(a.batch), "--seq", str(a.seq),
-           "--layers", str(a.layers), "--steps", str(a.steps), "--warmup", str(a.warmup)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--system",
+        system,
+        "--batch",
+        str(a.batch),
+        "--seq",
+        str(a.seq),
+        "--layers",
+        str(a.layers),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+    ]
     cmd += ["--smoke"] * a.smoke + ["--no-qlora"] * (not a.qlora) + ["--no-nf4-experts"] * (not a.nf4_experts)
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
@@ -214,9 +258,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-qlora", dest="qlora", action="store_false", help="bf16 LoRA: no NF4 attention")
     p.add_argument(
-        "--no-nf4-experts", dest="nf4_experts", action="store_false",
+        "--no-nf4-experts",
+        dest="nf4_experts",
+        action="store_false",
         help="strop under QLoRA: keep the experts bf16 instead of strop's NF4 expert storage",
-    )  # fmt: skip
+    )
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
@@ -240,8 +286,10 @@ def main() -> None:
         if r.error:
             print(f"{r.system:9}  failed: {r.error.splitlines()[-1] if r.error else ''}")
             continue
-        print(f"{r.system:9} {r.tokens_per_s:7.0f} {r.ms_per_step:9.1f} {r.weights_gib:11.2f} "
-              f"{r.peak_allocated_gib:15.2f} {r.peak_reserved_gib:18.2f}  {[round(x, 4) for x in r.losses]}")  # fmt: skip
+        print(
+            f"{r.system:9} {r.tokens_per_s:7.0f} {r.ms_per_step:9.1f} {r.weights_gib:11.2f} "
+            f"{r.peak_allocated_gib:15.2f} {r.peak_reserved_gib:18.2f}  {[round(x, 4) for x in r.losses]}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)

@@ -258,11 +258,19 @@ def _grpo_config(a):
         return None
     grader = Path(a.grader).read_text() if a.grader else ""
     return GrpoConfig(
-        grader=grader, group_size=a.group_size, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-        top_p=a.top_p, kl_coef=a.kl_coef, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-        loss_type=GrpoLoss(a.grpo_loss.upper()), sequence_ratio=a.gspo, tis_cap=a.tis_cap,
+        grader=grader,
+        group_size=a.group_size,
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        kl_coef=a.kl_coef,
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        loss_type=GrpoLoss(a.grpo_loss.upper()),
+        sequence_ratio=a.gspo,
+        tis_cap=a.tis_cap,
         num_iterations=a.num_iterations,
-    )  # fmt: skip
+    )
 
 
 def _cmd_train(a) -> int:

@@ -48,8 +48,12 @@ def spread_config(health_service: str) -> str:
     )
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # fmt: skip
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds ``authorization: Bearer <token>`` to every call (over TLS or, on a trusted network, plaintext)."""
 
     def __init__(self, token: str) -> None:

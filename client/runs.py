@@ -116,10 +116,13 @@ class TrainingRun:
         forward_only: bool = False,
     ) -> StepFuture:
         req = ForwardBackwardRequest(
-            run_id=self.run_id, seq_id=seq_id, data=list(data), loss_fn=LossFn.parse(loss_fn),
+            run_id=self.run_id,
+            seq_id=seq_id,
+            data=list(data),
+            loss_fn=LossFn.parse(loss_fn),
             loss_fn_config=[Metric(k, float(v)) for k, v in (loss_fn_config or {}).items()],
             forward_only=forward_only,
-        )  # fmt: skip
+        )
         return self._submit("ForwardBackward", trainer_pb2.ForwardBackwardRequest, req)
 
     def forward_async(
@@ -142,9 +145,13 @@ class TrainingRun:
     ) -> StepFuture:
         """Sample from the snapshot ``sampler_id`` (``save_weights_for_sampler``), else from the run's live adapter."""
         req = SampleRequest(
-            run_id="" if sampler_id else self.run_id, sampler_id=sampler_id, prompt=list(prompt),
-            num_samples=num_samples, params=params or SamplingParams(), prompt_logprobs=prompt_logprobs,
-        )  # fmt: skip
+            run_id="" if sampler_id else self.run_id,
+            sampler_id=sampler_id,
+            prompt=list(prompt),
+            num_samples=num_samples,
+            params=params or SamplingParams(),
+            prompt_logprobs=prompt_logprobs,
+        )
         return self._submit("Sample", trainer_pb2.SampleRequest, req)
 
     def save_weights_async(self, name: str = "", *, seq_id: int = 0) -> StepFuture:

@@ -62,11 +62,28 @@ def get(url: str) -> tuple[int, str]:
 def start_trainer(vpy: str, data: Path, logs: Path) -> tuple[subprocess.Popen, int]:
     port_file = data / "state" / "trainer.port"
     args = [
-        vpy, "-m", "strop.trainer_svc", "--address", "127.0.0.1:0", "--port-file", str(port_file),
-        "--model-root", str(data / "models"), "--artifact-root", str(data / "artifacts"),
-        "--state-dir", str(data / "state" / "trainer"), "--data-root", str(data / "datasets"),
-        "--auth-tokens", str(data / "tokens.json"), "--device", "cpu", "--grace", "5",
-    ]  # fmt: skip
+        vpy,
+        "-m",
+        "strop.trainer_svc",
+        "--address",
+        "127.0.0.1:0",
+        "--port-file",
+        str(port_file),
+        "--model-root",
+        str(data / "models"),
+        "--artifact-root",
+        str(data / "artifacts"),
+        "--state-dir",
+        str(data / "state" / "trainer"),
+        "--data-root",
+        str(data / "datasets"),
+        "--auth-tokens",
+        str(data / "tokens.json"),
+        "--device",
+        "cpu",
+        "--grace",
+        "5",
+    ]
     proc = subprocess.Popen(args, stdout=(logs / "trainer.log").open("ab"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not port_file.exists():
@@ -117,9 +134,14 @@ def drive_openai(url: str) -> dict:
     c = openai.OpenAI(base_url=f"{url}/v1", api_key=TENANT, max_retries=0)
     models = sorted(m.id for m in c.models.list())
     rows = [
-        {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": str(2 * i)},
+            ]
+        }
         for i in range(8)
-    ]  # fmt: skip
+    ]
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     f = c.files.create(file=("train.jsonl", data), purpose="fine-tune")
     t0 = time.monotonic()
@@ -135,8 +157,14 @@ def drive_openai(url: str) -> dict:
         raise RuntimeError(
             f"job {job.id}: expected succeeded with a fine-tuned model, got {job.status} {job.error}"
         )
-    return {"models": models, "file": f.id, "job": job.id, "status": job.status,
-            "fine_tuned_model": job.fine_tuned_model, "job_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+    return {
+        "models": models,
+        "file": f.id,
+        "job": job.id,
+        "status": job.status,
+        "fine_tuned_model": job.fine_tuned_model,
+        "job_s": round(time.monotonic() - t0, 1),
+    }
 
 
 def stop(proc: subprocess.Popen, name: str, log: Path) -> dict:
@@ -170,8 +198,10 @@ def main() -> None:
         d.mkdir(parents=True)
     subprocess.run(
         [a.python, "-m", "strop.fixtures", str(data / "models" / "tiny-llama")],
-        check=True, stdout=(logs / "fixtures.log").open("ab"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        check=True,
+        stdout=(logs / "fixtures.log").open("ab"),
+        stderr=subprocess.STDOUT,
+    )
     tokens = {
         "tokens": [{"tenant": "t", "token": TENANT}, {"tenant": "ops", "token": ADMIN, "role": "admin"}]
     }
@@ -202,11 +232,26 @@ def main() -> None:
         trainer, tport = start_trainer(a.python, data, logs)
         port, health = free_port(), free_port()
         gateway = fs.popen(
-            [*fs.entrypoint, "tinker", "--listen", f"127.0.0.1:{port}", "--trainer", f"127.0.0.1:{tport}",
-             "--model-root", "/data/models", "--quantization", "NONE", "--dtype", "float32",
-             "--admin-token-file", "/data/admin-token", "--health-port", str(health)],
+            [
+                *fs.entrypoint,
+                "tinker",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--trainer",
+                f"127.0.0.1:{tport}",
+                "--model-root",
+                "/data/models",
+                "--quantization",
+                "NONE",
+                "--dtype",
+                "float32",
+                "--admin-token-file",
+                "/data/admin-token",
+                "--health-port",
+                str(health),
+            ],
             logs / "gateway.log",
-        )  # fmt: skip
+        )
         summary["ready_s"] = wait_http(f"http://127.0.0.1:{health}/readyz", gateway, logs / "gateway.log")
         summary["health"] = {
             path: get(f"http://127.0.0.1:{health}{path}") for path in ("/healthz", "/readyz")
@@ -215,11 +260,24 @@ def main() -> None:
         summary["stop"] = stop(gateway, "tinker", logs / "gateway.log")
         oport = free_port()
         oai = fs.popen(
-            [*fs.entrypoint, "openai", "--listen", f"127.0.0.1:{oport}", "--trainer", f"127.0.0.1:{tport}",
-             "--model-root", "/data/models", "--state-dir", "/data/state/openai", "--quantization", "NONE",
-             "--dtype", "float32"],
+            [
+                *fs.entrypoint,
+                "openai",
+                "--listen",
+                f"127.0.0.1:{oport}",
+                "--trainer",
+                f"127.0.0.1:{tport}",
+                "--model-root",
+                "/data/models",
+                "--state-dir",
+                "/data/state/openai",
+                "--quantization",
+                "NONE",
+                "--dtype",
+                "float32",
+            ],
             logs / "openai.log",
-        )  # fmt: skip
+        )
         gateway = oai
         summary["openai_ready_s"] = wait_http(f"http://127.0.0.1:{oport}/healthz", oai, logs / "openai.log")
         summary["openai"] = drive_openai(f"http://127.0.0.1:{oport}")

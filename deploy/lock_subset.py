@@ -123,9 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--extra", action="append", default=[], help="an extra of strop (repeatable)")
     p.add_argument("--names", action="store_true", help="print only the selected names")
     p.add_argument("--no-torch", action="store_true", help="an install without torch (the SDK and CLI)")
-    p.add_argument("--also", action="append", default=[],
-                   help="a pin to add with what it requires (repeatable): setuptools, strop's build backend, which "
-                   "only torch pulls in otherwise")  # fmt: skip
+    p.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        help="a pin to add with what it requires (repeatable): setuptools, strop's build backend, which "
+        "only torch pulls in otherwise",
+    )
     a = p.parse_args(argv)
     pins = parse_lock(a.lock.read_text())
     wanted = seeds(tomllib.loads(a.pyproject.read_text()), a.extra) | {canonical(n) for n in a.also}

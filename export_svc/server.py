@@ -51,9 +51,13 @@ def start(
     ``metrics``: ``host:port`` for Prometheus ``/metrics`` (port 0: a free one, ``Service.metrics_port``)."""
     store = ArtifactStore(config.artifact_root)
     manager = ExportManager(
-        config.state_dir, config.model_root, store, workers=config.concurrent_exports,
-        database_url=config.database_url, instance_id=config.instance_id,
-    )  # fmt: skip
+        config.state_dir,
+        config.model_root,
+        store,
+        workers=config.concurrent_exports,
+        database_url=config.database_url,
+        instance_id=config.instance_id,
+    )
     drain = Drain()
     servicer = ExportServicer(manager, store, drain)
     binding = ServiceBinding(export_pb2_grpc.add_ExportServiceServicer_to_server, servicer, SERVICE_NAME)
@@ -91,9 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     config = ExportConfig(
-        Path(a.model_root), Path(a.artifact_root), Path(a.state_dir), concurrent_exports=a.concurrent_exports,
-        database_url=a.database_url, instance_id=a.instance_id,
-    )  # fmt: skip
+        Path(a.model_root),
+        Path(a.artifact_root),
+        Path(a.state_dir),
+        concurrent_exports=a.concurrent_exports,
+        database_url=a.database_url,
+        instance_id=a.instance_id,
+    )
     options = server_options(a)
     run_main(a, lambda: start(config, **options))
 

@@ -70,10 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queued-jobs", type=int, default=int(env("STROP_MAX_QUEUED_JOBS", "64")))
     p.add_argument("--max-dataset-bytes", type=int, default=Limits.max_bytes)
     p.add_argument(
-        "--step-hole-seconds", type=float, default=float(env("STROP_STEP_HOLE_SECONDS", "60")),
+        "--step-hole-seconds",
+        type=float,
+        default=float(env("STROP_STEP_HOLE_SECONDS", "60")),
         help="step API: how long a run's missing seq id blocks the seqs behind it before it is skipped "
         "(env STROP_STEP_HOLE_SECONDS)",
-    )  # fmt: skip
+    )
     a = p.parse_args(argv)
     if not (a.step_hole_seconds > 0 and a.step_hole_seconds != float("inf")):
         p.error(f"--step-hole-seconds must be a positive number of seconds, got {a.step_hole_seconds}")

@@ -134,9 +134,15 @@ def main(argv: list[str] | None = None) -> None:
         run = client.create_training_run(session.session_id, RunLora(rank=8, seed=0, train_unembed=True))
         before = evaluate(run, tokenizer, ROWS, max_tokens=args.max_tokens)
         means = train(
-            run, tokenizer, ROWS, steps=args.steps, group_size=args.group_size, max_tokens=args.max_tokens,
-            learning_rate=args.learning_rate, loss_fn=args.loss,
-        )  # fmt: skip
+            run,
+            tokenizer,
+            ROWS,
+            steps=args.steps,
+            group_size=args.group_size,
+            max_tokens=args.max_tokens,
+            learning_rate=args.learning_rate,
+            loss_fn=args.loss,
+        )
         after = evaluate(run, tokenizer, ROWS, max_tokens=args.max_tokens)
         print("mean reward per step:", " ".join(f"{m:.3f}" for m in means))
         print(f"held-out mean reward: {before:.3f} before, {after:.3f} after")

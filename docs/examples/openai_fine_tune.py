@@ -51,8 +51,10 @@ def main() -> int:
     for event in reversed(list(client.fine_tuning.jobs.list_events(fine_tuning_job_id=job.id, limit=50))):
         print(f"  [{event.level}] {event.message}")
     for ckpt in client.fine_tuning.jobs.checkpoints.list(fine_tuning_job_id=job.id):
-        print(f"  checkpoint {ckpt.fine_tuned_model_checkpoint}: step {ckpt.step_number}, "
-              f"train_loss {ckpt.metrics.train_loss:.4f}")  # fmt: skip
+        print(
+            f"  checkpoint {ckpt.fine_tuned_model_checkpoint}: step {ckpt.step_number}, "
+            f"train_loss {ckpt.metrics.train_loss:.4f}"
+        )
     if job.status != "succeeded":
         print(f"job {job.id} {job.status}: {job.error.message if job.error else ''}")
         return 1

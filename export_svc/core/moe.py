@@ -112,11 +112,17 @@ def expert_slices(
             for leaf, rows in parts.items():
                 out.append(
                     dict(
-                        module=f"{prefix}.{e}.{leaf}", experts_module=module,
-                        base_key=f"{prefix}.{e}.{leaf}.weight", a_key=p["lora_A"],
-                        b_key=p["lora_B"], r=r, a_rows=(e * r, (e + 1) * r), b_rows=rows, b_cols=(e, experts),
+                        module=f"{prefix}.{e}.{leaf}",
+                        experts_module=module,
+                        base_key=f"{prefix}.{e}.{leaf}.weight",
+                        a_key=p["lora_A"],
+                        b_key=p["lora_B"],
+                        r=r,
+                        a_rows=(e * r, (e + 1) * r),
+                        b_rows=rows,
+                        b_cols=(e, experts),
                     )
-                )  # fmt: skip
+                )
     return out
 
 

@@ -85,7 +85,11 @@ def grpo_with_defaults(cfg: TrainConfig) -> GrpoConfig:
     g = replace(g, **fill)
     checks = [
         ("grader", bool(g.grader.strip()), "is required (the OpenAI grader object, as JSON)"),
-        ("group_size", g.group_size >= 2, f"must be >= 2 (advantages compare a prompt's samples), got {g.group_size}"),
+        (
+            "group_size",
+            g.group_size >= 2,
+            f"must be >= 2 (advantages compare a prompt's samples), got {g.group_size}",
+        ),
         ("group_size", g.group_size <= 1024, f"must be <= 1024, got {g.group_size}"),
         ("max_new_tokens", g.max_new_tokens >= 1, f"must be >= 1, got {g.max_new_tokens}"),
         ("temperature", g.temperature > 0, f"must be > 0, got {g.temperature}"),
@@ -95,7 +99,7 @@ def grpo_with_defaults(cfg: TrainConfig) -> GrpoConfig:
         ("clip_eps_high", g.clip_eps_high > 0, f"must be > 0, got {g.clip_eps_high}"),
         ("tis_cap", g.tis_cap < 0 or g.tis_cap >= 1, f"must be >= 1 (negative: off), got {g.tis_cap}"),
         ("num_iterations", 1 <= g.num_iterations <= 64, f"must be in 1..64, got {g.num_iterations}"),
-    ]  # fmt: skip
+    ]
     for name, ok, message in checks:
         if not ok:
             raise InvalidArgument(f"config.grpo.{name} {message}")
@@ -343,14 +347,20 @@ class GrpoLoop:
     def _sample(self, prompts: list[list[int]], n: int, seeds: list[int]):
         g = self.g
         reqs = [
-            SampleRequest(p, n, SamplingParams(max_tokens=g.max_new_tokens, temperature=g.temperature,
-                                               top_p=g.top_p, seed=s))
+            SampleRequest(
+                p,
+                n,
+                SamplingParams(max_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, seed=s),
+            )
             for p, s in zip(prompts, seeds, strict=True)
-        ]  # fmt: skip
+        ]
         out = sample(
-            self.loaded.model, reqs, tokenizer=self.loaded.tokenizer, eos_token_ids=self.eos,
+            self.loaded.model,
+            reqs,
+            tokenizer=self.loaded.tokenizer,
+            eos_token_ids=self.eos,
             max_length=self.cfg.max_length,
-        )  # fmt: skip
+        )
         packed = repacked_4bit_layers(self.loaded.model)
         if packed:  # bitsandbytes' CPU inference layout has no backward (DESIGN.md, facts)
             raise BrokenTraining(
@@ -433,10 +443,16 @@ class GrpoLoop:
         ]
         lengths = [len(s.tokens) for r in results for s in r.sequences]
         loss_cfg = {
-            "loss_type": g.loss_type.value, "clip_eps_low": g.clip_eps_low, "clip_eps_high": g.clip_eps_high,
-            "kl_coef": g.kl_coef, "tis_cap": g.tis_cap, "sequence_ratio": g.sequence_ratio,
-            "num_seqs": len(lengths), "num_tokens": sum(lengths), "max_new_tokens": g.max_new_tokens,
-        }  # fmt: skip
+            "loss_type": g.loss_type.value,
+            "clip_eps_low": g.clip_eps_low,
+            "clip_eps_high": g.clip_eps_high,
+            "kl_coef": g.kl_coef,
+            "tis_cap": g.tis_cap,
+            "sequence_ratio": g.sequence_ratio,
+            "num_seqs": len(lengths),
+            "num_tokens": sum(lengths),
+            "max_new_tokens": g.max_new_tokens,
+        }
         keep = [not SKIP_GROUPS_WITHOUT_SIGNAL or g.kl_coef > 0 or bool((a != 0).any()) for a in adv]
         groups = [grp for grp, k in zip(groups, keep, strict=True) if k]
         if g.kl_coef > 0:  # the reference: the same base with the adapter disabled, no gradient
@@ -459,9 +475,15 @@ class GrpoLoop:
                         if it == 0:
                             self._first_pass(grp, rows.detach(), sums)
                         loss, lp, stats = grpo_loss(
-                            rows, self.weight, grp.targets, grp.inputs, loss_cfg, bias=self.bias,
-                            softcap=self.softcap, logps=lambda r, t: self._logps(r, t, g.temperature),
-                        )  # fmt: skip
+                            rows,
+                            self.weight,
+                            grp.targets,
+                            grp.inputs,
+                            loss_cfg,
+                            bias=self.bias,
+                            softcap=self.softcap,
+                            logps=lambda r, t: self._logps(r, t, g.temperature),
+                        )
                     loss.backward()
                 if it == 0:  # the weights that sampled: the later updates' old policy
                     grp.inputs["old_logps"] = lp.detach()
@@ -471,8 +493,12 @@ class GrpoLoop:
             if it == 0:
                 first_loss = total
             lr = self.sched.get_last_lr()[0]
-            adam = {**ADAM, "learning_rate": lr, "weight_decay": cfg.weight_decay,
-                    "grad_clip_norm": cfg.max_grad_norm}  # fmt: skip
+            adam = {
+                **ADAM,
+                "learning_rate": lr,
+                "weight_decay": cfg.weight_decay,
+                "grad_clip_norm": cfg.max_grad_norm,
+            }
             opt_metrics = step_ops.optim_step(self.opt, self.params, adam)
             self.sched.step()
             self.updates += 1
@@ -510,12 +536,18 @@ class GrpoLoop:
             zero_std_groups=float((std == 0).float().mean()),
         )
         return StepMetrics(
-            step=step + 1, total_steps=self.total_steps, epoch=(step + 1) * cfg.batch_size / len(self.prompts),
-            loss=first_loss, learning_rate=float(opt_metrics["learning_rate:mean"]),
-            grad_norm=float(opt_metrics["grad_norm:mean"]), tokens_per_second=trained / max(t_end - t0, 1e-9),
-            tokens_seen=self.tokens_seen, peak_memory_bytes=_peak_memory(loaded.device),
-            step_seconds=t_end - t0, rl=rl,
-        )  # fmt: skip
+            step=step + 1,
+            total_steps=self.total_steps,
+            epoch=(step + 1) * cfg.batch_size / len(self.prompts),
+            loss=first_loss,
+            learning_rate=float(opt_metrics["learning_rate:mean"]),
+            grad_norm=float(opt_metrics["grad_norm:mean"]),
+            tokens_per_second=trained / max(t_end - t0, 1e-9),
+            tokens_seen=self.tokens_seen,
+            peak_memory_bytes=_peak_memory(loaded.device),
+            step_seconds=t_end - t0,
+            rl=rl,
+        )
 
 
 def run_grpo(
