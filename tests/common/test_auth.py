@@ -42,20 +42,28 @@ def _pki(tmp_path):
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
-        x509.CertificateBuilder().subject_name(name("strop test CA")).issuer_name(name("strop test CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+        x509.CertificateBuilder()
+        .subject_name(name("strop test CA"))
+        .issuer_name(name("strop test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     write("ca", ca_key, ca)
     for stem, san in (("server", x509.IPAddress(ipaddress.ip_address("127.0.0.1"))), ("client", None)):
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (
-            x509.CertificateBuilder().subject_name(name(stem)).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-        )  # fmt: skip
+            x509.CertificateBuilder()
+            .subject_name(name(stem))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
         if san is not None:
             builder = builder.add_extension(x509.SubjectAlternativeName([san]), critical=False)
         write(stem, key, builder.sign(ca_key, hashes.SHA256()))

@@ -24,10 +24,17 @@ from tests.trainer_svc.conftest import sft_config
 def services(model_root, tmp_path_factory):
     work = tmp_path_factory.mktemp("tenancy")
     tokens = work / "tokens.json"
-    tokens.write_text(json.dumps({"tokens": [
-        {"tenant": "team-a", "token": "ta"}, {"tenant": "team-b", "token": "tb"},
-        {"tenant": "ops", "token": "admin", "role": "admin"},
-    ]}))  # fmt: skip
+    tokens.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"tenant": "team-a", "token": "ta"},
+                    {"tenant": "team-b", "token": "tb"},
+                    {"tenant": "ops", "token": "admin", "role": "admin"},
+                ]
+            }
+        )
+    )
     security = Security(tokens=TokenTable.load(tokens))
     trainer = start_trainer(
         TrainerConfig(model_root=model_root, artifact_root=work / "artifacts", state_dir=work / "trainer"),
@@ -138,10 +145,12 @@ def test_an_export_cannot_replace_another_tenants_artifact(services, team_a_work
     with ExportClient(export_target, token="tb") as eb:
         done = eb.wait_export(
             eb.create_export(
-                [ExportTarget.peft(artifact_id=adapter)], adapter_artifact_id=mine.artifact_id,
-                overwrite=True, verify=VerifyOptions(skip=True),
+                [ExportTarget.peft(artifact_id=adapter)],
+                adapter_artifact_id=mine.artifact_id,
+                overwrite=True,
+                verify=VerifyOptions(skip=True),
             ).export_id
-        )  # fmt: skip
+        )
         assert done.state.value == "SUCCEEDED", done.error  # in team-b's own id space
         assert eb.get_artifact(adapter).metadata["tenant"] == "team-b"
     for token in ("ta", "admin"):
@@ -186,10 +195,11 @@ def test_another_tenants_ids_look_free_and_cannot_be_squatted(services, team_a_w
         assert ea.get_artifact("a-private").metadata["tenant"] == "team-a"
         done = ea.wait_export(
             ea.create_export(
-                [ExportTarget.peft(artifact_id="squatted")], adapter_artifact_id=team_a_work["adapter"],
+                [ExportTarget.peft(artifact_id="squatted")],
+                adapter_artifact_id=team_a_work["adapter"],
                 verify=VerifyOptions(skip=True),
             ).export_id
-        )  # fmt: skip
+        )
         assert done.state.value == "SUCCEEDED", done.error
         assert ea.get_artifact("squatted").metadata["tenant"] == "team-a"
         for mine in (a_adapter, a_second):

@@ -143,26 +143,43 @@ def injected_env(doc: dict) -> list[dict[str, str]]:
         for role, offset in (("Master", 0), ("Worker", 1)):
             for i in range(specs.get(role, {}).get("replicas", 0)):
                 rank = str(i + offset)
-                out.append({
-                    "PYTHONUNBUFFERED": "1", "MASTER_ADDR": master, "MASTER_PORT": port, "PET_MASTER_ADDR": master,
-                    "PET_MASTER_PORT": port, "WORLD_SIZE": str(total), "RANK": rank, "PET_NODE_RANK": rank,
-                    "PET_NNODES": str(total),
-                })  # fmt: skip
+                out.append(
+                    {
+                        "PYTHONUNBUFFERED": "1",
+                        "MASTER_ADDR": master,
+                        "MASTER_PORT": port,
+                        "PET_MASTER_ADDR": master,
+                        "PET_MASTER_PORT": port,
+                        "WORLD_SIZE": str(total),
+                        "RANK": rank,
+                        "PET_NODE_RANK": rank,
+                        "PET_NNODES": str(total),
+                    }
+                )
         return out
     t, name = doc["spec"]["trainer"], doc["metadata"]["name"]
     nodes, nproc = t["numNodes"], t["numProcPerNode"]
     out = []
     for node in range(nodes):
         pet = {
-            "PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(node),
-            "PET_MASTER_ADDR": f"{name}-node-0-0.{name}", "PET_MASTER_PORT": TRAINJOB_MASTER_PORT,
-        }  # fmt: skip
+            "PET_NNODES": str(nodes),
+            "PET_NPROC_PER_NODE": str(nproc),
+            "PET_NODE_RANK": str(node),
+            "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+            "PET_MASTER_PORT": TRAINJOB_MASTER_PORT,
+        }
         out.append(pet)  # the pod's own process: no RANK yet
         for local in range(nproc):
-            out.append({
-                **pet, "RANK": str(node * nproc + local), "WORLD_SIZE": str(nodes * nproc),
-                "LOCAL_RANK": str(local), "MASTER_ADDR": pet["PET_MASTER_ADDR"], "MASTER_PORT": TRAINJOB_MASTER_PORT,
-            })  # fmt: skip
+            out.append(
+                {
+                    **pet,
+                    "RANK": str(node * nproc + local),
+                    "WORLD_SIZE": str(nodes * nproc),
+                    "LOCAL_RANK": str(local),
+                    "MASTER_ADDR": pet["PET_MASTER_ADDR"],
+                    "MASTER_PORT": TRAINJOB_MASTER_PORT,
+                }
+            )
     return out
 
 
@@ -254,8 +271,10 @@ def test_a_duplicate_list_map_key_and_a_wrong_type_are_refused():
 def test_the_jobs_name_their_operators_runtime_and_roles():
     tj = one("TrainJob")
     assert tj["spec"]["runtimeRef"] == {
-        "apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime", "name": "torch-distributed",
-    }  # fmt: skip
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+        "name": "torch-distributed",
+    }
     assert tj["spec"]["trainer"]["numNodes"] >= 2
     pj = one("PyTorchJob")
     specs = pj["spec"]["pytorchReplicaSpecs"]
@@ -397,8 +416,11 @@ def test_gpus_placement_security_and_storage_match_the_trainer():
             for k in ("cpu", "memory", "ephemeral-storage"):
                 assert k in res["requests"] and k in res["limits"], what
             # the shared volume where the image expects /data, its models/ read-only
-            claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
-                      if "persistentVolumeClaim" in v}  # fmt: skip
+            claims = {
+                v["name"]: v["persistentVolumeClaim"]["claimName"]
+                for v in spec["volumes"]
+                if "persistentVolumeClaim" in v
+            }
             assert set(claims.values()) == {claim["metadata"]["name"]}, what
             mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
             assert mounts["/data"]["name"] in claims and not mounts["/data"].get("readOnly")

@@ -94,8 +94,9 @@ def test_a_merged_export_of_an_nf4_expert_session_is_the_model_as_trained(
     store = ArtifactStore(tmp_path / "artifacts")
     req = ExportRequest(
         targets=[ExportTarget(kind=ExportTargetKind.MERGED_SAFETENSORS, dtype="float32")],
-        adapter_path=adapter.name, base_model_path=base,
-    )  # fmt: skip
+        adapter_path=adapter.name,
+        base_model_path=base,
+    )
     (merged,) = run_export(req, model_root=moe_models, store=store)
     v = merged.verification
     assert v.as_trained.max_abs_logit_delta < FP32_BOUND, v.as_trained

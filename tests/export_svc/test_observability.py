@@ -73,9 +73,17 @@ def _free_port() -> int:
 def test_json_logs_are_one_object_per_line_with_the_export_id(small_models, tmp_path):
     metrics_port = _free_port()
     args = [
-        "--model-root", str(small_models), "--artifact-root", str(tmp_path / "artifacts"),
-        "--state-dir", str(tmp_path / "state"), "--log-format", "json", "--metrics-port", str(metrics_port),
-    ]  # fmt: skip
+        "--model-root",
+        str(small_models),
+        "--artifact-root",
+        str(tmp_path / "artifacts"),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--log-format",
+        "json",
+        "--metrics-port",
+        str(metrics_port),
+    ]
     svc = start_service("export", args, tmp_path / "logs")
     try:
         with ExportClient(svc.target) as client:

@@ -62,11 +62,16 @@ def tinker_stack(model_root, tmp_path_factory):
     work = tmp_path_factory.mktemp("tinker")
     tokens = work / "tokens.json"
     tokens.write_text(
-        json.dumps({"tokens": [
-            {"tenant": "a", "token": KEY_A}, {"tenant": "b", "token": KEY_B},
-            {"tenant": "ops", "token": ADMIN, "role": "admin"},
-        ]})
-    )  # fmt: skip
+        json.dumps(
+            {
+                "tokens": [
+                    {"tenant": "a", "token": KEY_A},
+                    {"tenant": "b", "token": KEY_B},
+                    {"tenant": "ops", "token": ADMIN, "role": "admin"},
+                ]
+            }
+        )
+    )
     (work / "data").mkdir()
     config = TrainerConfig(
         model_root=model_root,
@@ -85,9 +90,18 @@ def gateway(trainer: str, model_root, **kw):
     from strop.common.trainer_types import Quantization
     from strop.gateways.tinker.gateway import Gateway, GatewayConfig
 
-    return Gateway(GatewayConfig(**{
-        "trainer": trainer, "model_root": model_root, "quantization": Quantization.NONE, "dtype": "float32",
-        "poll_ms": 2_000, "default_max_tokens": 8,
-        "max_chunk_datums": 2,  # the SDK splits a forward_backward of more datums into chunks sent concurrently
-        "admin_token": ADMIN, **kw,
-    }))  # fmt: skip
+    return Gateway(
+        GatewayConfig(
+            **{
+                "trainer": trainer,
+                "model_root": model_root,
+                "quantization": Quantization.NONE,
+                "dtype": "float32",
+                "poll_ms": 2_000,
+                "default_max_tokens": 8,
+                "max_chunk_datums": 2,  # the SDK splits a forward_backward of more datums into chunks sent concurrently
+                "admin_token": ADMIN,
+                **kw,
+            }
+        )
+    )

@@ -21,10 +21,16 @@ class ServedGateway(Served):
         from strop.gateways.openai.app import create_app
         from strop.gateways.openai.gateway import Gateway, GatewayConfig
 
-        gw = Gateway(GatewayConfig(
-            trainer=trainer, model_root=model_root, state_dir=state_dir, quantization=Quantization.NONE,
-            dtype="float32", exporter=exporter,
-        ))  # fmt: skip
+        gw = Gateway(
+            GatewayConfig(
+                trainer=trainer,
+                model_root=model_root,
+                state_dir=state_dir,
+                quantization=Quantization.NONE,
+                dtype="float32",
+                exporter=exporter,
+            )
+        )
         super().__init__(gw, free_port(), create_app(gw))
         self.url += "/v1"
 
@@ -43,9 +49,12 @@ class Stack:
         )
         (work / "data").mkdir()
         config = TrainerConfig(
-            model_root=model_root, artifact_root=work / "artifacts", state_dir=work / "state",
-            data_root=work / "data", max_queued_jobs=MAX_QUEUED,
-        )  # fmt: skip
+            model_root=model_root,
+            artifact_root=work / "artifacts",
+            state_dir=work / "state",
+            data_root=work / "data",
+            max_queued_jobs=MAX_QUEUED,
+        )
         from strop.export_svc.server import ExportConfig
         from strop.export_svc.server import start as start_export
 
@@ -107,22 +116,26 @@ def running_stack(model_root, tmp_path_factory):
 def chat_rows(n: int, offset: int = 0) -> list[dict]:
     """Chat rows the tiny model can learn: a fixed answer per question."""
     return [
-        {"messages": [
-            {"role": "system", "content": "You answer with a number."},
-            {"role": "user", "content": f"What is {i} plus {i}?"},
-            {"role": "assistant", "content": f"{2 * i}"},
-        ]}
+        {
+            "messages": [
+                {"role": "system", "content": "You answer with a number."},
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{2 * i}"},
+            ]
+        }
         for i in range(offset, offset + n)
-    ]  # fmt: skip
+    ]
 
 
 def preference_rows(n: int) -> list[dict]:
     return [
-        {"input": {"messages": [{"role": "user", "content": f"Say {i} politely."}]},
-         "preferred_output": [{"role": "assistant", "content": f"Certainly: {i}."}],
-         "non_preferred_output": [{"role": "assistant", "content": f"{i}!!"}]}
+        {
+            "input": {"messages": [{"role": "user", "content": f"Say {i} politely."}]},
+            "preferred_output": [{"role": "assistant", "content": f"Certainly: {i}."}],
+            "non_preferred_output": [{"role": "assistant", "content": f"{i}!!"}],
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def jsonl(rows: list[dict]) -> bytes:

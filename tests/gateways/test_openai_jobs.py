@@ -46,11 +46,19 @@ def sft_job(stack, files):
     c = stack.client()
     train, valid, _ = files
     job = c.fine_tuning.jobs.create(
-        model="tiny-llama", training_file=train.id, validation_file=valid.id, suffix="adder", seed=7,
+        model="tiny-llama",
+        training_file=train.id,
+        validation_file=valid.id,
+        suffix="adder",
+        seed=7,
         metadata={"team": "a", "strop_export": "peft"},
-        method={"type": "supervised", "supervised": {"hyperparameters": {
-            "n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 5.0}}},
-    )  # fmt: skip
+        method={
+            "type": "supervised",
+            "supervised": {
+                "hyperparameters": {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 5.0}
+            },
+        },
+    )
     return job, wait_status(c, job.id, DONE)
 
 
@@ -139,9 +147,13 @@ def test_models_list_retrieve_delete(stack, sft_job):
 def test_another_tenants_job_and_files_are_not_found(stack, sft_job, files):
     b = stack.client(KEY_B)
     job_id = sft_job[1].id
-    for call in (lambda: b.fine_tuning.jobs.retrieve(job_id), lambda: b.fine_tuning.jobs.cancel(job_id),
-                 lambda: b.fine_tuning.jobs.list_events(job_id), lambda: b.files.retrieve(files[0].id),
-                 lambda: b.files.content(files[0].id)):  # fmt: skip
+    for call in (
+        lambda: b.fine_tuning.jobs.retrieve(job_id),
+        lambda: b.fine_tuning.jobs.cancel(job_id),
+        lambda: b.fine_tuning.jobs.list_events(job_id),
+        lambda: b.files.retrieve(files[0].id),
+        lambda: b.files.content(files[0].id),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     assert job_id not in [j.id for j in b.fine_tuning.jobs.list()]
@@ -154,8 +166,9 @@ def test_another_tenants_job_and_files_are_not_found(stack, sft_job, files):
 
 def test_cancel_stops_a_running_job(stack, files):
     c = stack.client()
-    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id,
-                                    hyperparameters={"n_epochs": 50, "batch_size": 1})  # fmt: skip
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=files[0].id, hyperparameters={"n_epochs": 50, "batch_size": 1}
+    )
     wait_status(c, job.id, ("running",))
     assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
     with pytest.raises(openai.ConflictError) as e:
@@ -178,14 +191,18 @@ def _wait_followed(stack, job_id: str, timeout: float = 60.0) -> None:
 
 
 def _steps(c, job_id: str) -> list[int]:
-    return [e.data["step"] for e in reversed(list(c.fine_tuning.jobs.list_events(job_id, limit=100)))
-            if e.type == "metrics" and "train_loss" in e.data]  # fmt: skip
+    return [
+        e.data["step"]
+        for e in reversed(list(c.fine_tuning.jobs.list_events(job_id, limit=100)))
+        if e.type == "metrics" and "train_loss" in e.data
+    ]
 
 
 def test_pause_and_resume_keep_the_job(stack, files):
     c = stack.client()
-    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id,
-                                    hyperparameters={"n_epochs": 2, "batch_size": 1})  # 16 steps, a checkpoint at 8 each  # fmt: skip
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=files[0].id, hyperparameters={"n_epochs": 2, "batch_size": 1}
+    )  # 16 steps, a checkpoint at 8 each
     deadline_steps = 2
     import time
 
@@ -213,10 +230,20 @@ def test_pause_and_resume_keep_the_job(stack, files):
 def test_dpo_job_on_a_preference_file(stack, files):
     c = stack.client()
     job = c.fine_tuning.jobs.create(
-        model="tiny-llama", training_file=files[2].id,
-        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 1, "batch_size": 2,
-                                                           "learning_rate_multiplier": 100}}},
-    )  # fmt: skip
+        model="tiny-llama",
+        training_file=files[2].id,
+        method={
+            "type": "dpo",
+            "dpo": {
+                "hyperparameters": {
+                    "beta": 0.2,
+                    "n_epochs": 1,
+                    "batch_size": 2,
+                    "learning_rate_multiplier": 100,
+                }
+            },
+        },
+    )
     done = wait_status(c, job.id, DONE)
     assert done.status == "succeeded", done.error
     assert done.method.type == "dpo" and done.method.dpo.hyperparameters.beta == 0.2
@@ -248,8 +275,9 @@ def test_a_full_queue_is_a_rate_limit(stack, files):
 
 def test_a_restarted_gateway_keeps_its_state(stack, files, sft_job):
     c = stack.client()
-    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id,
-                                    hyperparameters={"n_epochs": 3, "batch_size": 1})  # fmt: skip
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=files[0].id, hyperparameters={"n_epochs": 3, "batch_size": 1}
+    )
     wait_status(c, job.id, ("running",))
     before = [e.id for e in c.fine_tuning.jobs.list_events(sft_job[1].id, limit=100)]
     stack.restart_gateway()
@@ -269,8 +297,11 @@ def test_a_job_the_trainer_fails_reports_its_error(stack, files):
     c = stack.client()
     # a learning rate of 1e9 breaks training at once: the trainer fails its job, and the gateway reports the
     # trainer's message in OpenAI's error object, its code by who is at fault (the trainer's error_code)
-    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id,
-                                    hyperparameters={"n_epochs": 1, "learning_rate_multiplier": 1e12})  # fmt: skip
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=files[0].id,
+        hyperparameters={"n_epochs": 1, "learning_rate_multiplier": 1e12},
+    )
     done = wait_status(c, job.id, DONE)
     assert done.status == "failed" and done.fine_tuned_model is None
     (strop_job,) = stack.gateway.gw.store.get("oai_jobs", job.id)["chain"]
@@ -283,8 +314,13 @@ def test_a_job_the_trainer_fails_reports_its_error(stack, files):
     assert next(iter(c.fine_tuning.jobs.list_events(job.id))).level == "error"
 
 
-GRADER = {"type": "string_check", "name": "has_answer", "input": "{{ sample.output_text }}",
-          "reference": "{{ item.answer }}", "operation": "like"}  # fmt: skip
+GRADER = {
+    "type": "string_check",
+    "name": "has_answer",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.answer }}",
+    "operation": "like",
+}
 
 
 def test_reinforcement_job_runs_grpo_with_the_grader(stack):
@@ -295,10 +331,16 @@ def test_reinforcement_job_runs_grpo_with_the_grader(stack):
     ]
     f = c.files.create(file=("rft.jsonl", jsonl(rows)), purpose="fine-tune")
     job = c.fine_tuning.jobs.create(
-        model="tiny-llama", training_file=f.id,
-        method={"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": {
-            "n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.25}}},
-    )  # fmt: skip
+        model="tiny-llama",
+        training_file=f.id,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": GRADER,
+                "hyperparameters": {"n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.25},
+            },
+        },
+    )
     done = wait_status(c, job.id, DONE)
     assert done.status == "succeeded", done.error
     assert done.method.type == "reinforcement" and done.method.reinforcement.grader.name == "has_answer"
@@ -316,8 +358,9 @@ def test_a_trainer_restart_continues_the_job(stack, files):
     import time
 
     c = stack.client()
-    job = c.fine_tuning.jobs.create(model="tiny-llama", training_file=files[0].id,
-                                    hyperparameters={"n_epochs": 2, "batch_size": 1})  # 16 steps  # fmt: skip
+    job = c.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=files[0].id, hyperparameters={"n_epochs": 2, "batch_size": 1}
+    )  # 16 steps
     while len(_steps(c, job.id)) < 2:
         time.sleep(0.05)
     stack.restart_trainer()  # the job stops INTERRUPTED at a step boundary, with a checkpoint there

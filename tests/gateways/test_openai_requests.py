@@ -67,10 +67,15 @@ def test_function_calling_rows_pass_to_the_trainer_and_images_are_refused_by_lin
     call["tools"] = TOOLS
     call["parallel_tool_calls"] = False
     call["messages"][2:2] = [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 1}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "2"},
-    ]  # fmt: skip
+    ]
     legacy = chat_rows(1)[0]
     legacy["functions"] = [TOOLS[0]["function"]]
     legacy["messages"][2:2] = [
@@ -90,9 +95,11 @@ def test_function_calling_rows_pass_to_the_trainer_and_images_are_refused_by_lin
     bad = {**call, "tools": [{"type": "function", "function": {"parameters": {}}}]}
     err = _upload_error(stack, [GOOD, json.dumps(bad)])
     assert "line 2" in err.message and "'tools[0].function.name'" in err.message
-    pref = {"input": {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
-            "preferred_output": [{"role": "assistant", "content": "a"}],
-            "non_preferred_output": [{"role": "assistant", "content": "b"}]}  # fmt: skip
+    pref = {
+        "input": {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
+        "preferred_output": [{"role": "assistant", "content": "a"}],
+        "non_preferred_output": [{"role": "assistant", "content": "b"}],
+    }
     err = _upload_error(stack, [json.dumps(pref)])
     assert "line 1" in err.message and "'input.tools'" in err.message and "chat SFT rows" in err.message
     image = chat_rows(1)[0]
@@ -134,8 +141,10 @@ def test_text_parts_and_preference_rows_are_mapped(stack):
         {"type": "text", "text": "plus 1?"},
     ]
     assert c.files.create(file=("p.jsonl", jsonl([parts])), purpose="fine-tune").status == "processed"
-    bad_pref = {"input": {"messages": [{"role": "user", "content": "hi"}]},
-                "preferred_output": [{"role": "assistant", "content": "hello"}]}  # fmt: skip
+    bad_pref = {
+        "input": {"messages": [{"role": "user", "content": "hi"}]},
+        "preferred_output": [{"role": "assistant", "content": "hello"}],
+    }
     err = _upload_error(stack, [json.dumps(bad_pref)])
     assert "line 1" in err.message and "non_preferred_output" in err.message
 
@@ -158,29 +167,64 @@ def test_bad_job_requests_name_their_param(stack, train_file):
         "training_file": dict(model="tiny-llama", training_file="file-nope"),
         "method.type": dict(model="tiny-llama", training_file=train_file.id, method={"type": "rlhf"}),
         "method.reinforcement.grader": dict(
-            model="tiny-llama", training_file=train_file.id, method={"type": "reinforcement"}),
+            model="tiny-llama", training_file=train_file.id, method={"type": "reinforcement"}
+        ),
         "method.reinforcement.grader.operation": dict(
-            model="tiny-llama", training_file=train_file.id, method={"type": "reinforcement", "reinforcement": {
-                "grader": {"type": "string_check", "name": "g", "input": "a", "reference": "b", "operation": "zz"}}}),
+            model="tiny-llama",
+            training_file=train_file.id,
+            method={
+                "type": "reinforcement",
+                "reinforcement": {
+                    "grader": {
+                        "type": "string_check",
+                        "name": "g",
+                        "input": "a",
+                        "reference": "b",
+                        "operation": "zz",
+                    }
+                },
+            },
+        ),
         "method.reinforcement.hyperparameters.reasoning_effort": dict(
-            model="tiny-llama", training_file=train_file.id, method={"type": "reinforcement", "reinforcement": {
-                "grader": {"type": "string_check", "name": "g", "input": "a", "reference": "b", "operation": "eq"},
-                "hyperparameters": {"reasoning_effort": "high"}}}),
+            model="tiny-llama",
+            training_file=train_file.id,
+            method={
+                "type": "reinforcement",
+                "reinforcement": {
+                    "grader": {
+                        "type": "string_check",
+                        "name": "g",
+                        "input": "a",
+                        "reference": "b",
+                        "operation": "eq",
+                    },
+                    "hyperparameters": {"reasoning_effort": "high"},
+                },
+            },
+        ),
         "method.supervised.hyperparameters.n_epochs": dict(
-            model="tiny-llama", training_file=train_file.id,
-            method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}}),
+            model="tiny-llama",
+            training_file=train_file.id,
+            method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}},
+        ),
         "method.dpo.hyperparameters.beta": dict(
-            model="tiny-llama", training_file=train_file.id,
-            method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 3.0}}}),
+            model="tiny-llama",
+            training_file=train_file.id,
+            method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 3.0}}},
+        ),
         "hyperparameters.learning_rate_multiplier": dict(
-            model="tiny-llama", training_file=train_file.id, hyperparameters={"learning_rate_multiplier": -1}),
-        "integrations": dict(model="tiny-llama", training_file=train_file.id,
-                             integrations=[{"type": "wandb", "wandb": {"project": "p"}}]),
+            model="tiny-llama", training_file=train_file.id, hyperparameters={"learning_rate_multiplier": -1}
+        ),
+        "integrations": dict(
+            model="tiny-llama",
+            training_file=train_file.id,
+            integrations=[{"type": "wandb", "wandb": {"project": "p"}}],
+        ),
         "suffix": dict(model="tiny-llama", training_file=train_file.id, suffix="has:colon"),
         "seed": dict(model="tiny-llama", training_file=train_file.id, seed=-3),
         "metadata": dict(model="tiny-llama", training_file=train_file.id, metadata={"k": "v" * 513}),
         "frobnicate": dict(model="tiny-llama", training_file=train_file.id, extra_body={"frobnicate": 1}),
-    }  # fmt: skip
+    }
     for param, kwargs in cases.items():
         with pytest.raises(openai.BadRequestError) as e:
             create(**kwargs)
@@ -191,9 +235,14 @@ def test_bad_job_requests_name_their_param(stack, train_file):
 
 def test_unknown_ids_are_not_found(stack):
     c = stack.client()
-    for call in (lambda: c.fine_tuning.jobs.retrieve("ftjob-nope"), lambda: c.fine_tuning.jobs.pause("ftjob-nope"),
-                 lambda: c.fine_tuning.jobs.checkpoints.list("ftjob-nope"), lambda: c.files.delete("file-nope"),
-                 lambda: c.models.retrieve("ft:tiny-llama:a::nope"), lambda: c.models.delete("nope")):  # fmt: skip
+    for call in (
+        lambda: c.fine_tuning.jobs.retrieve("ftjob-nope"),
+        lambda: c.fine_tuning.jobs.pause("ftjob-nope"),
+        lambda: c.fine_tuning.jobs.checkpoints.list("ftjob-nope"),
+        lambda: c.files.delete("file-nope"),
+        lambda: c.models.retrieve("ft:tiny-llama:a::nope"),
+        lambda: c.models.delete("nope"),
+    ):
         with pytest.raises(openai.NotFoundError) as e:
             call()
         assert e.value.type == "not_found_error"
@@ -214,25 +263,43 @@ def test_malformed_requests_are_4xx_with_an_error_object(stack, train_file):
     auth = {"Authorization": f"Bearer {KEY_A}"}
     jobs = f"{stack.url}/fine_tuning/jobs"
     bodies = [
-        b"{", b"[]", b'"x"', b"null", b"1e999999", b'{"model": 1}', b'{"model": "tiny-llama"}',
-        b'{"model": "tiny-llama", "training_file": ["x"]}', b'{"model": "tiny-llama", "training_file": "f", "method": "sft"}',
+        b"{",
+        b"[]",
+        b'"x"',
+        b"null",
+        b"1e999999",
+        b'{"model": 1}',
+        b'{"model": "tiny-llama"}',
+        b'{"model": "tiny-llama", "training_file": ["x"]}',
+        b'{"model": "tiny-llama", "training_file": "f", "method": "sft"}',
         b'{"model": "tiny-llama", "training_file": "f", "method": {"type": "supervised", "supervised": []}}',
         b'{"model": "tiny-llama", "training_file": "f", "hyperparameters": {"n_epochs": "many"}}',
         b'{"model": "tiny-llama", "training_file": "f", "hyperparameters": {"batch_size": true}}',
         b'{"model": "tiny-llama", "training_file": "f", "hyperparameters": {"learning_rate_multiplier": NaN}}',
-        b'{"model": "tiny-llama", "training_file": "f", "hyperparameters": []}', b'{"model": "tiny-llama", "metadata": []}',
-        b'{"model": "tiny-llama", "training_file": "f", "seed": 1.5}', b"\xff\xfe",
-        b'{"model": "tiny-llama", "training_file": "%s", "method": {"type": "dpo", "supervised": {}}}' % train_file.id.encode(),
-    ]  # fmt: skip
+        b'{"model": "tiny-llama", "training_file": "f", "hyperparameters": []}',
+        b'{"model": "tiny-llama", "metadata": []}',
+        b'{"model": "tiny-llama", "training_file": "f", "seed": 1.5}',
+        b"\xff\xfe",
+        b'{"model": "tiny-llama", "training_file": "%s", "method": {"type": "dpo", "supervised": {}}}'
+        % train_file.id.encode(),
+    ]
     requests = [("POST", jobs, {"content": b}) for b in bodies]
     requests += [
-        ("GET", f"{jobs}?limit=abc", {}), ("GET", f"{jobs}?limit=0", {}), ("GET", f"{stack.url}/files?order=up", {}),
-        ("GET", f"{jobs}/ftjob-x/events?limit=1000", {}), ("POST", f"{stack.url}/files", {"content": b"plain"}),
+        ("GET", f"{jobs}?limit=abc", {}),
+        ("GET", f"{jobs}?limit=0", {}),
+        ("GET", f"{stack.url}/files?order=up", {}),
+        ("GET", f"{jobs}/ftjob-x/events?limit=1000", {}),
+        ("POST", f"{stack.url}/files", {"content": b"plain"}),
         ("POST", f"{stack.url}/files", {"files": {"purpose": (None, "fine-tune")}}),
         ("POST", f"{stack.url}/files", {"files": {"file": ("a.jsonl", b"{}")}}),
-        ("POST", f"{stack.url}/files", {"content": b"--x\r\nbroken", "headers": {"content-type": "multipart/form-data; boundary=x"}}),
-        ("DELETE", jobs, {}), ("GET", f"{stack.url}/nowhere", {}),
-    ]  # fmt: skip
+        (
+            "POST",
+            f"{stack.url}/files",
+            {"content": b"--x\r\nbroken", "headers": {"content-type": "multipart/form-data; boundary=x"}},
+        ),
+        ("DELETE", jobs, {}),
+        ("GET", f"{stack.url}/nowhere", {}),
+    ]
     for method, url, kw in requests:
         headers = {**auth, **kw.pop("headers", {})}
         r = httpx.request(method, url, headers=headers, **kw)
@@ -246,10 +313,22 @@ def test_a_script_written_for_openai_runs_unchanged(stack, tmp_path):
     data.write_bytes(jsonl(chat_rows(4)))
     env = {**os.environ, "OPENAI_BASE_URL": stack.url, "OPENAI_API_KEY": KEY_A}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "docs/examples/openai_fine_tune.py"), str(data), "--model", "tiny-llama",
-         "--epochs", "1", "--poll-seconds", "0.2"],
-        env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "docs/examples/openai_fine_tune.py"),
+            str(data),
+            "--model",
+            "tiny-llama",
+            "--epochs",
+            "1",
+            "--poll-seconds",
+            "0.2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fine-tuned model: ft:tiny-llama:a:example:" in out.stdout
     assert "[info] The job has successfully completed" in out.stdout

@@ -80,9 +80,11 @@ def test_sampling_client_tokens_and_logprobs_match_forward(sc_a):
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = SEQ[:6]
     r = sampler.sample(
-        types.ModelInput.from_ints(prompt), num_samples=2,
-        sampling_params=types.SamplingParams(max_tokens=5, seed=3), include_prompt_logprobs=True,
-    ).result()  # fmt: skip
+        types.ModelInput.from_ints(prompt),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=5, seed=3),
+        include_prompt_logprobs=True,
+    ).result()
     assert len(r.sequences) == 2
     assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
     for s in r.sequences:

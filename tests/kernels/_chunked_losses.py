@@ -35,9 +35,13 @@ def tiny_peft_llama(tokenizer: Any) -> Any:
 def preference_pairs() -> list[dict[str, str]]:
     """Eight (prompt, chosen, rejected) rows."""
     return [
-        {"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f" It is {2 * i}.", "rejected": f" Maybe {i + 3}, or not."}
+        {
+            "prompt": f"Question {i}: what is {i} plus {i}?",
+            "chosen": f" It is {2 * i}.",
+            "rejected": f" Maybe {i + 3}, or not.",
+        }
         for i in range(8)
-    ]  # fmt: skip
+    ]
 
 
 def train_recording_losses(

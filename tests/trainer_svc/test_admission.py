@@ -66,9 +66,14 @@ def test_the_estimate_bounds_what_a_real_forward_saves_and_is_not_loose():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
@@ -101,9 +106,13 @@ def test_a_job_that_cannot_fit_is_refused_with_its_figures_and_one_that_fits_is_
     from transformers import LlamaConfig
 
     eight_b = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256,
-    )  # fmt: skip
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
     cfg = TrainConfig(method=TrainMethod.SFT, batch_size=16, max_length=2048, optimizer="adamw_torch")
     kw = dict(longest_row=2048, n_trainable=42_000_000, kernels=True)
     standard = admission.estimate(eight_b, cfg, checkpointed=True, offloaded=True, **kw)

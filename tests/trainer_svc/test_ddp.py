@@ -93,9 +93,22 @@ def _launch(
     ``PET_*`` variables a Kubeflow TrainJob's torch runtime sets (the entry point hands itself to torchrun)."""
     spec_file = tmp / f"{job_id}.json"
     spec_file.write_text(json.dumps(spec or _spec(job_id, batch_size)))
-    worker = ["-m", "strop.trainer_svc.dist_worker", "--spec", str(spec_file), "--model-root", str(model_root),
-              "--artifact-root", str(tmp / "artifacts"), "--data-root", str(tmp / "data"),
-              "--work-dir", str(tmp / "work"), "--events", str(tmp / f"{job_id}.events")]  # fmt: skip
+    worker = [
+        "-m",
+        "strop.trainer_svc.dist_worker",
+        "--spec",
+        str(spec_file),
+        "--model-root",
+        str(model_root),
+        "--artifact-root",
+        str(tmp / "artifacts"),
+        "--data-root",
+        str(tmp / "data"),
+        "--work-dir",
+        str(tmp / "work"),
+        "--events",
+        str(tmp / f"{job_id}.events"),
+    ]
     launcher = (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     )
@@ -103,12 +116,20 @@ def _launch(
     env.pop("RANK", None)
     if operator_env:
         launcher = []
-        env.update(PET_NNODES="1", PET_NPROC_PER_NODE=str(nproc), PET_NODE_RANK="0",
-                   PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(_free_port()))  # fmt: skip
+        env.update(
+            PET_NNODES="1",
+            PET_NPROC_PER_NODE=str(nproc),
+            PET_NODE_RANK="0",
+            PET_MASTER_ADDR="127.0.0.1",
+            PET_MASTER_PORT=str(_free_port()),
+        )
     return subprocess.Popen(
-        [sys.executable, *launcher, *worker], cwd=ROOT, env=env,
-        stdout=open(tmp / f"{job_id}.log", "w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [sys.executable, *launcher, *worker],
+        cwd=ROOT,
+        env=env,
+        stdout=open(tmp / f"{job_id}.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _events(tmp: Path, job_id: str) -> list[dict]:
@@ -593,10 +614,16 @@ def test_fsdp2_shards_a_4bit_base_and_trains_what_one_process_trains(runs, model
         spec["model"].update(model_path="tiny-llama-4bit", quantization="UNSPECIFIED")
     specs["job-fsdp-4bit"]["config"].update(parallelism="FSDP", num_devices=2)
     procs = {
-        job: _launch(tmp, model_root, job, batch_size=spec["config"]["batch_size"], nproc=3 - spec["config"]["batch_size"],
-                     spec=spec)
+        job: _launch(
+            tmp,
+            model_root,
+            job,
+            batch_size=spec["config"]["batch_size"],
+            nproc=3 - spec["config"]["batch_size"],
+            spec=spec,
+        )
         for job, spec in specs.items()
-    }  # fmt: skip
+    }
     for job, proc in procs.items():
         assert proc.wait(timeout=300) == 0, (tmp / f"{job}.log").read_text()[-4000:]
     one, fsdp = _events(tmp, "job-one-4bit"), _events(tmp, "job-fsdp-4bit")

@@ -67,13 +67,24 @@ def test_sft_on_a_tiny_gemma_runs_on_the_kernels_and_lowers_the_loss(gemma_train
         reason = s.facts.kernels_reason
         # two layers of four Gemma norms (+ Gemma 3's q/k norms) and the final norm; everything patched
         norms = 2 * (4 + 2 * (arch == "gemma3_text")) + 1
-        for part in (f"rms_norm patched {norms}/{norms}", "lora_qkv patched 2/2", "lora_mlp patched 2/2",
-                     "fused_cross_entropy patched 1/1"):  # fmt: skip
+        for part in (
+            f"rms_norm patched {norms}/{norms}",
+            "lora_qkv patched 2/2",
+            "lora_mlp patched 2/2",
+            "fused_cross_entropy patched 1/1",
+        ):
             assert part in reason, reason
         assert "reference path" not in reason, reason
         ds = client.upload_dataset([ROW] * 8, name=f"{arch}.jsonl")
-        cfg = TrainConfig(method=TrainMethod.SFT, max_steps=3, learning_rate=5e-3, batch_size=1,
-                          lr_scheduler="constant", max_length=32, seed=0)  # fmt: skip
+        cfg = TrainConfig(
+            method=TrainMethod.SFT,
+            max_steps=3,
+            learning_rate=5e-3,
+            batch_size=1,
+            lr_scheduler="constant",
+            max_length=32,
+            seed=0,
+        )
         events = list(client.train(s.session_id, ds.dataset_id, cfg))
         assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
         losses = [e.step.loss for e in events if e.step is not None]
@@ -92,10 +103,18 @@ def test_the_admission_estimate_bounds_what_a_gemma_step_saves():
     from tests.trainer_svc.test_admission import assert_estimate_bounds_a_real_step
 
     config = Gemma3TextConfig(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=32, vocab_size=1000, max_position_embeddings=512, sliding_window=512,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True,
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        max_position_embeddings=512,
+        sliding_window=512,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(config).to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"

@@ -82,9 +82,14 @@ def datasets(trainer):
 def grpo_config(steps: int, loss: GrpoLoss = GrpoLoss.GRPO, **grpo) -> TrainConfig:
     g = dict(grader=json.dumps(GRADER), group_size=8, max_new_tokens=2, temperature=0.3, loss_type=loss)
     return TrainConfig(
-        method=TrainMethod.GRPO, learning_rate=2e-2, lr_scheduler="constant", max_steps=steps, batch_size=4,
-        seed=0, grpo=GrpoConfig(**{**g, **grpo}),
-    )  # fmt: skip
+        method=TrainMethod.GRPO,
+        learning_rate=2e-2,
+        lr_scheduler="constant",
+        max_steps=steps,
+        batch_size=4,
+        seed=0,
+        grpo=GrpoConfig(**{**g, **grpo}),
+    )
 
 
 def steps_of(events) -> list:

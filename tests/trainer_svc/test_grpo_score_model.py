@@ -96,8 +96,14 @@ def _teach_the_judge(c, session_id: str) -> None:
         req = leaf.request(Sample.of(w), {"question": f"word {i}"})
         rows.append({"messages": [*req.messages, {"role": "assistant", "content": "9" if "t" in w else "2"}]})
     data = c.upload_dataset(rows, name="judge.jsonl")
-    cfg = TrainConfig(method=TrainMethod.SFT, max_steps=JUDGE_STEPS, learning_rate=2e-2, batch_size=4, seed=0,
-                      lr_scheduler="constant")  # fmt: skip
+    cfg = TrainConfig(
+        method=TrainMethod.SFT,
+        max_steps=JUDGE_STEPS,
+        learning_rate=2e-2,
+        batch_size=4,
+        seed=0,
+        lr_scheduler="constant",
+    )
     events = list(c.train(session_id, data.dataset_id, cfg))
     assert events[-1].state.state is JobState.SUCCEEDED, events[-1]
 
@@ -120,9 +126,13 @@ def generate_replies(loaded, requests, max_new_tokens: int) -> list[str]:
                 )["input_ids"]
                 x = torch.tensor([ids])
                 gen = model.generate(
-                    x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
-                    eos_token_id=eos, pad_token_id=tok.pad_token_id,
-                )  # fmt: skip
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos,
+                    pad_token_id=tok.pad_token_id,
+                )
                 out.append(tok.decode(gen[0, len(ids) :], skip_special_tokens=True))
     finally:
         model.train(was_training)
@@ -217,9 +227,14 @@ def test_grader_models_resolve_by_session_id_name_or_base(trainer, sessions):
 
 def _config(grader: dict, steps: int) -> TrainConfig:
     return TrainConfig(
-        method=TrainMethod.GRPO, learning_rate=2e-2, lr_scheduler="constant", max_steps=steps, batch_size=2,
-        seed=0, grpo=GrpoConfig(grader=json.dumps(grader), group_size=4, max_new_tokens=2, temperature=0.3),
-    )  # fmt: skip
+        method=TrainMethod.GRPO,
+        learning_rate=2e-2,
+        lr_scheduler="constant",
+        max_steps=steps,
+        batch_size=2,
+        seed=0,
+        grpo=GrpoConfig(grader=json.dumps(grader), group_size=4, max_new_tokens=2, temperature=0.3),
+    )
 
 
 def _train(client, sessions, grader: dict, steps: int = 1, **extra):
@@ -283,10 +298,13 @@ def test_a_grpo_job_grades_with_a_score_model_on_another_session(trainer, client
     policy = core.sessions.open(policy_id).loaded
     tok, eos = policy.tokenizer, chat_sampling.eos_ids(policy)
     reqs = [
-        SampleRequest(chat_sampling.prompt_ids(tok, r["messages"]), 1,
-                      SamplingParams(max_tokens=2, temperature=0.3, top_p=1.0, seed=grpo.eval_seed(0, i)))
+        SampleRequest(
+            chat_sampling.prompt_ids(tok, r["messages"]),
+            1,
+            SamplingParams(max_tokens=2, temperature=0.3, top_p=1.0, seed=grpo.eval_seed(0, i)),
+        )
         for i, r in enumerate(HELD_OUT)
-    ]  # fmt: skip
+    ]
     texts = [
         chat_sampling.reply_text(tok, res.sequences[0], eos)
         for res in sample(policy.model, reqs, eos_token_ids=eos)

@@ -194,10 +194,19 @@ def test_the_admission_estimate_bounds_what_an_moe_step_saves():
     from tests.trainer_svc.test_admission import assert_estimate_bounds_a_real_step
 
     config = Qwen3MoeConfig(
-        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=2,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-        max_position_embeddings=512, output_router_logits=True,
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        max_position_embeddings=512,
+        output_router_logits=True,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"
@@ -223,10 +232,19 @@ def test_the_admission_estimate_counts_what_hf_saves_of_nf4_experts(expert_lora)
     from tests.trainer_svc.test_admission import assert_estimate_bounds_a_real_step
 
     config = Qwen3MoeConfig(
-        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=2,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-        max_position_embeddings=512, output_router_logits=True,
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        max_position_embeddings=512,
+        output_router_logits=True,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"
@@ -281,8 +299,15 @@ def test_an_sft_job_on_an_moe_runs_over_grpc_and_lowers_the_loss(moe_trainer, ar
             assert "lora_mlp patched 2/2" in s.facts.kernels_reason, s.facts.kernels_reason
             assert "reference path" not in s.facts.kernels_reason, s.facts.kernels_reason
         ds = client.upload_dataset(ROWS * 2, name=f"{arch}.jsonl")
-        cfg = TrainConfig(method=TrainMethod.SFT, max_steps=4, learning_rate=5e-3, batch_size=2,
-                          lr_scheduler="constant", max_length=32, seed=0)  # fmt: skip
+        cfg = TrainConfig(
+            method=TrainMethod.SFT,
+            max_steps=4,
+            learning_rate=5e-3,
+            batch_size=2,
+            lr_scheduler="constant",
+            max_length=32,
+            seed=0,
+        )
         events = list(client.train(s.session_id, ds.dataset_id, cfg))
         assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
         losses = [e.step.loss for e in events if e.step is not None]

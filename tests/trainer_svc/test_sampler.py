@@ -30,8 +30,13 @@ def tiny(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("sampler") / "tiny", arch="llama", dtype="float32", seed=0)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     torch.manual_seed(1)
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                     "up_proj", "down_proj"], init_lora_weights=False, lora_dropout=0.0)  # fmt: skip
+    cfg = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        init_lora_weights=False,
+        lora_dropout=0.0,
+    )
     model = get_peft_model(base, cfg)
     model.train()  # as a training run leaves it; the sampler must put it back
     tok = AutoTokenizer.from_pretrained(path)

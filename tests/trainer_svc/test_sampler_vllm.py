@@ -34,13 +34,22 @@ def stub():
                 reply = b"Success"
             else:
                 choices = [
-                    {"index": 1, "finish_reason": "length",
-                     "logprobs": {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.5, -1.5]}},
-                    {"index": 0, "finish_reason": "stop",
-                     "logprobs": {"tokens": ["token_id:9"], "token_logprobs": [-0.25]},
-                     "prompt_logprobs": [None, {"4": {"logprob": -2.0, "rank": 3}, "1": {"logprob": -0.1}},
-                                         {"5": {"logprob": -3.0}}]},
-                ]  # fmt: skip
+                    {
+                        "index": 1,
+                        "finish_reason": "length",
+                        "logprobs": {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.5, -1.5]},
+                    },
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "logprobs": {"tokens": ["token_id:9"], "token_logprobs": [-0.25]},
+                        "prompt_logprobs": [
+                            None,
+                            {"4": {"logprob": -2.0, "rank": 3}, "1": {"logprob": -0.1}},
+                            {"5": {"logprob": -3.0}},
+                        ],
+                    },
+                ]
                 reply = json.dumps({"object": "text_completion", "choices": choices}).encode()
             self.send_response(200)
             self.end_headers()

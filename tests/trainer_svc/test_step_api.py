@@ -312,19 +312,55 @@ def test_bad_input_names_the_field_and_changes_nothing(client, trainer, session_
     run = client.create_training_run(session_id, RunLora(rank=2, seed=0))
     before = _state(trainer, session_id, run.run_id)
     cases = [
-        ([Datum.of([1, 2, 640], target_tokens=[2, 3, 4], weights=[1, 1, 1])], "cross_entropy", None,
-         r"data\[0\].model_input\[2\] = 640 is outside the vocabulary"),
-        ([Datum.of([1, 2, 3], target_tokens=[2, 3], weights=[1, 1, 1])], "cross_entropy", None,
-         r"data\[0\].loss_fn_inputs\['target_tokens'\] has shape \[2\]"),
-        ([Datum.of([1, 2, 3], target_tokens=[2, 3, 4], logprobs=[0, 0, 0], advantages=[0, float("nan"), 0])],
-         "ppo", None, r"data\[0\].loss_fn_inputs\['advantages'\]\[1\] is nan"),
-        ([Datum.of([1, 2, 3], target_tokens=[2, 3, 4], logprobs=[0, 0, 0], advantages=[0, 0, 0], mask=[1, 1, 1])],
-         "ppo", None, "'mask' is not an input of ppo"),
-        ([Datum.of([1, 2, 3], target_tokens=[2, 3, 4], logprobs=[0, 0, 0], advantages=[0, 0, 0])], "ppo",
-         {"epsilon": 0.2}, "unknown key 'epsilon' for ppo"),
-        ([Datum.of([1] * 2049, target_tokens=[2] * 2049, weights=[1] * 2049)], "cross_entropy", None,
-         "max_seq_length is 2048"),
-    ]  # fmt: skip
+        (
+            [Datum.of([1, 2, 640], target_tokens=[2, 3, 4], weights=[1, 1, 1])],
+            "cross_entropy",
+            None,
+            r"data\[0\].model_input\[2\] = 640 is outside the vocabulary",
+        ),
+        (
+            [Datum.of([1, 2, 3], target_tokens=[2, 3], weights=[1, 1, 1])],
+            "cross_entropy",
+            None,
+            r"data\[0\].loss_fn_inputs\['target_tokens'\] has shape \[2\]",
+        ),
+        (
+            [
+                Datum.of(
+                    [1, 2, 3], target_tokens=[2, 3, 4], logprobs=[0, 0, 0], advantages=[0, float("nan"), 0]
+                )
+            ],
+            "ppo",
+            None,
+            r"data\[0\].loss_fn_inputs\['advantages'\]\[1\] is nan",
+        ),
+        (
+            [
+                Datum.of(
+                    [1, 2, 3],
+                    target_tokens=[2, 3, 4],
+                    logprobs=[0, 0, 0],
+                    advantages=[0, 0, 0],
+                    mask=[1, 1, 1],
+                )
+            ],
+            "ppo",
+            None,
+            "'mask' is not an input of ppo",
+        ),
+        (
+            [Datum.of([1, 2, 3], target_tokens=[2, 3, 4], logprobs=[0, 0, 0], advantages=[0, 0, 0])],
+            "ppo",
+            {"epsilon": 0.2},
+            "unknown key 'epsilon' for ppo",
+        ),
+        (
+            [Datum.of([1] * 2049, target_tokens=[2] * 2049, weights=[1] * 2049)],
+            "cross_entropy",
+            None,
+            "max_seq_length is 2048",
+        ),
+    ]
     for data, loss, cfg, message in cases:
         with pytest.raises(InvalidArgumentError, match=message):
             run.forward_backward_async(data, loss, cfg)
@@ -551,17 +587,26 @@ def tenants(model_root, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("step-tenants")
     tokens = work / "tokens.json"
-    tokens.write_text(json.dumps({"tokens": [
-        {"tenant": "team-a", "token": "ta"}, {"tenant": "team-b", "token": "tb"},
-        {"tenant": "ops", "token": "admin", "role": "admin"},
-    ]}))  # fmt: skip
+    tokens.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"tenant": "team-a", "token": "ta"},
+                    {"tenant": "team-b", "token": "tb"},
+                    {"tenant": "ops", "token": "admin", "role": "admin"},
+                ]
+            }
+        )
+    )
     service = start(
         TrainerConfig(
-            model_root=model_root, artifact_root=work / "artifacts", state_dir=work / "state",
+            model_root=model_root,
+            artifact_root=work / "artifacts",
+            state_dir=work / "state",
             step_hole_seconds=0.5,
         ),
         security=Security(tokens=TokenTable.load(tokens)),
-    )  # fmt: skip
+    )
     target = f"127.0.0.1:{service.port}"
     with (
         TrainerClient(target, token="ta") as a,

@@ -175,9 +175,14 @@ def test_tensors_whose_gradient_stays_zero_fail_the_job(model_root, tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("learning_rate", float("nan")), ("weight_decay", float("inf")), ("max_grad_norm", float("nan")),
-     ("dpo_beta", float("inf")), ("warmup_ratio", float("nan"))],
-)  # fmt: skip
+    [
+        ("learning_rate", float("nan")),
+        ("weight_decay", float("inf")),
+        ("max_grad_norm", float("nan")),
+        ("dpo_beta", float("inf")),
+        ("warmup_ratio", float("nan")),
+    ],
+)
 def test_non_finite_hyperparameters_are_refused_by_name(field, value):
     from strop.common.errors import InvalidArgument
 

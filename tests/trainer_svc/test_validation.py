@@ -125,9 +125,16 @@ def test_sft_valid_loss_is_the_token_mean_nll_of_a_plain_hf_peft_forward(model_r
     vocab = 640
     train, held = _token_rows(8, 0, vocab), _token_rows(7, 1, vocab)
     loaded, _, got = _train(
-        model_root, tmp_path, TrainMethod.SFT, DatasetFormat.TOKENS, train, held,
-        eval_every_steps=2, eval_rows=3, eval_batch_size=3,
-    )  # fmt: skip
+        model_root,
+        tmp_path,
+        TrainMethod.SFT,
+        DatasetFormat.TOKENS,
+        train,
+        held,
+        eval_every_steps=2,
+        eval_rows=3,
+        eval_batch_size=3,
+    )
     evals = got["evals"]
     # steps 2 and 4 on schedule; the last (step 4, the final step) also covers the whole set
     assert [(e.step, e.is_full) for e in evals] == [(2, False), (4, True)]
@@ -178,9 +185,17 @@ def test_dpo_valid_loss_is_the_dpo_loss_of_a_plain_hf_peft_forward_against_the_b
 ):
     train, held = _pref_rows(4, 0), _pref_rows(3, 1)
     loaded, cfg, got = _train(
-        model_root, tmp_path, TrainMethod.DPO, DatasetFormat.PREFERENCE, train, held,
-        max_steps=2, eval_batch_size=2, learning_rate=5e-2, kernels=kernels,
-    )  # fmt: skip
+        model_root,
+        tmp_path,
+        TrainMethod.DPO,
+        DatasetFormat.PREFERENCE,
+        train,
+        held,
+        max_steps=2,
+        eval_batch_size=2,
+        learning_rate=5e-2,
+        kernels=kernels,
+    )
     assert ("_strop_hidden_head" in loaded.model.get_base_model().__dict__) is kernels, (
         "strop's chunked DPO ran"
     )
@@ -200,14 +215,25 @@ def _trl_eval_loss(model_root, loaded, method, rows, cfg) -> float:
 
     model = _reference_model(model_root, loaded)
     cls, trl_cfg = training.trl_preference_config(
-        cfg, dict(output_dir=str(loaded.model_dir.parent / "ref-eval"), per_device_eval_batch_size=len(rows),
-                  report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False)
-    )  # fmt: skip
+        cfg,
+        dict(
+            output_dir=str(loaded.model_dir.parent / "ref-eval"),
+            per_device_eval_batch_size=len(rows),
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+        ),
+    )
     kwargs = {"ref_model": None} if method is TrainMethod.KTO else {}
     trainer = cls(
-        model=model, args=trl_cfg, train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows),
-        processing_class=loaded.tokenizer, **kwargs,
-    )  # fmt: skip
+        model=model,
+        args=trl_cfg,
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(rows),
+        processing_class=loaded.tokenizer,
+        **kwargs,
+    )
     peft_model = trainer.accelerator.unwrap_model(trainer.model)
     if (
         "ref" in peft_model.peft_config
@@ -280,9 +306,18 @@ def test_metrics_csv_has_openais_columns_and_a_row_a_step():
                 JobEvent(seq=2, step=StepMetrics(step=2, loss=2.0)),
                 JobEvent(seq=3, eval=EvalMetrics(step=2, valid_loss=2.25, valid_mean_token_accuracy=0.5)),
                 JobEvent(seq=4, step=StepMetrics(step=3, loss=1.75)),
-                JobEvent(seq=5, eval=EvalMetrics(step=3, valid_loss=2.0, full_valid_loss=2.125, is_full=True,
-                                                 valid_mean_token_accuracy=0.5, full_valid_mean_token_accuracy=0.25)),
-            ]  # fmt: skip
+                JobEvent(
+                    seq=5,
+                    eval=EvalMetrics(
+                        step=3,
+                        valid_loss=2.0,
+                        full_valid_loss=2.125,
+                        is_full=True,
+                        valid_mean_token_accuracy=0.5,
+                        full_valid_mean_token_accuracy=0.25,
+                    ),
+                ),
+            ]
             return [e for e in events if e.seq > seq]
 
     text = validation.metrics_csv(validation.metrics_rows(Store(), "job"))
@@ -316,9 +351,16 @@ def test_a_job_over_grpc_evaluates_keeps_its_best_checkpoint_writes_its_csv_and_
     held = client.upload_dataset(_token_rows(4, 1, vocab))
     # a learning rate this high overshoots: the validation loss is least before the last step
     cfg = TrainConfig(
-        method=TrainMethod.SFT, learning_rate=0.3, lr_scheduler="constant", max_steps=4, batch_size=2,
-        max_length=MAX_LEN, seed=0, eval_every_steps=1, keep_best_checkpoint=True,
-    )  # fmt: skip
+        method=TrainMethod.SFT,
+        learning_rate=0.3,
+        lr_scheduler="constant",
+        max_steps=4,
+        batch_size=2,
+        max_length=MAX_LEN,
+        seed=0,
+        eval_every_steps=1,
+        keep_best_checkpoint=True,
+    )
     events = list(client.train(s.session_id, train.dataset_id, cfg, validation_dataset_id=held.dataset_id))
     job = client.get_job(events[-1].job_id)
     assert job.state.value == "SUCCEEDED" and job.validation_dataset_id == held.dataset_id
@@ -332,8 +374,10 @@ def test_a_job_over_grpc_evaluates_keeps_its_best_checkpoint_writes_its_csv_and_
     assert [c.step for c in ckpts] == [1, 2, 3, 4]
     for c in ckpts:
         assert (c.train_loss, c.valid_loss, c.full_valid_loss) == (
-            steps[c.step].loss, evals[c.step].valid_loss, evals[c.step].full_valid_loss
-        )  # fmt: skip
+            steps[c.step].loss,
+            evals[c.step].valid_loss,
+            evals[c.step].full_valid_loss,
+        )
     best = min(ckpts, key=lambda c: c.valid_loss)
     assert job.best_checkpoint.step == best.step and job.best_checkpoint.valid_loss == best.valid_loss
     assert best.step < 4, f"the overshooting run's valid losses {[c.valid_loss for c in ckpts]}"
@@ -405,16 +449,30 @@ def test_on_the_gpu_with_the_kernels_sft_valid_loss_matches_hf_peft_within_bf16(
     vocab = 640
     train, held = _token_rows(8, 0, vocab), _token_rows(6, 1, vocab)
     cfg = job_config.with_defaults(
-        TrainConfig(method=TrainMethod.SFT, learning_rate=LR, max_steps=4, batch_size=2, max_length=MAX_LEN,
-                    eval_every_steps=2, eval_batch_size=3, seed=0),
+        TrainConfig(
+            method=TrainMethod.SFT,
+            learning_rate=LR,
+            max_steps=4,
+            batch_size=2,
+            max_length=MAX_LEN,
+            eval_every_steps=2,
+            eval_batch_size=3,
+            seed=0,
+        ),
         session_max_len=MAX_LEN,
-    )  # fmt: skip
+    )
     evals = []
     sinks = training.Sinks(lambda m: None, lambda s, p: None, lambda n: None, on_eval=evals.append)
     training.run_training(
-        loaded, train, DatasetFormat.TOKENS, cfg, tmp_path / "w", training.JobControl(), sinks,
+        loaded,
+        train,
+        DatasetFormat.TOKENS,
+        cfg,
+        tmp_path / "w",
+        training.JobControl(),
+        sinks,
         validation=ValidationSet("ds", held),
-    )  # fmt: skip
+    )
     assert [e.step for e in evals] == [2, 4]
     ref = _reference_model(model_root, loaded).to("cuda")  # fp32 HF + PEFT, the trained adapter
     nll, tokens = 0.0, 0
@@ -461,8 +519,24 @@ def test_the_cli_trains_with_a_validation_file_and_prints_each_evaluation(client
     data.write_text("".join(json.dumps(r) + "\n" for r in _token_rows(4, 0, 640)))
     held.write_text("".join(json.dumps(r) + "\n" for r in _token_rows(2, 1, 640)))
     bad.write_text('{"input_ids": [5, 6]}\nnot json\n')
-    args = ["train", "--model", "tiny-llama", "--quantization", "none", "--dataset", str(data), "--max-steps", "2",
-            "--batch-size", "2", "--max-length", str(MAX_LEN), "--r", "4", *target]  # fmt: skip
+    args = [
+        "train",
+        "--model",
+        "tiny-llama",
+        "--quantization",
+        "none",
+        "--dataset",
+        str(data),
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--max-length",
+        str(MAX_LEN),
+        "--r",
+        "4",
+        *target,
+    ]
     before = len(client.list_sessions(include_closed=True))
     assert main([*args, "--validation-file", str(bad), "--eval-every", "1"]) == 1
     assert "line 2" in capsys.readouterr().err

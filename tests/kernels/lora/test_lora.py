@@ -180,7 +180,9 @@ def _mlp_bwd_derived(dout, x, gate, up, down):
 
 def test_derived_mlp_backward_matches_autograd():
     shapes = ((200, 67), (200, 67), (67, 200))
-    gate, up, down = (_copy(_proj(o, i, 8, dtype=torch.float32, seed=k), torch.float64) for k, (o, i) in enumerate(shapes))  # fmt: skip
+    gate, up, down = (
+        _copy(_proj(o, i, 8, dtype=torch.float32, seed=k), torch.float64) for k, (o, i) in enumerate(shapes)
+    )
     x = torch.randn(7, 67, device=DEVICE, dtype=torch.float64, requires_grad=True)
     out = lora_mlp_reference(x, gate, up, down)
     dout = torch.randn_like(out)
@@ -194,9 +196,12 @@ def test_derived_mlp_backward_matches_autograd():
 
 
 @_cases(
-    shape=[(67, 96), (96, 200), (200, 67)], r=[1, 8], x_shape=list(X_SHAPES), nf4=[False, True],
+    shape=[(67, 96), (96, 200), (200, 67)],
+    r=[1, 8],
+    x_shape=list(X_SHAPES),
+    nf4=[False, True],
     dtype=[torch.float32, torch.bfloat16],
-)  # fmt: skip
+)
 def test_lora_linear_forward_and_grads_match_reference(shape, r, x_shape, nf4, dtype):
     in_f, out_f = shape
     p = _proj(out_f, in_f, r, dtype=dtype, nf4=nf4, bias=(r == 8))
@@ -297,15 +302,22 @@ def test_lora_mlp_forward_and_grads_match_reference(hidden, inter, r, activation
     out = lora_mlp(x, gate, up, down, activation)
     assert out.shape == x.shape and out.dtype == dtype
     _compare(
-        out, x, [gate, up, down], torch.randn_like(out),
+        out,
+        x,
+        [gate, up, down],
+        torch.randn_like(out),
         lambda x_, g_, u_, d_: lora_mlp_reference(x_, g_, u_, d_, activation),
         lambda x_, g_, u_, d_: _bf16_torch_mlp(x_, g_, u_, d_, activation),
-    )  # fmt: skip
+    )
 
 
 def test_lora_mlp_with_adapters_on_some_projections_only():
     # target_modules=["gate_proj", "down_proj"]: up is the base alone.
-    gate, up, down = _proj(200, 67, 8, dtype=torch.float32, seed=1), _proj(200, 67, 0, dtype=torch.float32, seed=2), _proj(67, 200, 1, dtype=torch.float32, seed=3)  # fmt: skip
+    gate, up, down = (
+        _proj(200, 67, 8, dtype=torch.float32, seed=1),
+        _proj(200, 67, 0, dtype=torch.float32, seed=2),
+        _proj(67, 200, 1, dtype=torch.float32, seed=3),
+    )
     x = torch.randn(3, 5, 67, device=DEVICE, requires_grad=True)
     out = lora_mlp(x, gate, up, down)
     _compare(out, x, [gate, up, down], torch.randn_like(out), lora_mlp_reference)

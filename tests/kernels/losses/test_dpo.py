@@ -65,9 +65,12 @@ def _inputs(dtype=torch.float32, device="cpu", seed=0):
 def _assert_fp32_close(actual, expected, what):
     scale = expected.abs().max().item() if expected.numel() else 0.0
     torch.testing.assert_close(
-        actual, expected, rtol=1e-5, atol=1e-5 * max(scale, 1e-30),
+        actual,
+        expected,
+        rtol=1e-5,
+        atol=1e-5 * max(scale, 1e-30),
         msg=lambda m: f"{what} differs beyond fp32 rounding: {m}",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(params=["triton", "torch"])
@@ -161,9 +164,16 @@ def test_formulas_match_hand_computed_values():
     expected = {
         "sigmoid": sum(-logsig(beta * d) for d in deltas) / 2,
         "hinge": sum(max(0.0, 1 - beta * d) for d in deltas) / 2,  # (0 + 2) / 2
-        "ipo": sum((c / n_c - r / n_r - 1 / (2 * beta)) ** 2 for c, r, n_c, n_r in zip(cr, rj, [4, 5], [3, 6], strict=True)) / 2,
-        "robust": sum((-(1 - eps) * logsig(beta * d) + eps * logsig(-beta * d)) / (1 - 2 * eps) for d in deltas) / 2,
-    }  # fmt: skip
+        "ipo": sum(
+            (c / n_c - r / n_r - 1 / (2 * beta)) ** 2
+            for c, r, n_c, n_r in zip(cr, rj, [4, 5], [3, 6], strict=True)
+        )
+        / 2,
+        "robust": sum(
+            (-(1 - eps) * logsig(beta * d) + eps * logsig(-beta * d)) / (1 - 2 * eps) for d in deltas
+        )
+        / 2,
+    }
     for loss_type, value in expected.items():
         out = dpo_loss_from_logps(
             pc,
@@ -246,10 +256,22 @@ def _train(trainer_cls, tokenizer, tmp_path, steps=3, **config):
     from datasets import Dataset
 
     args = trl.DPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=steps, learning_rate=0.5, optim="sgd",
-        logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=True, bf16=False,
-        max_length=64, dataloader_num_workers=0, disable_tqdm=True, **config,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=steps,
+        learning_rate=0.5,
+        optim="sgd",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        max_length=64,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **config,
+    )
     return train_recording_losses(trainer_cls, args, tokenizer, Dataset.from_list(preference_pairs()))
 
 

@@ -45,9 +45,16 @@ def _case(seed: int = 0):
 
 def _cfg(loss_type, seq_ratio, kl, tis):
     return {
-        "loss_type": loss_type, "clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_coef": kl, "tis_cap": tis,
-        "sequence_ratio": seq_ratio, "num_seqs": len(LENGTHS), "num_tokens": sum(LENGTHS), "max_new_tokens": 8,
-    }  # fmt: skip
+        "loss_type": loss_type,
+        "clip_eps_low": 0.2,
+        "clip_eps_high": 0.28,
+        "kl_coef": kl,
+        "tis_cap": tis,
+        "sequence_ratio": seq_ratio,
+        "num_seqs": len(LENGTHS),
+        "num_tokens": sum(LENGTHS),
+        "max_new_tokens": 8,
+    }
 
 
 @pytest.mark.parametrize(

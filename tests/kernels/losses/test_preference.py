@@ -77,9 +77,12 @@ def _inputs(seed=0):
 def _close(actual, expected, what, scale=None):
     scale = expected.abs().max().item() if scale is None else scale
     torch.testing.assert_close(
-        actual.float(), expected.float(), rtol=1e-5, atol=1e-5 * max(scale, 1e-30),
+        actual.float(),
+        expected.float(),
+        rtol=1e-5,
+        atol=1e-5 * max(scale, 1e-30),
         msg=lambda m: f"{what} differs beyond fp32 rounding: {m}",
-    )  # fmt: skip
+    )
 
 
 def _grad(loss, h):
@@ -132,12 +135,18 @@ def _trl_orpo(hidden, weight, bias, ids, attention, labels, beta):
     trl_self = SimpleNamespace(beta=beta, accelerator=_ACC)
     losses, cr, rr, ratio, log_odds = ORPOTrainer.odds_ratio_loss(trl_self, logps[:B], logps[B:])
     metrics = {
-        "rewards/chosen": cr.mean(), "rewards/rejected": rr.mean(), "rewards/margins": (cr - rr).mean(),
-        "rewards/accuracies": (cr > rr).float().mean(), "logps/chosen": logps[:B].mean(),
-        "logps/rejected": logps[B:].mean(), "logits/chosen": logits[:B, :-1].mean(),
-        "logits/rejected": logits[B:, :-1].mean(), "nll_loss": nll, "log_odds_ratio": ratio,
+        "rewards/chosen": cr.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/margins": (cr - rr).mean(),
+        "rewards/accuracies": (cr > rr).float().mean(),
+        "logps/chosen": logps[:B].mean(),
+        "logps/rejected": logps[B:].mean(),
+        "logits/chosen": logits[:B, :-1].mean(),
+        "logits/rejected": logits[B:, :-1].mean(),
+        "nll_loss": nll,
+        "log_odds_ratio": ratio,
         "log_odds_chosen": log_odds,
-    }  # fmt: skip
+    }
     return nll - losses.mean(), metrics, logits.abs().mean().item()
 
 
@@ -169,11 +178,16 @@ def _trl_cpo(hidden, weight, bias, labels, softcap=None, **cfg):
     if cfg["cpo_alpha"] == 0:
         nll = torch.tensor(0.0)
     metrics = {
-        "rewards/chosen": cr.mean(), "rewards/rejected": rr.mean(), "rewards/margins": (cr - rr).mean(),
-        "rewards/accuracies": (cr > rr).float().mean(), "logps/chosen": logps[:B].mean(),
-        "logps/rejected": logps[B:].mean(), "logits/chosen": logits[:B].mean(),
-        "logits/rejected": logits[B:].mean(), "nll_loss": nll,
-    }  # fmt: skip
+        "rewards/chosen": cr.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/margins": (cr - rr).mean(),
+        "rewards/accuracies": (cr > rr).float().mean(),
+        "logps/chosen": logps[:B].mean(),
+        "logps/rejected": logps[B:].mean(),
+        "logits/chosen": logits[:B].mean(),
+        "logits/rejected": logits[B:].mean(),
+        "nll_loss": nll,
+    }
     if softcap is not None:  # not computed under a soft-cap (its mean is not linear in h)
         del metrics["logits/chosen"], metrics["logits/rejected"]
     return losses.mean() + cfg["cpo_alpha"] * nll, metrics, logits.abs().mean().item()
@@ -229,11 +243,14 @@ def _trl_kto(hidden, weight, bias, labels, desirable, ref_logps, kl, beta, wd, w
     mask = labels[:, 1:] != -100
     ml = logits[:, :-1].mean(-1)
     metrics = {
-        "kl": kl, "rewards/chosen": (beta * cr).sum() / len(ci), "rewards/rejected": (beta * rr).sum() / len(ri),
-        "logps/chosen": logps[ci].sum() / len(ci), "logps/rejected": logps[ri].sum() / len(ri),
+        "kl": kl,
+        "rewards/chosen": (beta * cr).sum() / len(ci),
+        "rewards/rejected": (beta * rr).sum() / len(ri),
+        "logps/chosen": logps[ci].sum() / len(ci),
+        "logps/rejected": logps[ri].sum() / len(ri),
         "logits/chosen": ml[ci][mask[ci]].sum() / mask[ci].sum(),
         "logits/rejected": ml[ri][mask[ri]].sum() / mask[ri].sum(),
-    }  # fmt: skip
+    }
     metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
     return loss, metrics, logits.abs().mean().item(), logps
 
@@ -255,9 +272,18 @@ def test_kto_loss_metrics_and_dhidden_equal_trl_on_full_logits(backend, loss_typ
         h1, weight, labels, desirable, ref_logps=ref_logps, kl=kl, bias=bias, chunk_size=7, **cfg
     )
     loss, metrics, logit_scale, logps = _trl_kto(
-        h2, weight, bias, labels, desirable, ref_logps, kl if kl is not None else torch.tensor(0.0),
-        0.2, 1.5, 0.75, loss_type,
-    )  # fmt: skip
+        h2,
+        weight,
+        bias,
+        labels,
+        desirable,
+        ref_logps,
+        kl if kl is not None else torch.tensor(0.0),
+        0.2,
+        1.5,
+        0.75,
+        loss_type,
+    )
     _close(got.loss, loss, "KTO loss")
     logps_scale = logps.abs().max().item()
     for key, value in got.metrics().items():
@@ -286,12 +312,26 @@ def test_formulas_match_hand_computed_values():
     assert math.isclose(out.log_odds.item(), math.log(3), rel_tol=1e-6)
     assert math.isclose(out.loss.item(), 2.0 + 0.5 * math.log1p(1 / 3), rel_tol=1e-6)  # nll − λ logσ(ln 3)
     # SimPO: −logσ(β(avg_c − avg_r) − γ) = −logσ(2·(−1 + 2) − 0.5) = log(1 + e^−1.5)
-    out = cpo_loss_from_logps(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor(0.0), beta=2.0,
-                              loss_type="simpo", simpo_gamma=0.5, cpo_alpha=0.0)  # fmt: skip
+    out = cpo_loss_from_logps(
+        torch.tensor([-1.0]),
+        torch.tensor([-2.0]),
+        torch.tensor(0.0),
+        beta=2.0,
+        loss_type="simpo",
+        simpo_gamma=0.5,
+        cpo_alpha=0.0,
+    )
     assert math.isclose(out.loss.item(), math.log1p(math.exp(-1.5)), rel_tol=1e-6)
     # KTO: r = [1, −1], z0 = 0.5, β = 1: desirable 1.5·(1 − σ(0.5)), undesirable 0.75·(1 − σ(1.5)), mean of two
-    out = kto_loss_from_logps(torch.tensor([0.0, -3.0]), torch.tensor([-1.0, -2.0]), torch.tensor([True, False]),
-                              torch.tensor(0.5), beta=1.0, desirable_weight=1.5, undesirable_weight=0.75)  # fmt: skip
+    out = kto_loss_from_logps(
+        torch.tensor([0.0, -3.0]),
+        torch.tensor([-1.0, -2.0]),
+        torch.tensor([True, False]),
+        torch.tensor(0.5),
+        beta=1.0,
+        desirable_weight=1.5,
+        undesirable_weight=0.75,
+    )
     sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
     assert math.isclose(out.loss.item(), (1.5 * (1 - sig(0.5)) + 0.75 * (1 - sig(1.5))) / 2, rel_tol=1e-6)
     m = out.metrics()
@@ -349,11 +389,23 @@ METHODS = {
 def _train(method, trainer_cls, tokenizer, tmp_path, steps=3, **overrides):
     config_cls, _, _, fields = METHODS[method]
     args = config_cls(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps, learning_rate=0.5, optim="sgd",
-        logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=True, bf16=False,
-        gradient_checkpointing=False, max_length=64, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=0.5,
+        optim="sgd",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_length=64,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
         **{**fields, **overrides},
-    )  # fmt: skip
+    )
     return train_recording_losses(trainer_cls, args, tokenizer, _dataset(method))
 
 
@@ -388,8 +440,10 @@ def test_trl_trainer_and_strop_glue_train_identically(tokenizer, tmp_path, metho
         for key in sorted(keys):
             tol = derived if key.startswith("rewards/") or key == "kl" else 1e-5 * abs(trl_log[key])
             assert math.isclose(ours_log[key], trl_log[key], abs_tol=max(tol, 1e-6)), (
-                key, ours_log[key], trl_log[key],
-            )  # fmt: skip
+                key,
+                ours_log[key],
+                trl_log[key],
+            )
     trl_params = dict(trl_trainer.model.named_parameters())
     moved = 0
     for name, p in ours.model.named_parameters():

@@ -44,9 +44,12 @@ def expert_lora(model, r: int = 4, alpha: int = 8):
     """``model`` under PEFT with seeded, non-zero LoRA on q/k/v/o and on the fused expert parameters."""
     torch.manual_seed(1)
     lora = peft.LoraConfig(
-        r=r, lora_alpha=alpha, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        r=r,
+        lora_alpha=alpha,
+        init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         target_parameters=["experts.gate_up_proj", "experts.down_proj"],
-    )  # fmt: skip
+    )
     return peft.get_peft_model(model, lora)
 
 

@@ -49,11 +49,21 @@ TWO_LAYERS = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full
 
 def gemma_config(model_type: str, **overrides):
     common = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS[model_type], num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, sliding_window=WINDOW, query_pre_attn_scalar=24,
-        hidden_activation="gelu_pytorch_tanh", initializer_range=0.1,
-    )  # fmt: skip
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS[model_type],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh",
+        initializer_range=0.1,
+    )
     if model_type == "gemma2":
         common.update(attn_logit_softcapping=1.0, final_logit_softcapping=3.0)
     else:
@@ -154,8 +164,14 @@ def test_gemma_norms_run_in_gemma_mode_and_the_head_is_the_tied_embedding():
     report = patch_model(model)
     hf = model.get_base_model()
     layer = hf.model.layers[0]
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                 layer.post_feedforward_layernorm, layer.self_attn.q_norm, hf.model.norm):  # fmt: skip
+    for norm in (
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm,
+        layer.self_attn.q_norm,
+        hf.model.norm,
+    ):
         assert "forward" in norm.__dict__, f"{type(norm).__name__} not patched: {report}"
     assert hf.lm_head.weight is hf.model.embed_tokens.weight, "Gemma ties the LM head to the embedding"
     x = torch.randn(3, 64, device=DEVICE)
@@ -284,9 +300,11 @@ def test_dpo_trainer_glue_keeps_the_chunked_loss_for_gemma2_and_passes_its_softc
     for p in model.parameters():
         p.requires_grad_(False)  # frozen head (LoRA never trains it)
     fake = types.SimpleNamespace(
-        loss_types=["sigmoid"], f_divergence_type="reverse_kl", model=model,
+        loss_types=["sigmoid"],
+        f_divergence_type="reverse_kl",
+        model=model,
         accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
-    )  # fmt: skip
+    )
     fake._strop_hf_model = types.MethodType(StropDPOMixin._strop_hf_model, fake)
     assert StropDPOMixin._strop_unsupported_reason(fake) is None, "a soft-capped head no longer falls back"
     assert StropDPOMixin._strop_softcap(fake, model) == 3.0
@@ -317,12 +335,23 @@ def test_patched_gemma3_1b_shape_matches_the_reference_in_bf16_and_reports_token
     import time
 
     cfg = gemma_config(
-        "gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512, query_pre_attn_scalar=256,
-        max_position_embeddings=4096, initializer_range=0.02,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-    )  # fmt: skip
+        "gemma3_text",
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        vocab_size=262144,
+        sliding_window=512,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         cfg, attn_implementation="sdpa", dtype=torch.bfloat16

@@ -32,9 +32,14 @@ def test_memory_modes_keep_the_moe_aux_loss_gradient(mode):
     ref_loss, ref_aux, ref_grads = loss_and_grads(model, ids)
     twin = copy.deepcopy(model)
     installed = apply_memory_mode(
-        twin, MemoryMode(mode), step=StepShape(2, 8, True), device="cpu", budget_bytes=1,
-        offload_cpu_tensors=True, min_offload_bytes=0,
-    )  # fmt: skip
+        twin,
+        MemoryMode(mode),
+        step=StepShape(2, 8, True),
+        device="cpu",
+        budget_bytes=1,
+        offload_cpu_tensors=True,
+        min_offload_bytes=0,
+    )
     try:
         loss, aux, grads = loss_and_grads(twin, ids)
         stats = installed.memory.offloader.stats.torch_checkpoint

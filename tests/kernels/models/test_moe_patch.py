@@ -52,8 +52,14 @@ def test_an_moe_on_the_kernels_trains_like_hf_peft(model_type, qlora, tmp_path, 
     report = patch_model(twin)
     layers, qk = 2, 2 * (model_type == "qwen3_moe")
     done = {c: len(v) for c, v in report.patched.items()}
-    assert done == {"rms_norm": (2 + qk) * layers + 1, "rope": layers, "lora_qkv": layers, "lora_o": layers,
-                    "lora_mlp": layers, "fused_cross_entropy": 1}, report  # fmt: skip
+    assert done == {
+        "rms_norm": (2 + qk) * layers + 1,
+        "rope": layers,
+        "lora_qkv": layers,
+        "lora_o": layers,
+        "lora_mlp": layers,
+        "fused_cross_entropy": 1,
+    }, report
     assert not any(report.skipped.values()), report
     bound = parity_bound(model.get_base_model().config)
     gen = torch.Generator().manual_seed(2)

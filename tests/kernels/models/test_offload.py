@@ -40,19 +40,27 @@ B, T, H, LAYERS, VOCAB = 2, 37, 64, 3, 300
 
 def _tiny_llama(layers: int = LAYERS, seed: int = 0, **overrides) -> torch.nn.Module:
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=H, intermediate_size=160, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False, **overrides,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        **overrides,
+    )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).float().train()
 
 
 def _lora(model: torch.nn.Module, dropout: float = 0.0) -> torch.nn.Module:
     cfg = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=dropout,
+        r=4,
+        lora_alpha=8,
+        lora_dropout=dropout,
         target_modules=list(DEFAULT_TARGET_MODULES),
-    )  # fmt: skip
+    )
     model = peft.get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(1)
     for name, p in model.named_parameters():
@@ -143,13 +151,22 @@ def test_reload_of_previous_layer_is_issued_before_current_layer_recomputes():
         layer.self_attn.register_forward_pre_hook(lambda *_, i=i: trace.append(("compute", i)))
     _step(model, _ids())
     expected = [
-        ("save:offload", 0), ("compute", 0), ("save:offload", 1), ("compute", 1),
-        ("save:keep", 2), ("compute", 2),
+        ("save:offload", 0),
+        ("compute", 0),
+        ("save:offload", 1),
+        ("compute", 1),
+        ("save:keep", 2),
+        ("compute", 2),
         # backward: the last layer's input never left; layer 1's reload starts before layer 2 recomputes
-        ("fetch:kept", 2), ("prefetch", 1), ("compute", 2),
-        ("fetch:hit", 1), ("prefetch", 0), ("compute", 1),
-        ("fetch:hit", 0), ("compute", 0),
-    ]  # fmt: skip
+        ("fetch:kept", 2),
+        ("prefetch", 1),
+        ("compute", 2),
+        ("fetch:hit", 1),
+        ("prefetch", 0),
+        ("compute", 1),
+        ("fetch:hit", 0),
+        ("compute", 0),
+    ]
     assert trace == expected
     s = offloader.stats
     layer_input_bytes = B * T * H * 4
@@ -220,14 +237,22 @@ def test_saved_layer_is_not_recomputed_and_its_reload_is_issued_before_the_layer
         layer.self_attn.register_forward_pre_hook(lambda *_, i=i: trace.append(("compute", i)))
     _step(model, _ids())
     expected = [
-        ("save:offload", 0), ("compute", 0), ("compute", 1), ("save:activations", 1),
-        ("save:keep", 2), ("compute", 2),
+        ("save:offload", 0),
+        ("compute", 0),
+        ("compute", 1),
+        ("save:activations", 1),
+        ("save:keep", 2),
+        ("compute", 2),
         # backward: layer 1's activations start coming back before layer 2 recomputes; layer 1 itself is
         # never recomputed, and reaching it starts layer 0's input reload
-        ("fetch:kept", 2), ("prefetch", 1), ("compute", 2),
-        ("fetch:hit", 1), ("prefetch", 0),
-        ("fetch:hit", 0), ("compute", 0),
-    ]  # fmt: skip
+        ("fetch:kept", 2),
+        ("prefetch", 1),
+        ("compute", 2),
+        ("fetch:hit", 1),
+        ("prefetch", 0),
+        ("fetch:hit", 0),
+        ("compute", 0),
+    ]
     assert trace == expected
 
 
@@ -567,10 +592,17 @@ def test_enable_memory_features_installs_both_and_gradients_stay_equal():
 
 def _gpu_model_1b(seq: int):
     cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=seq,
-        tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)

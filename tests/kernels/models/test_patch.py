@@ -53,10 +53,16 @@ def _config(model_type: str, **overrides):
     # Every in_features is a multiple of 64 (hidden 64, intermediate 128), so bitsandbytes' native CPU
     # kernel (which blocks per row) dequantizes the reference path correctly.
     common = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     extra = {
         "llama": {},
         "mistral": {"sliding_window": 6},  # shorter than the sequence: the window matters
@@ -71,13 +77,18 @@ def nf4_reload(model, path, attn_implementation: str = "sdpa", device_map=None):
     fp32 compute (onto ``device_map``: transformers' default where None)."""
     model.save_pretrained(path)
     quant = transformers.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.float32,
-    )  # fmt: skip
+    )
     return transformers.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quant, dtype=torch.float32, attn_implementation=attn_implementation,
+        path,
+        quantization_config=quant,
+        dtype=torch.float32,
+        attn_implementation=attn_implementation,
         device_map=device_map,
-    )  # fmt: skip
+    )
 
 
 def _model(model_type: str, qlora: bool, tmp_path, **overrides):
@@ -159,8 +170,14 @@ def expected_patched(model_type: str, layers: int) -> dict[str, int]:
     per layer two RMSNorms (four with Gemma's sandwich norms) plus q/k norms, and the final norm."""
     arch = ARCHS[model_type]
     norms = 2 + 2 * arch.sandwich_norms + 2 * arch.qk_norm
-    return {"rms_norm": norms * layers + 1, "rope": layers, "lora_qkv": layers, "lora_o": layers,
-            "lora_mlp": layers, "fused_cross_entropy": 1}  # fmt: skip
+    return {
+        "rms_norm": norms * layers + 1,
+        "rope": layers,
+        "lora_qkv": layers,
+        "lora_o": layers,
+        "lora_mlp": layers,
+        "fused_cross_entropy": 1,
+    }
 
 
 def _check_parity(model, model_type, steps=STEPS, prepare_twin=None, batches=None, bound=None):
@@ -242,7 +259,10 @@ def test_layers_without_recompute_run_the_kernels_on_reloaded_activations_like_t
 
 
 def _forward_kinds(model):
-    return {n: sorted(k for k in m.__dict__ if k == "forward" or k.startswith("_strop")) for n, m in model.named_modules()}  # fmt: skip
+    return {
+        n: sorted(k for k in m.__dict__ if k == "forward" or k.startswith("_strop"))
+        for n, m in model.named_modules()
+    }
 
 
 def test_unpatch_restores_every_original_forward_and_output():
@@ -440,10 +460,16 @@ def test_patched_model_trains_like_the_reference_in_bf16_at_1b(model_type):
     # ~1B: hidden 2048, intermediate 8192, 16 layers, 32/8 heads, vocab 128256; random weights, bf16
     # base, fp32 adapters, bf16 autocast, 4 steps. bf16 losses agree to 1e-2 relative (DESIGN).
     cfg = _config(
-        model_type, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+        model_type,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=4096,
         **({"head_dim": 64} if model_type == "qwen3" else {}),
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         cfg, attn_implementation="sdpa", dtype=torch.bfloat16

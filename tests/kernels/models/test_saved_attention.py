@@ -129,9 +129,13 @@ def test_past_the_host_budget_attention_is_not_saved_and_a_graph_freed_without_b
     x = ids.numel() * model.config.hidden_size * 4
     o_lse = x + ids.numel() * model.config.num_attention_heads * 4
     off = enable_offloaded_checkpointing(
-        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True,
+        model,
+        offload_cpu_tensors=True,
+        min_offload_bytes=0,
+        keep_last=0,
+        save_attention=True,
         host_budget_bytes=LAYERS * x + o_lse,
-    )  # fmt: skip
+    )
     loss = model(input_ids=ids, labels=ids).loss
     assert off.stats.offloaded == LAYERS and off.stats.attention_saved == 1 and off.stats.host_full, off.stats
     assert off.stats.host_bytes == LAYERS * x + o_lse
@@ -148,9 +152,13 @@ def test_layer_inputs_take_the_host_budget_before_attention_outputs():
     ids = _ids()
     x = ids.numel() * model.config.hidden_size * 4
     off = enable_offloaded_checkpointing(
-        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True,
+        model,
+        offload_cpu_tensors=True,
+        min_offload_bytes=0,
+        keep_last=0,
+        save_attention=True,
         host_budget_bytes=LAYERS * x + x // 2,
-    )  # fmt: skip
+    )
     _step(model, ids)
     assert off.stats.offloaded == LAYERS and not off.stats.kept and off.stats.attention_saved == 0, off.stats
     disable_offloaded_checkpointing(model)

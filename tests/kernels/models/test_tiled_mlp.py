@@ -76,9 +76,12 @@ def _grads(out: torch.Tensor, wrt: list[torch.Tensor], seed: int = 3) -> tuple[t
 
 def _assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(
-        actual, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item(),
+        actual,
+        expected,
+        rtol=1e-5,
+        atol=1e-6 * expected.abs().max().item(),
         msg=lambda m: f"{what} differs beyond fp32 regrouping: {m}",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("num_chunks", [2, 5, 7, 200])
@@ -178,9 +181,15 @@ def test_bad_arguments_raise():
 
 def _tiny_lora_llama() -> torch.nn.Module:
     cfg = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).float()
     model = peft.get_peft_model(

@@ -421,9 +421,15 @@ def test_fp8_bases_train_an_8b_shaped_layer_stack_like_the_exact_path():
     from strop.kernels.models import patch_model
 
     cfg = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     ids = torch.randint(0, 32000, (2, 2048), generator=torch.Generator().manual_seed(2)).cuda()
     runs = []
     for fp8 in (False, True, "dx"):

@@ -120,7 +120,9 @@ def test_online_softmax_over_several_vocab_blocks_matches_reference(monkeypatch)
 @cpu_tier
 def test_bf16_error_is_within_twice_torch_bf16_error():
     hidden, weight, bias, labels = _inputs(dtype=torch.bfloat16)
-    truth_loss, truth = _grads(fused_linear_cross_entropy_reference, hidden.float(), weight.float(), bias.float(), labels)  # fmt: skip
+    truth_loss, truth = _grads(
+        fused_linear_cross_entropy_reference, hidden.float(), weight.float(), bias.float(), labels
+    )
     torch_loss, torch_grads = _grads(fused_linear_cross_entropy_reference, hidden, weight, bias, labels)
     loss, grads = _grads(fused_linear_cross_entropy, hidden, weight, bias, labels, chunk_size=8)
     assert loss.dtype == torch.float32, "the loss is computed and returned in fp32"
@@ -136,7 +138,9 @@ def test_bf16_softcapped_error_is_within_twice_torch_bf16_error():
     hidden, weight, _, labels = _inputs(dtype=torch.bfloat16)
     hidden = 4 * hidden  # logits of several units: the cap of 1.5 binds
     kw = {"softcap": 1.5}
-    truth_loss, truth = _grads(fused_linear_cross_entropy_reference, hidden.float(), weight.float(), None, labels, **kw)  # fmt: skip
+    truth_loss, truth = _grads(
+        fused_linear_cross_entropy_reference, hidden.float(), weight.float(), None, labels, **kw
+    )
     torch_loss, torch_grads = _grads(fused_linear_cross_entropy_reference, hidden, weight, None, labels, **kw)
     # one chunk: on the CPU each chunk's dW product is rounded to bf16 before the fp32 sum (the CUDA path
     # accumulates in fp32), which the no-softcap bf16 test above covers; here the soft-cap's math is the subject
@@ -164,9 +168,17 @@ def test_two_micro_batches_with_num_items_in_batch_equal_one_large_batch():
     big_loss, big_grads = _grads(fused_linear_cross_entropy, hidden, weight, bias, labels, grad_scale=1.0)
     total = (labels != -100).sum()
     parts = [
-        _grads(fused_linear_cross_entropy, hidden[s], weight, bias, labels[s], grad_scale=1.0, num_items_in_batch=total)
+        _grads(
+            fused_linear_cross_entropy,
+            hidden[s],
+            weight,
+            bias,
+            labels[s],
+            grad_scale=1.0,
+            num_items_in_batch=total,
+        )
         for s in (slice(0, 11), slice(11, 30))  # unequal halves with different ignored counts
-    ]  # fmt: skip
+    ]
     assert_close_fp32(parts[0][0] + parts[1][0], big_loss, "accumulated loss equals the large-batch mean")
     assert_close_fp32(torch.cat([parts[0][1][0], parts[1][1][0]]), big_grads[0], "d_hidden")
     assert_close_fp32(parts[0][1][1] + parts[1][1][1], big_grads[1], "accumulated d_weight")

@@ -134,8 +134,16 @@ def test_sft_trainer_head_matches_trls_head_and_gradients(monkeypatch):
 
     def model():
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            use_cache=False,
+        )
         m = get_peft_model(
             AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
         )
@@ -202,23 +210,47 @@ def test_strop_sft_trainer_trains_like_trls_sft_trainer(tmp_path):
     tok = make_bpe_tokenizer()
     gen = torch.Generator().manual_seed(3)
     rows = [
-        {"prompt": torch.randint(0, 300, (7,), generator=gen).tolist(), "completion": torch.randint(0, 300, (9,), generator=gen).tolist()}
+        {
+            "prompt": torch.randint(0, 300, (7,), generator=gen).tolist(),
+            "completion": torch.randint(0, 300, (9,), generator=gen).tolist(),
+        }
         for _ in range(6)
-    ]  # fmt: skip
+    ]
     rows = [{"input_ids": r["prompt"] + r["completion"], "completion_mask": [0] * 7 + [1] * 9} for r in rows]
     runs = []
     for cls in (SFTTrainer, strop_sft_trainer_class()):
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            use_cache=False,
+        )
         model = get_peft_model(
             AutoModelForCausalLM.from_config(cfg),
             LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]),
         )
-        args = SFTConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=3, max_steps=3,
-                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[],
-                         save_strategy="no", use_cpu=True, bf16=False, seed=0, data_seed=0,
-                         completion_only_loss=True, disable_tqdm=True)  # fmt: skip
+        args = SFTConfig(
+            output_dir=str(tmp_path / cls.__name__),
+            per_device_train_batch_size=3,
+            max_steps=3,
+            learning_rate=0.5,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            data_seed=0,
+            completion_only_loss=True,
+            disable_tqdm=True,
+        )
         trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -288,15 +320,36 @@ def test_sft_metrics_stay_on_device_and_log_trls_values_to_the_bit(tmp_path, mon
     for cls in (trl_metrics_cls, strop_cls):
         current = cls.__name__
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            use_cache=False,
+        )
         model = get_peft_model(
             AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"])
         )
-        args = SFTConfig(output_dir=str(tmp_path / current), per_device_train_batch_size=3, max_steps=4,
-                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=2, report_to=[],
-                         save_strategy="no", use_cpu=True, bf16=False, seed=0, data_seed=0,
-                         completion_only_loss=True, disable_tqdm=True)  # fmt: skip
+        args = SFTConfig(
+            output_dir=str(tmp_path / current),
+            per_device_train_batch_size=3,
+            max_steps=4,
+            learning_rate=0.5,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            logging_steps=2,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            data_seed=0,
+            completion_only_loss=True,
+            disable_tqdm=True,
+        )
         trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
         trainer.train()
         logs[current] = [
@@ -358,7 +411,10 @@ def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_pat
 
     def counting_bool(self):
         caller = sys._getframe(1).f_code
-        if caller.co_filename.endswith("transformers/trainer.py") and caller.co_name in ("_run_epoch", "_inner_training_loop"):  # fmt: skip
+        if caller.co_filename.endswith("transformers/trainer.py") and caller.co_name in (
+            "_run_epoch",
+            "_inner_training_loop",
+        ):
             reads[current] = reads.get(current, 0) + 1
         return original(self)
 
@@ -369,15 +425,36 @@ def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_pat
     for cls in (hf_filter_cls, ours_cls):
         current = cls.__name__
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)  # fmt: skip
+        cfg = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            use_cache=False,
+        )
         model = get_peft_model(
             AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"])
         )
-        args = SFTConfig(output_dir=str(tmp_path / current), per_device_train_batch_size=2, max_steps=4,
-                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=2, report_to=[],
-                         save_strategy="no", use_cpu=True, bf16=False, seed=0, data_seed=0,
-                         completion_only_loss=True, disable_tqdm=True)  # fmt: skip
+        args = SFTConfig(
+            output_dir=str(tmp_path / current),
+            per_device_train_batch_size=2,
+            max_steps=4,
+            learning_rate=0.5,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            logging_steps=2,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            data_seed=0,
+            completion_only_loss=True,
+            disable_tqdm=True,
+        )
         assert args.logging_nan_inf_filter, "HF's default: the filter is on"
         trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
         trainer.train()
