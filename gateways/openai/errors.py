@@ -62,9 +62,10 @@ def not_found(what: str, ident: str, param: str | None = None) -> OpenAIError:
     )
 
 
-def from_strop(exc: StropClientError, param: str | None = None) -> OpenAIError:
+def from_strop(exc: StropClientError, param: str | None = None, message: str | None = None) -> OpenAIError:
     """A trainer error as the gateway's answer: its status mapped as the Tinker gateway maps it (a full queue or
-    session table, RESOURCE_EXHAUSTED, is 429: the SDK's RateLimitError, which it retries with backoff)."""
+    session table, RESOURCE_EXHAUSTED, is 429: the SDK's RateLimitError, which it retries with backoff); ``message``
+    replaces the trainer's own (its fields written as the request's)."""
     status = HTTP_STATUS.get(exc.code, 502)
     code = {429: "rate_limit_exceeded", 401: "invalid_api_key"}.get(status, exc.code.lower())
-    return OpenAIError(exc.details, status, param=param if status == 400 else None, code=code)
+    return OpenAIError(message or exc.details, status, param=param if status == 400 else None, code=code)

@@ -115,8 +115,11 @@ class JobRunner:
                 events.close()
         except StropClientError as exc:
             self._close_session(c, sess.session_id)
-            param = "training_file" if exc.code == "INVALID_ARGUMENT" else None
-            raise from_strop(exc, param) from None
+            if exc.code != "INVALID_ARGUMENT":
+                raise from_strop(exc) from None
+            # the trainer names its own field first: the request's field when it is one, else the data's fault
+            message, field = params.request_field(exc.details)
+            raise from_strop(exc, field or "training_file", message) from None
         except BaseException:
             self._close_session(c, sess.session_id)
             raise

@@ -325,6 +325,21 @@ def resolve(req: JobRequest, num_rows: int) -> tuple[TrainConfig, dict[str, obje
     return cfg, out
 
 
+# the trainer's fields a request's fields become (the trainer's InvalidArgument starts with the field it names)
+TRAINER_FIELDS = (("config.grpo.grader", "method.reinforcement.grader"),)
+
+
+def request_field(message: str) -> tuple[str, str | None]:
+    """A trainer's INVALID_ARGUMENT ``message`` with the field it starts with written as the request's field, and
+    that field; ``(message, None)`` when it names no field the request sets."""
+    head, sep, rest = message.partition(":")
+    for ours, theirs in TRAINER_FIELDS:
+        if sep and (head == ours or head.startswith(ours + ".")):
+            field = theirs + head[len(ours) :]
+            return field + sep + rest, field
+    return message, None
+
+
 CONFIG_FIELDS = ("learning_rate", "num_epochs", "batch_size", "seed", "checkpoint_every_steps", "dpo_beta")
 
 

@@ -53,9 +53,27 @@ def test_a_reinforcement_job_grades_with_a_score_model_on_its_own_base(stack):
     assert 0.0 <= step["train_reward_mean"] <= 1.0  # clipped to the default range [0, 1]
 
 
-def test_a_score_model_no_session_answers_is_a_bad_request(stack):
+@pytest.mark.parametrize(
+    ("grader", "field"),
+    [
+        ({**JUDGE, "model": "gpt-4o"}, "method.reinforcement.grader.model"),
+        (
+            {
+                "type": "multi",
+                "name": "total",
+                "graders": {"judge": {**JUDGE, "model": "gpt-4o"}},
+                "calculate_output": "judge",
+            },
+            "method.reinforcement.grader.graders.judge.model",
+        ),
+    ],
+)
+def test_a_score_model_no_session_answers_is_a_bad_request_naming_the_grader_field(stack, grader, field):
+    """The trainer refuses the model; the SDK's error names the request's field (OpenAI's ``param``), not the
+    trainer's ``config.grpo`` path nor the training file."""
     c = stack.client()
-    with pytest.raises(
-        openai.BadRequestError, match=r"config\.grpo\.grader\.model: 'gpt-4o' names no open session"
-    ):
-        _create(c, {**JUDGE, "model": "gpt-4o"})
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(c, grader)
+    assert err.value.param == field
+    assert err.value.code == "invalid_argument"
+    assert err.value.body["message"].startswith(f"{field}: 'gpt-4o' names no open session"), err.value.body
