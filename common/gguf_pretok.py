@@ -3,7 +3,7 @@
 For each candidate (:func:`strop.common.pretokenizers.predict`'s, then one name per llama.cpp behaviour), the
 vocabulary is written as a vocab-only GGUF (tokenizer metadata and the few hyperparameters llama.cpp's loader
 reads; no tensors), loaded with ``vocab_only`` through llama-cpp-python's low-level API, and every text of
-:func:`strop.common.pretokenizers.edge_texts` is tokenized with special tokens parsed and none added — as HF
+:func:`edge_texts` is tokenized with special tokens parsed and none added — as HF
 tokenizes them with ``add_special_tokens=False``. The first name that reproduces HF token for token wins; a
 name this llama.cpp does not know fails to load and is skipped. When none matches, the export is refused with
 what was tried and, for each name, the first text on which it differs.
@@ -24,9 +24,43 @@ import gguf
 
 from strop.common.errors import Unimplemented
 from strop.common.gguf_metadata import GgufVocab
-from strop.common.pretokenizers import BEHAVIOURS, Identification, PreTokenizerGuess, edge_texts
+from strop.common.pretokenizer_table import BEHAVIOURS, CHKTXT
+from strop.common.pretokenizers import Identification, PreTokenizerGuess
 
 log = logging.getLogger("strop.pretokenizer")
+
+# Edge cases llama.cpp and HF must tokenize alike (the GGUF verification's held-out text is ordinary prose).
+EDGE_TEXTS: tuple[str, ...] = (
+    "  42  ",
+    "\n\n\t x",
+    "a  b   c    d",
+    "x\t\ty \t z",
+    "   leading spaces",
+    "trailing spaces   ",
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n",
+    "3 33 333 3333 33333 333333 3333333 33333333",
+    "1234567890123 and 3.14159, 2,718 or v1.2.3-rc4",
+    "3.3 3..3 3...3 ------======= ''''''```````\"\"\"\"......!!!!!!??????",
+    "I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL",
+    "Hello, world! How are you?? (fine) [ok] {yes} <no> #tag @user $5 50% a&b a|b ~x ^y",
+    "café naïve résumé Ångström façade Übermaß",
+    "我想在apple工作1314151天～ 日本語のテキスト",
+    "нещо на Български, Ελληνικά κείμενα",
+    "🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 👍🏽",
+    "def f(x):\n    return x ** 2  # square\n\n\nclass A:\n\tpass\n",
+    'if (a && b) { return c[i]; }\n  console.log("hi");\r\n',
+    "CamelCaseWord HTTPServer iPhone ALLCAPS lowercase",
+    "path/to/file.txt https://example.com/a?b=c&d=e",
+)
+
+
+def edge_texts(special_tokens: Sequence[str] = ()) -> list[str]:
+    """:data:`EDGE_TEXTS`, llama.cpp's test text (``pretokenizer_table.CHKTXT``), and for each of the tokenizer's
+    special tokens a text that wraps it."""
+    out = [*EDGE_TEXTS, CHKTXT]
+    for s in special_tokens:
+        out.append(f"{s}user\nWhat is 2+2?{s}\n {s} x")
+    return out
 
 
 @dataclass

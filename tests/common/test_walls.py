@@ -193,6 +193,25 @@ def test_each_loss_takes_the_one_engine_and_imports_no_other_loss():
     assert not bad
 
 
+# a tokenizer as GGUF metadata, each module importing only those before it: llama.cpp's facts (the hash table, the
+# family regexes, the behaviours), the name predicted from a tokenizer, the record, the proof with llama.cpp, and the
+# one decision LoadModel and the export share
+GGUF_TOKENIZER_ORDER = [
+    "strop.common.pretokenizer_table",
+    "strop.common.pretokenizers",
+    "strop.common.gguf_metadata",
+    "strop.common.gguf_pretok",
+    "strop.common.gguf_vocab",
+]
+
+
+@pytest.mark.parametrize("module", GGUF_TOKENIZER_ORDER)
+def test_the_gguf_tokenizer_modules_import_one_way(module):
+    later = GGUF_TOKENIZER_ORDER[GGUF_TOKENIZER_ORDER.index(module) + 1 :]
+    assert module in GRAPH
+    assert not _hits([module], later)
+
+
 def _cycles() -> list[list[str]]:
     """Strongly connected groups of strop modules (Tarjan). An import of ``a.b.c`` counts as an edge to the module
     ``a.b.c`` (or its nearest enclosing module), not to the packages above it, which Python initialises first but

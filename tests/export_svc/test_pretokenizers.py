@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from strop.common import gguf_pretok
+from strop.common import pretokenizer_table as T
 from strop.common import pretokenizers as P
 from strop.export_svc.core.errors import UnsupportedModel
 from strop.export_svc.core.gguf_tokenizer import load_vocab
@@ -53,7 +54,7 @@ def _control_tokens(vocab) -> list[str]:
 
 def _llama_cpp_vs_hf(vocab, tok_dir: Path, name: str) -> list[gguf_pretok.Trial]:
     hf = _hf(tok_dir)
-    texts = P.edge_texts(_control_tokens(vocab))
+    texts = gguf_pretok.edge_texts(_control_tokens(vocab))
     hf_ids = [hf.encode(t, add_special_tokens=False) for t in texts]
     return gguf_pretok.try_names(vocab, [name], texts, hf_ids)
 
@@ -80,11 +81,15 @@ def test_each_pre_tokenizer_shape_gets_the_llama_cpp_name_that_reproduces_hf_tok
         (PreShape.SMOLLM, "gpt-2", "  42  "),
         (PreShape.GPT2, "smollm", "  42  "),
         (PreShape.LLAMA3, "gpt-2", "3 33 333 3333 33333 333333 3333333 33333333"),
-        (PreShape.QWEN2, "gpt-2", P.EDGE_TEXTS[10]),  # contractions in upper case: (?i:'s|…) vs 's|…
+        (
+            PreShape.QWEN2,
+            "gpt-2",
+            gguf_pretok.EDGE_TEXTS[10],
+        ),  # contractions in upper case: (?i:'s|…) vs 's|…
         (
             PreShape.TEKKEN,
             "seed-coder",
-            P.EDGE_TEXTS[16],
+            gguf_pretok.EDGE_TEXTS[16],
         ),  # code: seed-coder keeps \r\n out of punctuation runs
     ],
     ids=lambda x: x if isinstance(x, str) and len(x) < 12 else None,
@@ -109,8 +114,13 @@ def test_sentencepiece_with_byte_fallback_is_llama_cpps_spm_vocabulary_and_match
     for text in trial.mismatches:
         assert text[0].isspace() or any(s in text for s in specials), text
     assert v.pre_notes == [f"llama.cpp's SentencePiece tokenizer differs from HF on {trial.mismatches!r}"]
-    same = set(P.edge_texts(specials)) - set(trial.mismatches)
-    for text in ("3 33 333 3333 33333 333333 3333333 33333333", P.EDGE_TEXTS[13], P.EDGE_TEXTS[15], P.CHKTXT):
+    same = set(gguf_pretok.edge_texts(specials)) - set(trial.mismatches)
+    for text in (
+        "3 33 333 3333 33333 333333 3333333 33333333",
+        gguf_pretok.EDGE_TEXTS[13],
+        gguf_pretok.EDGE_TEXTS[15],
+        T.CHKTXT,
+    ):
         assert text in same, f"digits, CJK and emoji (byte fallback) tokenize alike: {text!r}"
 
 
@@ -120,7 +130,7 @@ def test_a_tokenizer_no_llama_cpp_name_reproduces_is_refused_listing_what_was_tr
         load_vocab(d, _config(d))
     msg = str(err.value)
     assert "GGUF export is refused" in msg
-    for name in P.BEHAVIOURS:
+    for name in T.BEHAVIOURS:
         assert f"{name}: " in msg, f"{name} was tried and its outcome reported"
     assert "gpt-2: differs on '  42  '" in msg, "each trial names the first text on which it differs"
 
@@ -140,21 +150,21 @@ def test_a_name_this_llama_cpp_does_not_know_is_skipped_and_the_next_candidate_c
 
 def test_the_hash_is_llama_cpps_sha256_of_the_id_list_text():
     assert P.chkhsh([1, 22, 333]) == hashlib.sha256(b"[1, 22, 333]").hexdigest()
-    assert P.CHKHSH["0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5"] == "llama-bpe"
-    assert P.CHKHSH["855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249"] == "smollm"
-    assert P.CHKHSH["63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e"] == "tekken"
-    assert P.CHKHSH["e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea"] == "qwen2"
+    assert T.CHKHSH["0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5"] == "llama-bpe"
+    assert T.CHKHSH["855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249"] == "smollm"
+    assert T.CHKHSH["63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e"] == "tekken"
+    assert T.CHKHSH["e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea"] == "qwen2"
     # listed for mpt then olmo: the converter's chain of ifs keeps the last
-    assert P.CHKHSH["b6dc8df998e1cfbdc4eac8243701a65afe638679230920b50d6f17d81c098166"] == "olmo"
+    assert T.CHKHSH["b6dc8df998e1cfbdc4eac8243701a65afe638679230920b50d6f17d81c098166"] == "olmo"
 
 
 def test_a_hash_in_the_table_names_the_pre_tokenizer_before_the_structure(tok_dirs, monkeypatch):
     """The table lookup, with the hash of a generated tokenizer injected (no real checkpoint offline)."""
     d = tok_dirs["LLAMA3"]
     hf = _hf(d)
-    h = P.chkhsh(hf.encode(P.CHKTXT))
+    h = P.chkhsh(hf.encode(T.CHKTXT))
     assert P.predict_for_tokenizer(hf).how is P.Identification.STRUCTURE, "not in the table as shipped"
-    monkeypatch.setitem(P.CHKHSH, h, "smaug-bpe")
+    monkeypatch.setitem(T.CHKHSH, h, "smaug-bpe")
     guess = P.predict_for_tokenizer(hf)
     assert (guess.name, guess.how, guess.chkhsh) == ("smaug-bpe", P.Identification.HASH, h)
     assert guess.candidates == ("smaug-bpe", "llama-bpe"), "the structure's candidates follow the hash's"
@@ -168,7 +178,7 @@ def test_a_hash_entry_llama_cpp_contradicts_is_overruled_by_the_name_that_reprod
     tok_dirs, monkeypatch
 ):
     d = tok_dirs["SMOLLM"]
-    monkeypatch.setitem(P.CHKHSH, P.chkhsh(_hf(d).encode(P.CHKTXT)), "gpt-2")
+    monkeypatch.setitem(T.CHKHSH, P.chkhsh(_hf(d).encode(T.CHKTXT)), "gpt-2")
     v = load_vocab(d, _config(d))
     assert (v.pre, v.pre_how) == ("smollm", "behaviour")
     assert v.pre_notes[0].startswith("predicted gpt-2; smollm: reproduces HF")

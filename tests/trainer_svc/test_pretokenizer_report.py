@@ -88,6 +88,7 @@ def test_load_model_reports_the_name_the_export_writes_where_the_hash_and_llama_
     session must report what the export writes, because both run one decision."""
     import json
 
+    from strop.common import pretokenizer_table as T
     from strop.common import pretokenizers as P
     from strop.export_svc.core.gguf_tokenizer import load_vocab
 
@@ -96,7 +97,7 @@ def test_load_model_reports_the_name_the_export_writes_where_the_hash_and_llama_
     from transformers import AutoTokenizer
 
     monkeypatch.setitem(
-        P.CHKHSH, P.chkhsh(AutoTokenizer.from_pretrained(str(tok_dir)).encode(P.CHKTXT)), "smollm"
+        T.CHKHSH, P.chkhsh(AutoTokenizer.from_pretrained(str(tok_dir)).encode(T.CHKTXT)), "smollm"
     )
     assert P.predict_for_tokenizer(AutoTokenizer.from_pretrained(str(tok_dir))).name == "smollm", (
         "the hash says smollm"

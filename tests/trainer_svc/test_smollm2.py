@@ -31,8 +31,7 @@ def test_the_fixtures_tokenizer_gives_llama_cpps_ids_on_the_packages_own_gguf(to
     # reference for SmolLM2's tokenizer. Every edge text (whitespace runs, digits, unicode, code, the specials)
     # must give the same ids, or the fixture is not the model's tokenizer.
     locked("llama_cpp")
-    from strop.common.gguf_pretok import llama_cpp_tokenize
-    from strop.common.pretokenizers import edge_texts
+    from strop.common.gguf_pretok import edge_texts, llama_cpp_tokenize
 
     texts = edge_texts(["<|im_start|>", "<|im_end|>"])
     want = llama_cpp_tokenize(gguf_path(), texts)
