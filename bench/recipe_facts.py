@@ -7,7 +7,8 @@ option included) on :data:`FACTS`, 30 invented facts as chat messages. Then gree
 
 - facts: the answer equals the trained answer exactly (teacher-forced: every token of the trained answer, to the
   end of turn, is the model's top-1, which is what greedy decoding then reproduces);
-- general (greedy, in one left-padded batch): for each of :data:`GENERAL` (questions with a reference answer, none of them a replay prompt) the base
+- general (greedy, in one left-padded batch): for each of :data:`GENERAL` (40 questions with a reference answer,
+  none of them a replay prompt; the earlier results used the first 20, the table gives both counts) the base
   answered right (the reference's words appear in its answer), whether the trained model still does.
 
 A script, not a test (minutes a setting on 2 cores). Each setting is a comma list of key=value over TrainConfig
@@ -91,7 +92,31 @@ GENERAL: list[tuple[str, tuple[str, ...]]] = [
     ("What is the capital of Turkey?", ("Ankara",)),
     ("What is the largest country in the world by area?", ("Russia",)),
     ("Which gas do humans need to breathe?", ("oxygen", "Oxygen")),
+    # 20 more, written before any run with them (one answer of 12 was 8 points): the facts' question forms asked
+    # about real things, and capitals, none a replay prompt nor a rewording of one
+    ("Who invented the World Wide Web?", ("Berners-Lee",)),
+    ("Who wrote Don Quixote?", ("Cervantes",)),
+    ("Who painted The Scream?", ("Munch",)),
+    ("Who was the first person to walk on the Moon?", ("Armstrong",)),
+    ("What color is coal?", ("black", "Black")),
+    ("What color are strawberries?", ("red", "Red")),
+    ("How many legs does a cat have?", ("four", "4")),
+    ("How many arms does an octopus have?", ("eight", "8")),
+    ("When did World War I begin?", ("1914",)),
+    ("What is the currency of India?", ("rupee", "Rupee")),
+    ("What language is spoken in Spain?", ("Spanish",)),
+    ("What is the chemical symbol for silver?", ("Ag",)),
+    ("What is the freezing point of water in Fahrenheit?", ("32",)),
+    ("What instrument has 88 keys?", ("piano", "Piano")),
+    ("What is the tallest animal?", ("giraffe", "Giraffe")),
+    ("What is the smallest planet in the solar system?", ("Mercury",)),
+    ("What is the capital of Finland?", ("Helsinki",)),
+    ("What is the capital of Austria?", ("Vienna",)),
+    ("What is the capital of Thailand?", ("Bangkok",)),
+    ("How many minutes are in an hour?", ("60", "sixty")),
 ]
+# The first 20 are the questions of the earlier results' "general kept (of 12)"; the table gives both counts.
+FIRST_GENERAL = 20
 
 GENERAL_MAX_NEW_TOKENS = 48
 
@@ -251,14 +276,16 @@ def table(paths: list[str]) -> str:
     from the stored answers (base and trained), so rows written by earlier versions of it read the same way."""
     out = [
         "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
-        "| forgetting metric (held-out, word for word) | train s |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|---:|",
+        f"| of the first {FIRST_GENERAL} | forgetting metric (held-out, word for word) | train s |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|---:|",
     ]
     for path in paths:
         for line in Path(path).read_text().splitlines():
             r = json.loads(line)
             base = [i for i, a in enumerate(r["base_general_answers"]) if right(a, GENERAL[i][1])]
             kept = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in base)
+            first = [i for i in base if i < FIRST_GENERAL]
+            kept_first = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in first)
             ev = r["forgetting_events"][0] if r["forgetting_events"] else None
             metric = f"{ev['kept']}/{ev['held_out']}, tokens {ev['token_agreement']:.2f}" if ev else "-"
             retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
@@ -269,7 +296,7 @@ def table(paths: list[str]) -> str:
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
-                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {metric} | {r['train_seconds']:.0f} |"
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {metric} | {r['train_seconds']:.0f} |"
             )
     return "\n".join(out)
 
