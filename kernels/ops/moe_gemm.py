@@ -35,6 +35,7 @@ gathered rows, not copied), u [M, r] and the offsets.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -49,6 +50,7 @@ NF4_BLOCKSIZE = (
 )
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_REFUSED: list[RuntimeError] = []  # the first refusal of torch's grouped GEMM in this process (warned once)
 
 
 @dataclass(frozen=True)
@@ -95,25 +97,39 @@ class Nf4Experts:
         # one row an expert: bitsandbytes' CPU kernel blocks per row, its CUDA kernel over the flat index; with
         # rows a multiple of the block both are the flat blocks this file (and nf4.py) read
         packed, qs = quantize_4bit(
-            w.detach().contiguous().view(w.shape[0], -1), blocksize=NF4_BLOCKSIZE,
-            compress_statistics=double_quant, quant_type="nf4", quant_storage=torch.uint8,
-        )  # fmt: skip
+            w.detach().contiguous().view(w.shape[0], -1),
+            blocksize=NF4_BLOCKSIZE,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            quant_storage=torch.uint8,
+        )
         nested = bool(qs.nested)
         return cls(
-            packed=packed.reshape(-1), absmax=qs.absmax.reshape(-1),
+            packed=packed.reshape(-1),
+            absmax=qs.absmax.reshape(-1),
             absmax2=qs.state2.absmax.reshape(-1).float() if nested else None,
             code2=qs.state2.code.float() if nested else None,
-            offset=torch.as_tensor(qs.offset, dtype=torch.float32, device=w.device).reshape(1) if nested else None,
-            shape=tuple(w.shape), dtype=w.dtype, blocksize2=qs.state2.blocksize if nested else 256,
-        )  # fmt: skip
+            offset=torch.as_tensor(qs.offset, dtype=torch.float32, device=w.device).reshape(1)
+            if nested
+            else None,
+            shape=tuple(w.shape),
+            dtype=w.dtype,
+            blocksize2=qs.state2.blocksize if nested else 256,
+        )
 
     def quant_state(self) -> SimpleNamespace:
         """The stack's quantization as the attributes of a bitsandbytes ``QuantState`` (what nf4.py reads)."""
         state2 = SimpleNamespace(absmax=self.absmax2, code=self.code2, blocksize=self.blocksize2)
         return SimpleNamespace(
-            quant_type="nf4", blocksize=self.blocksize, dtype=self.dtype, shape=self.shape, absmax=self.absmax,
-            nested=self.nested, state2=state2, offset=self.offset,
-        )  # fmt: skip
+            quant_type="nf4",
+            blocksize=self.blocksize,
+            dtype=self.dtype,
+            shape=self.shape,
+            absmax=self.absmax,
+            nested=self.nested,
+            state2=state2,
+            offset=self.offset,
+        )
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense ``[E, N, K]`` stack (``nf4_dequantize``: what the kernel multiplies, bit for bit)."""
@@ -174,7 +190,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
     ``a`` [K, M] with ``b`` [M, N]: ``out[e] = a[:, rows of e] · b[rows of e]`` ([E, K, N]; an empty group gives 0).
     """
     if _GROUPED_MM is not None and a.numel() and _aligned(a) and _aligned(b):
-        return _GROUPED_MM(a, b, offs=ends)
+        try:
+            return _GROUPED_MM(a, b, offs=ends)
+        except RuntimeError as err:  # a layout or dtype this torch's kernel refuses: said once, then the loop
+            if not _REFUSED:
+                _REFUSED.append(err)
+                warnings.warn(f"torch's grouped GEMM refused {list(a.shape)} × {list(b.shape)} {a.dtype}: {err}; "
+                              "the expert GEMMs run expert by expert", RuntimeWarning, stacklevel=2)  # fmt: skip
     starts = [0, *ends.tolist()]
     if b.dim() == 3:  # per expert over its rows
         out = torch.zeros(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
