@@ -202,8 +202,12 @@ def _cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     )  # settings run in parallel processes share the cache
     tmp.write_text(json.dumps(base))
     os.replace(tmp, path)
-    print(f"base: facts {sum(base['facts'])}/{len(FACTS)}, general {sum(base['general'])}/{len(GENERAL)} right "
-          f"({base['seconds']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"base: facts {sum(base['facts'])}/{len(FACTS)}, general {sum(base['general'])}/{len(GENERAL)} right "
+        f"({base['seconds']:.0f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     return base
 
 

@@ -130,9 +130,12 @@ def test_generate_on_an_nf4_session_answers_what_the_model_knows(nf4_session):
     # The base model answers this right (measured: "The capital of France is Paris."); a broken tokenizer,
     # template, dequantization or the inference copy would not.
     (answer,) = models.generate(
-        nf4_session, ["What is the capital of France?"], max_new_tokens=12, disable_adapter=False,
+        nf4_session,
+        ["What is the capital of France?"],
+        max_new_tokens=12,
+        disable_adapter=False,
         apply_chat_template=True,
-    )  # fmt: skip
+    )
     assert "Paris" in answer, answer
 
 
