@@ -13,7 +13,9 @@ stacks dequantized for its call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ __all__ = [
     "nf4_expert_modules",
     "nf4_experts",
     "quantize_experts",
+    "quantizing_experts_on_load",
 ]
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")  # the fused expert parameters NF4 storage holds
@@ -35,19 +38,48 @@ _NF4 = (
 )
 
 
-def _fused_experts(module: nn.Module) -> bool:
-    """An HF fused experts module of the SwiGLU [E, out, in] layout (Qwen3-MoE, Mixtral), not a PEFT wrapper."""
-    params = module._parameters
+def _experts_layout(module: nn.Module) -> bool:
+    """An HF experts module of the SwiGLU [E, out, in] layout (Qwen3-MoE, Mixtral), not a PEFT wrapper."""
     return (
         type(module).__name__.endswith("Experts")
         and "base_layer" not in module._modules
         and not getattr(module, "is_transposed", False)
-        and all(params.get(n) is not None and params[n].dim() == 3 for n in EXPERT_STACKS)
     )
 
 
+def _fused_experts(module: nn.Module) -> bool:
+    """An experts module of :func:`_experts_layout` holding both fused 3-D stacks."""
+    params = module._parameters
+    return _experts_layout(module) and all(
+        params.get(n) is not None and params[n].dim() == 3 for n in EXPERT_STACKS
+    )
+
+
+def _quantize_stack(w: torch.Tensor, double_quant: bool):
+    """(``w`` as :class:`Nf4Experts`, the placeholder its parameter holds from now on: a stride-0 view of one
+    element, the shape without the memory)."""
+    from strop.kernels.ops.moe_gemm import Nf4Experts
+
+    q = Nf4Experts.quantize(w, double_quant=double_quant)
+    return q, torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
+
+
+def _keep_nf4(module: nn.Module, pname: str, q, placeholder: torch.Tensor) -> None:
+    """Hold ``q`` as the module's ``pname`` stack: its non-persistent buffers, and the hooks that give HF's forward
+    the dense stack for its call."""
+    for role, t in q.tensors().items():
+        module.register_buffer(f"{pname}_nf4_{role}", t, persistent=False)
+    held = module.__dict__.get(_NF4)
+    if held is None:
+        held = module.__dict__[_NF4] = {}
+        module.register_forward_pre_hook(_materialize)
+        module.register_forward_hook(_release)
+    held[pname] = (q.shape, q.dtype, q.blocksize2, placeholder)
+
+
 def quantize_experts(model: nn.Module, *, double_quant: bool = True) -> list[str]:
-    """Hold every fused experts module's ``gate_up_proj``/``down_proj`` as NF4 (:class:`Nf4Experts`); their names.
+    """Hold every fused experts module's ``gate_up_proj``/``down_proj`` as NF4 (:class:`Nf4Experts`); the names of
+    the stacks quantized by this call (a stack already NF4 is left as it is).
 
     Each stack is quantized where it lies and kept as non-persistent buffers of its module; the parameter stays
     (PEFT's ``target_parameters`` wraps it, counts read its shape) but holds no memory: a stride-0 view of one
@@ -56,25 +88,66 @@ def quantize_experts(model: nn.Module, *, double_quant: bool = True) -> list[str
     dequantized by :func:`nf4_dequantize` for that call, so every path computes with the same weights. Quantize on
     the device the model trains on: moving the model afterwards would expand the placeholders.
     """
-    from strop.kernels.ops.moe_gemm import Nf4Experts
-
     done = []
     for name, module in model.named_modules():
-        if not _fused_experts(module) or _NF4 in module.__dict__:
+        if not _fused_experts(module):
             continue
-        held = module.__dict__[_NF4] = {}
+        held = module.__dict__.get(_NF4, {})
         for pname in EXPERT_STACKS:
+            if pname in held:
+                continue
             param = module._parameters[pname]
-            q = Nf4Experts.quantize(param.data, double_quant=double_quant)
-            for role, t in q.tensors().items():
-                module.register_buffer(f"{pname}_nf4_{role}", t, persistent=False)
             param.requires_grad_(False)
-            param.data = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
-            held[pname] = (q.shape, q.dtype, q.blocksize2, param.data)
+            q, placeholder = _quantize_stack(param.data, double_quant)
+            _keep_nf4(module, pname, q, placeholder)
+            param.data = placeholder
             done.append(f"{name}.{pname}".removeprefix("base_model.model."))
-        module.register_forward_pre_hook(_materialize)
-        module.register_forward_hook(_release)
     return done
+
+
+@contextmanager
+def quantizing_experts_on_load(dtype: torch.dtype, *, double_quant: bool = True) -> Iterator[None]:
+    """While a model loads in this thread, quantize each fused expert stack as :func:`quantize_experts` would, at
+    the moment the loader sets its loaded value on the module, after casting it to ``dtype`` (the session's compute
+    dtype, which a prequantized checkpoint's 16-bit tensors are cast to after its load).
+
+    transformers' loader builds the model on the meta device and sets each parameter (a fused stack: after its
+    per-expert checkpoint tensors are merged) with ``setattr``, flagged ``_is_hf_initialized``; torch calls the
+    global parameter-registration hooks there, and this one hands back the frozen placeholder instead, the 16-bit
+    value going as soon as the loader drops it. A load then holds the 4-bit model plus one 16-bit stack (and the
+    quantizer's temporaries), not the whole 16-bit experts. The NF4 tensors become the module's buffers when the
+    context exits: transformers replaces every non-persistent buffer with an empty one after loading the weights
+    (and initialises them again: RoPE's ``inv_freq``), which would wipe codes registered during the load. The codes are those of :func:`quantize_experts` on the
+    loaded model: the same function of the same tensor on the same device. Other threads' registrations (another
+    session training) and values the loader did not read from the checkpoint (a missing key initialised later)
+    are left alone; :func:`quantize_experts` after the load takes any stack this did not.
+    """
+    thread = threading.get_ident()
+    pending: list[tuple[nn.Module, str, object, torch.Tensor]] = []
+
+    def hook(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+        if (
+            threading.get_ident() != thread
+            or name not in EXPERT_STACKS
+            or param.dim() != 3
+            or param.is_meta
+            or not getattr(param, "_is_hf_initialized", False)
+            or not _experts_layout(module)
+        ):
+            return None
+        q, placeholder = _quantize_stack(param.data.to(dtype), double_quant)
+        pending.append((module, name, q, placeholder))
+        out = nn.Parameter(placeholder, requires_grad=False)
+        out._is_hf_initialized = True  # loaded: transformers must not initialise it again
+        return out
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+    for module, name, q, placeholder in pending:  # the load succeeded: its stacks' NF4 become buffers
+        _keep_nf4(module, name, q, placeholder)
 
 
 def nf4_experts(module: nn.Module, pname: str):

@@ -173,7 +173,9 @@ def load_model(
     try:
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-        with hf_build.building():  # sessions load on gRPC threads: one build at a time (common/hf_build)
+        # sessions load on gRPC threads: one build at a time (common/hf_build); a 4-bit MoE's experts go NF4 as
+        # each stack loads
+        with hf_build.building(), moe.experts_in_nf4_while_loading(hf_config, quant_label, dtype):
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except torch.OutOfMemoryError as exc:
         gc.collect()
@@ -186,7 +188,7 @@ def load_model(
     keep_4bit_layers_trainable(model)
     if existing == "bnb-4bit":
         compute_prequantized_in(model, dtype)
-    moe.hold_experts_in_nf4(model, hf_config, quant_label)  # a 4-bit MoE's experts: strop's NF4 storage
+    moe.hold_experts_in_nf4(model, hf_config, quant_label)  # any expert stack the load did not set: NF4 too
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)

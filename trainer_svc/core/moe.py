@@ -25,6 +25,7 @@ scale statistics in ``write_nf4_stats``'s file) so exports merge into the expert
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,8 @@ def peft_targets(
 
 
 def expert_lora(hf_config, lora) -> bool:
-    """Whether a session's LoRA config (``LoraConfig`` or None) puts adapters on a mixture of experts' experts."""
+    """Whether an adapter puts LoRA on a mixture of experts' experts; ``lora``: what holds its projection names as
+    ``target_modules`` (a session's ``LoraConfig``, a step-API run's ``TrainingRunInfo``), None for no adapter."""
     return (
         moe_arch(hf_config) is not None
         and lora is not None
@@ -115,17 +117,36 @@ def aux_loss_coef(hf_config) -> float:
     return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def hold_experts_in_nf4(model, hf_config, quantization: str) -> int:
-    """Quantize a 4-bit session's fused expert stacks into strop's NF4 storage (``quantization``: the session's
-    label, ``"none"`` for 16-bit); returns how many stacks. Qwen3-MoE and Mixtral only, one process only: a rank of
-    a DDP/FSDP job (its process group up) keeps them 16-bit, since DDP's broadcast and FSDP's sharding of the
-    parameters would meet the stride-0 placeholders (untested, so not entered)."""
+def _experts_go_nf4(hf_config, quantization: str) -> bool:
+    """Whether a session's experts are held in NF4: a 4-bit session (``quantization``: its label, ``"none"`` for
+    16-bit) of Qwen3-MoE or Mixtral in one process. A rank of a DDP/FSDP job (its process group up) keeps them
+    16-bit, since DDP's broadcast and FSDP's sharding of the parameters would meet the stride-0 placeholders
+    (untested, so not entered)."""
     import torch.distributed as dist
 
     arch = moe_arch(hf_config)
     if quantization == "none" or arch is None or arch.model_type not in NF4_EXPERT_ARCHS:
-        return 0
-    if dist.is_available() and dist.is_initialized():
+        return False
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def experts_in_nf4_while_loading(hf_config, quantization: str, dtype) -> AbstractContextManager:
+    """The context a session's ``from_pretrained`` runs in: for a session whose experts go NF4
+    (:func:`hold_experts_in_nf4`), each stack is cast to ``dtype`` (the session's compute dtype) and quantized as
+    the loader sets it (``kernels/models/moe_experts.quantizing_experts_on_load``), so the load's peak is the 4-bit
+    model plus one 16-bit stack; otherwise nothing."""
+    if not _experts_go_nf4(hf_config, quantization):
+        return nullcontext()
+    from strop.kernels.models.moe_experts import quantizing_experts_on_load
+
+    return quantizing_experts_on_load(dtype)
+
+
+def hold_experts_in_nf4(model, hf_config, quantization: str) -> int:
+    """Quantize a 4-bit session's fused expert stacks into strop's NF4 storage (``quantization``: the session's
+    label, ``"none"`` for 16-bit) where the load has not already (:func:`experts_in_nf4_while_loading`); returns
+    how many stacks this call quantized. Qwen3-MoE and Mixtral only, one process only (:func:`_experts_go_nf4`)."""
+    if not _experts_go_nf4(hf_config, quantization):
         return 0
     from strop.kernels.models.moe_experts import quantize_experts
 

@@ -1,0 +1,205 @@
+"""A 4-bit Qwen3-MoE / Mixtral session quantizes its experts while it loads
+(``kernels/models/moe_experts.quantizing_experts_on_load``): the NF4 codes and scales are bit for bit those of
+quantizing after the load (the old path, kept as ``moe.hold_experts_in_nf4``), and the 16-bit expert bytes the model
+holds at any moment of the load are at most one stack's, where quantizing after the load holds every stack's.
+
+Bytes held: every time the loader sets a parameter, the bytes of the 16-bit expert stacks the model holds then (the
+stacks already set plus the one arriving; a stack held in NF4 is a stride-0 placeholder of one element). Quantizing
+after the load, the last stack set makes it every stack's bytes: L layers × (E·2I·H + E·H·I) elements. Quantizing on
+load, each arriving stack leaves as NF4 before the next arrives: the largest stack's bytes plus one element for each
+placeholder.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+
+from strop.common.trainer_types import LoadModelRequest, Quantization
+
+ARCHS = ("qwen3_moe", "mixtral")
+STACKS = ("gate_up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def moe_root(tmp_path_factory) -> Path:
+    from strop.fixtures.models import TinyShape, make_tiny_model, quantize_4bit
+
+    root = tmp_path_factory.mktemp("moe-nf4-load")
+    shape = TinyShape(
+        hidden_size=64, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+    )
+    for arch in ARCHS:
+        make_tiny_model(root / arch, arch=arch, shape=shape, dtype="float32", vocab_size=320)
+        # saved bf16 and loaded as a float32 session: the stacks are quantized in the session's dtype
+        bf16 = make_tiny_model(
+            root / f"{arch}-bf16", arch=arch, shape=shape, dtype="bfloat16", vocab_size=320
+        )
+        quantize_4bit(bf16, root / f"{arch}-4bit", compute_dtype="bfloat16")
+    return root
+
+
+@contextmanager
+def _expert_bytes_held(peaks: list[int]):
+    """Record, at every parameter the loader sets, the bytes of the 16-bit expert stacks held (module docstring)."""
+    seen: dict[int, torch.nn.Module] = {}
+
+    def stack_bytes(t: torch.Tensor | None) -> int:
+        return 0 if t is None or t.is_meta else t.untyped_storage().nbytes()
+
+    def observe(module, name, param):
+        if name in STACKS and type(module).__name__.endswith("Experts"):
+            seen[id(module)] = module
+            held = stack_bytes(param) + sum(
+                stack_bytes(m._parameters.get(n))
+                for m in seen.values()
+                for n in STACKS
+                if not (m is module and n == name)
+            )
+            peaks.append(held)
+
+    # registered before the load's own hook: it sees each stack as the loader hands it over
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(observe)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _load(root: Path, name: str, quantization: Quantization, *, on_load: bool, monkeypatch, peaks=None):
+    from strop.trainer_svc.core import moe
+    from strop.trainer_svc.core.models import load_model
+
+    with monkeypatch.context() as mp:
+        if not on_load:  # the old path: every stack quantized by hold_experts_in_nf4 after from_pretrained
+            mp.setattr(moe, "experts_in_nf4_while_loading", lambda *a: nullcontext())
+        req = LoadModelRequest(model_path=name, quantization=quantization, dtype="float32")
+        with _expert_bytes_held(peaks if peaks is not None else []):
+            return load_model(req, model_root=root, device="cpu")
+
+
+def _nf4_state(model) -> dict[str, torch.Tensor]:
+    return {n: b for n, b in model.named_buffers() if "_nf4_" in n}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "name,quantization",
+    [("{a}", Quantization.NF4), ("{a}-4bit", Quantization.UNSPECIFIED)],
+    ids=["nf4-on-load", "prequantized"],
+)
+def test_experts_quantized_while_loading_equal_quantized_after_and_hold_one_16_bit_stack(
+    moe_root, monkeypatch, arch, name, quantization
+):
+    from strop.kernels.models.moe_experts import nf4_expert_modules, nf4_experts
+
+    name = name.format(a=arch)
+    old_peaks: list[int] = []
+    new_peaks: list[int] = []
+    old = _load(moe_root, name, quantization, on_load=False, monkeypatch=monkeypatch, peaks=old_peaks)
+    new = _load(moe_root, name, quantization, on_load=True, monkeypatch=monkeypatch, peaks=new_peaks)
+
+    ref, got = _nf4_state(old.model), _nf4_state(new.model)
+    assert sorted(got) == sorted(ref) and len(ref) == 2 * 2 * 5, (
+        "2 layers × 2 stacks × packed, absmax, double quant"
+    )
+    for n, b in ref.items():
+        assert got[n].dtype == b.dtype and torch.equal(got[n], b), n
+    stacks = {}
+    for mod_name, module in nf4_expert_modules(new.model).items():
+        for p in STACKS:
+            q = nf4_experts(module, p)
+            assert q.dtype == torch.float32, (
+                "cast to the session's dtype before quantizing, as after the load"
+            )
+            assert module._parameters[p].stride() == (0, 0, 0) and not module._parameters[p].requires_grad
+            stacks[f"{mod_name}.{p}"] = q.shape
+    ids = torch.tensor([[3, 17, 42, 5, 99, 7]])
+    with torch.no_grad():
+        assert torch.equal(new.model(ids).logits, old.model(ids).logits), (
+            "the same weights, the same function"
+        )
+    assert new.facts.num_parameters == old.facts.num_parameters
+
+    itemsize = torch.float32.itemsize  # the session's dtype, which the loader reads the stacks in
+    every = sum(s[0] * s[1] * s[2] for s in stacks.values()) * itemsize
+    largest = max(s[0] * s[1] * s[2] for s in stacks.values()) * itemsize
+    assert max(old_peaks) == every, "quantized after the load: every 16-bit stack held at once"
+    assert max(new_peaks) <= largest + len(stacks) * torch.float32.itemsize, (max(new_peaks), largest)
+    assert max(new_peaks) < every / 2, "the 2-layer fixture: at most one of its four stacks at a time"
+
+
+def test_a_16_bit_session_keeps_its_experts_and_the_hook_is_gone_after_the_load(moe_root, monkeypatch):
+    from strop.kernels.models.moe_experts import nf4_expert_modules
+
+    loaded = _load(moe_root, "qwen3_moe", Quantization.NONE, on_load=True, monkeypatch=monkeypatch)
+    assert not nf4_expert_modules(loaded.model)
+    assert not torch.nn.modules.module._global_parameter_registration_hooks, "no hook left behind"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_4bit_moe_load_holds_one_16_bit_stack_at_a_time(tmp_path, monkeypatch):
+    """The device's allocated bytes each time the loader sets an expert stack, for a Qwen3-MoE of 8 layers × 64
+    experts (1.5 GiB of bf16 experts, the largest stack 128 MiB). Quantizing after the load, the last stack set finds
+    every 16-bit stack allocated. Quantizing on load, the device holds part of the final model plus the arriving
+    stack and, at most, the per-expert checkpoint tensors it was merged from (the same bytes again): at most the
+    final model plus two of the largest stack. The codes are bit for bit the same on the same device."""
+    import gc
+
+    from strop.fixtures.models import TinyShape, make_tiny_model
+
+    shape = TinyShape(
+        hidden_size=1024, intermediate_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=128,
+        num_experts=64, experts_per_token=8,
+    )  # fmt: skip
+    make_tiny_model(tmp_path / "moe", arch="qwen3_moe", shape=shape, dtype="bfloat16", vocab_size=640)
+    elems = shape.num_experts * 3 * shape.intermediate_size * shape.hidden_size
+    every = shape.num_layers * elems * torch.bfloat16.itemsize
+    largest = shape.num_experts * 2 * shape.intermediate_size * shape.hidden_size * torch.bfloat16.itemsize
+
+    def load(on_load: bool):
+        from strop.trainer_svc.core import moe
+        from strop.trainer_svc.core.models import load_model
+
+        at_set: list[int] = []
+
+        def observe(module, name, param):
+            if name in STACKS and param.is_cuda:
+                at_set.append(torch.cuda.memory_allocated())
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        handle = torch.nn.modules.module.register_module_parameter_registration_hook(observe)
+        try:
+            with monkeypatch.context() as mp:
+                if not on_load:
+                    mp.setattr(moe, "experts_in_nf4_while_loading", lambda *a: nullcontext())
+                req = LoadModelRequest(model_path="moe", quantization=Quantization.NF4, dtype="bfloat16")
+                loaded = load_model(req, model_root=tmp_path, device="cuda")
+        finally:
+            handle.remove()
+        codes = {n: b.cpu() for n, b in _nf4_state(loaded.model).items()}
+        final = torch.cuda.memory_allocated() - base
+        peak = torch.cuda.max_memory_allocated() - base  # includes transformers' allocator warmup
+        del loaded
+        return max(at_set) - base, final, peak, codes
+
+    old_held, old_final, old_peak, old_codes = load(on_load=False)
+    new_held, new_final, new_peak, new_codes = load(on_load=True)
+    g = 2**30
+    print(
+        f"\n16-bit experts {every / g:.2f} GiB; held at a stack's set: after-load {old_held / g:.2f} GiB, on-load "
+        f"{new_held / g:.2f} GiB; final {old_final / g:.2f} / {new_final / g:.2f} GiB; max_memory_allocated "
+        f"{old_peak / g:.2f} / {new_peak / g:.2f} GiB"
+    )
+    assert sorted(new_codes) == sorted(old_codes) and len(old_codes) == shape.num_layers * 2 * 5
+    for n, b in old_codes.items():
+        assert torch.equal(new_codes[n], b), n
+    assert new_final == old_final, "the same tensors held after the load"
+    assert old_held >= every, "quantized after the load: every 16-bit stack allocated at the last set"
+    assert new_held <= new_final + 2 * largest, (new_held, new_final, largest)
