@@ -461,25 +461,36 @@ class TrainingRuns(StepWorker):
             return
         import torch
 
-        from strop.common.trainer_types import TrainConfig, TrainMethod
-        from strop.trainer_svc.core import admission
-
-        longest = max(len(d.model_input) for d in data)
-        est = admission.estimate(
-            loaded.model.get_base_model().config,
-            TrainConfig(method=TrainMethod.SFT, batch_size=len(data), max_length=longest),
-            longest_row=longest,
-            n_trainable=0,
-            checkpointed=True,
-            offloaded=False,
-            kernels=loaded.facts.kernels_enabled,
-        )
+        est = forward_backward_estimate(loaded, run.info, data)
         free, _ = torch.cuda.mem_get_info(torch.device(loaded.device))
         free += torch.cuda.memory_reserved(loaded.device) - torch.cuda.memory_allocated(loaded.device)
         if est.total > free:
             raise ResourceExhausted(
                 f"this ForwardBackward needs {est} but {free / 2**30:.2f} GiB are free: send fewer or shorter datums"
             )
+
+
+def forward_backward_estimate(loaded, info: TrainingRunInfo, data: list[Datum]):
+    """``admission.estimate`` of one ForwardBackward of ``data`` by the run ``info`` on the session ``loaded``: the
+    rows as one SFT batch, each layer checkpointed (``step_ops.add_adapter`` on CUDA), the run's adapter state
+    admitted when it was created; a mixture of experts counted as a Train job's is (LoRA on its experts, experts
+    held in NF4)."""
+    from strop.common.trainer_types import TrainConfig, TrainMethod
+    from strop.trainer_svc.core import admission, moe
+
+    base = loaded.model.get_base_model()
+    longest = max(len(d.model_input) for d in data)
+    return admission.estimate(
+        base.config,
+        TrainConfig(method=TrainMethod.SFT, batch_size=len(data), max_length=longest),
+        longest_row=longest,
+        n_trainable=0,
+        checkpointed=True,
+        offloaded=False,
+        kernels=loaded.facts.kernels_enabled,
+        expert_lora=moe.expert_lora(base.config, info),
+        nf4_experts=moe.holds_nf4_experts(base),
+    )
 
 
 def _owner(sess: Session) -> str:
