@@ -258,12 +258,12 @@ class MoeLoraGemmFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = grouped_mm(dy, _dense(w, dt), ends)
             dx.add_(grouped_mm(v, a_, ends), alpha=s)
-        # an expert without rows gets exactly 0 (the per-expert loop's zeros; torch's kernel is not relied on)
+        # an expert without rows gets exactly 0 (the per-expert loop's zeros; what torch's kernel leaves there is not read)
         has_rows = (torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None]
         if ctx.needs_input_grad[3]:  # dA_e = s Σ v[m]ᵀ x[m]
-            da = (grouped_mm(v.t(), x, ends) * has_rows).to(a.dtype).mul_(s)
+            da = grouped_mm(v.t(), x, ends).where(has_rows, 0).to(a.dtype).mul_(s)
         if ctx.needs_input_grad[4]:  # dB_e = s Σ dy[m]ᵀ u[m]
-            db = (grouped_mm(dy.t(), u, ends) * has_rows).to(b.dtype).mul_(s)
+            db = grouped_mm(dy.t(), u, ends).where(has_rows, 0).to(b.dtype).mul_(s)
         return dx, None, None, da, db, None
 
 
