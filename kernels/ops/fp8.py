@@ -89,8 +89,8 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
+    x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (rows < M) & (cols < K)

@@ -96,10 +96,20 @@ def _denominator(
 
 @triton.jit
 def fused_linear_ce_fwd_kernel(
-    logits_ptr, logits_row_stride, labels_ptr, loss_ptr, denom_ptr, n_cols, ignore_index,
-    logit_scale, softcap, HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
-    BLOCK_V: tl.constexpr, N_BLOCKS: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    logits_row_stride,
+    labels_ptr,
+    loss_ptr,
+    denom_ptr,
+    n_cols,
+    ignore_index,
+    logit_scale,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -280,11 +290,21 @@ def fused_linear_cross_entropy_fwd(
         else:
             torch.addmm(bias, x, weight.t(), out=logits)
         fused_linear_ce_fwd_kernel[(end - start,)](
-            logits, logits.stride(0), labels[start:end], loss_rows[start:end], denom, vocab, ignore_index,
-            float(logit_scale), float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
-            COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, N_BLOCKS=cdiv(vocab, block_v),
+            logits,
+            logits.stride(0),
+            labels[start:end],
+            loss_rows[start:end],
+            denom,
+            vocab,
+            ignore_index,
+            float(logit_scale),
+            float(softcap or 1.0),
+            HAS_SOFTCAP=softcap is not None,
+            COMPUTE_GRAD=compute_grad,
+            BLOCK_V=block_v,
+            N_BLOCKS=cdiv(vocab, block_v),
             num_warps=NUM_WARPS,
-        )  # fmt: skip
+        )
         # From here `logits` holds dloss/dlogits for the chunk.
         if grad_hidden:
             torch.mm(logits, weight, out=d_hidden[start:end])

@@ -71,9 +71,20 @@ def fused_linear_logprobs_reference(
 
 @triton.jit
 def _fused_linear_logprobs_fwd_kernel(
-    logits_ptr, logits_row_stride, targets_ptr, logp_ptr, entropy_ptr, top1_ptr, n_cols, ignore_index,
-    softcap, HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, N_BLOCKS: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    logits_row_stride,
+    targets_ptr,
+    logp_ptr,
+    entropy_ptr,
+    top1_ptr,
+    n_cols,
+    ignore_index,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
     target = tl.load(targets_ptr + row).to(tl.int64)
@@ -192,10 +203,21 @@ def fused_linear_logprobs_fwd(
         else:
             torch.addmm(bias, hidden[start:end], weight.t(), out=logits)
         _fused_linear_logprobs_fwd_kernel[(end - start,)](
-            logits, logits.stride(0), targets[start:end], logp[start:end], entropy[start:end], top1[start:end],
-            vocab, ignore_index, float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, COMPUTE_GRAD=grad_hidden,
-            BLOCK_V=block_v, N_BLOCKS=cdiv(vocab, block_v), num_warps=NUM_WARPS,
-        )  # fmt: skip
+            logits,
+            logits.stride(0),
+            targets[start:end],
+            logp[start:end],
+            entropy[start:end],
+            top1[start:end],
+            vocab,
+            ignore_index,
+            float(softcap or 1.0),
+            HAS_SOFTCAP=softcap is not None,
+            COMPUTE_GRAD=grad_hidden,
+            BLOCK_V=block_v,
+            N_BLOCKS=cdiv(vocab, block_v),
+            num_warps=NUM_WARPS,
+        )
         if grad_hidden:  # `logits` now holds e = (p − onehot)(1 − tanh²) for the chunk
             torch.mm(logits, weight, out=d[start:end])
     return logp, entropy, top1.bool(), d

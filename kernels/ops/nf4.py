@@ -192,7 +192,9 @@ def _check(packed: torch.Tensor, quant_state, out: torch.Tensor | None, dtype: t
         raise TypeError(f"dtypes must be float32/bfloat16/float16, got {quant_state.dtype} and {dtype}")
     n = _numel(quant_state.shape)
     if packed.numel() * packed.element_size() < (n + 1) // 2:
-        raise ValueError(f"packed holds {packed.numel() * packed.element_size()} bytes, {n} values need {(n + 1) // 2}")  # fmt: skip
+        raise ValueError(
+            f"packed holds {packed.numel() * packed.element_size()} bytes, {n} values need {(n + 1) // 2}"
+        )
     if not packed.is_contiguous():
         raise ValueError("packed must be contiguous")
     n_blocks = -(-n // quant_state.blocksize)
@@ -264,11 +266,24 @@ def nf4_dequantize(
         absmax2 = code2 = offset = absmax  # unread placeholders
         bs2 = 1
     _nf4_dequant_kernel[grid](
-        packed.reshape(-1).view(torch.uint8), absmax, absmax2, code2, offset, _code(packed.device), out,
-        n_bytes, n,
-        HALF_BS=half_bs, ROWS=rows, NESTED=bool(quant_state.nested), BS2=bs2,
-        QDTYPE=_TL_DTYPES[quant_state.dtype], OUT_DTYPE=_TL_DTYPES[dtype], num_warps=_NUM_WARPS, enable_fp_fusion=False,
-    )  # fmt: skip
+        packed.reshape(-1).view(torch.uint8),
+        absmax,
+        absmax2,
+        code2,
+        offset,
+        _code(packed.device),
+        out,
+        n_bytes,
+        n,
+        HALF_BS=half_bs,
+        ROWS=rows,
+        NESTED=bool(quant_state.nested),
+        BS2=bs2,
+        QDTYPE=_TL_DTYPES[quant_state.dtype],
+        OUT_DTYPE=_TL_DTYPES[dtype],
+        num_warps=_NUM_WARPS,
+        enable_fp_fusion=False,
+    )
     return out
 
 

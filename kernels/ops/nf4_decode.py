@@ -83,9 +83,14 @@ def nf4_lora_decode_reference(
     from .nf4 import nf4_dequantize_reference
 
     qs = SimpleNamespace(
-        shape=(w.n, w.k), blocksize=w.bs, dtype=w.qdtype, nested=w.nested, absmax=w.absmax,
-        state2=SimpleNamespace(absmax=w.absmax2, code=w.code2, blocksize=w.bs2), offset=w.offset,
-    )  # fmt: skip
+        shape=(w.n, w.k),
+        blocksize=w.bs,
+        dtype=w.qdtype,
+        nested=w.nested,
+        absmax=w.absmax,
+        state2=SimpleNamespace(absmax=w.absmax2, code=w.code2, blocksize=w.bs2),
+        offset=w.offset,
+    )
     weight = nf4_dequantize_reference(w.packed, qs).to(x.dtype)
     y = x.float() @ weight.float().T
     if xa is not None:
@@ -95,6 +100,7 @@ def nf4_lora_decode_reference(
     return y.to(x.dtype)
 
 
+# fmt: skip on the signature: pointers, sizes and strides, then the constexprs, one row per kind
 @triton.jit
 def _nf4_lora_decode_kernel(
     x_ptr, packed_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, xa_ptr, b_ptr, bias_ptr, out_ptr,
@@ -193,6 +199,7 @@ def nf4_lora_decode(
     )
     kernel = kernel or _nf4_lora_decode_kernel
     grid = lambda meta: (triton.cdiv(w.n, meta["BLOCK_N"]),)  # noqa: E731
+    # fmt: skip below: one row per kind (pointers, sizes and strides, constexprs), as the kernel's signature
     kernel[grid](
         x2, w.packed, w.absmax, w.absmax2, w.code2, w.offset, w.code, xa_c, b_c,
         bias if bias is not None else out, out,

@@ -13,7 +13,8 @@ import torch
 
 __all__ = ["NF4_CODE", "nf4_digest"]
 
-# bitsandbytes' NF4 table (functional.get_4bit_type("nf4")), the same fp32 constants its CUDA kernel uses.
+# bitsandbytes' NF4 table (functional.get_4bit_type("nf4")), the same fp32 constants its CUDA kernel uses; fmt: skip
+# keeps it four codes a row (negative, negative to zero, positive, positive to one).
 NF4_CODE = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,

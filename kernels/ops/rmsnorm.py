@@ -106,9 +106,19 @@ def rms_norm_bwd_reference(
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, x_row_stride, y_row_stride, n_rows, n_cols, eps,
-    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, GEMMA: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rstd_ptr,
+    x_row_stride,
+    y_row_stride,
+    n_rows,
+    n_cols,
+    eps,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    GEMMA: tl.constexpr,
+):
     # ROWS rows a program: one compiled, a block under the interpreter (``interpreter_rows``)
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
@@ -302,9 +312,20 @@ def rms_norm_fwd(
     n_rows = x2.shape[0]
     rows = interpreter_rows(n_rows, block)
     _rms_norm_fwd_kernel[(cdiv(n_rows, rows),)](
-        x2, weight, y, rstd, x2.stride(0), n_cols, n_rows, n_cols, eps,
-        BLOCK_SIZE=block, ROWS=rows, GEMMA=mode is RMSNormMode.GEMMA, num_warps=num_warps,
-    )  # fmt: skip
+        x2,
+        weight,
+        y,
+        rstd,
+        x2.stride(0),
+        n_cols,
+        n_rows,
+        n_cols,
+        eps,
+        BLOCK_SIZE=block,
+        ROWS=rows,
+        GEMMA=mode is RMSNormMode.GEMMA,
+        num_warps=num_warps,
+    )
     return y, rstd
 
 

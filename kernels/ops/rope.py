@@ -86,9 +86,21 @@ def rope_qk_bwd_reference(
 
 @triton.jit
 def _rotate_heads(
-    base_ptr, stride_h, stride_d, c1, c2, s1, s2, d, d_mask, tok_mask, HALF: tl.constexpr, N_HEADS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr,
-):  # fmt: skip
+    base_ptr,
+    stride_h,
+    stride_d,
+    c1,
+    c2,
+    s1,
+    s2,
+    d,
+    d_mask,
+    tok_mask,
+    HALF: tl.constexpr,
+    N_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
     # base_ptr: [TOK] row bases, one per token; c1, c2, s1, s2: [TOK, BLOCK_D]; tiles are [TOK, BLOCK_H, BLOCK_D].
     for h0 in range(0, N_HEADS, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -111,6 +123,7 @@ def _rotate_heads(
         tl.store(ptr2, cast_to(y2, base_ptr.dtype.element_ty), mask=mask)
 
 
+# fmt: skip on the signature: the pointers, one row of strides per tensor (q, k, cos, sin), the constexprs
 @triton.jit
 def _rope_qk_fwd_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr,
@@ -180,6 +193,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     block_hq = min(next_power_of_2(hq), 16)
     block_hk = min(next_power_of_2(k.shape[1]), 16)
     tok = interpreter_rows(b * t, block_hq * next_power_of_2(half))
+    # fmt: skip below: one row per tensor's strides, as the kernel's signature
     _rope_qk_fwd_kernel[(cdiv(b * t, tok),)](
         q, k, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),

@@ -34,9 +34,20 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 8
 
 @triton.jit
 def small_k_tile(
-    a_ptr, b_ptr, rm, rn, m_mask, n_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    b_ptr,
+    rm,
+    rn,
+    m_mask,
+    n_mask,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """``a[rm, :K] @ b[:K, rn]`` for one [BLOCK_M, BLOCK_N] tile, K ≤ BLOCK_K in one ``tl.dot``, fp32 result."""
     rk = tl.arange(0, BLOCK_K)
     k_mask = rk < K
@@ -133,6 +144,7 @@ def addmm_small_k_(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: flo
     if m * n * k == 0:
         return y
     grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
+    # fmt: skip below: tensors and sizes, strides, alpha and constexprs one row each
     _addmm_small_k_kernel[grid](
         y, a, b, m, n, k,
         y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),

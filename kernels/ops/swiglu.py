@@ -127,15 +127,30 @@ def _activation(g, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _low_rank(
-    t, a_ptr, b_ptr, scale, rm, rn, m_mask, n_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    t,
+    a_ptr,
+    b_ptr,
+    scale,
+    rm,
+    rn,
+    m_mask,
+    n_mask,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """t + scale · a @ b on one fp32 tile (the fp32 accumulator scaled, nothing rounded)."""
     return t + scale * small_k_tile(
         a_ptr, b_ptr, rm, rn, m_mask, n_mask, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, IEEE
     )
 
 
+# fmt: skip on the signature: one row per role (tensors and sizes, each low-rank term's A/B, scale, K and
+# strides, the constexprs), in the launch's order
 @triton.jit
 def _swiglu_fwd_kernel(
     g_ptr, u_ptr, h_ptr, M, N, g_row_stride, u_row_stride, h_row_stride,
@@ -151,6 +166,7 @@ def _swiglu_fwd_kernel(
     mask = m_mask[:, None] & n_mask[None, :]
     g = tl.load(g_ptr + rm[:, None] * g_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rm[:, None] * u_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    # fmt: skip on the two calls: one row each, so the gate and up terms read side by side
     if GATE_TERM:
         g = _low_rank(g, ga_ptr, gb_ptr, g_scale, rm, rn, m_mask, n_mask, g_k, ga_sm, ga_sk, gb_sk, gb_sn, BLOCK_KG, IEEE)  # fmt: skip
     if UP_TERM:
@@ -163,6 +179,8 @@ def _swiglu_fwd_kernel(
     )
 
 
+# fmt: skip on the signature: one row per role (pointers and sizes, row strides, each low-rank term's A/B,
+# scale, K and strides, the constexprs), in the launch's order
 @triton.jit
 def _swiglu_bwd_kernel(
     dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, M, N,
@@ -182,6 +200,7 @@ def _swiglu_bwd_kernel(
     dh = tl.load(dh_ptr + rm[:, None] * dh_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rm[:, None] * g_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rm[:, None] * u_row_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    # fmt: skip on the three calls: one row each, so the dh, gate and up terms read side by side
     if DH_TERM:
         dh = _low_rank(dh, da_ptr, db_ptr, d_scale, rm, rn, m_mask, n_mask, d_k, da_sm, da_sk, db_sk, db_sn, BLOCK_KD, IEEE)  # fmt: skip
     if GATE_TERM:
@@ -191,10 +210,22 @@ def _swiglu_bwd_kernel(
     a, da = _activation(g, ACTIVATION)
     a = cast_to(a, g_ptr.dtype.element_ty).to(tl.float32)
     # dg/du/h may alias g/u/dh: every element of the tile is loaded before any is stored, by this program only.
-    tl.store(dg_ptr + rm[:, None] * dg_row_stride + rn[None, :], cast_to(dh * u * da, dg_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-    tl.store(du_ptr + rm[:, None] * du_row_stride + rn[None, :], cast_to(dh * a, du_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(
+        dg_ptr + rm[:, None] * dg_row_stride + rn[None, :],
+        cast_to(dh * u * da, dg_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        du_ptr + rm[:, None] * du_row_stride + rn[None, :],
+        cast_to(dh * a, du_ptr.dtype.element_ty),
+        mask=mask,
+    )
     if STORE_H:
-        tl.store(h_ptr + rm[:, None] * h_row_stride + rn[None, :], cast_to(a * u, h_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        tl.store(
+            h_ptr + rm[:, None] * h_row_stride + rn[None, :],
+            cast_to(a * u, h_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 class LowRank(NamedTuple):
@@ -287,11 +318,26 @@ def _glu_fwd(
     g_args, bkg = _term_args(gate_term, g2, n_rows, n_cols, "gate_term")
     u_args, bku = _term_args(up_term, g2, n_rows, n_cols, "up_term")
     _swiglu_fwd_kernel[_grid(n_rows, n_cols)](
-        g2, u2, h2, n_rows, n_cols, g2.stride(0), u2.stride(0), h2.stride(0), *g_args, *u_args,
-        ACTIVATION=activation, GATE_TERM=gate_term is not None, UP_TERM=up_term is not None,
-        BLOCK_M=_block_m(n_rows), BLOCK_N=_BLOCK_N, BLOCK_KG=bkg, BLOCK_KU=bku, IEEE=gate.dtype == torch.float32,
+        g2,
+        u2,
+        h2,
+        n_rows,
+        n_cols,
+        g2.stride(0),
+        u2.stride(0),
+        h2.stride(0),
+        *g_args,
+        *u_args,
+        ACTIVATION=activation,
+        GATE_TERM=gate_term is not None,
+        UP_TERM=up_term is not None,
+        BLOCK_M=_block_m(n_rows),
+        BLOCK_N=_BLOCK_N,
+        BLOCK_KG=bkg,
+        BLOCK_KU=bku,
+        IEEE=gate.dtype == torch.float32,
         num_warps=_NUM_WARPS,
-    )  # fmt: skip
+    )
     return h
 
 
@@ -324,6 +370,8 @@ def _glu_bwd(
     g_args, bkg = _term_args(gate_term, g2, n_rows, n_cols, "gate_term")
     u_args, bku = _term_args(up_term, g2, n_rows, n_cols, "up_term")
     d_args, bkd = _term_args(dh_term, g2, n_rows, n_cols, "dh_term")
+    # fmt: skip below: one row per role (tensors and sizes, row strides, the three low-rank terms' arguments,
+    # the constexprs), as in the kernel's signature
     _swiglu_bwd_kernel[_grid(n_rows, n_cols)](
         dh2, g2, u2, dg2, du2, h2, n_rows, n_cols,
         dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0), h2.stride(0),
