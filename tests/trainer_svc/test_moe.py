@@ -182,16 +182,10 @@ def _text_format():
     return DatasetFormat.TEXT
 
 
-def test_the_admission_estimate_bounds_what_an_moe_step_saves():
-    """Experts, routing and PEFT's merged expert stacks through the estimate: above what a real HF + PEFT forward
-    of a Qwen3-MoE (16 experts, 2 per token, LoRA on attention and experts) saves for backward and within 2× of it
-    (the dense archs' bounds)."""
+def _admission_moe():
+    """The admission tests' Qwen3-MoE (16 experts, 2 per token), bf16, SDPA: its config and the model."""
     import torch
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from tests.trainer_svc.test_admission import assert_estimate_bounds_a_real_step
 
     config = Qwen3MoeConfig(
         hidden_size=256,
@@ -210,6 +204,19 @@ def test_the_admission_estimate_bounds_what_an_moe_step_saves():
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.config._attn_implementation = "sdpa"
+    return config, model
+
+
+def test_the_admission_estimate_bounds_what_an_moe_step_saves():
+    """Experts, routing and PEFT's merged expert stacks through the estimate: above what a real HF + PEFT forward
+    of a Qwen3-MoE (16 experts, 2 per token, LoRA on attention and experts) saves for backward and within 2× of it
+    (the dense archs' bounds)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from tests.trainer_svc.test_admission import assert_estimate_bounds_a_real_step
+
+    config, model = _admission_moe()
     cfg = PeftLoraConfig(
         r=8,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -223,31 +230,13 @@ def test_the_admission_estimate_bounds_what_an_moe_step_saves():
 def test_the_admission_estimate_counts_what_hf_saves_of_nf4_experts(expert_lora):
     """NF4 experts on HF's expert path: the stacks dequantized for each layer's call are what its expert GEMMs save
     (attention-only LoRA) or are merged with s·BA (expert LoRA); the estimate still bounds the real step within 2×."""
-    import torch
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from strop.kernels.models.moe_experts import quantize_experts
     from tests.trainer_svc.test_admission import assert_estimate_bounds_a_real_step
 
-    config = Qwen3MoeConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_experts=16,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=1000,
-        max_position_embeddings=512,
-        output_router_logits=True,
-    )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    model.config._attn_implementation = "sdpa"
+    config, model = _admission_moe()
     assert len(quantize_experts(model)) == 4
     params = ["experts.gate_up_proj", "experts.down_proj"] if expert_lora else None
     cfg = PeftLoraConfig(

@@ -297,22 +297,31 @@ class TrainingRuns(StepWorker):
 
         return self._submit(run, req.seq_id, PrimitiveKind.OPTIM_STEP, work)
 
+    @contextlib.contextmanager
+    def _adapter_artifact(self, run: Run, artifact_id: str, adapter: str, **extra_meta: str):
+        """The run's adapter ``adapter`` written as an adapter artifact (its base, the run and step in the
+        metadata, plus ``extra_meta``); the artifact is open in the block for more files."""
+        loaded = run.sess.loaded
+        meta = {
+            **step_ops.adapter_base_metadata(loaded, run.info.lora.rank),
+            "run_id": run.info.run_id,
+            "step": str(run.info.step),
+            **extra_meta,
+        }
+        with self.artifacts.create(
+            "adapter", owner=run.info.tenant, artifact_id=artifact_id, metadata=meta
+        ) as p:
+            step_ops.write_adapter(loaded, adapter, p.dir, rank=run.info.lora.rank)
+            yield p
+
     def save_weights(self, req: SaveRequest) -> Future:
         run = self._run(req.run_id)
         artifact_id = artifact_name(req.name, "name")
 
         def work():
-            loaded = run.sess.loaded
-            meta = {
-                **step_ops.adapter_base_metadata(loaded, run.info.lora.rank),
-                "run_id": run.info.run_id,
-                "step": str(run.info.step),
-            }
             _check_finite(run)
-            with self.artifacts.create(
-                "adapter", owner=run.info.tenant, artifact_id=artifact_id, metadata=meta
-            ) as p:
-                step_ops.write_adapter(loaded, run.adapter, p.dir, rank=run.info.lora.rank)
+            with self._adapter_artifact(run, artifact_id, run.adapter) as p:
+                pass
             return SaveOutput(artifact_id=p.artifact_id, step=run.info.step)
 
         return self._submit(run, req.seq_id, PrimitiveKind.SAVE_WEIGHTS, work)
@@ -322,13 +331,6 @@ class TrainingRuns(StepWorker):
         artifact_id = artifact_name(req.name, "name")
 
         def work():
-            loaded = run.sess.loaded
-            meta = {
-                **step_ops.adapter_base_metadata(loaded, run.info.lora.rank),
-                "run_id": run.info.run_id,
-                "step": str(run.info.step),
-                "run_state": "true",
-            }
             state = {
                 "run_id": run.info.run_id,
                 "step": run.info.step,
@@ -343,10 +345,7 @@ class TrainingRuns(StepWorker):
                 "param_names": run.param_names,
             }
             _check_finite(run)
-            with self.artifacts.create(
-                "adapter", owner=run.info.tenant, artifact_id=artifact_id, metadata=meta
-            ) as p:
-                step_ops.write_adapter(loaded, run.adapter, p.dir, rank=run.info.lora.rank)
+            with self._adapter_artifact(run, artifact_id, run.adapter, run_state="true") as p:
                 step_ops.write_state(p.dir, state, step_ops.optimizer_tensors(run.optimizer, run.param_names))
             return SaveOutput(artifact_id=p.artifact_id, step=run.info.step)
 
@@ -402,16 +401,9 @@ class TrainingRuns(StepWorker):
                 step_ops.delete_adapter(loaded, old)
             out = SaveOutput(sampler_id=sampler_id, step=run.info.step)
             if artifact_id:
-                meta = {
-                    **step_ops.adapter_base_metadata(loaded, run.info.lora.rank),
-                    "run_id": run.info.run_id,
-                    "step": str(run.info.step),
-                    "sampler_id": sampler_id,  # the snapshot Sample reads while the run holds it
-                }
-                with self.artifacts.create(
-                    "adapter", owner=run.info.tenant, artifact_id=artifact_id, metadata=meta
-                ) as p:
-                    step_ops.write_adapter(loaded, sampler_id, p.dir, rank=run.info.lora.rank)
+                # sampler_id: the snapshot Sample reads while the run holds it
+                with self._adapter_artifact(run, artifact_id, sampler_id, sampler_id=sampler_id) as p:
+                    pass
                 out.artifact_id = p.artifact_id
             return out
 
