@@ -23,11 +23,20 @@ time (sampling, grading and training), median over the steps after ``--warmup``;
 allocated and reserved over the training steps (reset after loading). ``--smoke`` runs a tiny shape on the CPU
 through the same paths: it checks the harness, not speed.
 
+``--find-longest`` (strop alone, one prompt, ``--group`` samples): the longest prompt that fits with ``--new-tokens``
+new tokens, each trial one measured step in a fresh worker process (an out-of-memory trial leaves nothing behind):
+the prompt doubles from ``--find-start`` until a trial runs out of device memory, then bisects the bracket to
+``--find-step`` tokens. Each trial prints its row as it ends; the search stops starting trials when ``--budget``
+seconds are spent and prints the bracket to continue from (``--find-fits``/``--find-fails``).
+
 Usage (GPU machine, after ``source bench/gpu_env.sh``)::
 
     python bench/grpo_bench.py --json bench/out/grpo.json              # both systems, table
     python bench/grpo_bench.py --systems strop --new-tokens 1024
+    python bench/grpo_bench.py --prompts 1 --prompt-tokens 4096 --new-tokens 128 --steps 1  # long prompt
+    python bench/grpo_bench.py --find-longest --new-tokens 128 --budget 540
     python bench/grpo_bench.py --smoke
+    python bench/grpo_bench.py --smoke --find-longest --find-start 32 --find-step 16 --new-tokens 4
 """
 
 from __future__ import annotations
@@ -72,10 +81,13 @@ class Row:
     peak_reserved_gib: float = 0.0
     rewards: list[float] | None = None
     note: str = ""
+    oom: bool = False  # failed by running out of device memory
+    wall_s: float = 0.0  # the worker process's wall time, loading included
 
 
 def rows(n: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
-    """``n`` prompts rows of random text (about ``prompt_tokens`` tokens each) asking for the letter 'e'."""
+    """``n`` prompts rows of random text (``prompt_tokens`` tokens each, within a few, before the chat template)
+    asking for the letter 'e'."""
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
 
     tok = make_bpe_tokenizer()
@@ -84,6 +96,11 @@ def rows(n: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
     for _ in range(n):
         ids = [rng.randrange(3, 640) for _ in range(prompt_tokens)]
         text = tok.decode(ids, skip_special_tokens=True)
+        for _ in range(4):  # decoded ids re-encode longer (merges across the joins): cut to the asked length
+            enc = tok(text)["input_ids"]
+            if len(enc) <= prompt_tokens:
+                break
+            text = tok.decode(enc[:prompt_tokens], skip_special_tokens=True)
         out.append({"messages": [{"role": "user", "content": text}], "letter": "e"})
     return out
 
@@ -135,7 +152,7 @@ def run_strop(a, w: harness.Workload) -> Row:
             model_path=os.path.basename(w.saved_model_dir()),
             quantization=Quantization.NF4,
             kernels=KernelMode.UNSPECIFIED,
-            max_seq_length=a.prompt_tokens * 2 + a.new_tokens + 64,
+            max_seq_length=min(harness.MAX_POSITIONS, a.prompt_tokens * 2 + a.new_tokens + 64),
         )
     )
     core.sessions.attach_lora(info.session_id, LoraConfig(r=16, alpha=16, seed=0))
@@ -270,39 +287,54 @@ def run_trl(a, w: harness.Workload) -> Row:
     return row
 
 
-def spawn(system: str, a) -> Row:
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device running out of memory (torch's error, or a kernel's launch failing for it)."""
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
+def spawn(
+    system: str,
+    a,
+    prompts: int | None = None,
+    prompt_tokens: int | None = None,
+    steps: int | None = None,
+    warmup: int | None = None,
+    timeout: float | None = None,
+) -> Row:
+    """One worker process for ``system``; the keyword arguments override ``a``'s shape for this run."""
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        system,
-        "--prompts",
-        str(a.prompts),
-        "--group",
-        str(a.group),
-        "--new-tokens",
-        str(a.new_tokens),
-        "--prompt-tokens",
-        str(a.prompt_tokens),
-        "--steps",
-        str(a.steps),
-        "--warmup",
-        str(a.warmup),
-        *(["--smoke"] if a.smoke else []),
-    ]
+    timeout = a.timeout if timeout is None else timeout
+    shape = {
+        "--prompts": a.prompts if prompts is None else prompts,
+        "--group": a.group,
+        "--new-tokens": a.new_tokens,
+        "--prompt-tokens": a.prompt_tokens if prompt_tokens is None else prompt_tokens,
+        "--steps": a.steps if steps is None else steps,
+        "--warmup": a.warmup if warmup is None else warmup,
+    }
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system]
+    cmd += [x for k, v in shape.items() for x in (k, str(v))] + (["--smoke"] if a.smoke else [])
+    t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return Row(system, ok=False, error=f"timeout after {a.timeout}s")
+        return Row(system, ok=False, error=f"timeout after {timeout:.0f}s", wall_s=time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
     if a.show_stderr and proc.stderr:
         print(f"--- {system} worker stderr (tail) ---\n{proc.stderr[-a.show_stderr :]}", flush=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return Row(**json.loads(line[7:]))
-    return Row(system, ok=False, error=f"rc={proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
+            return Row(**{**json.loads(line[7:]), "wall_s": wall})
+    tail = (proc.stderr or proc.stdout)[-1500:]
+    return Row(
+        system,
+        ok=False,
+        error=f"rc={proc.returncode}: {tail}",
+        oom="out of memory" in tail.lower(),
+        wall_s=wall,
+    )
 
 
 def table(results: list[Row], a) -> str:
@@ -330,6 +362,69 @@ def table(results: list[Row], a) -> str:
     return "\n".join(lines)
 
 
+def find_longest(a) -> dict:
+    """The longest prompt (with ``a.new_tokens`` new tokens, one prompt x ``a.group`` samples) strop's GRPO step runs
+    without running out of device memory: doubling from ``a.find_start`` (or from a known bracket), then bisection
+    to ``a.find_step`` tokens; one fresh worker per trial. Prints each trial's row, then the result."""
+    end = time.perf_counter() + a.budget
+    trials: list[tuple[int, Row]] = []
+    print(
+        "| prompt tokens asked | prompt tok | completion tok | tokens a sequence | result | peak alloc GiB "
+        "| reserved GiB | s/step | trial s |\n|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
+
+    def trial(n: int) -> Row | None:
+        left = end - time.perf_counter()
+        if left < 10 or (trials and left < trials[-1][1].wall_s):  # no trial that would not end in time
+            return None
+        r = spawn("strop", a, prompts=1, prompt_tokens=n, steps=1, warmup=0, timeout=min(a.timeout, left))
+        trials.append((n, r))
+        result = "fits" if r.ok else "OOM" if r.oom else f"error: {r.error[-200:]}".replace("\n", " ")
+        print(
+            f"| {n:,} | {r.prompt_tokens:,.0f} | {r.completion_tokens:,.0f} | "
+            f"{r.prompt_tokens + r.completion_tokens:,.0f} | {result} | {r.peak_alloc_gib:.1f} | "
+            f"{r.peak_reserved_gib:.1f} | {r.seconds_per_step:.1f} | {r.wall_s:.0f} |",
+            flush=True,
+        )
+        return r
+
+    fits, fails = a.find_fits, a.find_fails  # prompt tokens known to fit / to run out of memory (0: unknown)
+    stopped = ""
+    n = max(a.find_start, fits * 2)
+    while not fails and not stopped:  # doubling
+        r = trial(n)
+        if r is None or not (r.ok or r.oom):
+            stopped = "budget spent" if r is None else "a trial failed other than by memory"
+        elif r.ok:
+            fits, n = n, n * 2
+            if n > a.find_max:
+                stopped = f"--find-max {a.find_max} reached"
+        else:
+            fails = n
+    while fails and not stopped and fails - fits > a.find_step:  # bisection
+        n = max(fits + a.find_step, (fits + fails) // 2 // a.find_step * a.find_step)
+        if n >= fails:
+            break
+        r = trial(n)
+        if r is None or not (r.ok or r.oom):
+            stopped = "budget spent" if r is None else "a trial failed other than by memory"
+        elif r.ok:
+            fits = n
+        else:
+            fails = n
+    best = max((r for n, r in trials if r.ok and n == fits), key=lambda r: r.prompt_tokens, default=None)
+    seq = f"{best.prompt_tokens + best.completion_tokens:,.0f}" if best else "?"
+    print(
+        f"longest that fits at group {a.group} with {a.new_tokens} new tokens: prompt {fits:,} tokens asked "
+        f"({seq} tokens a sequence); first out of memory at {fails:,} "
+        f"({'stopped: ' + stopped if stopped else 'bracket within ' + str(a.find_step) + ' tokens'}); "
+        f"continue with --find-fits {fits} --find-fails {fails}",
+        flush=True,
+    )
+    return {"fits": fits, "fails": fails, "stopped": stopped, "trials": [[n, asdict(r)] for n, r in trials]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", choices=["trl", "strop"])
@@ -346,6 +441,17 @@ def main() -> None:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
+    p.add_argument("--find-longest", action="store_true", help="strop alone: the longest prompt that fits")
+    p.add_argument("--find-start", type=int, default=8192, help="the first trial's prompt tokens")
+    p.add_argument("--find-step", type=int, default=4096, help="bisect until the bracket is this many tokens")
+    p.add_argument("--find-fits", type=int, default=0, help="prompt tokens already known to fit")
+    p.add_argument(
+        "--find-fails", type=int, default=0, help="prompt tokens already known to run out of memory"
+    )
+    p.add_argument(
+        "--find-max", type=int, default=harness.MAX_POSITIONS // 2, help="no trial beyond this prompt"
+    )
+    p.add_argument("--budget", type=float, default=540, help="seconds after which no trial starts")
     a = p.parse_args()
     w = harness.workload("qlora", a.smoke)
     if a.worker:
@@ -355,10 +461,17 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-            row = Row(a.worker, ok=False, error=repr(exc)[:400])
+            row = Row(a.worker, ok=False, error=repr(exc)[:400], oom=is_oom(exc))
         print("RESULT " + json.dumps(asdict(row)), flush=True)
         return
     w.ensure_saved_model(harness.MAX_POSITIONS, "qlora")
+    if a.find_longest:
+        found = find_longest(a)
+        if a.json:
+            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+            with open(a.json, "w") as f:
+                json.dump(found, f, indent=1)
+        return
     results = []
     for system in a.systems.split(","):
         r = spawn(system, a)
