@@ -277,6 +277,45 @@ def _sft_rows(tok_len: int, n: int = 6):
     return rows
 
 
+def _tiny_sft_trainer(cls, tok, rows, output_dir, *, batch_size: int):
+    """A ``cls`` SFT trainer (seeded) on a 2-layer Llama with LoRA on q_proj: 4 SGD steps, a log every 2, on CPU."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from trl import SFTConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_cache=False,
+    )
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"]))
+    args = SFTConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=batch_size,
+        max_steps=4,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        data_seed=0,
+        completion_only_loss=True,
+        disable_tqdm=True,
+    )
+    return cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+
+
 @cpu_tier
 def test_sft_metrics_stay_on_device_and_log_trls_values_to_the_bit(tmp_path, monkeypatch):
     """StropSFTMixin.compute_loss reads nothing back from the device (TRL's reads five scalars a micro-batch), and the
@@ -285,10 +324,7 @@ def test_sft_metrics_stay_on_device_and_log_trls_values_to_the_bit(tmp_path, mon
     locked("trl")
     import sys
 
-    from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
     from strop.kernels.trainers import strop_sft_trainer_class
@@ -319,38 +355,7 @@ def test_sft_metrics_stay_on_device_and_log_trls_values_to_the_bit(tmp_path, mon
     logs = {}
     for cls in (trl_metrics_cls, strop_cls):
         current = cls.__name__
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            use_cache=False,
-        )
-        model = get_peft_model(
-            AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"])
-        )
-        args = SFTConfig(
-            output_dir=str(tmp_path / current),
-            per_device_train_batch_size=3,
-            max_steps=4,
-            learning_rate=0.5,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            logging_steps=2,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            bf16=False,
-            seed=0,
-            data_seed=0,
-            completion_only_loss=True,
-            disable_tqdm=True,
-        )
-        trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        trainer = _tiny_sft_trainer(cls, tok, rows, tmp_path / current, batch_size=3)
         trainer.train()
         logs[current] = [
             {k: h[k] for k in ("loss", "entropy", "mean_token_accuracy", "num_tokens")}
@@ -378,10 +383,7 @@ def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_pat
     locked("trl")
     import sys
 
-    from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
     from strop.kernels.trainers import strop_sft_trainer_class
@@ -424,39 +426,8 @@ def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_pat
     logs = {}
     for cls in (hf_filter_cls, ours_cls):
         current = cls.__name__
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            use_cache=False,
-        )
-        model = get_peft_model(
-            AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"])
-        )
-        args = SFTConfig(
-            output_dir=str(tmp_path / current),
-            per_device_train_batch_size=2,
-            max_steps=4,
-            learning_rate=0.5,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            logging_steps=2,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            bf16=False,
-            seed=0,
-            data_seed=0,
-            completion_only_loss=True,
-            disable_tqdm=True,
-        )
-        assert args.logging_nan_inf_filter, "HF's default: the filter is on"
-        trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        trainer = _tiny_sft_trainer(cls, tok, rows, tmp_path / current, batch_size=2)
+        assert trainer.args.logging_nan_inf_filter, "HF's default: the filter is on"
         trainer.train()
         assert trainer.args.logging_nan_inf_filter, "the user's setting is restored"
         logs[current] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
