@@ -273,7 +273,11 @@ def run(
             ds = validate_jsonl(iter(lambda: f.read(1 << 20), b""), spec.dataset_format, Limits())
         # a sharded job on accelerators loads into host memory: FSDP2 moves each layer to the device as it shards
         load_device = fsdp.staging_device(spec.config, device, rank.world_size)
-        loaded = models.load_model(spec.model, model_root=model_root, device=device, load_device=load_device)
+        # a 4-bit MoE's experts: NF4 on DDP ranks as in one process; FSDP2 cannot shard that storage
+        nf4_experts = not (fsdp.is_fsdp(spec.config) and rank.world_size > 1)
+        loaded = models.load_model(
+            spec.model, model_root=model_root, device=device, load_device=load_device, nf4_experts=nf4_experts
+        )
         models.attach_lora(loaded, spec.lora)  # seeded: the same adapter on every rank
         if load_device != device:
             loaded.pending_device_bytes = fsdp.device_bytes_after_sharding(loaded.model, rank.world_size)

@@ -119,15 +119,11 @@ def aux_loss_coef(hf_config) -> float:
 
 def _experts_go_nf4(hf_config, quantization: str) -> bool:
     """Whether a session's experts are held in NF4: a 4-bit session (``quantization``: its label, ``"none"`` for
-    16-bit) of Qwen3-MoE or Mixtral in one process. A rank of a DDP/FSDP job (its process group up) keeps them
-    16-bit, since DDP's broadcast and FSDP's sharding of the parameters would meet the stride-0 placeholders
-    (untested, so not entered)."""
-    import torch.distributed as dist
-
+    16-bit) of Qwen3-MoE or Mixtral. A DDP rank holds them so too (DDP leaves frozen tensors and buffers alone:
+    ``dist_worker.frozen_names``); an FSDP rank does not ask (``models.load_model``'s ``nf4_experts``), since
+    ``fully_shard`` would shard the stride-0 placeholders and leave the NF4 buffers whole on every rank."""
     arch = moe_arch(hf_config)
-    if quantization == "none" or arch is None or arch.model_type not in NF4_EXPERT_ARCHS:
-        return False
-    return not (dist.is_available() and dist.is_initialized())
+    return quantization != "none" and arch is not None and arch.model_type in NF4_EXPERT_ARCHS
 
 
 def experts_in_nf4_while_loading(hf_config, quantization: str, dtype) -> AbstractContextManager:
@@ -145,7 +141,7 @@ def experts_in_nf4_while_loading(hf_config, quantization: str, dtype) -> Abstrac
 def hold_experts_in_nf4(model, hf_config, quantization: str) -> int:
     """Quantize a 4-bit session's fused expert stacks into strop's NF4 storage (``quantization``: the session's
     label, ``"none"`` for 16-bit) where the load has not already (:func:`experts_in_nf4_while_loading`); returns
-    how many stacks this call quantized. Qwen3-MoE and Mixtral only, one process only (:func:`_experts_go_nf4`)."""
+    how many stacks this call quantized. Qwen3-MoE and Mixtral only (:func:`_experts_go_nf4`)."""
     if not _experts_go_nf4(hf_config, quantization):
         return 0
     from strop.kernels.models.moe_experts import quantize_experts
