@@ -22,7 +22,23 @@ from strop.graders.spec import Spec
 REGEX_TIMEOUT_S = 0.25  # a pattern that backtracks catastrophically on an output scores 0 instead of hanging
 
 
-class StringCheck(LeafGrader):
+class PairGrader(LeafGrader):
+    """A leaf grader of an ``input`` template against a ``reference`` template."""
+
+    def read_pair(self, s: Spec) -> None:
+        self.input, self.reference = s.template("input"), s.template("reference")
+        self.templates = (self.input, self.reference)
+
+    def render_pair(self, sample: Sample, item: dict) -> tuple[str, str] | Score:
+        """Both rendered, or the score of the first that cannot be."""
+        text = render(self.input, sample, item)
+        if isinstance(text, Score):
+            return text
+        ref = render(self.reference, sample, item)
+        return ref if isinstance(ref, Score) else (text, ref)
+
+
+class StringCheck(PairGrader):
     type = "string_check"
     OPERATIONS = ("eq", "ne", "like", "ilike")
 
@@ -33,17 +49,15 @@ class StringCheck(LeafGrader):
                 s.at("operation"), "'neq' is 'ne' (the guide's prose says neq; its schema and SDK, ne)"
             )
         self.operation = s.choice("operation", self.OPERATIONS)
-        self.input, self.reference = s.template("input"), s.template("reference")
-        self.templates = (self.input, self.reference)
+        self.read_pair(s)
         self.pass_threshold = s.number("pass_threshold", 1.0)
         s.done()
 
     def score_one(self, sample: Sample, item: dict) -> Score:
-        text, ref = render(self.input, sample, item), render(self.reference, sample, item)
-        if isinstance(text, Score):
-            return text
-        if isinstance(ref, Score):
-            return ref
+        pair = self.render_pair(sample, item)
+        if isinstance(pair, Score):
+            return pair
+        text, ref = pair
         if self.operation == "eq":
             hit = text == ref
         elif self.operation == "ne":
@@ -55,7 +69,7 @@ class StringCheck(LeafGrader):
         return Score(1.0 if hit else 0.0)
 
 
-class TextSimilarity(LeafGrader):
+class TextSimilarity(PairGrader):
     type = "text_similarity"
 
     def __init__(self, s: Spec) -> None:
@@ -64,29 +78,26 @@ class TextSimilarity(LeafGrader):
         why = metrics.refusal(self.metric)
         if why:
             raise GraderSpecError(s.at("evaluation_metric"), why)
-        self.input, self.reference = s.template("input"), s.template("reference")
-        self.templates = (self.input, self.reference)
+        self.read_pair(s)
         self.pass_threshold = s.number("pass_threshold", 1.0)
         s.done()
 
     def score_one(self, sample: Sample, item: dict) -> Score:
-        text, ref = render(self.input, sample, item), render(self.reference, sample, item)
-        if isinstance(text, Score):
-            return text
-        if isinstance(ref, Score):
-            return ref
+        pair = self.render_pair(sample, item)
+        if isinstance(pair, Score):
+            return pair
+        text, ref = pair
         return finite_or_invalid(metrics.FUNCTIONS[self.metric](text, ref), self.metric)
 
 
-class NumericCheck(LeafGrader):
+class NumericCheck(PairGrader):
     """1 when the number the input states is within tolerance of the reference's, else 0 (``numeric.py``)."""
 
     type = "numeric_check"
 
     def __init__(self, s: Spec) -> None:
         self.name = s.name()
-        self.input, self.reference = s.template("input"), s.template("reference")
-        self.templates = (self.input, self.reference)
+        self.read_pair(s)
         self.extract = s.choice("extract", ("auto", "exact"), "auto")
         self.abs_tol = s.number("abs_tol", 0.0, lo=0.0)
         self.rel_tol = s.number("rel_tol", 1e-9, lo=0.0)
@@ -96,11 +107,10 @@ class NumericCheck(LeafGrader):
             raise GraderSpecError(s.at("reference"), f"{self.reference.source!r} is not a number")
 
     def score_one(self, sample: Sample, item: dict) -> Score:
-        text, ref = render(self.input, sample, item), render(self.reference, sample, item)
-        if isinstance(text, Score):
-            return text
-        if isinstance(ref, Score):
-            return ref
+        pair = self.render_pair(sample, item)
+        if isinstance(pair, Score):
+            return pair
+        text, ref = pair
         want = numeric.parse_number(ref, "exact")
         if want is None:
             return Score(INVALID, f"the reference {ref[:80]!r} is not a number")
