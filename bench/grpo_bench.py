@@ -415,11 +415,14 @@ def find_longest(a) -> dict:
             fails = n
     best = max((r for n, r in trials if r.ok and n == fits), key=lambda r: r.prompt_tokens, default=None)
     seq = f"{best.prompt_tokens + best.completion_tokens:,.0f}" if best else "?"
+    oom = f"first out of memory at {fails:,}" if fails else "no trial ran out of memory"
+    how = "stopped: " + stopped if stopped else f"bracket within {a.find_step} tokens"
+    more = (
+        f"--find-fits {fits} --find-fails {fails}" if fails else f"--find-start {max(fits * 2, a.find_start)}"
+    )
     print(
         f"longest that fits at group {a.group} with {a.new_tokens} new tokens: prompt {fits:,} tokens asked "
-        f"({seq} tokens a sequence); first out of memory at {fails:,} "
-        f"({'stopped: ' + stopped if stopped else 'bracket within ' + str(a.find_step) + ' tokens'}); "
-        f"continue with --find-fits {fits} --find-fails {fails}",
+        f"({seq} tokens a sequence, chat template included); {oom} ({how}); continue with {more}",
         flush=True,
     )
     return {"fits": fits, "fails": fails, "stopped": stopped, "trials": [[n, asdict(r)] for n, r in trials]}
