@@ -5,6 +5,7 @@ reference), and INVALID_ARGUMENT for request bytes that do not decode, on every 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -131,17 +132,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         status = functools.partial(_status, method=method, paths=self.paths)
         check = _checked_stream if handler.request_streaming else _checked
 
+        @contextlib.contextmanager
+        def as_caller(context):
+            # the call's principal is auth.current() inside the handler (an unknown token raises here)
+            token = set_current(principal_of(context, method))
+            try:
+                yield
+            finally:
+                reset_current(token)
+
         def wrap(fn):
             if inspect.isasyncgenfunction(fn):
 
                 async def stream(request, context):
                     try:
-                        token = set_current(principal_of(context, method))
-                        try:
+                        with as_caller(context):
                             async for item in fn(check(request), context):
                                 yield item
-                        finally:
-                            reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
@@ -152,11 +159,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
                 async def unary(request, context):
                     try:
-                        token = set_current(principal_of(context, method))
-                        try:
+                        with as_caller(context):
                             return await fn(check(request), context)
-                        finally:
-                            reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
@@ -167,11 +171,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
                 def sync_stream(request, context):
                     try:
-                        token = set_current(principal_of(context, method))
-                        try:
+                        with as_caller(context):
                             yield from fn(check(request), context)
-                        finally:
-                            reset_current(token)
                     except Exception as exc:
                         if _already_aborted(context):
                             raise
@@ -181,11 +182,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             def sync_unary(request, context):
                 try:
-                    token = set_current(principal_of(context, method))
-                    try:
+                    with as_caller(context):
                         return fn(check(request), context)
-                    finally:
-                        reset_current(token)
                 except Exception as exc:
                     if _already_aborted(context):
                         raise
