@@ -161,12 +161,15 @@ def nf4_experts(module: nn.Module, pname: str):
     buf = module._buffers
     nested = f"{pname}_nf4_absmax2" in buf
     return Nf4Experts(
-        packed=buf[f"{pname}_nf4_packed"], absmax=buf[f"{pname}_nf4_absmax"],
+        packed=buf[f"{pname}_nf4_packed"],
+        absmax=buf[f"{pname}_nf4_absmax"],
         absmax2=buf[f"{pname}_nf4_absmax2"] if nested else None,
         code2=buf[f"{pname}_nf4_code2"] if nested else None,
         offset=buf[f"{pname}_nf4_offset"] if nested else None,
-        shape=shape, dtype=dtype, blocksize2=bs2,
-    )  # fmt: skip
+        shape=shape,
+        dtype=dtype,
+        blocksize2=bs2,
+    )
 
 
 def nf4_expert_modules(model: nn.Module) -> dict[str, nn.Module]:

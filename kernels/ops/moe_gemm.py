@@ -195,8 +195,12 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
         except RuntimeError as err:  # a layout or dtype this torch's kernel refuses: said once, then the loop
             if not _REFUSED:
                 _REFUSED.append(err)
-                warnings.warn(f"torch's grouped GEMM refused {list(a.shape)} × {list(b.shape)} {a.dtype}: {err}; "
-                              "the expert GEMMs run expert by expert", RuntimeWarning, stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"torch's grouped GEMM refused {list(a.shape)} × {list(b.shape)} {a.dtype}: {err}; "
+                    "the expert GEMMs run expert by expert",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     starts = [0, *ends.tolist()]
     if b.dim() == 3:  # per expert over its rows
         out = torch.zeros(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)

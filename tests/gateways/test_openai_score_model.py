@@ -37,10 +37,16 @@ def stack(model_root, tmp_path_factory):
 def _create(c, grader: dict):
     f = c.files.create(file=("rft.jsonl", jsonl(ROWS)), purpose="fine-tune")
     return c.fine_tuning.jobs.create(
-        model="tiny-llama", training_file=f.id,
-        method={"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": {
-            "n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.25}}},
-    )  # fmt: skip
+        model="tiny-llama",
+        training_file=f.id,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": grader,
+                "hyperparameters": {"n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.25},
+            },
+        },
+    )
 
 
 def test_a_reinforcement_job_grades_with_a_score_model_on_its_own_base(stack):
