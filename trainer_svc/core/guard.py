@@ -38,12 +38,19 @@ def make_guard(model):
     steps every trainable tensor must also see a non-zero gradient at least once. A LoRA ``A`` whose ``B``
     is exactly zero has an exactly zero gradient by construction (dA = s·xᵀ(g·B)); such steps are
     excused, so a fresh adapter (B = 0) or a first warm-up step at lr 0 is not mistaken for a cut graph.
-    The per-tensor max |·| is one fused ``_foreach_norm(inf)`` and one host sync per step.
+
+    The per-tensor max |·| of the gradients (and, within the window, of each ``A``'s ``B``) is taken on the device
+    before the optimizer step and of the adapters after it (fused ``_foreach_norm(inf)``s), and all are read in one
+    host sync after the step, then checked in that order. A read before the step would leave the GPU idle while
+    the host runs the optimizer's Python. Non-finite gradients make the update non-finite too; the job fails at
+    the same step with the same message either way, and a failed job's session gets back the adapter it had
+    before the job (``jobs``).
     """
     import torch
     from transformers import TrainerCallback
 
-    def max_abs(tensors) -> list[float]:
+    def max_abs(tensors) -> torch.Tensor:
+        """Each tensor's max |·|, fp32, on the device (not read)."""
         from torch.distributed.tensor import DTensor
 
         sharded = any(isinstance(t, DTensor) for t in tensors)
@@ -54,7 +61,7 @@ def make_guard(model):
             # the same on every rank, so they all raise together. NaN becomes inf first: NCCL's MAX drops NaNs.
             norms = torch.nan_to_num(norms, nan=math.inf)
             torch.distributed.all_reduce(norms, op=torch.distributed.ReduceOp.MAX)
-        return norms.cpu().tolist()
+        return norms
 
     class GradientGuard(TrainerCallback):
         def __init__(self) -> None:
@@ -62,7 +69,8 @@ def make_guard(model):
             self.steps = 0
             self.never_nonzero: set[str] = set()
             self.unexcused_zero: set[str] = set()
-            self.partner: dict[str, torch.Tensor] = {}
+            self.partner: dict[str, torch.Tensor] = {}  # each lora_A's name -> its lora_B
+            self.before: list[torch.Tensor] = []  # on the device: max |grad| (and the window's max |B|)
 
         def on_train_begin(self, args, state, control, **kw):
             self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -79,31 +87,39 @@ def make_guard(model):
                     f"step {step}: {len(missing)} of {len(self.params)} trainable tensors got no gradient "
                     f"(the graph from the loss does not reach them): {names(missing)}"
                 )
-            grads = max_abs([p.grad for _, p in self.params])
-            bad = [n for (n, _), g in zip(self.params, grads, strict=True) if not math.isfinite(g)]
+            before = [max_abs([p.grad for _, p in self.params])]
+            if self.steps <= GUARD_WINDOW_STEPS and self.partner:
+                before.append(
+                    max_abs([self.partner[n].detach() for n in self.partner])
+                )  # each B before the step
+            self.before = before  # read after the step, with the adapters
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            step = state.global_step + 1
+            n = len(self.params)
+            values = torch.cat([*self.before, max_abs([p.detach() for _, p in self.params])]).cpu().tolist()
+            grads, after = values[:n], values[-n:]
+            partner_max = dict(zip(self.partner, values[n:-n], strict=True)) if len(values) > 2 * n else {}
+            self.before = []
+            bad = [name for (name, _), g in zip(self.params, grads, strict=True) if not math.isfinite(g)]
             if bad:
                 raise BrokenTraining(
-                    f"step {step}: non-finite gradients in {len(bad)} of {len(self.params)} trainable tensors: "
+                    f"step {step}: non-finite gradients in {len(bad)} of {n} trainable tensors: "
                     f"{names(bad)} (lower the learning rate, or check the data and max_grad_norm)",
                     code="INVALID_ARGUMENT",
                 )
-            if self.steps > GUARD_WINDOW_STEPS:
-                return
-            zero = [n for (n, _), g in zip(self.params, grads, strict=True) if g == 0.0]
-            self.never_nonzero &= set(zero)
-            for n in zero:
-                partner = self.partner.get(n)
-                if partner is None or max_abs([partner.detach()])[0] != 0.0:  # the same on every rank
-                    self.unexcused_zero.add(n)
-            if self.steps == GUARD_WINDOW_STEPS:
-                self._check_window(step)
-
-        def on_optimizer_step(self, args, state, control, **kw):
-            values = max_abs([p.detach() for _, p in self.params])
-            bad = [n for (n, _), v in zip(self.params, values, strict=True) if not math.isfinite(v)]
+            if self.steps <= GUARD_WINDOW_STEPS:
+                zero = [name for (name, _), g in zip(self.params, grads, strict=True) if g == 0.0]
+                self.never_nonzero &= set(zero)
+                for name in zero:  # a zero dA is excused while its B is exactly zero (the same on every rank)
+                    if partner_max.get(name, 1.0) != 0.0:
+                        self.unexcused_zero.add(name)
+                if self.steps == GUARD_WINDOW_STEPS:
+                    self._check_window(step)
+            bad = [name for (name, _), v in zip(self.params, after, strict=True) if not math.isfinite(v)]
             if bad:
                 raise BrokenTraining(
-                    f"step {state.global_step + 1}: the optimizer step made {len(bad)} adapter tensors "
+                    f"step {step}: the optimizer step made {len(bad)} adapter tensors "
                     f"non-finite: {names(bad)} (the learning rate or weight decay is too large)",
                     code="INVALID_ARGUMENT",
                 )

@@ -101,6 +101,55 @@ PREFERENCE_LOG_KEYS = {
 }
 
 
+class DeviceTokenCount:
+    """Mixed into every job's TRL trainer class: HF's ``include_num_input_tokens_seen`` count held on the device
+    until it is logged.
+
+    HF's Trainer adds each micro-batch's token count to ``state.num_input_tokens_seen`` with ``.item()`` right
+    after ``training_step`` has launched the backward: the host waits there for the whole backward, and the GPU
+    then idles while the host runs the gradient clipping and the optimizer's Python. Here each count is the same
+    tensor HF reads (the attention mask's sum, else the non-pad ids, else every id; gathered over the processes),
+    kept unread; they are added to the state (one read) where the loop has already read the loss, in ``log``, and
+    before a checkpoint writes the state. The step events (``tokens_seen``, tokens/s) and the saved state hold the
+    same integers as HF's count.
+    """
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        import torch
+
+        mode = self.args.include_num_input_tokens_seen
+        name = getattr(self.model, "main_input_name", "input_ids")
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        if mode == "no" or name not in inputs:
+            return super()._track_num_input_tokens(inputs)  # nothing to count, or HF's warning
+        if mode != "non_padding":
+            count = inputs[name].numel()
+        elif "attention_mask" in inputs:
+            count = inputs["attention_mask"].sum()
+        elif pad is not None:
+            count = (inputs[name] != pad).sum()
+        else:
+            return super()._track_num_input_tokens(inputs)  # HF warns and counts every id
+        count = torch.as_tensor(count, device=self.args.device, dtype=torch.int64)
+        self.__dict__.setdefault("_strop_input_tokens", []).append(self.accelerator.gather(count).sum())
+
+    def _strop_fold_input_tokens(self) -> None:
+        pending = self.__dict__.get("_strop_input_tokens")
+        if pending:
+            import torch
+
+            self.state.num_input_tokens_seen += int(torch.stack(pending).sum())
+            pending.clear()
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        self._strop_fold_input_tokens()
+        super().log(logs, *args, **kwargs)
+
+    def _save_checkpoint(self, *args, **kwargs):
+        self._strop_fold_input_tokens()
+        return super()._save_checkpoint(*args, **kwargs)
+
+
 def _make_callback(loaded: LoadedModel, control: JobControl, sinks: Sinks, method: TrainMethod):
     from transformers import TrainerCallback
 
@@ -252,10 +301,12 @@ def _build_trl_trainer(
     callback = _make_callback(loaded, control, sinks, cfg.method)
 
     def held_out(shape: Callable[[list[dict]], list[dict]], trainer_cls: type) -> tuple[type, dict]:
-        """The trainer class and its eval_dataset kwarg: the validation rows shaped like the training rows."""
+        """The trainer class (with the token count held on the device) and its eval_dataset kwarg: the
+        validation rows shaped like the training rows."""
+        counting = type(trainer_cls.__name__, (DeviceTokenCount, trainer_cls), {})
         if validation is None:
-            return trainer_cls, {}
-        validating = type(trainer_cls.__name__, (Validating, trainer_cls), {})
+            return counting, {}
+        validating = type(trainer_cls.__name__, (Validating, counting), {})
         return validating, {"eval_dataset": eval_dataset(shape(validation.rows))}
 
     if cfg.method is TrainMethod.SFT:
