@@ -192,6 +192,57 @@ def test_gpu_bf16_large_vocab_within_twice_torch_error():
     assert (ours[2] == truth[2]).float().mean() > 0.999, "top-1 flags agree but for bf16 near-ties"
 
 
+def _tiny_sft_trainer(
+    cls,
+    tok,
+    rows,
+    output_dir,
+    *,
+    batch_size: int,
+    targets=("q_proj",),
+    max_steps: int = 4,
+    logging_steps: int = 2,
+):
+    """A ``cls`` SFT trainer (seeded) on a 2-layer Llama with LoRA on ``targets``: plain SGD at 0.5 on CPU."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from trl import SFTConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_cache=False,
+    )
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=list(targets))
+    )
+    args = SFTConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=batch_size,
+        max_steps=max_steps,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=logging_steps,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        data_seed=0,
+        completion_only_loss=True,
+        disable_tqdm=True,
+    )
+    return cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+
+
 @cpu_tier
 def test_strop_sft_trainer_trains_like_trls_sft_trainer(tmp_path):
     """Three SFT steps with a completion mask: per-step losses and the final adapter as TRL's own head gives (fp32).
@@ -199,10 +250,7 @@ def test_strop_sft_trainer_trains_like_trls_sft_trainer(tmp_path):
     Plain SGD, so the adapters differ by what the gradients differ by (Adam's m/√v turns fp32 summation-order
     differences in near-zero gradients into relative ones)."""
     locked("trl")
-    from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
     from strop.kernels.trainers import strop_sft_trainer_class
@@ -219,39 +267,17 @@ def test_strop_sft_trainer_trains_like_trls_sft_trainer(tmp_path):
     rows = [{"input_ids": r["prompt"] + r["completion"], "completion_mask": [0] * 7 + [1] * 9} for r in rows]
     runs = []
     for cls in (SFTTrainer, strop_sft_trainer_class()):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            use_cache=False,
-        )
-        model = get_peft_model(
-            AutoModelForCausalLM.from_config(cfg),
-            LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]),
-        )
-        args = SFTConfig(
-            output_dir=str(tmp_path / cls.__name__),
-            per_device_train_batch_size=3,
+        trainer = _tiny_sft_trainer(
+            cls,
+            tok,
+            rows,
+            tmp_path / cls.__name__,
+            batch_size=3,
+            targets=["q_proj", "v_proj", "down_proj"],
             max_steps=3,
-            learning_rate=0.5,
-            optim="sgd",
-            lr_scheduler_type="constant",
             logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            bf16=False,
-            seed=0,
-            data_seed=0,
-            completion_only_loss=True,
-            disable_tqdm=True,
         )
-        trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        model = trainer.model
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         adapter = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -275,45 +301,6 @@ def _sft_rows(tok_len: int, n: int = 6):
         rows.append({"input_ids": prompt + completion, "completion_mask": [0] * 7 + [1] * len(completion)})
     rows[1]["completion_mask"] = [0] * len(rows[1]["input_ids"])  # a row without a scored position
     return rows
-
-
-def _tiny_sft_trainer(cls, tok, rows, output_dir, *, batch_size: int):
-    """A ``cls`` SFT trainer (seeded) on a 2-layer Llama with LoRA on q_proj: 4 SGD steps, a log every 2, on CPU."""
-    from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from trl import SFTConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        use_cache=False,
-    )
-    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"]))
-    args = SFTConfig(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=batch_size,
-        max_steps=4,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        logging_steps=2,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        data_seed=0,
-        completion_only_loss=True,
-        disable_tqdm=True,
-    )
-    return cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
 
 
 @cpu_tier
