@@ -141,12 +141,14 @@ def test_a_16_bit_session_keeps_its_experts_and_the_hook_is_gone_after_the_load(
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_a_4bit_moe_load_holds_one_16_bit_stack_at_a_time(tmp_path, monkeypatch):
-    """The device's allocated bytes each time the loader sets an expert stack, for a Qwen3-MoE of 8 layers × 64
-    experts (1.5 GiB of bf16 experts, the largest stack 128 MiB). Quantizing after the load, the last stack set finds
-    every 16-bit stack allocated. Quantizing on load, the device holds part of the final model plus the arriving
-    stack and, at most, the per-expert checkpoint tensors it was merged from (the same bytes again): at most the
-    final model plus two of the largest stack. The codes are bit for bit the same on the same device."""
+def test_on_the_gpu_a_4bit_moe_load_peaks_at_a_few_16_bit_stacks_not_all(tmp_path, monkeypatch):
+    """The device's peak while a Qwen3-MoE of 8 layers × 64 experts (1.5 GiB of bf16 experts, the largest stack
+    128 MiB) loads NF4, counted from the first weight the loader sets (after transformers' allocator warm-up, a
+    cache reservation of the model's size with 16-bit experts that no tensor holds). Quantizing after the load, the
+    peak holds every 16-bit stack. Quantizing on load, it holds the final model (or part of it) plus at most three
+    of the largest stack: while the loader merges a stack from its per-expert checkpoint tensors (the sources and
+    the merged stack) its loop still references the previous stack, and the NF4 codes of a stack are a quarter of
+    its bytes, made once the previous stack is gone. The codes are bit for bit the same on the same device."""
     import gc
 
     from strop.fixtures.models import TinyShape, make_tiny_model
@@ -164,17 +166,17 @@ def test_on_the_gpu_a_4bit_moe_load_holds_one_16_bit_stack_at_a_time(tmp_path, m
         from strop.trainer_svc.core import moe
         from strop.trainer_svc.core.models import load_model
 
-        at_set: list[int] = []
+        started = []
 
-        def observe(module, name, param):
-            if name in STACKS and param.is_cuda:
-                at_set.append(torch.cuda.memory_allocated())
+        def first_weight(module, name, param):
+            if param.is_cuda and not started:
+                started.append(True)
+                torch.cuda.reset_peak_memory_stats()  # the warm-up is over: weights from here on
 
         gc.collect()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        handle = torch.nn.modules.module.register_module_parameter_registration_hook(observe)
+        handle = torch.nn.modules.module.register_module_parameter_registration_hook(first_weight)
         try:
             with monkeypatch.context() as mp:
                 if not on_load:
@@ -185,21 +187,20 @@ def test_on_the_gpu_a_4bit_moe_load_holds_one_16_bit_stack_at_a_time(tmp_path, m
             handle.remove()
         codes = {n: b.cpu() for n, b in _nf4_state(loaded.model).items()}
         final = torch.cuda.memory_allocated() - base
-        peak = torch.cuda.max_memory_allocated() - base  # includes transformers' allocator warmup
+        peak = torch.cuda.max_memory_allocated() - base
         del loaded
-        return max(at_set) - base, final, peak, codes
+        return peak, final, codes
 
-    old_held, old_final, old_peak, old_codes = load(on_load=False)
-    new_held, new_final, new_peak, new_codes = load(on_load=True)
+    old_peak, old_final, old_codes = load(on_load=False)
+    new_peak, new_final, new_codes = load(on_load=True)
     g = 2**30
     print(
-        f"\n16-bit experts {every / g:.2f} GiB; held at a stack's set: after-load {old_held / g:.2f} GiB, on-load "
-        f"{new_held / g:.2f} GiB; final {old_final / g:.2f} / {new_final / g:.2f} GiB; max_memory_allocated "
-        f"{old_peak / g:.2f} / {new_peak / g:.2f} GiB"
+        f"\n16-bit experts {every / g:.2f} GiB, largest stack {largest / g:.3f} GiB; load peak after-load "
+        f"{old_peak / g:.2f} GiB, on-load {new_peak / g:.2f} GiB; held after the load {old_final / g:.2f} / "
+        f"{new_final / g:.2f} GiB"
     )
     assert sorted(new_codes) == sorted(old_codes) and len(old_codes) == shape.num_layers * 2 * 5
     for n, b in old_codes.items():
         assert torch.equal(new_codes[n], b), n
-    assert new_final == old_final, "the same tensors held after the load"
-    assert old_held >= every, "quantized after the load: every 16-bit stack allocated at the last set"
-    assert new_held <= new_final + 2 * largest, (new_held, new_final, largest)
+    assert old_peak >= every, "quantized after the load: every 16-bit stack allocated at once"
+    assert new_peak <= new_final + 3 * largest, (new_peak, new_final, largest)
