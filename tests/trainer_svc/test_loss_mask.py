@@ -22,26 +22,16 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from strop.fixtures.models import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", dtype="float32")
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+def tokenizer(tiny_hf):
+    return tiny_hf[1]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny):
-    return tiny[1]
-
-
-def _trained_text(tiny, cfg: TrainConfig, tmp_path) -> list[str]:
+def _trained_text(tiny_hf, cfg: TrainConfig, tmp_path) -> list[str]:
     """The spans of the conversation whose tokens carry labels in the first batch TRL's SFTTrainer builds."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    model, tokenizer = tiny
+    model, tokenizer = tiny_hf
     rows, masked = sft_rows([{"messages": CONVERSATION}], DatasetFormat.MESSAGES, cfg, tokenizer)
     args = SFTConfig(
         output_dir=str(tmp_path),
@@ -67,19 +57,19 @@ def _trained_text(tiny, cfg: TrainConfig, tmp_path) -> list[str]:
     return spans
 
 
-def test_chat_sft_trains_on_assistant_messages_only_by_default(tiny, tmp_path):
-    spans = _trained_text(tiny, TrainConfig(method=TrainMethod.SFT), tmp_path)
+def test_chat_sft_trains_on_assistant_messages_only_by_default(tiny_hf, tmp_path):
+    spans = _trained_text(tiny_hf, TrainConfig(method=TrainMethod.SFT), tmp_path)
     # each trained span is an assistant message and its end-of-turn token, nothing of the system or user turns
     assert spans == ["The sky is blue.<|im_end|>\n", "Snow is white.<|im_end|>\n"], spans
 
 
-def test_completion_only_trains_on_the_last_assistant_message(tiny, tmp_path):
-    spans = _trained_text(tiny, TrainConfig(method=TrainMethod.SFT, completion_only_loss=True), tmp_path)
+def test_completion_only_trains_on_the_last_assistant_message(tiny_hf, tmp_path):
+    spans = _trained_text(tiny_hf, TrainConfig(method=TrainMethod.SFT, completion_only_loss=True), tmp_path)
     assert spans == ["Snow is white.<|im_end|>\n"], spans
 
 
-def test_loss_on_all_tokens_trains_on_the_whole_conversation(tiny, tokenizer, tmp_path):
-    spans = _trained_text(tiny, TrainConfig(method=TrainMethod.SFT, loss_on_all_tokens=True), tmp_path)
+def test_loss_on_all_tokens_trains_on_the_whole_conversation(tiny_hf, tokenizer, tmp_path):
+    spans = _trained_text(tiny_hf, TrainConfig(method=TrainMethod.SFT, loss_on_all_tokens=True), tmp_path)
     whole = tokenizer.apply_chat_template(
         [{k: m[k] for k in ("role", "content")} for m in CONVERSATION], tokenize=False
     )

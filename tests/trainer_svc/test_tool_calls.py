@@ -58,20 +58,10 @@ PLAIN = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from strop.fixtures.models import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", dtype="float32")
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def tool_tokenizer(tiny):
+def tool_tokenizer(tiny_hf):
     import copy
 
-    tok = copy.deepcopy(tiny[1])
+    tok = copy.deepcopy(tiny_hf[1])
     tok.chat_template = TOOL_TEMPLATE
     return tok
 
@@ -102,8 +92,8 @@ def test_tool_rows_are_accepted_and_bad_ones_named_by_line():
         _validate([{"prompt": "a", "completion": "b", "tools": TOOLS}])
 
 
-def test_a_template_that_drops_tools_is_refused_by_row(tiny, tool_tokenizer):
-    plain_tok = tiny[1]  # the fixture's template: role and content only
+def test_a_template_that_drops_tools_is_refused_by_row(tiny_hf, tool_tokenizer):
+    plain_tok = tiny_hf[1]  # the fixture's template: role and content only
     check_tools_rendered([PLAIN], plain_tok)  # no function calling: nothing to check
     with pytest.raises(InvalidArgument, match=r"^row 2: the model's chat template does not render tools"):
         check_tools_rendered([PLAIN, ROW], plain_tok)
@@ -144,8 +134,8 @@ def _trained_spans(model, tokenizer, rows, cfg, tmp_path) -> list[str]:
     return whole, spans
 
 
-def test_the_loss_covers_tool_calls_not_tool_results(tiny, tool_tokenizer, tmp_path):
-    model = tiny[0]
+def test_the_loss_covers_tool_calls_not_tool_results(tiny_hf, tool_tokenizer, tmp_path):
+    model = tiny_hf[0]
     whole, spans = _trained_spans(model, tool_tokenizer, [ROW], TrainConfig(method=TrainMethod.SFT), tmp_path)
     # the template saw the tools and the call (arguments as an object, as HF's tool templates take them)
     assert '"name": "get_weather"' in whole and "The weather in a city." in whole
