@@ -177,9 +177,8 @@ class JobRunner:
                         job_id, f"the trainer no longer knows job {sid}: {exc.details}", "server_error"
                     )
                     return
-                if (
-                    exc.code not in TRANSIENT
-                ):  # the key was revoked, say: its owner's next request follows again
+                # the key was revoked, say: its owner's next request follows again
+                if exc.code not in TRANSIENT:
                     log.warning("job %s: not followed (%s: %s)", job_id, exc.code, exc.details)
                     self.gw.forget_owner(job["owner"])
                     return

@@ -112,9 +112,8 @@ def _hyper(raw, allowed: tuple[str, ...], where: str) -> dict[str, object]:
         if value is None or value == "auto":
             out[name] = "auto"
             continue
-        if (
-            name == "reasoning_effort"
-        ):  # the effort of a reasoning model's thinking; strop samples plain answers
+        # the effort of a reasoning model's thinking; strop samples plain answers
+        if name == "reasoning_effort":
             if value != "default":
                 raise bad(
                     f"'reasoning_effort' {value!r}: strop samples answers without a reasoning budget; "

@@ -116,8 +116,7 @@ def runs_of(ks: list[int]) -> list[list[int]]:
 
 
 def from_runs(runs: list[list[int]], limit: int = 1 << 20) -> list[int]:
-    if (
-        sum(int(n) for _, n in runs) > limit
-    ):  # a payload is the caller's to edit: bounded before it is expanded
+    # a payload is the caller's to edit: bounded before it is expanded
+    if sum(int(n) for _, n in runs) > limit:
         raise ValueError("too many datums")
     return [int(k) for k, n in runs for _ in range(int(n))]

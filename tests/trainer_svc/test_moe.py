@@ -282,9 +282,8 @@ def test_an_sft_job_on_an_moe_runs_over_grpc_and_lowers_the_loss(moe_trainer, ar
         s = client.load_model(name, dtype="float32", kernels=mode)
         assert s.facts.model_type == arch and "4 experts, 2 per token" in s.facts.kernels_reason
         s = client.attach_lora(s.session_id, ClientLora(r=4, alpha=8, seed=0, train_router=arch == "mixtral"))
-        if (
-            kernels
-        ):  # the interpreter runs them: attention, norms, loss and the grouped expert GEMM all patched
+        # the interpreter runs them: attention, norms, loss and the grouped expert GEMM all patched
+        if kernels:
             assert "lora_mlp patched 2/2" in s.facts.kernels_reason, s.facts.kernels_reason
             assert "reference path" not in s.facts.kernels_reason, s.facts.kernels_reason
         ds = client.upload_dataset(ROWS * 2, name=f"{arch}.jsonl")

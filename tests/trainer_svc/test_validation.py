@@ -235,9 +235,8 @@ def _trl_eval_loss(model_root, loaded, method, rows, cfg) -> float:
         **kwargs,
     )
     peft_model = trainer.accelerator.unwrap_model(trainer.model)
-    if (
-        "ref" in peft_model.peft_config
-    ):  # KTO snapshots the adapter; strop's reference is the base (as the job's)
+    # KTO snapshots the adapter; strop's reference is the base (as the job's)
+    if "ref" in peft_model.peft_config:
         peft_model.delete_adapter("ref")
         peft_model.set_adapter("default")
     return trainer.evaluate()["eval_loss"]

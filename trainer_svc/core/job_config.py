@@ -110,9 +110,8 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
     c = replace(cfg, **_defaults_for_unset(cfg, session_max_len, num_rows))
     c = _eval_defaults(c)
     forced = MEMORY_MODES[c.memory_mode].gradient_checkpointing
-    if (
-        forced is not None
-    ):  # long context: offloading is a form of checkpointing; max speed: the budget decides
+    # long context: offloading is a form of checkpointing; max speed: the budget decides
+    if forced is not None:
         c = replace(c, gradient_checkpointing=forced)
     checks = [
         (
