@@ -140,8 +140,9 @@ def run_worker(a, w: Workload) -> Result:
     data = torch.randint(0, w.shape["vocab"], (a.batch, a.seq), device=w.device, generator=g)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     res.notes += w.reset_peak_memory()
-    times = []
+    times, starts = [], []
     for _ in range(a.warmup + a.steps):
+        starts.append(time.perf_counter())
         w.sync()
         ts = time.perf_counter()
         loss = train_step(w, model, opt, data)
@@ -151,6 +152,8 @@ def run_worker(a, w: Workload) -> Result:
         if installed is not None and installed.step_end() is not None:
             res.notes += f"\nbudgeted recompute: {installed.recompute.plan}"
             res.notes += w.reset_peak_memory()  # the peak reported is the planned steps'
+    starts.append(time.perf_counter())
+    res.notes += wall_note(starts, a.warmup, times)
     w.record_peak_memory(res)
     if installed is not None:
         res.notes += "\n" + str(installed)  # after training: what was offloaded
@@ -171,6 +174,18 @@ def run_worker(a, w: Workload) -> Result:
         recompute = 1 - min(saved_layers, w.shape["layers"] - 1) / w.shape["layers"]
     w.record_speed(res, times, a.warmup, a.batch * a.seq, recompute)
     return res
+
+
+def wall_note(marks: list[float], warmup: int, times: list[float]) -> str:
+    """A note line: the median wall time from one measured step's mark to the next (``marks``: a time at each
+    step's start and one after the last, or each step event's arrival after the warm-up's last) beside the
+    median step time reported; their difference is the host work between steps that the step time leaves out."""
+    walls = sorted(b - a for a, b in zip(marks[warmup:], marks[warmup + 1 :], strict=False))
+    measured = sorted(times[warmup:])
+    if not walls or not measured:
+        return ""
+    wall, step = walls[len(walls) // 2], measured[len(measured) // 2]
+    return f"\nwall between steps: median {wall * 1e3:.1f} ms (step time {step * 1e3:.1f} ms)"
 
 
 def log_layer_progress(w: Workload, model, path: str) -> None:
@@ -235,6 +250,7 @@ def run_trl_worker(a, w: Workload) -> Result:
     rows = [{"input_ids": ids[i].tolist()} for i in range(a.batch)] * (a.warmup + a.steps)
     qlora = a.part in QLORA_PARTS
     times: list[float] = []
+    arrivals: list[float] = []  # the service: each step event's arrival at the client
     if a.system == "service":
         from strop.client import KernelMode, LoraConfig, Quantization, TrainConfig, TrainerClient, TrainMethod
         from strop.trainer_svc.core.trainer_core import TrainerConfig
@@ -276,6 +292,7 @@ def run_trl_worker(a, w: Workload) -> Result:
                     except Exception as exc:
                         res.profile = f"profile not recorded ({exc!r})"
                 elif e.step is not None:
+                    arrivals.append(time.perf_counter())
                     res.losses.append(round(e.step.loss, 5))
                     times.append(e.step.step_seconds)
                     if profiled(a, w) and e.step.step == a.warmup + a.steps:
@@ -288,6 +305,8 @@ def run_trl_worker(a, w: Workload) -> Result:
                 elif e.state is not None and e.state.state.value == "FAILED":
                     raise RuntimeError(e.state.message)
             w.record_peak_memory(res)
+            # the warm-up's last event and each measured step's: the marks between the measured steps
+            res.notes += wall_note(arrivals[a.warmup - 1 :], 0, times[a.warmup :]) if a.warmup else ""
         service.stop(grace=1.0)
     else:
         from datasets import Dataset
