@@ -141,14 +141,15 @@ def test_a_16_bit_session_keeps_its_experts_and_the_hook_is_gone_after_the_load(
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_a_4bit_moe_load_peaks_at_a_few_16_bit_stacks_not_all(tmp_path, monkeypatch):
+def test_on_the_gpu_a_4bit_moe_load_peaks_at_a_few_16_bit_stacks_not_all_of_them(tmp_path, monkeypatch):
     """The device's peak while a Qwen3-MoE of 8 layers × 64 experts (1.5 GiB of bf16 experts, the largest stack
     128 MiB) loads NF4, counted from the first weight the loader sets (after transformers' allocator warm-up, a
     cache reservation of the model's size with 16-bit experts that no tensor holds). Quantizing after the load, the
-    peak holds every 16-bit stack. Quantizing on load, it holds the final model (or part of it) plus at most three
-    of the largest stack: while the loader merges a stack from its per-expert checkpoint tensors (the sources and
-    the merged stack) its loop still references the previous stack, and the NF4 codes of a stack are a quarter of
-    its bytes, made once the previous stack is gone. The codes are bit for bit the same on the same device."""
+    peak holds every 16-bit stack. Quantizing on load, it holds the final model (or part of it) plus at most four
+    of the largest stack: the previous stack, which the loader's loop still references while it builds the next,
+    and the next one's per-expert checkpoint tensors, their stacked halves and the concatenated stack (transformers
+    frees each input as it goes: two at a time for gate_up). The NF4 codes of a stack, a quarter of its bytes, are
+    made after the previous stack is gone. The codes are bit for bit the same on the same device."""
     import gc
 
     from strop.fixtures.models import TinyShape, make_tiny_model
@@ -203,4 +204,4 @@ def test_on_the_gpu_a_4bit_moe_load_peaks_at_a_few_16_bit_stacks_not_all(tmp_pat
     for n, b in old_codes.items():
         assert torch.equal(new_codes[n], b), n
     assert old_peak >= every, "quantized after the load: every 16-bit stack allocated at once"
-    assert new_peak <= new_final + 3 * largest, (new_peak, new_final, largest)
+    assert new_peak <= new_final + 4 * largest, (new_peak, new_final, largest)
