@@ -252,10 +252,22 @@ def run_trl_worker(a, w: Workload) -> Result:
     times: list[float] = []
     arrivals: list[float] = []  # the service: each step event's arrival at the client
     if a.system == "service":
+        import logging
+
         from strop.client import KernelMode, LoraConfig, Quantization, TrainConfig, TrainerClient, TrainMethod
         from strop.trainer_svc.core.trainer_core import TrainerConfig
         from strop.trainer_svc.server import start
 
+        class KeepMemoryMode(logging.Handler):
+            """The memory mode the job installed (``training`` logs it), kept for the notes."""
+
+            def emit(self, record):
+                if record.getMessage().startswith("memory mode"):
+                    res.notes += "\n" + record.getMessage()
+
+        trainer_log = logging.getLogger("strop.trainer")
+        trainer_log.addHandler(KeepMemoryMode(logging.INFO))
+        trainer_log.setLevel(min(trainer_log.getEffectiveLevel(), logging.INFO))
         work = tempfile.mkdtemp()
         service = start(
             TrainerConfig(model_root=MODEL_ROOT, artifact_root=work + "/a", state_dir=work + "/s")
