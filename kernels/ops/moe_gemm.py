@@ -226,6 +226,12 @@ def _dense(w, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
+def _factors(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B in the compute dtype and contiguous (PEFT's B is a permuted view whose strides torch's grouped GEMM
+    cannot take; the copy is E·N·r values)."""
+    return a.to(dtype).contiguous(), b.to(dtype).contiguous()
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
@@ -241,7 +247,7 @@ class MoeLoraGemmFunction(torch.autograd.Function):
     def _forward(ctx, x, offsets, w, a, b, scale):
         dt = x.dtype
         ends = offsets[1:].to(torch.int32)
-        a_, b_ = a.to(dt), b.to(dt)
+        a_, b_ = _factors(a, b, dt)
         y = grouped_mm(x, _dense(w, dt).transpose(1, 2), ends)
         u = grouped_mm(x, a_.transpose(1, 2), ends)
         y.add_(grouped_mm(u, b_.transpose(1, 2), ends), alpha=scale)
@@ -256,7 +262,7 @@ class MoeLoraGemmFunction(torch.autograd.Function):
         x, ends, w, a, b, u = ctx.saved_tensors
         w, s, dt = ctx.nf4 or w, ctx.scale, x.dtype
         dy = dy.to(dt).contiguous()
-        a_, b_ = a.to(dt), b.to(dt)
+        a_, b_ = _factors(a, b, dt)
         v = grouped_mm(dy, b_, ends)  # dy · B_e   [M, r]
         dx = da = db = None
         if ctx.needs_input_grad[0]:

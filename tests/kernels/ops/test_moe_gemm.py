@@ -97,3 +97,33 @@ def test_torch_grouped_gemm_and_the_per_expert_loop_agree(dtype):
             bound = u * exact.abs() + k * 2**-24 * mag
             assert ((got.double() - exact).abs() <= bound).all(), (dtype, _aligned(xin))
     assert not grouped_mm(dy.t(), x, ends)[1].any(), "the empty expert's reduction is 0"
+
+
+def test_every_product_runs_on_torch_grouped_gemm_with_pefts_factor_layout(monkeypatch):
+    """With PEFT's factors as ``peft_expert_factors`` views them (B a permuted view of ``lora_B.weight``) and
+    operands whose strides are multiples of 16 bytes, the 3 forward and 5 backward products are all torch's grouped
+    GEMM (none falls back to the expert-by-expert loop), and the result is the definition's."""
+    from strop.kernels.lora.moe import peft_expert_factors
+    from strop.kernels.ops import moe_gemm
+
+    if moe_gemm._GROUPED_MM is None:
+        pytest.skip("this torch has no grouped GEMM")
+    calls = []
+
+    def counted(a, b, offs):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return grouped(a, b, offs=offs)
+
+    grouped = moe_gemm._GROUPED_MM
+    monkeypatch.setattr(moe_gemm, "_GROUPED_MM", counted)
+    x, offsets, w, _, _ = _inputs(k=64, n=32, r=4)
+    gen = torch.Generator().manual_seed(4)
+    lora_a = (torch.randn(3 * 8, 64, generator=gen) / 8).requires_grad_()  # [E·r, in], r = 8
+    lora_b = (torch.randn(32, 3 * 8, generator=gen) / 3).requires_grad_()  # [out, E·r]
+    a, b = peft_expert_factors(lora_a, lora_b, 3)
+    assert not b.is_contiguous()
+    xs = x.clone().requires_grad_()
+    y = moe_gemm.moe_lora_gemm(xs, offsets, w, a, b, 2.0)
+    y.backward(torch.ones_like(y))
+    assert len(calls) == 8, calls
+    assert_close_fp32(y, moe_gemm.moe_lora_gemm_reference(x, offsets, w, a.detach(), b.detach(), 2.0), "y")
