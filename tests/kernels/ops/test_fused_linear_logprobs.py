@@ -119,11 +119,30 @@ def test_entropy_gradient_and_trainable_head_are_refused_not_dropped():
         fused_linear_logprobs(h, weight.clone().requires_grad_(), targets)
 
 
+def _tiny_lora_llama(vocab: int, targets):
+    """A 2-layer Llama (seed 0) under PEFT with rank-4 LoRA on ``targets``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_cache=False,
+    )
+    return get_peft_model(
+        AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=list(targets))
+    )
+
+
 @cpu_tier
 def test_sft_trainer_head_matches_trls_head_and_gradients(monkeypatch):
     trl_utils = locked("trl.trainer.utils")
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     import strop.kernels.trainers.sft as sft
 
@@ -133,20 +152,7 @@ def test_sft_trainer_head_matches_trls_head_and_gradients(monkeypatch):
     )
 
     def model():
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=320,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            use_cache=False,
-        )
-        m = get_peft_model(
-            AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-        )
+        m = _tiny_lora_llama(320, ["q_proj", "v_proj"])
         for n, p in m.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)  # a non-zero adapter: its gradient path is live
@@ -205,24 +211,9 @@ def _tiny_sft_trainer(
 ):
     """A ``cls`` SFT trainer (seeded) on a 2-layer Llama with LoRA on ``targets``: plain SGD at 0.5 on CPU."""
     from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
     from trl import SFTConfig
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        use_cache=False,
-    )
-    model = get_peft_model(
-        AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=list(targets))
-    )
+    model = _tiny_lora_llama(len(tok), targets)
     args = SFTConfig(
         output_dir=str(output_dir),
         per_device_train_batch_size=batch_size,
