@@ -59,7 +59,7 @@ from strop.common.trainer_types import (
     StateChange,
     StepMetrics,
 )
-from strop.trainer_svc.core.dist_launch import DistributedJob, RankFailure, record_failure
+from strop.trainer_svc.core.dist_launch import EXIT_LOST_PEER, DistributedJob, RankFailure, record_failure
 
 log = logging.getLogger("strop.trainer.dist")
 
@@ -69,7 +69,6 @@ STOP_REASONS = {v: k for k, v in STOP_CODES.items()}
 # the longest a collective waits for a peer; a step's all-reduces take well under a second, but the first one
 # also waits for the slowest rank to finish loading its copy of the base
 COLLECTIVE_TIMEOUT_S = 600
-EXIT_LOST_PEER = 75  # EX_TEMPFAIL: the job stopped because a peer was lost; it resumes from its checkpoint
 _FAILURE_KEY = "strop/failure/{rank}"  # a failed rank's RankFailure in torch.distributed's store
 
 

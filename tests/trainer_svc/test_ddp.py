@@ -724,3 +724,44 @@ def test_sharded_jobs_on_accelerators_stage_the_base_in_host_memory_and_admissio
     )
     assert fsdp.device_bytes_after_sharding(loaded.model, 4) == -(-total // 4) + 2 * layer
     assert fsdp.device_bytes_after_sharding(loaded.model, 1) == total + 2 * layer
+
+
+def test_the_lost_rank_is_named_even_when_torchrun_names_the_rank_that_exited_because_of_it(tmp_path):
+    """torchrun's root cause is its earliest failure by a timestamp in whole seconds, the lower rank on a tie: when
+    rank 0 notices the lost peer in a collective (FSDP's all-gathers, every layer) and exits ``EXIT_LOST_PEER``
+    before torchrun's next poll, the two exits are seen in one poll and rank 0 is named. The summaries here are
+    torchrun's own (``ChildFailedError``), for both orders and for a stop that lost no rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from strop.trainer_svc.core.dist_launch import EXIT_LOST_PEER, lost_rank_summary
+
+    def summary(*exits: tuple[int, int]) -> str:
+        failures = {
+            rank: ProcessFailure(
+                local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(tmp_path / "none")
+            )
+            for rank, code in exits
+        }
+        for failure in failures.values():
+            failure.timestamp = 1_700_000_000  # one second, as when one poll sees both exits
+        return (
+            "INFO torchrun's own log lines\n"
+            + ChildFailedError("strop.trainer_svc.dist_worker", failures).format_msg()
+        )
+
+    seen_together = summary((0, EXIT_LOST_PEER), (1, -9))
+    assert "Root Cause" in seen_together and seen_together.index("rank      : 0") > seen_together.index(
+        "Root Cause"
+    )
+    assert lost_rank_summary(seen_together) == "rank 1 exited with SIGKILL"
+    assert lost_rank_summary(summary((1, -9), (0, -15))) == "rank 1 exited with SIGKILL"  # rank 1 seen first
+    assert lost_rank_summary(summary((1, 1), (0, EXIT_LOST_PEER))) == "rank 1 exited with status 1"
+    # only consequences: torchrun's root cause stands
+    assert (
+        lost_rank_summary(summary((0, EXIT_LOST_PEER), (1, -15)))
+        == f"rank 0 exited with status {EXIT_LOST_PEER}"
+    )
+    assert (
+        lost_rank_summary("torchrun exited before any rank started")
+        == "a rank exited without a failure of its own"
+    )

@@ -102,18 +102,34 @@ def read_failures(job_work_dir: Path) -> list[RankFailure]:
     return sorted(found, key=lambda f: f.time)
 
 
-# torchrun's summary of a failed run: "rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: 123)  (SIGKILL)"
-_ROOT_CAUSE = re.compile(
-    r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n(]*(?:\(pid: \d+\))?\s*(\(\w+\))?", re.S
+# How a rank exits when it stopped because a peer was lost (EX_TEMPFAIL: the job resumes from its checkpoint);
+# this side tells such a consequence from the rank that was lost by it.
+EXIT_LOST_PEER = 75
+_SIGTERM = -15  # how torchrun stops the ranks still running once one has died
+
+# torchrun's summary of a failed run: a block for each rank that failed, "rank : 1 (local_rank: 1)" then
+# "exitcode : -9 (pid: 123)  (SIGKILL)", under "Failures:" and "Root Cause (first observed failure):"
+_FAILURE = re.compile(
+    r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)[^\n(]*(?:\(pid: \d+\))?[ \t]*(\(\w+\))?"
 )
 
 
 def lost_rank_summary(launcher_log: str) -> str:
-    """Which rank torchrun saw die first, and how ("rank 1 exited with SIGKILL"), from its failure summary."""
-    m = _ROOT_CAUSE.search(launcher_log)
-    if m is None:
+    """Which rank was lost, and how ("rank 1 exited with SIGKILL"), from torchrun's failure summary.
+
+    torchrun's root cause is the failure with the earliest timestamp, in whole seconds, the lower rank on a tie.
+    When rank 0 notices the lost peer in a collective and exits ``EXIT_LOST_PEER`` before torchrun's next poll, both
+    exits are seen together and rank 0 is named; so a rank that exited as a consequence (``EXIT_LOST_PEER``, or the
+    SIGTERM torchrun sends the survivors) is named only when no rank failed otherwise."""
+    summary = launcher_log[launcher_log.rfind("Failures:") :] if "Failures:" in launcher_log else ""
+    root = summary.find("Root Cause")
+    blocks = [m for m in _FAILURE.finditer(summary) if m.start() > root] + [
+        m for m in _FAILURE.finditer(summary) if m.start() < root
+    ]  # the root cause first, then the others in torchrun's order
+    if not blocks:
         return "a rank exited without a failure of its own"
-    rank, code, sig = m.groups()
+    consequences = (EXIT_LOST_PEER, _SIGTERM)
+    rank, code, sig = next((m for m in blocks if int(m.group(2)) not in consequences), blocks[0]).groups()
     return f"rank {rank} exited with " + (sig.strip("()") if sig else f"status {code}")
 
 
