@@ -1,6 +1,7 @@
-"""What the TRL glue mixins share: the hidden-states head (the model surgery: a reversible forward swap that
-returns the backbone output), the PEFT/accelerate unwrapping, the LM-head and config checks that decide
-whether a chunked loss can replace TRL's, the model's final-logit soft-cap, and the reference forward's context
+"""What the TRL glue mixins share: HF's ``logging_nan_inf_filter`` applied on the device (``DeviceNanFilter``),
+the hidden-states head (the model surgery: a reversible forward swap that returns the backbone output), the
+PEFT/accelerate unwrapping, the LM-head and config checks that decide whether a chunked loss can replace TRL's,
+the model's final-logit soft-cap, and the reference forward's context
 (the PEFT model with its adapters disabled, or its "ref" adapter).
 
 Plain functions of a trainer or its accelerator and model, so each mixin keeps its own method names while the
@@ -19,6 +20,7 @@ import torch
 from ..models.hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
 
 __all__ = [
+    "DeviceNanFilter",
     "add_hidden_states_head",
     "final_logit_softcap",
     "head_unsupported_reason",
@@ -32,6 +34,32 @@ __all__ = [
 logger = logging.getLogger("strop.kernels")
 
 _HEAD_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head")
+
+
+class DeviceNanFilter:
+    """Mixed into strop's TRL trainers: HF's ``logging_nan_inf_filter`` on the device.
+
+    HF's loop applies the filter by reading the loss (``isnan``, ``isinf``) right after every backward is launched,
+    before the gradient clipping and the optimizer's Python run: the host waits for the whole backward there, and
+    the GPU then idles through that Python. ``training_step`` applies the same filter on the device instead (a
+    non-finite loss adds the mean of the losses since the last log, which is what HF's ``_tr_loss`` update then
+    adds), with HF's own filter off during ``train``; the user's setting is restored when training ends.
+    """
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._strop_nan_filter, self.args.logging_nan_inf_filter = self.args.logging_nan_inf_filter, False
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.args.logging_nan_inf_filter = self._strop_nan_filter
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if getattr(self, "_strop_nan_filter", False) and hasattr(self, "_tr_loss"):
+            # transformers 5.17-5.24 keep the running sum in _tr_loss
+            mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            loss = torch.where(torch.isfinite(loss), loss, mean)
+        return loss
 
 
 def add_hidden_states_head(model: Any) -> None:

@@ -16,6 +16,7 @@ import torch
 from ..losses.dpo import LOSS_TYPES, dpo_loss_on_pairs
 from ..losses.logps import sequence_logps
 from ._glue import (
+    DeviceNanFilter,
     add_hidden_states_head,
     final_logit_softcap,
     head_unsupported_reason,
@@ -38,7 +39,7 @@ def _dpo_trl_helpers() -> tuple[Any, Any]:
     return disable_gradient_checkpointing, use_adapter
 
 
-class StropDPOMixin:
+class StropDPOMixin(DeviceNanFilter):
     """Mix into TRL's ``DPOTrainer`` so its loss is :func:`strop_dpo_loss` on the backbone's hidden states::
 
         from trl import DPOTrainer

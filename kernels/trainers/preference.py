@@ -22,6 +22,7 @@ from ..losses.kto import KTO_LOSS_TYPES, kto_kl, strop_kto_loss
 from ..losses.logps import sequence_logps
 from ..losses.orpo import strop_orpo_loss
 from ._glue import (
+    DeviceNanFilter,
     final_logit_softcap,
     head_unsupported_reason,
     hf_model,
@@ -41,8 +42,9 @@ __all__ = [
 ]
 
 
-class _StropPreferenceMixin:
-    """What the three mixins share: the reason check at construction, the hidden-states head, the LM head."""
+class _StropPreferenceMixin(DeviceNanFilter):
+    """What the three mixins share: the reason check at construction, the hidden-states head, the LM head, HF's
+    NaN filter on the device (``DeviceNanFilter``)."""
 
     _strop_method = "?"
     # ORPO and CPO: run each pair's prompt once (``shared_prompt.py``); False runs TRL's rows as they are

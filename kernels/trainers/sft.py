@@ -24,7 +24,7 @@ import torch
 
 from ..models.hf import Swaps, previous_forward
 from ..ops.fused_linear_logprobs import fused_linear_logprobs
-from ._glue import final_logit_softcap, head_unsupported_reason, hf_model
+from ._glue import DeviceNanFilter, final_logit_softcap, head_unsupported_reason, hf_model
 
 __all__ = ["StropSFTMixin", "add_fused_logprob_head", "remove_fused_logprob_head", "strop_sft_trainer_class"]
 
@@ -120,7 +120,7 @@ def remove_fused_logprob_head(model: Any) -> None:
         swaps.undo()
 
 
-class StropSFTMixin:
+class StropSFTMixin(DeviceNanFilter):
     """Mix into TRL's ``SFTTrainer`` so its fused LM head runs strop's kernel (``strop_sft_trainer_class()``), and
     its training metrics stay on the device until they are logged.
 
@@ -132,7 +132,7 @@ class StropSFTMixin:
     the device"); it stays because it is exact and leaves the host free to run ahead where the step is short. Other paths (eval,
     ``compute_loss_func``, label smoothing, MoE aux loss, sequence parallelism, ``return_outputs``) are TRL's own.
 
-    HF's ``logging_nan_inf_filter`` likewise runs on the device (``training_step``) instead of as two reads after
+    HF's ``logging_nan_inf_filter`` likewise runs on the device (``DeviceNanFilter``) instead of as two reads after
     every backward, which leave the GPU idle while the host runs the optimizer's Python (the profile is in
     bench/RESULTS.md, "the service path against the library path").
     """
@@ -189,25 +189,6 @@ class StropSFTMixin:
         else:
             raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
         self._strop_tokens.append(gather(local).sum() // self._tp_size)
-        return loss
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        # HF's loop applies logging_nan_inf_filter by reading the loss (isnan, isinf) after every backward, before
-        # the optimizer's Python runs: the GPU idles through that Python. training_step applies the same filter on
-        # the device instead; the user's setting is restored when training ends.
-        self._strop_nan_filter, self.args.logging_nan_inf_filter = self.args.logging_nan_inf_filter, False
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            self.args.logging_nan_inf_filter = self._strop_nan_filter
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if getattr(self, "_strop_nan_filter", False) and hasattr(self, "_tr_loss"):
-            # HF's filter (transformers 5.17-5.24 keep the running sum in _tr_loss): a non-finite loss adds the
-            # mean of the losses since the last log instead, which is what `_tr_loss += loss` then adds
-            mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
-            loss = torch.where(torch.isfinite(loss), loss, mean)
         return loss
 
     def _strop_fold_tokens(self) -> None:
