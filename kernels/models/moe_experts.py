@@ -8,7 +8,8 @@ once, as for every patched module).
 
 NF4 experts (:func:`quantize_experts`): strop's own 4-bit storage of the fused stacks (bitsandbytes quantizes
 ``nn.Linear`` only), read by the grouped GEMM, which dequantizes a stack just before its GEMM; HF's forward gets the
-stacks dequantized for its call.
+stacks dequantized for its call. :func:`quantizing_experts_on_load` quantizes each stack as the loader sets it, so a
+load never holds every layer's 16-bit experts at once.
 """
 
 from __future__ import annotations
@@ -114,13 +115,15 @@ def quantizing_experts_on_load(dtype: torch.dtype, *, double_quant: bool = True)
     transformers' loader builds the model on the meta device and sets each parameter (a fused stack: after its
     per-expert checkpoint tensors are merged) with ``setattr``, flagged ``_is_hf_initialized``; torch calls the
     global parameter-registration hooks there, and this one hands back the frozen placeholder instead, the 16-bit
-    value going as soon as the loader drops it. A load then holds the 4-bit model plus one 16-bit stack (and the
-    quantizer's temporaries), not the whole 16-bit experts. The NF4 tensors become the module's buffers when the
-    context exits: transformers replaces every non-persistent buffer with an empty one after loading the weights
-    (and initialises them again: RoPE's ``inv_freq``), which would wipe codes registered during the load. The codes are those of :func:`quantize_experts` on the
-    loaded model: the same function of the same tensor on the same device. Other threads' registrations (another
-    session training) and values the loader did not read from the checkpoint (a missing key initialised later)
-    are left alone; :func:`quantize_experts` after the load takes any stack this did not.
+    value going as soon as the loader drops it (at its next parameter). A load then holds the 4-bit model plus a
+    few 16-bit stacks at a time (the one being merged, its per-expert tensors, the previous one), not the whole
+    16-bit experts. The NF4 tensors become the module's buffers when the context exits: transformers replaces every
+    non-persistent buffer with an empty one after loading the weights (and initialises them again: RoPE's
+    ``inv_freq``), which would wipe codes registered during the load. The codes are those of
+    :func:`quantize_experts` on the loaded model: the same function of the same tensor on the same device. Other
+    threads' registrations (another session training) and values the loader did not read from the checkpoint (a
+    missing key initialised later) are left alone; :func:`quantize_experts` after the load takes any stack this
+    did not.
     """
     thread = threading.get_ident()
     pending: list[tuple[nn.Module, str, object, torch.Tensor]] = []

@@ -1,13 +1,14 @@
 """A 4-bit Qwen3-MoE / Mixtral session quantizes its experts while it loads
 (``kernels/models/moe_experts.quantizing_experts_on_load``): the NF4 codes and scales are bit for bit those of
-quantizing after the load (the old path, kept as ``moe.hold_experts_in_nf4``), and the 16-bit expert bytes the model
-holds at any moment of the load are at most one stack's, where quantizing after the load holds every stack's.
+quantizing after the load (the old path, kept as ``moe.hold_experts_in_nf4``), and the 16-bit expert bytes the
+model holds at any moment of the load are at most one stack's, where quantizing after the load holds every stack's
+(what the loader itself still references, and its merge temporaries, are the GPU test's device peak).
 
 Bytes held: every time the loader sets a parameter, the bytes of the 16-bit expert stacks the model holds then (the
 stacks already set plus the one arriving; a stack held in NF4 is a stride-0 placeholder of one element). Quantizing
-after the load, the last stack set makes it every stack's bytes: L layers × (E·2I·H + E·H·I) elements. Quantizing on
-load, each arriving stack leaves as NF4 before the next arrives: the largest stack's bytes plus one element for each
-placeholder.
+after the load, the last stack set makes it every stack's bytes: L layers × (E·2I·H + E·H·I) elements. Quantizing
+on load, each arriving stack leaves as NF4 before the next arrives: the largest stack's bytes plus one element for
+each placeholder.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A step-API ForwardBackward on a mixture of experts is admitted as a Train job's step is
-(``runs.forward_backward_estimate`` → ``admission.estimate``): on a 4-bit Qwen3-MoE / Mixtral, whose experts strop holds
-in NF4, HF's expert path saves each layer's stacks dequantized for its call, E · 3 · I · H 16-bit values a layer the
-estimate must count; a 16-bit session holds no such copy.
+(``runs.forward_backward_estimate`` → ``admission.estimate``): on a 4-bit Qwen3-MoE / Mixtral, whose experts strop
+holds in NF4, HF's expert path saves each layer's stacks dequantized for its call, E · 3 · I · H 16-bit values a
+layer the estimate must count; a 16-bit session holds no such copy.
 """
 
 from __future__ import annotations
