@@ -275,6 +275,35 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
     return row, base_eval
 
 
+def replay_census(model_dir: Path, device: str, path: Path) -> None:
+    """The base's answers to every replay prompt as a REPLAY job generates them, and what replay keeps of each: the
+    whole answer if it ended its turn, else its complete sentences (``retention.replay_rows``)."""
+    from strop.common.trainer_types import LoadModelRequest, LoraConfig
+    from strop.trainer_svc.core import models, retention
+
+    loaded = models.load_model(
+        LoadModelRequest(model_path=model_dir.name), model_root=model_dir.parent, device=device
+    )
+    models.attach_lora(loaded, LoraConfig(seed=0))
+    base = retention.base_answers(loaded, retention.REPLAY_PROMPTS)
+    kept = [
+        retention.replay_rows(retention.BaseAnswers([q], [a], [f], 0.0), 1)
+        for q, a, f in zip(base.prompts, base.answers, base.finished, strict=True)
+    ]
+    rows = [
+        {"prompt": q, "answer": a, "finished": f, "replayed": k[0]["messages"][1]["content"] if k else None}
+        for q, a, f, k in zip(base.prompts, base.answers, base.finished, kept, strict=True)
+    ]
+    path.write_text(json.dumps({"device": device, "seconds": base.seconds, "rows": rows}, indent=1))
+    cut = sum(not r["finished"] and r["replayed"] is not None for r in rows)
+    print(
+        f"{len(rows)} replay prompts: {sum(base.finished)} answers finished within "
+        f"{retention.REPLAY_MAX_NEW_TOKENS} tokens, {cut} of the rest replayed to their last complete sentence, "
+        f"{sum(r['replayed'] is None for r in rows)} left out ({base.seconds:.0f} s)"
+    )
+    models.release(loaded)
+
+
 def table(paths: list[str]) -> str:
     """The Markdown table of result rows (JSONL files ``--out`` wrote), general answers judged again by ``right``
     from the stored answers (base and trained), so rows written by earlier versions of it read the same way."""
@@ -313,6 +342,11 @@ def main() -> None:
     p.add_argument(
         "--table", nargs="+", metavar="JSONL", help="print the Markdown table of these result files and exit"
     )
+    p.add_argument(
+        "--replay-rows",
+        metavar="JSON",
+        help="write the base's answers to the replay prompts and what replay keeps of each (JSON) and exit",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="the session's device: cpu (the issue's setting) or cuda")
     a = p.parse_args()
@@ -336,6 +370,9 @@ def main() -> None:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
+    if a.replay_rows:
+        replay_census(model_dir, a.device, Path(a.replay_rows))
+        return
     base_eval = None
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     for setting in a.setting:
