@@ -159,7 +159,7 @@ GEMMA_BASES = {"gemma2": "gemma2-spm", "gemma3_text": "gemma3-spm"}
 
 
 def _build(root: Path, make_tiny_model, quantize_4bit) -> None:
-    from strop.fixtures.models import TinyShape
+    from strop.fixtures.tiny_models import TinyShape
 
     for arch in ("llama", "mistral", "qwen2", "qwen3"):
         make_tiny_model(root / f"{arch}-bpe", arch=arch, tokenizer="bpe", seed=1)

@@ -30,7 +30,7 @@ from strop.export_svc.core.gguf_out import write_gguf_model
 from strop.export_svc.core.gguf_tokenizer import load_vocab
 from strop.export_svc.core.peft_dir import refusals
 from strop.export_svc.core.pipeline import run_export
-from strop.fixtures.models import GEMMA_SLIDING_WINDOW
+from strop.fixtures.tiny_models import GEMMA_SLIDING_WINDOW
 
 from .conftest import GEMMA_LAYERS, make_random_adapter, store_is_empty
 

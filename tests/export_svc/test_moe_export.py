@@ -47,7 +47,7 @@ def _trained_adapter(root: Path, arch: str, train_router: bool) -> Path:
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory) -> Path:
-    from strop.fixtures.models import TinyShape, make_tiny_model
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model
 
     root = tmp_path_factory.mktemp("moe-export")
     shape = TinyShape(
@@ -206,7 +206,7 @@ def test_a_q4_k_m_gguf_of_an_moe_quantizes_the_expert_tensors_without_fallback(m
     """llama.cpp's quantizer on the stacked expert tensors: with hidden and expert intermediate 256 (K-quants pack
     rows in 256-wide super-blocks) nothing falls back; the file loads in llama.cpp and passes the export's
     verification gate against the model as trained."""
-    from strop.fixtures.models import TinyShape, make_tiny_model
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model
 
     shape = TinyShape(
         hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64

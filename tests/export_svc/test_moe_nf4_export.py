@@ -29,7 +29,7 @@ IDS = torch.tensor([list(range(5, 37))])
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory) -> Path:
-    from strop.fixtures.models import TinyShape, make_tiny_model, quantize_4bit
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model, quantize_4bit
 
     root = tmp_path_factory.mktemp("moe-nf4-export")
     shape = TinyShape(

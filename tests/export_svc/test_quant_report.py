@@ -25,7 +25,7 @@ from strop.export_svc.core.pipeline import run_export
 def narrow_model(export_models):
     """A llama with hidden 320 / intermediate 640 (neither a multiple of 256), beside the other bases."""
     from strop.fixtures import make_tiny_model
-    from strop.fixtures.models import TinyShape
+    from strop.fixtures.tiny_models import TinyShape
 
     name = "llama-bpe-h320"
     if not (export_models / name).exists():

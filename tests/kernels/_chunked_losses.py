@@ -11,7 +11,7 @@ import torch
 
 def tiny_tokenizer() -> Any:
     """The 320-token BPE tokenizer of the fixtures (deterministic, nothing downloaded)."""
-    from strop.fixtures.models import make_tokenizer
+    from strop.fixtures.tiny_models import make_tokenizer
 
     return make_tokenizer("bpe", 320)
 
@@ -21,7 +21,7 @@ def tiny_peft_llama(tokenizer: Any) -> Any:
     import peft
     import transformers
 
-    from strop.fixtures.models import TinyShape, build_config
+    from strop.fixtures.tiny_models import TinyShape, build_config
 
     shape = TinyShape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
     torch.manual_seed(0)

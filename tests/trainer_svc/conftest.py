@@ -35,7 +35,7 @@ def tiny_hf(tmp_path_factory):
     """A tiny fp32 Llama and its tokenizer, as transformers loads them (one per test module: tests train it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from strop.fixtures.models import make_tiny_model
+    from strop.fixtures.tiny_models import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", dtype="float32")
     return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)

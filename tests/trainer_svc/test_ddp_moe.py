@@ -29,7 +29,7 @@ from tests.trainer_svc.test_ddp import LORA, ROW_TOKENS, ROWS, STEPS, U, _adapte
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
-    from strop.fixtures.models import TinyShape, make_tiny_model
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model
     from strop.trainer_svc.core import models
 
     root = tmp_path_factory.mktemp("ddp-moe-models")

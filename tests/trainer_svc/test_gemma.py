@@ -32,7 +32,7 @@ def gemma_trainer(tmp_path_factory):
     """A trainer over a model root of tiny Gemma 2 and Gemma 3 models (the interpreter runs one program per
     row, so the shapes are small: hidden 64, 2 layers)."""
     from strop.fixtures import make_tiny_model
-    from strop.fixtures.models import TinyShape
+    from strop.fixtures.tiny_models import TinyShape
     from strop.trainer_svc.core.trainer_core import TrainerConfig
     from strop.trainer_svc.server import start
 

@@ -26,7 +26,7 @@ ROWS = [{"text": "the quick brown fox jumps over the lazy dog, and the dog sleep
 
 @pytest.fixture(scope="module")
 def moe_root(tmp_path_factory) -> Path:
-    from strop.fixtures.models import TinyShape, make_tiny_model, quantize_4bit
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model, quantize_4bit
 
     root = tmp_path_factory.mktemp("moe-models")
     shape = TinyShape(

@@ -27,7 +27,7 @@ STACKS = ("gate_up_proj", "down_proj")
 
 @pytest.fixture(scope="module")
 def moe_root(tmp_path_factory) -> Path:
-    from strop.fixtures.models import TinyShape, make_tiny_model, quantize_4bit
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model, quantize_4bit
 
     root = tmp_path_factory.mktemp("moe-nf4-load")
     shape = TinyShape(
@@ -153,7 +153,7 @@ def test_on_the_gpu_a_4bit_moe_load_peaks_at_a_few_16_bit_stacks_not_all_of_them
     made after the previous stack is gone. The codes are bit for bit the same on the same device."""
     import gc
 
-    from strop.fixtures.models import TinyShape, make_tiny_model
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model
 
     shape = TinyShape(
         hidden_size=1024, intermediate_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=128,

@@ -16,7 +16,7 @@ from strop.common.trainer_types import LoadModelRequest, Quantization
 
 @pytest.fixture(scope="module")
 def moe_root(tmp_path_factory) -> Path:
-    from strop.fixtures.models import TinyShape, make_tiny_model
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model
 
     root = tmp_path_factory.mktemp("moe-step-admission")
     shape = TinyShape(

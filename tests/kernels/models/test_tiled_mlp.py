@@ -343,7 +343,7 @@ def test_a_patched_mlp_skips_its_down_projection_in_the_tiled_backward_with_bitw
 
 def test_the_recompute_keeps_the_tiled_forward_where_the_layer_reads_the_mlp_output(monkeypatch):
     # Gemma's decoder layer normalises the MLP's output before its residual add (the norm saves it)
-    from strop.fixtures.models import TinyShape, build_config
+    from strop.fixtures.tiny_models import TinyShape, build_config
 
     shape = TinyShape(hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2)
     torch.manual_seed(0)
