@@ -156,9 +156,15 @@ def test_on_the_gpu_a_4bit_moe_load_peaks_at_a_few_16_bit_stacks_not_all_of_them
     from strop.fixtures.tiny_models import TinyShape, make_tiny_model
 
     shape = TinyShape(
-        hidden_size=1024, intermediate_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=128,
-        num_experts=64, experts_per_token=8,
-    )  # fmt: skip
+        hidden_size=1024,
+        intermediate_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        num_experts=64,
+        experts_per_token=8,
+    )
     make_tiny_model(tmp_path / "moe", arch="qwen3_moe", shape=shape, dtype="bfloat16", vocab_size=640)
     elems = shape.num_experts * 3 * shape.intermediate_size * shape.hidden_size
     every = shape.num_layers * elems * torch.bfloat16.itemsize
