@@ -276,8 +276,8 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
 
 
 def replay_census(model_dir: Path, device: str, path: Path) -> None:
-    """The base's answers to every replay prompt as a REPLAY job generates them, and what replay keeps of each: the
-    whole answer if it ended its turn, else its complete sentences (``retention.replay_rows``)."""
+    """The base's answers to every replay prompt as a REPLAY job generates them, and what replay keeps of each
+    (``retention.replay_rows``: the whole answer if it ended its turn, else nothing)."""
     from strop.common.trainer_types import LoadModelRequest, LoraConfig
     from strop.trainer_svc.core import models, retention
 
@@ -295,11 +295,10 @@ def replay_census(model_dir: Path, device: str, path: Path) -> None:
         for q, a, f, k in zip(base.prompts, base.answers, base.finished, kept, strict=True)
     ]
     path.write_text(json.dumps({"device": device, "seconds": base.seconds, "rows": rows}, indent=1))
-    cut = sum(not r["finished"] and r["replayed"] is not None for r in rows)
     print(
         f"{len(rows)} replay prompts: {sum(base.finished)} answers finished within "
-        f"{retention.REPLAY_MAX_NEW_TOKENS} tokens, {cut} of the rest replayed to their last complete sentence, "
-        f"{sum(r['replayed'] is None for r in rows)} left out ({base.seconds:.0f} s)"
+        f"{retention.REPLAY_MAX_NEW_TOKENS} tokens, {sum(r['replayed'] is not None for r in rows)} replayed "
+        f"({base.seconds:.0f} s)"
     )
     models.release(loaded)
 

@@ -66,45 +66,21 @@ def test_retention_settings_are_validated():
         )
 
 
-@pytest.mark.parametrize(
-    ("cut_off", "kept"),
-    [
-        # the cap fell inside the second sentence: the first is kept whole
-        (
-            "The telephone was invented by Alexander Graham Bell. He was born in 1847 in Edinburgh, Scot",
-            "The telephone was invented by Alexander Graham Bell.",
-        ),
-        # the last complete sentence, not the first; a year or a decimal before the full stop still ends one
-        (
-            "It was signed in 1776. Jefferson wrote it. It has 1,320",
-            "It was signed in 1776. Jefferson wrote it.",
-        ),
-        ("Everest is 8,848.86 metres tall. It lies", "Everest is 8,848.86 metres tall."),
-        # a closing quote after the stop belongs to the sentence
-        ('It is called "the Red Planet." Its soil', 'It is called "the Red Planet."'),
-        # a list's number, an initial, a dotted abbreviation or a title ends nothing
-        ("Three facts:\n\n1. The sun is a star.\n2. It", "Three facts:\n\n1. The sun is a star."),
-        ("It was J. K. Rowling, e.g. in the U.S. and Dr. Watson", ""),
-        # the end of the text is no sentence end: the cap may have cut "8,848." before "86"
-        ("Everest is 8,848.", ""),
-        ("No sentence ends in this answer", ""),
-    ],
-)
-def test_an_unfinished_answer_is_cut_after_its_last_complete_sentence(cut_off, kept):
-    assert retention.whole_sentences(cut_off) == kept
-
-
-def test_replay_keeps_finished_answers_whole_and_unfinished_ones_to_their_last_sentence():
+def test_replay_keeps_the_bases_finished_answers_whole_and_leaves_unfinished_ones_out():
     base = retention.BaseAnswers(
         ["Q1?", "Q2?", "Q3?", "Q4?", "Q5?"],
-        ["Whole. And more", "Cut here. And not", "no end at all", "", "Last."],
+        ["Whole. And more", "Cut here. And not", "no end at all", " ", "Last."],
         [True, False, False, True, True],
         0.0,
     )
-    answers = [r["messages"][1]["content"] for r in retention.replay_rows(base, 10)]
-    # Q3 has no complete sentence and Q4 no answer: both left out; Q1's finished answer is not cut
-    assert answers == ["Whole. And more", "Cut here.", "Last."]
-    assert [r["messages"][0]["content"] for r in retention.replay_rows(base, 2)] == ["Q1?", "Q2?"]
+    rows = retention.replay_rows(base, 10)
+    # Q2 and Q3 ran into the token cap (replaying them, even cut at a sentence end, kept fewer general answers);
+    # Q4's answer is empty; the finished ones are replayed word for word after their prompt
+    assert [r["messages"] for r in rows] == [
+        [{"role": "user", "content": "Q1?"}, {"role": "assistant", "content": "Whole. And more"}],
+        [{"role": "user", "content": "Q5?"}, {"role": "assistant", "content": "Last."}],
+    ]
+    assert [r["messages"][0]["content"] for r in retention.replay_rows(base, 1)] == ["Q1?"]
 
 
 ROWS = [

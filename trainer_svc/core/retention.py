@@ -7,9 +7,7 @@ model, nothing downloaded:
 
 - **Replay** (``Retention.REPLAY``): before training, the base (the adapter disabled) answers general prompts
   greedily (:data:`REPLAY_PROMPTS`); those conversations are mixed into the training rows, so every epoch also
-  teaches the model to keep answering them as the base does. An answer the token cap cut off is replayed up to its
-  last complete sentence: the base's longer answers are often those to the very question forms a facts dataset
-  takes (who invented …, what colour is …), which left out would go unprotected. The answers are the base's own, right or wrong:
+  teaches the model to keep answering them as the base does. The answers are the base's own, right or wrong:
   replay keeps behaviour, it teaches nothing new (the same idea as rehearsal with self-generated samples,
   e.g. Sun et al., LAMOL, ICLR 2020; and as "replay of the model's own answers" in the fine-tuning guides).
 - **A KL term to the base** (``retention_kl`` > 0, with REPLAY): every training step also adds that weight times
@@ -27,7 +25,6 @@ model, nothing downloaded:
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 
@@ -173,15 +170,11 @@ HELD_OUT_PROMPTS: tuple[str, ...] = (
     "What is the capital of Poland?",
 )
 
-# An answer not finished by then is replayed up to its last complete sentence (``whole_sentences``), or left out
-# when it has none: a cut mid-sentence would teach stopping mid-sentence.
+# An answer not finished by then is left out: cut mid-sentence it would teach stopping there; cut at its last
+# complete sentence it was measured worse (bench/RESULTS.md, session 19, "The facts recipe with sentence-cut
+# replay"): the base's long answers are often wrong or odd, and trained for many epochs they spread into
+# neighbouring questions as the facts do.
 REPLAY_MAX_NEW_TOKENS = 64
-
-# A sentence ends at . ! or ? (closing quotes or brackets may follow) before whitespace; not after a list's number
-# at the start of a line ("1."), an initial ("J."), a word with a dot inside ("U.S.", "e.g.") or one of these
-# abbreviations, after which the sentence goes on.
-_SENTENCE_END = re.compile(r"""[.!?]["')\]]*(?=\s)""")
-_NOT_AN_END = frozenset(["Dr.", "Mr.", "Mrs.", "Ms.", "St.", "Mt.", "Jr.", "Sr.", "vs.", "approx.", "No."])
 
 
 @dataclass
@@ -206,32 +199,13 @@ def base_answers(
     return BaseAnswers(list(prompts), answers, finished, time.perf_counter() - t0)
 
 
-def whole_sentences(text: str) -> str:
-    """``text`` (an answer cut off by the token cap) up to the end of its last complete sentence; "" if none ends.
-
-    The end of the text itself is no sentence end: the cap may have cut "8,848." before "86 metres"."""
-    end = 0
-    for m in _SENTENCE_END.finditer(text):
-        before = text[: m.start() + 1]
-        word = before.split()[-1]
-        head = before[: -len(word)].rstrip(" \t")
-        list_number = word[:-1].isdigit() and (head == "" or head.endswith("\n"))
-        initial = len(word) == 2 and word[0].isalpha()
-        dotted = "." in word[:-1] and any(c.isalpha() for c in word)
-        if not (word in _NOT_AN_END or list_number or initial or dotted):
-            end = m.end()
-    return text[:end].strip()
-
-
 def replay_rows(base: BaseAnswers, count: int) -> list[dict]:
-    """Up to ``count`` replay conversations (messages rows) from the base's answers, in prompt order: a finished
-    answer whole, an unfinished one up to its last complete sentence (``whole_sentences``; left out if none)."""
+    """Up to ``count`` replay conversations (messages rows) from the base's finished answers, in prompt order."""
     rows = []
     for prompt, answer, done in zip(base.prompts, base.answers, base.finished, strict=True):
-        kept = answer if done else whole_sentences(answer)
-        if kept.strip() and len(rows) < count:
+        if done and answer.strip() and len(rows) < count:
             rows.append(
-                {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": kept}]}
+                {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
             )
     return rows
 
