@@ -44,7 +44,7 @@ def main() -> None:
 
     from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
     from strop.fixtures.smollm2 import make_smollm2
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     torch.set_num_threads(a.threads)
     model_dir = make_smollm2()
@@ -55,20 +55,20 @@ def main() -> None:
     for name, quant, dtype in (("nf4", Quantization.NF4, ""), ("bf16", Quantization.NONE, "bfloat16")):
         if name not in wanted:
             continue
-        loaded = models.load_model(
+        loaded = model_loading.load_model(
             LoadModelRequest(model_path=model_dir.name, quantization=quant, dtype=dtype),
             model_root=model_dir.parent,
             device="cpu",
         )
-        models.attach_lora(loaded, LoraConfig(r=16, alpha=16, seed=0))
+        model_loading.attach_lora(loaded, LoraConfig(r=16, alpha=16, seed=0))
         sessions[name] = loaded
-    real_copy = models._inference_copy
+    real_copy = model_loading._inference_copy
 
     def run(system: str) -> tuple[float, list[str]]:
         loaded = sessions["nf4" if system.startswith("nf4") else system]
-        models._inference_copy = (lambda _: {}) if system == "nf4-bnb" else real_copy
+        model_loading._inference_copy = (lambda _: {}) if system == "nf4-bnb" else real_copy
         t0 = time.perf_counter()
-        out = models.generate(
+        out = model_loading.generate(
             loaded, prompts, max_new_tokens=a.new_tokens, disable_adapter=False, apply_chat_template=True
         )
         return time.perf_counter() - t0, out

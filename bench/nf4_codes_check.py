@@ -30,7 +30,7 @@ def main() -> int:
 
     from strop.common.trainer_types import LoadModelRequest, Quantization
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer, save_tokenizer
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     root = Path(tempfile.mkdtemp())
     cfg = LlamaConfig(
@@ -48,10 +48,10 @@ def main() -> int:
     stored = {}
     for f in (root / "m").glob("*.safetensors"):
         stored.update(load_file(f))
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path="m", quantization=Quantization.NF4), model_root=root, device="cuda:0"
     )
-    meta = models.base_quant_metadata(loaded.model)
+    meta = model_loading.base_quant_metadata(loaded.model)
     rows, bad = [], 0
     for name, mod in loaded.model.named_modules():
         if not isinstance(mod, Linear4bit):

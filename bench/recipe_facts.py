@@ -168,12 +168,12 @@ def evaluate(loaded, *, disable_adapter: bool) -> dict:
     """Facts: teacher-forced, the trained answer is exactly the greedy one when every one of its tokens (to the
     end of turn) is the model's top-1 (``retention.answer_hits``; unbatched, so no padding is involved).
     General: greedy answers in one left-padded batch (``models.generate_chat_batch``)."""
-    from strop.trainer_svc.core import models, retention
+    from strop.trainer_svc.core import model_loading, retention
 
     t0 = time.perf_counter()
     facts = retention.BaseAnswers([q for q, _ in FACTS], [a for _, a in FACTS], [True] * len(FACTS), 0.0)
     hits = retention.answer_hits(loaded, facts, disable_adapter=disable_adapter)
-    general, _ = models.generate_chat_batch(
+    general, _ = model_loading.generate_chat_batch(
         loaded,
         [q for q, _ in GENERAL],
         max_new_tokens=GENERAL_MAX_NEW_TOKENS,
@@ -213,13 +213,13 @@ def _cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
 
 def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cpu") -> tuple[dict, dict]:
     from strop.common.trainer_types import DatasetFormat, LoadModelRequest
-    from strop.trainer_svc.core import job_config, models, training
+    from strop.trainer_svc.core import job_config, model_loading, training
 
     cfg, lora = parse_setting(setting)
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path=model_dir.name), model_root=model_dir.parent, device=device
     )
-    models.attach_lora(loaded, lora)
+    model_loading.attach_lora(loaded, lora)
     if base_eval is None:
         base_eval = _cached_base_eval(loaded, model_dir, device)
     cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(FACTS))
@@ -271,7 +271,7 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         "eval_seconds": round(after["seconds"], 1),
         "general_answers": after["general_answers"],
     }
-    models.release(loaded)
+    model_loading.release(loaded)
     return row, base_eval
 
 
@@ -279,12 +279,12 @@ def replay_census(model_dir: Path, device: str, path: Path) -> None:
     """The base's answers to every replay prompt as a REPLAY job generates them, and what replay keeps of each
     (``retention.replay_rows``: the whole answer if it ended its turn, else nothing)."""
     from strop.common.trainer_types import LoadModelRequest, LoraConfig
-    from strop.trainer_svc.core import models, retention
+    from strop.trainer_svc.core import model_loading, retention
 
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path=model_dir.name), model_root=model_dir.parent, device=device
     )
-    models.attach_lora(loaded, LoraConfig(seed=0))
+    model_loading.attach_lora(loaded, LoraConfig(seed=0))
     base = retention.base_answers(loaded, retention.REPLAY_PROMPTS)
     kept = [
         retention.replay_rows(retention.BaseAnswers([q], [a], [f], 0.0), 1)
@@ -300,7 +300,7 @@ def replay_census(model_dir: Path, device: str, path: Path) -> None:
         f"{retention.REPLAY_MAX_NEW_TOKENS} tokens, {sum(r['replayed'] is not None for r in rows)} replayed "
         f"({base.seconds:.0f} s)"
     )
-    models.release(loaded)
+    model_loading.release(loaded)
 
 
 def table(paths: list[str]) -> str:

@@ -227,7 +227,7 @@ def run(
     """Train ``spec`` as this rank; returns how the job ended (every rank returns the same state)."""
     import torch
 
-    from strop.trainer_svc.core import fsdp, job_config, models, training
+    from strop.trainer_svc.core import fsdp, job_config, model_loading, training
     from strop.trainer_svc.core.datasets import Limits, validate_jsonl
     from strop.trainer_svc.core.jobs import failure_of, publish_checkpoint
     from strop.trainer_svc.core.sessions import publish_adapter
@@ -274,10 +274,10 @@ def run(
         load_device = fsdp.staging_device(spec.config, device, rank.world_size)
         # a 4-bit MoE's experts: NF4 on DDP ranks as in one process; FSDP2 cannot shard that storage
         nf4_experts = not (fsdp.is_fsdp(spec.config) and rank.world_size > 1)
-        loaded = models.load_model(
+        loaded = model_loading.load_model(
             spec.model, model_root=model_root, device=device, load_device=load_device, nf4_experts=nf4_experts
         )
-        models.attach_lora(loaded, spec.lora)  # seeded: the same adapter on every rank
+        model_loading.attach_lora(loaded, spec.lora)  # seeded: the same adapter on every rank
         if load_device != device:
             loaded.pending_device_bytes = fsdp.device_bytes_after_sharding(loaded.model, rank.world_size)
         cfg = job_config.with_defaults(spec.config, session_max_len=loaded.facts.max_seq_length)
@@ -286,7 +286,7 @@ def run(
         sharded = fsdp.is_fsdp(cfg) and rank.world_size > 1
         if sharded:
             fsdp.prepare(device)
-            models.loaded_base_quant(
+            model_loading.loaded_base_quant(
                 loaded
             )  # the adapter's metadata, read from the base before it is sharded
             fsdp.shard_4bit_as_compute_dtype(loaded.model, getattr(torch, loaded.facts.compute_dtype))

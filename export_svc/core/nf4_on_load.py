@@ -41,7 +41,7 @@ class Nf4OnLoad:
     digest: str = ""  # ... and their sha256 (see ``nf4_digest``)
     # the trainer's recorded scale statistics (absmax, and the double quantization's offset, nested absmax and
     # code) by weight name: the codes re-create exactly on any device, the double-quantized scales do not
-    # (trainer_svc/core/models.py ``write_nf4_stats``); "" for artifacts written before they were recorded
+    # (trainer_svc/core/adapter_files.py ``write_nf4_stats``); "" for artifacts written before they were recorded
     stats_file: str = ""
 
     @classmethod

@@ -42,9 +42,9 @@ UNIT_ROUNDOFF = 2.0**-24
 def _trainer_load(model_root, model_path: str, dtype: str):
     """The base loaded exactly as the trainer loads it for an NF4-on-load session (on the CPU)."""
     from strop.common.trainer_types import LoadModelRequest, Quantization
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
-    return models.load_model(
+    return model_loading.load_model(
         LoadModelRequest(model_path=model_path, quantization=Quantization.NF4, dtype=dtype),
         model_root=model_root,
         device="cpu",
@@ -54,13 +54,13 @@ def _trainer_load(model_root, model_path: str, dtype: str):
 @pytest.fixture(scope="module")
 def nf4_session_metadata(export_models) -> dict[str, str]:
     """The adapter metadata the trainer writes for an NF4-on-load session of ``llama-bpe`` (fp32 compute)."""
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     loaded = _trainer_load(export_models, "llama-bpe", "float32")
     try:
-        return models.adapter_metadata(loaded)
+        return model_loading.adapter_metadata(loaded)
     finally:
-        models.release(loaded)
+        model_loading.release(loaded)
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
@@ -68,17 +68,17 @@ def test_exporter_recreates_the_trainers_nf4_weights_bit_for_bit(export_models, 
     import bitsandbytes as bnb
     from bitsandbytes.functional import dequantize_4bit
 
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     loaded = _trainer_load(export_models, "llama-bpe", compute_dtype)
     try:
-        meta = models.adapter_metadata(loaded)
+        meta = model_loading.adapter_metadata(loaded)
         assert meta["base_quantization"] == "bnb-nf4-on-load"
         assert (meta["base_quant.type"], meta["base_quant.blocksize"], meta["base_quant.double_quant"]) == (
             "nf4",
             "64",
             "true",
-        ), "the trainer's on-load settings (models.load_model) are recorded as its layers hold them"
+        ), "the trainer's on-load settings (model_loading.load_model) are recorded as its layers hold them"
         spec = Nf4OnLoad.from_metadata(meta)
         assert spec is not None and not spec.assumed
         view = BaseModel(export_models / "llama-bpe", "llama-bpe").quantized_on_load(spec)
@@ -97,7 +97,7 @@ def test_exporter_recreates_the_trainers_nf4_weights_bit_for_bit(export_models, 
             # trainer rounds the same fp32 products to bf16 (bitsandbytes' dequantize casts once)
             assert torch.equal(mine.to(trained.dtype), trained), f"{compute_dtype}: {name}"
     finally:
-        models.release(loaded)
+        model_loading.release(loaded)
 
 
 @pytest.mark.parity
@@ -109,11 +109,11 @@ def test_the_as_trained_reference_computes_what_the_trainers_own_model_computes(
 
     from strop.export_svc.core import verify as V
     from strop.export_svc.core.adapter_source import open_adapter
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     loaded = _trainer_load(export_models, "llama-bpe", "float32")
     try:
-        spec = Nf4OnLoad.from_metadata(models.adapter_metadata(loaded))
+        spec = Nf4OnLoad.from_metadata(model_loading.adapter_metadata(loaded))
         trained = PeftModel.from_pretrained(loaded.model, str(export_models / "llama-bpe-lora")).eval()
         ids = torch.tensor([list(range(5, 60))])
         with torch.no_grad():
@@ -123,7 +123,7 @@ def test_the_as_trained_reference_computes_what_the_trainers_own_model_computes(
         with torch.no_grad():
             got = mine(ids).logits[0]
     finally:
-        models.release(loaded)
+        model_loading.release(loaded)
     cfg = json.loads((export_models / "llama-bpe" / "config.json").read_text())
     one_pass = (8 * cfg["num_hidden_layers"] + 4) * max(cfg["vocab_size"], cfg["intermediate_size"]) ** 0.5
     assert float((got - want).abs().max()) <= one_pass * UNIT_ROUNDOFF * float(want.abs().max())
@@ -355,7 +355,7 @@ def test_scales_the_trainer_records_make_the_exported_weights_its_own_where_reco
     import bitsandbytes as bnb
     from bitsandbytes.functional import dequantize_4bit
 
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     loaded = _trainer_load(export_models, "llama-bpe", "float32")
     try:
@@ -366,13 +366,13 @@ def test_scales_the_trainer_records_make_the_exported_weights_its_own_where_reco
         qs = layers[name].weight.quant_state
         assert qs.nested, "the trainer double-quantizes"
         qs.absmax[0] = qs.absmax[0] + 1 if int(qs.absmax[0]) < 255 else qs.absmax[0] - 1
-        meta = models.adapter_metadata(loaded)  # its digest is of the state as the layer now holds it
-        models.write_nf4_stats(loaded.model, tmp_path / models.NF4_STATS_FILE)
+        meta = model_loading.adapter_metadata(loaded)  # its digest is of the state as the layer now holds it
+        model_loading.write_nf4_stats(loaded.model, tmp_path / model_loading.NF4_STATS_FILE)
         trained = dequantize_4bit(layers[name].weight.data, qs)
         spec = Nf4OnLoad.from_metadata(meta)
         base = BaseModel(export_models / "llama-bpe", "llama-bpe")
         recorded = base.quantized_on_load(
-            dataclasses.replace(spec, stats_file=str(tmp_path / models.NF4_STATS_FILE))
+            dataclasses.replace(spec, stats_file=str(tmp_path / model_loading.NF4_STATS_FILE))
         )
         assert recorded.check_codes() == "bit-identical"
         assert torch.equal(recorded.read_fp32(name), trained)
@@ -382,13 +382,13 @@ def test_scales_the_trainer_records_make_the_exported_weights_its_own_where_reco
         for other in set(layers) - {name}:  # every other weight: the same either way
             assert torch.equal(recorded.read_fp32(other), recomputed.read_fp32(other))
     finally:
-        models.release(loaded)
+        model_loading.release(loaded)
 
 
 def test_the_trainer_writes_its_nf4_statistics_into_adapters_of_sessions_quantized_on_load(export_models):
     from safetensors.torch import load_file
 
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     loaded = _trainer_load(export_models, "llama-bpe", "float32")
     try:
@@ -398,12 +398,12 @@ def test_the_trainer_writes_its_nf4_statistics_into_adapters_of_sessions_quantiz
         loaded.model = get_peft_model(loaded.model, PeftLora(r=4, target_modules=["q_proj", "v_proj"]))
         out = export_models.parent / "nf4-stats-adapter"
         out.mkdir(exist_ok=True)
-        models.write_adapter(loaded, out)
-        stats = load_file(out / models.NF4_STATS_FILE)
+        model_loading.write_adapter(loaded, out)
+        stats = load_file(out / model_loading.NF4_STATS_FILE)
         assert len([k for k in stats if k.endswith(".weight.absmax")]) == 14
         assert stats["model.layers.1.mlp.down_proj.weight.absmax"].dtype == torch.uint8
     finally:
-        models.release(loaded)
+        model_loading.release(loaded)
 
 
 # -- adapters carry their base (issue 31 item 3): every adapter directory strop writes records the base it was
@@ -416,7 +416,7 @@ def _trainer_adapter_dir(export_models, name: str):
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
 
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     out = export_models / name
     loaded = _trainer_load(export_models, "llama-bpe", "float32")
@@ -432,10 +432,10 @@ def _trainer_adapter_dir(export_models, name: str):
                     p.normal_(0.0, 0.05)
         if not out.exists():
             out.mkdir()
-            models.write_adapter(loaded, out)
-        return out, models.adapter_metadata(loaded)
+            model_loading.write_adapter(loaded, out)
+        return out, model_loading.adapter_metadata(loaded)
     finally:
-        models.release(loaded)
+        model_loading.release(loaded)
 
 
 def test_the_trainers_adapters_and_checkpoints_record_the_base_they_were_trained_on(
@@ -466,9 +466,9 @@ def test_the_trainers_adapters_and_checkpoints_record_the_base_they_were_trained
             == "bnb-nf4-on-load"
         )
     finally:
-        from strop.trainer_svc.core import models
+        from strop.trainer_svc.core import model_loading
 
-        models.release(loaded)
+        model_loading.release(loaded)
 
 
 @pytest.mark.parity

@@ -27,7 +27,7 @@ F32_GGUF_BOUND = 1e-3
 
 def _trained_adapter(root: Path, arch: str, train_router: bool) -> Path:
     from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
-    from strop.trainer_svc.core.models import attach_lora, load_model, write_adapter
+    from strop.trainer_svc.core.model_loading import attach_lora, load_model, write_adapter
 
     loaded = load_model(
         LoadModelRequest(model_path=arch, dtype="float32", quantization=Quantization.NONE),

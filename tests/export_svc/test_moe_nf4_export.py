@@ -45,7 +45,7 @@ def _trained(root: Path, base: str, quantization) -> tuple[Path, torch.Tensor]:
     """A trainer session on ``base`` (NF4 experts), an adapter with B randomised as if trained, written as the
     trainer writes it; and the session's own logits on IDS (the model as trained)."""
     from strop.common.trainer_types import LoadModelRequest, LoraConfig
-    from strop.trainer_svc.core.models import attach_lora, load_model, release, write_adapter
+    from strop.trainer_svc.core.model_loading import attach_lora, load_model, release, write_adapter
 
     loaded = load_model(
         LoadModelRequest(model_path=base, dtype="float32", quantization=quantization),

@@ -51,15 +51,15 @@ def trained(smollm2_root):
     trained adapter's stand-in: every adapted weight changes), written as the trainer writes adapters; and the
     session's logits on ``PROMPT`` with the adapter (the model as trained) and without it."""
     from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path=MODEL_NAME, quantization=Quantization.NF4, dtype="float32"),
         model_root=smollm2_root,
         device="cpu",
     )
     try:
-        models.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
+        model_loading.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, p in loaded.model.named_parameters():
@@ -71,9 +71,9 @@ def trained(smollm2_root):
             as_trained = loaded.model(input_ids=ids).logits.float()
             with loaded.model.disable_adapter():
                 base = loaded.model(input_ids=ids).logits.float()
-        models.write_adapter(loaded, smollm2_root / ADAPTER)
+        model_loading.write_adapter(loaded, smollm2_root / ADAPTER)
     finally:
-        models.release(loaded)
+        model_loading.release(loaded)
     return {"ids": ids, "as_trained": as_trained, "base": base}
 
 

@@ -139,11 +139,11 @@ def _events(tmp: Path, job_id: str) -> list[dict]:
 def _initial_adapter(model_root: Path) -> dict:
     """The adapter before training, as every rank attaches it (``attach_lora`` is seeded)."""
     from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     req = LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE, dtype="float32")
-    loaded = models.load_model(req, model_root=model_root, device="cpu")
-    models.attach_lora(loaded, LoraConfig(**LORA))
+    loaded = model_loading.load_model(req, model_root=model_root, device="cpu")
+    model_loading.attach_lora(loaded, LoraConfig(**LORA))
     return {
         n.replace(".default", ""): p.detach().clone()
         for n, p in loaded.model.named_parameters()
@@ -704,7 +704,7 @@ def test_sharded_jobs_on_accelerators_stage_the_base_in_host_memory_and_admissio
         Quantization,
         TrainConfig,
     )
-    from strop.trainer_svc.core import fsdp, models
+    from strop.trainer_svc.core import fsdp, model_loading
 
     sharded = TrainConfig(parallelism=Parallelism.FSDP, num_devices=4)
     assert fsdp.staging_device(sharded, "cuda:1", 4) == "cpu"
@@ -715,8 +715,8 @@ def test_sharded_jobs_on_accelerators_stage_the_base_in_host_memory_and_admissio
     assert fsdp.staging_device(sharded, "cuda:0", 1) == "cuda:0"
 
     req = LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE, dtype="float32")
-    loaded = models.load_model(req, model_root=model_root, device="cpu", load_device="cpu")
-    models.attach_lora(loaded, LoraConfig(**LORA))
+    loaded = model_loading.load_model(req, model_root=model_root, device="cpu", load_device="cpu")
+    model_loading.attach_lora(loaded, LoraConfig(**LORA))
     params = list(loaded.model.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
     layer = sum(

@@ -30,7 +30,7 @@ from tests.trainer_svc.test_ddp import LORA, ROW_TOKENS, ROWS, STEPS, U, _adapte
 def moe_runs(tmp_path_factory):
     from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
     from strop.fixtures.tiny_models import TinyShape, make_tiny_model
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     root = tmp_path_factory.mktemp("ddp-moe-models")
     shape = TinyShape(
@@ -57,8 +57,8 @@ def moe_runs(tmp_path_factory):
         procs[job] = _launch(tmp, root, job, batch_size=batch, nproc=nproc, spec=spec)
     # the adapter before training, as every rank attaches it (seeded), while the jobs train
     req = LoadModelRequest(model_path="qwen3_moe", quantization=Quantization.NF4, dtype="float32")
-    loaded = models.load_model(req, model_root=root, device="cpu")
-    models.attach_lora(loaded, LoraConfig(**LORA))
+    loaded = model_loading.load_model(req, model_root=root, device="cpu")
+    model_loading.attach_lora(loaded, LoraConfig(**LORA))
     initial = {
         n.replace(".default", ""): p.detach().clone()
         for n, p in loaded.model.named_parameters()

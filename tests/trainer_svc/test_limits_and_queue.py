@@ -228,18 +228,20 @@ def test_health_and_unary_calls_answer_with_500_open_event_streams(client, train
 
 def test_generate_caps_tokens_per_call_and_stops_at_its_deadline(model_root):
     from strop.common.errors import DeadlineExceeded
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
-    loaded = models.load_model(LoadModelRequest(model_path="tiny-llama"), model_root=model_root, device="cpu")
+    loaded = model_loading.load_model(
+        LoadModelRequest(model_path="tiny-llama"), model_root=model_root, device="cpu"
+    )
     with pytest.raises(InvalidArgument, match="above the 16384 tokens one Generate call may produce"):
-        models.generate(
+        model_loading.generate(
             loaded, ["hi"] * 5, max_new_tokens=4096, disable_adapter=False, apply_chat_template=False
         )
     t0 = time.monotonic()
     with pytest.raises(
         DeadlineExceeded, match="the deadline passed"
     ):  # today: computes to the end regardless
-        models.generate(
+        model_loading.generate(
             loaded,
             ["hi"] * 16,
             max_new_tokens=1000,

@@ -24,7 +24,7 @@ from strop.common.trainer_types import (
     TrainMethod,
 )
 from strop.demo.data import dpo_rows
-from strop.trainer_svc.core import job_config, models, training
+from strop.trainer_svc.core import job_config, model_loading, training
 
 LORA = LoraConfig(r=8, alpha=16, seed=0)
 STEPS = 3
@@ -60,12 +60,12 @@ CASES = {
 
 def _strop_run(model_root, tmp_path, method, optimizer="adamw_torch", kernels=False):
     rows, fields, _ = CASES[method]
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE),
         model_root=model_root,
         device="cpu",
     )
-    models.attach_lora(loaded, LORA)
+    model_loading.attach_lora(loaded, LORA)
     # the service turns the kernels on only on CUDA; forced here after loading, the job runs strop's chunked
     # loss inside the TRL trainer (what a CUDA job does) on the CPU's unpatched model
     loaded.facts.kernels_enabled = kernels

@@ -39,7 +39,7 @@ def moe_root(tmp_path_factory) -> Path:
 
 
 def _load(root: Path, name: str, quantization=Quantization.NONE):
-    from strop.trainer_svc.core.models import load_model
+    from strop.trainer_svc.core.model_loading import load_model
 
     req = LoadModelRequest(model_path=name, quantization=quantization, dtype="float32")
     return load_model(req, model_root=root, device="cpu")
@@ -59,7 +59,7 @@ def test_an_moe_loads_as_each_quantization_and_lora_wraps_attention_and_every_ex
 ):
     from bitsandbytes.nn import Linear4bit
 
-    from strop.trainer_svc.core.models import attach_lora
+    from strop.trainer_svc.core.model_loading import attach_lora
 
     loaded = _load(moe_root, name.format(a=arch), quantization)
     assert loaded.facts.model_type == arch and loaded.facts.quantization == label
@@ -89,7 +89,7 @@ def test_an_moe_loads_as_each_quantization_and_lora_wraps_attention_and_every_ex
 
 
 def test_lora_targets_that_fused_experts_cannot_take_are_refused_precisely(moe_root):
-    from strop.trainer_svc.core.models import validate_lora
+    from strop.trainer_svc.core.model_loading import validate_lora
 
     loaded = _load(moe_root, "qwen3_moe")
     with pytest.raises(InvalidArgument, match="gate_proj and up_proj together"):
@@ -133,7 +133,7 @@ def test_an_sft_step_equals_hf_peft_with_the_load_balancing_loss(moe_root, tmp_p
     rounding of a log-sum-exp over 320 logits (≈1e-6 relative), far below the aux term (≥ 1e-3 · 2 here)."""
     import torch
 
-    from strop.trainer_svc.core.models import attach_lora
+    from strop.trainer_svc.core.model_loading import attach_lora
     from strop.trainer_svc.core.training import JobControl, Sinks, build_trainer
 
     loaded = _load(moe_root, arch)

@@ -72,7 +72,7 @@ def _expert_bytes_held(peaks: list[int]):
 
 def _load(root: Path, name: str, quantization: Quantization, *, on_load: bool, monkeypatch, peaks=None):
     from strop.trainer_svc.core import moe
-    from strop.trainer_svc.core.models import load_model
+    from strop.trainer_svc.core.model_loading import load_model
 
     with monkeypatch.context() as mp:
         if not on_load:  # the old path: every stack quantized by hold_experts_in_nf4 after from_pretrained
@@ -172,7 +172,7 @@ def test_on_the_gpu_a_4bit_moe_load_peaks_at_a_few_16_bit_stacks_not_all_of_them
 
     def load(on_load: bool):
         from strop.trainer_svc.core import moe
-        from strop.trainer_svc.core.models import load_model
+        from strop.trainer_svc.core.model_loading import load_model
 
         started = []
 

@@ -18,7 +18,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import job_config, models, retention, training
+from strop.trainer_svc.core import job_config, model_loading, retention, training
 from tests.trainer_svc.conftest import sft_config
 
 
@@ -102,11 +102,11 @@ def _run(model_root, tmp_path, monkeypatch, **cfg):
         assert disable_adapter, "replay and the metric use the base's answers (adapter disabled)"
         return ["Yes."] * len(prompts), [True] * len(prompts)
 
-    monkeypatch.setattr(models, "generate_chat_batch", answers)
-    loaded = models.load_model(
+    monkeypatch.setattr(model_loading, "generate_chat_batch", answers)
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path="tiny-llama-4bit"), model_root=model_root, device="cpu"
     )
-    models.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+    model_loading.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
     steps, events = [], []
     sinks = training.Sinks(steps.append, lambda s, p: None, lambda n: None, on_retention=events.append)
     config = job_config.with_defaults(
@@ -142,10 +142,10 @@ def test_without_replay_only_the_rows_train_and_nothing_is_generated(model_root,
 def test_the_forgetting_metric_counts_answers_the_model_still_gives_word_for_word(model_root):
     # The base's own greedy answers are, by definition, kept by the base: the metric on an untrained adapter
     # (B = 0: the same function) keeps every answer the base reproduces, with token agreement 1.
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path="tiny-llama-4bit"), model_root=model_root, device="cpu"
     )
-    models.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+    model_loading.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
     base = retention.base_answers(loaded, retention.HELD_OUT_PROMPTS[:4], max_new_tokens=6)
     # a random model rarely ends its turn: count its answers as finished to have something to check
     base = retention.BaseAnswers(base.prompts, base.answers, [True] * 4, base.seconds)

@@ -21,7 +21,7 @@ from strop.common.trainer_types import (
     TrainMethod,
 )
 from strop.kernels.losses.kl import token_kl, token_kl_reference
-from strop.trainer_svc.core import job_config, models, retention, training
+from strop.trainer_svc.core import job_config, model_loading, retention, training
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
@@ -76,8 +76,10 @@ ROWS = [
 
 
 def _loaded(model_root):
-    loaded = models.load_model(LoadModelRequest(model_path="tiny-llama"), model_root=model_root, device="cpu")
-    models.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+    loaded = model_loading.load_model(
+        LoadModelRequest(model_path="tiny-llama"), model_root=model_root, device="cpu"
+    )
+    model_loading.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
     return loaded
 
 
@@ -118,16 +120,16 @@ def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(mod
 
 def test_a_job_with_retention_kl_adds_the_term_to_its_training_loss(model_root, tmp_path, monkeypatch):
     monkeypatch.setattr(
-        models,
+        model_loading,
         "generate_chat_batch",
         lambda loaded, prompts, **kw: (["Yes, it is."] * len(prompts), [True] * len(prompts)),
     )
     losses = {}
     for weight in (0.0, 5.0):
-        loaded = models.load_model(
+        loaded = model_loading.load_model(
             LoadModelRequest(model_path="tiny-llama-4bit"), model_root=model_root, device="cpu"
         )
-        models.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+        model_loading.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
         steps = []
         sinks = training.Sinks(steps.append, lambda s, p: None, lambda n: None)
         cfg = job_config.with_defaults(
@@ -152,7 +154,7 @@ def test_a_job_with_retention_kl_adds_the_term_to_its_training_loss(model_root, 
             sinks,
         )
         losses[weight] = [s.loss for s in steps]
-        models.release(loaded)
+        model_loading.release(loaded)
     plain, with_kl = losses[0.0], losses[5.0]
     assert len(plain) == len(with_kl) == 4, "4 rows and 4 replayed answers, 2 a step"
     # step 1: the adapter is B = 0, the model is its base, the KL is exactly 0; after an update it is not

@@ -267,7 +267,7 @@ def nf4_tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from strop.fixtures import make_tiny_model
-    from strop.trainer_svc.core.models import keep_4bit_layers_trainable
+    from strop.trainer_svc.core.model_loading import keep_4bit_layers_trainable
 
     path = make_tiny_model(tmp_path_factory.mktemp("nf4") / "tiny", arch="llama", dtype="float32", seed=0)
     bnb = BitsAndBytesConfig(
@@ -336,7 +336,7 @@ def test_cuda_sampler_with_graph_and_nf4_kernel_is_within_bf16_error_of_fp32(tmp
 
     from strop.fixtures import make_tiny_model
     from strop.kernels.models import patch_model, unpatch_model
-    from strop.trainer_svc.core.models import compute_prequantized_in
+    from strop.trainer_svc.core.model_loading import compute_prequantized_in
 
     path = make_tiny_model(tmp_path / "tiny", arch="llama", dtype="bfloat16", seed=0)
     bnb = BitsAndBytesConfig(

@@ -15,7 +15,7 @@ import torch
 
 from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
 from strop.fixtures.smollm2 import MODEL_NAME, gguf_path
-from strop.trainer_svc.core import job_config, models
+from strop.trainer_svc.core import job_config, model_loading
 from tests.deps import locked
 
 
@@ -100,7 +100,7 @@ def test_concurrent_loads_leave_transformers_able_to_tie_the_next_model(model_ro
     def load_and_release() -> None:
         try:
             for _ in range(4):
-                models.release(models.load_model(req, model_root=model_root, device="cpu"))
+                model_loading.release(model_loading.load_model(req, model_root=model_root, device="cpu"))
         except BaseException as exc:  # reported below: a thread's exception would otherwise vanish
             errors.append(exc)
 
@@ -116,20 +116,20 @@ def test_concurrent_loads_leave_transformers_able_to_tie_the_next_model(model_ro
 
 @pytest.fixture(scope="module")
 def nf4_session(smollm2_root):
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path=MODEL_NAME, quantization=Quantization.NF4),
         model_root=smollm2_root,
         device="cpu",
     )
-    models.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
+    model_loading.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
     yield loaded
-    models.release(loaded)
+    model_loading.release(loaded)
 
 
 def test_generate_on_an_nf4_session_answers_what_the_model_knows(nf4_session):
     # The base model answers this right (measured: "The capital of France is Paris."); a broken tokenizer,
     # template, dequantization or the inference copy would not.
-    (answer,) = models.generate(
+    (answer,) = model_loading.generate(
         nf4_session,
         ["What is the capital of France?"],
         max_new_tokens=12,
@@ -149,7 +149,7 @@ def test_the_inference_copy_computes_what_the_training_forward_computes(nf4_sess
     with torch.enable_grad():
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)  # grad: MatMul4Bit's path
         trained = model(inputs_embeds=embeds).logits.detach()
-    with torch.no_grad(), models.inference_weights(nf4_session):
-        assert nf4_session.extra.get(models.INFERENCE_COPY)
+    with torch.no_grad(), model_loading.inference_weights(nf4_session):
+        assert nf4_session.extra.get(model_loading.INFERENCE_COPY)
         copied = model(inputs_embeds=embeds.detach()).logits
     assert torch.equal(copied, trained), f"max |Δlogit| {float((copied - trained).abs().max()):.3g}"

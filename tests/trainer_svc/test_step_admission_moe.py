@@ -31,7 +31,7 @@ def test_a_forward_backward_on_an_moe_counts_what_hf_saves_of_nf4_experts(moe_ro
     from strop.common.archs import moe_sizes
     from strop.common.trainer_types import TrainConfig, TrainMethod
     from strop.trainer_svc.core import admission, step_ops
-    from strop.trainer_svc.core.models import load_model
+    from strop.trainer_svc.core.model_loading import load_model
     from strop.trainer_svc.core.runs import forward_backward_estimate
 
     req = LoadModelRequest(model_path="qwen3_moe", quantization=quantization, dtype="float32")

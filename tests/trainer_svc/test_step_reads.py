@@ -22,7 +22,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import job_config, models, training
+from strop.trainer_svc.core import job_config, model_loading, training
 from strop.trainer_svc.core.guard import BrokenTraining
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__")
@@ -39,8 +39,8 @@ def _train(model_root, tmp_path, label: str, **cfg):
 
     # the kernels on (interpreted), so the job's trainer is the one a CUDA session gets (StropSFTTrainer)
     request = LoadModelRequest(model_path="tiny-llama-4bit", kernels=KernelMode.ON)
-    loaded = models.load_model(request, model_root=model_root, device="cpu")
-    models.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
+    loaded = model_loading.load_model(request, model_root=model_root, device="cpu")
+    model_loading.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
     config = dict(method=TrainMethod.SFT, learning_rate=2e-3, batch_size=2, lr_scheduler="constant", seed=0)
     config = job_config.with_defaults(TrainConfig(**{**config, **cfg}), session_max_len=64)
     steps, saved, reads = [], [], []
@@ -122,10 +122,10 @@ def test_a_train_step_reads_nothing_between_the_backward_and_the_optimizer_and_i
 def test_non_finite_gradients_fail_the_step_naming_the_tensors(model_root, tmp_path):
     """The guard's gradient check, read after the optimizer step, fails the job at the step whose gradients are
     non-finite, with the gradient message (not the adapters' that the update then made non-finite)."""
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path="tiny-llama-4bit"), model_root=model_root, device="cpu"
     )
-    models.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
+    model_loading.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
     lora_a = loaded.model.get_base_model().model.layers[1].self_attn.v_proj.lora_A["default"].weight
     calls = []
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from strop.common.trainer_types import LoadModelRequest, LoraConfig
-from strop.trainer_svc.core import job_config, models, training
+from strop.trainer_svc.core import job_config, model_loading, training
 from strop.trainer_svc.core.guard import BrokenTraining
 
 LORA = LoraConfig(r=8, alpha=16, seed=0)
@@ -30,8 +30,8 @@ def avx512bf16_cpu(monkeypatch):
 
 
 def _session(model_root, name="tiny-llama-4bit"):
-    loaded = models.load_model(LoadModelRequest(model_path=name), model_root=model_root, device="cpu")
-    models.attach_lora(loaded, LORA)
+    loaded = model_loading.load_model(LoadModelRequest(model_path=name), model_root=model_root, device="cpu")
+    model_loading.attach_lora(loaded, LORA)
     return loaded
 
 
@@ -45,13 +45,17 @@ def _adapter_grads(loaded) -> dict[str, torch.Tensor]:
 
 
 def _generate(loaded) -> None:
-    models.generate(loaded, [PROMPT], max_new_tokens=4, disable_adapter=False, apply_chat_template=True)
+    model_loading.generate(
+        loaded, [PROMPT], max_new_tokens=4, disable_adapter=False, apply_chat_template=True
+    )
 
 
 def test_generate_leaves_no_4bit_layer_repacked(model_root, avx512bf16_cpu):
     loaded = _session(model_root)
     _generate(loaded)
-    assert models.repacked_4bit_layers(loaded.model) == [], "Generate must not repack the 4-bit weights"
+    assert model_loading.repacked_4bit_layers(loaded.model) == [], (
+        "Generate must not repack the 4-bit weights"
+    )
 
 
 def test_adapter_gradients_after_generate_equal_those_without_one(model_root, avx512bf16_cpu):
@@ -67,15 +71,15 @@ def test_adapter_gradients_after_generate_equal_those_without_one(model_root, av
 
 
 def test_generate_computes_from_a_dequantized_copy_that_a_job_drops_before_training(model_root, tmp_path):
-    # Generate on a CPU session uses the copy (models.inference_weights); training computes from the 4-bit
+    # Generate on a CPU session uses the copy (model_loading.inference_weights); training computes from the 4-bit
     # weights themselves, so a job frees the copy first (and the gradients above stay bitwise those without one).
     loaded = _session(model_root)
     _generate(loaded)
-    copy = loaded.extra.get(models.INFERENCE_COPY)
+    copy = loaded.extra.get(model_loading.INFERENCE_COPY)
     assert copy and len(copy) == 7 * loaded.facts.num_layers, "every 4-bit projection of every layer"
     cfg = job_config.with_defaults(_sft(max_steps=1), session_max_len=64)
     training.run_training(loaded, ROWS, _fmt(), cfg, tmp_path / "work", training.JobControl(), _sinks())
-    assert models.INFERENCE_COPY not in loaded.extra
+    assert model_loading.INFERENCE_COPY not in loaded.extra
 
 
 def test_training_refuses_layers_left_in_the_repacked_layout(model_root, tmp_path):
@@ -194,11 +198,11 @@ def test_non_finite_hyperparameters_are_refused_by_name(field, value):
 def test_non_finite_or_negative_lora_alpha_is_refused(model_root, alpha):
     from strop.common.errors import InvalidArgument
 
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path="tiny-llama-4bit"), model_root=model_root, device="cpu"
     )
     with pytest.raises(InvalidArgument, match="alpha"):
-        models.attach_lora(loaded, LoraConfig(r=8, alpha=alpha))
+        model_loading.attach_lora(loaded, LoraConfig(r=8, alpha=alpha))
 
 
 def test_a_broken_run_over_grpc_ends_failed_never_succeeded(client, ready_session, sft_dataset):

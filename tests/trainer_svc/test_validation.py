@@ -28,7 +28,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import job_config, models, training, validation
+from strop.trainer_svc.core import job_config, model_loading, training, validation
 from strop.trainer_svc.core.evaluation import ValidationSet
 
 LORA = LoraConfig(r=8, alpha=16, seed=0)
@@ -67,12 +67,12 @@ def _kto_rows(n: int, seed: int) -> list[dict]:
 
 
 def _loaded(model_root):
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE),
         model_root=model_root,
         device="cpu",
     )
-    models.attach_lora(loaded, LORA)
+    model_loading.attach_lora(loaded, LORA)
     return loaded
 
 
@@ -438,12 +438,12 @@ def test_on_the_gpu_with_the_kernels_sft_valid_loss_matches_hf_peft_within_bf16(
     """The kernels on CUDA (the service's default there), bf16: strop's fused log-prob head evaluates; the reference is
     a fresh fp32 HF + PEFT model with the trained adapter (full logits). Bound: DESIGN's bf16 parity, 1e-2 relative (a
     bf16 forward of a 2-layer model against fp32: a few bf16 roundings, eps 7.8e-3, averaged in the loss's mean)."""
-    loaded = models.load_model(
+    loaded = model_loading.load_model(
         LoadModelRequest(model_path="tiny-llama", quantization=Quantization.NONE, dtype="bfloat16"),
         model_root=model_root,
         device="cuda:0",
     )
-    models.attach_lora(loaded, LORA)
+    model_loading.attach_lora(loaded, LORA)
     assert loaded.facts.kernels_enabled, loaded.facts.kernels_reason
     vocab = 640
     train, held = _token_rows(8, 0, vocab), _token_rows(6, 1, vocab)

@@ -17,7 +17,7 @@ from strop.common.errors import FailedPrecondition
 if TYPE_CHECKING:
     import torch
 
-    from strop.trainer_svc.core.models import LoadedModel
+    from strop.trainer_svc.core.model_loading import LoadedModel
 
 Snapshot = dict[str, "torch.Tensor"]
 

@@ -4,7 +4,7 @@ turn, and the reply's text as graders read it."""
 
 from __future__ import annotations
 
-from strop.trainer_svc.core.models import LoadedModel
+from strop.trainer_svc.core.model_loading import LoadedModel
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -47,7 +47,7 @@ from strop.common.trainer_types import (
 )
 
 if TYPE_CHECKING:
-    from strop.trainer_svc.core.models import LoadedModel
+    from strop.trainer_svc.core.model_loading import LoadedModel
     from strop.trainer_svc.core.sessions import Session
     from strop.trainer_svc.core.training import JobControl
 

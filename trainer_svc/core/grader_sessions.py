@@ -34,7 +34,7 @@ from strop.common.errors import FailedPrecondition, InvalidArgument
 from strop.common.trainer_types import SessionState
 from strop.trainer_svc.core.chat_sampling import eos_ids, prompt_ids, reply_text
 from strop.trainer_svc.core.guard import BrokenTraining, names
-from strop.trainer_svc.core.models import repacked_4bit_layers
+from strop.trainer_svc.core.model_loading import repacked_4bit_layers
 from strop.trainer_svc.core.sampler import SampleRequest, SamplingParams, sample
 from strop.trainer_svc.core.sessions import Session, Sessions
 

@@ -49,7 +49,7 @@ from strop.trainer_svc.core import grader_sessions, step_ops
 from strop.trainer_svc.core.chat_sampling import eos_ids, prompt_ids, reply_text
 from strop.trainer_svc.core.evaluation import ValidationSet
 from strop.trainer_svc.core.guard import BrokenTraining, names
-from strop.trainer_svc.core.models import LoadedModel, drop_inference_weights, repacked_4bit_layers
+from strop.trainer_svc.core.model_loading import LoadedModel, drop_inference_weights, repacked_4bit_layers
 from strop.trainer_svc.core.sampler import SampleRequest, SamplingParams, sample
 from strop.trainer_svc.core.training import JobControl, Sinks
 

@@ -44,7 +44,7 @@ from strop.trainer_svc.core import (
     fsdp,
     job_config,
     loss_curve,
-    models,
+    model_loading,
     training,
     validation,
 )
@@ -57,22 +57,30 @@ log = logging.getLogger("strop.trainer")
 
 
 def publish_checkpoint(
-    artifacts: ArtifactStore, loaded: models.LoadedModel, *, tenant: str, job_id: str, step: int, path: Path
+    artifacts: ArtifactStore,
+    loaded: model_loading.LoadedModel,
+    *,
+    tenant: str,
+    job_id: str,
+    step: int,
+    path: Path,
 ) -> Checkpoint:
     """Copy the checkpoint directory HF wrote at ``step`` into the store (a job's, or a distributed job's rank
     0's, ``dist_worker``), with the base's tokenizer files and metadata."""
     adapter_state.check_finite(loaded, f"the checkpoint at step {step}")
-    meta = {**models.adapter_metadata(loaded), "job_id": job_id, "step": str(step)}
+    meta = {**model_loading.adapter_metadata(loaded), "job_id": job_id, "step": str(step)}
     with artifacts.create("checkpoint", owner=tenant, metadata=meta) as pending:
         for src in path.rglob("*"):
             if src.is_file():
                 dst = pending.dir / src.relative_to(path)
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, dst)
-        models.copy_tokenizer_files(loaded.model_dir, pending.dir)
+        model_loading.copy_tokenizer_files(loaded.model_dir, pending.dir)
         if loaded.facts.quantization == "bnb-nf4-on-load":  # exports from a checkpoint are exact too
-            models.write_nf4_stats(loaded.model, pending.dir / models.NF4_STATS_FILE)
-        models.write_base_record(pending.dir, meta)  # the directory alone says what base it was trained on
+            model_loading.write_nf4_stats(loaded.model, pending.dir / model_loading.NF4_STATS_FILE)
+        model_loading.write_base_record(
+            pending.dir, meta
+        )  # the directory alone says what base it was trained on
     return Checkpoint(step=step, artifact=artifacts.get(pending.key))
 
 

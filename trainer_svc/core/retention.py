@@ -190,10 +190,10 @@ def base_answers(
 ):
     """The base's greedy answers (adapter disabled) to ``prompts`` as user messages, in one batched decoding pass,
     and whether each ended its turn within ``max_new_tokens``."""
-    from strop.trainer_svc.core import models
+    from strop.trainer_svc.core import model_loading
 
     t0 = time.perf_counter()
-    answers, finished = models.generate_chat_batch(
+    answers, finished = model_loading.generate_chat_batch(
         loaded, list(prompts), max_new_tokens=max_new_tokens, disable_adapter=True
     )
     return BaseAnswers(list(prompts), answers, finished, time.perf_counter() - t0)
@@ -227,7 +227,7 @@ def answer_hits(loaded, base: BaseAnswers, *, disable_adapter: bool) -> list[tup
 
     import torch
 
-    from strop.trainer_svc.core import job_config, models
+    from strop.trainer_svc.core import job_config, model_loading
 
     tok, model = loaded.tokenizer, loaded.model
     ctx = (
@@ -237,7 +237,7 @@ def answer_hits(loaded, base: BaseAnswers, *, disable_adapter: bool) -> list[tup
     was_training = model.training
     model.eval()
     try:
-        with ctx, torch.no_grad(), models.inference_weights(loaded):
+        with ctx, torch.no_grad(), model_loading.inference_weights(loaded):
             for prompt, answer, done in zip(base.prompts, base.answers, base.finished, strict=True):
                 if not done:
                     out.append(None)

@@ -22,13 +22,13 @@ from strop.common.errors import (
 )
 from strop.common.pretokenizers import Identification, PreTokenizerGuess, predict_for_tokenizer
 from strop.common.trainer_types import Artifact, LoadModelRequest, LoraConfig, SessionInfo, SessionState
-from strop.trainer_svc.core import adapter_state, models
+from strop.trainer_svc.core import adapter_state, model_loading
 from strop.trainer_svc.core.store import TrainerStore
 
 log = logging.getLogger("strop.trainer")
 
 
-def predict_gguf_pre_tokenizer(loaded: models.LoadedModel) -> PreTokenizerGuess:
+def predict_gguf_pre_tokenizer(loaded: model_loading.LoadedModel) -> PreTokenizerGuess:
     """What a GGUF export of this model will write as ``tokenizer.ggml.pre`` (or that it will refuse), told at
     load so a user learns it before training: the export's own decision (``strop.common.gguf_vocab.build_vocab``,
     proven with llama.cpp), or, where this host lacks gguf or llama-cpp-python, its pure-Python prediction."""
@@ -73,7 +73,7 @@ def _json_or_empty(path: Path) -> dict:
 @dataclass
 class Session:
     info: SessionInfo
-    loaded: models.LoadedModel
+    loaded: model_loading.LoadedModel
     lock: threading.RLock = field(default_factory=threading.RLock)  # held by a job for its whole run
     broken: str = ""  # why the session refuses all but CloseSession (a failed job's adapter not restored)
     # its jobs not yet ended, in order; info.busy_job_id is the first
@@ -118,7 +118,7 @@ class Sessions:
                 )
             self._loading += 1
         try:
-            loaded = models.load_model(req, model_root=self.model_root, device=self.device)
+            loaded = model_loading.load_model(req, model_root=self.model_root, device=self.device)
         except BaseException:
             with self._lock:
                 self._loading -= 1
@@ -182,7 +182,7 @@ class Sessions:
                 f"session {session_id} holds training runs (the step API); a job adapter needs a session without them"
             )
         with sess.lock:
-            models.attach_lora(sess.loaded, lora)
+            model_loading.attach_lora(sess.loaded, lora)
             sess.info.lora = sess.loaded.lora
             sess.info.facts = sess.loaded.facts
             sess.info.state = SessionState.READY
@@ -214,7 +214,7 @@ class Sessions:
         for hook in self.on_close:
             hook(session_id)
         with sess.lock:
-            models.release(sess.loaded)
+            model_loading.release(sess.loaded)
             sess.info.state = SessionState.CLOSED
             sess.info.facts.device_memory_bytes = 0
             self.store.put_session(sess.info)
@@ -234,7 +234,7 @@ class Sessions:
     ) -> list[str]:
         sess = self.idle(session_id)
         with sess.lock:
-            return models.generate(
+            return model_loading.generate(
                 sess.loaded,
                 prompts,
                 max_new_tokens=max_new_tokens or 64,
@@ -274,7 +274,7 @@ def _check_use(info: SessionInfo, *, for_runs: bool) -> None:
 
 def publish_adapter(
     artifacts: ArtifactStore,
-    loaded: models.LoadedModel,
+    loaded: model_loading.LoadedModel,
     *,
     tenant: str,
     artifact_id: str | None,
@@ -283,7 +283,7 @@ def publish_adapter(
     """Write ``loaded``'s adapter into the store as an ``adapter`` artifact (a session's, or a distributed
     job's rank 0's, ``dist_worker``), with the base's metadata, ``metadata`` and the tenant."""
     adapter_state.check_finite(loaded, "the adapter " + (f"{artifact_id!r}" if artifact_id else "to save"))
-    meta = {**models.adapter_metadata(loaded), **metadata}
+    meta = {**model_loading.adapter_metadata(loaded), **metadata}
     with artifacts.create("adapter", owner=tenant, artifact_id=artifact_id, metadata=meta) as pending:
-        models.write_adapter(loaded, pending.dir)
+        model_loading.write_adapter(loaded, pending.dir)
     return artifacts.get(pending.key)

@@ -31,7 +31,7 @@ from strop.common.errors import FailedPrecondition, InvalidArgument
 from strop.common.step_types import DEFAULT_RUN_LORA_ALPHA, RunLora
 from strop.kernels.losses.logps import token_logps_trainable_head
 from strop.kernels.losses.rl import per_token_loss
-from strop.trainer_svc.core import models
+from strop.trainer_svc.core import model_loading
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -43,7 +43,7 @@ DEAD_ADAPTERS = "step_dead_adapters"  # LoadedModel.extra: deleted adapters PEFT
 
 def target_modules(model, lora: RunLora) -> list[str]:
     """Tinker's ``train_attn``/``train_mlp``/``train_unembed`` as the leaf module names this model has."""
-    have = models.linear_module_names(model) | {
+    have = model_loading.linear_module_names(model) | {
         name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "base_layer")
     }  # a PEFT-wrapped model's projections are LoRA layers over their linear base_layer
     wanted = (ATTN_MODULES if lora.train_attn else ()) + (MLP_MODULES if lora.train_mlp else ())
@@ -60,7 +60,9 @@ def _adapter_params(model, adapter: str) -> list[tuple[str, torch.nn.Parameter]]
     return [(n, p) for n, p in model.named_parameters() if tag in n]
 
 
-def add_adapter(loaded: models.LoadedModel, adapter: str, lora: RunLora, *, trainable: bool) -> list[str]:
+def add_adapter(
+    loaded: model_loading.LoadedModel, adapter: str, lora: RunLora, *, trainable: bool
+) -> list[str]:
     """Add a LoRA adapter named ``adapter`` (weights fp32, initialised from ``lora.seed`` without touching the
     global RNG); returns its target modules. The first adapter wraps the model with PEFT (and, on the kernels'
     path, patches it)."""
@@ -91,7 +93,7 @@ def add_adapter(loaded: models.LoadedModel, adapter: str, lora: RunLora, *, trai
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
             if loaded.facts.kernels_enabled:
-                loaded.kernel_report = models.apply_kernels(loaded)
+                loaded.kernel_report = model_loading.apply_kernels(loaded)
             loaded.model.train()  # HF checkpoints layers only in training mode (LoRA runs have no dropout)
     for _, p in _adapter_params(loaded.model, adapter):
         p.data = p.data.float()  # adapters and their optimizer state in fp32 over a 16/4-bit base
@@ -101,7 +103,7 @@ def add_adapter(loaded: models.LoadedModel, adapter: str, lora: RunLora, *, trai
     return targets
 
 
-def delete_adapter(loaded: models.LoadedModel, adapter: str) -> None:
+def delete_adapter(loaded: model_loading.LoadedModel, adapter: str) -> None:
     """Remove a run's (or snapshot's) adapter. PEFT keeps at least one adapter on a model: the last one stays,
     zeroed (its B factors: it adds nothing) and frozen, until the next ``add_adapter`` removes it."""
     model = loaded.model
@@ -119,7 +121,7 @@ def delete_adapter(loaded: models.LoadedModel, adapter: str) -> None:
     model.delete_adapter(adapter)
 
 
-def activate(loaded: models.LoadedModel, adapter: str, *, trainable: bool) -> None:
+def activate(loaded: model_loading.LoadedModel, adapter: str, *, trainable: bool) -> None:
     """Make ``adapter`` the active one; only its parameters require grad when ``trainable``."""
     model = loaded.model
     if model.active_adapter != adapter:
@@ -163,25 +165,25 @@ def make_batch(model_inputs: list[list[int]], inputs: list[dict[str, list]], dev
     return Batch(tokens.to(device), mask.to(device), lengths, cat, k)
 
 
-def _compute_dtype(loaded: models.LoadedModel) -> torch.dtype:
+def _compute_dtype(loaded: model_loading.LoadedModel) -> torch.dtype:
     return getattr(torch, loaded.facts.compute_dtype or "float32")
 
 
-def _autocast(loaded: models.LoadedModel):
+def _autocast(loaded: model_loading.LoadedModel):
     dtype = _compute_dtype(loaded)
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(loaded.device).type, dtype=dtype)
 
 
-def hidden_rows(loaded: models.LoadedModel, batch: Batch) -> torch.Tensor:
+def hidden_rows(loaded: model_loading.LoadedModel, batch: Batch) -> torch.Tensor:
     """Final hidden states (after the last norm) of every real position, [M, H] in datum order."""
     base = loaded.model.get_base_model()
     out = base.model(input_ids=batch.tokens, attention_mask=batch.mask, use_cache=False)
     return out.last_hidden_state[batch.mask.bool()]
 
 
-def _head(loaded: models.LoadedModel):
+def _head(loaded: model_loading.LoadedModel):
     """(frozen weight, bias) of the LM head, or the head module itself when the active run trains it."""
     head = loaded.model.get_base_model().lm_head
     base = getattr(head, "base_layer", head)
@@ -191,7 +193,7 @@ def _head(loaded: models.LoadedModel):
 
 
 def forward_backward(
-    loaded: models.LoadedModel,
+    loaded: model_loading.LoadedModel,
     batch: Batch,
     loss_fn: str,
     cfg: dict[str, float],
@@ -234,7 +236,7 @@ _MEMORY_MODE_ON_CPU: dict[str, Any] | None = None
 
 
 @contextlib.contextmanager
-def memory_mode(loaded: models.LoadedModel, batch: Batch):
+def memory_mode(loaded: model_loading.LoadedModel, batch: Batch):
     """The jobs' default memory mode (``DEFAULT_MEMORY_MODE``: layer inputs offloaded to pinned host memory and
     attention outputs kept there, each when the host has room) around one ForwardBackward, installed by the one
     owner (``apply_memory_mode``) on CUDA with the kernels, as ``training._install_memory_mode`` does for a job.
@@ -268,7 +270,7 @@ def memory_mode(loaded: models.LoadedModel, batch: Batch):
         installed.remove()
 
 
-def run_params(loaded: models.LoadedModel, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
+def run_params(loaded: model_loading.LoadedModel, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
     """The adapter's parameters by name without the adapter's own name (so states move between runs)."""
     return [(n.replace(f".{adapter}.", "."), p) for n, p in _adapter_params(loaded.model, adapter)]
 
@@ -351,7 +353,7 @@ def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)))
 
 
-def adapter_state_dict(loaded: models.LoadedModel, adapter: str) -> dict[str, torch.Tensor]:
+def adapter_state_dict(loaded: model_loading.LoadedModel, adapter: str) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return {
@@ -360,7 +362,9 @@ def adapter_state_dict(loaded: models.LoadedModel, adapter: str) -> dict[str, to
     }
 
 
-def load_adapter_state(loaded: models.LoadedModel, adapter: str, state: dict[str, torch.Tensor]) -> None:
+def load_adapter_state(
+    loaded: model_loading.LoadedModel, adapter: str, state: dict[str, torch.Tensor]
+) -> None:
     from peft import set_peft_model_state_dict
 
     mine = adapter_state_dict(loaded, adapter)
@@ -373,7 +377,7 @@ def load_adapter_state(loaded: models.LoadedModel, adapter: str, state: dict[str
         set_peft_model_state_dict(loaded.model, state, adapter_name=adapter)
 
 
-def write_adapter(loaded: models.LoadedModel, adapter: str, out_dir: Path, *, rank: int) -> None:
+def write_adapter(loaded: model_loading.LoadedModel, adapter: str, out_dir: Path, *, rank: int) -> None:
     """A PEFT adapter directory of the run (what ``SaveAdapter`` writes for a session's adapter: weights,
     config, the base's tokenizer files, its NF4 statistics and base record), so export_svc exports it like any
     adapter."""
@@ -382,14 +386,14 @@ def write_adapter(loaded: models.LoadedModel, adapter: str, out_dir: Path, *, ra
     save_file(adapter_state_dict(loaded, adapter), str(out_dir / "adapter_model.safetensors"))
     cfg = loaded.model.peft_config[adapter]
     cfg.save_pretrained(str(out_dir))
-    models.copy_tokenizer_files(loaded.model_dir, out_dir)
+    model_loading.copy_tokenizer_files(loaded.model_dir, out_dir)
     if loaded.facts.quantization == "bnb-nf4-on-load":
-        models.write_nf4_stats(loaded.model, out_dir / models.NF4_STATS_FILE)
-    models.write_base_record(out_dir, adapter_base_metadata(loaded, rank))
+        model_loading.write_nf4_stats(loaded.model, out_dir / model_loading.NF4_STATS_FILE)
+    model_loading.write_base_record(out_dir, adapter_base_metadata(loaded, rank))
 
 
-def adapter_base_metadata(loaded: models.LoadedModel, rank: int) -> dict[str, str]:
-    return {**models.adapter_metadata(loaded), "r": str(rank)}
+def adapter_base_metadata(loaded: model_loading.LoadedModel, rank: int) -> dict[str, str]:
+    return {**model_loading.adapter_metadata(loaded), "r": str(rank)}
 
 
 def optimizer_tensors(opt: torch.optim.AdamW, names: list[str]) -> dict[str, torch.Tensor]:

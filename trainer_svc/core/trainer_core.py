@@ -15,7 +15,7 @@ from strop.common.artifacts import ArtifactStore
 from strop.common.db import Liveness, default_instance_id
 from strop.common.metrics import MemoryReading, TrainerMetrics, host_memory
 from strop.common.trainer_types import JobState
-from strop.trainer_svc.core import loss_curve, models
+from strop.trainer_svc.core import loss_curve, model_loading
 from strop.trainer_svc.core.datasets import Datasets, Limits
 from strop.trainer_svc.core.jobs import Jobs
 from strop.trainer_svc.core.runs import TrainingRuns
@@ -51,7 +51,7 @@ class TrainerCore:
             config.state_dir, database_url=config.database_url, instance_id=self.instance_id
         )
         self.artifacts = ArtifactStore(config.artifact_root)
-        self.device = models.pick_device(config.device)
+        self.device = model_loading.pick_device(config.device)
         self.sessions = Sessions(
             self.store,
             self.artifacts,

@@ -44,7 +44,7 @@ from strop.trainer_svc.core.evaluation import (
 )
 from strop.trainer_svc.core.guard import BrokenTraining, make_guard, names
 from strop.trainer_svc.core.job_config import OPTIMIZERS, retention_of, sft_rows
-from strop.trainer_svc.core.models import LoadedModel, drop_inference_weights, repacked_4bit_layers
+from strop.trainer_svc.core.model_loading import LoadedModel, drop_inference_weights, repacked_4bit_layers
 
 log = logging.getLogger("strop.trainer")
 

@@ -91,7 +91,7 @@ def test_an_moe_on_the_kernels_trains_like_hf_peft(model_type, qlora, tmp_path, 
 def test_gpt_oss_keeps_hf_peft_and_kernels_on_is_refused_naming_it():
     from strop.common.errors import InvalidArgument
     from strop.common.trainer_types import KernelMode
-    from strop.trainer_svc.core.models import decide_kernels
+    from strop.trainer_svc.core.model_loading import decide_kernels
 
     model = _model("gpt_oss", False, None)
     report = patch_model(model)

@@ -1,6 +1,6 @@
 """Loading base models and attaching LoRA and the kernels (torch, transformers, PEFT). Generating from a loaded
 model is ``generation.py``'s, the files a saved adapter holds ``adapter_files.py``'s; their names are importable
-from here too (``models.generate``, ``models.write_adapter``…), as the trainer's modules call them.
+from here too (``model_loading.generate``, ``model_loading.write_adapter``…), as the trainer's modules call them.
 
 A prequantized bitsandbytes 4-bit checkpoint is detected from its config and loaded as is; a 16-bit
 checkpoint is quantized to NF4 with double quant on load, or kept 16-bit for plain LoRA. Only
@@ -31,7 +31,7 @@ from strop.common.trainer_types import (
     Quantization,
 )
 from strop.trainer_svc.core import moe
-from strop.trainer_svc.core.adapter_files import (  # noqa: F401  (models.X is how the trainer's modules call them)
+from strop.trainer_svc.core.adapter_files import (  # noqa: F401  (model_loading.X is how the trainer's modules call them)
     NF4_STATS_FILE,
     adapter_metadata,
     base_quant_metadata,
