@@ -59,9 +59,9 @@ def lora_moe_experts(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
-    counts = torch.bincount(flat, minlength=experts)
-    offsets = torch.zeros(experts + 1, dtype=torch.int64, device=x.device)
-    offsets[1:] = torch.cumsum(counts, 0)
+    # each expert's first row in the sorted ids (no host sync, unlike bincount's output size on CUDA)
+    bounds = torch.arange(experts + 1, dtype=flat.dtype, device=x.device)
+    offsets = torch.searchsorted(flat[order], bounds)
     xs = x[token]
     gu = moe_lora_gemm(xs, offsets, *gate_up)
     g, u = gu.chunk(2, dim=-1)
