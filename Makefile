@@ -34,8 +34,14 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(VPY) -P -m strop.demo
 
 # --durations: every run's log names its slowest tests (the tier's 25-minute budget is watched per CPU).
+# -n: the tier's test files on TEST_WORKERS processes (pytest-xdist), one file a process at a time (--dist loadfile:
+# a module's fixtures, such as its trainer service, are built once); each process builds the session's fixtures
+# (models, PostgreSQL) for itself. The CI machine has two cores: one a process, so each computes on one thread
+# (OMP_NUM_THREADS=1; the tiny tensors gain nothing from a second, and two processes' thread pools on two cores
+# would take turns spinning).
+TEST_WORKERS ?= 2
 test: setup check-protos lint postgres
-	$(TIER) $(VPY) -m pytest -m "not gpu" -q --durations=20
+	$(TIER) OMP_NUM_THREADS=1 $(VPY) -m pytest -m "not gpu" -q --durations=20 -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory test-parity
 
 # The state-store tests run against a real PostgreSQL (tests/pg.py starts one per session): Debian's server
