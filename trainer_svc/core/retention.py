@@ -171,9 +171,9 @@ HELD_OUT_PROMPTS: tuple[str, ...] = (
 )
 
 # An answer not finished by then is left out: cut mid-sentence it would teach stopping there; cut at its last
-# complete sentence it was measured worse (bench/RESULTS.md, session 19, "The facts recipe with sentence-cut
-# replay"): the base's long answers are often wrong or odd, and trained for many epochs they spread into
-# neighbouring questions as the facts do.
+# complete sentence it kept fewer general answers (bench/RESULTS.md, "The facts recipe with sentence-cut replay"):
+# the base's long answers are often wrong or odd, and trained for many epochs they spread into neighbouring
+# questions as the facts do.
 REPLAY_MAX_NEW_TOKENS = 64
 
 
