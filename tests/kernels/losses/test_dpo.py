@@ -43,6 +43,7 @@ from tests.kernels._chunked_losses import (
     tiny_tokenizer,
     train_recording_losses,
 )
+from tests.kernels._loop_reads import LoopBoolReads
 
 S, T, H, V = 6, 23, 37, 301
 PROMPT = 7
@@ -313,36 +314,25 @@ def test_glue_leaves_unsupported_configs_to_trl(tokenizer, tmp_path):
 def test_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tokenizer, tmp_path, monkeypatch):
     """With HF's logging_nan_inf_filter on (its default), strop's DPO trainer reads no loss back after the
     backward (HF's filter reads it before the optimizer's Python runs), and logs the losses HF's filter logs."""
-    import sys
-
     hf_filter = type(
         "HfFilter",
         (strop_dpo_trainer_class(),),
         {"train": trl.DPOTrainer.train, "training_step": trl.DPOTrainer.training_step},
     )
-    reads: dict[str, int] = {}
-    original = torch.Tensor.__bool__
-
-    def counting_bool(self):
-        caller = sys._getframe(1).f_code
-        if caller.co_filename.endswith("transformers/trainer.py") and caller.co_name in (
-            "_run_epoch",
-            "_inner_training_loop",
-        ):
-            reads[current] = reads.get(current, 0) + 1
-        return original(self)
-
-    monkeypatch.setattr(torch.Tensor, "__bool__", counting_bool)
+    reads = LoopBoolReads(monkeypatch)
     logs = {}
     for current, cls in (("HfFilter", hf_filter), ("Ours", strop_dpo_trainer_class())):
+        reads.current = current
         trainer, _ = _train(cls, tokenizer, tmp_path / current, steps=3)
         assert trainer.args.logging_nan_inf_filter, (
             "HF's default, and the user's setting restored after train()"
         )
         logs[current] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(logs["Ours"]) == 3 and logs["Ours"] == logs["HfFilter"], logs
-    assert reads.get("HfFilter", 0) >= 3, "HF's loop reads the loss after every backward (the test sees it)"
-    assert "Ours" not in reads, f"the loop read the loss back {reads.get('Ours')} times"
+    assert reads.counts.get("HfFilter", 0) >= 3, (
+        "HF's loop reads the loss after every backward (the test sees it)"
+    )
+    assert "Ours" not in reads.counts, f"the loop read the loss back {reads.counts.get('Ours')} times"
 
 
 def test_hidden_states_head_returns_backbone_output_and_passes_other_calls(tokenizer):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import strop.kernels.ops.fused_linear_logprobs as flp
 from strop.kernels.ops.fused_linear_logprobs import fused_linear_logprobs, fused_linear_logprobs_reference
 from tests.deps import locked
+from tests.kernels._loop_reads import LoopBoolReads
 from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 
 N, H, V = 37, 67, 300  # odd token count, hidden and vocab
@@ -359,7 +360,6 @@ def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_pat
     loss is NaN logs what HF's own filter logs (the mean of the losses since the last log in its place), bit for bit;
     the user's setting is back after train()."""
     locked("trl")
-    import sys
 
     from trl import SFTTrainer
 
@@ -386,24 +386,12 @@ def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_pat
         },
     )
     ours_cls = type("Ours", (strop_cls,), {"compute_loss": nan_on_step_3(strop_cls)})
-    reads: dict[str, int] = {}
-    original = torch.Tensor.__bool__
-
-    def counting_bool(self):
-        caller = sys._getframe(1).f_code
-        if caller.co_filename.endswith("transformers/trainer.py") and caller.co_name in (
-            "_run_epoch",
-            "_inner_training_loop",
-        ):
-            reads[current] = reads.get(current, 0) + 1
-        return original(self)
-
-    monkeypatch.setattr(torch.Tensor, "__bool__", counting_bool)
+    reads = LoopBoolReads(monkeypatch)
     tok = make_bpe_tokenizer()
     rows = _sft_rows(len(tok))
     logs = {}
     for cls in (hf_filter_cls, ours_cls):
-        current = cls.__name__
+        current = reads.current = cls.__name__
         trainer = _tiny_sft_trainer(cls, tok, rows, tmp_path / current, batch_size=2)
         assert trainer.args.logging_nan_inf_filter, "HF's default: the filter is on"
         trainer.train()
@@ -414,5 +402,7 @@ def test_sft_nan_filter_runs_on_the_device_and_logs_what_hfs_filter_logs(tmp_pat
         "the NaN of step 3 was filtered out of the second log"
     )
     assert ours == ref, "the same logged losses as HF's own filter"
-    assert reads.get("HfFilter", 0) >= 4, "HF's loop reads the loss after every backward (the test sees it)"
-    assert "Ours" not in reads, f"the loop read the loss back {reads.get('Ours')} times"
+    assert reads.counts.get("HfFilter", 0) >= 4, (
+        "HF's loop reads the loss after every backward (the test sees it)"
+    )
+    assert "Ours" not in reads.counts, f"the loop read the loss back {reads.counts.get('Ours')} times"
