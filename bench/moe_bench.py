@@ -57,6 +57,7 @@ class Result:
     peak_allocated_gib: float = 0.0
     peak_reserved_gib: float = 0.0
     losses: list | None = None
+    profile: str = ""
     error: str = ""
 
 
@@ -211,7 +212,38 @@ def run_worker(a) -> Result:
     if cuda:
         res.peak_allocated_gib = torch.cuda.max_memory_allocated() / 2**30
         res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+    if a.profile and cuda:  # one more step, after the timed ones and their peak
+        res.profile = profile_moe_step(model, opt, ids)
     return res
+
+
+def profile_moe_step(model, opt, ids) -> str:
+    """One training step under the profiler (bench/lib/profile.py), its forward, backward and optimizer step
+    labelled as phases, the kernels grouped into the MoE step's kinds (:data:`MOE_KERNEL_KINDS`)."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/lib, also under ``python -P``
+    from lib.profile import KERNEL_KINDS, profile_step
+
+    def step():
+        with torch.profiler.record_function("phase:forward"), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        with torch.profiler.record_function("phase:backward"):
+            loss.backward()
+        with torch.profiler.record_function("phase:optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return profile_step(step, kinds=MOE_KERNEL_KINDS + KERNEL_KINDS)
+
+
+MOE_KERNEL_KINDS = (  # (kind, pattern over the kernel's name), ahead of the profiler toolkit's own; first match wins
+    ("grouped GEMM (experts)", r"GroupProblemShape|[Gg]rouped|group_gemm|grouped_mm"),
+    ("NF4 dequant (strop)", r"_nf4_dequant"),
+    ("router: topk/sort/softmax/searchsorted", r"topk|[Ss]ort|softmax|searchsorted|bitonic|radix"),
+    ("index/gather/scatter (permutation)", r"index|scatter|gather"),
+    ("elementwise/reduce (torch)", r"elementwise|reduce_kernel|unrolled|CatArrayBatched|fill"),
+)
 
 
 def spawn(system: str, a) -> Result:
@@ -233,6 +265,7 @@ def spawn(system: str, a) -> Result:
         str(a.warmup),
     ]
     cmd += ["--smoke"] * a.smoke + ["--no-qlora"] * (not a.qlora) + ["--no-nf4-experts"] * (not a.nf4_experts)
+    cmd += ["--profile"] * a.profile
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"
@@ -265,6 +298,11 @@ def main() -> None:
     )
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one step per system after the timed ones (CUDA): top kernels, GPU time by kind, idle",
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
     p.add_argument("--json")
@@ -290,6 +328,9 @@ def main() -> None:
             f"{r.system:9} {r.tokens_per_s:7.0f} {r.ms_per_step:9.1f} {r.weights_gib:11.2f} "
             f"{r.peak_allocated_gib:15.2f} {r.peak_reserved_gib:18.2f}  {[round(x, 4) for x in r.losses]}"
         )
+    for r in results:
+        if r.profile:
+            print(f"\n## {r.system} {a.batch}x{a.seq}\n{r.profile}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)

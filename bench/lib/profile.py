@@ -10,8 +10,8 @@ import re
 import time
 
 
-def profile_step(step) -> str:
-    """One step under torch.profiler, summarised by :func:`profile_summary`."""
+def profile_step(step, kinds=None) -> str:
+    """One step under torch.profiler, summarised by :func:`profile_summary` (``kinds``: :func:`gpu_timeline`'s)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -20,10 +20,10 @@ def profile_step(step) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return profile_summary(prof, time.perf_counter() - t0)
+    return profile_summary(prof, time.perf_counter() - t0, kinds)
 
 
-def profile_summary(prof, wall: float) -> str:
+def profile_summary(prof, wall: float, kinds=None) -> str:
     """A profiled step's wall and GPU busy time, the top GPU kernels by total time, and the top host ops by self
     CPU time (a step whose GPU idles waits on them: Python, launches, syncs)."""
     averages = prof.key_averages()
@@ -37,7 +37,7 @@ def profile_summary(prof, wall: float) -> str:
     for e in events[:25]:
         share = e.self_device_time_total / total
         lines.append(f"  {e.self_device_time_total / 1e3:8.1f} ms {share:6.1%} x{e.count:<5d} {e.key[:110]}")
-    lines.extend(gpu_timeline(prof))
+    lines.extend(gpu_timeline(prof, kinds))
     host = sorted((e for e in averages if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
     lines.append("top 15 host ops by self CPU time (total, per call):")
     for e in host[:15]:
@@ -56,8 +56,9 @@ KERNEL_KINDS = (  # (kind, pattern over the kernel's name), first match wins
 )
 
 
-def gpu_timeline(prof) -> list[str]:
-    """Where a profiled step's GPU time goes: self time by kernel kind; how long the GPU computed at all (union
+def gpu_timeline(prof, kinds=None) -> list[str]:
+    """Where a profiled step's GPU time goes: self time and launches by kernel kind (``kinds``: (kind, name
+    pattern) pairs, first match wins; :data:`KERNEL_KINDS` by default); how long the GPU computed at all (union
     of the non-copy kernels' intervals over the span from the first kernel to the last), the rest of the span
     being the GPU waiting on the host (launches, Python, syncs); and that idle time by what the host was doing
     when it began: the ``phase:`` range (``label_phases``) and the innermost host op open at that moment."""
@@ -74,11 +75,14 @@ def gpu_timeline(prof) -> list[str]:
     ]
     if not kernels:
         return []
-    kinds: dict[str, float] = {}
+    patterns = [(k, re.compile(pat)) for k, pat in (kinds or KERNEL_KINDS)]
+    by_kind: dict[str, list[float]] = {}  # kind: [GPU µs, launches]
     spans = []
     for e in kernels:
-        kind = next((k for k, pat in KERNEL_KINDS if re.search(pat, e.name)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + (e.time_range.end - e.time_range.start)
+        kind = next((k for k, pat in patterns if pat.search(e.name)), "other")
+        tally = by_kind.setdefault(kind, [0.0, 0])
+        tally[0] += e.time_range.end - e.time_range.start
+        tally[1] += 1
         if kind != "copy":
             spans.append((e.time_range.start, e.time_range.end))
     spans.sort()
@@ -97,7 +101,9 @@ def gpu_timeline(prof) -> list[str]:
         f"GPU span {span / 1e3:.0f} ms: computing {busy / 1e3:.0f} ms, idle {(span - busy) / 1e3:.0f} ms "
         f"({(span - busy) / span:.1%}) in {len(gaps)} gaps; by kind:"
     ]
-    out += [f"  {v / 1e3:8.1f} ms  {k}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    out += [
+        f"  {v / 1e3:8.1f} ms x{n:<6d} {k}" for k, (v, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0])
+    ]
     cpu = sorted(
         (e for e in events if e.device_type.name == "CPU" and e.time_range.end > e.time_range.start),
         key=lambda e: e.time_range.start,
