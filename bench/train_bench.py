@@ -37,6 +37,11 @@ Gemma part (``--parts gemma``): Gemma 3 1B's shape (hidden 1152, inter 6912, 26 
 of 256, vocab 262,144, tied embeddings, window 512 on five of every six layers), saved and loaded the same
 way, bf16 LoRA with the same adapter config and loop; systems ``baseline``, ``strop``, ``strop-standard``.
 
+1B parts (``--parts lora-1b,qlora-1b``, issue 39's small models): Llama 3.2 1B's shape (hidden 2048, inter 8192,
+16 layers, 32 heads / 8 KV heads of 64, vocab 128,256, tied embeddings), bf16 LoRA and QLoRA, every system as in
+the 8B parts; ``--batch 2`` for the 2 × 2048 point. At this size a step's GPU work is short enough that the host's
+Python and launches per layer can set the pace: ``--profile`` gives the GPU's idle time in the step.
+
 FLOP accounting (stated so MFU can be checked):
     N      = parameters in matmuls per token (7 projections x 32 layers + lm_head)
     attn   = causal attention per token, forward: 2 * 2 * layers * seq/2 * heads*head_dim (QK^T and PV, half
@@ -54,6 +59,7 @@ Usage (on the GPU machine)::
     python bench/train_bench.py --parts dpo --systems baseline,strop --steps 8 --warmup 0
     python bench/train_bench.py --parts orpo,kto,simpo --systems baseline,strop-standard --steps 8 --warmup 0
     python bench/train_bench.py --parts gemma --systems baseline,strop,strop-standard --profile
+    python bench/train_bench.py --parts lora-1b,qlora-1b --systems baseline,strop-standard,service --batch 2
     python bench/train_bench.py --parts context --systems baseline,strop-long-context --context 65536,131072,262144,524288
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``, plain checkpointing), and the trainer's memory
@@ -90,7 +96,7 @@ from dataclasses import asdict
 
 # bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lib.harness import GEMMA_PARTS, Result, workload
+from lib.harness import Result, workload
 from lib.train_workers import (
     PREFERENCE_PARTS,
     dpo_half,
@@ -255,10 +261,12 @@ def main() -> None:
         print("RESULT " + json.dumps(asdict(res)), flush=True)
         return
     parts = {part: part_points(part, a) for part in a.parts.split(",")}
-    for family in ({p for p in parts if p in GEMMA_PARTS}, {p for p in parts if p not in GEMMA_PARTS}):
-        if family:
-            longest = max(seq for p in family for seq, _ in parts[p])
-            workload(min(family), a.smoke).ensure_saved_model(longest, min(family))
+    families: dict[str, list[str]] = {}  # the parts of each saved model (shape)
+    for part in parts:
+        families.setdefault(workload(part, a.smoke).saved_model_dir(), []).append(part)
+    for family in families.values():
+        longest = max(seq for p in family for seq, _ in parts[p])
+        workload(family[0], a.smoke).ensure_saved_model(longest, family[0])
     results: list[Result] = []
     for part, points in parts.items():
         for system in a.systems.split(","):

@@ -2,8 +2,9 @@
 recipe, and the step measurements every script reports (peak memory, median step time, MFU/HFU).
 
 A :class:`Workload` (a shape, a device and a dtype) is passed to whatever needs it; nothing here is module
-state a script sets. ``workload(part, smoke)`` gives a part's: Gemma 3 1B's shape for ``gemma``, else the 8B
-Llama's; ``smoke`` the tiny CPU shapes in fp32, the dtype strop's kernels run in under the CPU interpreter.
+state a script sets. ``workload(part, smoke)`` gives a part's: Gemma 3 1B's shape for ``gemma``, Llama 3.2 1B's
+for ``lora-1b`` and ``qlora-1b``, else the 8B Llama's; ``smoke`` the tiny CPU shapes in fp32, the dtype strop's
+kernels run in under the CPU interpreter.
 
 The saved dir (``MODEL_ROOT``, a tiny BPE tokenizer beside the weights) is written once per machine by a child
 process (``python -m lib.harness --write-model``, run from bench/) before any worker starts, so no worker's
@@ -51,6 +52,13 @@ SMOKE_GEMMA_SHAPE = dict(
     hidden=128, inter=256, layers=6, heads=4, kv_heads=1, vocab=640, head_dim=32, window=16, full_every=6
 )
 GEMMA_PARTS = ("gemma",)
+# The 1B parts: Llama 3.2 1B's shape (tied embeddings, as the released model), bf16 LoRA and QLoRA; a step's GPU
+# work is a sixth of the 8B's, so the host's time per layer shows where the 8B's hides behind the GPU.
+LLAMA_1B_SHAPE = dict(
+    hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, vocab=128256, head_dim=64, tied=True
+)
+SMOKE_1B_SHAPE = dict(SMOKE_SHAPE, tied=True)
+LLAMA_1B_PARTS = ("lora-1b", "qlora-1b")
 MAX_POSITIONS = 524288  # the longest context point (512K tokens at batch 1); default RoPE ignores it
 MODEL_ROOT = "/tmp/strop-bench-models"
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,7 +144,7 @@ class Workload:
                 common,
                 rms_norm_eps=1e-5,
                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                tie_word_embeddings=False,
+                tie_word_embeddings=bool(shape.get("tied")),
             )
         return (
             dict(  # Gemma 3 1B's: tied embeddings, GeGLU, soft-capping off, five sliding layers per full one
@@ -155,10 +163,8 @@ class Workload:
 
     def saved_model_dir(self) -> str:
         """The shape's saved random model's HF dir (each shape has its own, so none overwrites another)."""
-        name = "gemma3-1b" if "window" in self.shape else "llama-8b"
-        return os.path.join(
-            MODEL_ROOT, f"{name.split('-')[0]}-smoke-shape" if self.device == "cpu" else f"{name}-shape"
-        )
+        name = "gemma3-1b" if "window" in self.shape else "llama-1b" if self.shape.get("tied") else "llama-8b"
+        return os.path.join(MODEL_ROOT, f"{name}-smoke-shape" if self.device == "cpu" else f"{name}-shape")
 
     def ensure_saved_model(self, longest: int, part: str) -> None:
         """Orchestrator: unless this machine's saved dir of ``part``'s shape matches and covers ``longest``
@@ -302,10 +308,12 @@ class Workload:
 
 
 def workload(part: str, smoke: bool) -> Workload:
-    """A part's workload: Gemma 3 1B's shape for the gemma part, else the 8B Llama's, bf16 on CUDA (``smoke``:
-    the tiny shapes in fp32 on the CPU)."""
+    """A part's workload: Gemma 3 1B's shape for the gemma part, Llama 3.2 1B's for the 1B parts, else the 8B
+    Llama's, bf16 on CUDA (``smoke``: the tiny shapes in fp32 on the CPU)."""
     if part in GEMMA_PARTS:
         shape = SMOKE_GEMMA_SHAPE if smoke else GEMMA_SHAPE
+    elif part in LLAMA_1B_PARTS:
+        shape = SMOKE_1B_SHAPE if smoke else LLAMA_1B_SHAPE
     else:
         shape = SMOKE_SHAPE if smoke else LLAMA_SHAPE
     if smoke:

@@ -14,7 +14,7 @@ from .harness import MODEL_ROOT, Result, Workload, attach_lora, host_peak_rss_gi
 from .profile import label_phases, memory_at_peak, profile_step, profile_summary
 
 FAST_BUDGET_GIB = 80  # the memory-allowed mode's cap (issue 5)
-QLORA_PARTS = ("qlora", "context", "dpo", "orpo", "kto", "simpo")
+QLORA_PARTS = ("qlora", "qlora-1b", "context", "dpo", "orpo", "kto", "simpo")
 # trained by TRL's preference trainers on the fixed batch of DPO pairs (run_dpo_worker, run_preference_worker)
 PREFERENCE_PARTS = ("dpo", "orpo", "kto", "simpo")
 # TRL's default lr 5e-6 hardly moves the margin from random weights in 8 steps (the H200 baseline's did not
