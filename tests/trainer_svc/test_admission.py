@@ -125,3 +125,85 @@ def test_a_job_that_cannot_fit_is_refused_with_its_figures_and_one_that_fits_is_
     # a short dataset is estimated by its longest row, not by max_length
     short = admission.estimate(eight_b, cfg, checkpointed=False, offloaded=False, **{**kw, "longest_row": 64})
     assert short.tokens == 16 * 64 and short.total < no_ckpt.total / 20
+
+
+def test_a_job_that_fits_only_with_adams_moments_in_host_memory_is_admitted_that_way():
+    """The moments are 8 of the 12 bytes a trainable element holds: a job between the two estimates is admitted
+    with them on the host (admit says so), one above both is refused naming both."""
+    from transformers import LlamaConfig
+
+    from strop.kernels.models.host_adamw import host_adamw_device_bytes
+
+    one_b = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    cfg = TrainConfig(method=TrainMethod.SFT, batch_size=1, max_length=2048, optimizer="adamw_torch")
+    kw = dict(longest_row=2048, n_trainable=600_000_000, kernels=True, checkpointed=True, offloaded=True)
+    device = admission.estimate(one_b, cfg, **kw)
+    host = admission.estimate(one_b, cfg, host_adam_moments=True, **kw)
+    assert device.adapter_state == 12 * 600_000_000
+    assert host.adapter_state == 4 * 600_000_000 + host_adamw_device_bytes()
+    assert (host.layers, host.logits) == (device.layers, device.logits)
+    between = (host.total + device.total) // 2
+    assert admission.admit(device, between, host) is True
+    assert (
+        admission.admit(device, device.total, host) is False
+    )  # fits as it is: the moments stay on the device
+    with pytest.raises(ResourceExhausted, match="with AdamW's moments in host memory: ≈"):
+        admission.admit(device, host.total - 1, host)
+
+
+def test_a_trainer_told_to_hold_adams_moments_on_host_trains_bit_for_bit_as_with_torch_adamw(tmp_path):
+    """transformers' Trainer (clipping, schedule, two parameter groups, a checkpoint) with HostAdamW in place of
+    torch's AdamW: the same parameters after every step, bit for bit."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from strop.kernels.models.host_adamw import HostAdamW
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": (ids := torch.randint(0, 64, (12,), generator=g)), "labels": ids} for _ in range(8)]
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+
+    def train(host: bool):
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(cfg)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(host)),
+            per_device_train_batch_size=2,
+            max_steps=4,
+            learning_rate=1e-2,
+            weight_decay=0.1,
+            max_grad_norm=0.5,
+            lr_scheduler_type="cosine",
+            save_strategy="steps",
+            save_steps=2,
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        if host:
+            admission.hold_adam_moments_on_host(trainer)
+        trainer.train()
+        opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        return model, opt
+
+    ref, ref_opt = train(False)
+    got, opt = train(True)
+    assert type(ref_opt) is torch.optim.AdamW and type(opt) is HostAdamW
+    assert len(opt.param_groups) == 2 and opt.param_groups[0]["weight_decay"] == 0.1
+    for (name, a), b in zip(ref.named_parameters(), got.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert (tmp_path / "True" / "checkpoint-4" / "optimizer.pt").is_file()

@@ -6,6 +6,8 @@ The estimate, per training step, beside the weights the session already holds (b
 T = rows × the longest tokenized row, capped at max_length; H hidden, I intermediate, KV = key/value width):
 
     adapter state      12 · n_trainable                  fp32 gradient + Adam's two moments (8-bit Adam: 6)
+                       4 · n_trainable + 2 chunk buffers  Adam's moments in host memory (HostAdamW): the gradient
+                                                         and the two buffers the moments stream through
     one layer          T · (a·H + b·KV + c·I)            what a decoder layer saves for backward, in bytes per
                                                          token: HF's layer (a, b, c = 40, 8, 8: its RMSNorms keep
                                                          fp32 copies, q/k and their rotations, the MLP's gate, up,
@@ -42,6 +44,10 @@ autograd keeps: the estimate is above it and within 2x), and against the H200's 
 8 x 2048 tokens with no layer recomputed (issue 15: 60.8 GiB with ~5.6 GiB of weights; the estimate's layers and
 logits: 55.0 GiB) and in the standard mode (9.0 GiB: 3.4 GiB beside the weights; estimated 5.1 GiB). It leaves out the allocator's fragmentation, so only a job whose estimate exceeds the free
 memory is refused: one that might fit is let run.
+
+A job whose AdamW (``adamw_torch``, ``adamw_torch_fused``) does not fit with its moments on the device but fits with
+them in host memory is admitted that way (``admit``'s second estimate): the trainer then updates with
+``kernels/models/host_adamw.HostAdamW``, torch's AdamW bit for bit with the moments streamed through the device.
 """
 
 from __future__ import annotations
@@ -86,9 +92,11 @@ def estimate(
     kernels: bool,
     expert_lora: bool = False,
     nf4_experts: bool = False,
+    host_adam_moments: bool = False,
 ) -> Estimate:
     """The estimate of the module docstring for one step of ``cfg`` on a model of ``hf_config`` (``expert_lora``: a
-    mixture of experts whose experts carry LoRA; ``nf4_experts``: whose experts are held in NF4)."""
+    mixture of experts whose experts carry LoRA; ``nf4_experts``: whose experts are held in NF4;
+    ``host_adam_moments``: AdamW's moments held in host memory, :class:`HostAdamW`)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     h, inter = int(text.hidden_size), int(text.intermediate_size)
     n_layers, vocab = int(text.num_hidden_layers), int(text.vocab_size)
@@ -127,8 +135,13 @@ def estimate(
     else:
         softcapped = getattr(text, "final_logit_softcapping", None) is not None
         logits = t * vocab * (12 if softcapped else 10)
-    per_param = 6 if "8bit" in cfg.optimizer else 12
-    return Estimate(t, per_param * n_trainable, layers + dequantized, logits)
+    if host_adam_moments:
+        from strop.kernels.models.host_adamw import host_adamw_device_bytes
+
+        adapter_state = 4 * n_trainable + host_adamw_device_bytes()
+    else:
+        adapter_state = (6 if "8bit" in cfg.optimizer else 12) * n_trainable
+    return Estimate(t, adapter_state, layers + dequantized, logits)
 
 
 def longest_row(dataset) -> int:
@@ -155,11 +168,36 @@ def longest_row(dataset) -> int:
     return 0
 
 
-def admit(est: Estimate, free_bytes: int) -> None:
-    """Refuse a job whose estimate exceeds the device memory free for it (ResourceExhausted, with the figures)."""
+# the optimizers HostAdamW reproduces bit for bit (torch's AdamW, grouped or fused kernels)
+HOST_MOMENT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+
+
+def admit(est: Estimate, free_bytes: int, host_moments: Estimate | None = None) -> bool:
+    """Refuse a job whose estimate exceeds the device memory free for it (ResourceExhausted, with the figures).
+
+    ``host_moments``: the same job's estimate with AdamW's moments in host memory, for a job whose optimizer
+    HostAdamW reproduces. Returns True when only that one fits (the trainer must hold the moments on the host)."""
     log.info("memory estimate %s; %.2f GiB free", est, free_bytes / 2**30)
+    if est.total > free_bytes and host_moments is not None and host_moments.total <= free_bytes:
+        log.info("admitted with AdamW's moments in host memory: %s", host_moments)
+        return True
     if est.total > free_bytes:
         raise ResourceExhausted(
             f"this job needs {est} but the device has {free_bytes / 2**30:.2f} GiB free beside the session's "
             "weights: lower batch_size or max_length, or use memory_mode LONG_CONTEXT"
+            + (f" (with AdamW's moments in host memory: {host_moments})" if host_moments is not None else "")
         )
+    return False
+
+
+def hold_adam_moments_on_host(trainer) -> None:
+    """Make a transformers Trainer whose optimizer is torch's AdamW create it as HostAdamW (same parameter groups
+    and arguments: the same updates bit for bit) when it builds its optimizer."""
+    import torch
+
+    from strop.kernels.models.host_adamw import HostAdamW
+
+    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model)
+    if cls is not torch.optim.AdamW:
+        raise ValueError(f"moments in host memory need torch's AdamW, not {cls.__name__}")
+    trainer.optimizer_cls_and_kwargs = (HostAdamW, kwargs)
