@@ -9,8 +9,13 @@ HF's Qwen3-MoE / Mixtral experts module, given the router's choices (``top_k_ind
 and PEFT's ``target_parameters`` LoRA adds ``s · B_e A_e`` to GU_e and D_e (``trainer_svc/core/moe.py``). Here the
 T·k routed copies are sorted by expert once (a stable sort of the expert ids: ``offsets`` from their counts), gathered,
 run through :func:`~strop.kernels.ops.moe_gemm.moe_lora_gemm` for gate/up and again for down (torch's grouped GEMM
-for the base and the LoRA terms, no merged [E, N, K] stack), weighted and scattered back with ``index_add``. Autograd carries the gather, the activation,
-the weighting (the router's gradient path) and the scatter; the GEMMs have their own backward.
+for the base and the LoRA terms, no merged [E, N, K] stack), and scattered back with ``index_add``. Each routed row's
+weight multiplies its activation, ``w · (h Dᵀ) = (w · h) Dᵀ``, inside the SwiGLU kernel
+(:class:`RoutedSwiGLUFunction`: ``kernels/ops/swiglu.py`` with a row scale, whose backward also gives the weights'
+gradient, the router's gradient path): the [M, I] activation is scaled instead of the [M, H] down product, which
+saves the weighting's own passes over that product (a multiply, its saved input and its two backward products), and
+silu·mul's eager intermediates. Autograd carries the gather and the scatter; the GEMMs and the activation have their
+own backward.
 
 PEFT's factors are reshaped, never copied: ``lora_A.weight [E·r, in]`` → ``[E, r, in]``; ``lora_B.weight
 [out, E·r]`` (expert e's columns at ``e::E``) → ``[E, out, r]`` as a permuted view.
@@ -19,11 +24,11 @@ PEFT's factors are reshaped, never copied: ``lora_A.weight [E·r, in]`` → ``[E
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..ops.moe_gemm import moe_lora_gemm
+from ..ops.swiglu import swiglu_bwd, swiglu_fwd
 
-__all__ = ["lora_moe_experts", "peft_expert_factors"]
+__all__ = ["RoutedSwiGLUFunction", "lora_moe_experts", "peft_expert_factors"]
 
 
 def peft_expert_factors(
@@ -33,6 +38,26 @@ def peft_expert_factors(
     a = lora_a.view(experts, -1, lora_a.shape[-1])
     b = lora_b.view(lora_b.shape[0], -1, experts).permute(2, 0, 1)
     return a, b
+
+
+class RoutedSwiGLUFunction(torch.autograd.Function):
+    """``w[m] · silu(g[m]) · u[m]`` for the gate/up product ``gu`` [M, 2·I] (gate columns first) and one weight a row
+    ``w`` [M]; saves gu and w, recomputes the activation, and writes the gradient of gu into gu's storage (the grouped
+    GEMM's output, which nothing else reads)."""
+
+    @staticmethod
+    def forward(ctx, gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        g, u = gu.chunk(2, dim=-1)
+        ctx.save_for_backward(gu, w)
+        return swiglu_fwd(g, u, row_scale=w)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        gu, w = ctx.saved_tensors
+        g, u = gu.chunk(2, dim=-1)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        swiglu_bwd(dh.to(gu.dtype), g, u, inplace=True, row_scale=w, d_row_scale=dw)
+        return gu, dw.to(w.dtype)
 
 
 def lora_moe_experts(
@@ -64,8 +89,8 @@ def lora_moe_experts(
     offsets = torch.searchsorted(flat[order], bounds)
     xs = x[token]
     gu = moe_lora_gemm(xs, offsets, *gate_up)
-    g, u = gu.chunk(2, dim=-1)
-    h = F.silu(g) * u
-    out = moe_lora_gemm(h.contiguous(), offsets, *down)
-    weighted = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
-    return torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
+    # the weights in the compute dtype, as HF's weighting product has them
+    w = top_k_weights.reshape(-1)[order].to(gu.dtype)
+    h = RoutedSwiGLUFunction.apply(gu, w)
+    out = moe_lora_gemm(h, offsets, *down)
+    return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))

@@ -27,6 +27,11 @@ Backward, with dh the gradient of h:
 recompute h into a caller's buffer (``h_out``, which may be dh itself): the fused LoRA MLP needs h for
 the down projection's LoRA gradients and has no other use for dh, gate or up afterwards.
 
+Row scale (``row_scale`` [M], MoE's routing weights): ``h = cast(cast(a) · u · w_m)``, one rounding; the
+backward takes dh of that scaled output and also gives ``dw_m = Σ_n dh · cast(a) · u`` (fp32, added atomically
+into the caller's zeros) before using ``dh · w_m`` above. A routed expert's output ``w · (h Dᵀ)`` is ``(w · h) Dᵀ``:
+the weight applied on the [M, I] activation instead of the [M, H] product saves the weighting's own passes.
+
 Low-rank terms (``LowRank``: ``scale · a @ b``, K ≤ 128). The fused LoRA MLP passes gate and up as the base
 projections' outputs and their adapters' terms ``s · (x Aᵀ) Bᵀ`` beside them; the backward also takes dh's term
 ``g_d A_d`` from the down adapter. Each kernel adds a term in fp32 to the tile it has just read (one ``tl.dot``
@@ -156,7 +161,8 @@ def _swiglu_fwd_kernel(
     g_ptr, u_ptr, h_ptr, M, N, g_row_stride, u_row_stride, h_row_stride,
     ga_ptr, gb_ptr, g_scale, g_k, ga_sm, ga_sk, gb_sk, gb_sn,
     ua_ptr, ub_ptr, u_scale, u_k, ua_sm, ua_sk, ub_sk, ub_sn,
-    ACTIVATION: tl.constexpr, GATE_TERM: tl.constexpr, UP_TERM: tl.constexpr,
+    rs_ptr,
+    ACTIVATION: tl.constexpr, GATE_TERM: tl.constexpr, UP_TERM: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KG: tl.constexpr, BLOCK_KU: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -174,9 +180,10 @@ def _swiglu_fwd_kernel(
     a, _ = _activation(g, ACTIVATION)
     # Round the activation to the input dtype before the product, as HF's two separate ops do.
     a = cast_to(a, h_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(
-        h_ptr + rm[:, None] * h_row_stride + rn[None, :], cast_to(a * u, h_ptr.dtype.element_ty), mask=mask
-    )
+    h = a * u
+    if ROW_SCALE:  # a routed row's weight, applied before the one rounding of h
+        h = h * tl.load(rs_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(h_ptr + rm[:, None] * h_row_stride + rn[None, :], cast_to(h, h_ptr.dtype.element_ty), mask=mask)
 
 
 # fmt: skip on the signature: one row per role (pointers and sizes, row strides, each low-rank term's A/B,
@@ -188,8 +195,9 @@ def _swiglu_bwd_kernel(
     ga_ptr, gb_ptr, g_scale, g_k, ga_sm, ga_sk, gb_sk, gb_sn,
     ua_ptr, ub_ptr, u_scale, u_k, ua_sm, ua_sk, ub_sk, ub_sn,
     da_ptr, db_ptr, d_scale, d_k, da_sm, da_sk, db_sk, db_sn,
+    rs_ptr, drs_ptr,
     ACTIVATION: tl.constexpr, STORE_H: tl.constexpr,
-    GATE_TERM: tl.constexpr, UP_TERM: tl.constexpr, DH_TERM: tl.constexpr,
+    GATE_TERM: tl.constexpr, UP_TERM: tl.constexpr, DH_TERM: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KG: tl.constexpr, BLOCK_KU: tl.constexpr, BLOCK_KD: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -209,6 +217,10 @@ def _swiglu_bwd_kernel(
         u = _low_rank(u, ua_ptr, ub_ptr, u_scale, rm, rn, m_mask, n_mask, u_k, ua_sm, ua_sk, ub_sk, ub_sn, BLOCK_KU, IEEE)  # fmt: skip
     a, da = _activation(g, ACTIVATION)
     a = cast_to(a, g_ptr.dtype.element_ty).to(tl.float32)
+    if ROW_SCALE:  # dh is the scaled output's gradient: the scale's gradient Σ_n dh·a·u, then dh·scale
+        rs = tl.load(rs_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)
+        tl.atomic_add(drs_ptr + rm, tl.sum(dh * a * u, axis=1), mask=m_mask)
+        dh = dh * rs[:, None]
     # dg/du/h may alias g/u/dh: every element of the tile is loaded before any is stored, by this program only.
     tl.store(
         dg_ptr + rm[:, None] * dg_row_stride + rn[None, :],
@@ -221,10 +233,11 @@ def _swiglu_bwd_kernel(
         mask=mask,
     )
     if STORE_H:
+        h = a * u
+        if ROW_SCALE:
+            h = h * rs[:, None]
         tl.store(
-            h_ptr + rm[:, None] * h_row_stride + rn[None, :],
-            cast_to(a * u, h_ptr.dtype.element_ty),
-            mask=mask,
+            h_ptr + rm[:, None] * h_row_stride + rn[None, :], cast_to(h, h_ptr.dtype.element_ty), mask=mask
         )
 
 
@@ -292,6 +305,21 @@ def _out(out: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tenso
     return out
 
 
+def _row_scale(t: torch.Tensor | None, like: torch.Tensor, name: str, *, accumulator: bool = False):
+    """A per-row scale ``[rows]`` (contiguous, on the operand's device; fp32 where the kernel accumulates into it),
+    or the operand as an unread placeholder pointer."""
+    if t is None:
+        return like
+    check_same_device(**{name: t, "operand": like})
+    if t.shape != (like.shape[0],) or not t.is_contiguous() or not t.is_floating_point():
+        raise ValueError(
+            f"{name} must be a contiguous float [{like.shape[0]}], got {t.dtype} {tuple(t.shape)}"
+        )
+    if accumulator and t.dtype != torch.float32:
+        raise TypeError(f"{name} accumulates in fp32, got {t.dtype}")
+    return t
+
+
 def _block_m(n_rows: int) -> int:
     """Tile rows: ``_BLOCK_M`` compiled; under the interpreter as many as fill its tile (``interpreter_rows``)."""
     return max(_BLOCK_M, interpreter_rows(n_rows, _BLOCK_N))
@@ -308,6 +336,7 @@ def _glu_fwd(
     activation: int,
     gate_term: LowRank | None = None,
     up_term: LowRank | None = None,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_pair(gate, up)
     h = _out(out, gate, "out")
@@ -315,6 +344,7 @@ def _glu_fwd(
         return h
     g2, u2, h2 = _rows(gate, "gate"), _rows(up, "up"), _rows(h, "out", writable=True)
     n_rows, n_cols = g2.shape
+    rs = _row_scale(row_scale, g2, "row_scale")
     g_args, bkg = _term_args(gate_term, g2, n_rows, n_cols, "gate_term")
     u_args, bku = _term_args(up_term, g2, n_rows, n_cols, "up_term")
     _swiglu_fwd_kernel[_grid(n_rows, n_cols)](
@@ -328,9 +358,11 @@ def _glu_fwd(
         h2.stride(0),
         *g_args,
         *u_args,
+        rs,
         ACTIVATION=activation,
         GATE_TERM=gate_term is not None,
         UP_TERM=up_term is not None,
+        ROW_SCALE=row_scale is not None,
         BLOCK_M=_block_m(n_rows),
         BLOCK_N=_BLOCK_N,
         BLOCK_KG=bkg,
@@ -351,6 +383,8 @@ def _glu_bwd(
     gate_term: LowRank | None = None,
     up_term: LowRank | None = None,
     dh_term: LowRank | None = None,
+    row_scale: torch.Tensor | None = None,
+    d_row_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_pair(gate, up)
     check_float_tensor(dh, "dh")
@@ -370,14 +404,19 @@ def _glu_bwd(
     g_args, bkg = _term_args(gate_term, g2, n_rows, n_cols, "gate_term")
     u_args, bku = _term_args(up_term, g2, n_rows, n_cols, "up_term")
     d_args, bkd = _term_args(dh_term, g2, n_rows, n_cols, "dh_term")
+    if (row_scale is None) != (d_row_scale is None):
+        raise ValueError("row_scale and d_row_scale go together")
+    rs = _row_scale(row_scale, g2, "row_scale")
+    drs = _row_scale(d_row_scale, g2, "d_row_scale", accumulator=True)
     # fmt: skip below: one row per role (tensors and sizes, row strides, the three low-rank terms' arguments,
     # the constexprs), as in the kernel's signature
     _swiglu_bwd_kernel[_grid(n_rows, n_cols)](
         dh2, g2, u2, dg2, du2, h2, n_rows, n_cols,
         dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0), h2.stride(0),
-        *g_args, *u_args, *d_args,
+        *g_args, *u_args, *d_args, rs, drs,
         ACTIVATION=activation, STORE_H=h_out is not None,
         GATE_TERM=gate_term is not None, UP_TERM=up_term is not None, DH_TERM=dh_term is not None,
+        ROW_SCALE=row_scale is not None,
         BLOCK_M=_block_m(n_rows), BLOCK_N=_BLOCK_N, BLOCK_KG=bkg, BLOCK_KU=bku, BLOCK_KD=bkd,
         IEEE=gate.dtype == torch.float32, num_warps=_NUM_WARPS,
     )  # fmt: skip
@@ -397,10 +436,12 @@ def swiglu_fwd(
     *,
     gate_term: LowRank | None = None,
     up_term: LowRank | None = None,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``silu(gate') * up'`` into ``out`` (a fresh contiguous tensor when None; may be gate or up itself), where
-    ``gate' = gate + gate_term`` and ``up' = up + up_term`` in fp32 (each term optional, see :class:`LowRank`)."""
-    return _glu_fwd(gate, up, out, _SILU, gate_term, up_term)
+    ``gate' = gate + gate_term`` and ``up' = up + up_term`` in fp32 (each term optional, see :class:`LowRank`);
+    with ``row_scale`` [rows] each row also times its scale before the one rounding (a routed copy's weight)."""
+    return _glu_fwd(gate, up, out, _SILU, gate_term, up_term, row_scale)
 
 
 def swiglu_bwd(
@@ -413,8 +454,10 @@ def swiglu_bwd(
     gate_term: LowRank | None = None,
     up_term: LowRank | None = None,
     dh_term: LowRank | None = None,
+    row_scale: torch.Tensor | None = None,
+    d_row_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``silu(gate') * up'``, recomputing the activation.
+    """Gradients of ``silu(gate') * up'`` (times ``row_scale`` where given), recomputing the activation.
 
     Args:
         dh: Gradient of the output.
@@ -425,11 +468,14 @@ def swiglu_bwd(
         gate_term: As in :func:`swiglu_fwd`: the gradients are those with respect to ``gate'`` and ``up'``.
         up_term: Likewise.
         dh_term: Added to dh in fp32 as it is read (the down projection's LoRA term of dh).
+        row_scale: The forward's ``row_scale``; dh is then the scaled output's gradient.
+        d_row_scale: fp32 [rows], with ``row_scale``: the scale's gradient ``Σ_n dh · silu(gate') · up'`` is
+            added to it (atomically, one partial sum per tile of columns; pass zeros).
 
     Returns:
         ``(dgate, dup)``.
     """
-    return _glu_bwd(dh, gate, up, _SILU, inplace, h_out, gate_term, up_term, dh_term)
+    return _glu_bwd(dh, gate, up, _SILU, inplace, h_out, gate_term, up_term, dh_term, row_scale, d_row_scale)
 
 
 def geglu_fwd(

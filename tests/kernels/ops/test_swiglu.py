@@ -124,6 +124,61 @@ def test_fused_gate_up_halves_are_used_in_place_and_backward_overwrites_them():
     assert_close_fp32(h_out, expected_h, "recomputed h for the down projection's LoRA grads")
 
 
+def _row_scaled_truth(gate, up, w, dh):
+    """fp32 autograd of ``w[:, None] · silu(gate) · up``: the output and the gradients of gate, up and w."""
+    g, u, s = (t.detach().float().requires_grad_() for t in (gate, up, w))
+    out = s[:, None] * swiglu_reference(g, u)
+    return (out.detach(), *torch.autograd.grad(out, (g, u, s), dh.float()))
+
+
+@cpu_tier
+def test_row_scale_weights_each_row_and_its_backward_gives_the_scale_gradient():
+    # 2,500 columns: two column blocks (the second partial) each add their partial sum into dw
+    gate_up, _, dh = _inputs((5, 2 * 2500), torch.float32)
+    dh = dh[:, :2500].contiguous()
+    w = torch.rand(5, generator=torch.Generator().manual_seed(3)) + 0.1
+    gate, up = gate_up[:, :2500], gate_up[:, 2500:]
+    out_t, dgate_t, dup_t, dw_t = _row_scaled_truth(gate, up, w, dh)
+    assert_close_fp32(swiglu_fwd(gate, up, row_scale=w), out_t, "row-scaled forward")
+    dw = torch.zeros(5)
+    h_out = torch.empty_like(dh)
+    swiglu_bwd(dh, gate, up, inplace=True, h_out=h_out, row_scale=w, d_row_scale=dw)
+    assert_close_fp32(gate_up[:, :2500], dgate_t, "dgate of the row-scaled output")
+    assert_close_fp32(gate_up[:, 2500:], dup_t, "dup of the row-scaled output")
+    assert_close_fp32(dw, dw_t, "the row scale's gradient")
+    assert_close_fp32(h_out, out_t, "recomputed row-scaled h")
+
+
+@cpu_tier
+def test_bf16_row_scale_is_within_twice_torch_bf16_error():
+    gate, up, dh = _inputs((64, 96), torch.bfloat16)
+    w = (torch.rand(64, generator=torch.Generator().manual_seed(4)) + 0.1).to(torch.bfloat16)
+    out_t, dgate_t, dup_t, dw_t = _row_scaled_truth(gate, up, w, dh)
+    # torch's bf16 path, weighting last as an MoE's eager experts do
+    tg, tu, ts = (t.clone().requires_grad_() for t in (gate, up, w))
+    out_torch = swiglu_reference(tg, tu) * ts[:, None]
+    grads_torch = torch.autograd.grad(out_torch, (tg, tu, ts), dh)
+    dw = torch.zeros(64)
+    out = swiglu_fwd(gate, up, row_scale=w)
+    dgate, dup = swiglu_bwd(dh, gate, up, row_scale=w, d_row_scale=dw)
+    assert_bf16_within_torch_bound(out, out_torch, out_t, "row-scaled forward")
+    for ours, theirs, truth, what in zip(
+        (dgate, dup, dw), grads_torch, (dgate_t, dup_t, dw_t), ("dgate", "dup", "dw"), strict=True
+    ):
+        assert_bf16_within_torch_bound(ours, theirs, truth, f"row-scaled {what}")
+
+
+@cpu_tier
+def test_row_scale_is_checked():
+    gate, up, dh = _inputs((4, 8), torch.float32)
+    with pytest.raises(ValueError, match="row_scale must be a contiguous float \\[4\\]"):
+        swiglu_fwd(gate, up, row_scale=torch.ones(3))
+    with pytest.raises(ValueError, match="go together"):
+        swiglu_bwd(dh, gate, up, row_scale=torch.ones(4))
+    with pytest.raises(TypeError, match="d_row_scale accumulates in fp32"):
+        swiglu_bwd(dh, gate, up, row_scale=torch.ones(4), d_row_scale=torch.zeros(4, dtype=torch.float64))
+
+
 @cpu_tier
 def test_backward_can_recompute_h_into_dh_itself():
     gate, up, dh = _inputs((4, 96), torch.float32)
