@@ -219,11 +219,11 @@ def run_worker(a) -> Result:
 
 def profile_moe_step(model, opt, ids) -> str:
     """One training step under the profiler (bench/lib/profile.py), its forward, backward and optimizer step
-    labelled as phases, the kernels grouped into the MoE step's kinds (:data:`MOE_KERNEL_KINDS`)."""
+    labelled as phases, the kernels grouped into the MoE step's kinds (``MOE_KERNEL_KINDS`` there)."""
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/lib, also under ``python -P``
-    from lib.profile import KERNEL_KINDS, profile_step
+    from lib.profile import KERNEL_KINDS, MOE_KERNEL_KINDS, profile_step
 
     def step():
         with torch.profiler.record_function("phase:forward"), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -235,15 +235,6 @@ def profile_moe_step(model, opt, ids) -> str:
             opt.zero_grad(set_to_none=True)
 
     return profile_step(step, kinds=MOE_KERNEL_KINDS + KERNEL_KINDS)
-
-
-MOE_KERNEL_KINDS = (  # (kind, pattern over the kernel's name), ahead of the profiler toolkit's own; first match wins
-    ("grouped GEMM (experts)", r"GroupProblemShape|[Gg]rouped|group_gemm|grouped_mm"),
-    ("NF4 dequant (strop)", r"_nf4_dequant"),
-    ("router: topk/sort/softmax/searchsorted", r"topk|[Ss]ort|softmax|searchsorted|bitonic|radix"),
-    ("index/gather/scatter (permutation)", r"index|scatter|gather"),
-    ("elementwise/reduce (torch)", r"elementwise|reduce_kernel|unrolled|CatArrayBatched|fill"),
-)
 
 
 def spawn(system: str, a) -> Result:

@@ -17,6 +17,7 @@ place after the first two, as a 4-bit session holds them); its differences inclu
 Usage (GPU machine)::
 
     python bench/moe_experts_bench.py --tokens 16384
+    python bench/moe_experts_bench.py --tokens 16384 --profile   # and one profiled strop / strop-nf4 iteration each
     python bench/moe_experts_bench.py --smoke          # CPU, interpreter, tiny shape: checks the script only
 """
 
@@ -115,6 +116,19 @@ def run_system(system, pm, x, idx, w, a):
             times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
     grads = {n: p.grad.float() for n, p in pm.named_parameters() if p.requires_grad}
+    if a.profile and cuda and system.startswith("strop"):  # one more iteration, after the timed ones
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/lib, also under ``python -P``
+        from lib.profile import KERNEL_KINDS, MOE_KERNEL_KINDS, profile_step
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                o = run(xg, idx, w)
+            o.float().square().mean().backward()
+
+        a.profiles[system] = profile_step(step, kinds=MOE_KERNEL_KINDS + KERNEL_KINDS)
     return statistics.median(times) * 1000, peak, out.detach().float(), grads
 
 
@@ -124,7 +138,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument(
+        "--profile", action="store_true", help="also profile one strop and strop-nf4 iteration (CUDA)"
+    )
     a = p.parse_args()
+    a.profiles = {}
     if a.smoke:
         import os
 
@@ -156,6 +174,8 @@ def main() -> None:
         dout = float((out - ref_out).abs().max() / ref_out.abs().max())
         dg = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items())
         print(f"{s:9} {ms:7.2f} {peak:9.2f} {dout:18.2e} {dg:17.2e}")
+    for s, text in a.profiles.items():
+        print(f"\n## {s}, {a.tokens} tokens, one forward + backward\n{text}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,14 @@ KERNEL_KINDS = (  # (kind, pattern over the kernel's name), first match wins
     ("nf4 (bitsandbytes)", r"kDequantize|kgemm_4bit"),
 )
 
+MOE_KERNEL_KINDS = (  # an MoE step's own kinds, put ahead of KERNEL_KINDS (bench/moe_bench.py, moe_experts_bench.py)
+    ("grouped GEMM (experts)", r"GroupProblemShape|[Gg]rouped|group_gemm|grouped_mm"),
+    ("NF4 dequant (strop)", r"_nf4_dequant"),
+    ("router: topk/sort/softmax/searchsorted", r"topk|[Ss]ort|softmax|searchsorted|bitonic|radix"),
+    ("index/gather/scatter (permutation)", r"index|scatter|gather"),
+    ("elementwise/reduce (torch)", r"elementwise|reduce_kernel|unrolled|CatArrayBatched|fill"),
+)
+
 
 def gpu_timeline(prof, kinds=None) -> list[str]:
     """Where a profiled step's GPU time goes: self time and launches by kernel kind (``kinds``: (kind, name
