@@ -18,7 +18,8 @@ and LoraConfig fields (``r``, ``alpha``, ``targets`` as ``q_proj+v_proj``); an e
     nice -n 10 .venv/bin/python bench/recipe_facts.py --setting defaults \
         --setting learning_rate=2e-4,num_epochs=10,batch_size=4,r=16,alpha=32,retention=NONE
 
-``--write-facts FILE`` writes the facts as the JSONL dataset the README's example trains on.
+``--write-facts FILE`` writes the facts as the JSONL dataset the README's example trains on; ``--smoke STEPS`` runs
+each setting for a few steps, no evaluation (a check before a device run).
 """
 
 from __future__ import annotations
@@ -211,6 +212,38 @@ def _cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     return base
 
 
+def smoke(setting: str, model_dir: Path, device: str, steps: int) -> None:
+    """The setting through the trainer's path (parse, load, retention's generation, ``steps`` training steps), no
+    evaluation and no result row: a device run of it cannot then fail on a typo or a refused value."""
+    from strop.common.trainer_types import DatasetFormat, LoadModelRequest
+    from strop.trainer_svc.core import job_config, model_loading, training
+
+    cfg, lora = parse_setting(setting)
+    cfg = replace(cfg, max_steps=steps)
+    loaded = model_loading.load_model(
+        LoadModelRequest(model_path=model_dir.name), model_root=model_dir.parent, device=device
+    )
+    model_loading.attach_lora(loaded, lora)
+    cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(FACTS))
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    sinks = training.Sinks(
+        on_step=lambda m: losses.append(m.loss),
+        on_checkpoint=lambda step, path: None,
+        on_start=lambda total: None,
+    )
+    with tempfile.TemporaryDirectory() as work:
+        training.run_training(
+            loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
+        )
+    model_loading.release(loaded)
+    print(
+        f"smoke {setting}: {len(losses)} steps, losses {[round(x, 3) for x in losses]} "
+        f"({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
+
+
 def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cpu") -> tuple[dict, dict]:
     from strop.common.trainer_types import DatasetFormat, LoadModelRequest
     from strop.trainer_svc.core import job_config, model_loading, training
@@ -223,6 +256,7 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
     if base_eval is None:
         base_eval = _cached_base_eval(loaded, model_dir, device)
     cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(FACTS))
+    mode = job_config.retention_of(cfg, DatasetFormat.MESSAGES, loaded.tokenizer)
     print(f"{setting}: base evaluated, training", file=sys.stderr, flush=True)
     events: list = []
     steps: list = []
@@ -258,7 +292,7 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         "targets": "all" if len(lora.target_modules) == 7 else "+".join(lora.target_modules),
         "retention": str(getattr(cfg, "retention", "")),
         "retention_rows": cfg.retention_rows,
-        "retention_kl": cfg.retention_kl,
+        "retention_kl": job_config.retention_kl_weight(cfg, mode),  # the weight the job ran with
         "steps": len(steps),
         "loss_first": steps[0].loss if steps else None,
         "loss_last": steps[-1].loss if steps else None,
@@ -321,7 +355,9 @@ def table(paths: list[str]) -> str:
             ev = r["forgetting_events"][0] if r["forgetting_events"] else None
             metric = f"{ev['kept']}/{ev['held_out']}, tokens {ev['token_agreement']:.2f}" if ev else "-"
             retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
-            if "REPLAY" in retention and r.get("retention_rows"):
+            if retention == "KL":
+                retention += f" {r['retention_rows']}, weight {r['retention_kl']:g}"
+            elif "REPLAY" in retention and r.get("retention_rows"):
                 retention += f" {r['retention_rows']}" + (
                     f", KL {r['retention_kl']:g}" if r.get("retention_kl") else ""
                 )
@@ -345,6 +381,12 @@ def main() -> None:
         "--replay-rows",
         metavar="JSON",
         help="write the base's answers to the replay prompts and what replay keeps of each (JSON) and exit",
+    )
+    p.add_argument(
+        "--smoke",
+        type=int,
+        metavar="STEPS",
+        help="run each setting for this many steps through the trainer's path, no evaluation, nothing written",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="the session's device: cpu (the issue's setting) or cuda")
@@ -371,6 +413,10 @@ def main() -> None:
     ).stdout.strip()
     if a.replay_rows:
         replay_census(model_dir, a.device, Path(a.replay_rows))
+        return
+    if a.smoke:
+        for setting in a.setting:
+            smoke(setting, model_dir, a.device, a.smoke)
         return
     base_eval = None
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from strop.cli.output import print_json
 from strop.client.errors import StropClientError
 from strop.client.progress import follow
 from strop.common.trainer_types import (
+    KL_RETENTION_WEIGHT,
     METHOD_DATASET_FORMAT,
     DatasetFormat,
     KernelMode,
@@ -145,19 +146,24 @@ def _add_train(sub) -> None:
     )
     p.add_argument(
         "--retention",
-        choices=("auto", "none", "replay"),
+        choices=("auto", "none", "replay", "kl"),
         default="auto",
-        help="SFT: replay the base model's own answers to general prompts so it keeps what it knows; "
-        f"auto: {_default('retention')} (replay applies to messages data)",
+        help="SFT on messages data, so the model keeps what it knows: replay trains on the base model's own answers "
+        "to general prompts; kl adds a KL(base || model) term on those answers instead, not training on them; "
+        f"auto: {_default('retention')}",
     )
     p.add_argument(
-        "--retention-rows", type=int, default=0, help=f"replayed answers; 0: {_default('retention_rows')}"
+        "--retention-rows",
+        type=int,
+        default=0,
+        help=f"replay, kl: the base's answers replayed or scored; 0: {_default('retention_rows')}",
     )
     p.add_argument(
         "--retention-kl",
         type=float,
         default=0.0,
-        help="replay: weight of a KL(base || model) term on the replayed answers; 0: none",
+        help="weight of the KL(base || model) term on the base's answers; 0: none with replay, "
+        f"{KL_RETENTION_WEIGHT:g} with kl",
     )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     held = p.add_mutually_exclusive_group()

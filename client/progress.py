@@ -96,8 +96,8 @@ def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
             r = ev.retention
             tqdm.write(
                 f"[{job_id}] retention: {r.kept} of {r.held_out} held-out answers of the base still given word for "
-                f"word (token agreement {r.token_agreement:.1%}, NLL {r.mean_nll:.3f}); {r.replay_rows} base answers "
-                "replayed",
+                f"word (token agreement {r.token_agreement:.1%}, NLL {r.mean_nll:.3f})"
+                + (f"; {r.replay_rows} base answers replayed" if r.replay_rows else ""),
                 file=sys.stderr,
             )
     if bar is not None:

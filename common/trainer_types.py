@@ -88,6 +88,10 @@ class Retention(enum.StrEnum):
     # before training, the base (adapter disabled) answers general prompts greedily; those conversations are
     # mixed into the training rows (``retention_rows`` of them)
     REPLAY = "REPLAY"
+    # before training, the base answers the same general prompts (``retention_rows`` of them, finished or not);
+    # every step adds ``retention_kl`` (0: KL_RETENTION_WEIGHT) times KL(base ‖ model) over a batch of those
+    # answers' next-token distributions; they are not trained on (no cross-entropy on them)
+    KL = "KL"
 
 
 class Parallelism(enum.StrEnum):
@@ -276,6 +280,9 @@ TRAIN_DEFAULTS: dict[str, object] = {
     "retention_rows": 110,  # every built-in replay prompt
 }
 
+# retention KL's weight when the request leaves retention_kl 0 (with REPLAY, 0 means no KL term)
+KL_RETENTION_WEIGHT = 1.0
+
 
 # A few dozen rows of facts need about ten passes before greedy answers repeat them (bench/RESULTS.md, "Teaching
 # facts"); a dataset of thousands of rows, one. SFT's default epochs go between the two by the dataset's size.
@@ -379,9 +386,10 @@ class TrainConfig:
     parallelism: Parallelism = Parallelism.UNSPECIFIED  # num_devices > 1: DDP (UNSPECIFIED) or FSDP
     num_nodes: int = 0  # > 1: nodes of num_devices processes each (an operator's job, not the service's)
     retention: Retention = Retention.UNSPECIFIED
-    # REPLAY: how many of the base's answers are mixed in (at most one a replay prompt)
+    # REPLAY, KL: how many of the base's answers are mixed in or scored (at most one a replay prompt)
     retention_rows: int = 0
-    # REPLAY: weight of a KL(base ‖ model) term on the replayed answers, added to each step's loss (0: none)
+    # REPLAY: weight of a KL(base ‖ model) term on the replayed answers, added to each step's loss (0: none);
+    # KL: the weight of that term, the answers out of the cross-entropy (0: KL_RETENTION_WEIGHT)
     retention_kl: float = 0.0
     # validation (a job's validation dataset; docs/validation.md): evaluate every N steps (0: once training ends)
     eval_every_steps: int = 0

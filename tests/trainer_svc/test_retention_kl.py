@@ -1,8 +1,11 @@
-"""retention_kl: a KL(base ‖ model) term on the replayed answers, checked against plain torch on full logits.
+"""retention_kl and retention KL: a KL(base ‖ model) term on the base's answers, checked against plain torch on
+full logits.
 
 The chunked KL (``kernels/losses/kl.py``) against torch's ``kl_div`` on the full [M, V] logits; the replay term
 (``retention.ReplayKL``) against two plain forwards of the PEFT model (adapter on, adapter disabled) row by row,
-unpadded; its place in a job (added to every training step's loss, refused where nothing is replayed).
+unpadded; its place in a job (added to every training step's loss, refused where nothing is replayed); retention KL
+(the term alone: the base's answers, cut ones included, scored and never trained on) through the trainer, its
+weight's default, its validation, the proto and the service.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from strop.common.errors import InvalidArgument
+from strop.common.serde import from_proto, to_proto
 from strop.common.trainer_types import (
+    KL_RETENTION_WEIGHT,
     DatasetFormat,
     LoadModelRequest,
     LoraConfig,
@@ -22,6 +27,8 @@ from strop.common.trainer_types import (
 )
 from strop.kernels.losses.kl import token_kl, token_kl_reference
 from strop.trainer_svc.core import job_config, model_loading, retention, training
+from strop.v1 import trainer_pb2
+from tests.trainer_svc.conftest import sft_config
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
@@ -168,10 +175,131 @@ def test_retention_kl_is_refused_where_nothing_is_replayed_or_negative():
         job_config.with_defaults(TrainConfig(**sft, retention_kl=-1.0), session_max_len=64)
     with pytest.raises(InvalidArgument, match="retention_kl must be a finite number"):
         job_config.with_defaults(TrainConfig(**sft, retention_kl=float("nan")), session_max_len=64)
-    with pytest.raises(InvalidArgument, match="needs retention REPLAY, not NONE"):
+    with pytest.raises(InvalidArgument, match="needs retention REPLAY or KL, not NONE"):
         job_config.with_defaults(
             TrainConfig(**sft, retention=Retention.NONE, retention_kl=1.0), session_max_len=64
         )
 
-    with pytest.raises(InvalidArgument, match="this job does not replay"):
+    with pytest.raises(InvalidArgument, match="this job has none"):
         job_config.retention_of(TrainConfig(**sft, retention_kl=1.0), DatasetFormat.MESSAGES, object())
+
+
+def test_kl_rows_keep_every_answer_finished_or_cut_and_replay_only_the_finished():
+    base = retention.BaseAnswers(
+        ["Q1?", "Q2?", "Q3?", "Q4?"], ["A1.", "A2 cut mid", "  ", "A4."], [True, False, True, True], 0.0
+    )
+    scored = [(r["messages"][0]["content"], r["messages"][1]["content"]) for r in retention.kl_rows(base, 10)]
+    assert scored == [("Q1?", "A1."), ("Q2?", "A2 cut mid"), ("Q4?", "A4.")], "empty answers score nothing"
+    assert [r["messages"][0]["content"] for r in retention.replay_rows(base, 10)] == ["Q1?", "Q4?"]
+    assert len(retention.kl_rows(base, 2)) == 2
+
+
+def _kl_job(model_root, tmp_path, monkeypatch, **cfg):
+    """One SFT job on the tiny 4-bit model over ROWS[:4], 2 rows a step, one epoch; the base's answers fixed, half of
+    them unfinished. Returns the step losses and what the KL term was built with (rows, weight), or None."""
+    monkeypatch.setattr(
+        model_loading,
+        "generate_chat_batch",
+        lambda loaded, prompts, **kw: (
+            ["Yes, it is."] * len(prompts),
+            [i % 2 == 0 for i in range(len(prompts))],
+        ),
+    )
+    built = []
+    real = retention.ReplayKL
+
+    class Spy(real):
+        def __init__(self, rows, tokenizer, coef, batch, device):
+            super().__init__(rows, tokenizer, coef, batch, device)
+            built.append((rows, coef, batch))
+
+    monkeypatch.setattr(retention, "ReplayKL", Spy)
+    loaded = _loaded_4bit(model_root)
+    steps = []
+    sinks = training.Sinks(steps.append, lambda s, p: None, lambda n: None)
+    config = job_config.with_defaults(
+        TrainConfig(method=TrainMethod.SFT, learning_rate=1e-2, batch_size=2, num_epochs=1, **cfg),
+        session_max_len=64,
+    )
+    training.run_training(
+        loaded, ROWS[:4], DatasetFormat.MESSAGES, config, tmp_path, training.JobControl(), sinks
+    )
+    model_loading.release(loaded)
+    return [s.loss for s in steps], (built[0] if built else None)
+
+
+def _loaded_4bit(model_root):
+    loaded = model_loading.load_model(
+        LoadModelRequest(model_path="tiny-llama-4bit"), model_root=model_root, device="cpu"
+    )
+    model_loading.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+    return loaded
+
+
+def test_retention_kl_scores_the_bases_answers_without_training_on_them(model_root, tmp_path, monkeypatch):
+    plain, none = _kl_job(model_root, tmp_path / "none", monkeypatch, retention=Retention.NONE)
+    kl, (rows, coef, batch) = _kl_job(
+        model_root, tmp_path / "kl", monkeypatch, retention=Retention.KL, retention_rows=6
+    )
+    assert none is None
+    # the training rows are the dataset's alone: 4 rows, 2 a step (REPLAY of 6 would make 5 steps)
+    assert len(plain) == len(kl) == 2
+    # all 6 answers are scored, the 3 unfinished too; a step's KL batch is the job's batch size; the weight the
+    # default, retention_kl being 0
+    assert [r["messages"][0]["content"] for r in rows] == list(retention.REPLAY_PROMPTS[:6])
+    assert (coef, batch) == (KL_RETENTION_WEIGHT, 2)
+    # step 1: B = 0, the model is its base, the KL is exactly 0 and the loss the plain job's; then the term counts
+    assert kl[0] == pytest.approx(plain[0], rel=1e-6)
+    assert kl[1] != pytest.approx(plain[1], rel=1e-4)
+    _, (_, coef, _) = _kl_job(
+        model_root, tmp_path / "kl3", monkeypatch, retention=Retention.KL, retention_rows=2, retention_kl=3.0
+    )
+    assert coef == 3.0
+
+
+class _ChatTok:
+    chat_template = "{{ messages }}"
+
+
+def test_retention_kl_weight_and_validation():
+    sft = dict(method=TrainMethod.SFT)
+    weight = job_config.retention_kl_weight
+    assert weight(TrainConfig(**sft), Retention.KL) == KL_RETENTION_WEIGHT
+    assert weight(TrainConfig(**sft, retention_kl=0.5), Retention.KL) == 0.5
+    assert weight(TrainConfig(**sft), Retention.REPLAY) == 0.0, "REPLAY without retention_kl adds no term"
+    assert weight(TrainConfig(**sft, retention_kl=2.0), Retention.REPLAY) == 2.0
+    assert weight(TrainConfig(**sft), Retention.NONE) == 0.0
+    kl = TrainConfig(**sft, retention=Retention.KL)
+    assert job_config.retention_of(kl, DatasetFormat.MESSAGES, _ChatTok()) is Retention.KL
+    assert job_config.with_defaults(kl, session_max_len=64).retention_rows == 110
+    with pytest.raises(InvalidArgument, match="retention KL applies to SFT only"):
+        job_config.with_defaults(
+            TrainConfig(method=TrainMethod.DPO, retention=Retention.KL), session_max_len=64
+        )
+    with pytest.raises(InvalidArgument, match="retention KL needs messages data and a model with a chat"):
+        job_config.retention_of(kl, DatasetFormat.TEXT, _ChatTok())
+    with pytest.raises(InvalidArgument, match="and the model has no chat template"):
+        job_config.retention_of(kl, DatasetFormat.MESSAGES, object())
+    with pytest.raises(InvalidArgument, match="retention KL needs messages data"):
+        job_config.check_dataset_fits(kl, DatasetFormat.TEXT, [], 100)
+
+
+def test_retention_kl_round_trips_through_the_proto():
+    cfg = TrainConfig(method=TrainMethod.SFT, retention=Retention.KL, retention_kl=4.0)
+    msg = to_proto(trainer_pb2.TrainConfig, cfg)
+    assert msg.retention == trainer_pb2.RETENTION_KL and msg.retention_kl == 4.0
+    assert from_proto(TrainConfig, msg) == cfg
+
+
+def test_a_retention_kl_job_through_the_service_reports_the_forgetting_metric_and_replays_nothing(
+    client, ready_session, sft_dataset
+):
+    events = list(
+        client.train(
+            ready_session, sft_dataset.dataset_id, sft_config(2, retention=Retention.KL, retention_rows=4)
+        )
+    )
+    kinds = [e.kind for e in events]
+    assert kinds.count("retention") == 1, kinds
+    r = events[kinds.index("retention")].retention
+    assert r.step == 2 and r.replay_rows == 0, "the base's answers are scored, not mixed into the rows"

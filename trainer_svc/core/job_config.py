@@ -9,6 +9,7 @@ from dataclasses import fields, replace
 
 from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
+    KL_RETENTION_WEIGHT,
     MEMORY_MODES,
     METHOD_DATASET_FORMAT,
     REFERENCE_METHODS,
@@ -70,29 +71,37 @@ def _defaults_for_unset(cfg: TrainConfig, session_max_len: int, num_rows: int) -
 
 
 def retention_of(cfg: TrainConfig, fmt: DatasetFormat, tokenizer) -> Retention:
-    """The retention a job runs with: REPLAY or NONE as asked, else ``TRAIN_DEFAULTS``'s for its method where it
-    applies (SFT on messages data with a chat template: replayed conversations are chat messages), else NONE.
+    """The retention a job runs with: REPLAY, KL or NONE as asked, else ``TRAIN_DEFAULTS``'s for its method where
+    it applies (SFT on messages data with a chat template: the base's answers are chat messages), else NONE.
 
     Raises:
-        InvalidArgument: REPLAY asked for data other than messages, or a tokenizer without a chat template.
+        InvalidArgument: REPLAY or KL asked for data other than messages, or a tokenizer without a chat template.
     """
     applies = fmt is DatasetFormat.MESSAGES and bool(getattr(tokenizer, "chat_template", None))
-    if cfg.retention is Retention.REPLAY and not applies:
+    if cfg.retention in (Retention.REPLAY, Retention.KL) and not applies:
         raise InvalidArgument(
-            "retention REPLAY needs messages data and a model with a chat template (the base's answers are "
-            f"replayed as conversations); this dataset is {fmt.value.lower()}"
+            f"retention {cfg.retention.value} needs messages data and a model with a chat template (the base "
+            f"answers chat messages); this dataset is {fmt.value.lower()}"
             + ("" if getattr(tokenizer, "chat_template", None) else " and the model has no chat template")
         )
     if cfg.retention is not Retention.UNSPECIFIED:
         mode = cfg.retention
     else:
         mode = Retention(train_default("retention", cfg.method)) if applies else Retention.NONE
-    if cfg.retention_kl and mode is not Retention.REPLAY:
+    if cfg.retention_kl and mode not in (Retention.REPLAY, Retention.KL):
         raise InvalidArgument(
-            f"retention_kl weighs a KL term on the replayed answers, and this job does not replay (retention "
-            f"{mode.value}; replay needs SFT on messages data with a chat template)"
+            f"retention_kl weighs a KL term on the base's answers, and this job has none (retention "
+            f"{mode.value}; REPLAY and KL need SFT on messages data with a chat template)"
         )
     return mode
+
+
+def retention_kl_weight(cfg: TrainConfig, mode: Retention) -> float:
+    """The weight of the KL(base ‖ model) term a job adds to each step: ``retention_kl`` as asked, KL's default
+    (``KL_RETENTION_WEIGHT``) where a KL job left it 0; 0 (no term) for REPLAY without it and for NONE."""
+    if mode is Retention.KL:
+        return cfg.retention_kl or KL_RETENTION_WEIGHT
+    return cfg.retention_kl if mode is Retention.REPLAY else 0.0
 
 
 def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) -> TrainConfig:
@@ -177,8 +186,8 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
             f"retention_rows must be in 1..{MAX_RETENTION_ROWS} (one a replay prompt), got {c.retention_rows}",
         ),
         (
-            c.retention is not Retention.REPLAY or c.method is TrainMethod.SFT,
-            f"retention REPLAY applies to SFT only ({c.method.value} trains on preferences)",
+            c.retention not in (Retention.REPLAY, Retention.KL) or c.method is TrainMethod.SFT,
+            f"retention {c.retention.value} applies to SFT only ({c.method.value} trains on preferences)",
         ),
         (
             math.isfinite(c.retention_kl) and c.retention_kl >= 0,
@@ -186,7 +195,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
         ),
         (
             not c.retention_kl or c.retention is not Retention.NONE,
-            "retention_kl weighs a KL term on the replayed answers: it needs retention REPLAY, not NONE",
+            "retention_kl weighs a KL term on the base's answers: it needs retention REPLAY or KL, not NONE",
         ),
         (
             not c.memory_budget_gib or MEMORY_MODES[c.memory_mode].budgeted_recompute,
@@ -255,10 +264,10 @@ def check_dataset_fits(cfg: TrainConfig, fmt: DatasetFormat, rows: list[dict], v
         raise InvalidArgument(
             f"SFT needs text, messages or prompt/completion rows; this dataset is {fmt.value.lower()} data"
         )
-    if cfg.retention is Retention.REPLAY and fmt is not DatasetFormat.MESSAGES:
+    if cfg.retention in (Retention.REPLAY, Retention.KL) and fmt is not DatasetFormat.MESSAGES:
         raise InvalidArgument(
-            f"retention REPLAY needs messages data (the base's answers are replayed as conversations); this "
-            f"dataset is {fmt.value.lower()}"
+            f"retention {cfg.retention.value} needs messages data (the base answers the general prompts as "
+            f"conversations); this dataset is {fmt.value.lower()}"
         )
     if fmt is DatasetFormat.TOKENS:
         for i, row in enumerate(rows, 1):

@@ -15,6 +15,13 @@ model, nothing downloaded:
   chunked loss is ``kernels/losses/kl.py``), the base being the model with its adapter disabled, as DPO's
   reference is in strop. Distillation of the base's whole distribution where replay's cross-entropy keeps only
   its greedy token.
+- **The KL term alone** (``Retention.KL``): the base answers the same prompts, and each step adds the KL term
+  (weight ``retention_kl``) over a batch of those answers, which stay out of the cross-entropy: trained on as
+  targets for many epochs, replayed answers become facts of their own and spread into neighbouring questions as
+  the invented facts do (bench/RESULTS.md, "The facts recipe with sentence-cut replay"); the KL pulls the model's
+  distribution back to the base's without sharpening the base's greedy answers. Unfinished answers are scored too
+  (:func:`kl_rows`): the KL matches the base's distribution at every position, so a cut answer teaches no stop, and
+  the prompts the base answers at length are the facts' own question forms.
 - **The forgetting metric** (every SFT job of a session with a chat template): the base answers the held-out
   prompts :data:`HELD_OUT_PROMPTS` (disjoint from the replay prompts) before training; after training the
   adapted model is run teacher-forced on those answers. ``kept`` counts the answers whose every token is still
@@ -210,6 +217,19 @@ def replay_rows(base: BaseAnswers, count: int) -> list[dict]:
     return rows
 
 
+def kl_rows(base: BaseAnswers, count: int) -> list[dict]:
+    """Up to ``count`` conversations (messages rows) for the KL term alone, in prompt order: every non-empty answer,
+    finished or cut at the token limit (the term matches the base's own distribution on it, so the cut is no
+    target)."""
+    rows = []
+    for prompt, answer in zip(base.prompts, base.answers, strict=True):
+        if answer.strip() and len(rows) < count:
+            rows.append(
+                {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+            )
+    return rows
+
+
 @dataclass
 class Forgetting:
     """The forgetting metric over held-out prompts (see the module docstring)."""
@@ -281,14 +301,14 @@ def forgetting(loaded, held_out: BaseAnswers) -> Forgetting:
 
 
 class ReplayKL:
-    """The KL term of ``retention_kl``: each training step also scores the next ``batch`` replay conversations,
-    KL(base ‖ model) over their answers' next-token distributions (``kernels.losses.kl.token_kl``), the base being
-    the same model with its adapter disabled. Replay's cross-entropy on the base's greedy answers keeps only each
+    """The KL term (``retention_kl``, and retention KL): each training step also scores the next ``batch``
+    conversations of the base's answers, KL(base ‖ model) over their answers' next-token distributions
+    (``kernels.losses.kl.token_kl``), the base being the same model with its adapter disabled. Replay's cross-entropy on the base's greedy answers keeps only each
     answer's top token; the KL keeps the whole distribution the base had there.
 
     The base's hidden states for a batch are computed the first time the batch comes round, in the trainer's own
     forward context (autocast, train mode: with the adapter disabled nothing in a LoRA layer is random), and kept:
-    the base never changes. Batches are the replay rows in order, right-padded, the same batches every epoch."""
+    the base never changes. Batches are the rows in order, right-padded, the same batches every epoch."""
 
     def __init__(self, rows: list[dict], tokenizer, coef: float, batch: int, device) -> None:
         import torch

@@ -43,7 +43,7 @@ from strop.trainer_svc.core.evaluation import (
     eval_schedule,
 )
 from strop.trainer_svc.core.guard import BrokenTraining, make_guard, names
-from strop.trainer_svc.core.job_config import OPTIMIZERS, retention_of, sft_rows
+from strop.trainer_svc.core.job_config import OPTIMIZERS, retention_kl_weight, retention_of, sft_rows
 from strop.trainer_svc.core.model_loading import LoadedModel, drop_inference_weights, repacked_4bit_layers
 
 log = logging.getLogger("strop.trainer")
@@ -550,15 +550,26 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
 
 
 def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat):
-    """Before an SFT job on messages data with REPLAY: the base's reproducible answers to the held-out prompts (for
-    the forgetting metric) and the replay rows to mix in (``retention``); (None, []) without."""
+    """Before an SFT job on messages data with REPLAY or KL: the base's reproducible answers to the held-out prompts
+    (for the forgetting metric), the replay rows to mix into the training rows (REPLAY), and the rows the KL term
+    scores (REPLAY: the replay rows; KL: every answer, finished or not, none of them trained on); (None, [], [])
+    without retention."""
     mode = retention_of(cfg, fmt, loaded.tokenizer)
-    if mode is not Retention.REPLAY:
-        return None, []
+    if mode not in (Retention.REPLAY, Retention.KL):
+        return None, [], []
     base = retention.base_answers(loaded, retention.HELD_OUT_PROMPTS)
     held_out = retention.reproducible(base, retention.answer_hits(loaded, base, disable_adapter=True))
     prompts = retention.REPLAY_PROMPTS[: cfg.retention_rows]
     answers = retention.base_answers(loaded, prompts)
+    if mode is Retention.KL:
+        scored = retention.kl_rows(answers, cfg.retention_rows)
+        log.info(
+            "retention KL: %d of %d base answers scored by the KL term (%.1f s)",
+            len(scored),
+            len(prompts),
+            answers.seconds,
+        )
+        return held_out, [], scored
     replay = retention.replay_rows(answers, cfg.retention_rows)
     log.info(
         "retention REPLAY: %d of %d base answers mixed in (%.1f s)",
@@ -566,7 +577,7 @@ def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat)
         len(prompts),
         answers.seconds,
     )
-    return held_out, replay
+    return held_out, replay, replay
 
 
 def run_training(
@@ -591,7 +602,7 @@ def run_training(
             f"{len(packed)} 4-bit layers are in bitsandbytes' CPU inference layout, which has no backward: "
             f"{names(packed)}"
         )
-    held_out, replayed, replay = None, 0, []
+    held_out, replayed, scored = None, 0, []
     chat_sft = (
         cfg.method is TrainMethod.SFT and fmt is DatasetFormat.MESSAGES and loaded.tokenizer.chat_template
     )
@@ -602,15 +613,16 @@ def run_training(
             cfg.ranks(),
         )
     elif chat_sft:
-        held_out, replay = _retention_before(loaded, cfg, fmt)
+        held_out, replay, scored = _retention_before(loaded, cfg, fmt)
         rows, replayed = rows + replay, len(replay)
     if loaded.device.startswith("cuda"):
         import torch
 
         torch.cuda.reset_peak_memory_stats(loaded.device)
     trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, callbacks, validation)
-    if replay and cfg.retention_kl:
-        kl = retention.ReplayKL(replay, loaded.tokenizer, cfg.retention_kl, cfg.batch_size, loaded.device)
+    weight = retention_kl_weight(cfg, retention_of(cfg, fmt, loaded.tokenizer)) if scored else 0.0
+    if weight:
+        kl = retention.ReplayKL(scored, loaded.tokenizer, weight, cfg.batch_size, loaded.device)
         retention.add_replay_kl(trainer, kl)
     installed = None
     try:

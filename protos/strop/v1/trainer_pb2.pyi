@@ -69,6 +69,7 @@ class Retention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RETENTION_UNSPECIFIED: _ClassVar[Retention]
     RETENTION_NONE: _ClassVar[Retention]
     RETENTION_REPLAY: _ClassVar[Retention]
+    RETENTION_KL: _ClassVar[Retention]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -154,6 +155,7 @@ TRAIN_METHOD_GRPO: TrainMethod
 RETENTION_UNSPECIFIED: Retention
 RETENTION_NONE: Retention
 RETENTION_REPLAY: Retention
+RETENTION_KL: Retention
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_RUNNING: JobState
