@@ -11,6 +11,8 @@ equality with ``generate`` holds unless two logits tie within that error, which 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -393,3 +395,55 @@ def test_nf4_kernel_that_disagrees_with_bitsandbytes_is_not_used(nf4_tiny, monke
     got = sample(nf4_tiny, req, stats=stats, nf4_decode=True)
     assert stats.extra["nf4_decode_layers"] == 0 and "disagrees with bitsandbytes" in stats.note
     assert got[0].sequences[0].tokens == sample(nf4_tiny, req, nf4_decode=False)[0].sequences[0].tokens
+
+
+def test_a_16bit_session_decodes_its_fp32_lora_on_strops_path(tmp_path, monkeypatch):
+    """A session as the trainer holds one under bf16 compute (16-bit base, LoRA factors in fp32, strop's kernels
+    patched) samples under autocast to bf16, as it trains: every patched LoRA forward of the prefill and of each
+    decode step (o_proj, the MLP) runs strop's kernel (counted per call), none falls back to PEFT's reference path
+    (without autocast each did: fp32 factors meeting a bf16 input); autocast is off again after the call."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import strop.kernels.models.patched_forwards as pf
+    from strop.fixtures import make_tiny_model
+    from strop.kernels.models import patch_model, unpatch_model
+    from strop.kernels.models.patch_state import PatchState
+
+    path = make_tiny_model(tmp_path / "tiny", arch="llama", dtype="bfloat16", seed=0)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(3)
+    model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    )
+    assert (
+        model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype
+        == torch.float32
+    )
+    patch_model(model)
+    calls = {"lora_qkv": 0, "lora_linear": 0, "lora_mlp": 0}
+    for name in calls:
+
+        def counted(*args, _f=getattr(pf, name), _n=name, **kwargs):
+            calls[_n] += 1
+            return _f(*args, **kwargs)
+
+        monkeypatch.setattr(pf, name, counted)
+    fallbacks: list[str] = []
+    monkeypatch.setattr(PatchState, "fallback", lambda self, module, reason: fallbacks.append(reason))
+    max_tokens = 4
+    try:
+        got = sample(model, [SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=max_tokens, seed=5))])
+    finally:
+        unpatch_model(model)
+    assert fallbacks == []
+    steps = max_tokens  # the prefill gives the first token, then one forward per further token
+    layers = model.config.num_hidden_layers
+    # q/k/v: a forward with a KV cache runs HF's attention forward (the patched one passes such calls through), its
+    # PEFT projections under the same autocast
+    assert calls == {"lora_qkv": 0, "lora_linear": layers * steps, "lora_mlp": layers * steps}
+    assert all(
+        len(s.tokens) == max_tokens and all(math.isfinite(x) for x in s.logprobs) for s in got[0].sequences
+    )
+    assert not torch.is_autocast_enabled("cpu")

@@ -189,6 +189,18 @@ def _decode_forwards(model, on: bool, rows: int):
         yield n, notes
 
 
+def _compute_autocast(parts: ModelParts) -> contextlib.AbstractContextManager:
+    """Autocast to the model's 16-bit compute dtype, as training runs (``step_ops``): a session keeps every weight
+    that is not 4-bit in its compute dtype, the embedding included, and its LoRA factors in fp32. Without autocast a
+    16-bit input meeting fp32 factors is PEFT's own arithmetic (the LoRA term in fp32), which strop's patched
+    forwards leave to PEFT (``kernels/models/proj_spec.py``); under it they take strop's path and compute the LoRA
+    term as training does. The cast cache stays off, as torch's CUDA-graph notes ask of autocast around a capture."""
+    w = parts.backbone.get_input_embeddings().weight
+    if w.dtype not in (torch.bfloat16, torch.float16):
+        return contextlib.nullcontext()
+    return torch.autocast(w.device.type, dtype=w.dtype, cache_enabled=False)
+
+
 def sample(
     model,
     requests: list[SampleRequest],
@@ -240,6 +252,7 @@ def sample(
         model.eval()
         with (
             torch.no_grad(),
+            _compute_autocast(parts),
             _decode_forwards(model, nf4_decode, sum(r.num_samples for r in requests)) as (swapped, notes),
         ):
             stats.extra["nf4_decode_layers"] = swapped
