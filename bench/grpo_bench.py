@@ -14,13 +14,18 @@ both systems run one forward/backward per group and one AdamW update per batch),
 
 Systems:
   ``trl``    TRL ``GRPOTrainer(model=PeftModel, reward_funcs=[...], args=GRPOConfig(...))``, ``use_vllm=False``,
-             bf16, ``gradient_checkpointing`` with ``use_reentrant=False``, adamw_torch.
+             bf16, ``gradient_checkpointing`` with ``use_reentrant=False``, adamw_torch; generation with the KV
+             cache (``generation_kwargs={"use_cache": True}``: the saved config's ``use_cache=False`` would otherwise
+             reach transformers' generate, which then runs the whole sequence at every decode step; each generate
+             call's progress line says which it ran).
   ``strop``  ``strop.trainer_svc.core.grpo.run_grpo`` (the trainer job's loop) on a session of the trainer core
              loaded from the same dir (NF4 on load, kernels on), LoRA attached by the service.
 
 Figures per system: end-to-end tokens/s = (prompt + completion tokens of every sequence of a step) / step wall
 time (sampling, grading and training), median over the steps after ``--warmup``; sampled tokens per step; GPU peak
-allocated and reserved over the training steps (reset after loading). ``--smoke`` runs a tiny shape on the CPU
+allocated and reserved over the training steps (reset after loading). Workers print progress lines (TRL: each
+generate call's seconds and the peak so far; both: each step's) as they go, and a worker past ``--timeout`` leaves its
+last ones in its row. ``--smoke`` runs a tiny shape on the CPU
 through the same paths: it checks the harness, not speed.
 
 ``--find-longest`` (strop alone, one prompt, ``--group`` samples): the longest prompt that fits with ``--new-tokens``
@@ -48,6 +53,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -178,6 +184,10 @@ def run_strop(a, w: harness.Workload) -> Row:
 
     def on_step(m) -> None:
         metrics.append(m)
+        progress(
+            f"strop step {len(metrics)}: {m.step_seconds:.1f} s (sampling {m.rl.sampling_seconds:.1f}, training "
+            f"{m.rl.training_seconds:.1f}), peak alloc {peak_gib(w):.1f} GiB since the reset"
+        )
         if len(metrics) == a.warmup:
             w.reset_peak_memory()  # the measured steps' peaks
 
@@ -238,11 +248,48 @@ def run_trl(a, w: harness.Workload) -> Row:
         report_to="none",
         disable_tqdm=True,
         use_vllm=False,
+        # the saved config says use_cache=False (training needs no cache), which transformers' generate takes
+        # over TRL's generation config: every decode step would run the whole sequence again
+        generation_kwargs={"use_cache": True},
         save_strategy="no",
         seed=0,
         shuffle_dataset=False,
     )
     times: list[float] = []
+    gen_times: list[float] = []  # transformers generate's seconds, one entry a step
+    generate = model.generate
+
+    def timed_generate(*args, **kw):
+        widths: list[
+            int
+        ] = []  # positions each backbone forward computes: 1 after the prefill with a KV cache
+
+        def width(module, args, kwargs):
+            x = kwargs.get("input_ids")
+            x = x if x is not None else kwargs.get("inputs_embeds")
+            widths.append(int(x.shape[1]) if x is not None else -1)
+
+        hook = model.get_base_model().model.register_forward_pre_hook(width, with_kwargs=True)
+        w.sync()
+        t0 = time.perf_counter()
+        try:
+            out = generate(*args, **kw)
+        finally:
+            hook.remove()
+        w.sync()
+        gen_times.append(time.perf_counter() - t0)
+        cache = (
+            "KV cache"
+            if max(widths[1:], default=1) == 1
+            else f"NO KV cache (decode widths up to {max(widths)})"
+        )
+        progress(
+            f"trl generate {gen_times[-1]:.1f} s ({len(widths)} forwards, {cache}), peak alloc "
+            f"{peak_gib(w):.1f} GiB so far"
+        )
+        return out
+
+    model.generate = timed_generate  # what TRL's transformers path calls on the unwrapped PeftModel
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -256,6 +303,9 @@ def run_trl(a, w: harness.Workload) -> Row:
             if w.device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
+            progress(
+                f"trl step {len(times)}: {times[-1]:.1f} s, peak alloc {peak_gib(w):.1f} GiB since the reset"
+            )
 
     trainer = GRPOTrainer(
         model=model,
@@ -284,7 +334,23 @@ def run_trl(a, w: harness.Workload) -> Row:
     row.prompt_tokens, row.completion_tokens = prompt_len, lengths[-1]
     row.rewards = [h.get("reward", 0.0) for h in hist]
     finish(w, row, times[: len(lengths)], tokens, sampled, a.warmup)
+    if len(gen_times) == len(times):
+        gen = median(gen_times[a.warmup :])
+        row.note = f"generate {gen:.1f} s, the rest (training) {row.seconds_per_step - gen:.1f} s a step"
     return row
+
+
+def progress(line: str) -> None:
+    """A worker's progress line: the parent keeps the last of them when the worker runs out of time."""
+    print("PROGRESS " + line, flush=True)
+
+
+def peak_gib(w: harness.Workload) -> float:
+    if w.device != "cuda":
+        return 0.0
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -317,17 +383,44 @@ def spawn(
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system]
     cmd += [x for k, v in shape.items() for x in (k, str(v))] + (["--smoke"] if a.smoke else [])
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return Row(system, ok=False, error=f"timeout after {timeout:.0f}s", wall_s=time.perf_counter() - t0)
+    with tempfile.TemporaryFile("w+") as err:  # a file: a pipe nobody reads could fill and stall the worker
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        lines: list[str] = []
+
+        # stdout line by line: progress is printed as it comes, for a device call killed outright
+        def read() -> None:
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                if line.startswith("PROGRESS "):
+                    print(f"  {line[9:].strip()}", flush=True)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            timed_out = True
+        reader.join(timeout=10)
+        err.seek(0)
+        stderr = err.read()
     wall = time.perf_counter() - t0
-    if a.show_stderr and proc.stderr:
-        print(f"--- {system} worker stderr (tail) ---\n{proc.stderr[-a.show_stderr :]}", flush=True)
-    for line in proc.stdout.splitlines():
+    if timed_out:
+        done = [line[9:] for line in lines if line.startswith("PROGRESS ")]
+        return Row(
+            system,
+            ok=False,
+            error=f"timeout after {timeout:.0f}s; " + ("; ".join(done[-3:]) or "no progress line"),
+            wall_s=wall,
+        )
+    if a.show_stderr and stderr:
+        print(f"--- {system} worker stderr (tail) ---\n{stderr[-a.show_stderr :]}", flush=True)
+    for line in lines:
         if line.startswith("RESULT "):
             return Row(**{**json.loads(line[7:]), "wall_s": wall})
-    tail = (proc.stderr or proc.stdout)[-1500:]
+    tail = (stderr or "\n".join(lines))[-1500:]
     return Row(
         system,
         ok=False,
