@@ -26,7 +26,17 @@ Usage (on the GPU machine)::
 
     python bench/moe_bench.py --systems baseline,strop --batch 8 --seq 2048 --steps 4 --json bench/out/moe.json
     python bench/moe_bench.py --systems baseline,strop --batch 1 --seq 2048 --steps 3    # peak memory at 1 x 2048
+    python bench/moe_bench.py --systems strop --batch 1 --seq 2048 --steps 3 --host-adam  # AdamW's moments on the host
+    python bench/moe_bench.py --find-longest --host-adam --budget 540      # the longest sequence at batch 1 (strop)
     python bench/moe_bench.py --smoke                                                     # CPU: the harness only
+
+``--host-adam``: the optimizer is ``kernels/models/host_adamw.HostAdamW`` (torch's AdamW bit for bit, its moments in
+pinned host memory streamed through the device; what the trainer's admission picks when the moments would not fit).
+
+``--find-longest`` (strop alone, batch 1): the longest sequence whose training step (``--warmup`` + ``--steps``)
+runs without running out of device memory, by bench/lib/longest.py's search (doubling from ``--find-start``, then
+bisection to ``--find-step``; one fresh worker per trial, each trial's row printed as it ends; no trial starts past
+``--budget`` seconds, and a stopped search prints the flags to continue from).
 
 Each system runs in a fresh subprocess (``--worker``) printing one ``RESULT {json}`` line; peak memory is reset
 after loading and setup, so it is the training steps' (plus the weights, reported beside it).
@@ -41,6 +51,10 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+# bench/ on sys.path, also under ``python -P``: the search is bench/lib's
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib import longest
 
 SYSTEMS = ("baseline", "strop")
 
@@ -59,6 +73,8 @@ class Result:
     losses: list | None = None
     profile: str = ""
     error: str = ""
+    oom: bool = False  # failed by running out of device memory
+    wall_s: float = 0.0  # the worker's wall time, model building included
 
 
 def shape(layers: int, smoke: bool) -> dict:
@@ -98,7 +114,7 @@ def build_model(a, device: str):
         norm_topk_prob=True,
         output_router_logits=False,
         router_aux_loss_coef=0.001,
-        max_position_embeddings=40_960,
+        max_position_embeddings=max(40_960, a.seq),  # RoPE's default type never reads it: longer runs as well
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
@@ -185,7 +201,13 @@ def run_worker(a) -> Result:
 
         print(patch_model(model), file=sys.stderr)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if a.host_adam:
+        from strop.kernels.models.host_adamw import HostAdamW
+
+        opt = HostAdamW(params, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, (a.batch, a.seq), generator=gen).to(device)
     cuda = device == "cuda"
@@ -237,7 +259,8 @@ def profile_moe_step(model, opt, ids) -> str:
     return profile_step(step, kinds=MOE_KERNEL_KINDS + KERNEL_KINDS)
 
 
-def spawn(system: str, a) -> Result:
+def spawn(system: str, a, timeout: float | None = None) -> Result:
+    timeout = a.timeout if timeout is None else timeout
     cmd = [
         sys.executable,
         __file__,
@@ -256,18 +279,68 @@ def spawn(system: str, a) -> Result:
         str(a.warmup),
     ]
     cmd += ["--smoke"] * a.smoke + ["--no-qlora"] * (not a.qlora) + ["--no-nf4-experts"] * (not a.nf4_experts)
-    cmd += ["--profile"] * a.profile
+    cmd += ["--profile"] * a.profile + ["--host-adam"] * a.host_adam
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"
+    t0 = time.perf_counter()
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return Result(system, a.batch, a.seq, a.layers, error=f"timed out after {a.timeout} s")
+        wall = time.perf_counter() - t0
+        return Result(system, a.batch, a.seq, a.layers, error=f"timed out after {timeout:.0f} s", wall_s=wall)
+    wall = time.perf_counter() - t0
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
-        return Result(system, a.batch, a.seq, a.layers, error=(out.stderr or out.stdout)[-2000:])
-    return Result(**json.loads(line.removeprefix("RESULT ")))
+        tail = (out.stderr or out.stdout)[-2000:]
+        return Result(system, a.batch, a.seq, a.layers, error=tail, oom=longest.is_oom(tail), wall_s=wall)
+    return Result(**{**json.loads(line.removeprefix("RESULT ")), "wall_s": wall})
+
+
+def find_longest(a) -> dict:
+    """The longest sequence at batch 1 strop's step runs without running out of device memory
+    (bench/lib/longest.py's search, one fresh worker a trial); prints each trial's row, then the result."""
+    print(
+        f"longest sequence at batch 1, Qwen3-30B-A3B shape, {a.layers} layers, strop, AdamW moments "
+        + ("in host memory (HostAdamW)" if a.host_adam else "on the device"),
+        "\n| seq | result | peak alloc GiB | peak reserved GiB | weights GiB | ms/step | tok/s | trial s |"
+        "\n|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
+
+    def trial(n: int, left: float) -> longest.Trial:
+        r = spawn(
+            "strop", argparse.Namespace(**{**vars(a), "batch": 1, "seq": n}), timeout=min(a.timeout, left)
+        )
+        outcome = longest.FITS if not r.error else longest.OOM if r.oom else longest.ERROR
+        note = "" if outcome != longest.ERROR else ": " + r.error.strip().splitlines()[-1][-200:]
+        print(
+            f"| {n:,} | {outcome}{note} | {r.peak_allocated_gib:.2f} | {r.peak_reserved_gib:.2f} | "
+            f"{r.weights_gib:.2f} | {r.ms_per_step:,.0f} | {r.tokens_per_s:,.0f} | {r.wall_s:.0f} |",
+            flush=True,
+        )
+        return longest.Trial(outcome, r.wall_s, r)
+
+    s = longest.find_longest(
+        trial,
+        start=a.find_start,
+        step=a.find_step,
+        max_length=a.find_max,
+        budget_s=a.budget,
+        fits=a.find_fits,
+        fails=a.find_fails,
+    )
+    print(
+        f"longest that fits at batch 1: {s.fits:,} tokens; {s.summary()}; continue with "
+        f"{s.continue_flags(a.find_start)}",
+        flush=True,
+    )
+    return {
+        "fits": s.fits,
+        "fails": s.fails,
+        "stopped": s.stopped,
+        "trials": [[n, asdict(t.row)] for n, t in s.trials],
+    }
 
 
 def main() -> None:
@@ -289,6 +362,20 @@ def main() -> None:
     )
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument(
+        "--host-adam",
+        action="store_true",
+        help="AdamW's moments in pinned host memory (HostAdamW, bit for bit torch's AdamW)",
+    )
+    p.add_argument("--find-longest", action="store_true", help="strop alone: the longest sequence at batch 1")
+    p.add_argument("--find-start", type=int, default=16384, help="the first trial's sequence length")
+    p.add_argument("--find-step", type=int, default=4096, help="bisect until the bracket is this many tokens")
+    p.add_argument("--find-fits", type=int, default=0, help="a sequence length already known to fit")
+    p.add_argument("--find-fails", type=int, default=0, help="one already known to run out of memory")
+    p.add_argument("--find-max", type=int, default=262_144, help="no trial beyond this length")
+    p.add_argument(
+        "--budget", type=float, default=540, help="--find-longest: seconds after which no trial starts"
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also profile one step per system after the timed ones (CUDA): top kernels, GPU time by kind, idle",
@@ -298,10 +385,25 @@ def main() -> None:
     )
     p.add_argument("--json")
     a = p.parse_args()
-    if a.smoke:
+    if (
+        a.smoke and not a.worker
+    ):  # the parent's tiny shape; a worker (a --find-longest trial) takes what it is given
         a.batch, a.seq, a.layers, a.steps, a.warmup = 2, 32, 2, 2, 0
     if a.worker:
-        print("RESULT " + json.dumps(asdict(run_worker(a))), flush=True)
+        try:
+            res = run_worker(a)
+        except Exception as exc:  # the parent reads the failure (out of memory or not) from the result line
+            import traceback
+
+            traceback.print_exc()
+            res = Result(a.system, a.batch, a.seq, a.layers, error=repr(exc)[-400:], oom=longest.is_oom(exc))
+        print("RESULT " + json.dumps(asdict(res)), flush=True)
+        return
+    if a.find_longest:
+        found = find_longest(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(found, f, indent=1)
         return
     results = [spawn(s, a) for s in a.systems.split(",")]
     quant = (
@@ -309,7 +411,8 @@ def main() -> None:
         if a.qlora
         else "bf16 LoRA"
     )
-    print(f"Qwen3-30B-A3B shape, {a.layers} layers, {quant}, {a.batch} x {a.seq}")
+    moments = "AdamW's moments " + ("in host memory (HostAdamW)" if a.host_adam else "on the device")
+    print(f"Qwen3-30B-A3B shape, {a.layers} layers, {quant}, {a.batch} x {a.seq}, {moments}")
     print("system     tok/s    ms/step  weights GiB  peak alloc GiB  peak reserved GiB  losses")
     for r in results:
         if r.error:
