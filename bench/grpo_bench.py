@@ -181,12 +181,17 @@ def run_strop(a, w: harness.Workload) -> Row:
     # anyway, as TRL does, so both systems do the same work
     grpo.SKIP_GROUPS_WITHOUT_SIGNAL = False
     metrics = []
+    phases = time_phases(w)
+    warned = count_reference_paths()
 
     def on_step(m) -> None:
         metrics.append(m)
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        phases.clear()
         progress(
             f"strop step {len(metrics)}: {m.step_seconds:.1f} s (sampling {m.rl.sampling_seconds:.1f}, training "
-            f"{m.rl.training_seconds:.1f}), peak alloc {peak_gib(w):.1f} GiB since the reset"
+            f"{m.rl.training_seconds:.1f}), peak alloc {peak_gib(w):.1f} GiB since the reset; seconds: {parts}; "
+            f"kernels' reference-path warnings so far {len(warned)}; {loaded.extra.get('step_memory_mode', '')}"
         )
         if len(metrics) == a.warmup:
             w.reset_peak_memory()  # the measured steps' peaks
@@ -207,6 +212,65 @@ def run_strop(a, w: harness.Workload) -> Row:
         f"{median([m.rl.training_seconds for m in metrics[a.warmup :]]):.1f} s a step; {loaded.facts.kernels_reason[:80]}"
     )
     return row
+
+
+def time_phases(w: harness.Workload) -> dict[str, float]:
+    """Seconds of the GRPO step's parts (device-synchronised), summed until the caller clears them: the sampler's
+    prefill and decode (and whether it replayed a CUDA graph), the training forwards to the hidden rows, the first
+    update's no-grad extras (entropy), the backward passes, the optimizer step; what is left of a step's training
+    time is grading, the loss and the host-side bookkeeping."""
+    import torch
+
+    from strop.trainer_svc.core import grpo, step_ops
+    from strop.trainer_svc.core.sampler import SampleStats
+
+    out: dict[str, float] = {}
+
+    def timed(name: str, f):
+        def run(*args, **kw):
+            w.sync()
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                w.sync()
+                out[name] = out.get(name, 0.0) + time.perf_counter() - t0
+
+        return run
+
+    sample = grpo.sample
+
+    def sample_with_stats(*args, **kw):
+        stats = SampleStats()
+        res = sample(*args, **kw, stats=stats)
+        out["prefill"] = out.get("prefill", 0.0) + stats.prefill_s
+        out["decode"] = out.get("decode", 0.0) + stats.decode_s
+        out["decode graphed"] = float(stats.cuda_graph)
+        return res
+
+    grpo.sample = sample_with_stats
+    grpo.GrpoLoop._rows = timed("forward", grpo.GrpoLoop._rows)
+    grpo.GrpoLoop._first_pass = timed("first pass", grpo.GrpoLoop._first_pass)
+    step_ops.optim_step = timed("optim", step_ops.optim_step)
+    torch.Tensor.backward = timed(
+        "backward", torch.Tensor.backward
+    )  # this worker's only backward is the loss's
+    return out
+
+
+def count_reference_paths() -> list[str]:
+    """The strop kernels' reference-path warnings (a patched forward that left a call to PEFT/HF), as logged."""
+    import logging
+
+    seen: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "reference path" in record.getMessage():
+                seen.append(record.getMessage())
+
+    logging.getLogger("strop.kernels").addHandler(Count())
+    return seen
 
 
 def run_trl(a, w: harness.Workload) -> Row:
