@@ -60,7 +60,10 @@ from pathlib import Path
 
 # bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lib import harness  # the saved 8B shape and the baseline's loading recipe
+from lib import (
+    harness,
+    longest,
+)  # the saved 8B shape and the baseline's loading recipe; the longest-input search
 
 LR = 1e-5
 GRADER = {
@@ -417,11 +420,6 @@ def peak_gib(w: harness.Workload) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def is_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is the device running out of memory (torch's error, or a kernel's launch failing for it)."""
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
-
-
 def spawn(
     system: str,
     a,
@@ -521,68 +519,51 @@ def table(results: list[Row], a) -> str:
 
 def find_longest(a) -> dict:
     """The longest prompt (with ``a.new_tokens`` new tokens, one prompt x ``a.group`` samples) strop's GRPO step runs
-    without running out of device memory: doubling from ``a.find_start`` (or from a known bracket), then bisection
-    to ``a.find_step`` tokens; one fresh worker per trial. Prints each trial's row, then the result."""
-    end = time.perf_counter() + a.budget
-    trials: list[tuple[int, Row]] = []
+    without running out of device memory (bench/lib/longest.py's search, one fresh worker a trial). Prints each
+    trial's row, then the result."""
     print(
         "| prompt tokens asked | prompt tok | completion tok | tokens a sequence | result | peak alloc GiB "
         "| reserved GiB | s/step | trial s |\n|---|---|---|---|---|---|---|---|---|",
         flush=True,
     )
 
-    def trial(n: int) -> Row | None:
-        left = end - time.perf_counter()
-        if left < 10 or (trials and left < trials[-1][1].wall_s):  # no trial that would not end in time
-            return None
+    def trial(n: int, left: float) -> longest.Trial:
         r = spawn("strop", a, prompts=1, prompt_tokens=n, steps=1, warmup=0, timeout=min(a.timeout, left))
-        trials.append((n, r))
-        result = "fits" if r.ok else "OOM" if r.oom else f"error: {r.error[-200:]}".replace("\n", " ")
+        outcome = longest.FITS if r.ok else longest.OOM if r.oom else longest.ERROR
+        result = outcome if outcome != longest.ERROR else f"error: {r.error[-200:]}".replace("\n", " ")
         print(
             f"| {n:,} | {r.prompt_tokens:,.0f} | {r.completion_tokens:,.0f} | "
             f"{r.prompt_tokens + r.completion_tokens:,.0f} | {result} | {r.peak_alloc_gib:.1f} | "
             f"{r.peak_reserved_gib:.1f} | {r.seconds_per_step:.1f} | {r.wall_s:.0f} |",
             flush=True,
         )
-        return r
+        return longest.Trial(outcome, r.wall_s, r)
 
-    fits, fails = a.find_fits, a.find_fails  # prompt tokens known to fit / to run out of memory (0: unknown)
-    stopped = ""
-    n = max(a.find_start, fits * 2)
-    while not fails and not stopped:  # doubling
-        r = trial(n)
-        if r is None or not (r.ok or r.oom):
-            stopped = "budget spent" if r is None else "a trial failed other than by memory"
-        elif r.ok:
-            fits, n = n, n * 2
-            if n > a.find_max:
-                stopped = f"--find-max {a.find_max} reached"
-        else:
-            fails = n
-    while fails and not stopped and fails - fits > a.find_step:  # bisection
-        n = max(fits + a.find_step, (fits + fails) // 2 // a.find_step * a.find_step)
-        if n >= fails:
-            break
-        r = trial(n)
-        if r is None or not (r.ok or r.oom):
-            stopped = "budget spent" if r is None else "a trial failed other than by memory"
-        elif r.ok:
-            fits = n
-        else:
-            fails = n
-    best = max((r for n, r in trials if r.ok and n == fits), key=lambda r: r.prompt_tokens, default=None)
-    seq = f"{best.prompt_tokens + best.completion_tokens:,.0f}" if best else "?"
-    oom = f"first out of memory at {fails:,}" if fails else "no trial ran out of memory"
-    how = "stopped: " + stopped if stopped else f"bracket within {a.find_step} tokens"
-    more = (
-        f"--find-fits {fits} --find-fails {fails}" if fails else f"--find-start {max(fits * 2, a.find_start)}"
+    s = longest.find_longest(
+        trial,
+        start=a.find_start,
+        step=a.find_step,
+        max_length=a.find_max,
+        budget_s=a.budget,
+        fits=a.find_fits,
+        fails=a.find_fails,
     )
+    best = max(
+        (t.row for n, t in s.trials if t.row.ok and n == s.fits), key=lambda r: r.prompt_tokens, default=None
+    )
+    seq = f"{best.prompt_tokens + best.completion_tokens:,.0f}" if best else "?"
     print(
-        f"longest that fits at group {a.group} with {a.new_tokens} new tokens: prompt {fits:,} tokens asked "
-        f"({seq} tokens a sequence, chat template included); {oom} ({how}); continue with {more}",
+        f"longest that fits at group {a.group} with {a.new_tokens} new tokens: prompt {s.fits:,} tokens asked "
+        f"({seq} tokens a sequence, chat template included); {s.summary()}; continue with "
+        f"{s.continue_flags(a.find_start)}",
         flush=True,
     )
-    return {"fits": fits, "fails": fails, "stopped": stopped, "trials": [[n, asdict(r)] for n, r in trials]}
+    return {
+        "fits": s.fits,
+        "fails": s.fails,
+        "stopped": s.stopped,
+        "trials": [[n, asdict(t.row)] for n, t in s.trials],
+    }
 
 
 def main() -> None:
@@ -621,7 +602,7 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-            row = Row(a.worker, ok=False, error=repr(exc)[:400], oom=is_oom(exc))
+            row = Row(a.worker, ok=False, error=repr(exc)[:400], oom=longest.is_oom(exc))
         print("RESULT " + json.dumps(asdict(row)), flush=True)
         return
     w.ensure_saved_model(harness.MAX_POSITIONS, "qlora")
