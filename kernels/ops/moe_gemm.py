@@ -21,8 +21,9 @@ Backward (W frozen: no weight gradient), with u [M, r] saved from the forward::
 NF4 experts (:class:`Nf4Experts`, a frozen base quantized as bitsandbytes' NF4: blocks of 64 along each expert's
 flattened [N, K], the absmax double-quantized) are dequantized by :func:`~strop.kernels.ops.nf4.nf4_dequantize`
 (one launch) into nf4.py's shared per-device scratch buffer just before the base GEMM, in the forward and again in
-the backward's ``dy · W_e``; no 16-bit stack is saved, and one is resident at a time (every NF4 weight of the model
-reuses that buffer, in stream order). The NF4 path is therefore the 16-bit path over the dequantized stack, bit for
+the backward's ``dy · W_e`` unless the buffer still holds that stack (the down stack, the last one a layer's forward
+or recompute dequantizes, is the first its backward needs); no 16-bit stack is saved, and one is resident at a time
+(every NF4 weight of the model reuses that buffer, in stream order). The NF4 path is therefore the 16-bit path over the dequantized stack, bit for
 bit, by construction.
 
 Numerics: everything in the compute dtype (the autocast dtype when autocast is on, else x's), as PEFT's LoRA under
@@ -41,7 +42,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .nf4 import _shared_buffer, nf4_dequantize
+from .nf4 import dequantize_shared_reused, nf4_dequantize
 
 __all__ = ["MoeLoraGemmFunction", "Nf4Experts", "grouped_mm", "moe_lora_gemm", "moe_lora_gemm_reference"]
 
@@ -217,12 +218,11 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
 
 def _dense(w, dtype: torch.dtype) -> torch.Tensor:
     """W [E, N, K] in the compute dtype: an NF4 stack dequantized into the shared scratch buffer (valid until the
-    next NF4 dequantization on this device: used for one GEMM, never kept)."""
+    next NF4 dequantization on this device: used for one GEMM, never kept), or read there as it is where the
+    buffer still holds it (``dequantize_shared_reused``: the down stack from the forward or recompute that just
+    ran, in its backward)."""
     if isinstance(w, Nf4Experts):
-        n = w.shape[0] * w.shape[1] * w.shape[2]
-        return nf4_dequantize(
-            w.packed, w.quant_state(), out=_shared_buffer(w.device, dtype, n)[:n], dtype=dtype
-        )
+        return dequantize_shared_reused(w.packed, w.quant_state(), dtype)
     return w.to(dtype)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 import triton
@@ -47,6 +48,7 @@ from .utils import cdiv, interpreter_rows
 __all__ = [
     "NF4_CODE",
     "dequantize_shared",
+    "dequantize_shared_reused",
     "dequantize_shared_stacked",
     "dequantize_weight",
     "is_nf4",
@@ -291,10 +293,15 @@ def nf4_dequantize(
 # each frozen NF4 weight into it just before its matmul, in forward and again in backward, so at most one
 # layer weight at 16 bits is ever resident. Stream order makes the reuse safe on one CUDA stream.
 _SHARED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# What the front of each buffer holds, where :func:`dequantize_shared_reused` wrote it: (a weak reference to the
+# packed codes, their version counter, the element count). Every other writer takes the buffer through
+# :func:`_shared_buffer`, which forgets it.
+_HELD: dict[tuple[torch.device, torch.dtype], tuple[weakref.ref, int, int]] = {}
 
 
 def _shared_buffer(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
     key = (device, dtype)
+    _HELD.pop(key, None)  # the caller is about to write into it
     buf = _SHARED.get(key)
     if buf is None or buf.numel() < n:
         _SHARED.pop(key, None)  # free the smaller buffer before allocating the larger one
@@ -320,6 +327,24 @@ def dequantize_shared(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     qs = param.quant_state
     n = _numel(qs.shape)
     return nf4_dequantize(param, qs, out=_shared_buffer(param.device, dtype, n)[:n], dtype=dtype)
+
+
+def dequantize_shared_reused(packed: torch.Tensor, quant_state, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`nf4_dequantize` of ``packed`` into the shared scratch buffer, or the buffer as it is where the last
+    writer was this call for the same codes, unmodified since (same tensor, same version counter) and nothing has
+    taken the buffer since. An MoE layer's down stack is the last NF4 weight its forward (or its recompute) dequantizes
+    and the first its backward needs: the backward then reads the recompute's copy instead of writing it again.
+
+    Aliases the buffer as :func:`dequantize_shared` does (valid until the next NF4 dequantization on this device).
+    """
+    n = _numel(quant_state.shape)
+    key = (packed.device, dtype)
+    held = _HELD.get(key)
+    if held is not None and held[0]() is packed and held[1:] == (packed._version, n):
+        return _SHARED[key][:n].view(quant_state.shape)
+    out = nf4_dequantize(packed, quant_state, out=_shared_buffer(packed.device, dtype, n)[:n], dtype=dtype)
+    _HELD[key] = (weakref.ref(packed), packed._version, n)
+    return out
 
 
 def dequantize_shared_stacked(params: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:

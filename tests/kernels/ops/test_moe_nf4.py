@@ -94,6 +94,45 @@ def test_the_nf4_grouped_gemm_equals_the_16_bit_path_on_the_dequantized_stack(dt
 
 
 @cpu_tier
+def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and_only_that(monkeypatch):
+    """The backward's ``dy · W_e`` reads the forward's dequantized stack where the shared buffer still holds it, and
+    dequantizes again once anything else has taken the buffer or the codes changed; the gradients are the same."""
+    from strop.kernels.ops import moe_gemm, nf4
+    from strop.kernels.ops.moe_gemm import Nf4Experts, moe_lora_gemm
+
+    x, offsets, w, a, b = _inputs()
+    q = Nf4Experts.quantize(w)
+    calls = []
+    real = nf4.nf4_dequantize
+    monkeypatch.setattr(nf4, "nf4_dequantize", lambda *args, **kw: calls.append(args[0]) or real(*args, **kw))
+    dy = torch.randn(x.shape[0], w.shape[1], generator=torch.Generator().manual_seed(1))
+    want = _run(x, offsets, q.dequantize(torch.float32), a, b, 2.0, dy)
+    assert torch.equal(_run(x, offsets, q, a, b, 2.0, dy)[1], want[1])
+    assert len(calls) == 1, "the backward dequantized the stack its forward had just left in the buffer"
+
+    def forward_then(between):
+        xs = x.clone().requires_grad_()
+        y = moe_lora_gemm(xs, offsets, q, a, b, 2.0)
+        between()
+        calls.clear()
+        y.backward(dy)
+        return xs.grad
+
+    n = w.numel()
+    other = Nf4Experts.quantize(torch.randn(2, 8, 64))
+    takers = {  # another stack dequantized, any other writer of the buffer (overwriting it), the codes modified
+        "another stack": lambda: moe_gemm._dense(other, torch.float32),
+        "another writer": lambda: nf4._shared_buffer(x.device, torch.float32, n)[:n].fill_(0),
+        "codes changed": lambda: q.packed.add_(0),
+    }
+    for what, between in takers.items():
+        assert torch.equal(forward_then(between), want[1]), f"{what}: dx"
+        assert [c is q.packed for c in calls] == [True], (
+            f"{what}: the backward must dequantize the stack again"
+        )
+
+
+@cpu_tier
 def test_a_stack_whose_experts_are_not_whole_nf4_blocks_is_refused():
     from strop.kernels.ops.moe_gemm import Nf4Experts
 
