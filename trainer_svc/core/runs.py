@@ -6,8 +6,9 @@ one worker (``step_worker.py``: the futures, their order, fairness and the queue
 - Every primitive is validated when submitted (``step_checks``: bad input is INVALID_ARGUMENT naming the field,
   nothing queued), then answers a :class:`Future` at once.
 - **Admission**: on CUDA a run's adapter state (16 bytes a trainable parameter: fp32 weight, gradient, Adam's two
-  moments) and a ForwardBackward's activations (``admission.estimate``'s per-token figures) must fit in the free
-  memory; the queue's limits are the worker's.
+  moments; counted from the model's shapes, every expert's LoRA pair on a mixture of experts) and a
+  ForwardBackward's activations (``admission.estimate``'s per-token figures) must fit in the free memory; the
+  queue's limits are the worker's.
 
 Runs live in the process, like the sessions they sit on: a restart loses them (SaveState is the durable form).
 """
@@ -165,11 +166,7 @@ class TrainingRuns(StepWorker):
             return
         import torch
 
-        f = sess.loaded.facts
-        per_layer = (
-            7 * lora.rank * 2 * f.hidden_size * 2
-        )  # ≤ 7 projections, A and B, ≤ 2·hidden wide (upper bound)
-        need = 16 * per_layer * f.num_layers
+        need = run_state_bytes(sess.loaded, lora)
         free, _ = torch.cuda.mem_get_info(torch.device(sess.loaded.device))
         if need > free:
             raise ResourceExhausted(
@@ -460,6 +457,13 @@ class TrainingRuns(StepWorker):
             raise ResourceExhausted(
                 f"this ForwardBackward needs {est} but {free / 2**30:.2f} GiB are free: send fewer or shorter datums"
             )
+
+
+def run_state_bytes(loaded, lora: RunLora) -> int:
+    """Device bytes a run's adapter state takes: 16 a parameter (fp32 weight, gradient, Adam's two moments), the
+    parameters counted from the model's shapes (``step_ops.adapter_numel``: every expert's pair on a mixture of
+    experts, most of such a run's parameters)."""
+    return 16 * step_ops.adapter_numel(loaded.model, lora)
 
 
 def forward_backward_estimate(loaded, info: TrainingRunInfo, data: list[Datum]):

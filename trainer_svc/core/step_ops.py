@@ -14,6 +14,12 @@ has its own AdamW over its own parameters.
 
 A sampler snapshot (SaveWeightsForSampler) is another named adapter, a frozen copy of the run's tensors, which
 Sample activates while the run trains on.
+
+On a mixture of experts, ``train_mlp`` is LoRA on every expert's gate/up/down as a job's LoRA config puts it
+(``moe.peft_targets``: PEFT's ``target_parameters`` on the fused expert stacks, a rank-r pair per expert). PEFT
+keeps one ``ParamWrapper`` per stack holding every run's pair by name, and strop's grouped expert GEMM reads the
+active run's pair on each call (``kernels/models/moe_experts.expert_factors``), as the dense layers' kernels do.
+The loss is the loss function's alone: the router is frozen and its load-balancing term is not added.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,7 @@ from strop.common.errors import FailedPrecondition, InvalidArgument
 from strop.common.step_types import DEFAULT_RUN_LORA_ALPHA, RunLora
 from strop.kernels.losses.logps import token_logps_trainable_head
 from strop.kernels.losses.rl import per_token_loss
-from strop.trainer_svc.core import model_loading
+from strop.trainer_svc.core import model_loading, moe
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -41,11 +47,19 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 DEAD_ADAPTERS = "step_dead_adapters"  # LoadedModel.extra: deleted adapters PEFT could not drop (the last one)
 
 
-def target_modules(model, lora: RunLora) -> list[str]:
-    """Tinker's ``train_attn``/``train_mlp``/``train_unembed`` as the leaf module names this model has."""
-    have = model_loading.linear_module_names(model) | {
+def _linear_names(model) -> set[str]:
+    """Leaf names of the model's linear layers, wrapped by PEFT or not (without the LM head)."""
+    return model_loading.linear_module_names(model) | {
         name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "base_layer")
     }  # a PEFT-wrapped model's projections are LoRA layers over their linear base_layer
+
+
+def target_modules(model, lora: RunLora) -> list[str]:
+    """Tinker's ``train_attn``/``train_mlp``/``train_unembed`` as the projection names this model has (on a
+    mixture of experts, gate/up/down name its experts' fused stacks: :func:`peft_targets`)."""
+    have = _linear_names(model)
+    if moe.moe_arch(model.config) is not None:
+        have |= set(moe.EXPERT_TARGETS)
     wanted = (ATTN_MODULES if lora.train_attn else ()) + (MLP_MODULES if lora.train_mlp else ())
     out = [m for m in wanted if m in have]
     if lora.train_unembed:
@@ -53,6 +67,32 @@ def target_modules(model, lora: RunLora) -> list[str]:
     if not out:
         raise InvalidArgument("lora: at least one of train_attn, train_mlp, train_unembed must be true")
     return out
+
+
+def peft_targets(model, targets: list[str]) -> moe.PeftTargets:
+    """PEFT's targets for a run's projection names (:func:`target_modules`): linear layers by name, an MoE's
+    expert stacks as parameters (``moe.peft_targets``, as a job's LoRA config), the router frozen."""
+    head = [t for t in targets if t in UNEMBED_MODULES]
+    rest = [t for t in targets if t not in UNEMBED_MODULES]
+    found = moe.peft_targets(model.config, rest, _linear_names(model), dropout=0.0, train_router=False)
+    return replace(found, target_modules=found.target_modules + head)
+
+
+def adapter_numel(model, lora: RunLora) -> int:
+    """Parameters of the adapter :func:`add_adapter` gives ``lora`` on ``model``, from the shapes alone: r·(in + out)
+    per targeted linear layer and E·r·(in + out) per targeted expert stack [E, out, in] (PEFT's ``ParamWrapper``:
+    a rank-r pair per expert; gpt-oss's transposed stacks sum the same)."""
+    found = peft_targets(model, target_modules(model, lora))
+    r, n = lora.rank, 0
+    for name, m in model.named_modules():
+        if name.rsplit(".", 1)[-1] in found.target_modules:
+            layer = getattr(m, "base_layer", m)
+            n += r * (layer.in_features + layer.out_features)
+    stacks = {t.rsplit(".", 1)[-1] for t in found.target_parameters}
+    for name, p in model.named_parameters():
+        if ".experts." in name and name.rsplit(".", 1)[-1] in stacks and p.dim() == 3:
+            n += r * p.shape[0] * (p.shape[1] + p.shape[2])
+    return n
 
 
 def _adapter_params(model, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:
@@ -69,11 +109,13 @@ def add_adapter(
     from peft import LoraConfig, PeftModel, get_peft_model
 
     targets = target_modules(loaded.model, lora)
+    found = peft_targets(loaded.model, targets)
     cfg = LoraConfig(
         r=lora.rank,
         lora_alpha=DEFAULT_RUN_LORA_ALPHA if lora.alpha is None else lora.alpha,
         lora_dropout=0.0,
-        target_modules=targets,
+        target_modules=found.target_modules,
+        target_parameters=found.target_parameters or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
