@@ -210,10 +210,14 @@ def test_the_sampler_samples_with_the_runs_expert_lora(client, trainer, sessions
     run.delete()
 
 
-def test_the_grouped_expert_gemm_computes_with_whichever_run_is_active(client, caplog, monkeypatch):
+@pytest.mark.parametrize("quantization", [Quantization.NONE, Quantization.NF4], ids=["16-bit", "nf4-experts"])
+def test_the_grouped_expert_gemm_computes_with_whichever_run_is_active(
+    client, caplog, monkeypatch, quantization
+):
     """Two runs on a Qwen3-MoE session with strop's kernels (the grouped expert GEMM, the Triton interpreter on the
     CPU) give the losses and log-probs the same runs give on HF's path, alternating between them, with no fallback
-    to HF's expert loop: the GEMM reads the active run's expert pairs on every call."""
+    to HF's expert loop: the GEMM reads the active run's expert pairs on every call. NF4 on load: the experts are
+    strop's NF4 stacks, dequantized in the GEMM on one session and for each call of HF's loop on the other."""
     from strop.kernels.lora import moe as lora_moe
 
     calls = []
@@ -226,8 +230,10 @@ def test_the_grouped_expert_gemm_computes_with_whichever_run_is_active(client, c
     monkeypatch.setattr(lora_moe, "lora_moe_experts", counted)  # read when the experts are patched
     out = {}
     for mode in (KernelMode.ON, KernelMode.OFF):
-        sess = client.load_model("qwen3_moe", quantization=Quantization.NONE, dtype="float32", kernels=mode)
+        sess = client.load_model("qwen3_moe", quantization=quantization, dtype="float32", kernels=mode)
         assert sess.facts.kernels_enabled == (mode is KernelMode.ON)
+        nf4 = quantization is Quantization.NF4
+        assert ("experts held in NF4" in sess.facts.kernels_reason) == nf4, sess.facts.kernels_reason
         runs = [client.create_training_run(sess.session_id, RunLora(**LORA, seed=s)) for s in (11, 12)]
         losses = []
         for run, seq in zip(runs, (SEQ, SEQ2), strict=True):
