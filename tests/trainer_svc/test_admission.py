@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from strop.common.errors import ResourceExhausted
-from strop.common.trainer_types import TrainConfig, TrainMethod
+from strop.common.trainer_types import MemoryMode, TrainConfig, TrainMethod
 from strop.trainer_svc.core import admission
 
 
@@ -207,3 +207,84 @@ def test_a_trainer_told_to_hold_adams_moments_on_host_trains_bit_for_bit_as_with
     for (name, a), b in zip(ref.named_parameters(), got.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert (tmp_path / "True" / "checkpoint-4" / "optimizer.pt").is_file()
+
+
+def test_the_trainer_admits_a_job_with_adams_moments_on_host_only_when_they_would_not_fit(
+    monkeypatch, tmp_path
+):
+    """training._admit_by_device_memory with CUDA's free memory faked, for a session of a 1B shape with 600 M
+    trainable elements: room for the whole estimate leaves torch's AdamW; room between the two estimates makes the
+    trainer build HostAdamW; less is refused; 8-bit Adam (not reproduced by HostAdamW) and a job on several ranks
+    are never switched."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from strop.kernels.models.host_adamw import HostAdamW
+    from strop.trainer_svc.core import training
+
+    one_b = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    n = 600_000_000
+    session = SimpleNamespace(  # what admission reads of the session's model: its config and trainable sizes
+        config=one_b,
+        parameters=lambda: [SimpleNamespace(numel=lambda: n, requires_grad=True)],
+        named_modules=lambda: [],
+    )
+    loaded = SimpleNamespace(
+        model=session,
+        device="cuda:0",
+        lora=None,
+        facts=SimpleNamespace(kernels_enabled=True),
+        pending_device_bytes=0,
+    )
+    for fake in ("memory_reserved", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, fake, lambda _d: 0)
+    tiny = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64
+        )
+    )
+    rows = [{"input_ids": torch.arange(12), "labels": torch.arange(12)}]
+
+    def admitted(free: int, **cfg_kw):
+        """The optimizer class the trainer was told to build (None: its own), with ``free`` device bytes."""
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _d: (free, 2 * free))
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+        trainer = Trainer(model=tiny, args=args, train_dataset=rows)
+        cfg = TrainConfig(
+            **{
+                "method": TrainMethod.SFT,
+                "batch_size": 1,
+                "max_length": 2048,
+                "optimizer": "adamw_torch",
+                "memory_mode": MemoryMode.STANDARD,
+                **cfg_kw,
+            }
+        )
+        training._admit_by_device_memory(loaded, cfg, trainer, None)
+        return (trainer.optimizer_cls_and_kwargs or (None,))[0]
+
+    cfg = TrainConfig(method=TrainMethod.SFT, batch_size=1, max_length=2048, optimizer="adamw_torch")
+    # what the trainer estimates: rows without token columns count as max_length; no memory mode installed
+    kw = dict(longest_row=2048, n_trainable=n, kernels=True, checkpointed=False, offloaded=False)
+    device = admission.estimate(one_b, cfg, **kw)
+    host = admission.estimate(one_b, cfg, host_adam_moments=True, **kw)
+    assert host.total < device.total
+    between = (host.total + device.total) // 2
+    assert admitted(device.total) is None
+    assert admitted(between) is HostAdamW
+    with pytest.raises(ResourceExhausted, match="moments in host memory"):
+        admitted(host.total - 1)
+    assert admitted(host.total) is HostAdamW
+    # 8-bit Adam's 6 bytes an element do not fit there either, and it keeps its own optimizer
+    with pytest.raises(ResourceExhausted):
+        admitted(host.total, optimizer="adamw_8bit")
+    with pytest.raises(ResourceExhausted):
+        admitted(between, num_devices=2)

@@ -529,9 +529,7 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
     offloaded = (
         installed is not None and installed.memory is not None and installed.memory.offloader is not None
     )
-    est = admission.estimate(
-        loaded.model.config,
-        cfg,
+    shape = dict(
         longest_row=admission.longest_row(trainer.train_dataset) or cfg.max_length,
         n_trainable=sum(p.numel() for p in loaded.model.parameters() if p.requires_grad),
         checkpointed=bool(cfg.gradient_checkpointing) or offloaded,
@@ -540,13 +538,19 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
         expert_lora=moe.expert_lora(loaded.model.config, loaded.lora),
         nf4_experts=moe.holds_nf4_experts(loaded.model),
     )
+    est = admission.estimate(loaded.model.config, cfg, **shape)
+    # a single-process job whose AdamW does not fit with its moments on the device may keep them in host memory
+    host = None
+    if cfg.optimizer in admission.HOST_MOMENT_OPTIMIZERS and cfg.ranks() == 1:
+        host = admission.estimate(loaded.model.config, cfg, host_adam_moments=True, **shape)
     dev = torch.device(loaded.device)
     free, _ = torch.cuda.mem_get_info(dev)
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # cached, reusable by this job
     free -= (
         loaded.pending_device_bytes
     )  # a base in host memory that FSDP2 moves onto the device when it shards it
-    admission.admit(est, free)
+    if admission.admit(est, free, host):
+        admission.hold_adam_moments_on_host(trainer)
 
 
 def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat):
