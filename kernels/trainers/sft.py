@@ -11,8 +11,8 @@ boolean index synchronises with the host once per call, as TRL's does). Calls wi
 through to TRL's forward, and so to strop's fused CE or HF's forward.
 
 Kept on TRL's head, the reason logged once: a trainable or scaled LM head, PEFT prompt learning (at
-construction), MoE router logits and a sharded (FSDP2) head (per call). Everything else — collation, loss types, metrics,
-optimisation — is TRL's.
+construction), MoE router logits and a sharded (FSDP2) head (per call). Everything else — collation (TRL's collator,
+handed each row's tokens as arrays), loss types, metrics, optimisation — is TRL's.
 """
 
 from __future__ import annotations
@@ -132,6 +132,9 @@ class StropSFTMixin(DeviceNanFilter):
     the device"); it stays because it is exact and leaves the host free to run ahead where the step is short. Other paths (eval,
     ``compute_loss_func``, label smoothing, MoE aux loss, sequence parallelism, ``return_outputs``) are TRL's own.
 
+    TRL's language-modeling collator gets each row's tokens as arrays (:func:`_array_collator`: the same batches in
+    a fraction of the host time between steps).
+
     HF's ``logging_nan_inf_filter`` likewise runs on the device (``DeviceNanFilter``) instead of as two reads after
     every backward, which leave the GPU idle while the host runs the optimizer's Python (the profile is in
     bench/RESULTS.md, "the service path against the library path").
@@ -139,6 +142,7 @@ class StropSFTMixin(DeviceNanFilter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.data_collator = _array_collator(self.data_collator)
         self._strop_tokens: list[torch.Tensor] = []  # train-token counts not yet added to _total_train_tokens
         self._strop_reason = head_unsupported_reason(self.accelerator, self.model, "strop's fused LM head")
         if self._strop_reason:
@@ -207,6 +211,45 @@ class StropSFTMixin(DeviceNanFilter):
                     for i, value in zip(held, torch.stack([values[i] for i in held]).tolist(), strict=True):
                         values[i] = value
         super().log(logs, start_time)
+
+
+def _token_arrays(example: dict[str, Any]) -> dict[str, Any]:
+    """``example`` with its token lists (``input_ids``, ``labels``) as int64 arrays where numpy reads them as such.
+
+    TRL's collator turns each into a tensor with ``torch.tensor``, which reads a Python list element by element and
+    an array in one copy; for a list of Python ints both give the same int64 tensor. Any other value (a list numpy
+    reads as another dtype: bools, floats, ints past int64; an empty list, which ``torch.tensor`` makes float32) is
+    left as it is, so TRL's collator sees what it would have seen."""
+    import numpy as np
+
+    out = dict(example)
+    for key in ("input_ids", "labels"):
+        value = out.get(key)
+        if isinstance(value, list) and value and type(value[0]) is int:
+            array = np.asarray(value)
+            if array.dtype == np.int64 and array.ndim == 1:
+                out[key] = array
+    return out
+
+
+def _array_collator(collator: Any) -> Any:
+    """TRL's language-modeling collator (exactly that class, as ``SFTTrainer`` builds it) as one that hands it each
+    row's tokens as arrays (:func:`_token_arrays`): the same batches, collated in a fraction of the host time. The
+    collation runs between two optimizer steps while the GPU has nothing queued (HF's Trainer read the loss at the
+    log), so its host time is the GPU's idle time (bench/RESULTS.md, session 20: the service's wall between steps).
+    Any other collator is returned unchanged."""
+    import dataclasses
+
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    if type(collator) is not DataCollatorForLanguageModeling:
+        return collator
+
+    class ArrayRowsCollator(DataCollatorForLanguageModeling):
+        def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+            return super().torch_call([_token_arrays(e) for e in examples])
+
+    return ArrayRowsCollator(**{f.name: getattr(collator, f.name) for f in dataclasses.fields(collator)})
 
 
 _TRAINER_CLASS: type | None = None
