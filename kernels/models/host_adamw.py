@@ -175,6 +175,10 @@ class HostAdamW(torch.optim.AdamW):
                 stage(i + 1)
             if compute is not None:
                 compute.wait_event(ready[i])
+                if i >= 2 and any(not self.state[p] for p in chunk):
+                    # torch creates a parameter's first moments on the device; the host waits for the copy-out
+                    # two chunks back, so at most two chunks' new moments are on the device at once
+                    written[i - 2].synchronize()
             for (p, k), (dev, _) in staged[i].items():
                 self.state[p][k] = dev
             self._update(group, chunk)
