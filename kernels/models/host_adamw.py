@@ -17,6 +17,12 @@ counters are bitwise those of ``torch.optim.AdamW`` holding everything on the de
 where they are; the step counters stay where torch keeps them (host scalars). The device holds the two buffers
 (``2 · chunk_bytes``) instead of the moments, and a chunk's temporaries instead of the whole group's.
 
+A parameter's first moments are torch's own, created on the device inside its chunk's update and copied out; the
+host waits for the copy-out two chunks back first, so a first step holds at most two chunks of them.
+
+Who uses it: the trainer, for a single-process job whose AdamW fits only with its moments in host memory
+(``trainer_svc/core/admission.py``); ``bench/moe_bench.py --host-adam``.
+
 The same schedule runs on CPU tensors (host and "device" both the CPU, copies synchronous): the CPU tier checks it
 against ``torch.optim.AdamW`` bit for bit.
 
@@ -189,10 +195,8 @@ class HostAdamW(torch.optim.AdamW):
                     (p, k) for p in chunk for k in self._moments(p, self.state[p]) if (p, k) not in staged[i]
                 ]
                 arena, off = _host_arena(sum(_aligned(self.state[p][k].nbytes) for p, k in fresh), device), 0
-                for (
-                    p,
-                    k,
-                ) in fresh:  # torch's new moments (a parameter's first step): into host memory of their own
+                # torch's new moments (a parameter's first step): into host memory of their own
+                for p, k in fresh:
                     dev = self.state[p][k]
                     staged[i][(p, k)] = (dev, _carve(arena, off, dev))
                     off += _aligned(dev.nbytes)
