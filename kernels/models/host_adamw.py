@@ -10,7 +10,7 @@ chunk of parameters at a time, on two side streams and two device buffers that a
     compute stream          adam(0) adam(1)        adam(2)        ...    adam(i) waits for in(i)
     copy-out stream                 out(0)  out(1)         out(2) ...    out(i) waits for adam(i)
 
-The update of a chunk is torch's own AdamW step (``Adam.step``'s body: ``_init_group`` and the functional ``adam``
+The update of a chunk is torch's own AdamW step (the body of ``AdamW.step``: ``_init_group`` and the functional update
 with the group's foreach / fused choice) over the chunk's parameters, the moments swapped for their device copies.
 AdamW is elementwise within each parameter and its step counters are per parameter, so parameters, moments and
 counters are bitwise those of ``torch.optim.AdamW`` holding everything on the device. Parameters and gradients stay
@@ -47,7 +47,7 @@ _ALIGN = (
 )
 
 # torch's AdamW update, without the step hooks (they run once, around HostAdamW.step) and grad-mode wrappers
-_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+_ADAM_STEP = inspect.unwrap(torch.optim.AdamW.step)
 
 
 def _aligned(nbytes: int) -> int:
