@@ -264,44 +264,61 @@ def test_the_grouped_expert_gemm_computes_with_whichever_run_is_active(
     assert any("reference path for probe" in r.getMessage() for r in caplog.records)
 
 
-def test_a_runs_saved_adapter_exports_merged_and_as_peft_verified(client, trainer, sessions, model_root):
-    """A trained Qwen3-MoE run's SaveWeights artifact exported to merged fp32 safetensors (per-expert names) and a
-    PEFT adapter, each verified by the exporter in its consumer against the model as trained (the base with the
-    run's adapter, by PEFT: the run's own numbers, test 1); the expert pairs are in the merge."""
+@pytest.mark.parametrize("quantization", [Quantization.NONE, Quantization.NF4], ids=["16-bit", "nf4-experts"])
+def test_a_runs_saved_adapter_exports_merged_and_verified_as_trained(
+    client, trainer, model_root, quantization
+):
+    """A trained Qwen3-MoE run's SaveWeights artifact exported to merged fp32 safetensors (per-expert names; and, on
+    a 16-bit session, a PEFT adapter), each verified by the exporter in its consumer against the model as trained;
+    the merged model's log-probs are the run's own Forward's, so the expert pairs are in the merge. NF4 on load: the
+    merge goes into the NF4 experts the run trained over, their codes re-created bit for bit."""
     import json
 
     from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
 
     from strop.common.export_types import ExportRequest, ExportTarget, ExportTargetKind
     from strop.export_svc.core.pipeline import run_export
 
-    run = client.create_training_run(sessions["qwen3_moe"], RunLora(**LORA, seed=5))
+    sid = client.load_model("qwen3_moe", quantization=quantization, dtype="float32").session_id
+    nf4 = quantization is Quantization.NF4
+    run = client.create_training_run(sid, RunLora(**LORA, seed=5))
     for _ in range(3):
         run.forward_backward([ce_datum(SEQ)])
         run.optim_step(AdamParams(learning_rate=5e-2))
-    saved = run.save_weights("qwen3-moe-run")
+    saved = run.save_weights(f"qwen3-moe-run-{quantization.name.lower()}")
     k = ExportTargetKind
-    req = ExportRequest(
-        targets=[ExportTarget(kind=k.MERGED_SAFETENSORS, dtype="float32"), ExportTarget(kind=k.PEFT_ADAPTER)],
-        adapter_artifact_id=saved.artifact_id,
-    )
+    targets = [ExportTarget(kind=k.MERGED_SAFETENSORS, dtype="float32")]
+    if not nf4:  # PEFT's own load of the adapter is onto the 16-bit checkpoint
+        targets.append(ExportTarget(kind=k.PEFT_ADAPTER))
     store = trainer[1].runs.artifacts
+    req = ExportRequest(targets=targets, adapter_artifact_id=saved.artifact_id)
     by = {r.target.kind: r for r in run_export(req, model_root=model_root, store=store)}
     merged = by[k.MERGED_SAFETENSORS]
     # the MoE export tests' bound: the same fp32 function, the LoRA term added in another order (~1e-6 of logits)
     assert merged.verification.max_abs_logit_delta < 1e-4
     assert merged.verification.as_trained.max_abs_logit_delta < 1e-4
-    assert by[k.PEFT_ADAPTER].verification.max_abs_logit_delta < 1e-4
+    if nf4:
+        codes = merged.artifact.metadata["merge.nf4_expert_codes"]
+        assert codes.startswith("bit-identical to the trainer's"), codes
+    else:
+        assert by[k.PEFT_ADAPTER].verification.max_abs_logit_delta < 1e-4
     d = store.path_of(merged.artifact.artifact_id)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = _ref_logps(model, ce_datum(SEQ))
+    want = torch.tensor(run.forward([ce_datum(SEQ)]).loss_fn_outputs[0].logprobs)
+    # fp32, the merged weights vs the base with the run's pairs unmerged: rounding, ~1e-6 (as the export bound)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
     name = "model.layers.0.mlp.experts.1.down_proj.weight"
     with safe_open(str(d / wm[name]), "pt") as f:
-        got = f.get_tensor(name)
+        merged_w = f.get_tensor(name)
     with safe_open(str(model_root / "qwen3_moe" / "model.safetensors"), "pt") as f:
-        base = f.get_tensor(name)
+        base_w = f.get_tensor(name)
     # three Adam steps at 5e-2 move each factor by ~0.1: the merged expert moves by far more than rounding
-    assert (got - base).abs().max() > 1e-3, "the run's expert pair is not in the merged weights"
-    run.delete()
+    assert (merged_w - base_w).abs().max() > 1e-3, "the run's expert pair is not in the merged weights"
+    client.close_session(sid)
 
 
 def test_admission_counts_every_experts_pair_and_its_optimizer_state(client, trainer, sessions, monkeypatch):
