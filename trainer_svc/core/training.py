@@ -78,6 +78,68 @@ class Sinks:
     on_eval: Callable[[EvalMetrics], None] | None = None  # each evaluation of the validation set
 
 
+class StepEventsOffThread:
+    """A job's sinks with each step's ``on_step`` run on a writer thread, in order, while the job thread goes on.
+
+    HF's Trainer reads the loss at every step's log, so when the step's event is stored (a database commit,
+    synced to disk) and the next batch collated, the GPU has nothing queued: that host time is GPU idle time
+    between steps (bench/RESULTS.md, session 20: the service's wall between steps). On the writer thread the
+    commit overlaps the next step's launches (sqlite and the PostgreSQL driver release the GIL while they wait).
+    Every other sink first waits for the step events before it, and :meth:`wait` (at the end of the run) for all,
+    so the job's events keep the order of the calls; a failed step write is raised on the job thread at the next
+    sink call or at :meth:`wait`. Each write runs in the job thread's context (its log lines carry the job's id).
+    """
+
+    def __init__(self, sinks: Sinks) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strop-step-events")
+        self._pending: list = []
+        self._sinks = sinks
+
+    def _submit_step(self, metrics: StepMetrics) -> None:
+        import contextvars
+
+        self._raise_failed()
+        self._pending.append(self._pool.submit(contextvars.copy_context().run, self._sinks.on_step, metrics))
+
+    def _raise_failed(self) -> None:
+        done = [f for f in self._pending if f.done()]
+        self._pending = [f for f in self._pending if not f.done()]
+        for f in done:
+            f.result()  # a write's exception, on the job thread
+
+    def wait(self) -> None:
+        """Until every step event given so far is stored; raises the first failed write's exception."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def _after_steps(self, sink: Callable | None) -> Callable | None:
+        if sink is None:
+            return None
+
+        def call(*args):
+            self.wait()
+            return sink(*args)
+
+        return call
+
+    def sinks(self) -> Sinks:
+        s = self._sinks
+        return Sinks(
+            on_step=self._submit_step,
+            on_checkpoint=self._after_steps(s.on_checkpoint),
+            on_start=self._after_steps(s.on_start),
+            on_retention=self._after_steps(s.on_retention),
+            on_eval=self._after_steps(s.on_eval),
+        )
+
+    def close(self) -> None:
+        """Wait for the writes and stop the thread (without raising: for a ``finally``)."""
+        self._pool.shutdown(wait=True)
+
+
 def _peak_memory(device: str) -> int:
     import torch
 
@@ -623,6 +685,9 @@ def run_training(
         import torch
 
         torch.cuda.reset_peak_memory_stats(loaded.device)
+    # the pool's thread starts at the first step event: nothing to close if building the trainer fails
+    events = StepEventsOffThread(sinks)
+    sinks = events.sinks()
     trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, callbacks, validation)
     weight = retention_kl_weight(cfg, retention_of(cfg, fmt, loaded.tokenizer)) if scored else 0.0
     if weight:
@@ -635,6 +700,7 @@ def run_training(
         )  # inside the try: a failed install is cleaned up
         _admit_by_device_memory(loaded, cfg, trainer, installed)
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        events.wait()  # every step event stored (or its write's error raised) before the job's next events
         step = int(trainer.state.global_step)
         if held_out is not None and sinks.on_retention is not None:
             f = retention.forgetting(loaded, held_out)
@@ -644,6 +710,7 @@ def run_training(
             )
         return step
     finally:
+        events.close()
         if installed is not None:
             installed.remove()
         loaded.model.train(False)
