@@ -39,7 +39,8 @@ bisection to ``--find-step``; one fresh worker per trial, each trial's row print
 ``--budget`` seconds, and a stopped search prints the flags to continue from).
 
 Each system runs in a fresh subprocess (``--worker``) printing one ``RESULT {json}`` line; peak memory is reset
-after loading and setup, so it is the training steps' (plus the weights, reported beside it).
+after loading and setup, so it is the training steps' (plus the weights, reported beside it), and is also given by
+phase: forward + backward, and the optimizer step.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class Result:
     weights_gib: float = 0.0
     peak_allocated_gib: float = 0.0
     peak_reserved_gib: float = 0.0
+    peak_fwd_bwd_gib: float = 0.0  # the peak's two phases: forward + backward, and the optimizer step
+    peak_optimizer_gib: float = 0.0
     losses: list | None = None
     profile: str = ""
     error: str = ""
@@ -216,13 +219,24 @@ def run_worker(a) -> Result:
         res.weights_gib = torch.cuda.memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
+    peaks = {"fwd_bwd": 0, "optimizer": 0, "reserved": 0}
+
+    def phase_peak(phase: str) -> None:
+        """The allocator's peak since the last call is ``phase``'s (its counters are host-side: no sync needed)."""
+        if cuda:
+            peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated())
+            peaks["reserved"] = max(peaks["reserved"], torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+
     for step in range(a.warmup + a.steps):
         t0 = time.perf_counter()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=not a.smoke):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        phase_peak("fwd_bwd")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phase_peak("optimizer")
         if cuda:
             torch.cuda.synchronize()
         losses.append(float(loss))
@@ -232,8 +246,9 @@ def run_worker(a) -> Result:
     res.ms_per_step = 1000 * sum(times) / len(times)
     res.tokens_per_s = a.batch * a.seq / (res.ms_per_step / 1000)
     if cuda:
-        res.peak_allocated_gib = torch.cuda.max_memory_allocated() / 2**30
-        res.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+        res.peak_fwd_bwd_gib, res.peak_optimizer_gib = peaks["fwd_bwd"] / 2**30, peaks["optimizer"] / 2**30
+        res.peak_allocated_gib = max(res.peak_fwd_bwd_gib, res.peak_optimizer_gib)
+        res.peak_reserved_gib = peaks["reserved"] / 2**30
     if a.profile and cuda:  # one more step, after the timed ones and their peak
         res.profile = profile_moe_step(model, opt, ids)
     return res
@@ -413,14 +428,17 @@ def main() -> None:
     )
     moments = "AdamW's moments " + ("in host memory (HostAdamW)" if a.host_adam else "on the device")
     print(f"Qwen3-30B-A3B shape, {a.layers} layers, {quant}, {a.batch} x {a.seq}, {moments}")
-    print("system     tok/s    ms/step  weights GiB  peak alloc GiB  peak reserved GiB  losses")
+    print(
+        "system     tok/s    ms/step  weights GiB  peak alloc GiB  peak reserved GiB  fwd+bwd / optimizer peak  losses"
+    )
     for r in results:
         if r.error:
             print(f"{r.system:9}  failed: {r.error.splitlines()[-1] if r.error else ''}")
             continue
         print(
             f"{r.system:9} {r.tokens_per_s:7.0f} {r.ms_per_step:9.1f} {r.weights_gib:11.2f} "
-            f"{r.peak_allocated_gib:15.2f} {r.peak_reserved_gib:18.2f}  {[round(x, 4) for x in r.losses]}"
+            f"{r.peak_allocated_gib:15.2f} {r.peak_reserved_gib:18.2f} "
+            f"{r.peak_fwd_bwd_gib:13.2f} / {r.peak_optimizer_gib:<9.2f}  {[round(x, 4) for x in r.losses]}"
         )
     for r in results:
         if r.profile:
