@@ -19,7 +19,10 @@ Systems:
              reach transformers' generate, which then runs the whole sequence at every decode step; each generate
              call's progress line says which it ran).
   ``strop``  ``strop.trainer_svc.core.grpo.run_grpo`` (the trainer job's loop) on a session of the trainer core
-             loaded from the same dir (NF4 on load, kernels on), LoRA attached by the service.
+             loaded from the same dir (NF4 on load, kernels on), LoRA attached by the service; each group trains as
+             one row with its prompt once (``trainer_svc/core/shared_prefix.py``).
+  ``strop-padded``  the same with ``grpo.SHARED_PREFIX`` off: a group's samples as padded rows, the prompt once per
+             sample (as TRL and strop before session 20 train).
 
 Figures per system: end-to-end tokens/s = (prompt + completion tokens of every sequence of a step) / step wall
 time (sampling, grading and training), median over the steps after ``--warmup``; sampled tokens per step; GPU peak
@@ -146,7 +149,7 @@ def run_strop(a, w: harness.Workload) -> Row:
     from strop.trainer_svc.core import grpo, job_config, training
     from strop.trainer_svc.core.trainer_core import TrainerConfig, TrainerCore
 
-    row = Row("strop")
+    row = Row(a.worker or "strop")
     work = tempfile.mkdtemp(prefix="grpo-bench-")
     core = TrainerCore(
         TrainerConfig(
@@ -183,6 +186,7 @@ def run_strop(a, w: harness.Workload) -> Row:
     # the random model's completions score alike (their ids mostly lie outside the tiny tokenizer): train every group
     # anyway, as TRL does, so both systems do the same work
     grpo.SKIP_GROUPS_WITHOUT_SIGNAL = False
+    grpo.SHARED_PREFIX = a.worker != "strop-padded"
     metrics = []
     phases = time_phases(w)
     warned = count_reference_paths()
@@ -568,7 +572,7 @@ def find_longest(a) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=["trl", "strop"])
+    p.add_argument("--worker", choices=["trl", "strop", "strop-padded"])
     p.add_argument("--systems", default="trl,strop")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")

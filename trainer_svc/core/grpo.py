@@ -45,7 +45,7 @@ from strop.common.trainer_types import (
 )
 from strop.kernels.losses.grpo import group_advantages, grpo_loss, token_entropy_rows
 from strop.kernels.losses.logps import token_logps_rows, token_logps_trainable_head
-from strop.trainer_svc.core import grader_sessions, step_ops
+from strop.trainer_svc.core import grader_sessions, shared_prefix, step_ops
 from strop.trainer_svc.core.chat_sampling import eos_ids, prompt_ids, reply_text
 from strop.trainer_svc.core.evaluation import ValidationSet
 from strop.trainer_svc.core.guard import BrokenTraining, names
@@ -62,6 +62,9 @@ ADAM = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}  # HF TrainingArguments' defa
 # no update (AdamW would move the adapter on its momentum alone: in tests/trainer_svc/test_grpo.py's task, seeds 0-8
 # at lr 1e-2, that undid the solved task in 7 of 18 runs on the step after a perfect one). bench/grpo_bench.py turns it off to train every group, as TRL does.
 SKIP_GROUPS_WITHOUT_SIGNAL = True
+# Train a group as one row with its prompt computed once (shared_prefix.py) where the model's attention allows; off:
+# padded rows, the prompt once per sample (the same loss and gradients up to rounding; tests compare the two)
+SHARED_PREFIX = True
 
 
 # ---- the job's settings, checked before anything runs -------------------------------------------------------
@@ -233,17 +236,29 @@ def _peak_memory(device: str) -> int:
 class _Group:
     """One prompt's sampled group, as the loss reads it."""
 
-    batch: step_ops.Batch  # prompt + completion minus its last token, per sample
-    scored: torch.Tensor  # [real positions] bool: the positions that predict a completion token
+    # padded: prompt + completion minus its last token, a row per sample; shared prefix: one row (shared_prefix.py)
+    batch: step_ops.Batch
+    # padded: [real positions] bool, the positions that predict a completion token; shared prefix: [M] the row
+    # positions that do, sample by sample
+    scored: torch.Tensor
     targets: torch.Tensor  # [M] completion tokens, sample by sample
     # per token: sampler_logps, advantages, seq_index (later old_logps, ref_logps, trainer_logps)
     inputs: dict[str, torch.Tensor]
+    tokens: int  # prompt + completion tokens of the group's sequences
+    positions: torch.Tensor | None = None  # shared prefix: [1, L] the row's position ids
+    layout: shared_prefix.Layout | None = None
 
 
-def _group(prompt: list[int], seqs, adv: torch.Tensor, device: str) -> _Group:
-    full = [prompt + s.tokens for s in seqs]
-    batch = _batch(full, device)
-    scored = torch.cat([torch.arange(len(f) - 1) >= len(prompt) - 1 for f in full]).to(device)
+def _group(prompt: list[int], seqs, adv: torch.Tensor, device: str, shared: bool) -> _Group:
+    positions = lay = None
+    if shared:
+        tokens, positions, lay = shared_prefix.inputs(prompt, [s.tokens[:-1] for s in seqs], device)
+        batch = step_ops.Batch(tokens, torch.ones_like(tokens), [lay.width])
+        scored = shared_prefix.predicting_rows(lay, [len(s.tokens) for s in seqs], device)
+    else:
+        full = [prompt + s.tokens for s in seqs]
+        batch = _batch(full, device)
+        scored = torch.cat([torch.arange(len(f) - 1) >= len(prompt) - 1 for f in full]).to(device)
     lengths = torch.tensor([len(s.tokens) for s in seqs])
     seq_index = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
     inputs = {
@@ -252,7 +267,10 @@ def _group(prompt: list[int], seqs, adv: torch.Tensor, device: str) -> _Group:
         "seq_index": seq_index,
     }
     targets = torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.long)
-    return _Group(batch, scored, targets.to(device), {k: v.to(device) for k, v in inputs.items()})
+    n = len(prompt) * len(seqs) + int(lengths.sum())
+    return _Group(
+        batch, scored, targets.to(device), {k: v.to(device) for k, v in inputs.items()}, n, positions, lay
+    )
 
 
 def _batch(full: list[list[int]], device: str) -> step_ops.Batch:
@@ -312,6 +330,11 @@ class GrpoLoop:
         self.weight, self.bias = layer.weight, getattr(layer, "bias", None)
         self.head = head if hasattr(head, "lora_A") and self.adapter in head.lora_A else None
         self.eos = eos_ids(loaded)
+        # a group trains as one row with its prompt once where the attention allows (shared_prefix.py)
+        why = shared_prefix.reason(model) if SHARED_PREFIX else "turned off"
+        self.shared = why is None
+        if why is not None:
+            log.info("GRPO trains each group as padded rows (the prompt once per sample): %s", why)
 
     # -- state ---------------------------------------------------------------------------------------------
 
@@ -425,7 +448,17 @@ class GrpoLoop:
             grp.inputs["trainer_logps"] = self._logps(rows, grp.targets)
 
     def _rows(self, grp: _Group) -> torch.Tensor:
-        return step_ops.hidden_rows(self.loaded, grp.batch)[grp.scored]
+        if grp.layout is None:
+            return step_ops.hidden_rows(self.loaded, grp.batch)[grp.scored]
+        backbone = self.loaded.model.get_base_model().model
+        out = backbone(input_ids=grp.batch.tokens, position_ids=grp.positions, use_cache=False)
+        return out.last_hidden_state[0].index_select(0, grp.scored)
+
+    def _layout(self, grp: _Group):
+        """The group's attention, around its forward and backward (the recompute of checkpointed layers)."""
+        if grp.layout is None:
+            return contextlib.nullcontext()
+        return shared_prefix.active(self.loaded.model, grp.layout)
 
     def step(self, step: int) -> StepMetrics:
         cfg, g, loaded = self.cfg, self.g, self.loaded
@@ -439,7 +472,8 @@ class GrpoLoop:
         rewards = rewards.view(len(idx), g.group_size)
         adv = group_advantages(rewards, scale=g.loss_type.value != "DR_GRPO")
         groups = [
-            _group(p, r.sequences, a, loaded.device) for p, r, a in zip(prompts, results, adv, strict=True)
+            _group(p, r.sequences, a, loaded.device, self.shared)
+            for p, r, a in zip(prompts, results, adv, strict=True)
         ]
         lengths = [len(s.tokens) for r in results for s in r.sequences]
         loss_cfg = {
@@ -458,7 +492,8 @@ class GrpoLoop:
         if g.kl_coef > 0:  # the reference: the same base with the adapter disabled, no gradient
             with torch.no_grad(), loaded.model.disable_adapter(), _autocast(loaded):
                 for grp in groups:
-                    ref_rows = self._rows(grp)
+                    with self._layout(grp):
+                        ref_rows = self._rows(grp)
                     grp.inputs["ref_logps"] = self._logps(ref_rows, grp.targets, g.temperature)
         sums = {"clipped": 0.0, "kl": 0.0, "tis": 0.0, "entropy": 0.0}
         first_loss, opt_metrics = (
@@ -469,7 +504,7 @@ class GrpoLoop:
         for it in range(g.num_iterations if groups else 0):
             total = 0.0
             for grp in groups:
-                with step_ops.memory_mode(loaded, grp.batch):
+                with step_ops.memory_mode(loaded, grp.batch), self._layout(grp):
                     with _autocast(loaded):
                         rows = self._rows(grp)
                         if it == 0:
@@ -515,9 +550,7 @@ class GrpoLoop:
         self.tokens_seen += trained
         # per token of the groups that trained
         n_run = max(sum(len(grp.targets) for grp in groups) * g.num_iterations, 1)
-        run_tok = sum(
-            int(grp.batch.mask.sum()) + grp.batch.mask.shape[0] for grp in groups
-        )  # prompt + completion
+        run_tok = sum(grp.tokens for grp in groups)  # prompt + completion
         std = rewards.std(dim=1)
         rl = RlMetrics(
             reward_mean=float(rewards.mean()),
