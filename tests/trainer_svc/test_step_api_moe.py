@@ -264,6 +264,37 @@ def test_the_grouped_expert_gemm_computes_with_whichever_run_is_active(
     assert any("reference path for probe" in r.getMessage() for r in caplog.records)
 
 
+def test_a_run_on_experts_an_earlier_run_left_out_still_gets_the_grouped_gemm(client, trainer, monkeypatch):
+    """The kernels are patched when a session's first run is created; a first run without expert LoRA
+    (``train_mlp=False``) leaves the experts unwrapped then, so the next run's wrapping patches the model again: its
+    experts run on the grouped GEMM (counted) with the numbers the same two runs give on HF's path, the first run's
+    calls take HF's loop without a pair, and the session's facts carry one current summary."""
+    from strop.kernels.lora import moe as lora_moe
+
+    calls = []
+    grouped = lora_moe.lora_moe_experts
+    monkeypatch.setattr(lora_moe, "lora_moe_experts", lambda *a: calls.append(1) or grouped(*a))
+    out = {}
+    for mode in (KernelMode.ON, KernelMode.OFF):
+        sess = client.load_model("qwen3_moe", quantization=Quantization.NONE, dtype="float32", kernels=mode)
+        first = client.create_training_run(sess.session_id, RunLora(**LORA, train_mlp=False, seed=1))
+        assert first.info.target_modules == list(step_ops.ATTN_MODULES)
+        second = client.create_training_run(sess.session_id, RunLora(**LORA, seed=2))
+        losses = []
+        for run in (first, second, first, second):
+            losses.append(run.forward_backward([ce_datum(SEQ)]).metrics[0].value)
+            run.optim_step(AdamParams(learning_rate=3e-2))
+        out[mode] = losses
+        if mode is KernelMode.ON:
+            # the second run's two ForwardBackward, one call a MoE layer each; none for the first run's
+            assert len(calls) == 2 * LAYERS, calls
+            reason = _loaded(trainer, sess.session_id).facts.kernels_reason
+            assert reason.count("lora_mlp") == 1 and f"lora_mlp patched {LAYERS}/{LAYERS}" in reason, reason
+        client.close_session(sess.session_id)
+    # fp32 kernels against torch: ≈1e-5 relative (DESIGN.md's fp32 bound), over two steps of each run
+    assert out[KernelMode.ON] == pytest.approx(out[KernelMode.OFF], rel=1e-4)
+
+
 @pytest.mark.parametrize("quantization", [Quantization.NONE, Quantization.NF4], ids=["16-bit", "nf4-experts"])
 def test_a_runs_saved_adapter_exports_merged_and_verified_as_trained(
     client, trainer, model_root, quantization

@@ -429,16 +429,20 @@ def attach_lora(loaded: LoadedModel, cfg: LoraConfig) -> None:
 
 
 def apply_kernels(loaded: LoadedModel):
-    """Patch strop's kernels into the PEFT model; the report's summary goes into the session facts."""
+    """Patch strop's kernels into the PEFT model; the report's summary goes into the session facts. Patching again
+    (a step-API run's adapter wrapped layers an earlier patch did not cover) replaces the earlier patch, its FP8
+    copies and its summary."""
     from strop.kernels.models import patch_model
 
     # the device it trains on, wherever it is held now
     fp8_base = FP8_KERNEL_MODES.get(loaded.fp8_kernels, False)
+    previous = loaded.kernel_report
     report = patch_model(loaded.model, device=loaded.device, fp8_base=fp8_base)
-    loaded.facts.device_memory_bytes += report.fp8_bytes
+    loaded.facts.device_memory_bytes += report.fp8_bytes - (previous.fp8_bytes if previous is not None else 0)
     text = ", ".join(f"{component} {state}" for component, state in report.summary().items())
     text += "".join(f"; {note}" for note in report.notes if note.startswith("FP8"))
-    loaded.facts.kernels_reason = f"{loaded.facts.kernels_reason}; {text}"
+    before = loaded.extra.setdefault("kernels_reason_unpatched", loaded.facts.kernels_reason)
+    loaded.facts.kernels_reason = f"{before}; {text}"
     return report
 
 

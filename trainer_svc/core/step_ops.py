@@ -122,7 +122,12 @@ def add_adapter(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(lora.seed or 0))
         if isinstance(loaded.model, PeftModel):
+            wrapped = _wrapped(loaded.model)
             loaded.model.add_adapter(adapter, cfg)
+            if loaded.facts.kernels_enabled and _wrapped(loaded.model) != wrapped:
+                # PEFT wrapped layers the kernels were patched without (earlier runs left them out, e.g. an MoE's
+                # experts): patch again, or this run's calls there would take PEFT's path
+                loaded.kernel_report = model_loading.apply_kernels(loaded)
         else:
             loaded.model = get_peft_model(
                 loaded.model, cfg, adapter_name=adapter, autocast_adapter_dtype=True
@@ -143,6 +148,11 @@ def add_adapter(
     for dead in loaded.extra.pop(DEAD_ADAPTERS, set()):
         loaded.model.delete_adapter(dead)
     return targets
+
+
+def _wrapped(model) -> set[str]:
+    """Names of the modules PEFT wrapped (LoRA layers and expert ``ParamWrapper``s hold a ``base_layer``)."""
+    return {name for name, m in model.named_modules() if "base_layer" in m._modules}
 
 
 def delete_adapter(loaded: model_loading.LoadedModel, adapter: str) -> None:
