@@ -448,5 +448,6 @@ def test_on_cuda_runs_train_expert_lora_over_nf4_experts_on_the_grouped_gemm(
         c.optim_step(AdamParams(learning_rate=1e-2))
     assert c.forward([ce_datum(SEQ)]).loss_fn_outputs[0].logprobs == want
     fallbacks = [r.getMessage() for r in caplog.records if "reference path for" in r.getMessage()]
-    assert not any("Experts" in f for f in fallbacks), fallbacks
+    # the patched experts module is PEFT's outer ParamWrapper: a fallback of the grouped GEMM names it
+    assert not any("ParamWrapper" in f for f in fallbacks), fallbacks
     client.close_session(s.session_id)
