@@ -27,11 +27,14 @@ Usage (on the GPU machine)::
     python bench/moe_bench.py --systems baseline,strop --batch 8 --seq 2048 --steps 4 --json bench/out/moe.json
     python bench/moe_bench.py --systems baseline,strop --batch 1 --seq 2048 --steps 3    # peak memory at 1 x 2048
     python bench/moe_bench.py --systems strop --batch 1 --seq 2048 --steps 3 --host-adam  # AdamW's moments on the host
-    python bench/moe_bench.py --find-longest --host-adam --budget 540      # the longest sequence at batch 1 (strop)
+    python bench/moe_bench.py --find-longest --host-adam --memory-mode long_context --budget 540  # longest, batch 1
     python bench/moe_bench.py --smoke                                                     # CPU: the harness only
 
 ``--host-adam``: the optimizer is ``kernels/models/host_adamw.HostAdamW`` (torch's AdamW bit for bit, its moments in
 pinned host memory streamed through the device; what the trainer's admission picks when the moments would not fit).
+
+``--memory-mode standard|long_context``: strop's system with the trainer's memory mode installed (``apply_memory_mode``:
+layer inputs in host memory; long_context also the MLP over sequence chunks where it applies); the default ``none`` is HF's gradient checkpointing alone, as the figures before.
 
 ``--find-longest`` (strop alone, batch 1): the longest sequence whose training step (``--warmup`` + ``--steps``)
 runs without running out of device memory, by bench/lib/longest.py's search (doubling from ``--find-start``, then
@@ -203,6 +206,16 @@ def run_worker(a) -> Result:
         from strop.kernels.models import patch_model
 
         print(patch_model(model), file=sys.stderr)
+        if a.memory_mode != "none":  # the trainer's memory mode, installed as a job installs it
+            from strop.common.memory_modes import MemoryMode
+            from strop.kernels.models import StepShape, apply_memory_mode
+
+            smoke = {} if device == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}
+            mode = MemoryMode(a.memory_mode)
+            print(
+                apply_memory_mode(model, mode, step=StepShape(a.batch, a.seq), device=device, **smoke),
+                file=sys.stderr,
+            )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if a.host_adam:
@@ -294,7 +307,7 @@ def spawn(system: str, a, timeout: float | None = None) -> Result:
         str(a.warmup),
     ]
     cmd += ["--smoke"] * a.smoke + ["--no-qlora"] * (not a.qlora) + ["--no-nf4-experts"] * (not a.nf4_experts)
-    cmd += ["--profile"] * a.profile + ["--host-adam"] * a.host_adam
+    cmd += ["--profile"] * a.profile + ["--host-adam"] * a.host_adam + ["--memory-mode", a.memory_mode]
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"
@@ -316,8 +329,8 @@ def find_longest(a) -> dict:
     """The longest sequence at batch 1 strop's step runs without running out of device memory
     (bench/lib/longest.py's search, one fresh worker a trial); prints each trial's row, then the result."""
     print(
-        f"longest sequence at batch 1, Qwen3-30B-A3B shape, {a.layers} layers, strop, AdamW moments "
-        + ("in host memory (HostAdamW)" if a.host_adam else "on the device"),
+        f"longest sequence at batch 1, Qwen3-30B-A3B shape, {a.layers} layers, strop, memory mode {a.memory_mode}, "
+        "AdamW moments " + ("in host memory (HostAdamW)" if a.host_adam else "on the device"),
         "\n| seq | result | peak alloc GiB | peak reserved GiB | weights GiB | ms/step | tok/s | trial s |"
         "\n|---|---|---|---|---|---|---|---|",
         flush=True,
@@ -381,6 +394,12 @@ def main() -> None:
         action="store_true",
         help="AdamW's moments in pinned host memory (HostAdamW, bit for bit torch's AdamW)",
     )
+    p.add_argument(
+        "--memory-mode",
+        default="none",
+        choices=["none", "standard", "long_context"],
+        help="strop: install the trainer's memory mode (none: HF's gradient checkpointing alone, as before)",
+    )
     p.add_argument("--find-longest", action="store_true", help="strop alone: the longest sequence at batch 1")
     p.add_argument("--find-start", type=int, default=16384, help="the first trial's sequence length")
     p.add_argument("--find-step", type=int, default=4096, help="bisect until the bracket is this many tokens")
@@ -427,7 +446,10 @@ def main() -> None:
         else "bf16 LoRA"
     )
     moments = "AdamW's moments " + ("in host memory (HostAdamW)" if a.host_adam else "on the device")
-    print(f"Qwen3-30B-A3B shape, {a.layers} layers, {quant}, {a.batch} x {a.seq}, {moments}")
+    print(
+        f"Qwen3-30B-A3B shape, {a.layers} layers, {quant}, {a.batch} x {a.seq}, {moments}, strop's memory mode "
+        f"{a.memory_mode}"
+    )
     print(
         "system     tok/s    ms/step  weights GiB  peak alloc GiB  peak reserved GiB  fwd+bwd / optimizer peak  losses"
     )
