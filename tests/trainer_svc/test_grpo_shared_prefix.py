@@ -95,6 +95,27 @@ def test_one_row_with_the_prompt_once_equals_the_padded_rows(tiny, checkpointing
     assert not hasattr(tiny.config, "_strop_shared_prefix")
 
 
+def test_the_layouts_agree_through_strops_patched_forwards(tiny, monkeypatch):
+    """As a CUDA session trains (strop's kernels patched, layers checkpointed; here through the Triton interpreter):
+    the patched attention forward hands the row to the shared-prefix attention, and both layouts agree as above."""
+    import strop.kernels.models.patched_forwards as pf
+    from strop.kernels.models import patch_model, unpatch_model
+
+    calls = []
+    qkv = pf.lora_qkv
+    monkeypatch.setattr(pf, "lora_qkv", lambda *a, **k: calls.append(1) or qkv(*a, **k))
+    patch_model(tiny)
+    try:
+        _, lp_p, grads_p, _ = _run(tiny, shared=False, checkpointing=True)
+        _, lp_s, grads_s, _ = _run(tiny, shared=True, checkpointing=True)
+    finally:
+        unpatch_model(tiny)
+    assert len(calls) == 8  # 2 layers x (forward + recompute) x 2 layouts: strop's fused Q/K/V ran
+    assert (lp_s - lp_p).abs().max() < TOL
+    for name, g in grads_p.items():
+        assert (grads_s[name] - g).abs().max() <= TOL * g.abs().max(), name
+
+
 def test_a_completion_sees_the_prompt_and_its_own_tokens_only():
     lay = shared_prefix.layout(3, [2, 0, 1], "cpu")
     assert lay.width == 6
