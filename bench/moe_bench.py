@@ -76,6 +76,7 @@ class Result:
     peak_reserved_gib: float = 0.0
     peak_fwd_bwd_gib: float = 0.0  # the peak's two phases: forward + backward, and the optimizer step
     peak_optimizer_gib: float = 0.0
+    device_gib: float = 0.0  # the device's total memory
     losses: list | None = None
     profile: str = ""
     error: str = ""
@@ -230,6 +231,7 @@ def run_worker(a) -> Result:
     if cuda:
         torch.cuda.synchronize()
         res.weights_gib = torch.cuda.memory_allocated() / 2**30
+        res.device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
     peaks = {"fwd_bwd": 0, "optimizer": 0, "reserved": 0}
@@ -363,6 +365,15 @@ def find_longest(a) -> dict:
         f"{s.continue_flags(a.find_start)}",
         flush=True,
     )
+    fit = [(n, t.row.peak_reserved_gib) for n, t in s.trials if t.outcome == longest.FITS]
+    device = max((t.row.device_gib for _, t in s.trials), default=0.0)
+    line = longest.extrapolated(fit, device) if device else None
+    if line is not None:
+        print(
+            f"derived, not measured: the peak reserved grows {line[0] * 2**20:.1f} KiB a token between the two longest "
+            f"that fit; a straight line reaches the device's {device:.1f} GiB at ~{line[1]:,} tokens",
+            flush=True,
+        )
     return {
         "fits": s.fits,
         "fails": s.fails,

@@ -103,3 +103,18 @@ def is_oom(exc: BaseException | str) -> bool:
     if isinstance(exc, BaseException) and type(exc).__name__ == "OutOfMemoryError":
         return True
     return "out of memory" in str(exc).lower()
+
+
+def extrapolated(points: list[tuple[int, float]], capacity: float) -> tuple[float, int] | None:
+    """From the peaks of the two longest trials that fit (``(length, peak)`` pairs, any unit), the peak's growth per
+    token and the length at which a straight line through them reaches ``capacity``: a derivation for the report
+    (attention is linear in memory with a flash kernel; what else grows faster would make it an upper bound), not a
+    measurement. None with fewer than two lengths or no growth."""
+    lengths = sorted(dict(points).items())
+    if len(lengths) < 2:
+        return None
+    (n0, p0), (n1, p1) = lengths[-2:]
+    if p1 <= p0:
+        return None
+    per_token = (p1 - p0) / (n1 - n0)
+    return per_token, int(n1 + (capacity - p1) / per_token)
