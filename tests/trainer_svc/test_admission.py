@@ -159,8 +159,9 @@ def test_a_job_that_fits_only_with_adams_moments_in_host_memory_is_admitted_that
 
 
 def test_a_trainer_told_to_hold_adams_moments_on_host_trains_bit_for_bit_as_with_torch_adamw(tmp_path):
-    """transformers' Trainer (clipping, schedule, two parameter groups, a checkpoint) with HostAdamW in place of
-    torch's AdamW: the same parameters after every step, bit for bit."""
+    """transformers' Trainer (clipping, schedule, two parameter groups, checkpoints) with HostAdamW in place of
+    torch's AdamW: the same parameters after its steps, bit for bit; so does a run resumed from HostAdamW's
+    checkpoint halfway (its moments loaded back into host memory)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     from strop.kernels.models.host_adamw import HostAdamW
@@ -176,11 +177,11 @@ def test_a_trainer_told_to_hold_adams_moments_on_host_trains_bit_for_bit_as_with
         vocab_size=64,
     )
 
-    def train(host: bool):
+    def train(host: bool, resume: str | None = None):
         torch.manual_seed(1)
         model = LlamaForCausalLM(cfg)
         args = TrainingArguments(
-            output_dir=str(tmp_path / str(host)),
+            output_dir=str(tmp_path / f"{host}{'-resumed' if resume else ''}"),
             per_device_train_batch_size=2,
             max_steps=4,
             learning_rate=1e-2,
@@ -196,7 +197,7 @@ def test_a_trainer_told_to_hold_adams_moments_on_host_trains_bit_for_bit_as_with
         trainer = Trainer(model=model, args=args, train_dataset=rows)
         if host:
             admission.hold_adam_moments_on_host(trainer)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
         opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         return model, opt
 
@@ -206,7 +207,10 @@ def test_a_trainer_told_to_hold_adams_moments_on_host_trains_bit_for_bit_as_with
     assert len(opt.param_groups) == 2 and opt.param_groups[0]["weight_decay"] == 0.1
     for (name, a), b in zip(ref.named_parameters(), got.parameters(), strict=True):
         assert torch.equal(a, b), name
-    assert (tmp_path / "True" / "checkpoint-4" / "optimizer.pt").is_file()
+    resumed, opt = train(True, resume=str(tmp_path / "True" / "checkpoint-2"))
+    assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
+    for (name, a), b in zip(ref.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b), f"resumed: {name}"
 
 
 def test_the_trainer_admits_a_job_with_adams_moments_on_host_only_when_they_would_not_fit(
