@@ -12,6 +12,7 @@ run is active. Exports of a run's saved adapter are verified in their consumers.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -352,27 +353,34 @@ def test_a_runs_saved_adapter_exports_merged_and_verified_as_trained(
     client.close_session(sid)
 
 
-def test_admission_counts_every_experts_pair_and_its_optimizer_state(client, trainer, sessions, monkeypatch):
+@pytest.mark.parametrize("quantization", [Quantization.NONE, Quantization.NF4], ids=["16-bit", "nf4"])
+def test_admission_counts_every_experts_pair_and_its_optimizer_state(
+    client, trainer, monkeypatch, quantization
+):
     """A run's adapter state is counted from the model's shapes before it is created: the count is the run's
-    trainable parameters, the experts' pairs E·r·(H + 2·I_e) + E·r·(I_e + H) a layer among them, at 16 bytes each;
-    on a device with less free than that the run is refused."""
+    trainable parameters (the LM head's pair too; 4-bit attention and NF4 experts by their logical shapes), the
+    experts' pairs E·r·(H + 2·I_e) + E·r·(I_e + H) a layer among them, at 16 bytes each; on a device with less
+    free than that the run is refused."""
     from strop.common.errors import ResourceExhausted
     from strop.trainer_svc.core.runs import run_state_bytes
 
-    sid = sessions["qwen3_moe"]
+    sid = client.load_model("qwen3_moe", quantization=quantization, dtype="float32").session_id
     loaded = _loaded(trainer, sid)
-    lora = RunLora(rank=8, seed=0)
+    lora = RunLora(rank=8, train_unembed=True, seed=0)
     counted = step_ops.adapter_numel(loaded.model, lora)
     run = client.create_training_run(sid, lora)
     assert run.info.num_trainable_parameters == counted
-    experts = sum(v.numel() for k, v in _expert_keys_and_values(_state(trainer, sid, run.run_id)))
+    state = _state(trainer, sid, run.run_id)
+    assert sum(p.numel() for p in trainer[1].runs._runs[run.run_id].params) == counted
+    experts = sum(state[k].numel() for k in _expert_keys(state))
     assert experts == LAYERS * E * 8 * ((H + 2 * I_E) + (I_E + H))
-    assert run_state_bytes(loaded, lora) == 16 * counted
-    attention_only = step_ops.adapter_numel(loaded.model, RunLora(rank=8, train_mlp=False))
+    assert run_state_bytes(_loaded(trainer, sid), lora) == 16 * counted, (
+        "the same count once the model is wrapped"
+    )
+    attention_only = step_ops.adapter_numel(loaded.model, replace(lora, train_mlp=False))
     assert counted - attention_only == experts
-    run.delete()
     # the admission check as on CUDA: free memory one byte short of the state, then just enough
-    fake = SimpleNamespace(loaded=SimpleNamespace(device="cuda:0", model=loaded.model))
+    fake = SimpleNamespace(loaded=SimpleNamespace(device="cuda:0", model=_loaded(trainer, sid).model))
     need = 16 * counted
     for free, refused in ((need - 1, True), (need, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _d, f=free: (f, 2 * need))
@@ -381,10 +389,7 @@ def test_admission_counts_every_experts_pair_and_its_optimizer_state(client, tra
                 trainer[1].runs._admit_run(fake, lora)
         else:
             trainer[1].runs._admit_run(fake, lora)
-
-
-def _expert_keys_and_values(state):
-    return [(k, state[k]) for k in _expert_keys(state)]
+    client.close_session(sid)
 
 
 @pytest.mark.gpu
