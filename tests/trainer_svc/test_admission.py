@@ -218,8 +218,8 @@ def test_the_trainer_admits_a_job_with_adams_moments_on_host_only_when_they_woul
 ):
     """training._admit_by_device_memory with CUDA's free memory faked, for a session of a 1B shape with 600 M
     trainable elements: room for the whole estimate leaves torch's AdamW; room between the two estimates makes the
-    trainer build HostAdamW; less is refused; 8-bit Adam (not reproduced by HostAdamW) and a job on several ranks
-    are never switched."""
+    trainer build HostAdamW; less is refused; 8-bit Adam (not reproduced by HostAdamW), a job on several ranks and
+    a host without room for the moments are never switched."""
     from types import SimpleNamespace
 
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -250,6 +250,11 @@ def test_the_trainer_admits_a_job_with_adams_moments_on_host_only_when_they_woul
     )
     for fake in ("memory_reserved", "memory_allocated"):
         monkeypatch.setattr(torch.cuda, fake, lambda _d: 0)
+    from strop.kernels.models import memory
+
+    monkeypatch.setattr(
+        memory, "host_available_bytes", lambda: 1 << 40
+    )  # a host with room (until said otherwise)
     tiny = LlamaForCausalLM(
         LlamaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64
@@ -292,3 +297,9 @@ def test_the_trainer_admits_a_job_with_adams_moments_on_host_only_when_they_woul
         admitted(host.total, optimizer="adamw_8bit")
     with pytest.raises(ResourceExhausted):
         admitted(between, num_devices=2)
+    # nor a host without room for the moments' pinned copies (16 bytes a trainable parameter counted)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * n - 1)
+    with pytest.raises(ResourceExhausted):
+        admitted(between)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * n)
+    assert admitted(between) is HostAdamW

@@ -172,6 +172,12 @@ def longest_row(dataset) -> int:
 HOST_MOMENT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 
 
+def host_has_room_for_moments(n_trainable: int, available: int | None) -> bool:
+    """Whether ``available`` bytes of host memory (None: unknown, assumed enough) hold AdamW's two fp32 moments in
+    pinned memory, counted twice over: the pinned allocator rounds each chunk's block up to a power of two."""
+    return available is None or available >= 2 * 8 * n_trainable
+
+
 def admit(est: Estimate, free_bytes: int, host_moments: Estimate | None = None) -> bool:
     """Refuse a job whose estimate exceeds the device memory free for it (ResourceExhausted, with the figures).
 

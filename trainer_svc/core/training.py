@@ -604,7 +604,10 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
     # a single-process job whose AdamW does not fit with its moments on the device may keep them in host memory
     host = None
     if cfg.optimizer in admission.HOST_MOMENT_OPTIMIZERS and cfg.ranks() == 1:
-        host = admission.estimate(loaded.model.config, cfg, host_adam_moments=True, **shape)
+        from strop.kernels.models.memory import host_available_bytes
+
+        if admission.host_has_room_for_moments(shape["n_trainable"], host_available_bytes()):
+            host = admission.estimate(loaded.model.config, cfg, host_adam_moments=True, **shape)
     dev = torch.device(loaded.device)
     free, _ = torch.cuda.mem_get_info(dev)
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # cached, reusable by this job
