@@ -182,6 +182,37 @@ def test_save_state_then_load_state_continues_bit_identically(client, trainer, s
     resumed.delete()
 
 
+def test_a_run_training_the_head_saves_its_pairs_without_the_base_head(
+    client, trainer, session_id, runs_core
+):
+    """With the LM head a target (``train_unembed``) PEFT's default state dict would carry the frozen base head
+    [vocab, hidden] too: snapshots and artifacts hold the run's pairs alone, and a state saved with the base head
+    (as artifacts were before) still loads."""
+    from safetensors import safe_open
+
+    from strop.common.artifacts import key_of
+
+    run = client.create_training_run(session_id, RunLora(rank=2, seed=0, train_unembed=True))
+    state = _state(trainer, session_id, run.run_id)
+    assert any("lm_head.lora_A" in k for k in state) and not any("base_layer" in k for k in state), list(
+        state
+    )
+    saved = run.save_weights("head-pairs")
+    path = (
+        runs_core.artifacts.path_of(key_of(run.info.tenant, saved.artifact_id)) / "adapter_model.safetensors"
+    )
+    with safe_open(str(path), "pt") as f:
+        assert set(f.keys()) == set(state)
+    head = _loaded(trainer, session_id).model.get_base_model().lm_head.base_layer.weight
+    with torch.no_grad():
+        moved = {k: v + 0.5 if "lora_B" in k else v for k, v in state.items()}
+    older = {**moved, "base_model.model.lm_head.base_layer.weight": head.detach().cpu().clone()}
+    step_ops.load_adapter_state(_loaded(trainer, session_id), run.run_id, older)
+    got = _state(trainer, session_id, run.run_id)
+    assert all(torch.equal(got[k], moved[k]) for k in moved), "the older state's pairs were loaded"
+    run.delete()
+
+
 def test_supervised_loop_lowers_the_loss(client, session_id):
     run = client.create_training_run(session_id, RunLora(rank=8, seed=0))
     losses = []

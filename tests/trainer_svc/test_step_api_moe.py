@@ -314,7 +314,9 @@ def test_a_runs_saved_adapter_exports_merged_and_verified_as_trained(
 
     sid = client.load_model("qwen3_moe", quantization=quantization, dtype="float32").session_id
     nf4 = quantization is Quantization.NF4
-    run = client.create_training_run(sid, RunLora(**LORA, seed=5))
+    run = client.create_training_run(
+        sid, RunLora(**LORA, train_unembed=True, seed=5)
+    )  # Tinker's default targets
     for _ in range(3):
         run.forward_backward([ce_datum(SEQ)])
         run.optim_step(AdamParams(learning_rate=5e-2))

@@ -406,12 +406,19 @@ def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def adapter_state_dict(loaded: model_loading.LoadedModel, adapter: str) -> dict[str, torch.Tensor]:
+    """The adapter's own tensors (PEFT's names, on the host). Without PEFT's embedding layers: with the LM head a
+    target (``train_unembed``) its "auto" would add the frozen base head, [vocab, hidden], to every sampler
+    snapshot and artifact (hundreds of MB on a 150k vocabulary) for values the base already holds."""
     from peft import get_peft_model_state_dict
 
-    return {
-        k: v.detach().to("cpu", copy=True).contiguous()
-        for k, v in get_peft_model_state_dict(loaded.model, adapter_name=adapter).items()
-    }
+    state = get_peft_model_state_dict(loaded.model, adapter_name=adapter, save_embedding_layers=False)
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+def _base_weights(state: dict[str, torch.Tensor]) -> set[str]:
+    """Keys of a saved state that are a wrapped layer's base weight (PEFT's saved embedding layers: artifacts of
+    runs with ``train_unembed`` saved before :func:`adapter_state_dict` left them out)."""
+    return {k for k in state if k.endswith(".base_layer.weight")}
 
 
 def load_adapter_state(
@@ -420,6 +427,8 @@ def load_adapter_state(
     from peft import set_peft_model_state_dict
 
     mine = adapter_state_dict(loaded, adapter)
+    dropped = _base_weights(state)
+    state = {k: v for k, v in state.items() if k not in dropped}
     if set(mine) != set(state) or any(mine[k].shape != state[k].shape for k in mine):
         raise FailedPrecondition(
             "the saved adapter's tensors do not match the run's (rank or target modules differ): "
