@@ -5,33 +5,39 @@ A mixture-of-experts layer routes each token to k experts. With the routed copie
 
     y[m] = x[m] · W_eᵀ + s · (x[m] · A_eᵀ) · B_eᵀ          W [E, N, K] frozen, A [E, r, K], B [E, N, r]
 
-(PEFT's ``ParamWrapper`` on a fused experts parameter, expert e's factors: ``trainer_svc/core/moe.py``). HF's
-expert path under PEFT adds ``s · B_e A_e`` to the whole stack first (an [E, N, K] temporary per layer and call,
-saved for backward). Here every product is one call of torch's grouped GEMM (``torch.nn.functional.grouped_mm``,
-else ``torch._grouped_mm``: what transformers' ``grouped_mm`` experts run), on the same row offsets: the base
-``x · W_eᵀ``, then the rank-r ``u = x · A_eᵀ`` and ``s · u · B_eᵀ``; no merged stack exists.
+(PEFT's ``ParamWrapper`` on a fused experts parameter, expert e's factors: ``trainer_svc/core/moe.py``), i.e.
+``y[m] = x[m] · (W_e + s · B_e A_e)ᵀ``. HF's expert path under PEFT builds that merged stack too, as an [E, N, K]
+temporary per layer and call saved for backward. Here one Triton kernel (``_merge_kernel``) writes it into nf4.py's
+shared per-device scratch buffer, reading W (16-bit, or NF4 codes dequantized in the kernel) and adding the rank-r
+product tile by tile; then every product is one call of torch's grouped GEMM (``torch.nn.functional.grouped_mm``,
+else ``torch._grouped_mm``: what transformers' ``grouped_mm`` experts run) on the same row offsets: ``x · W'_eᵀ``,
+and ``u = x · A_eᵀ`` for dB when B trains. One pass over x and one [M, N] output, where separate LoRA terms cost a
+second read of x, an [M, N] term and a read-modify-write of y.
 
 Backward (W frozen: no weight gradient), with u [M, r] saved from the forward::
 
+    dx    = dy · (W_e + s · B_e A_e)                   one grouped GEMM over the merged stack
     v     = dy · B_e                                   [M, r]
-    dx    = dy · W_e + s · v · A_e                     two grouped GEMMs over the [E, ·, ·] stacks
     dA_e  = s · Σ_{m ∈ e} v[m]ᵀ ⊗ x[m]                  [E, r, K]  one grouped GEMM reducing over each expert's rows
     dB_e  = s · Σ_{m ∈ e} dy[m]ᵀ ⊗ u[m]                 [E, N, r]  likewise
 
+The backward merges the stack again unless the buffer still holds it (``nf4.shared_buffer_holding``: the same stack
+and factors, unmodified, and nothing else took the buffer): an MoE layer's down stack, the last one its forward or
+recompute merges, is the first its backward needs. No merged stack is saved, one is resident at a time (every NF4
+weight of the model reuses that buffer, in stream order), so a 16-bit session's experts also use that buffer.
+
 NF4 experts (:class:`Nf4Experts`, a frozen base quantized as bitsandbytes' NF4: blocks of 64 along each expert's
-flattened [N, K], the absmax double-quantized) are dequantized by :func:`~strop.kernels.ops.nf4.nf4_dequantize`
-(one launch) into nf4.py's shared per-device scratch buffer just before the base GEMM, in the forward and again in
-the backward's ``dy · W_e`` unless the buffer still holds that stack (the down stack, the last one a layer's forward
-or recompute dequantizes, is the first its backward needs); no 16-bit stack is saved, and one is resident at a time
-(every NF4 weight of the model reuses that buffer, in stream order). The NF4 path is therefore the 16-bit path over the dequantized stack, bit for
-bit, by construction.
+flattened [N, K], the absmax double-quantized) are dequantized by the merge kernel exactly as
+:func:`~strop.kernels.ops.nf4.nf4_dequantize` does (rounded to the stack's dtype), so the NF4 path is the 16-bit
+path over the dequantized stack, bit for bit, by construction.
 
 Numerics: everything in the compute dtype (the autocast dtype when autocast is on, else x's), as PEFT's LoRA under
-autocast: fp32 LoRA factors round to it, each GEMM accumulates in fp32 and rounds once, the LoRA term is added to the
-base product after both round. The weight gradients are rounded to the compute dtype, then cast to the factors'.
-Where torch's grouped GEMM cannot take the operands (no such op; a stride that is not a multiple of 16 bytes, as
-rank 4 in bf16), the same products run expert by expert with ``torch.mm``. Saved for backward: x (the caller's
-gathered rows, not copied), u [M, r] and the offsets.
+autocast: fp32 LoRA factors round to it; the merged weight is W plus the factors' product in fp32, rounded once to
+it (PEFT's merged stack is rounded to it too); each GEMM accumulates in fp32 and rounds once. The weight gradients are
+rounded to the compute dtype, then cast to the factors'. Where torch's grouped GEMM cannot take the operands (no such
+op; a stride that is not a multiple of 16 bytes, as rank 4 in bf16), the same products run expert by expert with
+``torch.mm``; off the GPU and the interpreter the merge is torch's. Saved for backward: x (the caller's gathered rows,
+not copied), u [M, r] and the offsets.
 """
 
 from __future__ import annotations
@@ -41,8 +47,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+import triton
+import triton.language as tl
 
-from .nf4 import dequantize_shared_reused, nf4_dequantize
+from .nf4 import _TL_DTYPES, _code, _offset, _use_kernel, nf4_dequantize, shared_buffer_holding
+from .small_k import MAX_SMALL_K, block_k, small_k_tile
+from .utils import cast_to
 
 __all__ = ["MoeLoraGemmFunction", "Nf4Experts", "grouped_mm", "moe_lora_gemm", "moe_lora_gemm_reference"]
 
@@ -216,14 +226,118 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
     return out
 
 
-def _dense(w, dtype: torch.dtype) -> torch.Tensor:
-    """W [E, N, K] in the compute dtype: an NF4 stack dequantized into the shared scratch buffer (valid until the
-    next NF4 dequantization on this device: used for one GEMM, never kept), or read there as it is where the
-    buffer still holds it (``dequantize_shared_reused``: the down stack from the forward or recompute that just
-    ran, in its backward)."""
-    if isinstance(w, Nf4Experts):
-        return dequantize_shared_reused(w.packed, w.quant_state(), dtype)
-    return w.to(dtype)
+# fmt: skip on the signature: one row per role (the stack and its NF4 state, the factors, sizes, strides, constexprs)
+@triton.jit
+def _merge_kernel(
+    w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
+    b_ptr, a_ptr, out_ptr, scale,
+    N, K, R,
+    b_se, b_sn, b_sr, a_se, a_sr, a_sk, w_se, w_sn, w_sk,
+    NF4: tl.constexpr, HALF_BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr,
+    QDTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_N, BLOCK_K] tile of expert e's ``W_e + s · B_e A_e``: W read (NF4: dequantized as nf4.py's kernel
+    does, bit for bit, and rounded to the stack's dtype), the rank-R product added in fp32, rounded once."""
+    e = tl.program_id(2).to(tl.int64)
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    mask = n_mask[:, None] & (rk < K)[None, :]
+    row = e * N * K + rn * K  # each row's first element in the flat stack
+    if NF4:  # K even: a row starts on a byte; the tile's BLOCK_K // 2 bytes a row, two codes each
+        rb = tl.program_id(1).to(tl.int64) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        bmask = n_mask[:, None] & (rb < K // 2)[None, :]
+        byte = row[:, None] // 2 + rb[None, :]
+        blk = byte // HALF_BS
+        if NESTED:
+            q2 = tl.load(absmax_ptr + blk, mask=bmask, other=0).to(tl.int32)
+            s1 = tl.load(code2_ptr + q2, mask=bmask, other=0.0).to(tl.float32)
+            s2 = tl.load(absmax2_ptr + blk // BS2, mask=bmask, other=0.0).to(tl.float32)
+            absmax = s1 * s2  # two roundings, as bitsandbytes (the launch disables fp contraction)
+            absmax = absmax + tl.load(offset_ptr).to(tl.float32)
+        else:
+            absmax = tl.load(absmax_ptr + blk, mask=bmask, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + byte, mask=bmask, other=0).to(tl.int32)
+        v = tl.interleave(tl.load(code_ptr + (b >> 4)) * absmax, tl.load(code_ptr + (b & 0x0F)) * absmax)
+        # rounded to the stack's dtype as nf4.py's kernel does (integer rounding for bf16: exact in the interpreter)
+        if QDTYPE == tl.bfloat16:  # noqa: SIM300
+            u = v.to(tl.uint32, bitcast=True)
+            v = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        elif QDTYPE == tl.float16:  # noqa: SIM300
+            v = v.to(tl.float16).to(tl.float32)
+    else:
+        v = tl.load(w_ptr + e * w_se + rn[:, None] * w_sn + rk[None, :] * w_sk, mask=mask, other=0.0).to(
+            tl.float32
+        )
+    # B_e [rows, R] @ A_e [R, cols], one tl.dot (small_k's tile: fp32, exact products of the 16-bit factors)
+    ba = small_k_tile(b_ptr + e * b_se, a_ptr + e * a_se, rn, rk, n_mask, rk < K, R, b_sn, b_sr, a_sr, a_sk, BLOCK_R, IEEE)  # fmt: skip
+    tl.store(out_ptr + row[:, None] + rk[None, :], cast_to(v + scale * ba, OUT_DTYPE), mask=mask)
+
+
+_MERGE_BLOCK_N, _MERGE_BLOCK_K = 64, 128
+
+
+def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale: float) -> None:
+    """``out`` [E·N·K] ← ``W_e + s · B_e A_e`` for every expert, in out's dtype: W (16-bit, or NF4 dequantized and
+    rounded to its dtype) plus the product of the compute-dtype factors in fp32, rounded once."""
+    e, n, k = w.shape
+    nf4 = isinstance(w, Nf4Experts)
+    if not _use_kernel(out.device) or (nf4 and k % 2) or a_.shape[1] > MAX_SMALL_K:
+        dense = w.dequantize() if nf4 else w
+        merged = dense.float().baddbmm(b_.float(), a_.float(), alpha=scale)
+        out.view(e, n, k).copy_(merged)
+        return
+    if nf4:
+        qs = w.quant_state()
+        nested = w.nested
+        src, absmax = w.packed, w.absmax
+        absmax2, code2, offset = (w.absmax2, w.code2, _offset(qs, w.device)) if nested else (absmax,) * 3
+        code, half_bs, bs2, qdtype = _code(w.device), w.blocksize // 2, w.blocksize2 if nested else 1, w.dtype
+    else:
+        src = w  # read through its strides
+        absmax = absmax2 = code2 = offset = code = src  # unread placeholders
+        half_bs, bs2, nested, qdtype = 1, 1, False, w.dtype
+    r = a_.shape[1]
+    w_strides = (0, 0, 0) if nf4 else w.stride()
+    grid = (triton.cdiv(n, _MERGE_BLOCK_N), triton.cdiv(k, _MERGE_BLOCK_K), e)
+    # fmt: skip below: one row per role, as the kernel's signature
+    _merge_kernel[grid](
+        src, absmax, absmax2, code2, offset, code,
+        b_, a_, out, float(scale),
+        n, k, r,
+        b_.stride(0), b_.stride(1), b_.stride(2), a_.stride(0), a_.stride(1), a_.stride(2), *w_strides,
+        NF4=nf4, HALF_BS=half_bs, NESTED=nested, BS2=bs2,
+        QDTYPE=_TL_DTYPES[qdtype], OUT_DTYPE=_TL_DTYPES[out.dtype], IEEE=out.dtype == torch.float32,
+        BLOCK_N=_MERGE_BLOCK_N, BLOCK_K=_MERGE_BLOCK_K, BLOCK_R=block_k(r),
+        num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def _identity(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """A tensor's root (what a weak reference can hold: a view is rebuilt every call) and where the view lies."""
+    root = t if t._base is None else t._base
+    return root, (t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def _merged(w, a: torch.Tensor, b: torch.Tensor, a_: torch.Tensor, b_: torch.Tensor, scale: float, dtype):
+    """``W_e + s · B_e A_e`` [E, N, K] in the compute dtype in nf4.py's shared scratch buffer (valid until the next
+    NF4 dequantization on this device: used for one GEMM, never kept); read there as it is where the buffer still
+    holds it for the same stack and factors, unmodified (``shared_buffer_holding``: the down stack, in the backward
+    right after the forward or recompute that merged it)."""
+    e, n, k = w.shape
+    src, where_w = _identity(w.packed if isinstance(w, Nf4Experts) else w)
+    ra, where_a = _identity(a)
+    rb, where_b = _identity(b)
+    buf = shared_buffer_holding(
+        src.device,
+        dtype,
+        e * n * k,
+        (src, ra, rb),
+        (where_w, where_a, where_b, float(scale)),
+        lambda out: _merge_into(out, w, a_, b_, scale),
+    )
+    return buf.view(e, n, k)
 
 
 def _factors(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,18 +353,17 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class MoeLoraGemmFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, offsets, w, a, b, scale):
+    def forward(ctx, x, offsets, w, a, b, scale, keep_u):
         with torch.autocast(x.device.type, enabled=False):  # the caller chose the dtype: no per-op casts
-            return MoeLoraGemmFunction._forward(ctx, x, offsets, w, a, b, scale)
+            return MoeLoraGemmFunction._forward(ctx, x, offsets, w, a, b, scale, keep_u)
 
     @staticmethod
-    def _forward(ctx, x, offsets, w, a, b, scale):
+    def _forward(ctx, x, offsets, w, a, b, scale, keep_u):
         dt = x.dtype
         ends = offsets[1:].to(torch.int32)
         a_, b_ = _factors(a, b, dt)
-        y = grouped_mm(x, _dense(w, dt).transpose(1, 2), ends)
-        u = grouped_mm(x, a_.transpose(1, 2), ends)
-        y.add_(grouped_mm(u, b_.transpose(1, 2), ends), alpha=scale)
+        y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
+        u = grouped_mm(x, a_.transpose(1, 2), ends) if keep_u else None  # dB's operand only
         # NF4 experts are frozen buffers, kept by reference (no activation is saved for them)
         ctx.nf4 = w if isinstance(w, Nf4Experts) else None
         ctx.save_for_backward(x, ends, a if ctx.nf4 else w, a, b, u)
@@ -263,18 +376,17 @@ class MoeLoraGemmFunction(torch.autograd.Function):
         w, s, dt = ctx.nf4 or w, ctx.scale, x.dtype
         dy = dy.to(dt).contiguous()
         a_, b_ = _factors(a, b, dt)
-        v = grouped_mm(dy, b_, ends)  # dy · B_e   [M, r]
         dx = da = db = None
-        if ctx.needs_input_grad[0]:
-            dx = grouped_mm(dy, _dense(w, dt), ends)
-            dx.add_(grouped_mm(v, a_, ends), alpha=s)
+        if ctx.needs_input_grad[0]:  # dy · (W_e + s B_e A_e)
+            dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt), ends)
         # an expert without rows gets exactly 0 (the per-expert loop's zeros; what torch's kernel leaves there is not read)
         has_rows = (torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None]
-        if ctx.needs_input_grad[3]:  # dA_e = s Σ v[m]ᵀ x[m]
+        if ctx.needs_input_grad[3]:  # dA_e = s Σ v[m]ᵀ x[m], v = dy · B_e
+            v = grouped_mm(dy, b_, ends)
             da = grouped_mm(v.t(), x, ends).where(has_rows, 0).to(a.dtype).mul_(s)
         if ctx.needs_input_grad[4]:  # dB_e = s Σ dy[m]ᵀ u[m]
             db = grouped_mm(dy.t(), u, ends).where(has_rows, 0).to(b.dtype).mul_(s)
-        return dx, None, None, da, db, None
+        return dx, None, None, da, db, None, None
 
 
 def moe_lora_gemm(x, offsets, w, a, b, scale: float) -> torch.Tensor:
@@ -283,7 +395,8 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float) -> torch.Tensor:
     Args:
         x: [M, K] routed rows, grouped by expert.
         offsets: [E + 1] row offsets (int32/int64), ``offsets[0] = 0``, ``offsets[E] = M``.
-        w: [E, N, K] frozen expert weights (any strides), or an :class:`Nf4Experts` stack (dequantized per call).
+        w: [E, N, K] frozen expert weights (any strides), or an :class:`Nf4Experts` stack (either merged with
+            the factors into the shared scratch buffer per call, NF4 dequantized there).
         a: [E, r, K] LoRA A per expert; b: [E, N, r] LoRA B per expert.
         scale: the LoRA scale s.
 
@@ -291,4 +404,5 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float) -> torch.Tensor:
         y [M, N] in the compute dtype (autocast's when on, else x's); gradients flow to x, a and b (w is frozen).
     """
     _check(x, offsets, w, a, b)
-    return MoeLoraGemmFunction.apply(x.to(_compute_dtype(x)), offsets, w, a, b, scale)
+    keep_u = torch.is_grad_enabled() and b.requires_grad  # u = x·A_eᵀ is read by dB only
+    return MoeLoraGemmFunction.apply(x.to(_compute_dtype(x)), offsets, w, a, b, scale, keep_u)

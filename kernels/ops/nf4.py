@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections.abc import Callable
 
 import torch
 import triton
@@ -48,12 +49,12 @@ from .utils import cdiv, interpreter_rows
 __all__ = [
     "NF4_CODE",
     "dequantize_shared",
-    "dequantize_shared_reused",
     "dequantize_shared_stacked",
     "dequantize_weight",
     "is_nf4",
     "nf4_dequantize",
     "nf4_dequantize_reference",
+    "shared_buffer_holding",
 ]
 
 _BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -293,10 +294,10 @@ def nf4_dequantize(
 # each frozen NF4 weight into it just before its matmul, in forward and again in backward, so at most one
 # layer weight at 16 bits is ever resident. Stream order makes the reuse safe on one CUDA stream.
 _SHARED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-# What the front of each buffer holds, where :func:`dequantize_shared_reused` wrote it: (a weak reference to the
-# packed codes, their version counter, the element count). Every other writer takes the buffer through
+# What the front of each buffer holds, where :func:`shared_buffer_holding` wrote it: (weak references to its
+# sources, (element count, extra, the sources' version counters)). Every other writer takes the buffer through
 # :func:`_shared_buffer`, which forgets it.
-_HELD: dict[tuple[torch.device, torch.dtype], tuple[weakref.ref, int, int]] = {}
+_HELD: dict[tuple[torch.device, torch.dtype], tuple[tuple[weakref.ref, ...], tuple]] = {}
 
 
 def _shared_buffer(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -329,22 +330,31 @@ def dequantize_shared(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return nf4_dequantize(param, qs, out=_shared_buffer(param.device, dtype, n)[:n], dtype=dtype)
 
 
-def dequantize_shared_reused(packed: torch.Tensor, quant_state, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`nf4_dequantize` of ``packed`` into the shared scratch buffer, or the buffer as it is where the last
-    writer was this call for the same codes, unmodified since (same tensor, same version counter) and nothing has
-    taken the buffer since. An MoE layer's down stack is the last NF4 weight its forward (or its recompute) dequantizes
-    and the first its backward needs: the backward then reads the recompute's copy instead of writing it again.
+def shared_buffer_holding(
+    device: torch.device,
+    dtype: torch.dtype,
+    n: int,
+    sources: tuple[torch.Tensor, ...],
+    extra: tuple,
+    fill: Callable[[torch.Tensor], object],
+) -> torch.Tensor:
+    """The shared scratch buffer's first ``n`` elements holding a value computed from ``sources`` (and ``extra``,
+    plain values compared with ==): ``fill`` writes it, unless the last writer was a call with the same sources
+    (the same tensors, unmodified: same version counters) and extra and nothing has taken the buffer since (every
+    other writer goes through ``_shared_buffer``, which forgets what it held). An MoE layer's down stack, the last
+    one its forward or recompute writes, is the first its backward needs: the backward reads it as it is.
 
     Aliases the buffer as :func:`dequantize_shared` does (valid until the next NF4 dequantization on this device).
     """
-    n = _numel(quant_state.shape)
-    key = (packed.device, dtype)
+    key = (device, dtype)
+    state = (n, extra, tuple(t._version for t in sources))
     held = _HELD.get(key)
-    if held is not None and held[0]() is packed and held[1:] == (packed._version, n):
-        return _SHARED[key][:n].view(quant_state.shape)
-    out = nf4_dequantize(packed, quant_state, out=_shared_buffer(packed.device, dtype, n)[:n], dtype=dtype)
-    _HELD[key] = (weakref.ref(packed), packed._version, n)
-    return out
+    if held is not None and held[1] == state and all(r() is t for r, t in zip(held[0], sources, strict=True)):
+        return _SHARED[key][:n]
+    buf = _shared_buffer(device, dtype, n)[:n]
+    fill(buf)
+    _HELD[key] = (tuple(weakref.ref(t) for t in sources), state)
+    return buf
 
 
 def dequantize_shared_stacked(params: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:

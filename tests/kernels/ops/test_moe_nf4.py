@@ -95,41 +95,76 @@ def test_the_nf4_grouped_gemm_equals_the_16_bit_path_on_the_dequantized_stack(dt
 
 @cpu_tier
 def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and_only_that(monkeypatch):
-    """The backward's ``dy · W_e`` reads the forward's dequantized stack where the shared buffer still holds it, and
-    dequantizes again once anything else has taken the buffer or the codes changed; the gradients are the same."""
+    """The backward's ``dy · (W_e + s B_e A_e)`` reads the forward's merged stack where the shared buffer still holds
+    it, and merges again once anything else has taken the buffer or the codes or factors changed; same gradients."""
     from strop.kernels.ops import moe_gemm, nf4
     from strop.kernels.ops.moe_gemm import Nf4Experts, moe_lora_gemm
 
     x, offsets, w, a, b = _inputs()
     q = Nf4Experts.quantize(w)
     calls = []
-    real = nf4.nf4_dequantize
-    monkeypatch.setattr(nf4, "nf4_dequantize", lambda *args, **kw: calls.append(args[0]) or real(*args, **kw))
+    real = moe_gemm._merge_into
+    monkeypatch.setattr(moe_gemm, "_merge_into", lambda out, w, *rest: calls.append(w) or real(out, w, *rest))
     dy = torch.randn(x.shape[0], w.shape[1], generator=torch.Generator().manual_seed(1))
     want = _run(x, offsets, q.dequantize(torch.float32), a, b, 2.0, dy)
+    calls.clear()
     assert torch.equal(_run(x, offsets, q, a, b, 2.0, dy)[1], want[1])
-    assert len(calls) == 1, "the backward dequantized the stack its forward had just left in the buffer"
+    assert len(calls) == 1, "the backward merged the stack its forward had just left in the buffer"
 
     def forward_then(between):
+        """dx, and which stacks the forward and the backward merged."""
         xs = x.clone().requires_grad_()
+        calls.clear()
         y = moe_lora_gemm(xs, offsets, q, a, b, 2.0)
         between()
+        merged_fwd = [c is q for c in calls]
         calls.clear()
         y.backward(dy)
-        return xs.grad
+        return xs.grad, merged_fwd, [c is q for c in calls]
 
     n = w.numel()
-    other = Nf4Experts.quantize(torch.randn(2, 8, 64))
-    takers = {  # another stack dequantized, any other writer of the buffer (overwriting it), the codes modified
-        "another stack": lambda: moe_gemm._dense(other, torch.float32),
+    other, oa, ob = Nf4Experts.quantize(torch.randn(2, 8, 64)), torch.randn(2, 4, 64), torch.randn(2, 8, 4)
+    takers = {  # another stack merged, any other writer of the buffer (overwriting it), the codes modified
+        "another stack": lambda: moe_gemm._merged(other, oa, ob, oa, ob, 1.0, torch.float32),
         "another writer": lambda: nf4._shared_buffer(x.device, torch.float32, n)[:n].fill_(0),
         "codes changed": lambda: q.packed.add_(0),
     }
     for what, between in takers.items():
-        assert torch.equal(forward_then(between), want[1]), f"{what}: dx"
-        assert [c is q.packed for c in calls] == [True], (
-            f"{what}: the backward must dequantize the stack again"
-        )
+        dx, _, merged_bwd = forward_then(between)
+        assert torch.equal(dx, want[1]), f"{what}: dx"
+        assert merged_bwd == [True], f"{what}: the backward must merge the stack again"
+    b.add_(0)  # the factors changed (an optimizer step's in-place update; same values here)
+    dx, merged_fwd, merged_bwd = forward_then(lambda: None)
+    assert torch.equal(dx, want[1]) and merged_fwd == [True] and merged_bwd == [], (
+        "changed factors: merged again"
+    )
+
+
+@cpu_tier
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("double_quant", [True, False], ids=["double-quant", "fp32-absmax"])
+def test_the_merge_kernel_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product(dtype, double_quant):
+    """The merged stack's W part is ``nf4_dequantize``'s values bit for bit (zero factors: nothing added), and with
+    factors it is W + s·B_e A_e of the compute-dtype factors, in fp32 to its rounding (bf16: rounded once, so within
+    half an ulp of the fp32 sum: 2⁻⁸ relative). N 40 and K 192: a partial tile in both, rows of 1.5 K-tiles."""
+    from strop.kernels.ops.moe_gemm import Nf4Experts, _merge_into
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 40, 192, generator=gen).to(dtype)
+    a, b = torch.randn(3, 4, 192, generator=gen).to(dtype), torch.randn(3, 40, 4, generator=gen).to(dtype)
+    q = Nf4Experts.quantize(w, double_quant=double_quant)
+    out = torch.empty(w.numel(), dtype=dtype)
+    _merge_into(out, q, a, torch.zeros_like(b), 0.5)
+    assert torch.equal(out.view(w.shape), q.dequantize(dtype)), "the merge kernel's dequantized values"
+    _merge_into(out, q, a, b, 0.5)
+    want = q.dequantize(dtype).float().baddbmm(b.float(), a.float(), alpha=0.5)
+    if dtype == torch.float32:
+        assert_close_fp32(out.view(w.shape), want, "merged stack")
+    else:
+        assert ((out.view(w.shape).float() - want).abs() <= 2**-8 * want.abs()).all(), "merged stack"
+    dense = torch.empty_like(out)
+    _merge_into(dense, q.dequantize(dtype), a, b, 0.5)
+    assert torch.equal(dense, out), "a 16-bit stack merges to the same values as its NF4 codes dequantized"
 
 
 @cpu_tier
