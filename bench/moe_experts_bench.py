@@ -115,7 +115,8 @@ def run_system(system, pm, x, idx, w, a):
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
-    grads = {n: p.grad.float() for n, p in pm.named_parameters() if p.requires_grad}
+    # copies: fp32 grads' .float() is the grad itself, which --profile's extra backward accumulates into
+    grads = {n: p.grad.float().clone() for n, p in pm.named_parameters() if p.requires_grad}
     if a.profile and cuda and system.startswith("strop"):  # one more iteration, after the timed ones
         import os
         import sys
