@@ -9,13 +9,13 @@ HF's Qwen3-MoE / Mixtral experts module, given the router's choices (``top_k_ind
 and PEFT's ``target_parameters`` LoRA adds ``s · B_e A_e`` to GU_e and D_e (``trainer_svc/core/moe.py``). Here the
 T·k routed copies are sorted by expert once (a stable sort of the expert ids: ``offsets`` from their counts), gathered,
 run through :func:`~strop.kernels.ops.moe_gemm.moe_lora_gemm` for gate/up and again for down (torch's grouped GEMM
-for the base and the LoRA terms, no merged [E, N, K] stack), and scattered back with ``index_add``. Each routed row's
+over the merged stack), and each token's k rows summed back (``kernels/ops/moe_rows.py``: fp32, no atomics; the
+gather's backward is the same sum). Each routed row's
 weight multiplies its activation, ``w · (h Dᵀ) = (w · h) Dᵀ``, inside the SwiGLU kernel
 (:class:`RoutedSwiGLUFunction`: ``kernels/ops/swiglu.py`` with a row scale, whose backward also gives the weights'
 gradient, the router's gradient path): the [M, I] activation is scaled instead of the [M, H] down product, which
 saves the weighting's own passes over that product (a multiply, its saved input and its two backward products), and
-silu·mul's eager intermediates. Autograd carries the gather and the scatter; the GEMMs and the activation have their
-own backward.
+silu·mul's eager intermediates. The gather, the GEMMs, the activation and the sum each have their own backward.
 
 PEFT's factors are reshaped, never copied: ``lora_A.weight [E·r, in]`` → ``[E, r, in]``; ``lora_B.weight
 [out, E·r]`` (expert e's columns at ``e::E``) → ``[E, out, r]`` as a permuted view.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.moe_gemm import moe_lora_gemm
+from ..ops.moe_rows import combine_rows, gather_rows
 from ..ops.swiglu import swiglu_bwd, swiglu_fwd
 
 __all__ = ["RoutedSwiGLUFunction", "lora_moe_experts", "peft_expert_factors"]
@@ -90,10 +91,12 @@ def lora_moe_experts(
     # each expert's first row in the sorted ids (no host sync, unlike bincount's output size on CUDA)
     bounds = torch.arange(experts + 1, dtype=flat.dtype, device=x.device)
     offsets = torch.searchsorted(flat[order], bounds)
-    xs = x[token]
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)  # token t's i-th copy sits at inv[t·k + i]
+    xs = gather_rows(x, token, inv, k)
     gu = moe_lora_gemm(xs, offsets, *gate_up)
     # the weights in the compute dtype, as HF's weighting product has them
     w = top_k_weights.reshape(-1)[order].to(gu.dtype)
     h = RoutedSwiGLUFunction.apply(gu, w)
     out = moe_lora_gemm(h, offsets, *down)
-    return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
+    return combine_rows(out, token, inv, k, x.dtype)
