@@ -22,7 +22,7 @@ import triton.language as tl
 from .nf4 import _use_kernel
 from .utils import cast_to, cdiv, interpreter_rows
 
-__all__ = ["combine_rows", "gather_rows", "sum_rows"]
+__all__ = ["combine_rows", "gather_rows", "sum_rows", "sum_rows_reference"]
 
 _BLOCK_T, _BLOCK_H, _NUM_WARPS = 8, 256, 4
 
@@ -45,6 +45,11 @@ def _sum_rows_kernel(
     )
 
 
+def sum_rows_reference(src: torch.Tensor, idx: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`sum_rows` in torch: the k rows gathered, summed in fp32, rounded once."""
+    return src[idx].view(idx.numel() // k, k, -1).float().sum(1).to(dtype)
+
+
 def sum_rows(src: torch.Tensor, idx: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     """``dst[t] = Σ_{i<k} src[idx[t·k + i]]`` [T, H] in ``dtype``, T = len(idx) / k, summed in fp32, rounded once."""
     t = idx.numel() // k
@@ -54,8 +59,7 @@ def sum_rows(src: torch.Tensor, idx: torch.Tensor, k: int, dtype: torch.dtype) -
     if dst.numel() == 0:
         return dst
     if not _use_kernel(src.device):  # off the GPU and the interpreter: the same sum in torch
-        dst.copy_(src[idx].view(t, k, -1).float().sum(1))
-        return dst
+        return dst.copy_(sum_rows_reference(src, idx, k, dtype))
     block_t = max(_BLOCK_T, interpreter_rows(t, _BLOCK_H))
     grid = (cdiv(t, block_t), cdiv(src.shape[1], _BLOCK_H))
     _sum_rows_kernel[grid](
