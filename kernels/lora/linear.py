@@ -404,9 +404,27 @@ def backward_projections(
     return dx, d_a, d_b
 
 
-def no_autocast(device_type: str) -> torch.autocast:
-    """Autocast off: the LoRA functions pick every dtype explicitly (see the dtype contract)."""
-    return torch.autocast(device_type=device_type, enabled=False)
+class no_autocast:  # a context manager, named as torch.no_grad
+    """Autocast off for ``device_type`` inside: the LoRA functions pick every dtype explicitly (see the dtype
+    contract).
+
+    Only autocast's enabled flag is switched, and only where it is on; ``torch.autocast(enabled=False)`` also sets
+    and restores its dtype, weight-cast cache and nesting count, none of which a region without autocast reads,
+    at several times the host time (a few of these regions a projection and pass)."""
+
+    __slots__ = ("device_type", "was_on")
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type, self.was_on = device_type, False
+
+    def __enter__(self) -> None:
+        self.was_on = torch.is_autocast_enabled(self.device_type)
+        if self.was_on:
+            torch.set_autocast_enabled(self.device_type, False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was_on:
+            torch.set_autocast_enabled(self.device_type, True)
 
 
 class Frozen:
@@ -417,7 +435,18 @@ class Frozen:
 
 
 def with_factors(frozen: Frozen, factors: Sequence[torch.Tensor | None]) -> list[LoRAProj]:
-    return [p._replace(lora_A=factors[2 * i], lora_B=factors[2 * i + 1]) for i, p in enumerate(frozen.projs)]
+    # built directly: NamedTuple._replace costs twice the host time, and this runs in every forward and backward
+    return [
+        LoRAProj(p.base, factors[2 * i], factors[2 * i + 1], p.scaling, p.bias)
+        for i, p in enumerate(frozen.projs)
+    ]
+
+
+def as_proj(p: Sequence) -> LoRAProj:
+    """A ``LoRAProj`` or ``(base, lora_A, lora_B, scaling, bias)`` tuple (A/B/bias may be None) as a ``LoRAProj``
+    with a float scaling."""
+    p = LoRAProj(*p)
+    return p if type(p.scaling) is float else LoRAProj(p.base, p.lora_A, p.lora_B, float(p.scaling), p.bias)
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -562,8 +591,7 @@ def lora_qkv(
     Raises:
         TypeError, ValueError: As :func:`lora_linear`, naming the offending projection.
     """
-    projs = [LoRAProj(*p) for p in (q, k, v)]
-    projs = [p._replace(scaling=float(p.scaling)) for p in projs]
+    projs = [as_proj(p) for p in (q, k, v)]
     for name, p in zip("qkv", projs, strict=True):
         check_proj(p, name, x.shape[-1], x.device)
     dtype = compute_dtype(x)

@@ -69,6 +69,7 @@ from ..ops.swiglu import LowRank, geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
 from .linear import (
     Frozen,
     LoRAProj,
+    as_proj,
     as_rows_for,
     backward_projections,
     check_proj,
@@ -269,8 +270,7 @@ def lora_mlp(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    projs = [LoRAProj(*p) for p in (gate, up, down)]
-    projs = [p._replace(scaling=float(p.scaling)) for p in projs]
+    projs = [as_proj(p) for p in (gate, up, down)]
     check_proj(projs[0], "gate", x.shape[-1], x.device)
     check_proj(projs[1], "up", x.shape[-1], x.device)
     if out_features(projs[1].base) != out_features(projs[0].base):

@@ -29,7 +29,7 @@ from tests.deps import locked
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from strop.kernels.lora.linear import lora_linear, lora_linear_reference, lora_qkv
+from strop.kernels.lora.linear import as_proj, lora_linear, lora_linear_reference, lora_qkv, no_autocast
 from strop.kernels.lora.mlp import lora_mlp, lora_mlp_reference
 from strop.kernels.ops.nf4 import dequantize_weight
 
@@ -244,6 +244,31 @@ def test_autocast_computes_in_the_autocast_dtype_like_peft():
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         y = lora_linear(x, *p)
     _compare(y, x, [p], torch.randn_like(y), _linear_reference, _bf16_torch_linear, x_dtype=torch.bfloat16)
+
+
+def test_no_autocast_turns_autocast_off_inside_and_back_on_after():
+    """The LoRA functions' region without autocast: off inside (an fp32 matmul stays fp32), autocast's own state
+    (on, its dtype) back after, also when the region raises; nothing switched where autocast was off."""
+    a = torch.randn(4, 4, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16
+        with no_autocast(DEVICE):
+            assert not torch.is_autocast_enabled(DEVICE) and (a @ a).dtype == torch.float32
+        assert torch.is_autocast_enabled(DEVICE) and torch.get_autocast_dtype(DEVICE) == torch.bfloat16
+        assert (a @ a).dtype == torch.bfloat16
+        with pytest.raises(KeyError), no_autocast(DEVICE):
+            raise KeyError("inside")
+        assert torch.is_autocast_enabled(DEVICE) and (a @ a).dtype == torch.bfloat16
+    with no_autocast(DEVICE):
+        assert not torch.is_autocast_enabled(DEVICE)
+    assert not torch.is_autocast_enabled(DEVICE)
+
+
+def test_a_projection_tuple_becomes_a_lora_proj_with_a_float_scaling():
+    w, a, b = torch.randn(6, 5), torch.randn(2, 5), torch.randn(6, 2)
+    p = as_proj((w, a, b, 2, None))
+    assert type(p.scaling) is float and p.scaling == 2.0 and p.base is w and p.lora_A is a and p.lora_B is b
+    assert as_proj((w,)) == (w, None, None, 1.0, None), "the base alone: LoRAProj's defaults"
 
 
 def test_frozen_base_is_required_and_shapes_are_checked():
