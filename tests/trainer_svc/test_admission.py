@@ -303,3 +303,20 @@ def test_the_trainer_admits_a_job_with_adams_moments_on_host_only_when_they_woul
         admitted(between)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * n)
     assert admitted(between) is HostAdamW
+
+
+def test_the_moments_go_to_the_host_only_beside_what_the_memory_mode_may_offload_there():
+    """16 bytes a trainable parameter (the moments' pinned copies counted twice) must fit in the host memory the
+    job's mode leaves beside its offloaded activations: all of it without offload, half in the standard mode (layer
+    inputs offload only into half the host), a fifth in LONG_CONTEXT (its host budget is 0.8 of it)."""
+    from strop.common.memory_modes import MEMORY_MODES, MemoryMode
+
+    n = 1_000_000
+    room = admission.host_has_room_for_moments
+    assert room(n, None) and room(n, 16 * n) and not room(n, 16 * n - 1)
+    assert room(n, 32 * n, MEMORY_MODES[MemoryMode.STANDARD]) and not room(
+        n, 32 * n - 2, MEMORY_MODES[MemoryMode.STANDARD]
+    )
+    assert room(n, 80 * n + 5, MEMORY_MODES[MemoryMode.LONG_CONTEXT])
+    assert not room(n, 79 * n, MEMORY_MODES[MemoryMode.LONG_CONTEXT])
+    assert room(n, 16 * n, MEMORY_MODES[MemoryMode.MAX_SPEED])  # offloads nothing

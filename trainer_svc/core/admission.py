@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from strop.common.archs import arch_of, moe_sizes
 from strop.common.errors import ResourceExhausted
+from strop.common.memory_modes import MemoryFeatures
 from strop.common.trainer_types import TrainConfig, TrainMethod
 
 log = logging.getLogger("strop.trainer.admission")
@@ -175,10 +176,19 @@ def longest_row(dataset) -> int:
 HOST_MOMENT_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 
 
-def host_has_room_for_moments(n_trainable: int, available: int | None) -> bool:
+def host_has_room_for_moments(
+    n_trainable: int, available: int | None, memory: MemoryFeatures | None = None
+) -> bool:
     """Whether ``available`` bytes of host memory (None: unknown, assumed enough) hold AdamW's two fp32 moments in
-    pinned memory, counted twice over: the pinned allocator rounds each chunk's block up to a power of two."""
-    return available is None or available >= 2 * 8 * n_trainable
+    pinned memory, counted twice over (the pinned allocator rounds each chunk's block up to a power of two), beside
+    the share the job's memory mode ``memory`` may give its offloaded activations (its host budget; half the host
+    where offload needs room)."""
+    if available is None:
+        return True
+    share = 0.0
+    if memory is not None and memory.offload_layer_inputs:
+        share = memory.host_budget_fraction or (0.5 if memory.offload_needs_host_room else 0.0)
+    return available * (1 - share) >= 2 * 8 * n_trainable
 
 
 def admit(est: Estimate, free_bytes: int, host_moments: Estimate | None = None) -> bool:
