@@ -125,6 +125,40 @@ def test_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(tiny):
     assert alone.sequences[0].tokens != alone.sequences[1].tokens
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gemma2"])
+def test_samples_share_their_prompts_cache_and_each_sees_only_its_own_tokens(arch, tmp_path):
+    """Requests of 3 and 2 samples with prompts of 9 and 2 tokens (left-padded), 20 tokens each: the cache holds each
+    prompt once and a block of slots per sample (2 x (9 + 3 x 20) slots, not 5 x (9 + 20)), and every sampled
+    log-prob is a full forward's over that sample's own sequence — on Llama, on Gemma 3 (a 16-token sliding window
+    on five of six layers: the window slides over the prompt and the sample's block) and on Gemma 2 (attention
+    soft-capping: the decode attention's explicit path)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from strop.fixtures import make_tiny_model
+
+    path = make_tiny_model(tmp_path / arch, arch=arch, dtype="float32", seed=0)
+    impl = "eager" if arch == "gemma2" else "sdpa"  # HF's SDPA refuses Gemma 2's soft-cap
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
+    torch.manual_seed(2)
+    model = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    reqs = [
+        SampleRequest(PROMPTS[2], 3, SamplingParams(max_tokens=20, temperature=1.0, seed=8)),
+        SampleRequest(PROMPTS[1], 2, SamplingParams(max_tokens=20, temperature=1.0, seed=9)),
+    ]
+    stats = SampleStats()
+    got = sample(model, reqs, stats=stats)
+    assert stats.extra["kv_cache_slots"] == 2 * (len(PROMPTS[2]) + 3 * 20)
+    for req, res in zip(reqs, got, strict=True):
+        assert len(res.sequences) == req.num_samples
+        assert len({tuple(s.tokens) for s in res.sequences}) == req.num_samples  # different draws
+        for s in res.sequences:
+            ref = full_logprobs(model, req.prompt + s.tokens)[len(req.prompt) - 1 :]
+            assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOL, rtol=0), (s.logprobs, ref.tolist())
+
+
 def test_top_k_one_is_greedy(tiny):
     model, _ = tiny
     greedy = sample(model, [SampleRequest(PROMPTS[2], 1, SamplingParams(max_tokens=10, temperature=0.0))])

@@ -1,15 +1,20 @@
 """One decode step of a causal LM over a static KV cache, for the sampler (``sampler.py``).
 
-Cache and masks. :class:`StaticKVCache` holds ``[rows, kv_heads, slots, head_dim]`` buffers per layer, allocated once
-(the longest prompt plus the largest ``max_tokens``); a step writes its slot with ``index_copy_`` at a device index, so
-nothing about a step depends on host values. Slot ``s`` of row ``b`` holds position ``s - pad_b``; the 4-D additive
-mask the model receives hides pads, slots not yet written and (sliding-window layers) keys outside the window, and
-position ids are per row. A padded query (prefill only) sees itself, so no softmax row is empty.
+Cache and masks. :class:`StaticKVCache` holds ``[requests, kv_heads, slots, head_dim]`` buffers per layer, allocated
+once: a request's prompt (left-padded to the longest) once, then one block of ``max_tokens`` slots per sample (as many
+blocks as the request with the most samples has), so a request's samples share its prompt's K/V instead of each
+holding a copy (at a 64K prompt and 8 samples, 1/8 of the cache; the decode attention reads the prompt once per
+request). The prefill writes the prompt slots; decode step ``t`` writes sample ``i``'s token into slot
+``prompt + i·max_tokens + t`` of its request, with device-held indices, so nothing about a step depends on host
+values. The 4-D additive masks the model receives hide pads, slots not yet written, other samples' slots and
+(sliding-window layers) keys outside the window; position ids are per row. A padded query (prefill only) sees
+itself, so no softmax row is empty.
 
 Decode attention. HF's SDPA path repeats K/V to every query head when a mask is given (its ``use_gqa_in_sdpa``),
-copying the whole cache per layer and step; for one query token the grouped product is computed directly instead
-(``gqa_decode_attention``, registered as an attention implementation for the duration of a call; prefill keeps the
-model's own implementation).
+copying the whole cache per layer and step; for one query token per row the grouped product is computed directly
+instead (``gqa_decode_attention``, registered as an attention implementation for the duration of a call; prefill
+keeps the model's own implementation): a request's samples and each kv head's query heads become the query positions
+of one attention over that request's slots, the mask telling each sample its own.
 
 On CUDA the decode step (backbone + head, :class:`DecodeStep`) is captured once per call as a CUDA graph and
 replayed; if capture fails the call decodes eagerly and says so in the sampler's stats.
@@ -28,14 +33,31 @@ from strop.common.errors import FailedPrecondition
 log = logging.getLogger("strop.trainer.sampler")
 
 DECODE_ATTENTION = "strop_gqa_decode"
+DECODE_LAYOUT = (
+    "_strop_decode_layout"  # the config attribute the decode attention reads the rows' layout from
+)
+
+
+@dataclass
+class DecodeLayout:
+    """Where each sampled row's query sits among its request's ``samples`` positions (the most samples any request
+    has): ``padded`` [requests·samples] the row filling each position (a request with fewer samples repeats its
+    first row, masked to its prompt and dropped after), ``unpadded`` [rows] each row's position; both None when
+    every request has ``samples`` samples (rows are already in that order)."""
+
+    samples: int
+    padded: torch.Tensor | None
+    unpadded: torch.Tensor | None
 
 
 class StaticKVCache:
     """Preallocated K/V per layer, written at device-held slots; what HF attention calls as its cache.
 
     HF attention calls ``update(key, value, layer_idx, ...)`` (the rest differs between transformers versions and
-    is ignored) and attends over what it returns: the layer's whole buffers, the mask hiding what is not yet
-    written. ``slots`` (a device tensor) says where the current tokens go."""
+    is ignored) and attends over what it returns: the layer's whole buffers ``[requests, kv_heads, slots, dim]``,
+    the mask hiding what is not yet written. Prefill: ``slots`` (a device tensor, the first slots) says where the
+    prompt's tokens go, one buffer row per request, and attention reads the prompt slots only. Decode (``rows`` set): each sampled row's token goes to its request
+    (``rows[0]``) at slot ``rows[1] + slots`` (its block's start plus the step, ``slots`` then holding the step)."""
 
     is_compileable = False
 
@@ -46,6 +68,8 @@ class StaticKVCache:
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.slots = slots
         self.length = length
+        self.prompt = int(slots.numel())  # the prefill attends over the prompt slots only
+        self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.k[layer_idx] is None:
@@ -53,14 +77,15 @@ class StaticKVCache:
             self.k[layer_idx] = key.new_zeros(b, h, self.length, d)
             self.v[layer_idx] = value.new_zeros(b, h, self.length, value.shape[-1])
         k, v = self.k[layer_idx], self.v[layer_idx]
-        k.index_copy_(2, self.slots, key.to(k.dtype))
-        v.index_copy_(2, self.slots, value.to(v.dtype))
+        if self.rows is None:
+            k.index_copy_(2, self.slots, key.to(k.dtype))
+            v.index_copy_(2, self.slots, value.to(v.dtype))
+            return k[:, :, : self.prompt], v[:, :, : self.prompt]
+        request, start = self.rows  # decode: one token per sampled row, key [rows, kv_heads, 1, dim]
+        at = start + self.slots
+        k[request, :, at] = key[:, :, 0].to(k.dtype)
+        v[request, :, at] = value[:, :, 0].to(v.dtype)
         return k, v
-
-    def expand(self, rows: torch.Tensor) -> None:
-        """Row ``i`` becomes a copy of row ``rows[i]`` (a request's prefill copied to its samples)."""
-        self.k = [None if t is None else t.index_select(0, rows) for t in self.k]
-        self.v = [None if t is None else t.index_select(0, rows) for t in self.v]
 
     # what HF may ask a cache besides update (transformers 5.17 reads the length for its default positions)
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -74,12 +99,15 @@ class StaticKVCache:
 
 
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention for one query token per row over a grouped-query cache, without repeating K/V per query head.
+    """Attention for one query token per sampled row over its request's slots of a grouped-query cache, without
+    repeating K/V per query head or per sample.
 
-    ``query`` ``[B, H, 1, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (query head ``h`` reads kv head ``h // (H/Hkv)``,
-    as HF's ``repeat_kv`` pairs them), ``attention_mask`` additive ``[B, 1, 1, L]``. The H/Hkv query heads of a group
-    become that kv head's query positions, so plain SDPA over Hkv heads computes it with the mask broadcast.
-    Returns ``([B, 1, H, D], None)`` as HF's attention functions do. Longer queries (prefill) go to HF's SDPA.
+    ``query`` ``[B, H, 1, D]`` (B sampled rows), ``key``/``value`` ``[R, Hkv, L, D]`` (R requests; query head ``h``
+    reads kv head ``h // g``, g = H/Hkv, as HF's ``repeat_kv`` pairs them), ``attention_mask`` additive
+    ``[R, 1, S, L]`` (S = samples a request, the config's :class:`DecodeLayout`). A request's S samples times a kv
+    head's g query heads become that kv head's S·g query positions, so plain SDPA over Hkv heads computes it, each
+    sample's mask row repeated over its g heads. Returns ``([B, 1, H, D], None)`` as HF's attention functions do.
+    Longer queries (prefill) go to HF's SDPA.
     """
     if query.shape[2] != 1:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -87,13 +115,15 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    b, h, _, d = query.shape
-    hkv, length = key.shape[1], key.shape[2]
+    lay: DecodeLayout = getattr(module.config, DECODE_LAYOUT)
+    h, d = query.shape[1], query.shape[3]
+    n_req, hkv, length = key.shape[0], key.shape[1], key.shape[2]
+    g, s, dv = h // hkv, lay.samples, value.shape[-1]
     scale = scaling if scaling is not None else d**-0.5
-    q = query.reshape(b, hkv, h // hkv, d)  # a group's query heads as the "positions" of its kv head
-    mask = (
-        None if attention_mask is None else attention_mask[:, :, :, :length]
-    )  # [B, 1, 1, L] over all of them
+    if lay.padded is not None:
+        query = query.index_select(0, lay.padded)
+    q = query.reshape(n_req, s, hkv, g, d).transpose(1, 2).reshape(n_req, hkv, s * g, d)
+    mask = None if attention_mask is None else attention_mask[:, :, :, :length].repeat_interleave(g, dim=2)
     softcap = kwargs.get("softcap")
     if not softcap:  # SDPA's own kernels (fp32 softmax inside), K/V read in place
         out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
@@ -103,7 +133,8 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
         if mask is not None:
             scores = scores + mask.float()
         out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
-    return out.reshape(b, 1, h, value.shape[-1]), None
+    out = out.reshape(n_req, hkv, s, g, dv).transpose(1, 2).reshape(n_req * s, 1, h, dv)
+    return (out if lay.unpadded is None else out.index_select(0, lay.unpadded)), None
 
 
 @dataclass
@@ -200,6 +231,41 @@ def masks(parts: ModelParts, valid, key_pos, q_slots, q_pos, dtype):
     }
 
 
+@dataclass
+class DecodeSlots:
+    """What each decode step's masks are built from, fixed for a call (device tensors; R requests, L slots, S samples
+    a request): ``prompt_ok`` [R, L] the prompt slots holding a token (not a pad), ``owner`` [L] the sample whose
+    block a slot is in (-1: the prompt), ``step_of`` [L] the step that writes it (-1: the prompt), ``key_pos`` [R, L]
+    each slot's position, ``first_pos`` [R, S] the position of each sample's first token."""
+
+    prompt_ok: torch.Tensor
+    owner: torch.Tensor
+    step_of: torch.Tensor
+    key_pos: torch.Tensor
+    first_pos: torch.Tensor
+
+
+def _decode_mask(d: DecodeSlots, step: torch.Tensor, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    samples = torch.arange(d.first_pos.shape[1], device=step.device)
+    own = (d.owner[None, :] == samples[:, None]) & (d.step_of[None, :] <= step)  # [S, L]: written, its own
+    allowed = d.prompt_ok[:, None, :] | own[None]  # [R, S, L]
+    if window is not None:
+        q_pos = d.first_pos + step  # [R, S]
+        allowed = allowed & ((q_pos[:, :, None] - d.key_pos[:, None, :]) < window)
+    zero = torch.zeros((), dtype=dtype, device=step.device)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=step.device)
+    return torch.where(allowed, zero, low)[:, None]  # [R, 1, S, L]
+
+
+def decode_masks(parts: ModelParts, d: DecodeSlots, step: torch.Tensor, dtype: torch.dtype):
+    """The masks of decode step ``step`` (a device tensor): a sample's query sees its request's prompt and the
+    tokens its own block holds so far (the one written this step included), within the window on sliding layers."""
+    full = _decode_mask(d, step, None if parts.layer_types else parts.sliding, dtype)
+    if not parts.layer_types:
+        return full
+    return {"full_attention": full, "sliding_attention": _decode_mask(d, step, parts.sliding, dtype)}
+
+
 def register_decode_attention() -> None:
     from transformers import AttentionInterface
 
@@ -207,18 +273,18 @@ def register_decode_attention() -> None:
 
 
 class DecodeStep:
-    """One decode step over static buffers: the slot's mask column, the model, the head; then slot and positions
+    """One decode step over static buffers: the step's masks, the model, the head; then the step and the positions
     advance. Everything it reads and writes lives on the device, so the same step replays as a CUDA graph."""
 
-    def __init__(self, parts, cache, ids, pos, slot, valid, key_pos, dtype):
-        self.parts, self.cache, self.ids, self.pos, self.slot = parts, cache, ids, pos, slot
-        self.valid, self.key_pos, self.dtype = valid, key_pos, dtype
+    def __init__(self, parts, cache, ids, pos, step, slots: DecodeSlots, dtype):
+        self.parts, self.cache, self.ids, self.pos, self.step = parts, cache, ids, pos, step
+        self.slots, self.dtype = slots, dtype
         self.graph = None
         self.out: torch.Tensor | None = None
 
     def _step(self) -> torch.Tensor:
         parts = self.parts
-        mask = masks(parts, self.valid, self.key_pos, self.slot, self.pos, self.dtype)
+        mask = decode_masks(parts, self.slots, self.step, self.dtype)
         out = parts.backbone(
             input_ids=self.ids,
             attention_mask=mask,
@@ -227,7 +293,7 @@ class DecodeStep:
             **{parts.cache_kw: self.cache},
         )
         logits = head_logits(parts, out.last_hidden_state[:, -1])
-        self.slot.add_(1)
+        self.step.add_(1)
         self.pos.add_(1)
         return logits
 

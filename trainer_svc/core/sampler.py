@@ -1,7 +1,8 @@
 """Batched sampling from a session's model (the adapter active) with a static KV cache: Tinker's ``sample``.
 
 One call decodes every request x ``num_samples`` together. Each request's prompt is prefilled once (left-padded to
-the longest prompt) and its K/V rows are copied to its samples; then one token per row per step, all rows in step.
+the longest prompt) and its K/V stay once in the cache, shared by its samples (each sample's tokens go to its own block
+of slots: ``decode_step.py``); then one token per row per step, all rows in step.
 
 Sampled-token log-probs are ``log_softmax`` of the raw logits (temperature 1, no top-k/top-p), whatever the sampling
 parameters: the distribution of the weights, not of the sampling procedure. Tinker's engine returns the same (its
@@ -44,6 +45,9 @@ import torch
 from strop.common.errors import InvalidArgument
 from strop.trainer_svc.core.decode_step import (
     DECODE_ATTENTION,
+    DECODE_LAYOUT,
+    DecodeLayout,
+    DecodeSlots,
     DecodeStep,
     ModelParts,
     StaticKVCache,
@@ -175,6 +179,8 @@ class _ModelState:
             m.training = flag
         for c, impl in self.attn:
             c._attn_implementation_internal = impl
+            if hasattr(c, DECODE_LAYOUT):
+                delattr(c, DECODE_LAYOUT)
 
 
 @contextlib.contextmanager
@@ -273,30 +279,40 @@ def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, st
     lengths = [len(r.prompt) for r in requests]
     prompt_len = max(lengths)
     max_new = max(r.params.max_tokens for r in requests)
-    slots_total = prompt_len + max_new
     counts = [r.num_samples for r in requests]
+    most = max(counts)
+    # a request's prompt once, then one block of max_new slots per sample (decode_step.py)
+    slots_total = prompt_len + most * max_new
     rows = sum(counts)
     row_req = torch.repeat_interleave(torch.arange(n_req), torch.tensor(counts)).to(device)
     stats.rows = rows
+    stats.extra["kv_cache_slots"] = (
+        n_req * slots_total
+    )  # per layer and kv head: the prompts once, a block a sample
 
     # ---- prefill: one row per request, left-padded
     pads = [prompt_len - n for n in lengths]
     ids = torch.zeros(n_req, prompt_len, dtype=torch.long)
-    valid = torch.zeros(n_req, slots_total, dtype=torch.bool)
     for i, r in enumerate(requests):
         ids[i, pads[i] :] = torch.tensor(r.prompt, dtype=torch.long)
-        # decode slots count as tokens once written: the causal part of the mask hides them until then
-        valid[i, pads[i] :] = True
-    ids, valid = ids.to(device), valid.to(device)
+    ids = ids.to(device)
     pad_t = torch.tensor(pads, device=device)
-    key_pos = torch.arange(slots_total, device=device)[None, :] - pad_t[:, None]  # [R, L]
+    slot = torch.arange(slots_total, device=device)
+    in_prompt = slot < prompt_len
+    step_of = torch.where(in_prompt, -1, (slot - prompt_len) % max_new)  # [L]
+    owner = torch.where(in_prompt, -1, (slot - prompt_len) // max_new)
+    prompt_ok = in_prompt[None, :] & (slot[None, :] >= pad_t[:, None])  # [R, L]
+    first_pos = (prompt_len - pad_t)[:, None]  # [R, 1] the position of a sample's first token
+    key_pos = torch.where(in_prompt[None, :], slot[None, :] - pad_t[:, None], first_pos + step_of[None, :])
     prefill_slots = torch.arange(prompt_len, device=device)
     q_pos = key_pos[:, :prompt_len].clamp(min=0)
     cache = StaticKVCache(parts.layers, prefill_slots, slots_total)
     t0 = time.perf_counter()
     out = parts.backbone(
         input_ids=ids,
-        attention_mask=masks(parts, valid, key_pos, prefill_slots, q_pos, dtype),
+        attention_mask=masks(
+            parts, prompt_ok[:, :prompt_len], key_pos[:, :prompt_len], prefill_slots, q_pos, dtype
+        ),
         position_ids=q_pos,
         use_cache=True,
         **{parts.cache_kw: cache},
@@ -309,10 +325,22 @@ def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, st
     first = head_logits(parts, hidden[:, -1])  # [R, V]
     del out, hidden
 
-    # ---- expand to one row per sample
-    cache.expand(row_req)
-    valid, key_pos = valid.index_select(0, row_req), key_pos.index_select(0, row_req)
+    # ---- one row per sample: its first token from its request's prefill, its K/V into its own block
     logits = first.index_select(0, row_req)
+    sample_of_row = torch.tensor([i for n in counts for i in range(n)], device=device)
+    cache.rows = (row_req, prompt_len + sample_of_row * max_new)
+    layout = DecodeLayout(most, None, None)
+    if any(
+        n != most for n in counts
+    ):  # positions request x sample; a missing sample repeats its request's first
+        starts_at = [sum(counts[:i]) for i in range(n_req)]
+        layout.padded = torch.tensor(
+            [starts_at[r] + (i if i < counts[r] else 0) for r in range(n_req) for i in range(most)],
+            device=device,
+        )
+        layout.unpadded = torch.tensor(
+            [r * most + i for r in range(n_req) for i in range(counts[r])], device=device
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats.prefill_s = time.perf_counter() - t0
@@ -382,12 +410,16 @@ def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, st
 
     # ---- decode
     ids_in = torch.zeros(rows, 1, dtype=torch.long, device=device)
-    slot = torch.full((1,), prompt_len, dtype=torch.long, device=device)  # the slot the next token goes to
-    pos = key_pos.gather(1, slot.expand(rows)[:, None])  # [B, 1] its position per row
-    cache.slots = slot
-    step = DecodeStep(parts, cache, ids_in, pos, slot, valid, key_pos, dtype)
+    step_t = torch.zeros(
+        1, dtype=torch.long, device=device
+    )  # the step: the slot in a sample's block written next
+    pos = first_pos.index_select(0, row_req).clone()  # [B, 1] the position of the token each row feeds next
+    cache.slots = step_t
+    slots = DecodeSlots(prompt_ok, owner, step_of, key_pos, first_pos.expand(n_req, most))
+    step = DecodeStep(parts, cache, ids_in, pos, step_t, slots, dtype)
     for c in parts.configs:
         c._attn_implementation_internal = DECODE_ATTENTION
+        setattr(c, DECODE_LAYOUT, layout)
     register_decode_attention()
     use_graph = cuda_graphs and device.type == "cuda"
     t1 = time.perf_counter()
