@@ -19,6 +19,12 @@ attention by SDPA with ``is_causal`` (flash/cuDNN on CUDA), then every completio
 prompt's and the completions' keys with a boolean mask [Σn, P + Σn]. No attention mask tensor over the whole row is
 built ([L, L] would be quadratic in the prompt), and the mask interface returns none for this attention.
 
+Beside ``kernels/trainers/shared_prompt.py`` (DPO/ORPO pairs): that one shares the token-wise ops of TRL's
+``[2B, T]`` rows and runs attention in those rows (q/k/v gathered back), so its attention FLOPs and K/V gather are
+the unshared batch's; here the prompt's attention runs once, which is where a group of 8 at a long prompt spends
+(at 64K tokens attention's FLOPs pass the projections'). Moving the pairs onto this attention (G = 2) would leave one
+owner; not done yet.
+
 Where it applies (``reason``): causal self-attention over the whole row (no sliding window, no attention soft-cap, no
 attention dropout); anything else trains the padded rows.
 """
