@@ -85,14 +85,15 @@ class _GatherRows(torch.autograd.Function):
 class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, token, inv, k, dtype):
-        ctx.save_for_backward(token)
-        ctx.dtype = out.dtype
+        # token is kept on ctx, not saved: nothing after the down projection's GEMM then saves a tensor in an MoE
+        # layer, so torch's non-reentrant checkpoint stops the layer's recompute after that GEMM, before this sum
+        # (which the backward does not read). The routing recomputes identically.
+        ctx.token, ctx.dtype = token, out.dtype
         return sum_rows(out, inv, k, dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        (token,) = ctx.saved_tensors
-        return dy.to(ctx.dtype).index_select(0, token), None, None, None, None
+        return dy.to(ctx.dtype).index_select(0, ctx.token), None, None, None, None
 
 
 def gather_rows(x: torch.Tensor, token: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:

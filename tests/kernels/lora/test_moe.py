@@ -1,0 +1,79 @@
+"""An MoE layer's experts on the grouped GEMM (``kernels/lora/moe.py``) under torch's non-reentrant checkpoint.
+
+The layer's last saved tensors are the down projection's (the sum of each token's rows saves none), so the recompute
+stops after that GEMM: the backward runs one row sum fewer than with the early stop off, and every gradient is the
+same as without checkpointing, bit for bit (the same ops on the same values; fp32 on the CPU, the kernels under the
+interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from tests.kernels._tolerances import cpu_tier
+
+pytestmark = cpu_tier
+
+T, H, N_I, E, K, R = 11, 64, 32, 5, 2, 4
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=gen)
+    gu = torch.randn(E, 2 * N_I, H, generator=gen) / H**0.5
+    dn = torch.randn(E, H, N_I, generator=gen) / N_I**0.5
+    factors = [
+        torch.randn(E, R, H, generator=gen) / H**0.5,
+        torch.randn(E, 2 * N_I, R, generator=gen) / R**0.5,
+    ]
+    factors += [
+        torch.randn(E, R, N_I, generator=gen) / N_I**0.5,
+        torch.randn(E, H, R, generator=gen) / R**0.5,
+    ]
+    dy = torch.randn(T, H, generator=gen)
+    return x, idx, w, gu, dn, factors, dy
+
+
+def _grads(run):
+    x, idx, w, gu, dn, factors, dy = _inputs()
+    leaves = [t.requires_grad_() for t in (x, w, *factors)]
+    a1, b1, a2, b2 = factors
+    run(x, idx, w, (gu, a1, b1, 0.5), (dn, a2, b2, 0.5)).backward(dy)
+    return [t.grad for t in leaves]
+
+
+def test_the_checkpointed_recompute_stops_before_the_row_sum_and_the_gradients_are_unchanged(
+    monkeypatch,
+):
+    from strop.kernels.lora import moe
+    from strop.kernels.ops import moe_gemm, moe_rows
+
+    calls = {"gemm": 0, "sum": 0}
+    gemm, sum_rows = moe_gemm.grouped_mm, moe_rows.sum_rows
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(moe_gemm, "grouped_mm", counted("gemm", gemm))
+    monkeypatch.setattr(moe_rows, "sum_rows", counted("sum", sum_rows))
+    plain = _grads(moe.lora_moe_experts)
+    counts = {}
+    for early in (True, False):
+        calls.update(gemm=0, sum=0)
+        with set_checkpoint_early_stop(early):  # read when the forward runs
+            got = _grads(lambda *args: checkpoint(moe.lora_moe_experts, *args, use_reentrant=False))
+        counts[early] = dict(calls)
+        for name, g, want in zip(
+            ("dx", "dw", "dA gate_up", "dB gate_up", "dA down", "dB down"), got, plain, strict=True
+        ):
+            assert torch.equal(g, want), f"early stop {early}: {name}"
+    # the down GEMM still runs: a Function's saved tensors are packed after its forward returns
+    assert counts[False]["gemm"] == counts[True]["gemm"], counts
+    assert counts[False]["sum"] - counts[True]["sum"] == 1, counts  # the sum of each token's rows
