@@ -109,6 +109,25 @@ def test_prompt_logprobs_equal_a_full_forward(tiny):
         )
 
 
+def test_an_unpadded_prefill_runs_the_causal_kernel_with_the_same_logprobs(tiny):
+    """One request (no padding) prefills through SDPA's causal kernel with no mask built; two prompts of different
+    lengths through the masked path. Either way the prompt's and the samples' log-probs are a full forward's."""
+    model, _ = tiny
+    for prompts, how in [([PROMPTS[2]], "causal"), (PROMPTS[:2], "masked")]:
+        stats = SampleStats()
+        reqs = [
+            SampleRequest(p, 2, SamplingParams(max_tokens=6, seed=5), prompt_logprobs=True) for p in prompts
+        ]
+        got = sample(model, reqs, stats=stats)
+        assert stats.extra["prefill"] == how
+        for p, res in zip(prompts, got, strict=True):
+            ref = full_logprobs(model, p)
+            assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), ref, atol=TOL, rtol=0)
+            for s in res.sequences:
+                ref = full_logprobs(model, p + s.tokens)[len(p) - 1 :]
+                assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOL, rtol=0)
+
+
 def test_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(tiny):
     """A seeded request samples the same tokens alone and beside other requests (its noise comes from its own
     generator), and a different seed samples differently."""

@@ -43,11 +43,14 @@ class DecodeLayout:
     """Where each sampled row's query sits among its request's ``samples`` positions (the most samples any request
     has): ``padded`` [requests·samples] the row filling each position (a request with fewer samples repeats its
     first row, masked to its prompt and dropped after), ``unpadded`` [rows] each row's position; both None when
-    every request has ``samples`` samples (rows are already in that order)."""
+    every request has ``samples`` samples (rows are already in that order). ``causal_prefill``: the prefill's
+    prompts are unpadded and the model's attention is plain SDPA without a window, so the prefill runs SDPA's causal
+    kernel (flash/cuDNN on CUDA) with no mask built (a [P, P] one is 32 GiB at a 128K prompt)."""
 
     samples: int
-    padded: torch.Tensor | None
-    unpadded: torch.Tensor | None
+    padded: torch.Tensor | None = None
+    unpadded: torch.Tensor | None = None
+    causal_prefill: bool = False
 
 
 class StaticKVCache:
@@ -110,6 +113,12 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
     Longer queries (prefill) go to HF's SDPA.
     """
     if query.shape[2] != 1:
+        lay = getattr(module.config, DECODE_LAYOUT, None)
+        if lay is not None and lay.causal_prefill:  # the cache returned the prompt slots: keys = queries
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+            )
+            return out.transpose(1, 2).contiguous(), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(

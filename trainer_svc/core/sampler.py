@@ -307,12 +307,31 @@ def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, st
     prefill_slots = torch.arange(prompt_len, device=device)
     q_pos = key_pos[:, :prompt_len].clamp(min=0)
     cache = StaticKVCache(parts.layers, prefill_slots, slots_total)
+    layout = DecodeLayout(most)
+    layout.causal_prefill = (
+        not any(pads)
+        and parts.sliding is None
+        and all(
+            c._attn_implementation == "sdpa" and not getattr(c, "attn_logit_softcapping", None)
+            for c in parts.configs
+        )
+    )
+    stats.extra["prefill"] = "causal" if layout.causal_prefill else "masked"
+    if layout.causal_prefill:  # decode_step.DecodeLayout: the causal kernel, no mask built
+        register_decode_attention()
+        for c in parts.configs:
+            c._attn_implementation_internal = DECODE_ATTENTION
+            setattr(c, DECODE_LAYOUT, layout)
+        # transformers takes a 4-D mask as given (no mask of its own); the causal prefill reads none
+        prefill_mask = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
+    else:
+        prefill_mask = masks(
+            parts, prompt_ok[:, :prompt_len], key_pos[:, :prompt_len], prefill_slots, q_pos, dtype
+        )
     t0 = time.perf_counter()
     out = parts.backbone(
         input_ids=ids,
-        attention_mask=masks(
-            parts, prompt_ok[:, :prompt_len], key_pos[:, :prompt_len], prefill_slots, q_pos, dtype
-        ),
+        attention_mask=prefill_mask,
         position_ids=q_pos,
         use_cache=True,
         **{parts.cache_kw: cache},
@@ -329,7 +348,6 @@ def _sample(model, parts, requests, tokenizer, eos, cuda_graphs, check_every, st
     logits = first.index_select(0, row_req)
     sample_of_row = torch.tensor([i for n in counts for i in range(n)], device=device)
     cache.rows = (row_req, prompt_len + sample_of_row * max_new)
-    layout = DecodeLayout(most, None, None)
     if any(
         n != most for n in counts
     ):  # positions request x sample; a missing sample repeats its request's first
