@@ -98,5 +98,7 @@ def lora_moe_experts(
     # the weights in the compute dtype, as HF's weighting product has them
     w = top_k_weights.reshape(-1)[order].to(gu.dtype)
     h = RoutedSwiGLUFunction.apply(gu, w)
-    out = moe_lora_gemm(h, offsets, *down)
+    # split: the down projection ends the layer; its product then saves nothing, so a checkpointed recompute stops
+    # before it (and before the sum, which saves nothing either)
+    out = moe_lora_gemm(h, offsets, *down, split=True)
     return combine_rows(out, token, inv, k, x.dtype)

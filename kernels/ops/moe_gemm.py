@@ -379,8 +379,7 @@ class MoeLoraGemmFunction(torch.autograd.Function):
         dx = da = db = None
         if ctx.needs_input_grad[0]:  # dy · (W_e + s B_e A_e)
             dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt), ends)
-        # an expert without rows gets exactly 0 (the per-expert loop's zeros; what torch's kernel leaves there is not read)
-        has_rows = (torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None]
+        has_rows = _has_rows(ends)
         if ctx.needs_input_grad[3]:  # dA_e = s Σ v[m]ᵀ x[m], v = dy · B_e
             v = grouped_mm(dy, b_, ends)
             da = grouped_mm(v.t(), x, ends).where(has_rows, 0).to(a.dtype).mul_(s)
@@ -389,7 +388,66 @@ class MoeLoraGemmFunction(torch.autograd.Function):
         return dx, None, None, da, db, None, None
 
 
-def moe_lora_gemm(x, offsets, w, a, b, scale: float) -> torch.Tensor:
+def _has_rows(ends: torch.Tensor) -> torch.Tensor:
+    """[E, 1, 1]: experts with rows (an expert without gets exactly 0, the per-expert loop's zeros; what torch's
+    kernel leaves there is not read)."""
+    return (torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None]
+
+
+class _LoraInputFunction(torch.autograd.Function):
+    """The split form's first node: ``u = x · A_eᵀ`` [M, r]. Its backward takes du = s · dy · B_e from the product
+    node and gives dA_e = Σ du[m]ᵀ x[m] only: x's share of the LoRA path is in the product node's ``dy · W'_e``."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, a):
+        with torch.autocast(x.device.type, enabled=False):
+            ends = offsets[1:].to(torch.int32)
+            u = grouped_mm(x, a.to(x.dtype).contiguous().transpose(1, 2), ends)
+        ctx.save_for_backward(x, ends)
+        ctx.a_dtype = a.dtype
+        return u
+
+    @staticmethod
+    def backward(ctx, du):
+        x, ends = ctx.saved_tensors
+        da = None
+        if ctx.needs_input_grad[2]:
+            da = grouped_mm(du.to(x.dtype).t(), x, ends).where(_has_rows(ends), 0).to(ctx.a_dtype)
+        return None, None, da
+
+
+class _MergedProductFunction(torch.autograd.Function):
+    """The split form's product node: ``y = x · W'_eᵀ`` over the merged stack, saving no tensor through
+    ``save_for_backward`` (so torch's non-reentrant checkpoint, whose recompute stops at a layer's last saved tensor,
+    skips this node's merge and GEMM where it ends a layer): the stack, the factors and ``u`` are held on ctx. Its
+    backward: dx = dy · W'_e, du = s · dy · B_e (to the first node, for dA), dB_e = s · Σ dy[m]ᵀ u[m]."""
+
+    @staticmethod
+    def forward(ctx, x, u, offsets, w, a, b, scale):
+        with torch.autocast(x.device.type, enabled=False):
+            dt = x.dtype
+            ends = offsets[1:].to(torch.int32)
+            a_, b_ = _factors(a, b, dt)
+            y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
+        ctx.w, ctx.a, ctx.b, ctx.u, ctx.ends, ctx.scale, ctx.dt = w, a, b, u, ends, scale, dt
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w, a, b, u, ends, s, dt = ctx.w, ctx.a, ctx.b, ctx.u, ctx.ends, ctx.scale, ctx.dt
+        dy = dy.to(dt).contiguous()
+        a_, b_ = _factors(a, b, dt)
+        dx = du = db = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt), ends)
+        if ctx.needs_input_grad[1]:
+            du = grouped_mm(dy, b_, ends).mul_(s)
+        if ctx.needs_input_grad[5]:
+            db = grouped_mm(dy.t(), u.to(dt), ends).where(_has_rows(ends), 0).to(b.dtype).mul_(s)
+        return dx, du, None, None, None, db, None
+
+
+def moe_lora_gemm(x, offsets, w, a, b, scale: float, *, split: bool = False) -> torch.Tensor:
     """``y[m] = x[m] W_eᵀ + s (x[m] A_eᵀ) B_eᵀ`` for rows sorted by expert (``offsets`` [E + 1]), grouped GEMMs.
 
     Args:
@@ -399,10 +457,19 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float) -> torch.Tensor:
             the factors into the shared scratch buffer per call, NF4 dequantized there).
         a: [E, r, K] LoRA A per expert; b: [E, N, r] LoRA B per expert.
         scale: the LoRA scale s.
+        split: two autograd nodes, ``u = x·A_eᵀ`` (saving x) and the product (saving nothing, holding u, [M, r],
+            on its node): for a checkpointed layer's last projection, whose recompute then stops before the
+            product (an MoE layer's down projection). The same products; dA from du = s·dy·B_e rounded to the
+            compute dtype.
 
     Returns:
         y [M, N] in the compute dtype (autocast's when on, else x's); gradients flow to x, a and b (w is frozen).
     """
     _check(x, offsets, w, a, b)
-    keep_u = torch.is_grad_enabled() and b.requires_grad  # u = x·A_eᵀ is read by dB only
-    return MoeLoraGemmFunction.apply(x.to(_compute_dtype(x)), offsets, w, a, b, scale, keep_u)
+    x = x.to(_compute_dtype(x))
+    if not split:
+        keep_u = torch.is_grad_enabled() and b.requires_grad  # u = x·A_eᵀ is read by dB only
+        return MoeLoraGemmFunction.apply(x, offsets, w, a, b, scale, keep_u)
+    need_u = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    u = _LoraInputFunction.apply(x, offsets, a) if need_u else None
+    return _MergedProductFunction.apply(x, u, offsets, w, a, b, scale)

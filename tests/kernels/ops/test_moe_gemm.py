@@ -27,13 +27,14 @@ def _inputs(counts=(5, 0, 37), k=40, n=24, r=4, seed=0):
     return x, offsets, w, a, b
 
 
-def test_the_grouped_forward_and_backward_equal_the_per_expert_definition():
+@pytest.mark.parametrize("split", [False, True], ids=["one-node", "split"])
+def test_the_grouped_forward_and_backward_equal_the_per_expert_definition(split):
     from strop.kernels.ops.moe_gemm import moe_lora_gemm, moe_lora_gemm_reference
 
     x, offsets, w, a, b = _inputs()
     scale = 2.0
     xs, as_, bs = (t.clone().requires_grad_() for t in (x, a, b))
-    y = moe_lora_gemm(xs, offsets, w, as_, bs, scale)
+    y = moe_lora_gemm(xs, offsets, w, as_, bs, scale, split=split)
     xr, ar, br = (t.clone().requires_grad_() for t in (x, a, b))
     ref = moe_lora_gemm_reference(xr, offsets, w, ar, br, scale)
     assert_close_fp32(y, ref, "y")
