@@ -285,10 +285,18 @@ class Factors(NamedTuple):
     spans: tuple[tuple[int, int, int], ...]
 
 
+def _stacked_in(ts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``ts`` (one column count) one under the other, in ``dtype``: stacked, then cast once. The same values as
+    stacking their casts (a cast rounds each value alone; ``torch.cat`` promotes mixed inputs to a dtype that holds
+    each of them exactly), in two launches instead of one a tensor and the stack."""
+    return (ts[0] if len(ts) == 1 else torch.cat(ts)).to(dtype)
+
+
 def factors_of(projs: Sequence[LoRAProj], dtype: torch.dtype) -> Factors:
     """The projections' adapter factors cast to ``dtype``: once per Function call, whose backward reuses them, and
     once per layer and step under strop's checkpoint, whose recompute takes them from the forward
-    (``kernels/lora/stash.py``): each cast or stack is a kernel launch, some sixteen a layer and pass."""
+    (``kernels/lora/stash.py``): each cast or stack is a kernel launch, some twelve a layer and pass. Where several
+    B need a cast and share a rank, they are cast as one stack and handed out as its row blocks (views)."""
     spans = _adapters(projs)
     if not spans:
         return Factors(None, (None,) * len(projs), spans)
@@ -296,9 +304,13 @@ def factors_of(projs: Sequence[LoRAProj], dtype: torch.dtype) -> Factors:
     tag = ("lora.factors", dtype, *((id(t), t.shape) for t in tensors))
     factors = take_stashed(tag)
     if factors is None:
-        mats = [projs[i].lora_A.to(dtype) for i, _, _ in spans]
-        a = mats[0] if len(mats) == 1 else torch.cat(mats)
-        b = tuple(None if p.lora_B is None else p.lora_B.to(dtype) for p in projs)
+        a = _stacked_in([projs[i].lora_A for i, _, _ in spans], dtype)
+        bs = [p.lora_B for p in projs if p.lora_B is not None]
+        if len(bs) > 1 and len({t.shape[1] for t in bs}) == 1 and any(t.dtype != dtype for t in bs):
+            blocks = iter(_stacked_in(bs, dtype).split([t.shape[0] for t in bs]))
+            b = tuple(None if p.lora_B is None else next(blocks) for p in projs)
+        else:
+            b = tuple(None if p.lora_B is None else p.lora_B.to(dtype) for p in projs)
         factors = Factors(a, b, spans)
         stash(tag, factors)
     return factors

@@ -29,7 +29,15 @@ from tests.deps import locked
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from strop.kernels.lora.linear import as_proj, lora_linear, lora_linear_reference, lora_qkv, no_autocast
+from strop.kernels.lora.linear import (
+    LoRAProj,
+    as_proj,
+    factors_of,
+    lora_linear,
+    lora_linear_reference,
+    lora_qkv,
+    no_autocast,
+)
 from strop.kernels.lora.mlp import lora_mlp, lora_mlp_reference
 from strop.kernels.ops.nf4 import dequantize_weight
 
@@ -262,6 +270,36 @@ def test_no_autocast_turns_autocast_off_inside_and_back_on_after():
     with no_autocast(DEVICE):
         assert not torch.is_autocast_enabled(DEVICE)
     assert not torch.is_autocast_enabled(DEVICE)
+
+
+def test_the_adapters_factors_are_their_casts_stacked_and_the_bs_one_cast_where_they_share_a_rank():
+    """factors_of casts stacks (the A of every adapter; the B where they share a rank) once: the values are each
+    factor's own cast, bit for bit, with a B in another dtype and a projection without an adapter among them."""
+    gen = torch.Generator().manual_seed(5)
+
+    def mat(rows, cols, dtype=torch.float32):
+        return torch.randn(rows, cols, generator=gen).to(dtype).to(DEVICE)
+
+    w = torch.zeros(1, 1, device=DEVICE)
+    projs = [
+        LoRAProj(w, mat(4, 24), mat(24, 4), 1.0),
+        LoRAProj(w),  # no adapter
+        LoRAProj(w, mat(4, 24, torch.bfloat16), mat(6, 4, torch.float16), 1.0),
+        LoRAProj(w, mat(4, 24), mat(6, 4), 1.0),
+    ]
+    f = factors_of(projs, torch.bfloat16)
+    own = torch.cat([p.lora_A.to(torch.bfloat16) for p in projs if p.lora_A is not None])
+    assert f.a.dtype == torch.bfloat16 and torch.equal(f.a, own)
+    assert f.b[1] is None
+    for p, b in zip(projs, f.b, strict=True):
+        if p.lora_B is not None:
+            assert b.dtype == torch.bfloat16 and torch.equal(b, p.lora_B.to(torch.bfloat16))
+    assert f.b[0].untyped_storage().data_ptr() == f.b[3].untyped_storage().data_ptr(), "one cast for the Bs"
+    ranks = [LoRAProj(w, mat(4, 24), mat(24, 4), 1.0), LoRAProj(w, mat(8, 24), mat(6, 8), 1.0)]
+    g = factors_of(ranks, torch.bfloat16)  # different ranks: each B cast alone
+    assert all(torch.equal(b, p.lora_B.to(torch.bfloat16)) for p, b in zip(ranks, g.b, strict=True))
+    kept = factors_of(ranks, torch.float32)  # no cast needed: the Bs themselves, as before
+    assert all(b is p.lora_B for p, b in zip(ranks, kept.b, strict=True))
 
 
 def test_a_projection_tuple_becomes_a_lora_proj_with_a_float_scaling():
