@@ -57,9 +57,10 @@ KERNEL_KINDS = (  # (kind, pattern over the kernel's name), first match wins
 
 MOE_KERNEL_KINDS = (  # an MoE step's own kinds, put ahead of KERNEL_KINDS (bench/moe_bench.py, moe_experts_bench.py)
     ("grouped GEMM (experts)", r"GroupProblemShape|[Gg]rouped|group_gemm|grouped_mm"),
-    ("NF4 dequant (strop)", r"_nf4_dequant"),
+    ("NF4 dequant / expert merge (strop)", r"_nf4_dequant|_merge_kernel"),
     ("router: topk/sort/softmax/searchsorted", r"topk|[Ss]ort|softmax|searchsorted|bitonic|radix"),
-    ("index/gather/scatter (permutation)", r"index|scatter|gather"),
+    ("index/gather/scatter/row sum (permutation)", r"index|scatter|gather|_sum_rows"),
+    ("SwiGLU (strop)", r"_swiglu"),
     ("elementwise/reduce (torch)", r"elementwise|reduce_kernel|unrolled|CatArrayBatched|fill"),
 )
 
