@@ -272,10 +272,9 @@ def run(
             ds = validate_jsonl(iter(lambda: f.read(1 << 20), b""), spec.dataset_format, Limits())
         # a sharded job on accelerators loads into host memory: FSDP2 moves each layer to the device as it shards
         load_device = fsdp.staging_device(spec.config, device, rank.world_size)
-        # a 4-bit MoE's experts: NF4 on DDP ranks as in one process; FSDP2 cannot shard that storage
-        nf4_experts = not (fsdp.is_fsdp(spec.config) and rank.world_size > 1)
+        # a 4-bit MoE's experts go NF4 on every rank as in one process (FSDP2 shards them: shard_nf4_experts)
         loaded = model_loading.load_model(
-            spec.model, model_root=model_root, device=device, load_device=load_device, nf4_experts=nf4_experts
+            spec.model, model_root=model_root, device=device, load_device=load_device
         )
         model_loading.attach_lora(loaded, spec.lora)  # seeded: the same adapter on every rank
         if load_device != device:
@@ -290,6 +289,7 @@ def run(
                 loaded
             )  # the adapter's metadata, read from the base before it is sharded
             fsdp.shard_4bit_as_compute_dtype(loaded.model, getattr(torch, loaded.facts.compute_dtype))
+            fsdp.shard_nf4_experts(loaded.model)
         resume_dir = None
         if spec.resume_from:
             artifacts.verify(spec.resume_from)
@@ -332,6 +332,13 @@ def run(
                         "info", f"FSDP2: this rank holds {held:,} of the frozen base's {whole:,} bytes"
                     )
                 )
+                held, whole = fsdp.nf4_expert_bytes_held(loaded.model)
+                if whole:
+                    emit(
+                        log=LogMessage(
+                            "info", f"FSDP2: this rank holds {held:,} of the NF4 experts' {whole:,} bytes"
+                        )
+                    )
 
         sinks = training.Sinks(on_step=on_step, on_checkpoint=on_checkpoint, on_start=on_start)
         callbacks = [_stop_agreement(control, device, rank.world_size, stop_file)]

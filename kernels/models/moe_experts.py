@@ -29,6 +29,8 @@ __all__ = [
     "experts_reason",
     "nf4_expert_modules",
     "nf4_experts",
+    "nf4_placeholders",
+    "nf4_storage_as_parameters",
     "quantize_experts",
     "quantizing_experts_on_load",
 ]
@@ -37,6 +39,7 @@ EXPERT_STACKS = ("gate_up_proj", "down_proj")  # the fused expert parameters NF4
 _NF4 = (
     "_strop_nf4"  # an experts module's NF4 stacks: {parameter name: (shape, dtype, blocksize2, placeholder)}
 )
+SHARDABLE_ROLES = ("packed", "absmax", "absmax2")  # the storage that grows with the stack (not code2, offset)
 
 
 def _experts_layout(module: nn.Module) -> bool:
@@ -161,7 +164,9 @@ def nf4_experts(module: nn.Module, pname: str):
     if held is None:
         return None
     shape, dtype, bs2, _ = held
-    buf = module._buffers
+    # buffers, or frozen parameters where FSDP2 shards them (nf4_storage_as_parameters): inside the forward of
+    # a layer FSDP2 gathered, its parameters are the whole tensors
+    buf = {**module._buffers, **module._parameters}
     nested = f"{pname}_nf4_absmax2" in buf
     return Nf4Experts(
         packed=buf[f"{pname}_nf4_packed"],
@@ -182,6 +187,36 @@ def nf4_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
         for n, m in model.named_modules()
         if _NF4 in m.__dict__
     }
+
+
+def nf4_storage_as_parameters(model: nn.Module) -> int:
+    """Hold each NF4 stack's codes and absmax statistics (``SHARDABLE_ROLES``) as frozen parameters of its
+    experts module instead of buffers, so that FSDP2 (``fully_shard``, which shards parameters and leaves buffers
+    whole on every rank) shards them with their decoder layer and gathers them for its forward and backward; the
+    number of tensors moved. The same tensors (no copy); the code book and offset of the double quantization
+    (1 KiB and 4 bytes) stay buffers. Readers (:func:`nf4_experts`) take either."""
+    moved = 0
+    for module in nf4_expert_modules(model).values():
+        for pname in module.__dict__[_NF4]:
+            for role in SHARDABLE_ROLES:
+                key = f"{pname}_nf4_{role}"
+                t = module._buffers.pop(key, None)
+                if t is None:
+                    continue
+                module._non_persistent_buffers_set.discard(key)
+                module.register_parameter(key, nn.Parameter(t, requires_grad=False))
+                moved += 1
+    return moved
+
+
+def nf4_placeholders(model: nn.Module) -> list[nn.Parameter]:
+    """The frozen stride-0 placeholders the NF4 stacks' parameters hold (one element each, the stack's shape):
+    what FSDP2 must leave alone (sharding one would copy its expert rows out, 16-bit, onto every rank)."""
+    return [
+        _params(module, pname)
+        for module in nf4_expert_modules(model).values()
+        for pname in module.__dict__[_NF4]
+    ]
 
 
 def _params(module: nn.Module, pname: str) -> nn.Parameter:

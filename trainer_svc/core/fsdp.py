@@ -45,9 +45,22 @@ the gathered layers during the steps (``base_bytes_held``); admission counts tho
 (``device_bytes_after_sharding``). Until the sharding each rank holds a copy of the base in host memory, which the
 sharding frees. (accelerate's own answer, ``cpu_ram_efficient_loading`` — rank 0 loads, the others build on meta
 and receive their shards by broadcast — is disabled by accelerate for bitsandbytes models; strop does not use it.)
+
+NF4 experts (a 4-bit Qwen3-MoE / Mixtral: ``kernels.models.moe_experts``) are sharded too, by ``shard_nf4_experts``.
+Their storage is no ``Params4bit``: each stack's codes and absmax statistics are buffers of the experts module,
+which ``fully_shard`` would leave whole on every rank, and the parameter PEFT wraps is a stride-0 placeholder of one
+element, which ``fully_shard`` would copy out row by row (16-bit expert rows on every rank). So the codes and
+statistics become frozen parameters of their module (the same tensors; FSDP2 gathers tensors of several dtypes
+as bytes and casts no integer tensor, so uint8 codes need no relabelling here), sharded on dim 0 with their decoder
+layer and gathered whole for its forward and backward, where the grouped expert GEMM (or HF's path, through the
+module's dequantizing hook) reads them as in one process; and every ``fully_shard`` call leaves the placeholders
+out (``ignored_params``, ``leave_nf4_placeholders_alone``). The statistics' whole values are kept in host memory
+before the sharding for the NF4 statistics file rank 0 writes (``moe.keep_expert_nf4_stats``).
 """
 
 from __future__ import annotations
+
+import functools
 
 from strop.common.errors import FailedPrecondition, InvalidArgument
 from strop.common.trainer_types import Parallelism, TrainConfig
@@ -85,15 +98,83 @@ def staging_device(cfg: TrainConfig, device: str, world_size: int) -> str:
 def device_bytes_after_sharding(model, world_size: int) -> int:
     """What FSDP2 will place on a rank's device for a model still whole in host memory: 1/N of every parameter
     (base and adapters) plus two decoder layers gathered whole (the one computing and the one prefetched)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = _shardable_bytes(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [
-        sum(p.numel() * p.element_size() for p in m.parameters())
-        for m in model.modules()
-        if type(m).__name__ in names
-    ]
+    layers = [_shardable_bytes(m) for m in model.modules() if type(m).__name__ in names]
     return -(-total // world_size) + 2 * max(layers, default=0)
+
+
+def _bytes(t) -> int:
+    """The bytes ``t`` holds: none for NF4 experts' stride-0 placeholders (one element, which FSDP2 leaves alone)."""
+    if t.numel() > 1 and 0 in t.stride():
+        return 0
+    return t.numel() * t.element_size()
+
+
+def _shardable_bytes(module) -> int:
+    """The bytes FSDP2 will shard in ``module``: its parameters and the NF4 experts' codes and statistics (buffers
+    until ``shard_nf4_experts`` makes them parameters), the placeholders holding none."""
+    from strop.kernels.models.moe_experts import SHARDABLE_ROLES
+
+    nf4 = tuple(f"_nf4_{role}" for role in SHARDABLE_ROLES)
+    held = sum(_bytes(p) for p in module.parameters())
+    return held + sum(_bytes(b) for name, b in module.named_buffers() if name.endswith(nf4))
+
+
+def shard_nf4_experts(model) -> int:
+    """Make a model's NF4 expert stacks shardable by FSDP2 (module docstring): keep their statistics whole for the
+    NF4 statistics file, then hold their codes and statistics as frozen parameters; the number of tensors moved
+    (0 without NF4 experts). Before ``fully_shard``, after the adapter's metadata is read; every rank the same."""
+    from strop.kernels.models.moe_experts import nf4_storage_as_parameters
+    from strop.trainer_svc.core import moe
+
+    if not moe.holds_nf4_experts(model):
+        return 0
+    moe.keep_expert_nf4_stats(model)
+    return nf4_storage_as_parameters(model)
+
+
+def leave_nf4_placeholders_alone() -> None:
+    """Make every ``fully_shard`` call (accelerate's, on each decoder layer, the embeddings, the tail and the root)
+    leave the NF4 experts' placeholders in the modules it shards out of the sharding (``ignored_params``); a no-op
+    once installed. The rank process is this job's alone."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    shard = torch_fsdp.fully_shard
+    if getattr(shard, "_strop_leaves_placeholders", False):
+        return
+    from strop.kernels.models.moe_experts import nf4_placeholders
+
+    @functools.wraps(shard)
+    def fully_shard(module, *args, ignored_params=None, **kwargs):
+        modules = module if isinstance(module, list | tuple) else [module]
+        held = {p for m in modules for p in nf4_placeholders(m)}
+        if held:
+            ignored_params = set(ignored_params or ()) | held
+        return shard(module, *args, ignored_params=ignored_params, **kwargs)
+
+    fully_shard._strop_leaves_placeholders = True
+    torch_fsdp.fully_shard = fully_shard
+
+
+def nf4_expert_bytes_held(model) -> tuple[int, int]:
+    """(bytes of the NF4 experts' codes and statistics this rank holds, bytes of the whole stacks): each sharded
+    tensor's local shard against its global size, the buffers whole."""
+    from torch.distributed.tensor import DTensor
+
+    from strop.kernels.models.moe_experts import nf4_expert_modules
+
+    held = whole = 0
+    for module in nf4_expert_modules(model).values():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, t in tensors:
+            if "_nf4_" not in name:
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t
+            held += local.numel() * local.element_size()
+            whole += t.numel() * t.element_size()
+    return held, whole
 
 
 def shard_4bit_as_compute_dtype(model, dtype) -> int:
@@ -148,8 +229,8 @@ def base_bytes_held(model) -> tuple[int, int]:
         if p.requires_grad:
             continue
         local = p.to_local() if isinstance(p, DTensor) else p
-        held += local.numel() * local.element_size()
-        whole += p.numel() * p.element_size()
+        held += _bytes(local)
+        whole += _bytes(p)
     return held, whole
 
 
@@ -290,3 +371,4 @@ def prepare(device: str) -> None:
         enable_on_cpu()
     use_adapter_state_dict()
     skip_stateless_optimizer_load()
+    leave_nf4_placeholders_alone()

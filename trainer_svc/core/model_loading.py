@@ -103,15 +103,14 @@ def load_model(
     model_root: Path,
     device: str,
     load_device: str | None = None,
-    nf4_experts: bool = True,
 ) -> LoadedModel:
     """Load ``req.model_path`` (confined under ``model_root``) for ``device``.
 
     The weights are placed on ``load_device`` (default: ``device``); everything else (dtype defaults, kernels,
     the session's device) follows ``device``. A rank of a sharded job loads into host memory this way and FSDP2
     moves each layer to ``device`` as it shards it (``fsdp.staging_device``). A 4-bit Qwen3-MoE / Mixtral holds
-    its experts in strop's NF4 storage (``moe.hold_experts_in_nf4``) unless ``nf4_experts`` is False (a rank of
-    a sharded job: FSDP2 cannot shard that storage).
+    its experts in strop's NF4 storage (``moe.hold_experts_in_nf4``), on every rank of a job on ranks too (FSDP2
+    shards it: ``fsdp.shard_nf4_experts``).
 
     Raises:
         InvalidArgument: path outside the root, not a model dir, only pickle weights, bad dtype, or a
@@ -182,8 +181,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         # sessions load on gRPC threads: one build at a time (common/hf_build); a 4-bit MoE's experts go NF4 as
         # each stack loads
-        experts_label = quant_label if nf4_experts else "none"  # "none": the experts stay 16-bit
-        with hf_build.building(), moe.experts_in_nf4_while_loading(hf_config, experts_label, dtype):
+        with hf_build.building(), moe.experts_in_nf4_while_loading(hf_config, quant_label, dtype):
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except torch.OutOfMemoryError as exc:
         gc.collect()
@@ -196,7 +194,7 @@ def load_model(
     keep_4bit_layers_trainable(model)
     if existing == "bnb-4bit":
         compute_prequantized_in(model, dtype)
-    moe.hold_experts_in_nf4(model, hf_config, experts_label)  # any expert stack the load did not set: NF4 too
+    moe.hold_experts_in_nf4(model, hf_config, quant_label)  # any expert stack the load did not set: NF4 too
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)

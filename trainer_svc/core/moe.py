@@ -120,8 +120,8 @@ def aux_loss_coef(hf_config) -> float:
 def _experts_go_nf4(hf_config, quantization: str) -> bool:
     """Whether a session's experts are held in NF4: a 4-bit session (``quantization``: its label, ``"none"`` for
     16-bit) of Qwen3-MoE or Mixtral. A DDP rank holds them so too (DDP leaves frozen tensors and buffers alone:
-    ``dist_worker.frozen_names``); an FSDP rank does not ask (``models.load_model``'s ``nf4_experts``), since
-    ``fully_shard`` would shard the stride-0 placeholders and leave the NF4 buffers whole on every rank."""
+    ``dist_worker.frozen_names``), and so does an FSDP rank, whose sharding takes the NF4 storage
+    (``fsdp.shard_nf4_experts``)."""
     arch = moe_arch(hf_config)
     return quantization != "none" and arch is not None and arch.model_type in NF4_EXPERT_ARCHS
 
@@ -191,10 +191,27 @@ def expert_quant_metadata(model) -> dict[str, str]:
     }
 
 
+_WHOLE_STATS = "_strop_expert_nf4_stats"  # a model's expert_nf4_stats, kept before FSDP2 shards them
+
+
+def keep_expert_nf4_stats(model) -> int:
+    """Keep the NF4 experts' scale statistics (:func:`expert_nf4_stats`) of ``model`` as they are now, whole, in
+    host memory (1 byte a block of 64 weights), for every later :func:`expert_nf4_stats`; returns how many tensors.
+    Before FSDP2 shards them: a rank then holds a shard of each, and rank 0 writes the statistics file alone (at
+    each checkpoint and with the adapter), where gathering them would be a collective."""
+    model.__dict__.pop(_WHOLE_STATS, None)
+    stats = expert_nf4_stats(model)
+    model.__dict__[_WHOLE_STATS] = stats
+    return len(stats)
+
+
 def expert_nf4_stats(model) -> dict[str, Any]:
     """The NF4 experts' scale statistics by stack name, keyed as ``write_nf4_stats`` keys a layer's (absmax,
     offset, nested absmax and code): the double quantization's scales are not re-created bit for bit across
-    devices, so the exporter reads the trainer's."""
+    devices, so the exporter reads the trainer's. Those kept by :func:`keep_expert_nf4_stats` where it ran."""
+    kept = model.__dict__.get(_WHOLE_STATS)
+    if kept is not None:
+        return kept
     out = {}
     for name, q in _nf4_stacks(model).items():
         out[name + ".absmax"] = q.absmax.detach().cpu().contiguous()

@@ -1,0 +1,129 @@
+"""The grouped expert GEMM over NF4 experts sharded by FSDP2 (``trainer_svc.core.fsdp.shard_nf4_experts``): each
+stack's codes and statistics are frozen parameters FSDP2 shards with the decoder layer and gathers for its forward
+and backward, the stride-0 placeholders PEFT wraps are left out of the sharding, and the patched experts read the
+gathered storage as they read the buffers of an unsharded model.
+
+One gloo process, as ``test_fsdp_nf4.py`` (a mesh of 1 still holds every parameter as a DTensor and gathers a plain
+tensor for each forward). The sharded twin runs the same kernels on the same bytes as the unsharded patched model,
+so its loss and LoRA gradients are within test_patch's ``S·√K·u`` of it (the same fp32 function; the twin's
+parameters are gathered copies), with no call falling back to HF's expert loop; a twin reading a shard, or a
+placeholder, as the stack would be off by O(1) or fail. The trainer's 2-rank job over these experts:
+``tests/trainer_svc/test_fsdp_moe.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from tests.deps import locked
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+transformers = locked("transformers")
+locked("peft")
+locked("bitsandbytes")
+
+from strop.kernels.models import patch_model  # noqa: E402
+from strop.kernels.models.moe_experts import nf4_placeholders, quantize_experts  # noqa: E402
+from strop.trainer_svc.core.fsdp import (  # noqa: E402
+    device_bytes_after_sharding,
+    nf4_expert_bytes_held,
+    shard_nf4_experts,
+)
+from tests.kernels.models.moe_setup import expert_lora, loss_and_grads, moe_config, rel  # noqa: E402
+from tests.kernels.models.test_patch import parity_bound  # noqa: E402
+
+
+def _sharded_pair(model_type: str, device: str, backend: str, tmp_path):
+    """(patched model with NF4 experts, its twin sharded by FSDP2 over one ``backend`` rank as the trainer shards)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    cfg = moe_config(model_type, norm_topk_prob=True)
+    pair = []
+    for _ in range(2):  # built twice from the same seeds (a deep copy would expand the stride-0 placeholders)
+        torch.manual_seed(0)
+        base = (
+            transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().to(device)
+        )
+        assert len(quantize_experts(base)) == 2 * cfg.num_hidden_layers
+        pair.append(expert_lora(base).train())
+        report = patch_model(pair[-1])
+        assert len(report.patched["lora_mlp"]) == cfg.num_hidden_layers, report
+    model, twin = pair
+    # admission's count of what the sharding places (before it, the storage is buffers; after, parameters): the
+    # NF4 stacks' bytes, none of the placeholders' 16-bit shapes
+    estimate = device_bytes_after_sharding(twin, 2)
+    nf4_bytes = nf4_expert_bytes_held(twin)[1]
+    assert 0 < shard_nf4_experts(twin) == 3 * 2 * cfg.num_hidden_layers  # codes, absmax, its scales a stack
+    assert device_bytes_after_sharding(twin, 2) == estimate
+    stacks = sum(p.numel() * 2 for p in nf4_placeholders(twin))  # what they would be in 16 bits
+    assert nf4_bytes < stacks / 3
+    placeholders = nf4_placeholders(twin)
+    assert len(placeholders) == 2 * cfg.num_hidden_layers
+    for layer in twin.get_base_model().model.layers:
+        fully_shard(layer, mp_policy=MixedPrecisionPolicy(), ignored_params=set(nf4_placeholders(layer)))
+    fully_shard(twin, mp_policy=MixedPrecisionPolicy(), ignored_params=set(placeholders))
+    experts = twin.get_base_model().model.layers[0].mlp.experts.base_layer.base_layer
+    assert isinstance(experts._parameters["gate_up_proj_nf4_packed"], DTensor)
+    assert not isinstance(experts._parameters["gate_up_proj"], DTensor), "the placeholder is left alone"
+    assert all(p.stride() == (0, 0, 0) for p in placeholders), "no 16-bit rows copied out"
+    held, whole = nf4_expert_bytes_held(twin)
+    assert held == whole > 0  # one rank holds it all; 2 ranks hold half (tests/trainer_svc/test_fsdp_moe.py)
+    return model, twin
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_nf4_experts_sharded_by_fsdp2_run_the_grouped_gemm_like_the_unsharded_model(
+    model_type, tmp_path, caplog
+):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    try:
+        model, twin = _sharded_pair(model_type, "cpu", "gloo", tmp_path)
+        bound = parity_bound(model.get_base_model().config)
+        ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
+        ref_loss, _, ref = loss_and_grads(model, ids)
+        with caplog.at_level(logging.INFO, logger="strop.kernels"):
+            loss, _, ours = loss_and_grads(twin, ids)
+        assert "reference path" not in caplog.text, "every call ran the grouped expert GEMM"
+        assert abs(loss - ref_loss) <= bound * abs(ref_loss), (loss, ref_loss, bound)
+        assert any(".experts." in n for n in ref)
+        for name, g in ref.items():
+            mine = ours[name].full_tensor() if isinstance(ours[name], DTensor) else ours[name]
+            assert rel(mine, g) <= bound, (name, rel(mine, g), bound)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_on_cuda_nf4_experts_sharded_by_fsdp2_train_like_the_unsharded_patched_model(model_type, tmp_path):
+    """bf16 autocast on one NCCL rank: the same kernels on the same bytes, so within one bf16 rounding
+    (u = 2⁻⁸ relative) in the loss and every LoRA gradient."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    try:
+        model, twin = _sharded_pair(model_type, "cuda", "nccl", tmp_path)
+        ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_loss, _, ref = loss_and_grads(model, ids)
+            loss, _, ours = loss_and_grads(twin, ids)
+        u = 2.0**-8
+        assert abs(loss - ref_loss) <= u * abs(ref_loss), (loss, ref_loss)
+        for name, g in ref.items():
+            mine = ours[name].full_tensor() if isinstance(ours[name], DTensor) else ours[name]
+            assert rel(mine.float(), g.float()) <= u, (name, rel(mine.float(), g.float()))
+    finally:
+        dist.destroy_process_group()
