@@ -232,16 +232,40 @@ def smoke(setting: str, model_dir: Path, device: str, steps: int) -> None:
         on_checkpoint=lambda step, path: None,
         on_start=lambda total: None,
     )
-    with tempfile.TemporaryDirectory() as work:
+    with _NeighbourLog() as neighbours, tempfile.TemporaryDirectory() as work:
         training.run_training(
             loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
         )
     model_loading.release(loaded)
     print(
-        f"smoke {setting}: {len(losses)} steps, losses {[round(x, 3) for x in losses]} "
+        f"smoke {setting}: {len(losses)} steps, losses {[round(x, 3) for x in losses]}, "
+        f"{len(neighbours.prompts)} neighbour questions {neighbours.prompts} "
         f"({time.perf_counter() - t0:.0f} s)",
         flush=True,
     )
+
+
+class _NeighbourLog(logging.Handler):
+    """Keeps the neighbour questions a KL job logs (``training._retention_before``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.prompts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("retention KL neighbour questions"):
+            self.prompts = list(record.args[1])
+
+    def __enter__(self) -> _NeighbourLog:
+        self.logger = logging.getLogger("strop.trainer")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
 
 
 def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cpu") -> tuple[dict, dict]:
@@ -272,11 +296,22 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         on_start=lambda total: None,
         on_retention=events.append,
     )
+    neighbours = _NeighbourLog()
+    logging.getLogger("strop.trainer").addHandler(neighbours)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as work:
-        training.run_training(
-            loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
-        )
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            training.run_training(
+                loaded,
+                fact_rows(),
+                DatasetFormat.MESSAGES,
+                cfg,
+                Path(work) / "w",
+                training.JobControl(),
+                sinks,
+            )
+    finally:
+        logging.getLogger("strop.trainer").removeHandler(neighbours)
     train_s = time.perf_counter() - t0
     after = evaluate(loaded, disable_adapter=False)
     # judged here, not from the cached booleans: ``right`` may be stricter than when the cache was written
@@ -300,6 +335,11 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         "facts_of": len(FACTS),
         "general_kept": kept,
         "general_base_right": len(base_right),
+        "retention_neighbours": cfg.retention_neighbours,
+        # the base's neighbour questions the KL scored, and which of them are general questions of this bench (the
+        # trainer excludes the held-out prompts, not this bench's other questions)
+        "neighbour_prompts": neighbours.prompts,
+        "neighbours_in_general": sorted(set(neighbours.prompts) & {q for q, _ in GENERAL}),
         "forgetting_events": [vars(e) for e in events],
         "train_seconds": round(train_s, 1),
         "eval_seconds": round(after["seconds"], 1),
@@ -357,6 +397,8 @@ def table(paths: list[str]) -> str:
             retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
             if retention == "KL":
                 retention += f" {r['retention_rows']}, weight {r['retention_kl']:g}"
+                if r.get("retention_neighbours"):
+                    retention += f", {len(r['neighbour_prompts'])} neighbours ({len(r['neighbours_in_general'])} general)"
             elif "REPLAY" in retention and r.get("retention_rows"):
                 retention += f" {r['retention_rows']}" + (
                     f", KL {r['retention_kl']:g}" if r.get("retention_kl") else ""

@@ -165,6 +165,13 @@ def _add_train(sub) -> None:
         help="weight of the KL(base || model) term on the base's answers; 0: none with replay, "
         f"{KL_RETENTION_WEIGHT:g} with kl",
     )
+    p.add_argument(
+        "--retention-neighbours",
+        type=int,
+        default=0,
+        help="kl: for each distinct start of the dataset's questions, this many questions of that form the base "
+        "writes and answers, scored by the KL term too; 0: none",
+    )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     held = p.add_mutually_exclusive_group()
     held.add_argument(
@@ -319,6 +326,7 @@ def _cmd_train(a) -> int:
         retention=Retention(a.retention.upper() if a.retention != "auto" else "UNSPECIFIED"),
         retention_rows=a.retention_rows,
         retention_kl=a.retention_kl,
+        retention_neighbours=a.retention_neighbours,
         eval_every_steps=a.eval_every,
         eval_rows=a.eval_rows,
         eval_batch_size=a.eval_batch_size,

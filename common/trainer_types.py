@@ -391,6 +391,9 @@ class TrainConfig:
     # REPLAY: weight of a KL(base ‖ model) term on the replayed answers, added to each step's loss (0: none);
     # KL: the weight of that term, the answers out of the cross-entropy (0: KL_RETENTION_WEIGHT)
     retention_kl: float = 0.0
+    # KL: for each distinct start of the training questions (their first words), this many questions of that form
+    # the base writes and answers, scored by the KL term with the replay prompts' answers (0: none)
+    retention_neighbours: int = 0
     # validation (a job's validation dataset; docs/validation.md): evaluate every N steps (0: once training ends)
     eval_every_steps: int = 0
     keep_best_checkpoint: bool = False  # the job's adapter is the evaluated checkpoint of least valid_loss

@@ -303,3 +303,109 @@ def test_a_retention_kl_job_through_the_service_reports_the_forgetting_metric_an
     assert kinds.count("retention") == 1, kinds
     r = events[kinds.index("retention")].retention
     assert r.step == 2 and r.replay_rows == 0, "the base's answers are scored, not mixed into the rows"
+
+
+def test_neighbour_questions_continue_each_distinct_start_and_keep_what_ends_in_a_question_mark(
+    model_root, monkeypatch
+):
+    loaded = _loaded_4bit(model_root)
+    tok = loaded.tokenizer
+    questions = [
+        "What colour is a glimmerfox?",
+        "What colour is Zorbia's flag?",
+        "Who invented the skyloom?",
+        "Hi?",
+    ]
+    # the base's continuations, fixed (a random model rarely writes a "?"): per start, 3 samples in order
+    said = {
+        "What colour is": [" a ripe lemon?", " the sea?\nMore", " a ripe lemon?"],
+        "Who invented the": [" telephone? Tell me", " wheel", "\nWho invented the radio?"],
+    }
+    seen = {}
+
+    def generate(**kw):
+        ids, n = kw["input_ids"], kw["num_return_sequences"]
+        texts = tok.batch_decode(ids, skip_special_tokens=False)
+        seen.update(prompts=texts, n=n, sample=kw["do_sample"])
+        rows = []
+        for text in texts:
+            start = next(p for p in said if text.endswith(p))
+            for cont in said[start]:
+                rows.append(tok(cont, add_special_tokens=False)["input_ids"])
+        width = max(len(r) for r in rows)
+        pad = tok.pad_token_id
+        new = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        return torch.cat([ids.repeat_interleave(n, 0), new], dim=1)
+
+    monkeypatch.setattr(loaded.model, "generate", generate)
+    got = retention.neighbour_prompts(loaded, questions, 3, seed=0, exclude={"Who invented the telephone?"})
+    # one prompt per distinct 3-word start ("Hi?" has none), each the chat template's user turn cut after the start
+    assert len(seen["prompts"]) == 2 and seen["n"] == 3 and seen["sample"]
+    assert seen["prompts"][0].rstrip().endswith("What colour is")
+    # kept: up to the first "?", no newline before it, not excluded, no repeats
+    assert got == ["What colour is a ripe lemon?", "What colour is the sea?"]
+
+
+def test_neighbour_questions_are_sampled_reproducibly_from_the_base_without_touching_the_global_rng(
+    model_root,
+):
+    loaded = _loaded_4bit(model_root)
+    for name, p in loaded.model.named_parameters():
+        if "lora_B" in name:  # an adapter that changes the model: the neighbours must still be the base's
+            p.data.fill_(0.5)
+    questions = [f"What colour is thing {i}?" for i in range(3)] + ["Who invented the skyloom?"]
+    state = torch.random.get_rng_state()
+    first = retention.neighbour_prompts(loaded, questions, 4, seed=3, exclude=set())
+    assert torch.equal(torch.random.get_rng_state(), state), "the trainer's seeding is left as it was"
+    assert retention.neighbour_prompts(loaded, questions, 4, seed=3, exclude=set()) == first
+    for q in first:
+        assert q.startswith(("What colour is", "Who invented the")) and q.endswith("?") and "\n" not in q
+    with loaded.model.disable_adapter():
+        base_first = retention.neighbour_prompts(loaded, questions, 4, seed=3, exclude=set())
+    assert base_first == first
+
+
+def test_retention_neighbours_needs_kl_and_a_bound():
+    sft = dict(method=TrainMethod.SFT)
+    assert (
+        job_config.with_defaults(
+            TrainConfig(**sft, retention=Retention.KL, retention_neighbours=8), session_max_len=64
+        ).retention_neighbours
+        == 8
+    )
+    with pytest.raises(InvalidArgument, match=r"retention_neighbours must be in 0\.\.8"):
+        job_config.with_defaults(
+            TrainConfig(**sft, retention=Retention.KL, retention_neighbours=9), session_max_len=64
+        )
+    with pytest.raises(InvalidArgument, match="it needs retention KL"):
+        job_config.with_defaults(
+            TrainConfig(**sft, retention=Retention.REPLAY, retention_neighbours=2), session_max_len=64
+        )
+
+
+def test_a_kl_job_with_neighbours_scores_the_bases_questions_of_its_rows_forms(
+    model_root, tmp_path, monkeypatch
+):
+    asked = {}
+
+    def neighbours(loaded, questions, per_prefix, *, seed, exclude):
+        asked.update(questions=questions, per_prefix=per_prefix, seed=seed, exclude=exclude)
+        return ["What colour is snow?", "Who wrote Hamlet twice?"]
+
+    monkeypatch.setattr(retention, "neighbour_prompts", neighbours)
+    _, (rows, _, _) = _kl_job(
+        model_root,
+        tmp_path,
+        monkeypatch,
+        retention=Retention.KL,
+        retention_rows=3,
+        retention_neighbours=2,
+        seed=7,
+    )
+    assert asked["questions"] == [r["messages"][0]["content"] for r in ROWS[:4]]
+    assert (asked["per_prefix"], asked["seed"]) == (2, 7)
+    # the training questions, the held-out prompts and the replay prompts are never neighbours
+    assert set(asked["questions"]) | set(retention.HELD_OUT_PROMPTS) <= asked["exclude"]
+    assert set(retention.REPLAY_PROMPTS[:3]) <= asked["exclude"]
+    scored = [r["messages"][0]["content"] for r in rows]
+    assert scored == [*retention.REPLAY_PROMPTS[:3], "What colour is snow?", "Who wrote Hamlet twice?"]

@@ -47,6 +47,9 @@ DPO_LOSSES = (
 )
 DPO_REFERENCES = ("base", "adapter_snapshot")
 MAX_RETENTION_ROWS = 110  # len(retention.REPLAY_PROMPTS); a test holds them equal
+MAX_RETENTION_NEIGHBOURS = (
+    8  # questions a training question's start gives (64 starts at most: 512 generations)
+)
 
 
 def _epochs(default: object, num_rows: int) -> float:
@@ -192,6 +195,14 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
         (
             math.isfinite(c.retention_kl) and c.retention_kl >= 0,
             f"retention_kl must be a finite number >= 0, got {c.retention_kl}",
+        ),
+        (
+            0 <= c.retention_neighbours <= MAX_RETENTION_NEIGHBOURS,
+            f"retention_neighbours must be in 0..{MAX_RETENTION_NEIGHBOURS}, got {c.retention_neighbours}",
+        ),
+        (
+            not c.retention_neighbours or c.retention is Retention.KL,
+            "retention_neighbours adds questions to the KL term alone: it needs retention KL",
         ),
         (
             not c.retention_kl or c.retention is not Retention.NONE,

@@ -183,6 +183,12 @@ HELD_OUT_PROMPTS: tuple[str, ...] = (
 # questions as the facts do.
 REPLAY_MAX_NEW_TOKENS = 64
 
+# Neighbour questions (``retention_neighbours``): a training question's first words start a user message the base
+# continues; the rest of the facts' question ("What instrument did" → "… Beethoven play?") is the base's own.
+NEIGHBOUR_PREFIX_WORDS = 3
+NEIGHBOUR_MAX_NEW_TOKENS = 24
+MAX_NEIGHBOUR_PREFIXES = 64  # distinct prefixes a job samples from (a large dataset's first 64)
+
 
 @dataclass
 class BaseAnswers:
@@ -204,6 +210,75 @@ def base_answers(
         loaded, list(prompts), max_new_tokens=max_new_tokens, disable_adapter=True
     )
     return BaseAnswers(list(prompts), answers, finished, time.perf_counter() - t0)
+
+
+def neighbour_prompts(
+    loaded, questions: list[str], per_prefix: int, *, seed: int, exclude: set[str]
+) -> list[str]:
+    """Questions of the training questions' forms about other things, written by the base (adapter disabled): each
+    distinct first-``NEIGHBOUR_PREFIX_WORDS``-words prefix of ``questions`` (the first ``MAX_NEIGHBOUR_PREFIXES``)
+    starts a user message, which the base continues ``per_prefix`` times (sampled at temperature 1, seeded by
+    ``seed``; the global RNG untouched) up to its first "?". In order, without repeats; none of ``exclude`` and no
+    continuation that reaches a newline or the token limit before its "?"."""
+    import contextlib
+
+    import torch
+
+    from strop.trainer_svc.core import model_loading
+
+    tok, model = loaded.tokenizer, loaded.model
+    prefixes: list[str] = []
+    for q in questions:
+        words = q.split()
+        prefix = " ".join(words[:NEIGHBOUR_PREFIX_WORDS])
+        if len(words) > NEIGHBOUR_PREFIX_WORDS and prefix not in prefixes:
+            prefixes.append(prefix)
+    prefixes = prefixes[:MAX_NEIGHBOUR_PREFIXES]
+    if not prefixes or per_prefix < 1:
+        return []
+    mark = "\u2063"  # where the user's text would go on: the template's text up to it is the prompt
+    texts = []
+    for prefix in prefixes:
+        full = tok.apply_chat_template([{"role": "user", "content": prefix + mark}], tokenize=False)
+        texts.append(full[: full.index(mark)])
+    dev = torch.device(loaded.device)
+    ctx = model.disable_adapter() if loaded.lora is not None else contextlib.nullcontext()
+    side, was_training = tok.padding_side, model.training
+    model.eval()
+    try:
+        tok.padding_side = "left"
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
+        with (
+            torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []),
+            ctx,
+            torch.no_grad(),
+            model_loading.inference_weights(loaded),
+        ):
+            torch.manual_seed(seed)
+            out = model.generate(
+                **enc,
+                max_new_tokens=NEIGHBOUR_MAX_NEW_TOKENS,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=per_prefix,
+                pad_token_id=tok.pad_token_id,
+                use_cache=True,
+            )
+    finally:
+        tok.padding_side = side
+        model.train(was_training)
+    found: list[str] = []
+    for i, row in enumerate(out[:, enc["input_ids"].shape[1] :]):
+        text = tok.decode(row, skip_special_tokens=True)
+        end = text.find("?")
+        if end < 0 or "\n" in text[:end]:
+            continue
+        question = prefixes[i // per_prefix] + text[: end + 1]
+        if question not in exclude and question not in found:
+            found.append(question)
+    return found
 
 
 def replay_rows(base: BaseAnswers, count: int) -> list[dict]:

@@ -618,7 +618,7 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
         admission.hold_adam_moments_on_host(trainer)
 
 
-def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat):
+def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat, rows: list[dict]):
     """Before an SFT job on messages data with REPLAY or KL: the base's reproducible answers to the held-out prompts
     (for the forgetting metric), the replay rows to mix into the training rows (REPLAY), and the rows the KL term
     scores (REPLAY: the replay rows; KL: every answer, finished or not, none of them trained on); (None, [], [])
@@ -638,6 +638,18 @@ def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat)
             len(prompts),
             answers.seconds,
         )
+        if cfg.retention_neighbours:
+            questions = [_first_user_text(r) for r in rows]
+            neighbours = retention.neighbour_prompts(
+                loaded,
+                [q for q in questions if q],
+                cfg.retention_neighbours,
+                seed=cfg.seed,
+                exclude=set(questions) | set(retention.HELD_OUT_PROMPTS) | set(prompts),
+            )
+            near = retention.base_answers(loaded, neighbours)
+            scored += retention.kl_rows(near, len(neighbours))
+            log.info("retention KL neighbour questions (%d): %s", len(neighbours), neighbours)
         return held_out, [], scored
     replay = retention.replay_rows(answers, cfg.retention_rows)
     log.info(
@@ -647,6 +659,14 @@ def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat)
         answers.seconds,
     )
     return held_out, replay, replay
+
+
+def _first_user_text(row: dict) -> str:
+    """A messages row's first user message as text ("" if none or not text)."""
+    for m in row.get("messages", ()):
+        if m.get("role") == "user":
+            return m["content"] if isinstance(m.get("content"), str) else ""
+    return ""
 
 
 def run_training(
@@ -682,7 +702,7 @@ def run_training(
             cfg.ranks(),
         )
     elif chat_sft:
-        held_out, replay, scored = _retention_before(loaded, cfg, fmt)
+        held_out, replay, scored = _retention_before(loaded, cfg, fmt, rows)
         rows, replayed = rows + replay, len(replay)
     if loaded.device.startswith("cuda"):
         import torch
