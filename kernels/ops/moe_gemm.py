@@ -10,14 +10,15 @@ A mixture-of-experts layer routes each token to k experts. With the routed copie
 temporary per layer and call saved for backward. Here one Triton kernel (``_merge_kernel``) writes it into nf4.py's
 shared per-device scratch buffer, reading W (16-bit, or NF4 codes dequantized in the kernel) and adding the rank-r
 product tile by tile; then every product is one call of torch's grouped GEMM (``torch.nn.functional.grouped_mm``,
-else ``torch._grouped_mm``: what transformers' ``grouped_mm`` experts run) on the same row offsets: ``x · W'_eᵀ``,
-and ``u = x · A_eᵀ`` for dB when B trains. One pass over x and one [M, N] output, where separate LoRA terms cost a
-second read of x, an [M, N] term and a read-modify-write of y.
+else ``torch._grouped_mm``: what transformers' ``grouped_mm`` experts run) on the same row offsets: ``x · W'_eᵀ``.
+One pass over x and one [M, N] output, where separate LoRA terms cost a second read of x, an [M, N] term and a
+read-modify-write of y.
 
-Backward (W frozen: no weight gradient), with u [M, r] saved from the forward::
+Backward (W frozen: no weight gradient)::
 
     dx    = dy · (W_e + s · B_e A_e)                   one grouped GEMM over the merged stack
-    v     = dy · B_e                                   [M, r]
+    v     = dy · B_e,  u = x · A_eᵀ                     [M, r] each (u computed here, once, not in every forward
+                                                       of a checkpointed layer)
     dA_e  = s · Σ_{m ∈ e} v[m]ᵀ ⊗ x[m]                  [E, r, K]  one grouped GEMM reducing over each expert's rows
     dB_e  = s · Σ_{m ∈ e} dy[m]ᵀ ⊗ u[m]                 [E, N, r]  likewise
 
@@ -37,7 +38,7 @@ it (PEFT's merged stack is rounded to it too); each GEMM accumulates in fp32 and
 rounded to the compute dtype, then cast to the factors'. Where torch's grouped GEMM cannot take the operands (no such
 op; a stride that is not a multiple of 16 bytes, as rank 4 in bf16), the same products run expert by expert with
 ``torch.mm``; off the GPU and the interpreter the merge is torch's. Saved for backward: x (the caller's gathered rows,
-not copied), u [M, r] and the offsets.
+not copied) and the offsets.
 """
 
 from __future__ import annotations
@@ -353,26 +354,25 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class MoeLoraGemmFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, offsets, w, a, b, scale, keep_u):
+    def forward(ctx, x, offsets, w, a, b, scale):
         with torch.autocast(x.device.type, enabled=False):  # the caller chose the dtype: no per-op casts
-            return MoeLoraGemmFunction._forward(ctx, x, offsets, w, a, b, scale, keep_u)
+            return MoeLoraGemmFunction._forward(ctx, x, offsets, w, a, b, scale)
 
     @staticmethod
-    def _forward(ctx, x, offsets, w, a, b, scale, keep_u):
+    def _forward(ctx, x, offsets, w, a, b, scale):
         dt = x.dtype
         ends = offsets[1:].to(torch.int32)
         a_, b_ = _factors(a, b, dt)
         y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
-        u = grouped_mm(x, a_.transpose(1, 2), ends) if keep_u else None  # dB's operand only
         # NF4 experts are frozen buffers, kept by reference (no activation is saved for them)
         ctx.nf4 = w if isinstance(w, Nf4Experts) else None
-        ctx.save_for_backward(x, ends, a if ctx.nf4 else w, a, b, u)
+        ctx.save_for_backward(x, ends, a if ctx.nf4 else w, a, b)
         ctx.scale = scale
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, ends, w, a, b, u = ctx.saved_tensors
+        x, ends, w, a, b = ctx.saved_tensors
         w, s, dt = ctx.nf4 or w, ctx.scale, x.dtype
         dy = dy.to(dt).contiguous()
         a_, b_ = _factors(a, b, dt)
@@ -383,9 +383,10 @@ class MoeLoraGemmFunction(torch.autograd.Function):
         if ctx.needs_input_grad[3]:  # dA_e = s Σ v[m]ᵀ x[m], v = dy · B_e
             v = grouped_mm(dy, b_, ends)
             da = grouped_mm(v.t(), x, ends).where(has_rows, 0).to(a.dtype).mul_(s)
-        if ctx.needs_input_grad[4]:  # dB_e = s Σ dy[m]ᵀ u[m]
+        if ctx.needs_input_grad[4]:  # dB_e = s Σ dy[m]ᵀ u[m], u = x · A_eᵀ
+            u = grouped_mm(x, a_.transpose(1, 2), ends)
             db = grouped_mm(dy.t(), u, ends).where(has_rows, 0).to(b.dtype).mul_(s)
-        return dx, None, None, da, db, None, None
+        return dx, None, None, da, db, None
 
 
 def _has_rows(ends: torch.Tensor) -> torch.Tensor:
@@ -468,8 +469,7 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float, *, split: bool = False) -> 
     _check(x, offsets, w, a, b)
     x = x.to(_compute_dtype(x))
     if not split:
-        keep_u = torch.is_grad_enabled() and b.requires_grad  # u = x·A_eᵀ is read by dB only
-        return MoeLoraGemmFunction.apply(x, offsets, w, a, b, scale, keep_u)
+        return MoeLoraGemmFunction.apply(x, offsets, w, a, b, scale)
     need_u = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     u = _LoraInputFunction.apply(x, offsets, a) if need_u else None
     return _MergedProductFunction.apply(x, u, offsets, w, a, b, scale)
