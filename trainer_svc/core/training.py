@@ -606,7 +606,8 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
     if cfg.optimizer in admission.HOST_MOMENT_OPTIMIZERS and cfg.ranks() == 1:
         from strop.kernels.models.memory import host_available_bytes
 
-        if admission.host_has_room_for_moments(shape["n_trainable"], host_available_bytes()):
+        room = host_available_bytes()
+        if admission.host_has_room_for_moments(shape["n_trainable"], room, MEMORY_MODES[cfg.memory_mode]):
             host = admission.estimate(loaded.model.config, cfg, host_adam_moments=True, **shape)
     dev = torch.device(loaded.device)
     free, _ = torch.cuda.mem_get_info(dev)
