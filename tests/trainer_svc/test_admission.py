@@ -297,11 +297,12 @@ def test_the_trainer_admits_a_job_with_adams_moments_on_host_only_when_they_woul
         admitted(host.total, optimizer="adamw_8bit")
     with pytest.raises(ResourceExhausted):
         admitted(between, num_devices=2)
-    # nor a host without room for the moments' pinned copies (16 bytes a trainable parameter counted)
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * n - 1)
+    # nor a host without room for the moments' pinned copies (16 bytes a trainable parameter counted) beside the
+    # standard mode's offloaded activations (half the host)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 32 * n - 2)
     with pytest.raises(ResourceExhausted):
         admitted(between)
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * n)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 32 * n)
     assert admitted(between) is HostAdamW
 
 
