@@ -42,9 +42,8 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "HostAdamW", "host_adamw_device_bytes"]
 # One chunk's moments; the device holds two such buffers. A few dozen chunks keep each copy long enough to run at
 # the link's speed and the two buffers small beside the adapter.
 DEFAULT_CHUNK_BYTES = 64 << 20
-_ALIGN = (
-    256  # each moment's view starts on a 256-byte boundary of its buffer (the vectorized kernels' alignment)
-)
+# each moment's view starts on a 256-byte boundary of its buffer (the vectorized kernels' alignment)
+_ALIGN = 256
 
 # torch's AdamW update, without the step hooks (they run once, around HostAdamW.step) and grad-mode wrappers
 _ADAM_STEP = inspect.unwrap(torch.optim.AdamW.step)
