@@ -23,9 +23,14 @@ Backward (W frozen: no weight gradient)::
     dB_e  = s · Σ_{m ∈ e} dy[m]ᵀ ⊗ u[m]                 [E, N, r]  likewise
 
 The backward merges the stack again unless the buffer still holds it (``nf4.shared_buffer_holding``: the same stack
-and factors, unmodified, and nothing else took the buffer): an MoE layer's down stack, the last one its forward or
-recompute merges, is the first its backward needs. No merged stack is saved, one is resident at a time (every NF4
+and factors, unmodified, and nothing else took the buffer): an uncheckpointed MoE layer's down stack, the last one
+its forward merges, is the first its backward needs. No merged stack is saved, one is resident at a time (every NF4
 weight of the model reuses that buffer, in stream order), so a 16-bit session's experts also use that buffer.
+
+``split=True`` runs the same products as two autograd nodes, ``u = x · A_eᵀ`` (saving x; its backward gives dA from
+du = s · dy · B_e) and the product (saving no tensor; the stack, the factors and u, [M, r], held on the node), so
+that a checkpointed layer ending in this projection (an MoE layer's down projection) is recomputed only up to u:
+torch's non-reentrant checkpoint stops its recompute at the layer's last saved tensor, before the merge and product.
 
 NF4 experts (:class:`Nf4Experts`, a frozen base quantized as bitsandbytes' NF4: blocks of 64 along each expert's
 flattened [N, K], the absmax double-quantized) are dequantized by the merge kernel exactly as
