@@ -341,8 +341,8 @@ def shared_buffer_holding(
     """The shared scratch buffer's first ``n`` elements holding a value computed from ``sources`` (and ``extra``,
     plain values compared with ==): ``fill`` writes it, unless the last writer was a call with the same sources
     (the same tensors, unmodified: same version counters) and extra and nothing has taken the buffer since (every
-    other writer goes through ``_shared_buffer``, which forgets what it held). An MoE layer's down stack, the last
-    one its forward or recompute writes, is the first its backward needs: the backward reads it as it is.
+    other writer goes through ``_shared_buffer``, which forgets what it held): where nothing runs between, a forward's
+    last stack is its backward's first (an uncheckpointed MoE layer's down stack), read as it is.
 
     Aliases the buffer as :func:`dequantize_shared` does (valid until the next NF4 dequantization on this device).
     """
