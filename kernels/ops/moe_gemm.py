@@ -326,11 +326,13 @@ def _identity(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     return root, (t.data_ptr(), tuple(t.shape), t.stride())
 
 
-def _merged(w, a: torch.Tensor, b: torch.Tensor, a_: torch.Tensor, b_: torch.Tensor, scale: float, dtype):
+def _merged(w, a, b, a_, b_, scale: float, dtype, *, reuse: bool = False) -> torch.Tensor:
     """``W_e + s · B_e A_e`` [E, N, K] in the compute dtype in nf4.py's shared scratch buffer (valid until the next
-    NF4 dequantization on this device: used for one GEMM, never kept); read there as it is where the buffer still
-    holds it for the same stack and factors, unmodified (``shared_buffer_holding``: the down stack, in the backward
-    right after the forward or recompute that merged it)."""
+    NF4 dequantization on this device: used for one GEMM, never kept); with ``reuse`` (backwards only), read there as
+    it is where the buffer still holds it for the same stack and factors, unmodified (``shared_buffer_holding``).
+    A forward always merges: between steps the factors change in place, and a change the version counters do not
+    see (through ``.data``) would otherwise leave a stale stack; within a forward and its backward autograd forbids
+    changing them."""
     e, n, k = w.shape
     src, where_w = _identity(w.packed if isinstance(w, Nf4Experts) else w)
     ra, where_a = _identity(a)
@@ -342,6 +344,7 @@ def _merged(w, a: torch.Tensor, b: torch.Tensor, a_: torch.Tensor, b_: torch.Ten
         (src, ra, rb),
         (where_w, where_a, where_b, float(scale)),
         lambda out: _merge_into(out, w, a_, b_, scale),
+        reuse=reuse,
     )
     return buf.view(e, n, k)
 
@@ -383,7 +386,7 @@ class MoeLoraGemmFunction(torch.autograd.Function):
         a_, b_ = _factors(a, b, dt)
         dx = da = db = None
         if ctx.needs_input_grad[0]:  # dy · (W_e + s B_e A_e)
-            dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt), ends)
+            dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt, reuse=True), ends)
         has_rows = _has_rows(ends)
         if ctx.needs_input_grad[3]:  # dA_e = s Σ v[m]ᵀ x[m], v = dy · B_e
             v = grouped_mm(dy, b_, ends)
@@ -445,7 +448,7 @@ class _MergedProductFunction(torch.autograd.Function):
         a_, b_ = _factors(a, b, dt)
         dx = du = db = None
         if ctx.needs_input_grad[0]:
-            dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt), ends)
+            dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt, reuse=True), ends)
         if ctx.needs_input_grad[1]:
             du = grouped_mm(dy, b_, ends).mul_(s)
         if ctx.needs_input_grad[5]:

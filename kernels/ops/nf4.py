@@ -337,9 +337,11 @@ def shared_buffer_holding(
     sources: tuple[torch.Tensor, ...],
     extra: tuple,
     fill: Callable[[torch.Tensor], object],
+    *,
+    reuse: bool = True,
 ) -> torch.Tensor:
     """The shared scratch buffer's first ``n`` elements holding a value computed from ``sources`` (and ``extra``,
-    plain values compared with ==): ``fill`` writes it, unless the last writer was a call with the same sources
+    plain values compared with ==): ``fill`` writes it, unless ``reuse`` and the last writer was a call with the same sources
     (the same tensors, unmodified: same version counters) and extra and nothing has taken the buffer since (every
     other writer goes through ``_shared_buffer``, which forgets what it held): where nothing runs between, a forward's
     last stack is its backward's first (an uncheckpointed MoE layer's down stack), read as it is.
@@ -349,7 +351,12 @@ def shared_buffer_holding(
     key = (device, dtype)
     state = (n, extra, tuple(t._version for t in sources))
     held = _HELD.get(key)
-    if held is not None and held[1] == state and all(r() is t for r, t in zip(held[0], sources, strict=True)):
+    if (
+        reuse
+        and held is not None
+        and held[1] == state
+        and all(r() is t for r, t in zip(held[0], sources, strict=True))
+    ):
         return _SHARED[key][:n]
     buf = _shared_buffer(device, dtype, n)[:n]
     fill(buf)

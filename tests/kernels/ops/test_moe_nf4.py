@@ -96,7 +96,8 @@ def test_the_nf4_grouped_gemm_equals_the_16_bit_path_on_the_dequantized_stack(dt
 @cpu_tier
 def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and_only_that(monkeypatch):
     """The backward's ``dy · (W_e + s B_e A_e)`` reads the forward's merged stack where the shared buffer still holds
-    it, and merges again once anything else has taken the buffer or the codes or factors changed; same gradients."""
+    it, and merges again once anything else has taken the buffer or the codes or factors changed; a forward always
+    merges (a change of the factors through .data would not show in their version counters); same gradients."""
     from strop.kernels.ops import moe_gemm, nf4
     from strop.kernels.ops.moe_gemm import Nf4Experts, moe_lora_gemm
 
@@ -116,8 +117,8 @@ def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and
         xs = x.clone().requires_grad_()
         calls.clear()
         y = moe_lora_gemm(xs, offsets, q, a, b, 2.0)
-        between()
         merged_fwd = [c is q for c in calls]
+        between()
         calls.clear()
         y.backward(dy)
         return xs.grad, merged_fwd, [c is q for c in calls]
@@ -130,7 +131,8 @@ def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and
         "codes changed": lambda: q.packed.add_(0),
     }
     for what, between in takers.items():
-        dx, _, merged_bwd = forward_then(between)
+        dx, merged_fwd, merged_bwd = forward_then(between)
+        assert merged_fwd == [True], f"{what}: a forward merges, whatever the buffer holds"
         assert torch.equal(dx, want[1]), f"{what}: dx"
         assert merged_bwd == [True], f"{what}: the backward must merge the stack again"
     b.add_(0)  # the factors changed (an optimizer step's in-place update; same values here)
