@@ -1,6 +1,6 @@
 """FSDP2 over a 4-bit mixture of experts whose experts strop holds in NF4 (``fsdp.shard_nf4_experts``): 2 gloo ranks of
 batch 1 train what one process of batch 2 trains over the same NF4 experts, each rank holding half of the experts'
-codes and statistics.
+codes and statistics, and a job resumed from its checkpoint continues exactly.
 
 Each rank quantizes the same checkpoint into the same codes; the codes and absmax statistics become frozen parameters
 sharded on dim 0 with their decoder layer, gathered as bytes (exact copies) for its forward and backward, so every
@@ -10,6 +10,13 @@ derivation, the MoE layer's 12 sequential reductions beside a dense layer's 8), 
 load-balancing loss (a product of two batch averages: another function on a rank's batch of 1). A rank computing
 over 16-bit experts, or a shard of the codes read as the whole stack, is off by the NF4 rounding of the weights or by
 O(1), far above the bound.
+
+The resumed job continues from the checkpoint of step 2 (the whole adapter, SGD's param groups, the scheduler, the
+data order) and computes steps 3 and 4 with the same operations on the same values as the uninterrupted job: its
+losses and final adapter are the uninterrupted job's bit for bit. This test found that a resumed FSDP job's first
+step ran at the schedule's initial learning rate (SGD keeps no state, and skipping its load skipped its param
+groups' learning rate too: ``fsdp.restore_param_groups``): step 3's update was twice the uninterrupted job's, its
+loss equal and step 4's 3e-4 apart.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ from tests.trainer_svc.test_ddp import (
 )
 
 
-@pytest.fixture(scope="module")
-def fsdp_moe_runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def fsdp_moe_runs(request, tmp_path_factory):
     from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
     from strop.fixtures.tiny_models import TinyShape, make_tiny_model
     from strop.trainer_svc.core import model_loading
@@ -45,7 +52,8 @@ def fsdp_moe_runs(tmp_path_factory):
     shape = TinyShape(
         hidden_size=64, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
     )
-    d = make_tiny_model(root / "qwen3_moe", arch="qwen3_moe", shape=shape, dtype="float32", vocab_size=320)
+    arch = request.param
+    d = make_tiny_model(root / arch, arch=arch, shape=shape, dtype="float32", vocab_size=320)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "output_router_logits": False}))  # module docstring
     config = json.loads((d / "config.json").read_text())
@@ -59,12 +67,12 @@ def fsdp_moe_runs(tmp_path_factory):
     procs = {}
     for job, batch, nproc in (("moe-one", 2, 1), ("moe-fsdp", 1, 2)):
         spec = _spec(job, batch)
-        spec["model"].update(model_path="qwen3_moe", quantization="NF4")
+        spec["model"].update(model_path=arch, quantization="NF4")
         if nproc > 1:
             spec["config"].update(parallelism="FSDP", num_devices=nproc)
         procs[job] = _launch(tmp, root, job, batch_size=batch, nproc=nproc, spec=spec)
     # the adapter before training (seeded: every rank attaches the same) and the NF4 stacks one process holds
-    req = LoadModelRequest(model_path="qwen3_moe", quantization=Quantization.NF4, dtype="float32")
+    req = LoadModelRequest(model_path=arch, quantization=Quantization.NF4, dtype="float32")
     loaded = model_loading.load_model(req, model_root=root, device="cpu")
     model_loading.attach_lora(loaded, LoraConfig(**LORA))
     initial = {
@@ -77,7 +85,7 @@ def fsdp_moe_runs(tmp_path_factory):
     stacks = [nf4_experts(m, p) for m in nf4_expert_modules(loaded.model).values() for p in EXPERT_STACKS]
     for job, proc in procs.items():
         assert proc.wait(timeout=600) == 0, (tmp / f"{job}.log").read_text()[-4000:]
-    return tmp, root, config, initial, stacks
+    return tmp, root, arch, config, initial, stacks
 
 
 def _losses(events: list[dict]) -> dict[int, float]:
@@ -97,7 +105,7 @@ def test_fsdp_ranks_shard_nf4_experts_and_train_what_one_process_trains(fsdp_moe
     from strop.common.artifacts import ArtifactStore
     from strop.kernels.models.moe_experts import SHARDABLE_ROLES
 
-    tmp, _, config, initial, stacks = fsdp_moe_runs
+    tmp, _, _, config, initial, stacks = fsdp_moe_runs
     one, fsdp = _events(tmp, "moe-one"), _events(tmp, "moe-fsdp")
     messages = [e["log"]["message"] for e in fsdp if e["log"]]
     assert any(m.startswith("FSDP2 over 2 processes") for m in messages), messages
@@ -126,7 +134,8 @@ def test_fsdp_ranks_shard_nf4_experts_and_train_what_one_process_trains(fsdp_moe
     assert base_held <= 0.5 * base_whole + 4 * config["vocab_size"] + 2 * 1028 * len(stacks), base_line
 
     s = (8 + 4) * config["num_hidden_layers"] * 2 + 4
-    k = max(config["hidden_size"], config["moe_intermediate_size"], config["vocab_size"], 2 * ROW_TOKENS)
+    expert = config.get("moe_intermediate_size", config["intermediate_size"])  # Qwen3-MoE's, Mixtral's
+    k = max(config["hidden_size"], expert, config["vocab_size"], 2 * ROW_TOKENS)
     loss_bound, update_bound = s * math.sqrt(k) * U, STEPS * (s * math.sqrt(k) + 1) * U
     losses_one, losses_fsdp = _losses(one), _losses(fsdp)
     assert sorted(losses_fsdp) == sorted(losses_one) == list(range(1, STEPS + 1))
@@ -160,3 +169,23 @@ def test_fsdp_ranks_shard_nf4_experts_and_train_what_one_process_trains(fsdp_moe
         stats_fsdp[k].shape == stats_one[k].shape and bool((stats_fsdp[k] == stats_one[k]).all())
         for k in experts
     )
+
+
+def test_an_fsdp_job_over_nf4_experts_resumed_from_its_checkpoint_continues_exactly(fsdp_moe_runs):
+    tmp, root, arch, _, _, _ = fsdp_moe_runs
+    fsdp = _events(tmp, "moe-fsdp")
+    (ckpt,) = [e["checkpoint"] for e in fsdp if e["checkpoint"] and e["checkpoint"]["step"] == 2]
+    spec = _spec("moe-fsdp-resumed", 1)
+    spec["model"].update(model_path=arch, quantization="NF4")
+    spec["config"].update(parallelism="FSDP", num_devices=2, checkpoint_every_steps=0)
+    spec["resume_from"] = _key(ckpt["artifact"])
+    proc = _launch(tmp, root, "moe-fsdp-resumed", batch_size=1, nproc=2, spec=spec)
+    assert proc.wait(timeout=600) == 0, (tmp / "moe-fsdp-resumed.log").read_text()[-4000:]
+    resumed = _events(tmp, "moe-fsdp-resumed")
+    losses, before = _losses(resumed), _losses(fsdp)
+    assert sorted(losses) == list(range(3, STEPS + 1))
+    assert all(losses[i] == before[i] for i in losses), (losses, before)
+    adapter, _ = _adapter(tmp, resumed)
+    adapter_before, _ = _adapter(tmp, fsdp)
+    assert sorted(adapter) == sorted(adapter_before)
+    assert all(bool((adapter[n] == adapter_before[n]).all()) for n in adapter)

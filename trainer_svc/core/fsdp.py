@@ -18,7 +18,8 @@ Four things strop adds to the engines:
   freed all-gather buffers, "Attempted to access the data pointer on an invalid python storage").
 - strop's gradient guard reduces each tensor's max |grad| over the shards (``guard.py``).
 - resuming with an optimizer that keeps no state (plain SGD) skips accelerate's optimizer load, which cannot
-  handle an empty state (``skip_stateless_optimizer_load``).
+  handle an empty state, and restores the param groups' learning rate from the checkpoint itself
+  (``skip_stateless_optimizer_load``).
 - parameters are gathered as stored (``gather_as_stored``), not cast to bf16 as accelerate's policy for a bf16
   job would: the adapters stay fp32 under autocast and their gradients reduce in fp32, as in one process.
 
@@ -61,6 +62,7 @@ before the sharding for the NF4 statistics file rank 0 writes (``moe.keep_expert
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from strop.common.errors import FailedPrecondition, InvalidArgument
 from strop.common.trainer_types import Parallelism, TrainConfig
@@ -348,8 +350,9 @@ def stateless(optimizer) -> bool:
 def skip_stateless_optimizer_load() -> None:
     """Resuming an FSDP job whose optimizer keeps no state: transformers calls accelerate's ``load_fsdp_optimizer``,
     whose ``set_optimizer_state_dict`` needs at least one state tensor to learn the device from and raises
-    ("Expected device to be set", torch 2.13) when there is none. There is nothing to load then: skip it (the
-    scheduler is loaded after it as usual). A no-op once installed; the rank process is this job's alone."""
+    ("Expected device to be set", torch 2.13) when there is none. There is no state to load then, only the param
+    groups' hyperparameters, which ``restore_param_groups`` sets instead; the scheduler is loaded after it as usual.
+    A no-op once installed; the rank process is this job's alone."""
     import transformers.trainer as hf_trainer
 
     load = hf_trainer.load_fsdp_optimizer
@@ -358,11 +361,46 @@ def skip_stateless_optimizer_load() -> None:
 
     def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, *args, **kwargs):
         if stateless(optimizer):
-            return None
+            index = args[0] if args else kwargs.get("optimizer_index", 0)
+            return restore_param_groups(accelerator, optimizer, input_dir, index)
         return load(fsdp_plugin, accelerator, optimizer, model, input_dir, *args, **kwargs)
 
     load_fsdp_optimizer._strop_skips_stateless = True
     hf_trainer.load_fsdp_optimizer = load_fsdp_optimizer
+
+
+def restore_param_groups(accelerator, optimizer, input_dir, optimizer_index: int = 0) -> bool:
+    """Set ``optimizer``'s param groups' hyperparameters (the learning rate above all) to those of its checkpoint in
+    ``input_dir`` (accelerate's whole-state file, which rank 0 wrote: rank 0 reads it and broadcasts the groups);
+    whether there were any. A collective.
+
+    Why. Loading an optimizer's state is what puts the learning rate of the checkpoint's step back into its param
+    groups: the scheduler's ``load_state_dict`` restores only its own counters, and its next ``step`` sets the
+    learning rate of the step after. Without this a resumed job's first step ran at the schedule's initial learning
+    rate (``tests/trainer_svc/test_fsdp_moe.py``: twice the update at a linear schedule's midpoint)."""
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils.constants import OPTIMIZER_NAME
+
+    groups = None
+    if accelerator.is_main_process:
+        name = f"{OPTIMIZER_NAME}.bin" if optimizer_index == 0 else f"{OPTIMIZER_NAME}_{optimizer_index}.bin"
+        path = Path(input_dir) / name
+        if path.is_file():
+            groups = [
+                {k: v for k, v in g.items() if k != "params"}
+                for g in torch.load(path, weights_only=True)["param_groups"]
+            ]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [groups]
+        dist.broadcast_object_list(box, src=0)
+        groups = box[0]
+    if not groups:
+        return False
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    for live, saved in zip(inner.param_groups, groups, strict=True):
+        live.update(saved)
+    return True
 
 
 def prepare(device: str) -> None:
