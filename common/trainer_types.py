@@ -280,8 +280,10 @@ TRAIN_DEFAULTS: dict[str, object] = {
     "retention_rows": 110,  # every built-in replay prompt
 }
 
-# retention KL's weight when the request leaves retention_kl 0 (with REPLAY, 0 means no KL term)
-KL_RETENTION_WEIGHT = 1.0
+# retention KL's weight when the request leaves retention_kl 0 (with REPLAY, 0 means no KL term): the weight that
+# still taught every fact in the measurements (heavier weights kept a few more general answers and held the facts
+# back; bench/RESULTS.md, "the KL term alone")
+KL_RETENTION_WEIGHT = 2.0
 
 
 # A few dozen rows of facts need about ten passes before greedy answers repeat them (bench/RESULTS.md, "Teaching
