@@ -39,8 +39,10 @@ from tests.kernels.models.moe_setup import expert_lora, loss_and_grads, moe_conf
 from tests.kernels.models.test_patch import parity_bound  # noqa: E402
 
 
-def _sharded_pair(model_type: str, device: str, backend: str, tmp_path):
-    """(patched model with NF4 experts, its twin sharded by FSDP2 over one ``backend`` rank as the trainer shards)."""
+def _sharded_pair(model_type: str, device: str, backend: str, tmp_path, staged: bool = False):
+    """(patched model with NF4 experts, its twin sharded by FSDP2 over one ``backend`` rank as the trainer shards).
+    ``staged``: both built and quantized in host memory, as a rank of a sharded job on accelerators loads; the
+    reference then moved to ``device`` whole, the twin moved by ``fully_shard`` (its placeholders stay behind)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
@@ -50,12 +52,14 @@ def _sharded_pair(model_type: str, device: str, backend: str, tmp_path):
     pair = []
     for _ in range(2):  # built twice from the same seeds (a deep copy would expand the stride-0 placeholders)
         torch.manual_seed(0)
-        base = (
-            transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().to(device)
-        )
+        base = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+        base = base.to("cpu" if staged else device)
         assert len(quantize_experts(base)) == 2 * cfg.num_hidden_layers
         pair.append(expert_lora(base).train())
-        report = patch_model(pair[-1])
+    if staged:
+        pair[0].to(device)  # the reference (its placeholders expand: a tiny model)
+    for m in pair:
+        report = patch_model(m, device=device)
         assert len(report.patched["lora_mlp"]) == cfg.num_hidden_layers, report
     model, twin = pair
     # admission's count of what the sharding places (before it, the storage is buffers; after, parameters): the
@@ -77,6 +81,10 @@ def _sharded_pair(model_type: str, device: str, backend: str, tmp_path):
     assert all(p.stride() == (0, 0, 0) for p in placeholders), "no 16-bit rows copied out"
     held, whole = nf4_expert_bytes_held(twin)
     assert held == whole > 0  # one rank holds it all; 2 ranks hold half (tests/trainer_svc/test_fsdp_moe.py)
+    nf4 = [t for n, t in [*twin.named_parameters(), *twin.named_buffers()] if "_nf4_" in n]
+    assert nf4 and all(t.device.type == torch.device(device).type for t in nf4), (
+        "fully_shard moved the storage"
+    )
     return model, twin
 
 
@@ -107,15 +115,19 @@ def test_nf4_experts_sharded_by_fsdp2_run_the_grouped_gemm_like_the_unsharded_mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("staged", [False, True], ids=["on-device", "staged"])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_on_cuda_nf4_experts_sharded_by_fsdp2_train_like_the_unsharded_patched_model(model_type, tmp_path):
+def test_on_cuda_nf4_experts_sharded_by_fsdp2_train_like_the_unsharded_patched_model(
+    model_type, staged, tmp_path
+):
     """bf16 autocast on one NCCL rank: the same kernels on the same bytes, so within one bf16 rounding
-    (u = 2⁻⁸ relative) in the loss and every LoRA gradient."""
+    (u = 2⁻⁸ relative) in the loss and every LoRA gradient; built on the device, or staged in host memory (the
+    codes quantized there) and moved by ``fully_shard`` as a rank of a sharded job on GPUs loads."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     try:
-        model, twin = _sharded_pair(model_type, "cuda", "nccl", tmp_path)
+        model, twin = _sharded_pair(model_type, "cuda", "nccl", tmp_path, staged=staged)
         ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(2)).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             ref_loss, _, ref = loss_and_grads(model, ids)
