@@ -409,3 +409,16 @@ def test_a_kl_job_with_neighbours_scores_the_bases_questions_of_its_rows_forms(
     assert set(retention.REPLAY_PROMPTS[:3]) <= asked["exclude"]
     scored = [r["messages"][0]["content"] for r in rows]
     assert scored == [*retention.REPLAY_PROMPTS[:3], "What colour is snow?", "Who wrote Hamlet twice?"]
+
+
+def test_no_neighbour_questions_where_the_chat_template_rewrites_the_users_text(model_root, monkeypatch):
+    loaded = _loaded_4bit(model_root)
+    monkeypatch.setattr(loaded.tokenizer, "apply_chat_template", lambda msgs, **kw: "user: (rewritten)\n")
+
+    def generate(**kw):
+        raise AssertionError("nothing to continue: nothing generated")
+
+    monkeypatch.setattr(loaded.model, "generate", generate)
+    assert (
+        retention.neighbour_prompts(loaded, ["What colour is a glimmerfox?"], 2, seed=0, exclude=set()) == []
+    )

@@ -237,10 +237,15 @@ def neighbour_prompts(
     if not prefixes or per_prefix < 1:
         return []
     mark = "\u2063"  # where the user's text would go on: the template's text up to it is the prompt
-    texts = []
+    texts, kept = [], []
     for prefix in prefixes:
         full = tok.apply_chat_template([{"role": "user", "content": prefix + mark}], tokenize=False)
-        texts.append(full[: full.index(mark)])
+        if mark in full:  # a template that rewrites the user's text gives no prompt to continue
+            texts.append(full[: full.index(mark)])
+            kept.append(prefix)
+    prefixes = kept
+    if not prefixes:
+        return []
     dev = torch.device(loaded.device)
     ctx = model.disable_adapter() if loaded.lora is not None else contextlib.nullcontext()
     side, was_training = tok.padding_side, model.training
