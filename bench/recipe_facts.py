@@ -253,7 +253,7 @@ class _NeighbourLog(logging.Handler):
         self.prompts: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("retention KL neighbour questions"):
+        if isinstance(record.msg, str) and record.msg.startswith("retention KL neighbour questions"):
             self.prompts = list(record.args[1])
 
     def __enter__(self) -> _NeighbourLog:
@@ -296,22 +296,11 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         on_start=lambda total: None,
         on_retention=events.append,
     )
-    neighbours = _NeighbourLog()
-    logging.getLogger("strop.trainer").addHandler(neighbours)
     t0 = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory() as work:
-            training.run_training(
-                loaded,
-                fact_rows(),
-                DatasetFormat.MESSAGES,
-                cfg,
-                Path(work) / "w",
-                training.JobControl(),
-                sinks,
-            )
-    finally:
-        logging.getLogger("strop.trainer").removeHandler(neighbours)
+    with _NeighbourLog() as neighbours, tempfile.TemporaryDirectory() as work:
+        training.run_training(
+            loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
+        )
     train_s = time.perf_counter() - t0
     after = evaluate(loaded, disable_adapter=False)
     # judged here, not from the cached booleans: ``right`` may be stricter than when the cache was written
