@@ -40,6 +40,7 @@ _NF4 = (
     "_strop_nf4"  # an experts module's NF4 stacks: {parameter name: (shape, dtype, blocksize2, placeholder)}
 )
 SHARDABLE_ROLES = ("packed", "absmax", "absmax2")  # the storage that grows with the stack (not code2, offset)
+_WORDS = "_strop_nf4_words"  # storage held as words (nf4_storage_as_parameters): {key: dtype quantized}
 
 
 def _experts_layout(module: nn.Module) -> bool:
@@ -168,10 +169,16 @@ def nf4_experts(module: nn.Module, pname: str):
     # a layer FSDP2 gathered, its parameters are the whole tensors
     buf = {**module._buffers, **module._parameters}
     nested = f"{pname}_nf4_absmax2" in buf
+    words = module.__dict__.get(_WORDS, {})
+
+    def stored(key: str) -> torch.Tensor:  # the tensor as quantized: words viewed back as their bytes
+        t = buf[key]
+        return t.view(torch.uint8).view(words[key]) if key in words else t
+
     return Nf4Experts(
-        packed=buf[f"{pname}_nf4_packed"],
-        absmax=buf[f"{pname}_nf4_absmax"],
-        absmax2=buf[f"{pname}_nf4_absmax2"] if nested else None,
+        packed=stored(f"{pname}_nf4_packed"),
+        absmax=stored(f"{pname}_nf4_absmax"),
+        absmax2=stored(f"{pname}_nf4_absmax2") if nested else None,
         code2=buf[f"{pname}_nf4_code2"] if nested else None,
         offset=buf[f"{pname}_nf4_offset"] if nested else None,
         shape=shape,
@@ -193,18 +200,35 @@ def nf4_storage_as_parameters(model: nn.Module) -> int:
     """Hold each NF4 stack's codes and absmax statistics (``SHARDABLE_ROLES``) as frozen parameters of its
     experts module instead of buffers, so that FSDP2 (``fully_shard``, which shards parameters and leaves buffers
     whole on every rank) shards them with their decoder layer and gathers them for its forward and backward; the
-    number of tensors moved. The same tensors (no copy); the code book and offset of the double quantization
-    (1 KiB and 4 bytes) stay buffers. Readers (:func:`nf4_experts`) take either."""
+    number of tensors moved. The code book and offset of the double quantization (1 KiB and 4 bytes) stay buffers.
+
+    Each tensor is held as words of the stack's compute dtype: a view of the same bytes (no copy), flat. FSDP2
+    wraps every parameter it shards as an ``nn.Parameter`` that some torch versions create requiring gradients
+    before freezing it again, which an integer tensor (the uint8 codes, the nested absmax codes) cannot; and a
+    mixed-precision cast to the compute dtype, if a policy set one, leaves words already of that dtype alone (an
+    fp32 statistic would be rounded). Readers (:func:`nf4_experts`) view the words back as the bytes quantized.
+
+    Raises:
+        ValueError: A tensor's bytes do not fill whole words of the compute dtype.
+    """
     moved = 0
     for module in nf4_expert_modules(model).values():
-        for pname in module.__dict__[_NF4]:
+        words = module.__dict__.setdefault(_WORDS, {})
+        for pname, (_, dtype, _, _) in module.__dict__[_NF4].items():
             for role in SHARDABLE_ROLES:
                 key = f"{pname}_nf4_{role}"
-                t = module._buffers.pop(key, None)
+                t = module._buffers.get(key)
                 if t is None:
                     continue
+                data = t.reshape(-1).view(torch.uint8)
+                if data.numel() % dtype.itemsize:
+                    raise ValueError(
+                        f"{key}: its {data.numel()} bytes are not whole {dtype} words, which FSDP2 shards"
+                    )
+                del module._buffers[key]
                 module._non_persistent_buffers_set.discard(key)
-                module.register_parameter(key, nn.Parameter(t, requires_grad=False))
+                module.register_parameter(key, nn.Parameter(data.view(dtype), requires_grad=False))
+                words[key] = t.dtype
                 moved += 1
     return moved
 

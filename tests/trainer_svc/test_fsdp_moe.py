@@ -117,8 +117,11 @@ def test_fsdp_ranks_shard_nf4_experts_and_train_what_one_process_trains(fsdp_moe
     (held_line,) = [m for m in messages if "of the NF4 experts'" in m]
     held, whole = (int(x.replace(",", "")) for x in re.findall(r"[\d,]+(?= of| bytes)", held_line))
     assert whole == sum(t.numel() * t.element_size() for q in stacks for t in q.tensors().values())
+    # the sharded tensors are held as words of the stack's compute dtype (fsdp module docstring)
     expected = sum(
-        (-(-t.numel() // 2) if role in SHARDABLE_ROLES else t.numel()) * t.element_size()
+        -(-t.numel() * t.element_size() // q.dtype.itemsize // 2) * q.dtype.itemsize
+        if role in SHARDABLE_ROLES
+        else t.numel() * t.element_size()
         for q in stacks
         for role, t in q.tensors().items()
     )

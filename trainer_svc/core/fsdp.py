@@ -51,10 +51,12 @@ NF4 experts (a 4-bit Qwen3-MoE / Mixtral: ``kernels.models.moe_experts``) are sh
 Their storage is no ``Params4bit``: each stack's codes and absmax statistics are buffers of the experts module,
 which ``fully_shard`` would leave whole on every rank, and the parameter PEFT wraps is a stride-0 placeholder of one
 element, which ``fully_shard`` would copy out row by row (16-bit expert rows on every rank). So the codes and
-statistics become frozen parameters of their module (the same tensors; FSDP2 gathers tensors of several dtypes
-as bytes and casts no integer tensor, so uint8 codes need no relabelling here), sharded on dim 0 with their decoder
-layer and gathered whole for its forward and backward, where the grouped expert GEMM (or HF's path, through the
-module's dequantizing hook) reads them as in one process; and every ``fully_shard`` call leaves the placeholders
+statistics become frozen parameters of their module, relabelled as flat words of the stack's compute dtype as the
+dense path's codes are (a view of the same bytes: torch 2.11's FSDP2 creates each sharded parameter requiring
+gradients before freezing it, which a uint8 tensor cannot, and a mixed-precision cast leaves words of the compute
+dtype alone), sharded on dim 0 with their decoder layer and gathered whole for its forward and backward, where the
+grouped expert GEMM (or HF's path, through the module's dequantizing hook) views them back as the bytes quantized
+and reads them as in one process; and every ``fully_shard`` call leaves the placeholders
 out (``ignored_params``, ``leave_nf4_placeholders_alone``). The statistics' whole values are kept in host memory
 before the sharding for the NF4 statistics file rank 0 writes (``moe.keep_expert_nf4_stats``).
 """
@@ -127,14 +129,21 @@ def _shardable_bytes(module) -> int:
 def shard_nf4_experts(model) -> int:
     """Make a model's NF4 expert stacks shardable by FSDP2 (module docstring): keep their statistics whole for the
     NF4 statistics file, then hold their codes and statistics as frozen parameters; the number of tensors moved
-    (0 without NF4 experts). Before ``fully_shard``, after the adapter's metadata is read; every rank the same."""
+    (0 without NF4 experts). Before ``fully_shard``, after the adapter's metadata is read; every rank the same.
+
+    Raises:
+        FailedPrecondition: A stack's codes or statistics do not fill whole words of its compute dtype.
+    """
     from strop.kernels.models.moe_experts import nf4_storage_as_parameters
     from strop.trainer_svc.core import moe
 
     if not moe.holds_nf4_experts(model):
         return 0
     moe.keep_expert_nf4_stats(model)
-    return nf4_storage_as_parameters(model)
+    try:
+        return nf4_storage_as_parameters(model)
+    except ValueError as e:
+        raise FailedPrecondition(f"FSDP cannot shard the NF4 experts: {e}") from e
 
 
 def leave_nf4_placeholders_alone() -> None:
@@ -162,7 +171,8 @@ def leave_nf4_placeholders_alone() -> None:
 
 def nf4_expert_bytes_held(model) -> tuple[int, int]:
     """(bytes of the NF4 experts' codes and statistics this rank holds, bytes of the whole stacks): each sharded
-    tensor's local shard against its global size, the buffers whole."""
+    tensor's local shard against its global size, the buffers whole (bytes, whether held as words or as
+    quantized)."""
     from torch.distributed.tensor import DTensor
 
     from strop.kernels.models.moe_experts import nf4_expert_modules

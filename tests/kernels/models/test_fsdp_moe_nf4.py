@@ -72,6 +72,14 @@ def _sharded_pair(model_type: str, device: str, backend: str, tmp_path, staged: 
     assert nf4_bytes < stacks / 3
     placeholders = nf4_placeholders(twin)
     assert len(placeholders) == 2 * cfg.num_hidden_layers
+    # what fully_shard shards must be floating point: torch 2.11's FSDP2 wraps each shard as nn.Parameter(shard),
+    # requiring gradients, before freezing it (uint8 codes raised there); the storage is held as fp32 words
+    left_out = {id(p) for p in placeholders}
+    sharded = [(n, p) for n, p in twin.named_parameters() if id(p) not in left_out]
+    assert all(p.is_floating_point() for _, p in sharded), [
+        (n, p.dtype) for n, p in sharded if not p.is_floating_point()
+    ]
+    assert {p.dtype for n, p in sharded if "_nf4_" in n} == {torch.float32}
     for layer in twin.get_base_model().model.layers:
         fully_shard(layer, mp_policy=MixedPrecisionPolicy(), ignored_params=set(nf4_placeholders(layer)))
     fully_shard(twin, mp_policy=MixedPrecisionPolicy(), ignored_params=set(placeholders))
@@ -79,6 +87,9 @@ def _sharded_pair(model_type: str, device: str, backend: str, tmp_path, staged: 
     assert isinstance(experts._parameters["gate_up_proj_nf4_packed"], DTensor)
     assert not isinstance(experts._parameters["gate_up_proj"], DTensor), "the placeholder is left alone"
     assert all(p.stride() == (0, 0, 0) for p in placeholders), "no 16-bit rows copied out"
+    for p in twin.parameters():  # torch 2.11's wrapping of each shard
+        if isinstance(p, DTensor):
+            torch.nn.Parameter(p.to_local().detach())
     held, whole = nf4_expert_bytes_held(twin)
     assert held == whole > 0  # one rank holds it all; 2 ranks hold half (tests/trainer_svc/test_fsdp_moe.py)
     nf4 = [t for n, t in [*twin.named_parameters(), *twin.named_buffers()] if "_nf4_" in n]
