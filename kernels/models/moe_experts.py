@@ -211,26 +211,27 @@ def nf4_storage_as_parameters(model: nn.Module) -> int:
     Raises:
         ValueError: A tensor's bytes do not fill whole words of the compute dtype.
     """
-    moved = 0
+    todo = []  # every tensor checked before any moves: a refusal leaves the model as it was
     for module in nf4_expert_modules(model).values():
-        words = module.__dict__.setdefault(_WORDS, {})
         for pname, (_, dtype, _, _) in module.__dict__[_NF4].items():
             for role in SHARDABLE_ROLES:
                 key = f"{pname}_nf4_{role}"
                 t = module._buffers.get(key)
                 if t is None:
                     continue
-                data = t.reshape(-1).view(torch.uint8)
-                if data.numel() % dtype.itemsize:
+                size = t.numel() * t.element_size()
+                if size % dtype.itemsize:
                     raise ValueError(
-                        f"{key}: its {data.numel()} bytes are not whole {dtype} words, which FSDP2 shards"
+                        f"{key}: its {size} bytes are not whole {dtype} words, which FSDP2 shards"
                     )
-                del module._buffers[key]
-                module._non_persistent_buffers_set.discard(key)
-                module.register_parameter(key, nn.Parameter(data.view(dtype), requires_grad=False))
-                words[key] = t.dtype
-                moved += 1
-    return moved
+                todo.append((module, key, t, dtype))
+    for module, key, t, dtype in todo:
+        del module._buffers[key]
+        module._non_persistent_buffers_set.discard(key)
+        words = t.reshape(-1).view(torch.uint8).view(dtype)
+        module.register_parameter(key, nn.Parameter(words, requires_grad=False))
+        module.__dict__.setdefault(_WORDS, {})[key] = t.dtype
+    return len(todo)
 
 
 def nf4_placeholders(model: nn.Module) -> list[nn.Parameter]:

@@ -99,6 +99,25 @@ def _sharded_pair(model_type: str, device: str, backend: str, tmp_path, staged: 
     return model, twin
 
 
+def test_nf4_experts_whose_storage_is_not_whole_words_are_refused_before_the_sharding():
+    """A stack of one expert and one NF4 block holds one byte of nested absmax codes: not a word of its compute
+    dtype (fp32, 4 bytes), so FSDP2 could not shard it as words; refused, the storage left as it was."""
+    from strop.common.errors import FailedPrecondition
+
+    class TinyExperts(torch.nn.Module):  # the fused SwiGLU layout of HF's experts modules
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(1, 2, 32))
+            self.down_proj = torch.nn.Parameter(torch.randn(1, 32, 2))
+
+    model = torch.nn.Sequential(TinyExperts())
+    assert len(quantize_experts(model)) == 2
+    with pytest.raises(FailedPrecondition, match=r"1 bytes are not whole torch\.float32 words"):
+        shard_nf4_experts(model)
+    assert not list(model.parameters(recurse=True))[2:], "no storage moved"
+    assert model[0]._buffers["gate_up_proj_nf4_packed"].dtype == torch.uint8, "left a buffer, as quantized"
+
+
 @pytest.mark.parity
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_nf4_experts_sharded_by_fsdp2_run_the_grouped_gemm_like_the_unsharded_model(
