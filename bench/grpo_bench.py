@@ -95,6 +95,7 @@ class Row:
     note: str = ""
     oom: bool = False  # failed by running out of device memory
     wall_s: float = 0.0  # the worker process's wall time, loading included
+    profile: str = ""  # --profile: one more step under torch.profiler, summarised (bench/lib/profile.py)
 
 
 def rows(n: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
@@ -169,12 +170,14 @@ def run_strop(a, w: harness.Workload) -> Row:
     )
     core.sessions.attach_lora(info.session_id, LoraConfig(r=16, alpha=16, seed=0))
     loaded = core.sessions.open(info.session_id).loaded
-    data = rows(a.prompts * (a.steps + a.warmup), a.prompt_tokens)
+    timed = a.steps + a.warmup
+    extra = int(a.profile and w.device == "cuda")  # the profiled step runs after the timed ones
+    data = rows(a.prompts * (timed + extra), a.prompt_tokens)
     cfg = TrainConfig(
         method=TrainMethod.GRPO,
         learning_rate=LR,
         lr_scheduler="constant",
-        max_steps=a.steps + a.warmup,
+        max_steps=timed + extra,
         batch_size=a.prompts,
         seed=0,
         grpo=GrpoConfig(
@@ -202,11 +205,35 @@ def run_strop(a, w: harness.Workload) -> Row:
         )
         if len(metrics) == a.warmup:
             w.reset_peak_memory()  # the measured steps' peaks
+        if len(metrics) == timed and extra:
+            import torch
 
+            peaks.extend(
+                [torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30]
+            )
+
+    peaks: list[float] = []
+    if extra:
+        from lib.profile import label_phases, profile_step
+
+        label_phases(
+            grpo.GrpoLoop, _sample="sample", _grade="grade", _rows="forward", _first_pass="first pass"
+        )
+        plain_step = grpo.GrpoLoop.step
+
+        def step(self, i):
+            if i < timed:
+                return plain_step(self, i)
+            out = []
+            row.profile = profile_step(lambda: out.append(plain_step(self, i)))
+            return out[0]
+
+        grpo.GrpoLoop.step = step
     sinks = training.Sinks(on_step=on_step, on_checkpoint=lambda s, p: None, on_start=lambda t: None)
     if a.warmup == 0:
         w.reset_peak_memory()
     grpo.run_grpo(loaded, data, cfg, Path(work) / "job", training.JobControl(), sinks)
+    metrics = metrics[:timed]
     times = [m.step_seconds for m in metrics]
     sampled = [m.rl.sampled_length_mean * a.prompts * a.group for m in metrics]
     tokens = [m.tokens_per_second * m.step_seconds for m in metrics]
@@ -214,6 +241,8 @@ def run_strop(a, w: harness.Workload) -> Row:
     row.completion_tokens = metrics[-1].rl.sampled_length_mean
     row.rewards = [m.rl.reward_mean for m in metrics]
     finish(w, row, times, tokens, sampled, a.warmup)
+    if peaks:  # the timed steps' peaks, not the profiled step's
+        row.peak_alloc_gib, row.peak_reserved_gib = peaks
     row.note = (
         f"sampling {median([m.rl.sampling_seconds for m in metrics[a.warmup :]]):.1f} s, training "
         f"{median([m.rl.training_seconds for m in metrics[a.warmup :]]):.1f} s a step; {loaded.facts.kernels_reason[:80]}"
@@ -448,6 +477,7 @@ def spawn(
     }
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system]
     cmd += [x for k, v in shape.items() for x in (k, str(v))] + (["--smoke"] if a.smoke else [])
+    cmd += ["--profile"] * a.profile
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:  # a file: a pipe nobody reads could fill and stall the worker
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -584,6 +614,12 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--show-stderr", type=int, default=0, metavar="CHARS")
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="strop (CUDA): one more GRPO step under torch.profiler after the timed ones: top kernels, GPU time by "
+        "kind, GPU idle by phase (sample, grade, forward, first pass) and host op",
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
     p.add_argument("--find-longest", action="store_true", help="strop alone: the longest prompt that fits")
@@ -631,6 +667,9 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
     print(table(results, a))
+    for r in results:
+        if r.profile:
+            print(f"\n## {r.system} profiled step\n{r.profile}", flush=True)
 
 
 if __name__ == "__main__":
