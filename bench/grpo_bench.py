@@ -573,15 +573,7 @@ def find_longest(a) -> dict:
         )
         return longest.Trial(outcome, r.wall_s, r)
 
-    s = longest.find_longest(
-        trial,
-        start=a.find_start,
-        step=a.find_step,
-        max_length=a.find_max,
-        budget_s=a.budget,
-        fits=a.find_fits,
-        fails=a.find_fails,
-    )
+    s = longest.find_longest_from_flags(trial, a)
     best = max(
         (t.row for n, t in s.trials if t.row.ok and n == s.fits), key=lambda r: r.prompt_tokens, default=None
     )
@@ -622,17 +614,7 @@ def main() -> None:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
-    p.add_argument("--find-longest", action="store_true", help="strop alone: the longest prompt that fits")
-    p.add_argument("--find-start", type=int, default=8192, help="the first trial's prompt tokens")
-    p.add_argument("--find-step", type=int, default=4096, help="bisect until the bracket is this many tokens")
-    p.add_argument("--find-fits", type=int, default=0, help="prompt tokens already known to fit")
-    p.add_argument(
-        "--find-fails", type=int, default=0, help="prompt tokens already known to run out of memory"
-    )
-    p.add_argument(
-        "--find-max", type=int, default=harness.MAX_POSITIONS // 2, help="no trial beyond this prompt"
-    )
-    p.add_argument("--budget", type=float, default=540, help="seconds after which no trial starts")
+    longest.add_flags(p, unit="prompt tokens", start=8192, max_length=harness.MAX_POSITIONS // 2)
     a = p.parse_args()
     w = harness.workload("qlora", a.smoke)
     if a.worker:

@@ -351,15 +351,7 @@ def find_longest(a) -> dict:
         )
         return longest.Trial(outcome, r.wall_s, r)
 
-    s = longest.find_longest(
-        trial,
-        start=a.find_start,
-        step=a.find_step,
-        max_length=a.find_max,
-        budget_s=a.budget,
-        fits=a.find_fits,
-        fails=a.find_fails,
-    )
+    s = longest.find_longest_from_flags(trial, a)
     print(
         f"longest that fits at batch 1: {s.fits:,} tokens; {s.summary()}; continue with "
         f"{s.continue_flags(a.find_start)}",
@@ -411,15 +403,7 @@ def main() -> None:
         choices=["none", "standard", "long_context"],
         help="strop: install the trainer's memory mode (none: HF's gradient checkpointing alone, as before)",
     )
-    p.add_argument("--find-longest", action="store_true", help="strop alone: the longest sequence at batch 1")
-    p.add_argument("--find-start", type=int, default=16384, help="the first trial's sequence length")
-    p.add_argument("--find-step", type=int, default=4096, help="bisect until the bracket is this many tokens")
-    p.add_argument("--find-fits", type=int, default=0, help="a sequence length already known to fit")
-    p.add_argument("--find-fails", type=int, default=0, help="one already known to run out of memory")
-    p.add_argument("--find-max", type=int, default=262_144, help="no trial beyond this length")
-    p.add_argument(
-        "--budget", type=float, default=540, help="--find-longest: seconds after which no trial starts"
-    )
+    longest.add_flags(p, unit="sequence tokens at batch 1", start=16384, max_length=262_144)
     p.add_argument(
         "--profile",
         action="store_true",

@@ -97,6 +97,32 @@ def find_longest(
     return s
 
 
+def add_flags(p, *, unit: str, start: int, max_length: int) -> None:
+    """The search's flags on a benchmark's parser (``unit``: what a length counts, e.g. "sequence tokens")."""
+    p.add_argument("--find-longest", action="store_true", help=f"strop alone: the longest {unit} that fits")
+    p.add_argument("--find-start", type=int, default=start, help=f"the first trial's {unit}")
+    p.add_argument("--find-step", type=int, default=4096, help="bisect until the bracket is this many tokens")
+    p.add_argument("--find-fits", type=int, default=0, help=f"{unit} already known to fit")
+    p.add_argument("--find-fails", type=int, default=0, help=f"{unit} already known to run out of memory")
+    p.add_argument("--find-max", type=int, default=max_length, help=f"no trial beyond this many {unit}")
+    p.add_argument(
+        "--budget", type=float, default=540, help="--find-longest: seconds after which no trial starts"
+    )
+
+
+def find_longest_from_flags(trial: Callable[[int, float], Trial], a) -> Search:
+    """``find_longest`` with the flags ``add_flags`` put on the parser."""
+    return find_longest(
+        trial,
+        start=a.find_start,
+        step=a.find_step,
+        max_length=a.find_max,
+        budget_s=a.budget,
+        fits=a.find_fits,
+        fails=a.find_fails,
+    )
+
+
 def is_oom(exc: BaseException | str) -> bool:
     """Whether ``exc`` (an exception, or a worker's error text) is the device running out of memory: torch's
     error, or a kernel's launch failing for it."""
