@@ -236,7 +236,7 @@ def _array_collator(collator: Any) -> Any:
     """TRL's language-modeling collator (exactly that class, as ``SFTTrainer`` builds it) as one that hands it each
     row's tokens as arrays (:func:`_token_arrays`): the same batches, collated in a fraction of the host time. The
     collation runs between two optimizer steps while the GPU has nothing queued (HF's Trainer read the loss at the
-    log), so its host time is the GPU's idle time (bench/RESULTS.md, session 20: the service's wall between steps).
+    log), so its host time is the GPU's idle time (bench/RESULTS.md: "The service's time between steps").
     Any other collator is returned unchanged."""
     import dataclasses
 

@@ -83,7 +83,7 @@ class StepEventsOffThread:
 
     HF's Trainer reads the loss at every step's log, so when the step's event is stored (a database commit,
     synced to disk) and the next batch collated, the GPU has nothing queued: that host time is GPU idle time
-    between steps (bench/RESULTS.md, session 20: the service's wall between steps). On the writer thread the
+    between steps (bench/RESULTS.md: "The service's time between steps"). On the writer thread the
     commit overlaps the next step's launches (sqlite and the PostgreSQL driver release the GIL while they wait).
     Every other sink first waits for the step events before it, and :meth:`wait` (at the end of the run) for all,
     so the job's events keep the order of the calls; a failed step write is raised on the job thread at the next
