@@ -584,12 +584,7 @@ def find_longest(a) -> dict:
         f"{s.continue_flags(a.find_start)}",
         flush=True,
     )
-    return {
-        "fits": s.fits,
-        "fails": s.fails,
-        "stopped": s.stopped,
-        "trials": [[n, asdict(t.row)] for n, t in s.trials],
-    }
+    return s.as_dict()
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lib.harness import SMOKE_1B_SHAPE, Workload, attach_lora
+from lib.harness import SMOKE_1B_SHAPE, Workload, attach_lora, load_saved
 from lib.train_workers import apply_memory
 
 # a tiny Llama of the 1B parts' structure: tied embeddings, GQA (4 heads, 2 KV heads)
@@ -101,7 +101,7 @@ def build(system: str, layers: int, a, root: str):
         torch.manual_seed(0)
         config = AutoConfig.for_model(**w.model_config(), max_position_embeddings=64)
         AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
-    model = attach_lora(w_load(path, a.qlora, dtype))
+    model = attach_lora(load_saved(path, a.qlora, dtype, "cpu"))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if system.startswith("strop"):
         from strop.kernels.models import patch_model
@@ -112,28 +112,6 @@ def build(system: str, layers: int, a, root: str):
     # foreach: the implementation torch picks on CUDA (the CPU default is one tensor at a time)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
     return w, model, opt
-
-
-def w_load(path: str, qlora: bool, dtype: torch.dtype):
-    """The saved dir at ``path`` loaded as ``Workload.load_model`` loads the bench's: bf16, NF4 double quant with bf16
-    compute for QLoRA."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    quant = None
-    if qlora:
-        quant = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-        )
-    return AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=dtype,
-        device_map={"": "cpu"},
-        attn_implementation="sdpa",
-        quantization_config=quant,
-    )
 
 
 def step(model, opt, data, fp32: bool = False) -> None:

@@ -366,12 +366,7 @@ def find_longest(a) -> dict:
             f"that fit; a straight line reaches the device's {device:.1f} GiB at ~{line[1]:,} tokens",
             flush=True,
         )
-    return {
-        "fits": s.fits,
-        "fails": s.fails,
-        "stopped": s.stopped,
-        "trials": [[n, asdict(t.row)] for n, t in s.trials],
-    }
+    return s.as_dict()
 
 
 def main() -> None:

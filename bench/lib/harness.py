@@ -210,24 +210,8 @@ class Workload:
     def load_model(self, qlora: bool):
         """The saved model, loaded the way DESIGN.md's baseline recipe loads it (NF4 double quant for QLoRA)."""
         import torch
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-        dtype = getattr(torch, self.dtype)
-        quant = None
-        if qlora:
-            quant = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=dtype,
-            )
-        return AutoModelForCausalLM.from_pretrained(
-            self.saved_model_dir(),
-            dtype=dtype,
-            device_map={"": 0 if self.device == "cuda" else "cpu"},
-            attn_implementation="sdpa",
-            quantization_config=quant,
-        )
+        return load_saved(self.saved_model_dir(), qlora, getattr(torch, self.dtype), self.device)
 
     # ---- measuring ------------------------------------------------------------------------------------------
 
@@ -362,3 +346,25 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def load_saved(path, qlora: bool, dtype, device: str):
+    """A saved model dir loaded as DESIGN.md's baseline recipe loads it: ``dtype`` weights, NF4 double quant with
+    ``dtype`` compute for QLoRA, SDPA attention, on ``device`` ("cuda": the first GPU)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = None
+    if qlora:
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=dtype,
+        device_map={"": 0 if device == "cuda" else "cpu"},
+        attn_implementation="sdpa",
+        quantization_config=quant,
+    )

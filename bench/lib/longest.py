@@ -46,6 +46,17 @@ class Search:
         how = "stopped: " + self.stopped if self.stopped else f"bracket within {self.step}"
         return f"{oom} ({how})"
 
+    def as_dict(self) -> dict:
+        """The search for a --json file: the bracket, why it stopped, each trial's length and row (a dataclass)."""
+        from dataclasses import asdict
+
+        return {
+            "fits": self.fits,
+            "fails": self.fails,
+            "stopped": self.stopped,
+            "trials": [[n, asdict(t.row)] for n, t in self.trials],
+        }
+
 
 def find_longest(
     trial: Callable[[int, float], Trial],
