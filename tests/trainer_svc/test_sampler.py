@@ -383,7 +383,8 @@ def test_nf4_base_decodes_through_the_fused_kernel_as_peft_does(nf4_tiny):
 def test_cuda_sampler_with_graph_and_nf4_kernel_is_within_bf16_error_of_fp32(tmp_path):
     """GPU tier. On an NF4 session as the trainer has it on CUDA (bf16 compute, strop's kernels patched), the
     decode step runs as a CUDA graph through the fused NF4 kernel, the same seed gives bitwise the same tokens
-    twice, and the sampled log-probs are no further from an fp32-compute teacher-forced forward of the same NF4
+    twice, the capture frees none of the pinned host allocator's cached blocks (the activation offload's between
+    steps), and the sampled log-probs are no further from an fp32-compute teacher-forced forward of the same NF4
     weights than 2x bf16's own error (HF + PEFT + bitsandbytes in bf16 against that fp32 forward): DESIGN.md's bf16
     rule."""
     from peft import LoraConfig, get_peft_model
@@ -414,9 +415,13 @@ def test_cuda_sampler_with_graph_and_nf4_kernel_is_within_bf16_error_of_fp32(tmp
         SampleRequest(PROMPTS[2], 1, SamplingParams(max_tokens=24, temperature=0.0)),
     ]
     stats = SampleStats()
+    # a cached pinned block, as the activation offload leaves them between steps: the capture keeps it
+    torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)  # dropped at once: its block stays cached
+    freed = torch.cuda.host_memory_stats()["num_host_free"]
     got = sample(model, reqs, stats=stats, nf4_decode=True)
     again = sample(model, reqs, nf4_decode=True)
     assert stats.cuda_graph, stats.note
+    assert torch.cuda.host_memory_stats()["num_host_free"] == freed
     assert stats.extra["nf4_decode_layers"] == 14
     assert [[s.tokens for s in r.sequences] for r in got] == [[s.tokens for s in r.sequences] for r in again]
     unpatch_model(model)
