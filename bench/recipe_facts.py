@@ -239,22 +239,29 @@ def smoke(setting: str, model_dir: Path, device: str, steps: int) -> None:
     model_loading.release(loaded)
     print(
         f"smoke {setting}: {len(losses)} steps, losses {[round(x, 3) for x in losses]}, "
-        f"{len(neighbours.prompts)} neighbour questions {neighbours.prompts} "
+        f"{len(neighbours.prompts)} neighbour questions {neighbours.prompts}, KL term {neighbours.kl_answers} "
+        f"answers, {neighbours.kl_batch} a step "
         f"({time.perf_counter() - t0:.0f} s)",
         flush=True,
     )
 
 
 class _NeighbourLog(logging.Handler):
-    """Keeps the neighbour questions a KL job logs (``training._retention_before``)."""
+    """Keeps the neighbour questions a KL job logs (``training._retention_before``) and its KL term's answers and
+    batch (``training.run_training``)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.prompts: list[str] = []
+        self.kl_answers = self.kl_batch = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if isinstance(record.msg, str) and record.msg.startswith("retention KL neighbour questions"):
+        if not isinstance(record.msg, str):
+            return
+        if record.msg.startswith("retention KL neighbour questions"):
             self.prompts = list(record.args[1])
+        elif record.msg.startswith("retention KL term:"):
+            self.kl_answers, self.kl_batch = record.args[0], record.args[1]
 
     def __enter__(self) -> _NeighbourLog:
         self.logger = logging.getLogger("strop.trainer")
@@ -329,6 +336,8 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         # trainer excludes the held-out prompts, not this bench's other questions)
         "neighbour_prompts": neighbours.prompts,
         "neighbours_in_general": sorted(set(neighbours.prompts) & {q for q, _ in GENERAL}),
+        "kl_answers": neighbours.kl_answers,  # the base answers the KL term scored, and how many a step
+        "kl_batch": neighbours.kl_batch,
         "forgetting_events": [vars(e) for e in events],
         "train_seconds": round(train_s, 1),
         "eval_seconds": round(after["seconds"], 1),
@@ -388,6 +397,8 @@ def table(paths: list[str]) -> str:
                 retention += f" {r['retention_rows']}, weight {r['retention_kl']:g}"
                 if r.get("retention_neighbours"):
                     retention += f", {len(r['neighbour_prompts'])} neighbours ({len(r['neighbours_in_general'])} general)"
+                if r.get("kl_batch"):
+                    retention += f", {r['kl_batch']} a step"
             elif "REPLAY" in retention and r.get("retention_rows"):
                 retention += f" {r['retention_rows']}" + (
                     f", KL {r['retention_kl']:g}" if r.get("retention_kl") else ""

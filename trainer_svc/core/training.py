@@ -715,7 +715,9 @@ def run_training(
     trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, callbacks, validation)
     weight = retention_kl_weight(cfg, retention_of(cfg, fmt, loaded.tokenizer)) if scored else 0.0
     if weight:
-        kl = retention.ReplayKL(scored, loaded.tokenizer, weight, cfg.batch_size, loaded.device)
+        batch = retention.kl_batch(len(scored), len(rows), cfg.batch_size)
+        log.info("retention KL term: %d answers, %d a step, weight %g", len(scored), batch, weight)
+        kl = retention.ReplayKL(scored, loaded.tokenizer, weight, batch, loaded.device)
         retention.add_replay_kl(trainer, kl)
     installed = None
     try:
