@@ -25,6 +25,7 @@ each setting for a few steps, no evaluation (a check before a device run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -143,6 +144,8 @@ def parse_setting(text: str):
     train_fields = {f.name: f for f in fields(TrainConfig)}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
+        if key.startswith("retention."):  # a module constant (``retention_constants``)
+            continue
         if key in ("r", "alpha"):
             lora = replace(lora, **{key: type(getattr(lora, key))(value)})
         elif key == "seed":  # one seed for the run: the adapter's initialisation and the data order
@@ -163,6 +166,37 @@ def parse_setting(text: str):
         else:
             raise SystemExit(f"unknown setting {key!r}")
     return cfg, lora
+
+
+@contextlib.contextmanager
+def retention_constants(text: str):
+    """The setting's ``retention.NAME=value`` items set as ``trainer_svc/core/retention.py``'s module constants for
+    the run and restored after it (the choices built into the trainer, measured against each other: e.g.
+    ``retention.NEIGHBOUR_TEMPERATURE=0.7``, ``retention.NEIGHBOUR_PREFIX_WORDS=3+4``,
+    ``retention.MAX_KL_BATCH_FACTOR=1`` for a KL batch of the job's batch size); values cast to the constant's type,
+    a tuple's items joined by "+"."""
+    from strop.trainer_svc.core import retention
+
+    saved = {}
+    try:
+        for item in filter(None, text.split(",")):
+            key, _, value = item.partition("=")
+            if not key.startswith("retention."):
+                continue
+            name = key.removeprefix("retention.")
+            if not name.isupper() or not hasattr(retention, name):
+                raise SystemExit(f"unknown retention constant {name!r}")
+            current = getattr(retention, name)
+            saved.setdefault(name, current)
+            if isinstance(current, tuple):
+                cast = tuple(type(current[0])(v) for v in value.split("+"))
+            else:
+                cast = type(current)(value)
+            setattr(retention, name, cast)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(retention, name, value)
 
 
 def evaluate(loaded, *, disable_adapter: bool) -> dict:
@@ -232,7 +266,7 @@ def smoke(setting: str, model_dir: Path, device: str, steps: int) -> None:
         on_checkpoint=lambda step, path: None,
         on_start=lambda total: None,
     )
-    with _NeighbourLog() as neighbours, tempfile.TemporaryDirectory() as work:
+    with retention_constants(setting), _NeighbourLog() as neighbours, tempfile.TemporaryDirectory() as work:
         training.run_training(
             loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
         )
@@ -304,7 +338,7 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         on_retention=events.append,
     )
     t0 = time.perf_counter()
-    with _NeighbourLog() as neighbours, tempfile.TemporaryDirectory() as work:
+    with retention_constants(setting), _NeighbourLog() as neighbours, tempfile.TemporaryDirectory() as work:
         training.run_training(
             loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
         )

@@ -363,6 +363,33 @@ def test_neighbour_questions_continue_each_distinct_start_and_keep_what_ends_in_
     assert got == ["What colour is a ripe lemon?", "What colour is the sea?"]
 
 
+def test_neighbour_questions_start_at_each_prefix_length_with_the_sampling_set(model_root, monkeypatch):
+    loaded = _loaded_4bit(model_root)
+    tok = loaded.tokenizer
+    monkeypatch.setattr(retention, "NEIGHBOUR_PREFIX_WORDS", (3, 4))
+    monkeypatch.setattr(retention, "NEIGHBOUR_TEMPERATURE", 0.7)
+    monkeypatch.setattr(retention, "NEIGHBOUR_TOP_P", 0.9)
+    seen = {}
+
+    def generate(**kw):
+        ids, n = kw["input_ids"], kw["num_return_sequences"]
+        seen.update(
+            prompts=tok.batch_decode(ids, skip_special_tokens=False), t=kw["temperature"], p=kw["top_p"]
+        )
+        new = torch.tensor(tok(" of Spain?", add_special_tokens=False)["input_ids"]).repeat(len(ids) * n, 1)
+        return torch.cat([ids.repeat_interleave(n, 0), new], dim=1)
+
+    monkeypatch.setattr(loaded.model, "generate", generate)
+    questions = ["What is the capital of Zorbia?", "What is the currency of Zorbia?", "Hi there?"]
+    got = retention.neighbour_prompts(loaded, questions, 1, seed=0, exclude=set())
+    # distinct starts of 3 and 4 words, in the questions' order ("Hi there?" has neither)
+    starts = ["What is the", "What is the capital", "What is the currency"]
+    assert len(seen["prompts"]) == 3
+    assert all(p.rstrip().endswith(s) for p, s in zip(seen["prompts"], starts, strict=True))
+    assert (seen["t"], seen["p"]) == (0.7, 0.9)
+    assert got == [s + " of Spain?" for s in starts]
+
+
 def test_neighbour_questions_are_sampled_reproducibly_from_the_base_without_touching_the_global_rng(
     model_root,
 ):

@@ -185,7 +185,11 @@ REPLAY_MAX_NEW_TOKENS = 64
 
 # Neighbour questions (``retention_neighbours``): a training question's first words start a user message the base
 # continues; the rest of the facts' question ("What instrument did" → "… Beethoven play?") is the base's own.
-NEIGHBOUR_PREFIX_WORDS = 3
+# Every distinct start of each of these lengths (in words) is continued; the base samples at this temperature and
+# nucleus (1.0, 1.0: its own distribution; a small base's samples there are often not questions of the form).
+NEIGHBOUR_PREFIX_WORDS: tuple[int, ...] = (3,)
+NEIGHBOUR_TEMPERATURE = 1.0
+NEIGHBOUR_TOP_P = 1.0
 NEIGHBOUR_MAX_NEW_TOKENS = 24
 MAX_NEIGHBOUR_PREFIXES = 64  # distinct prefixes a job samples from (a large dataset's first 64)
 
@@ -216,9 +220,9 @@ def neighbour_prompts(
     loaded, questions: list[str], per_prefix: int, *, seed: int, exclude: set[str]
 ) -> list[str]:
     """Questions of the training questions' forms about other things, written by the base (adapter disabled): each
-    distinct first-``NEIGHBOUR_PREFIX_WORDS``-words prefix of ``questions`` (the first ``MAX_NEIGHBOUR_PREFIXES``)
-    starts a user message, which the base continues ``per_prefix`` times (sampled at temperature 1, seeded by
-    ``seed``; the global RNG untouched) up to its first "?". In order, without repeats; none of ``exclude`` and no
+    distinct prefix of ``questions`` of ``NEIGHBOUR_PREFIX_WORDS`` words (the first ``MAX_NEIGHBOUR_PREFIXES``) starts
+    a user message, which the base continues ``per_prefix`` times (sampled at ``NEIGHBOUR_TEMPERATURE`` and
+    ``NEIGHBOUR_TOP_P``, seeded by ``seed``; the global RNG untouched) up to its first "?". In order, without repeats; none of ``exclude`` and no
     continuation that reaches a newline or the token limit before its "?"."""
     import contextlib
 
@@ -230,9 +234,10 @@ def neighbour_prompts(
     prefixes: list[str] = []
     for q in questions:
         words = q.split()
-        prefix = " ".join(words[:NEIGHBOUR_PREFIX_WORDS])
-        if len(words) > NEIGHBOUR_PREFIX_WORDS and prefix not in prefixes:
-            prefixes.append(prefix)
+        for n in NEIGHBOUR_PREFIX_WORDS:
+            prefix = " ".join(words[:n])
+            if len(words) > n and prefix not in prefixes:
+                prefixes.append(prefix)
     prefixes = prefixes[:MAX_NEIGHBOUR_PREFIXES]
     if not prefixes or per_prefix < 1:
         return []
@@ -264,9 +269,9 @@ def neighbour_prompts(
                 **enc,
                 max_new_tokens=NEIGHBOUR_MAX_NEW_TOKENS,
                 do_sample=True,
-                temperature=1.0,
+                temperature=NEIGHBOUR_TEMPERATURE,
                 top_k=0,
-                top_p=1.0,
+                top_p=NEIGHBOUR_TOP_P,
                 num_return_sequences=per_prefix,
                 pad_token_id=tok.pad_token_id,
                 use_cache=True,
