@@ -24,7 +24,9 @@ Backward (W frozen: no weight gradient)::
 
 The backward merges the stack again unless the buffer still holds it (``nf4.shared_buffer_holding``: the same stack
 and factors, unmodified, and nothing else took the buffer): an uncheckpointed MoE layer's down stack, the last one
-its forward merges, is the first its backward needs. No merged stack is saved, one is resident at a time (every NF4
+its forward merges, is the first its backward needs; a checkpointed layer's gate/up stack, the last one its recompute
+merges, is the next its backward needs (4 merges a checkpointed layer and step: forward gate/up and down, recompute
+gate/up, backward down). No merged stack is saved, one is resident at a time (every NF4
 weight of the model reuses that buffer, in stream order), so a 16-bit session's experts also use that buffer.
 
 ``split=True`` runs the same products as two autograd nodes, ``u = x · A_eᵀ`` (saving x; its backward gives dA from
@@ -320,29 +322,22 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
     )  # fmt: skip
 
 
-def _identity(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """A tensor's root (what a weak reference can hold: a view is rebuilt every call) and where the view lies."""
-    root = t if t._base is None else t._base
-    return root, (t.data_ptr(), tuple(t.shape), t.stride())
-
-
 def _merged(w, a, b, a_, b_, scale: float, dtype, *, reuse: bool = False) -> torch.Tensor:
     """``W_e + s · B_e A_e`` [E, N, K] in the compute dtype in nf4.py's shared scratch buffer (valid until the next
     NF4 dequantization on this device: used for one GEMM, never kept); with ``reuse`` (backwards only), read there as
-    it is where the buffer still holds it for the same stack and factors, unmodified (``shared_buffer_holding``).
+    it is where the buffer still holds it for the same stack and factors, unmodified (``shared_buffer_holding``: the
+    same storages, views and versions, whatever tensor objects autograd hands the backward).
     A forward always merges: between steps the factors change in place, and a change the version counters do not
     see (through ``.data``) would otherwise leave a stale stack; within a forward and its backward autograd forbids
     changing them."""
     e, n, k = w.shape
-    src, where_w = _identity(w.packed if isinstance(w, Nf4Experts) else w)
-    ra, where_a = _identity(a)
-    rb, where_b = _identity(b)
+    src = w.packed if isinstance(w, Nf4Experts) else w
     buf = shared_buffer_holding(
         src.device,
         dtype,
         e * n * k,
-        (src, ra, rb),
-        (where_w, where_a, where_b, float(scale)),
+        (src, a, b),
+        (float(scale),),
         lambda out: _merge_into(out, w, a_, b_, scale),
         reuse=reuse,
     )

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .nf4_format import NF4_CODE
 from .utils import cdiv, interpreter_rows
@@ -295,9 +295,9 @@ def nf4_dequantize(
 # layer weight at 16 bits is ever resident. Stream order makes the reuse safe on one CUDA stream.
 _SHARED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 # What the front of each buffer holds, where :func:`shared_buffer_holding` wrote it: (weak references to its
-# sources, (element count, extra, the sources' version counters)). Every other writer takes the buffer through
-# :func:`_shared_buffer`, which forgets it.
-_HELD: dict[tuple[torch.device, torch.dtype], tuple[tuple[weakref.ref, ...], tuple]] = {}
+# sources' storages, (element count, extra, each source's view and version counter)). Every other writer takes the
+# buffer through :func:`_shared_buffer`, which forgets it.
+_HELD: dict[tuple[torch.device, torch.dtype], tuple[tuple[StorageWeakRef, ...], tuple]] = {}
 
 
 def _shared_buffer(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -341,26 +341,35 @@ def shared_buffer_holding(
     reuse: bool = True,
 ) -> torch.Tensor:
     """The shared scratch buffer's first ``n`` elements holding a value computed from ``sources`` (and ``extra``,
-    plain values compared with ==): ``fill`` writes it, unless ``reuse`` and the last writer was a call with the same sources
-    (the same tensors, unmodified: same version counters) and extra and nothing has taken the buffer since (every
-    other writer goes through ``_shared_buffer``, which forgets what it held): where nothing runs between, a forward's
-    last stack is its backward's first (an uncheckpointed MoE layer's down stack), read as it is.
+    plain values compared with ==): ``fill`` writes it, unless ``reuse`` and the last writer was a call with the same
+    sources and extra and nothing has taken the buffer since (every other writer goes through ``_shared_buffer``,
+    which forgets what it held): where nothing runs between, a forward's last stack is its backward's first (an
+    uncheckpointed MoE layer's down stack, a checkpointed one's gate/up stack merged by the recompute), read as it is.
+
+    A source is the same when it views the same live storage (a weak reference to it: a freed storage never
+    matches) at the same place, shape and strides, with the same version counter value (no in-place change since).
+    Not the same tensor object: autograd hands a backward its saved tensors as other objects (a checkpoint's
+    recompute saves its own views of the parameters), which view the parameters' storages and share their version
+    counters.
 
     Aliases the buffer as :func:`dequantize_shared` does (valid until the next NF4 dequantization on this device).
     """
     key = (device, dtype)
-    state = (n, extra, tuple(t._version for t in sources))
+    state = (n, extra, tuple((t.data_ptr(), tuple(t.shape), t.stride(), t._version) for t in sources))
     held = _HELD.get(key)
     if (
         reuse
         and held is not None
         and held[1] == state
-        and all(r() is t for r, t in zip(held[0], sources, strict=True))
+        and all(
+            not r.expired() and r == StorageWeakRef(t.untyped_storage())
+            for r, t in zip(held[0], sources, strict=True)
+        )
     ):
         return _SHARED[key][:n]
     buf = _shared_buffer(device, dtype, n)[:n]
     fill(buf)
-    _HELD[key] = (tuple(weakref.ref(t) for t in sources), state)
+    _HELD[key] = (tuple(StorageWeakRef(t.untyped_storage()) for t in sources), state)
     return buf
 
 

@@ -76,3 +76,37 @@ def test_the_checkpointed_recompute_stops_before_the_down_product_and_the_gradie
             assert torch.equal(g, want), f"early stop {early}: {name}"
     assert counts[False]["gemm"] - counts[True]["gemm"] == 1, counts  # the down product
     assert counts[False]["sum"] - counts[True]["sum"] == 1, counts  # the sum of each token's rows
+
+
+def test_a_checkpointed_layers_backward_reads_the_gate_up_stack_its_recompute_merged(monkeypatch):
+    """The recompute merges the gate/up stack just before its backward needs it (the down projection's backward ran
+    first, before the recompute): that backward reads it from the shared buffer although autograd hands it the
+    recompute's saved factors as other tensor objects, so the layer's backward merges two stacks (down, and gate/up
+    once), not three; every gradient is the uncheckpointed one, bit for bit."""
+    from strop.kernels.lora import moe
+    from strop.kernels.ops import moe_gemm, nf4
+
+    merged = []
+    real = moe_gemm._merge_into
+    monkeypatch.setattr(
+        moe_gemm, "_merge_into", lambda out, w, *rest: merged.append(w.shape) or real(out, w, *rest)
+    )
+    plain = _grads(moe.lora_moe_experts)
+
+    def layer(x, idx, w, gate_up, down):
+        y = checkpoint(moe.lora_moe_experts, x, idx, w, gate_up, down, use_reentrant=False)
+        # what the layers after this one do between its forward and its backward: take the buffer
+        nf4._shared_buffer(x.device, x.dtype, 1).zero_()
+        merged.clear()
+        return y
+
+    gu_shape, down_shape = (E, 2 * N_I, H), (E, H, N_I)
+    with set_checkpoint_early_stop(True):
+        got = _grads(layer)
+    assert merged == [down_shape, gu_shape], (
+        f"the backward merged {merged}: down once, gate/up once (recompute)"
+    )
+    for name, g, want in zip(
+        ("dx", "dw", "dA gate_up", "dB gate_up", "dA down", "dB down"), got, plain, strict=True
+    ):
+        assert torch.equal(g, want), name
