@@ -229,3 +229,18 @@ def test_gpu_bf16_llama_shape_fwd_and_bwd_within_twice_torch_error():
 def test_gpu_bf16_gemma_shape_fwd_and_bwd_within_twice_torch_error():
     x, w, dy = _inputs((16384, 1152), torch.bfloat16, device="cuda")  # Gemma 3 1B's hidden size
     assert_bf16_fwd_bwd_within_torch_bound(x, (w.float() - 1).to(torch.bfloat16), dy, RMSNormMode.GEMMA)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bf16_head_dim_rows_fwd_and_frozen_bwd_within_twice_torch_error():
+    """Qwen3's q/k norms: rows of head_dim 128 (a block of rows a program), a row count that leaves the last
+    program part full; the frozen weight's dx-only backward too."""
+    x, w, dy = _inputs((3, 1001, 5, 128), torch.bfloat16, device="cuda")
+    assert_bf16_fwd_bwd_within_torch_bound(x, w, dy)
+    truth_x = x.float().requires_grad_()
+    (dx_truth,) = torch.autograd.grad(rms_norm_reference(truth_x, w.float()), (truth_x,), dy.float())
+    tx, ox = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (dx_torch,) = torch.autograd.grad(rms_norm_reference(tx, w), (tx,), dy)
+    (dx,) = torch.autograd.grad(rms_norm(ox, w), (ox,), dy)
+    assert_bf16_within_torch_bound(dx, dx_torch, dx_truth, "dx with a frozen weight")
