@@ -283,7 +283,23 @@ def _merge_kernel(
     tl.store(out_ptr + row[:, None] + rk[None, :], cast_to(v + scale * ba, OUT_DTYPE), mask=mask)
 
 
-_MERGE_BLOCK_N, _MERGE_BLOCK_K = 64, 128
+# The merge's tiles, (BLOCK_N, BLOCK_K, num_warps): untuned guesses around the first, which the interpreter (CPU
+# tests, which pay per program) always runs; on CUDA the autotuner times them on first use for each projection's
+# shape, rank and dtypes (a trainer's first step: two compiles and ~0.1 s of timing a tile) and keeps the fastest.
+_MERGE_TILES = ((64, 128, 4), (32, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8))
+_TUNED_MERGE: list = []
+
+
+def _merge_kernel_for(device: torch.device):
+    """(kernel, tile kwargs): the autotuned merge on CUDA, the first tile elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        n, k, warps = _MERGE_TILES[0]
+        return _merge_kernel, {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps}
+    if not _TUNED_MERGE:
+        configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _MERGE_TILES]
+        key = ["N", "K", "R", "NF4", "NESTED", "QDTYPE", "OUT_DTYPE"]
+        _TUNED_MERGE.append(triton.autotune(configs, key=key)(_merge_kernel))
+    return _TUNED_MERGE[0], {}
 
 
 def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale: float) -> None:
@@ -308,17 +324,17 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
         half_bs, bs2, nested, qdtype = 1, 1, False, w.dtype
     r = a_.shape[1]
     w_strides = (0, 0, 0) if nf4 else w.stride()
-    grid = (triton.cdiv(n, _MERGE_BLOCK_N), triton.cdiv(k, _MERGE_BLOCK_K), e)
+    kernel, tile = _merge_kernel_for(out.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), e)  # noqa: E731
     # fmt: skip below: one row per role, as the kernel's signature
-    _merge_kernel[grid](
+    kernel[grid](
         src, absmax, absmax2, code2, offset, code,
         b_, a_, out, float(scale),
         n, k, r,
         b_.stride(0), b_.stride(1), b_.stride(2), a_.stride(0), a_.stride(1), a_.stride(2), *w_strides,
         NF4=nf4, HALF_BS=half_bs, NESTED=nested, BS2=bs2,
         QDTYPE=_TL_DTYPES[qdtype], OUT_DTYPE=_TL_DTYPES[out.dtype], IEEE=out.dtype == torch.float32,
-        BLOCK_N=_MERGE_BLOCK_N, BLOCK_K=_MERGE_BLOCK_K, BLOCK_R=block_k(r),
-        num_warps=4, enable_fp_fusion=False,
+        BLOCK_R=block_k(r), enable_fp_fusion=False, **tile,
     )  # fmt: skip
 
 

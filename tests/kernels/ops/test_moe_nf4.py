@@ -148,22 +148,40 @@ def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and
 def test_the_merge_kernel_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product(dtype, double_quant):
     """The merged stack's W part is ``nf4_dequantize``'s values bit for bit (zero factors: nothing added), and with
     factors it is W + s·B_e A_e of the compute-dtype factors, in fp32 to its rounding (bf16: rounded once, so within
-    half an ulp of the fp32 sum: 2⁻⁸ relative). N 40 and K 192: a partial tile in both, rows of 1.5 K-tiles."""
+    half an ulp of the fp32 sum: 2⁻⁸ relative, the sum itself the reference's within the fp32 rounding of its r + 1
+    terms, which a cancellation can make larger). N 40 and K 192: a partial tile in both, rows of 1.5 K-tiles."""
+    _check_merge((3, 40, 192), 4, dtype, double_quant, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_merge_kernel_on_cuda_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product():
+    """The autotuned merge on CUDA, Qwen3-30B-A3B's gate/up and down shapes (8 experts), rank 16, bf16: the
+    CPU test's checks (the W part bit for bit, the merged stack within 2⁻⁸, the 16-bit stack's merge equal)."""
+    for n, k in ((2 * 768, 2048), (2048, 768)):
+        _check_merge((8, n, k), 16, torch.bfloat16, True, "cuda")
+
+
+def _check_merge(shape, r, dtype, double_quant, device):
     from strop.kernels.ops.moe_gemm import Nf4Experts, _merge_into
 
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn(3, 40, 192, generator=gen).to(dtype)
-    a, b = torch.randn(3, 4, 192, generator=gen).to(dtype), torch.randn(3, 40, 4, generator=gen).to(dtype)
+    e, n, k = shape
+    w = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    a = torch.randn(e, r, k, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(e, n, r, generator=gen).to(device=device, dtype=dtype)
     q = Nf4Experts.quantize(w, double_quant=double_quant)
-    out = torch.empty(w.numel(), dtype=dtype)
+    out = torch.empty(w.numel(), dtype=dtype, device=device)
     _merge_into(out, q, a, torch.zeros_like(b), 0.5)
     assert torch.equal(out.view(w.shape), q.dequantize(dtype)), "the merge kernel's dequantized values"
     _merge_into(out, q, a, b, 0.5)
     want = q.dequantize(dtype).float().baddbmm(b.float(), a.float(), alpha=0.5)
     if dtype == torch.float32:
         assert_close_fp32(out.view(w.shape), want, "merged stack")
-    else:
-        assert ((out.view(w.shape).float() - want).abs() <= 2**-8 * want.abs()).all(), "merged stack"
+    else:  # rounded once: half an ulp of the fp32 sum, which is the reference sum within r + 1 terms' fp32 rounding
+        terms = q.dequantize(dtype).float().abs().baddbmm(b.float().abs(), a.float().abs(), alpha=0.5)
+        bound = 2**-8 * want.abs() + 2 * (r + 1) * 2**-24 * terms  # both sums rounded in fp32
+        assert ((out.view(w.shape).float() - want).abs() <= bound).all(), "merged stack"
     dense = torch.empty_like(out)
     _merge_into(dense, q.dequantize(dtype), a, b, 0.5)
     assert torch.equal(dense, out), "a 16-bit stack merges to the same values as its NF4 codes dequantized"
