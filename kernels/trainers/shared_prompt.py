@@ -1,53 +1,205 @@
-"""Preference pairs that share their prompt: one forward over ``[prompt | chosen | rejected]`` per pair.
+"""Rows that share a prompt: one forward over ``[prompt | suffix 1 | suffix 2 | …]``, the prompt computed once.
 
-What. TRL's preference collators hand the model 2B rows, ``[prompt_i + chosen_i]`` for i < B then
-``[prompt_i + rejected_i]``, so every prompt runs through the model twice (and twice more for DPO's reference
-pass). A decoder-only model's hidden state at a prompt position depends only on the prompt (causal attention),
-so both rows compute the same prompt states. This module re-lays such a batch as B rows
+What. A preference pair (DPO, ORPO, SimPO: a prompt, its chosen and its rejected completion) and a GRPO group (a
+prompt and G sampled completions) are one shape: a prefix and several suffixes. Run as TRL lays them out, a row per
+suffix, every prompt token runs through the forward, the recompute and the backward once per suffix, computing what
+the other copies compute (a decoder's state at a prompt position depends on the prompt alone). Here each prompt's
+suffixes share one row:
 
-    row i:   prompt_i (p tokens) | chosen completion (c tokens) | rejected completion (r tokens) | padding
-    positions 0 … p−1           | p … p+c−1                    | p … p+r−1                    | 0
-    attends  causal             | causal over prompt + chosen  | causal over prompt + rejected | itself
+    tokens      prompt (p)  | suffix 1 (n_1)              | suffix 2 (n_2)                        | … | padding
+    positions   0 … p−1     | p … p+n_1−1                 | p … p+n_2−1                           | … | 0
+    attends     causal      | prompt + its own, causal    | prompt + its own, causal (not suffix 1) | … | nothing
 
-and position ids that restart the rejected completion where the prompt ends. Every token-wise op (projections,
-norms, MLP, RoPE at those positions) then runs on each prompt token once; attention is the one op that mixes
-tokens, and it runs on TRL's rows: q, k and v are gathered into the ``[2B, T]`` layout, attention runs there as
-HF would run it (SDPA's causal flash kernel, or HF's causal-and-padding mask), and its output is gathered back
-(:meth:`SharedPrompts.attend`, reached through a pass-through wrapper of HF's registered ``sdpa`` function that
-acts only on the marker mask this module builds). So every hidden state is the unshared batch's up to the
-GEMMs' rounding (other shapes), and attention's FLOPs are the unshared batch's. Under ``eager`` attention the
-mask is a dense ``[B, 1, L, L]`` one instead (a rejected token never sees a chosen one). The hidden states are
-then gathered back to the ``[2B, T, H]`` layout the losses expect (:meth:`SharedPrompts.unshare`); the gathers'
-backward adds a prompt position's two gradients, which is the chain rule of the shared computation.
+so each suffix's tokens see the keys, values and RoPE positions their own row gives them, and every token-wise op
+(projections, norms, MLP) runs on each prompt token once. The backward through a prompt position sums its
+suffixes' gradients, which is the chain rule of the shared computation.
 
-Why. The pass costs scale with tokens: a batch of prompt length P and completions C runs 2(P + C) tokens per
-pair unshared and P + 2C shared. DPO's benchmark shape (512 + 512) does 25% less GEMM work per forward, in
-the policy pass, its recompute and the reference pass.
+Attention (:func:`attend`) builds no mask over the row, for rows with the same lengths at once:
+  - prompt + suffix 1 is a causal prefix of the row: one SDPA call with ``is_causal`` (flash on CUDA);
+  - a single later suffix (a pair's rejected completion): its queries over ``[prompt keys | its keys]`` with a
+    lower-right causal bias (flash, no mask tensor; both key runs copied into one, linear in the row);
+  - several later suffixes (a GRPO group): one SDPA call of their queries over the row's keys with a boolean mask
+    [Σn, p + Σn] (prompt keys, then each query's own suffix, causal), small since GRPO's completions are short;
+  - padding queries output zeros (no label reads them).
+Attention FLOPs are the prompt's once plus each suffix's over the prompt, never a suffix against another.
 
-When. Only when it is exact and pays: every pair's chosen and rejected rows start with the same prompt tokens
-(TRL's ``keep_end`` truncation can cut them differently), rows are right-padded with contiguous completions,
-the model's attention is ``sdpa`` or ``eager`` (whose dense mask must stay under :data:`MAX_MASK_BYTES`), and the
-shared batch has at least :data:`MIN_SAVING` fewer positions. Otherwise :func:`share_prompts` returns the reason
-and the caller runs the batch as TRL laid it out.
+Two ways in. TRL's preference rows: :func:`share_prompts` re-lays a ``[chosen; rejected]`` batch and hands the
+model a marker 4-D mask that carries the :class:`Rows`; HF's ``sdpa`` attention function, wrapped by a
+pass-through, runs :func:`attend` when it sees the marker (a checkpointed layer's recompute gets the same mask).
+:meth:`SharedPrompts.unshare` gathers the hidden states back to ``[2B, T, H]`` for TRL's losses. GRPO's rows
+(``trainer_svc/core/shared_prefix.py``): the model's attention implementation is swapped for one reading the
+:class:`Rows` from the config around the forward and the backward.
+
+Why. A pair of prompt P and completions C runs 2(P + C) tokens unshared and P + 2C shared: the DPO bench's
+512 + 512 + 512 does 25% less GEMM work in the policy pass, its recompute and the reference pass. A GRPO group of
+8 at a 4K prompt trains 5.1K positions instead of 33.9K.
+
+When. Only where it is exact: every pair's chosen and rejected rows start with the same prompt tokens (TRL's
+``keep_end`` truncation can cut them differently), rows are right-padded with contiguous completions, the model's
+attention is ``sdpa`` (the one whose function the marker reaches), plain causal over the whole row
+(:func:`config_reason`), and the shared batch has at least :data:`MIN_SAVING` fewer positions. Otherwise
+:func:`share_prompts` returns the reason and the caller runs the batch as TRL laid it out.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["MAX_MASK_BYTES", "MIN_SAVING", "PromptSharing", "SharedPrompts", "share_prompts"]
+__all__ = [
+    "MIN_SAVING",
+    "PromptSharing",
+    "Rows",
+    "SharedPrompts",
+    "attend",
+    "config_reason",
+    "share_prompts",
+]
 
 logger = logging.getLogger("strop.kernels")
 
 # Shared only when it removes at least this fraction of the batch's positions (padding counted).
 MIN_SAVING = 0.1
-# The [B, 1, L, L] mask; SDPA may expand a boolean mask to an additive one of the query's dtype (2 bytes).
-MAX_MASK_BYTES = 256 << 20
-_MASKED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(eq=False)
+class Rows:
+    """Where each row's prompt and suffixes lie: row b holds ``prompts[b]`` tokens, then suffixes of
+    ``suffixes[b]`` tokens in order, then padding to ``width``."""
+
+    prompts: tuple[int, ...]
+    suffixes: tuple[tuple[int, ...], ...]
+    width: int
+    _masks: dict = field(default_factory=dict, repr=False)  # later_mask's, per (lengths, device)
+
+    def __post_init__(self) -> None:
+        for p, ns in zip(self.prompts, self.suffixes, strict=True):
+            if p + sum(ns) > self.width:
+                raise ValueError(f"a row of prompt {p} and suffixes {ns} is wider than {self.width}")
+
+    @classmethod
+    def single(cls, prompt: int, suffixes: list[int]) -> Rows:
+        """One row, no padding (a GRPO group)."""
+        return cls((prompt,), (tuple(suffixes),), prompt + sum(suffixes))
+
+    def groups(self) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+        """The rows of each (prompt, suffixes) lengths, which attend in the same calls."""
+        out: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for b, key in enumerate(zip(self.prompts, self.suffixes, strict=True)):
+            out.setdefault(key, []).append(b)
+        return out
+
+    def mask(self, prompt: int, suffixes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = (prompt, suffixes, str(device))
+        if key not in self._masks:
+            self._masks[key] = later_mask(prompt, list(suffixes)).to(device)
+        return self._masks[key]
+
+
+def later_mask(prompt: int, suffixes: list[int]) -> torch.Tensor:
+    """``[Σ n_2.., p + Σ n]`` bool: which of the row's keys each query of the suffixes after the first sees (every
+    prompt key, none of suffix 1's, its own suffix's earlier tokens and itself)."""
+    first, later = suffixes[0], suffixes[1:]
+    n = sum(later)
+    sample = torch.repeat_interleave(torch.arange(len(later)), torch.tensor(later, dtype=torch.long))
+    index = torch.arange(n)
+    own = (sample[:, None] == sample[None, :]) & (index[:, None] >= index[None, :])
+    return torch.cat(
+        [torch.ones(n, prompt, dtype=torch.bool), torch.zeros(n, first, dtype=torch.bool), own], 1
+    )
+
+
+def _lower_right(q_len: int, kv_len: int, device: torch.device) -> Any:
+    """The causal mask of ``q_len`` queries that are the last of ``kv_len`` keys: on CUDA torch's bias object (the
+    flash kernel, nothing materialized), elsewhere the boolean tensor (the CPU has no kernel for the bias)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(q_len, kv_len)
+    return bias if device.type == "cuda" else bias._materialize(device)
+
+
+def _attend_alike(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prompt: int,
+    suffixes: tuple[int, ...],
+    rows: Rows,
+    scale,
+) -> torch.Tensor:
+    """:func:`attend` for rows of the same lengths: q ``[b, Hq, L, D]``, k/v ``[b, Hkv, L, D]`` → ``[b, L, Hq, D]``."""
+    groups = q.shape[1] // k.shape[1]
+    gqa = groups > 1
+    first = prompt + (suffixes[0] if suffixes else 0)
+    end = prompt + sum(suffixes)
+    out = [
+        F.scaled_dot_product_attention(
+            q[:, :, :first], k[:, :, :first], v[:, :, :first], is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    ]
+    later = [n for n in suffixes[1:] if n]
+    if len(later) == 1:  # the prompt's keys and the suffix's, one run
+        keys = torch.cat([k[:, :, :prompt], k[:, :, first:end]], 2)
+        values = torch.cat([v[:, :, :prompt], v[:, :, first:end]], 2)
+        bias = _lower_right(end - first, keys.shape[2], q.device)
+        out.append(
+            F.scaled_dot_product_attention(
+                q[:, :, first:end], keys, values, attn_mask=bias, scale=scale, enable_gqa=gqa
+            )
+        )
+    elif later:
+        # the kv heads repeated to the query heads: SDPA's memory-efficient kernel takes a mask, not GQA
+        keys, values = k[:, :, :end], v[:, :, :end]
+        if gqa:
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        mask = rows.mask(prompt, suffixes, q.device)
+        out.append(
+            F.scaled_dot_product_attention(q[:, :, first:end], keys, values, attn_mask=mask, scale=scale)
+        )
+    if end < q.shape[2]:
+        out.append(q.new_zeros(q.shape[0], q.shape[1], q.shape[2] - end, q.shape[3]))
+    return torch.cat(out, 2).transpose(1, 2)
+
+
+def attend(
+    rows: Rows, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Attention over rows laid out as ``rows`` says (see the module docstring): query ``[B, Hq, L, D]``, key and
+    value ``[B, Hkv, L, D]`` → ``[B, L, Hq, D]`` (padding positions zero)."""
+    parts = rows.groups()
+    if len(parts) == 1:
+        (prompt, suffixes), _ = next(iter(parts.items()))
+        return _attend_alike(query, key, value, prompt, suffixes, rows, scale)
+    b, hq, length, d = query.shape
+    out = query.new_zeros(b, length, hq, d)
+    for (prompt, suffixes), members in parts.items():
+        idx = torch.tensor(members, device=query.device)
+        qkv = (t.index_select(0, idx) for t in (query, key, value))
+        out = out.index_copy(0, idx, _attend_alike(*qkv, prompt, suffixes, rows, scale))
+    return out
+
+
+def config_reason(configs: list[Any], length: int | None = None) -> str | None:
+    """Why models of these configs cannot attend over a shared row of ``length`` positions (None: they can):
+    :func:`attend` is plain causal self-attention without dropout."""
+    for cfg in configs:
+        window = getattr(cfg, "sliding_window", None)
+        if (
+            window is not None
+            and getattr(cfg, "use_sliding_window", True) is not False
+            and (length is None or window < length)
+        ):
+            # a window over the rows would need its band in every call
+            return "sliding-window attention" + ("" if length is None else f" (window {window} < {length})")
+        if getattr(cfg, "attn_logit_softcapping", None):
+            return "attention logit soft-capping"
+        if getattr(cfg, "attention_dropout", 0.0):
+            return "attention dropout"
+    return None
 
 
 @dataclass
@@ -56,14 +208,12 @@ class SharedPrompts:
 
     Attributes:
         input_ids: ``[B, L]`` token ids, ``[prompt | chosen | rejected | pad]`` per pair.
-        attention_mask: ``[B, 1, L, L]``. Under ``sdpa`` a marker (an all-False broadcast view that carries this
-            object; HF's wrapped SDPA function runs :meth:`attend` on it); under ``eager`` the dense additive mask.
+        attention_mask: ``[B, 1, L, L]``: a marker (an all-False broadcast view that carries ``rows``; HF's wrapped
+            SDPA function runs :func:`attend` on it).
         position_ids: ``[B, L]``.
         index: ``[2B, T]`` flat index into the ``B·L`` shared positions for each position of the original rows
             (padding positions point at position 0 of their pair's row; their labels are masked).
-        source: ``[B, L]`` flat index into the ``2B·T`` original positions for each shared position (padding: 0).
-        rows_mask: HF's SDPA mask of the original rows, ``[2B, 1, T, T]`` (causal, padding keys masked), or None
-            when no row has padding (SDPA then runs ``is_causal``).
+        rows: Each pair's prompt and completion lengths.
         saved: Fraction of positions (padding counted) the shared batch does not run.
     """
 
@@ -71,8 +221,7 @@ class SharedPrompts:
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     index: torch.Tensor
-    source: torch.Tensor
-    rows_mask: torch.Tensor | None
+    rows: Rows
     saved: float
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
@@ -84,39 +233,17 @@ class SharedPrompts:
 
     def unshare(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, L, H]`` hidden states of the shared batch → ``[2B, T, H]`` in the original rows' layout."""
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        index = self.index.to(rows.device)
-        return rows.index_select(0, index.reshape(-1)).view(*index.shape, hidden.shape[-1])
-
-    def attend(
-        self, sdpa: Any, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs
-    ):
-        """HF's SDPA attention function ``sdpa`` on TRL's rows: q/k/v ``[B, heads, L, d]`` of the shared batch are
-        gathered to ``[2B, heads, T, d]``, attended causally there (with the rows' padding mask, if any), and the
-        output ``[2B, T, heads, d]`` gathered back to ``[B, L, heads, d]``; returns (output, None) as HF's does."""
-        index = self.index.to(q.device).reshape(-1)
-        two_b, t = self.index.shape
-
-        def rows(x: torch.Tensor) -> torch.Tensor:
-            b, heads, length, d = x.shape
-            flat = x.transpose(1, 2).reshape(b * length, heads, d)
-            return flat.index_select(0, index).view(two_b, t, heads, d).transpose(1, 2)
-
-        mask = None if self.rows_mask is None else self.rows_mask.to(q.device)
-        out, _ = sdpa(module, rows(q), rows(k), rows(v), mask, *args, **kwargs)
-        b, length = self.source.shape
-        flat = out.reshape(two_b * t, *out.shape[2:])
-        return flat.index_select(0, self.source.to(q.device).reshape(-1)).view(
-            b, length, *out.shape[2:]
-        ), None
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        index = self.index.to(flat.device)
+        return flat.index_select(0, index.reshape(-1)).view(*index.shape, hidden.shape[-1])
 
 
 _SDPA_WRAPPED = False
 
 
 def _wrap_hf_sdpa() -> None:
-    """Register a pass-through wrapper of HF's ``sdpa`` attention function that runs :meth:`SharedPrompts.attend`
-    when the mask is this module's marker (any other call is HF's function, unchanged). Idempotent."""
+    """Register a pass-through wrapper of HF's ``sdpa`` attention function that runs :func:`attend` when the mask
+    is this module's marker (any other call is HF's function, unchanged). Idempotent."""
     global _SDPA_WRAPPED
     if _SDPA_WRAPPED:
         return
@@ -125,10 +252,12 @@ def _wrap_hf_sdpa() -> None:
     hf_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def sdpa_or_shared(module, query, key, value, attention_mask, *args, **kwargs):
-        layout = getattr(attention_mask, "_strop_shared_prompts", None)
-        if layout is None:
+        rows = getattr(attention_mask, "_strop_shared_prompts", None)
+        if rows is None:
             return hf_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
-        return layout.attend(hf_sdpa, module, query, key, value, *args, **kwargs)
+        if kwargs.get("dropout") or (args and args[0]):
+            raise ValueError("shared-prompt attention has no dropout")
+        return attend(rows, query, key, value, kwargs.get("scaling")), None
 
     AttentionInterface.register("sdpa", sdpa_or_shared)
     _SDPA_WRAPPED = True
@@ -156,7 +285,6 @@ def share_prompts(
     completion_mask: torch.Tensor,
     *,
     attn_implementation: str | None,
-    dtype: torch.dtype = torch.float32,
     pad_token_id: int = 0,
 ) -> SharedPrompts | str:
     """Lay the ``[chosen; rejected]`` rows of a preference batch out with one prompt per pair.
@@ -166,14 +294,13 @@ def share_prompts(
         attention_mask: ``[2B, T]`` 0/1, right padding.
         completion_mask: ``[2B, T]`` 0/1, the completion tokens (after the prompt, before the padding).
         attn_implementation: The model's ``config._attn_implementation``.
-        dtype: The compute dtype, for an additive (``eager``) mask.
         pad_token_id: Token id written at padding positions.
 
     Returns:
         The :class:`SharedPrompts`, or a one-line reason why the batch is run as it is.
     """
-    if attn_implementation not in _MASKED_ATTENTION:
-        return f"attention {attn_implementation!r} takes no 4-D mask (sharing needs sdpa or eager)"
+    if attn_implementation != "sdpa":
+        return f"attention {attn_implementation!r} (the shared rows' attention is reached through sdpa's)"
     if input_ids.dim() != 2 or input_ids.shape[0] % 2 or input_ids.shape[0] == 0:
         return f"not [chosen; rejected] rows: input_ids {tuple(input_ids.shape)}"
     lengths = _prompt_and_length(attention_mask, completion_mask)
@@ -194,11 +321,6 @@ def share_prompts(
     saved = 1.0 - (b * width) / (two_b * t)
     if saved < MIN_SAVING:
         return f"sharing would save {saved:.0%} of the positions (< {MIN_SAVING:.0%})"
-    mask_bytes = b * width * width * torch.finfo(dtype).bits // 8
-    if attn_implementation == "eager" and mask_bytes > MAX_MASK_BYTES:
-        return (
-            f"a [{b}, 1, {width}, {width}] mask ({mask_bytes >> 20} MiB) is over {MAX_MASK_BYTES >> 20} MiB"
-        )
 
     j = torch.arange(width, device=input_ids.device)[None, :]  # shared positions
     in_chosen = j < nc[:, None]  # prompt and chosen completion
@@ -209,7 +331,6 @@ def share_prompts(
     valid = in_chosen | in_rejected
     ids = torch.where(valid, input_ids[src_row, src_col.clamp(max=t - 1)], pad_token_id)
     position_ids = torch.where(valid, src_col, 0)
-    source = torch.where(valid, src_row * t + src_col.clamp(max=t - 1), 0)
     # original (row, column) → flat shared position
     col = pos[None, :]
     rows_b = torch.arange(two_b, device=input_ids.device) % b
@@ -219,36 +340,22 @@ def share_prompts(
     shared_col = torch.where(is_rejected & (col >= p_row), col - p_row + nc_row, col)
     shared_col = torch.where(col < n[:, None], shared_col, 0)
     index = rows_b[:, None] * width + shared_col
-    rows_mask = None  # built once here, not in every layer's attention call
-    if not bool(attention_mask.bool().all()):
-        rows_mask = ((pos[:, None] >= pos[None, :])[None] & attention_mask.bool()[:, None, :]).unsqueeze(1)
-    layout = SharedPrompts(ids, ids.new_empty(0), position_ids, index, source, rows_mask, saved)
-    if attn_implementation == "eager":
-        # segment: 0 prompt, 1 chosen completion, 2 rejected completion, 3 padding
-        seg = torch.where(j < pp[:, None], 0, torch.where(in_chosen, 1, torch.where(in_rejected, 2, 3)))
-        causal = j[..., None] >= j[:, None, :]  # [1, L(q), L(k)]
-        sq, sk = seg[:, :, None], seg[:, None, :]
-        allowed = causal & (sq != 3) & ((sk == 0) | (sk == sq))
-        allowed |= torch.eye(width, dtype=torch.bool, device=ids.device)  # padding attends to itself
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device)
-        layout.attention_mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
-    else:
-        _wrap_hf_sdpa()
-        # HF passes a 4-D mask on as it is: a function other than the wrapped SDPA would read "attend to nothing"
-        # and produce NaN, never a silently wrong result
-        marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(b, 1, width, width)
-        marker._strop_shared_prompts = layout
-        layout.attention_mask = marker
-    return layout
+    p_list, c_list, r_list = pp.tolist(), (nc - pp).tolist(), (nr - pp).tolist()
+    rows = Rows(tuple(p_list), tuple(zip(c_list, r_list, strict=True)), width)
+    _wrap_hf_sdpa()
+    # HF passes a 4-D mask on as it is: a function other than the wrapped SDPA would read "attend to nothing"
+    # and produce NaN, never a silently wrong result
+    marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(b, 1, width, width)
+    marker._strop_shared_prompts = rows
+    return SharedPrompts(ids, marker, position_ids, index, rows, saved)
 
 
 def _model_reason(hf: Any, length: int) -> str | None:
     """Why ``hf`` cannot run a shared layout of rows of ``length`` positions (None: it can)."""
     cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None and getattr(cfg, "use_sliding_window", True) is not False and window < length:
-        # the marker and the dense mask are plain causal: a window over the rows would need its band too
-        return f"sliding-window attention (window {window} < {length} positions)"
+    reason = config_reason([cfg], length)
+    if reason is not None:
+        return reason
     devices = set(getattr(hf, "hf_device_map", {}).values())
     if len(devices) > 1:
         return f"a model split over {len(devices)} devices (the mask marker would be copied between them)"
@@ -286,7 +393,6 @@ class PromptSharing:
                 mask,
                 completion_mask.to(mask.device),
                 attn_implementation=getattr(hf.config, "_attn_implementation", None),
-                dtype=hf.dtype,
             )
         if isinstance(reason, str):
             return self.unshared(reason)

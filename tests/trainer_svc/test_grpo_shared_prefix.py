@@ -2,8 +2,8 @@
 once gives the hidden states, log-probs and LoRA gradients of the padded rows (the prompt once per sample).
 
 Bounds. Everything is fp32 on the CPU; the two layouts run the same products over the same keys in different
-shapes (one causal SDPA over the prompt plus a masked one for the completions, against one causal SDPA per padded
-row), so they differ by fp32 rounding: each of the ~10 matmul/softmax stages of the 2-layer model adds a relative
+shapes (one causal SDPA over the prompt and the first completion plus a masked one for the later completions,
+against one causal SDPA per padded row), so they differ by fp32 rounding: each of the ~10 matmul/softmax stages of the 2-layer model adds a relative
 error of ~sqrt(K)·2^-24 (K ≤ 512, ≈ 1.4e-6), i.e. ~1e-5 relative on hidden states of norm ~16 (RMS-normalised), so
 an absolute 1e-4 on the hidden rows and log-probs; gradients sum that over the positions, compared relative to the
 largest entry at 1e-4. A layout that mixed samples (a completion seeing another's tokens) or shifted a position
@@ -117,18 +117,23 @@ def test_the_layouts_agree_through_strops_patched_forwards(tiny, monkeypatch):
 
 
 def test_a_completion_sees_the_prompt_and_its_own_tokens_only():
-    lay = shared_prefix.layout(3, [2, 0, 1], "cpu")
+    from strop.kernels.trainers.shared_prompt import later_mask
+
+    lay = shared_prefix.layout(3, [2, 0, 1])
     assert lay.width == 6
-    # queries: sample 0's two inputs, then sample 2's one; keys: 3 prompt positions, then the same 3 inputs
+    # sample 0 attends causally with the prompt (is_causal over the first 5 positions); the later samples' queries,
+    # here sample 2's one, see the 3 prompt keys, none of sample 0's 2, and their own
+    assert torch.equal(later_mask(3, [2, 0, 1]), torch.tensor([[1, 1, 1, 0, 0, 1]], dtype=torch.bool))
+    # two later samples of 2 and 1 inputs after a first of 1: each sees the prompt and its own earlier tokens only
     expected = torch.tensor(
         [
-            [1, 1, 1, 1, 0, 0],
-            [1, 1, 1, 1, 1, 0],
-            [1, 1, 1, 0, 0, 1],
+            [1, 1, 1, 0, 1, 0, 0],
+            [1, 1, 1, 0, 1, 1, 0],
+            [1, 1, 1, 0, 0, 0, 1],
         ],
         dtype=torch.bool,
     )
-    assert torch.equal(lay.completion_mask, expected)
+    assert torch.equal(later_mask(3, [1, 2, 1]), expected)
     rows = shared_prefix.predicting_rows(lay, [3, 1, 2], "cpu")
     # sample 0: the prompt's last position, then its inputs 3, 4; sample 1: the prompt's last; sample 2: it and 5
     assert rows.tolist() == [2, 3, 4, 2, 2, 5]

@@ -13,17 +13,13 @@ so each sample's tokens see the keys, values and RoPE positions its padded row g
 state predicting a sample's first token is the prompt's last (shared: its gradient is the sum over the samples,
 as the padded rows' copies sum into the same LoRA weights); the others are the sample's own positions.
 
-Attention is this module's function in transformers' attention interface (``ATTENTION``), swapped into the model's
-configs around the forward and the backward (checkpointed layers recompute in backward): the prompt's causal
-attention by SDPA with ``is_causal`` (flash/cuDNN on CUDA), then every completion query at once by SDPA over the
-prompt's and the completions' keys with a boolean mask [Σn, P + Σn]. No attention mask tensor over the whole row is
-built ([L, L] would be quadratic in the prompt), and the mask interface returns none for this attention.
-
-Beside ``kernels/trainers/shared_prompt.py`` (DPO/ORPO pairs): that one shares the token-wise ops of TRL's
-``[2B, T]`` rows and runs attention in those rows (q/k/v gathered back), so its attention FLOPs and K/V gather are
-the unshared batch's; here the prompt's attention runs once, which is where a group of 8 at a long prompt spends
-(at 64K tokens attention's FLOPs pass the projections'). Moving the pairs onto this attention (G = 2) would leave one
-owner; not done yet.
+Attention is ``kernels/trainers/shared_prompt.py``'s (:func:`attend` over :class:`Rows`, the one owner of the
+shared-prefix layout; DPO/ORPO/SimPO pairs are its other users: a prompt and two suffixes), put in transformers'
+attention interface (``ATTENTION``) and swapped into the model's configs around the forward and the backward
+(checkpointed layers recompute in backward): the prompt and the first completion by SDPA with ``is_causal``
+(flash/cuDNN on CUDA), then every later completion query at once by SDPA over the row's keys with a boolean mask
+[Σn, P + Σn]. No attention mask tensor over the whole row is built ([L, L] would be quadratic in the prompt), and
+the mask interface returns none for this attention.
 
 Where it applies (``reason``): causal self-attention over the whole row (no sliding window, no attention soft-cap, no
 attention dropout); anything else trains the padded rows.
@@ -32,10 +28,10 @@ attention dropout); anything else trains the padded rows.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from strop.kernels.trainers.shared_prompt import Rows, attend, config_reason
 
 ATTENTION = "strop_shared_prefix"
 _LAYOUT = (
@@ -43,29 +39,11 @@ _LAYOUT = (
 )
 # autograd may run a checkpointed layer's recompute on its own thread, where a context variable would not be set)
 
-
-@dataclass
-class Layout:
-    """One group's row: ``prompt`` tokens, then each sample's completion inputs (``lengths``)."""
-
-    prompt: int
-    lengths: list[int]
-    completion_mask: torch.Tensor | None  # [Σn, P + Σn] bool: which keys each completion query sees
-
-    @property
-    def width(self) -> int:
-        return self.prompt + sum(self.lengths)
+Layout = Rows  # one group's row: the prompt, then each sample's completion inputs
 
 
-def layout(prompt: int, lengths: list[int], device: str | torch.device) -> Layout:
-    n = sum(lengths)
-    if n == 0:
-        return Layout(prompt, lengths, None)
-    sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    index = torch.arange(n)
-    own = (sample[:, None] == sample[None, :]) & (index[:, None] >= index[None, :])
-    mask = torch.cat([torch.ones(n, prompt, dtype=torch.bool), own], dim=1)
-    return Layout(prompt, lengths, mask.to(device))
+def layout(prompt: int, lengths: list[int]) -> Rows:
+    return Rows.single(prompt, lengths)
 
 
 def inputs(
@@ -77,17 +55,18 @@ def inputs(
     tokens = list(prompt) + [t for c in completions for t in c]
     positions = list(range(p)) + [p + i for c in completions for i in range(len(c))]
     row = [torch.tensor([xs], dtype=torch.long, device=device) for xs in (tokens, positions)]
-    return row[0], row[1], layout(p, [len(c) for c in completions], device)
+    return row[0], row[1], layout(p, [len(c) for c in completions])
 
 
 def predicting_rows(lay: Layout, sample_lengths: list[int], device) -> torch.Tensor:
     """The row positions whose hidden states predict each sample's tokens, sample by sample: the prompt's last
     position for its first token, then its own positions (``sample_lengths``: each sample's tokens)."""
-    out, start = [], lay.prompt
-    for n_inputs, n_tokens in zip(lay.lengths, sample_lengths, strict=True):
+    (prompt,), (lengths,) = lay.prompts, lay.suffixes
+    out, start = [], prompt
+    for n_inputs, n_tokens in zip(lengths, sample_lengths, strict=True):
         if n_tokens != n_inputs + 1:
             raise ValueError(f"a sample of {n_tokens} tokens has {n_inputs} inputs in the row")
-        out += [lay.prompt - 1, *range(start, start + n_inputs)]
+        out += [prompt - 1, *range(start, start + n_inputs)]
         start += n_inputs
     return torch.tensor(out, dtype=torch.long, device=device)
 
@@ -99,42 +78,15 @@ def reason(model) -> str | None:
     parts = model_parts(model)
     if parts.sliding is not None:
         return "sliding-window attention"
-    for c in parts.configs:
-        if getattr(c, "attn_logit_softcapping", None):
-            return "attention logit soft-capping"
-        if getattr(c, "attention_dropout", 0.0):
-            return "attention dropout"
-    return None
+    return config_reason(parts.configs)
 
 
 def attention(module, query, key, value, attention_mask=None, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention interface for one group's row (``query`` [1, Hq, L, D], ``key``/``value``
     [1, Hkv, L, D]) → ([1, L, Hq, D], None)."""
-    lay: Layout = getattr(module.config, _LAYOUT)
-    p = lay.prompt
     if dropout:
         raise ValueError("shared-prefix attention has no dropout")
-    groups = query.shape[1] // key.shape[1]
-    out = [
-        F.scaled_dot_product_attention(
-            query[:, :, :p],
-            key[:, :, :p],
-            value[:, :, :p],
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=groups > 1,
-        )
-    ]
-    if lay.completion_mask is not None:
-        # the kv heads repeated to the query heads: SDPA's memory-efficient kernel takes the mask, not GQA
-        k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-        v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
-        out.append(
-            F.scaled_dot_product_attention(
-                query[:, :, p:], k, v, attn_mask=lay.completion_mask, scale=scaling
-            )
-        )
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+    return attend(getattr(module.config, _LAYOUT), query, key, value, scaling), None
 
 
 def _no_mask(*args, **kwargs):

@@ -1,12 +1,12 @@
 """Preference pairs sharing their prompt (``kernels/trainers/shared_prompt.py``): the shared batch's hidden states,
-gathered back, are the unshared batch's, and so are the gradients of a loss on them (under sdpa attention runs
-on TRL's rows through the wrapped function; under eager on the dense mask).
+gathered back, are the unshared batch's, and so are the gradients of a loss on them (attention over the shared
+rows by ``attend`` through the wrapped SDPA function: prompt + chosen causal, rejected over [prompt | rejected]).
 
-Reference: the same tiny fp32 Llama (HF's sdpa and eager attention, and strop's patched kernels under
-TRITON_INTERPRET=1) run on TRL's ``[chosen; rejected]`` rows. Bound: fp32 rounding of a 2-layer, 64-wide model
-whose GEMMs and attention change shape (and attention runs with a mask instead of ``is_causal``): observed
-≈1e-6 absolute on O(1) states; 1e-4 leaves room for other CPUs' reduction orders and stays far under a wrong
-mask's error (a chosen token visible to a rejected one moves states by O(0.1)).
+Reference: the same tiny fp32 Llama (HF's sdpa attention, and strop's patched kernels under TRITON_INTERPRET=1)
+run on TRL's ``[chosen; rejected]`` rows. Bound: fp32 rounding of a 2-layer, 64-wide model whose GEMMs and
+attention change shape (the rejected completion's attention runs with a lower-right mask over other key runs):
+observed ≈1e-6 absolute on O(1) states; 1e-4 leaves room for other CPUs' reduction orders and stays far under a
+wrong mask's error (a chosen token visible to a rejected one moves states by O(0.1)).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from strop.kernels.trainers.shared_prompt import SharedPrompts, share_prompts
+from strop.kernels.trainers import shared_prompt
+from strop.kernels.trainers.shared_prompt import Rows, share_prompts
 from tests.kernels._chunked_losses import tiny_peft_llama, tiny_tokenizer
 
 ATOL = 1e-4
@@ -65,24 +66,39 @@ def _hidden_and_grads(model, kwargs, unshare, weights, valid):
     return hidden.detach(), grads
 
 
-@pytest.mark.parametrize(("attn", "patched"), [("sdpa", False), ("eager", False), ("sdpa", True)])
-def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(attn, patched, monkeypatch):
-    ids, am, cm = _batch()
-    model = _model(attn, patched)
-    shared = share_prompts(ids, am, cm, attn_implementation=attn)
+@pytest.mark.parametrize(
+    ("pairs", "patched"),
+    [
+        # 3 pairs of widths 9+7 / 15+10 / 5+8 (padded to 15) run as widths 16 / 16 / 10 (padded to 16): each pair
+        # of its own lengths, so attention runs pair by pair
+        (((5, 9, 3), (4, 6, 2), (7, 1, 5)), False),
+        (((5, 9, 3), (4, 6, 2), (7, 1, 5)), True),
+        # the DPO bench's shape in small: every pair alike, so attention runs the batch in one call each way
+        (((6, 6, 6), (5, 5, 5), (5, 5, 5)), False),
+    ],
+)
+def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(pairs, patched, monkeypatch):
+    prompts, chosen, rejected = pairs
+    ids, am, cm = _batch(prompts, chosen, rejected)
+    model = _model("sdpa", patched)
+    shared = share_prompts(ids, am, cm, attn_implementation="sdpa")
     assert not isinstance(shared, str), shared
-    calls = []  # sdpa: attention runs on TRL's rows through the wrapped function; eager: on the dense mask
-    real = SharedPrompts.attend
-    monkeypatch.setattr(SharedPrompts, "attend", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    # 3 pairs of widths 9+7 / 15+10 / 5+8 (padded to 15) run as widths 16 / 16 / 10 (padded to 16)
-    assert shared.input_ids.shape == (3, 16) and shared.saved == pytest.approx(1 - 48 / 90)
+    calls = []
+    real = shared_prompt.attend
+    monkeypatch.setattr(shared_prompt, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    width = max(p + c + r for p, c, r in zip(*pairs, strict=True))
+    t = max(p + max(c, r) for p, c, r in zip(*pairs, strict=True))
+    assert shared.input_ids.shape == (3, width) and shared.saved == pytest.approx(1 - 3 * width / (6 * t))
+    assert shared.rows.prompts == prompts and shared.rows.suffixes == tuple(
+        zip(chosen, rejected, strict=True)
+    )
     valid = am.bool()
     weights = torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(2))
     ref_h, ref_g = _hidden_and_grads(
         model, {"input_ids": ids, "attention_mask": am}, lambda h: h, weights, valid
     )
     h, g = _hidden_and_grads(model, shared.model_kwargs(), shared.unshare, weights, valid)
-    assert len(calls) == (2 if attn == "sdpa" else 0)  # one per layer
+    assert len(calls) == 2  # one per layer
     torch.testing.assert_close(h[valid], ref_h[valid], rtol=0, atol=ATOL)
     assert ref_g, "the model has trainable adapters"
     for name, ref in ref_g.items():
@@ -116,7 +132,8 @@ def test_batches_that_cannot_share_say_why():
     holes = cm.clone()
     holes[0, 6] = 0
     assert "contiguous" in share_prompts(ids, am, holes, attn_implementation="sdpa")
-    assert "4-D mask" in share_prompts(ids, am, cm, attn_implementation="flash_attention_2")
+    assert "reached through sdpa" in share_prompts(ids, am, cm, attn_implementation="flash_attention_2")
+    assert "reached through sdpa" in share_prompts(ids, am, cm, attn_implementation="eager")
     assert "not [chosen; rejected] rows" in share_prompts(ids[:5], am[:5], cm[:5], attn_implementation="sdpa")
     ids2, am2, cm2 = _batch(prompts=(1, 1, 1), chosen=(9, 9, 9), rejected=(9, 9, 9))
     assert "would save" in share_prompts(ids2, am2, cm2, attn_implementation="sdpa")
@@ -125,8 +142,8 @@ def test_batches_that_cannot_share_say_why():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_shared_prompts_in_bf16_stay_within_the_unshared_bf16_error():
-    # CUDA, strop's kernels, bf16 autocast: SDPA runs the boolean mask on CUDA's kernels (not is_causal's flash
-    # path); the shared states' error against the fp32 unshared truth must stay within 2x the unshared bf16 run's
+    # CUDA, strop's kernels, bf16 autocast: attention runs on CUDA's kernels (is_causal and the lower-right bias);
+    # the shared states' error against the fp32 unshared truth must stay within 2x the unshared bf16 run's
     ids, am, cm = _batch(prompts=(200, 310, 96), chosen=(150, 64, 300), rejected=(90, 250, 128))
     ids, am, cm = ids.cuda(), am.cuda(), cm.cuda()
     model = _model("sdpa", patched=False).cuda()
@@ -174,3 +191,64 @@ def test_models_whose_attention_the_layout_cannot_carry_run_unshared():
     assert any("sliding-window" in r for r in sharing.reasons) and any(
         "split over 2" in r for r in sharing.reasons
     )
+
+
+def _attend_reference(rows: Rows, q, k, v):
+    """The same attention by one dense mask per row (each position's segment: 0 the prompt, s the s-th suffix,
+    -1 padding): a query sees an earlier-or-same key of the prompt or of its own segment; padding outputs zero."""
+    b, hq, length, _ = q.shape
+    seg = torch.full((b, length), -1, device=q.device)
+    for i, (p, ns) in enumerate(zip(rows.prompts, rows.suffixes, strict=True)):
+        seg[i, :p] = 0
+        start = p
+        for s, n in enumerate(ns, 1):
+            seg[i, start : start + n] = s
+            start += n
+    pos = torch.arange(length, device=q.device)
+    sq, sk = seg[:, :, None], seg[:, None, :]
+    allowed = (pos[:, None] >= pos[None, :]) & (sq >= 0) & ((sk == 0) | (sk == sq))
+    allowed |= torch.eye(
+        length, dtype=torch.bool, device=q.device
+    )  # a padding query its own key, so its softmax is defined
+    groups = hq // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+    return out.masked_fill((seg < 0)[:, None, :, None], 0).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ((4,), ((3, 5),), 12),  # a pair, padded
+        ((4, 4, 2), ((3, 5), (3, 5), (6, 1)), 12),  # two pairs alike, one of its own: two groups
+        ((5,), ((2, 0, 3, 1),), 11),  # a GRPO group: an empty sample, several later ones
+        ((3, 6), ((4,), (0, 2)), 9),  # a prompt with one suffix; a pair whose chosen completion is empty
+    ],
+)
+def test_attend_is_the_dense_segment_mask_attention(layout):
+    """``attend`` (no mask over the row: causal calls, a lower-right one, a masked one for several later suffixes,
+    grouped-query heads) against the dense [L, L] mask of the layout in fp32; a suffix that saw another's key would
+    move its output by O(0.1) against a bound of fp32 rounding (1e-5 on O(1) outputs)."""
+    rows = Rows(*layout)
+    gen = torch.Generator().manual_seed(0)
+    b, length = len(rows.prompts), rows.width
+    q = torch.randn(b, 4, length, 8, generator=gen)
+    k, v = (torch.randn(b, 2, length, 8, generator=gen) for _ in range(2))
+    got = shared_prompt.attend(rows, q, k, v)
+    torch.testing.assert_close(got, _attend_reference(rows, q, k, v), rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_attend_in_bf16_at_an_8b_heads_shape_matches_the_dense_mask():
+    """An 8B model's heads (32 query, 8 kv, 128 wide): ``attend`` in bf16 on CUDA's kernels (flash for the causal
+    and the lower-right calls, grouped-query heads unrepeated) against the dense-mask attention in fp32. Bound:
+    bf16 inputs' rounding (2^-9 relative) through a softmax-weighted mean of O(1) values: 2e-2 absolute, far under
+    a wrong key set's O(0.1) and a NaN."""
+    rows = Rows((1024, 1024), ((1024, 768), (512, 1500)), 3072)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 32, 3072, 128, device="cuda", generator=gen)
+    k, v = (torch.randn(2, 8, 3072, 128, device="cuda", generator=gen) for _ in range(2))
+    truth = _attend_reference(rows, q, k, v)
+    got = shared_prompt.attend(rows, *(t.bfloat16() for t in (q, k, v))).float()
+    torch.testing.assert_close(got, truth, rtol=0, atol=2e-2)
