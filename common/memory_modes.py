@@ -43,6 +43,9 @@ class MemoryFeatures:
         default_budget_fraction: The budget when the job gives none, as a fraction of the device's memory.
         save_attention: Offloaded layers keep their attention output and log-sum-exp in host memory, so the
             recompute in backward skips attention's forward.
+        save_qkv: With ``save_attention``, the q, k, v attention read are kept there too, so the recompute also
+            skips the fused Q/K/V projections and RoPE (``kernels/models/saved_attention.py``; no mode sets it
+            until the GPU measures it, a benchmark's ``-q1`` variant does).
         host_budget_fraction: The share of the host's available memory (at install) the offloaded copies may
             hold; past it, layer inputs stay on the device and attention is recomputed (0: unbounded).
         save_layers: Evenly spaced offloaded layers that skip the recompute, their activations in host memory
@@ -56,6 +59,7 @@ class MemoryFeatures:
     budgeted_recompute: bool
     default_budget_fraction: float = 0.0
     save_attention: bool = False
+    save_qkv: bool = False
     host_budget_fraction: float = 0.0
     save_layers: int = 0
 

@@ -60,25 +60,29 @@ def trl_args(config_cls, a, w: Workload, **kw):
 
 
 def memory_system(system: str):
-    """``strop-<mode>[-sN][-aB][-tB]`` → (MemoryMode, N, attention, tiled): the trainer's memory modes by the names the service uses.
+    """``strop-<mode>[-sN][-aB][-tB][-qB]`` → (MemoryMode, N, attention, tiled, qkv): the trainer's memory modes by the names the service uses.
 
     ``strop-standard`` (checkpointed layer inputs in pinned host memory, what the trainer's default mode does
     on CUDA), ``strop-long-context`` (+ the tiled MLP), ``strop-max-speed`` (budgeted recompute under
     ``FAST_BUDGET_GIB``); ``-sN``: N evenly spaced layers skip the recompute, their activations in host memory;
     ``-a1``/``-a0``: offloaded layers keep (or do not keep) their attention output for the recompute, whatever
     the mode's default (``MemoryFeatures.save_attention``); the third item is None without it. ``-t1``/``-t0``:
-    the MLPs run tiled (or not), whatever the mode's default (``MemoryFeatures.tiled_mlp``); the fourth item. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
+    the MLPs run tiled (or not), whatever the mode's default (``MemoryFeatures.tiled_mlp``); the fourth item. ``-q1``/``-q0``:
+    the saved attention calls keep (or do not keep) their q, k, v too (``MemoryFeatures.save_qkv``); the fifth item. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
     these were called strop-offload[-sN], strop-mem and strop-fast.
     """
     from strop.common.trainer_types import MemoryMode
 
     system = re.sub(r"-f8(dx)?$", "", system)  # FP8 base GEMMs (fp8_system) combine with any mode
-    m = re.fullmatch(r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?", system)
+    m = re.fullmatch(
+        r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?(?:-q([01]))?", system
+    )
     if m is None:
         return None
     attention = None if m.group(3) is None else m.group(3) == "1"
     tiled = None if m.group(4) is None else m.group(4) == "1"
-    return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0), attention, tiled
+    qkv = None if m.group(5) is None else m.group(5) == "1"
+    return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0), attention, tiled, qkv
 
 
 def fp8_system(system: str) -> bool | str:
@@ -92,7 +96,7 @@ def fp8_system(system: str) -> bool | str:
 
 def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
     """Install the system's memory mode through the installer the trainer uses, the same way: the table's row
-    (with the system's ``-sN``/``-aB``/``-tB`` variant replaced into it), the step's shape for the host-room rule,
+    (with the system's ``-sN``/``-aB``/``-tB``/``-qB`` variant replaced into it), the step's shape for the host-room rule,
     and MAX_SPEED's budget as a job's ``memory_budget_gib`` would give it."""
     import dataclasses
 
@@ -104,12 +108,18 @@ def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
     spec = memory_system(system)
     if spec is None:
         return None
-    mode, save_layers, save_attention, tiled = spec
+    mode, save_layers, save_attention, tiled, qkv = spec
     if w.device != "cuda" and mode is MemoryMode.MAX_SPEED:
         return None  # --smoke: budgeted recompute measures CUDA memory
     features = MEMORY_MODES[mode]
-    variant = {"save_layers": save_layers, "save_attention": save_attention, "tiled_mlp": tiled}
-    features = dataclasses.replace(features, **{k: v for k, v in variant.items() if v is not None and v != 0})
+    variant = {
+        "save_layers": save_layers,
+        "save_attention": save_attention,
+        "tiled_mlp": tiled,
+        "save_qkv": qkv,
+    }
+    # an unset variant (None) keeps the row's value; -a0/-q0 (False) and -s0 replace it as set
+    features = dataclasses.replace(features, **{k: v for k, v in variant.items() if v is not None})
     budget = FAST_BUDGET_GIB * 2**30 if features.budgeted_recompute else 0
     if w.device == "cuda" and budget:
         total = torch.cuda.get_device_properties(0).total_memory

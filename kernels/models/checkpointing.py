@@ -79,6 +79,7 @@ def enable_offloaded_checkpointing(
     preserve_rng_state: bool = True,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     save_attention: bool = False,
+    save_qkv: bool = False,
     host_budget_bytes: int | None = None,
     trace: bool = False,
 ) -> ActivationOffloader:
@@ -103,6 +104,8 @@ def enable_offloaded_checkpointing(
         max_inflight_bytes: Device-to-host copies queued at once before a save waits for the oldest.
         save_attention: Offloaded layers also keep their attention output in host memory, so the recompute
             skips attention's forward (``kernels/models/saved_attention.py``).
+        save_qkv: With ``save_attention``, the q, k, v attention read are kept too, so the recompute skips the
+            fused Q/K/V projections and RoPE.
         host_budget_bytes: Host memory the copies may hold at once (None: unbounded); past it, inputs stay on
             the device and attention is recomputed, layer by layer as the forward reaches them.
         trace: Record the schedule in ``offloader.stats.trace``.
@@ -134,6 +137,7 @@ def enable_offloaded_checkpointing(
         preserve_rng_state=preserve_rng_state,
         max_inflight_bytes=max_inflight_bytes,
         save_attention=save_attention,
+        save_qkv=save_qkv,
         host_budget_bytes=host_budget_bytes,
         trace=trace,
     )

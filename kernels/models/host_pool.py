@@ -57,6 +57,7 @@ class OffloadStats:
         saved_prefetched: Of ``saved_offloaded``, those reloaded ahead of need.
         copy_waits: Times the forward waited for a device-to-host copy (backlog over ``max_inflight_bytes``).
         attention_saved: Attention outputs kept in host memory for the recompute (``save_attention``).
+        qkv_saved: Of those, the ones that kept their q, k, v too (``save_qkv``).
         host_full: Layer inputs, saved activations and attention outputs left on the device because host memory
             was at ``host_budget_bytes``.
         trace: ``(event, layer)`` pairs in order, when tracing is on (tests): ``save:offload``,
@@ -78,6 +79,7 @@ class OffloadStats:
     saved_prefetched: int = 0
     copy_waits: int = 0
     attention_saved: int = 0
+    qkv_saved: int = 0
     host_full: int = 0
     trace: list[tuple[str, int | None]] | None = None
 

@@ -164,6 +164,7 @@ def enable_memory_features(
     keep_last_layers: int = 1,
     save_layers: int = 0,
     save_attention: bool = False,
+    save_qkv: bool = False,
     host_budget_bytes: int | None = None,
     offload_cpu_tensors: bool = False,
     preserve_rng_state: bool = True,
@@ -182,6 +183,8 @@ def enable_memory_features(
             pinned host memory (:func:`~strop.kernels.models.enable_offloaded_checkpointing`).
         save_attention: Offloaded layers keep their attention output in host memory; the recompute skips
             attention's forward.
+        save_qkv: With ``save_attention``, the q, k, v attention read are kept too; the recompute skips the
+            fused Q/K/V projections and RoPE.
         host_budget_bytes: Host memory the offloaded copies may hold at once (None: unbounded); past it, layer
             inputs stay on the GPU (``ActivationOffloader``).
         offload_cpu_tensors: Exercise the offload path with CPU tensors (tests, the CPU smoke benchmark).
@@ -204,6 +207,7 @@ def enable_memory_features(
                 preserve_rng_state=preserve_rng_state,
                 trace=trace,
                 save_attention=save_attention,
+                save_qkv=save_qkv,
                 host_budget_bytes=host_budget_bytes,
             )
         except ValueError as e:
@@ -274,10 +278,10 @@ class StepShape:
     checkpointed: bool = True
 
 
-def host_room(model: nn.Module, step: StepShape) -> tuple[bool, bool]:
+def host_room(model: nn.Module, step: StepShape, qkv: bool = False) -> tuple[bool, bool]:
     """Whether one step's checkpointed layer inputs fit in half the host's available memory, and whether their
-    attention outputs (the same size: [rows, seq, heads · head_dim], plus an fp32 log-sum-exp per head) fit
-    there beside them. Unknown host memory claims no room."""
+    attention outputs (the same size: [rows, seq, heads · head_dim], plus an fp32 log-sum-exp per head; ``qkv``:
+    and the q, k, v attention read) fit there beside them. Unknown host memory claims no room."""
     from .host_pool import host_block_bytes as pinned
 
     cfg = model.config
@@ -289,6 +293,11 @@ def host_room(model: nn.Module, step: StepShape) -> tuple[bool, bool]:
     tokens = step.rows * step.seq_len
     need = layers * pinned(tokens * hidden * itemsize)
     attention = layers * (pinned(tokens * heads * head_dim * itemsize) + pinned(tokens * heads * 4))  # o, lse
+    if qkv:
+        kv_heads = int(getattr(cfg, "num_key_value_heads", 0) or heads)
+        attention += layers * (
+            pinned(tokens * heads * head_dim * itemsize) + 2 * pinned(tokens * kv_heads * head_dim * itemsize)
+        )
     available = host_available_bytes() or 0
     if need > available // 2:
         logger.info("%.1f GiB of layer inputs, %.1f GiB host available", need / 2**30, available / 2**30)
@@ -357,7 +366,9 @@ def apply_memory_mode(
     offload, save_attention = features.offload_layer_inputs, features.save_attention
     if offload and features.offload_needs_host_room:
         inputs_fit, attention_fits = (
-            host_room(unwrap_peft(model), step) if step.checkpointed else (False, False)
+            host_room(unwrap_peft(model), step, qkv=features.save_qkv)
+            if step.checkpointed
+            else (False, False)
         )
         if not inputs_fit:
             offload = False
@@ -380,6 +391,7 @@ def apply_memory_mode(
                 offload_cpu_tensors=offload_cpu_tensors,
                 min_offload_bytes=min_offload_bytes,
                 save_attention=save_attention,
+                save_qkv=features.save_qkv,
                 host_budget_bytes=host_budget_bytes,
             )
         if features.budgeted_recompute:

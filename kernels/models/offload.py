@@ -120,6 +120,8 @@ class ActivationOffloader:
             the oldest (bounds the GPU memory a forward that outruns the host link holds).
         save_attention: Keep each offloaded layer's attention output and log-sum-exp in host memory, so its
             recompute skips attention's forward (``kernels/models/saved_attention.py``).
+        save_qkv: With ``save_attention``, also keep the q, k, v attention read, so the recompute skips the fused
+            Q/K/V projections and RoPE too (``saved_attention.py``, "q, k and v kept too").
         host_budget_bytes: The host memory the copies may hold at once (None: no bound). A copy that would pass
             it stays on its device instead: the input of a layer recomputes from device memory, an attention
             output is recomputed, an activation of a no-recompute layer stays where it is. Counted as the pinned
@@ -135,6 +137,7 @@ class ActivationOffloader:
         preserve_rng_state: bool = True,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         save_attention: bool = False,
+        save_qkv: bool = False,
         host_budget_bytes: int | None = None,
         trace: bool = False,
     ) -> None:
@@ -146,6 +149,7 @@ class ActivationOffloader:
             trace=trace,
         )
         self.save_attention = save_attention
+        self.save_qkv = save_qkv
         self.preserve_rng_state = preserve_rng_state
         self._last: weakref.ref[InputRecord | SavedGroup] | None = None
         self._last_attention: weakref.ref[AttentionSaves] | None = None
@@ -161,7 +165,7 @@ class ActivationOffloader:
             f"peak_host_bytes={s.peak_host_bytes}, prefetch_hits={s.prefetch_hits}, "
             f"prefetch_misses={s.prefetch_misses}, saved_offloaded={s.saved_offloaded}, "
             f"saved_kept={s.saved_kept}, saved_prefetched={s.saved_prefetched}, copy_waits={s.copy_waits}, "
-            f"attention_saved={s.attention_saved}, host_full={s.host_full}, host_budget_bytes={self.host_budget_bytes})"
+            f"attention_saved={s.attention_saved}, qkv_saved={s.qkv_saved}, host_full={s.host_full}, host_budget_bytes={self.host_budget_bytes})"
         )
 
     # -- the pool's parts the offloader reads
@@ -204,7 +208,7 @@ class ActivationOffloader:
         attention backward starts (``kernels/models/saved_attention.py``). ``reserve``: host bytes its saves must
         leave free for the layer inputs the forward offloads after it (inputs come first: an input kept on the
         device costs device memory, an attention output not saved only its recompute)."""
-        saves = AttentionSaves(self.pool, prev=self._last_attention, reserve=reserve)
+        saves = AttentionSaves(self.pool, prev=self._last_attention, reserve=reserve, qkv=self.save_qkv)
         self._last_attention = weakref.ref(saves)
         return saves
 

@@ -21,7 +21,7 @@ from ..ops.rmsnorm import RMSNormMode
 from .hf import scaled_logits_reason
 from .patch_state import PatchState, patched
 from .proj_spec import layer_spec
-from .saved_attention import attention_call
+from .saved_attention import attention_call, replayed_qkv, saved_qkv_projections
 
 # where HF's attention forward reads the sliding window it passes to the attention interface
 _WINDOW: dict[SlidingWindow, Callable[[nn.Module], int | None] | None] = {
@@ -108,16 +108,23 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
         specs = (
             _layer_specs(state, self, (self.q_proj, self.k_proj, self.v_proj), hidden_states) if qkv else None
         )
-        if specs is not None:
-            q, k, v = lora_qkv(hidden_states, *specs, inplace_dx=inplace)
-        else:
-            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
-        if qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = position_embeddings
-        q, k = rope_qk(q, k, cos, sin) if rope else hf.apply_rotary_pos_emb(q, k, cos, sin)
+        # q, k, v from strop's fused projections and in-place RoPE alone: a recomputed layer may take them from
+        # its forward (saved_attention's save_qkv)
+        ours = specs is not None and rope and not qk_norm
+        saved = replayed_qkv() if ours else None
+        if saved is not None:
+            q, k, v = saved_qkv_projections(hidden_states, specs, saved, cos, sin, inplace_dx=inplace)
+        else:
+            if specs is not None:
+                q, k, v = lora_qkv(hidden_states, *specs, inplace_dx=inplace)
+            else:
+                q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+            q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+            if qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = rope_qk(q, k, cos, sin) if rope else hf.apply_rotary_pos_emb(q, k, cos, sin)
         interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, hf.eager_attention_forward
         )
@@ -135,6 +142,7 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
                 attention_mask,
                 dropout=0.0 if not self.training else self.attention_dropout,
                 scaling=self.scaling,
+                keep_qkv=ours,
                 **kwargs,
             )
         )

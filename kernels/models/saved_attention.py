@@ -34,6 +34,20 @@ sequence (no mask tensor: HF passes None when ``is_causal`` covers it), no slidi
 sequence, no soft-cap, no dropout, and an attention kernel pair that returns lse: cuDNN's (what SDPA picks on
 Hopper) or FlashAttention-2's on CUDA, the flash kernel on the CPU (tests). The layer's input must have been
 offloaded (for a layer kept on the device, recomputing is what plain checkpointing does).
+
+q, k and v kept too (``save_qkv``). With o and lse saved, the recompute still runs the fused LoRA Q/K/V projections
+and RoPE for one purpose: attention's backward reads q, k and v. At 16K tokens of an 8B Llama those projections are a
+[16384, 4096] x [4096, 6144] GEMM, about 1.2 ms a layer on an H200, for 192 MiB of q, k and v. So the forward also
+copies the q, k and v attention read (after RoPE) to pinned host memory; they reload behind o and lse, on their own
+event, which only attention's backward waits for (after the layer's MLP recompute and backward), and the recompute
+replaces the projections and RoPE by a node (:class:`_SavedQKVFunction`) that returns them and whose backward is
+RoPE's backward followed by the fused Q/K/V's (``kernels/lora/linear.py``'s ``backward_projections``, on the same
+saved input x and LoRA factor u = x Aᵀ the projections' own node would hold). The gradients are bitwise those of the
+recompute: the reloaded q, k, v are the values the recompute would compute (the same ops on the same input), and the
+backward runs the same ops on the same gradients. Device memory at the step's peak does not change: the reloaded q,
+k, v take the place of the recomputed ones, which the recompute also holds until attention's backward. Applies where
+the attention forward is strop's fused LoRA Q/K/V and in-place RoPE with no q/k norm (Llama's family) and the host
+has room for them beside o and lse; elsewhere the recompute computes them.
 """
 
 from __future__ import annotations
@@ -42,29 +56,52 @@ import contextlib
 import contextvars
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..lora.linear import (
+    Frozen,
+    LoRAProj,
+    as_rows_for,
+    backward_projections,
+    compute_dtype,
+    factors_of,
+    no_autocast,
+    with_factors,
+)
+from ..ops.rope import rope_qk_grads
+
 if TYPE_CHECKING:
     from .host_pool import HostPool
 
-__all__ = ["AttentionSaves", "attention_call", "recording", "replaying"]
+__all__ = [
+    "AttentionSaves",
+    "attention_call",
+    "recording",
+    "replayed_qkv",
+    "replaying",
+    "saved_qkv_projections",
+]
 
 logger = logging.getLogger("strop.kernels")
 
 
 @dataclass
 class _Saved:
-    """One attention call's saved o and lse: on the host (``host``), then reloading or on the device (``device``)."""
+    """One attention call's saved o and lse: on the host (``host``), then reloading or on the device (``device``);
+    with ``save_qkv``, its q, k, v the same way (``qkv_host``, then ``qkv``, ready at ``qkv_ready``)."""
 
     kernel: str
     host: list[torch.Tensor] = field(default_factory=list)
     device: list[torch.Tensor] = field(default_factory=list)
     ready: torch.cuda.Event | None = None
     extra: tuple = ()
+    qkv_host: list[torch.Tensor] = field(default_factory=list)
+    qkv: list[torch.Tensor] = field(default_factory=list)
+    qkv_ready: torch.cuda.Event | None = None
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -85,45 +122,60 @@ class AttentionSaves:
     prev: weakref.ref[AttentionSaves] | None = None
     # host bytes the saves leave free for later layer inputs (ActivationOffloader.attention_saves)
     reserve: int = 0
+    # attention calls that qualify also keep their q, k, v (the module docstring's ``save_qkv``)
+    qkv: bool = False
 
-    def keep(self, s: _Saved, tensors: tuple[torch.Tensor, ...]) -> None:
-        """Start copying ``tensors`` of ``s`` to the host (forward)."""
+    def keep(self, s: _Saved, tensors: tuple[torch.Tensor, ...], qkv: tuple[torch.Tensor, ...] = ()) -> None:
+        """Start copying ``tensors`` (o, lse) and then ``qkv`` of ``s`` to the host (forward)."""
         off = self.pool
-        for t in tensors:
-            s.host.append(off.copy_to_host(t))
-            off.hold_host(t.numel() * t.element_size(), t.is_cuda)
+        for dest, ts in ((s.host, tensors), (s.qkv_host, qkv)):
+            for t in ts:
+                dest.append(off.copy_to_host(t))
+                off.hold_host(t.numel() * t.element_size(), t.is_cuda)
 
     def reload(self) -> None:
         """Start reloading every saved tensor not reloading yet (as the layer above ends its attention backward, or
-        as this layer's recompute starts)."""
+        as this layer's recompute starts): each call's o and lse, then its q, k, v, which the recompute reads
+        later (attention's backward), behind their own event."""
         off = self.pool
         for s in self.saved:
-            if not s.host:
-                continue
-            for t in s.host:
-                buf, s.ready = off.copy_to_device(t, s.extra[0])
-                s.device.append(buf)
-                off.release_host(t.numel() * t.element_size(), buf.is_cuda)
-            s.host = []
+            for host, dest, event in ((s.host, s.device, "ready"), (s.qkv_host, s.qkv, "qkv_ready")):
+                for t in host:
+                    buf, ready = off.copy_to_device(t, s.extra[0])
+                    setattr(s, event, ready)
+                    dest.append(buf)
+                    off.release_host(t.numel() * t.element_size(), buf.is_cuda)
+                host.clear()
 
     def __del__(
         self,
     ) -> None:  # a graph freed without backward (eval with grad on, an error) returns its host memory
         with contextlib.suppress(Exception):
             for s in self.saved:
-                for t in s.host:
+                for t in (*s.host, *s.qkv_host):
                     self.pool.release_host(t.numel() * t.element_size(), t.is_pinned())
-                s.host = []
+                s.host, s.qkv_host = [], []
 
     def take(self) -> _Saved:
         if self.cursor >= len(self.saved):
             raise RuntimeError("saved attention: the recompute ran more attention calls than the forward")
         s = self.saved[self.cursor]
         self.cursor += 1
-        if s.host:
+        if s.host or s.qkv_host:
             self.reload()
         s.wait()
         return s
+
+    def next_qkv(self) -> list[torch.Tensor] | None:
+        """In the recompute, before the next attention call: its saved q, k, v (reloading; attention's backward
+        waits for them), handed over once; None where that call saved none."""
+        if self.cursor >= len(self.saved):
+            return None
+        s = self.saved[self.cursor]
+        if s.qkv_host:
+            self.reload()
+        qkv, s.qkv = s.qkv, []
+        return qkv or None
 
 
 @dataclass
@@ -267,6 +319,9 @@ class _SavedAttentionFunction(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v = ctx.saved_tensors
         o, lse = ctx.o, ctx.lse
+        if ctx.info.qkv_ready is not None:  # q, k, v reloaded (save_qkv): their copies are done
+            torch.cuda.current_stream(q.device).wait_event(ctx.info.qkv_ready)
+            ctx.info.qkv_ready = None
         if g.stride() != o.stride():  # the kernels take dO in O's layout
             g = torch.empty_like(o).copy_(g)
         dq, dk, dv = _backward(ctx.info, g, q, k, v, o, lse, ctx.scale)
@@ -290,11 +345,14 @@ def attention_call(
     *,
     dropout: float,
     scaling: float | None,
+    keep_qkv: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
     """The attention of a patched attention forward: HF's ``interface`` unless a layer's saved output applies.
 
     q [B, H, T, d], k/v [B, H_kv, T, d] as HF's interfaces take them; returns (o [B, T, H, d], None) as they do.
+    ``keep_qkv``: q, k, v are the fused LoRA Q/K/V's after in-place RoPE, which :func:`saved_qkv_projections` can
+    stand for in the recompute, so they may be saved too (``save_qkv``).
     """
     mode = _MODE.get()
     if mode is None:
@@ -306,18 +364,89 @@ def attention_call(
         o = _SavedAttentionFunction.apply(q, k, v, [s, mode.saves], scaling)
         return o.transpose(1, 2), None
     reason = _reason(module, q, k, mask, dropout, kwargs)
+    saves, pool = mode.saves, mode.saves.pool
     # o is q-shaped in q's dtype, lse [B, H, T] fp32
-    if reason is None and not mode.saves.pool.host_room(
-        (q.numel() * q.element_size(), q[..., 0].numel() * 4), q.is_cuda, reserve=mode.saves.reserve
-    ):
+    sizes = (q.numel() * q.element_size(), q[..., 0].numel() * 4)
+    if reason is None and not pool.host_room(sizes, q.is_cuda, reserve=saves.reserve):
         reason = "host memory at the offloader's host_budget_bytes: attention recomputed"
     if reason is not None:
         _log_once(reason)
-        mode.saves.saved.append(_Saved("none"))
+        saves.saved.append(_Saved("none"))
         return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+    qkv = (q, k, v) if keep_qkv and saves.qkv else ()
+    if qkv and not pool.host_room(
+        (*sizes, *(t.numel() * t.element_size() for t in qkv)), q.is_cuda, saves.reserve
+    ):
+        _log_once("host memory at the offloader's host_budget_bytes: q, k, v recomputed")
+        qkv = ()
     kernel, (o, lse), extra = _forward(q, k, v, scaling)
     s = _Saved(kernel, extra=extra)
-    mode.saves.keep(s, (o, lse))
-    mode.saves.pool.stats.attention_saved += 1
-    mode.saves.saved.append(s)
+    saves.keep(s, (o, lse), qkv)
+    pool.stats.attention_saved += 1
+    pool.stats.qkv_saved += bool(qkv)
+    saves.saved.append(s)
     return o.transpose(1, 2), None
+
+
+def replayed_qkv() -> list[torch.Tensor] | None:
+    """In a layer's recompute, before its next attention call: the q, k, v (after RoPE) that call's forward saved,
+    reloading (``save_qkv``); None where it saved none, or outside a recompute: compute them."""
+    mode = _MODE.get()
+    if mode is None or not mode.replay:
+        return None
+    return mode.saves.next_qkv()
+
+
+class _SavedQKVFunction(torch.autograd.Function):
+    """The fused LoRA Q/K/V and RoPE of a recomputed layer without their forward: returns the saved q, k, v; backward
+    is RoPE's backward (``RoPEQKFunction``'s) and then the fused Q/K/V's (``LoRAQKVFunction``'s), on x and u = x Aᵀ
+    as that node saves them (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, qa, qb, ka, kb, va, vb, frozen, qkv, cos, sin):
+        projs = with_factors(frozen, (qa, qb, ka, kb, va, vb))
+        factors = factors_of(projs, frozen.dtype)
+        u = None if factors.a is None else x @ factors.a.t()  # as forward_projections computes it
+        ctx.save_for_backward(x, u, qa, qb, ka, kb, va, vb, cos, sin)
+        ctx.frozen, ctx.factors = frozen, factors
+        return tuple(t.view_as(t) for t in qkv)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, u, *factors, cos, sin = ctx.saved_tensors
+        frozen, n = ctx.frozen, x.shape[0]
+        projs = with_factors(frozen, factors)
+        dq, dk = rope_qk_grads(dq, dk, cos, sin)
+        # [B, H, T, d] back to the projections' [N, H·d] rows, as the views of the attention forward return them
+        dys = [d.transpose(1, 2).reshape(n, -1).to(frozen.dtype) for d in (dq, dk, dv)]
+        with no_autocast(x.device.type):
+            dx, d_a, d_b = backward_projections(
+                x,
+                u,
+                dys,
+                projs,
+                frozen.dtype,
+                ctx.factors,
+                ctx.needs_input_grad[0],
+                dx_out=x if frozen.inplace_dx else None,
+            )
+        ctx.factors = None
+        return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a[2], d_b[2], None, None, None, None
+
+
+def saved_qkv_projections(
+    hidden_states: torch.Tensor,
+    specs: Sequence[LoRAProj],
+    qkv: list[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inplace_dx: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rope_qk`` over ``lora_qkv(hidden_states, *specs)``'s q and k, with v, in HF's [B, H, T, d] layout, from the
+    saved ``qkv`` (:func:`replayed_qkv`) instead of computed: the graph of the two, neither's forward."""
+    dtype = compute_dtype(hidden_states)
+    x2, inplace = as_rows_for(hidden_states, dtype, inplace_dx)
+    factors = [t for p in specs for t in (p.lora_A, p.lora_B)]
+    with no_autocast(hidden_states.device.type):
+        return _SavedQKVFunction.apply(x2, *factors, Frozen(specs, dtype, inplace), qkv, cos, sin)

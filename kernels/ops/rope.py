@@ -52,6 +52,7 @@ __all__ = [
     "rope_qk_bwd",
     "rope_qk_bwd_reference",
     "rope_qk_fwd",
+    "rope_qk_grads",
     "rope_qk_reference",
 ]
 
@@ -214,8 +215,13 @@ def rope_qk_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torc
     _launch(dq, dk, cos, sin, backward=True)
 
 
-def _writable(grad: torch.Tensor) -> torch.Tensor:
-    return grad if is_writable_in_place(grad) else grad.contiguous()
+def rope_qk_grads(
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's backward on autograd's gradients: rotated back in place where they are writable, else in copies."""
+    dq, dk = (g if is_writable_in_place(g) else g.contiguous() for g in (dq, dk))
+    rope_qk_bwd(dq, dk, cos, sin)
+    return dq, dk
 
 
 class RoPEQKFunction(torch.autograd.Function):
@@ -245,8 +251,7 @@ class RoPEQKFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, dq: torch.Tensor, dk: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        dq, dk = _writable(dq), _writable(dk)
-        rope_qk_bwd(dq, dk, cos, sin)
+        dq, dk = rope_qk_grads(dq, dk, cos, sin)
         return dq, dk, None, None
 
 

@@ -88,6 +88,86 @@ def test_the_recompute_skips_attention_forward_and_trains_as_the_full_recompute(
     disable_offloaded_checkpointing(model)
 
 
+def _counting_qkv(monkeypatch) -> dict[str, int]:
+    """Counts the fused Q/K/V projections' forwards and the RoPE launches that rotate q and k."""
+    import strop.kernels.lora.linear as linear
+    import strop.kernels.ops.rope as rope
+
+    calls = {"qkv": 0, "rope": 0}
+    real_qkv, real_rope = linear.LoRAQKVFunction.forward, rope.rope_qk_fwd
+
+    def qkv(ctx, *args):
+        calls["qkv"] += 1
+        return real_qkv(ctx, *args)
+
+    def rotate(*args):
+        calls["rope"] += 1
+        return real_rope(*args)
+
+    monkeypatch.setattr(linear.LoRAQKVFunction, "forward", staticmethod(qkv))
+    monkeypatch.setattr(rope, "rope_qk_fwd", rotate)
+    return calls
+
+
+def test_saved_qkv_skip_the_recomputed_projections_and_rope_and_train_bit_for_bit(monkeypatch):
+    # the reloaded q, k, v are the values the recompute computes, and the backward runs RoPE's and the fused
+    # Q/K/V's backward on the same gradients: loss and every gradient bitwise those of the saved attention alone
+    model = _model()
+    ids = _ids()
+    enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True
+    )
+    attention_only = _step(model, ids)
+    disable_offloaded_checkpointing(model)
+    calls = _counting_qkv(monkeypatch)
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True, save_qkv=True
+    )
+    with_qkv = _step(model, ids)
+    assert off.stats.attention_saved == LAYERS and off.stats.qkv_saved == LAYERS, off.stats
+    assert calls == {"qkv": LAYERS, "rope": LAYERS}, f"the recompute projected or rotated again: {calls}"
+    assert off.stats.host_bytes == 0 and off.pool._host_blocks == 0, "every saved q, k, v is released"
+    (loss, grads), (loss_ref, grads_ref) = with_qkv, attention_only
+    assert torch.equal(loss, loss_ref), (loss.item(), loss_ref.item())
+    assert grads.keys() == grads_ref.keys() and any("q_proj.lora_A" in n for n in grads)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+    disable_offloaded_checkpointing(model)
+
+
+def test_saved_qkv_past_the_host_budget_are_recomputed_and_a_freed_graph_returns_them(monkeypatch):
+    # room for every layer input and one layer's o, lse but not its q, k, v: attention outputs as before, q, k, v
+    # recomputed (the projections run in every recompute)
+    model = _model()
+    ids = _ids()
+    cfg = model.config
+    x = ids.numel() * cfg.hidden_size * 4
+    o_lse = x + ids.numel() * cfg.num_attention_heads * 4
+    calls = _counting_qkv(monkeypatch)
+    off = enable_offloaded_checkpointing(
+        model,
+        offload_cpu_tensors=True,
+        min_offload_bytes=0,
+        keep_last=0,
+        save_attention=True,
+        save_qkv=True,
+        host_budget_bytes=LAYERS * x + o_lse,
+    )
+    _step(model, ids)
+    assert off.stats.attention_saved == 1 and off.stats.qkv_saved == 0, off.stats
+    assert calls["qkv"] == 2 * LAYERS, calls
+    disable_offloaded_checkpointing(model)
+    # with room: a graph dropped before backward returns every q, k, v's host memory
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True, save_qkv=True
+    )
+    loss = model(input_ids=ids, labels=ids).loss
+    assert off.stats.qkv_saved == LAYERS and off.stats.host_bytes > LAYERS * (x + o_lse), off.stats
+    del loss
+    assert off.stats.host_bytes == 0 and off.pool._host_blocks == 0
+    disable_offloaded_checkpointing(model)
+
+
 def test_layers_kept_on_the_device_and_masked_batches_recompute_with_a_logged_reason(monkeypatch, caplog):
     model = _model()
     ids = _ids()
@@ -281,3 +361,47 @@ def test_a_layers_saved_attention_reloads_as_the_layer_above_ends_its_attention_
     assert events == expected, events
     assert off.stats.attention_saved == LAYERS and off.stats.host_bytes == 0, off.stats
     disable_offloaded_checkpointing(model)
+
+
+@pytest.mark.gpu
+def test_gpu_saved_qkv_train_as_saved_attention_alone_in_no_more_memory():
+    """1B shape, 16K tokens, bf16: with q, k, v saved too, the forward is the same code (the loss differs by no more
+    than two runs of saved attention alone do) and the gradients differ from saved attention alone by no more than that path differs from itself across
+    two runs (the attention backward may accumulate in another order run to run); peak memory no higher. Step times
+    are printed, not asserted (a speed claim is the benchmark's: ``train_bench.py … strop-standard-q1``)."""
+    seq = 16384
+    model = _gpu_1b(seq)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def run(qkv: bool):
+        off = enable_offloaded_checkpointing(model, save_attention=True, save_qkv=qkv)
+        times = []
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        stats = off.stats
+        disable_offloaded_checkpointing(model)
+        return sorted(times[1:])[1], torch.cuda.max_memory_allocated(), loss.detach(), grads, stats
+
+    t_ref, peak_ref, loss_ref, g_ref, _ = run(False)
+    _, _, loss_ref2, g_ref2, _ = run(False)
+    t_qkv, peak_qkv, loss_qkv, g_qkv, stats = run(True)
+    print(
+        f"\n1B, {seq} tokens: saved attention {t_ref * 1e3:.1f} ms {peak_ref / 2**30:.3f} GiB; with q, k, v "
+        f"{t_qkv * 1e3:.1f} ms {peak_qkv / 2**30:.3f} GiB; {stats.qkv_saved} q, k, v saved"
+    )
+    assert stats.qkv_saved == stats.attention_saved == 4 * 15, stats
+    assert (loss_qkv - loss_ref).abs() <= 2 * (loss_ref2 - loss_ref).abs(), (loss_qkv, loss_ref, loss_ref2)
+    for n, g in g_ref.items():
+        noise = (g_ref2[n] - g).abs().max().item()
+        err = (g_qkv[n] - g).abs().max().item()
+        assert err <= 2 * noise, f"{n}: {err:.3g} against run-to-run {noise:.3g}"
+    assert peak_qkv <= peak_ref + (16 << 20), (peak_qkv / 2**30, peak_ref / 2**30)
