@@ -27,6 +27,12 @@ completion 512 per step. Every step trains on the same 4 pairs (the dataset is t
 per step), so the reward margin can trend; each step's margin is recorded and the report says whether
 the last is above the first.
 
+DPO at long context (issue 39): ``--dpo-row TOKENS --dpo-pairs N`` set the DPO part's row (prompt + completion, half
+each, so a pair's prompt + chosen + rejected is 1.5× the row; default 1024) and pairs a step (default 4);
+``--parts dpo --find-longest`` searches the longest row one strop system trains at ``--dpo-pairs`` (default 1) with
+bench/lib/longest.py's search (a fresh worker a trial, each trial's row printed as it ends, ``--steps``/``--warmup``
+steps each), and a straight-line extrapolation of the peaks to the device's memory.
+
 ORPO, KTO and SimPO parts: the same shape and fixed batch with TRL's ORPOTrainer, KTOTrainer and
 CPOTrainer(loss_type="simpo", cpo_alpha=0) on HF + PEFT (baseline) vs the same trainers on strop's chunked
 losses (``strop_{orpo,kto,cpo}_trainer_class``); hyperparameters from the trainer service's defaults table
@@ -57,6 +63,8 @@ Usage (on the GPU machine)::
 
     python bench/train_bench.py --parts qlora,lora --systems baseline,strop --steps 8 --json bench/out/train.json
     python bench/train_bench.py --parts dpo --systems baseline,strop --steps 8 --warmup 0
+    python bench/train_bench.py --parts dpo --systems strop-long-context --dpo-row 32768 --dpo-pairs 1
+    python bench/train_bench.py --parts dpo --systems strop-long-context --find-longest --steps 1 --warmup 0
     python bench/train_bench.py --parts orpo,kto,simpo --systems baseline,strop-standard --steps 8 --warmup 0
     python bench/train_bench.py --parts gemma --systems baseline,strop,strop-standard --profile
     python bench/train_bench.py --parts lora-1b,qlora-1b --systems baseline,strop-standard,service --batch 2
@@ -96,6 +104,7 @@ from dataclasses import asdict
 
 # bench/ on sys.path, also under ``python -P``: the scripts import the harness as the package bench/lib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib import longest
 from lib.harness import Result, workload
 from lib.train_workers import (
     PREFERENCE_PARTS,
@@ -114,11 +123,11 @@ def part_points(part: str, a) -> list[tuple[int, int]]:
     if part == "context":
         return [(int(s), 1) for s in a.context.split(",")]
     if part in PREFERENCE_PARTS:
-        return [(2 * dpo_half(a.smoke), 4)]  # 4 pairs per step
+        return [(a.dpo_row or 2 * dpo_half(a.smoke), a.dpo_pairs or 4)]  # 4 pairs per step by default
     return [(a.seq, a.batch)]
 
 
-def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
+def spawn(part: str, system: str, seq: int, batch: int, a, timeout: float | None = None) -> Result:
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"  # strop's kernels on the CPU (read when they are first imported)
@@ -144,9 +153,9 @@ def spawn(part: str, system: str, seq: int, batch: int, a) -> Result:
     ]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout or a.timeout)
     except subprocess.TimeoutExpired:
-        return Result(part, system, seq, batch, ok=False, error=f"timeout after {a.timeout}s")
+        return Result(part, system, seq, batch, ok=False, error=f"timeout after {timeout or a.timeout:.0f}s")
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return Result(**json.loads(line[7:]))
@@ -209,6 +218,56 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def find_longest_dpo(a) -> dict:
+    """The longest DPO row (prompt + completion; the pair 1.5× that) ``a.systems`` (one strop system) trains at
+    ``a.dpo_pairs`` pairs (default 1) without running out of device memory: bench/lib/longest.py's search, a fresh
+    worker a trial. Prints each trial's row as it ends, then the result."""
+    system, pairs = a.systems.split(",")[0], a.dpo_pairs or 1
+    print(
+        f"DPO, {system}, {pairs} pair(s) a step, {a.warmup} warm-up + {a.steps} timed step(s) a trial\n"
+        "| row (prompt + completion) | pair (prompt + chosen + rejected) | result | s/step | peak alloc GiB "
+        "| reserved GiB | prompt shared | margins | trial s |\n|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
+
+    def trial(n: int, left: float) -> longest.Trial:
+        t0 = time.perf_counter()
+        r = spawn("dpo", system, n, pairs, a, timeout=min(a.timeout, left))
+        wall = time.perf_counter() - t0
+        outcome = longest.FITS if r.ok else longest.OOM if longest.is_oom(r.error) else longest.ERROR
+        result = outcome if outcome != longest.ERROR else f"error: {r.error[-200:]}".replace("\n", " ")
+        shared = next((ln.split(": ")[-1] for ln in r.notes.splitlines() if "prompt run once" in ln), "-")
+        print(
+            f"| {n:,} | {n // 2 * 3:,} | {result} | {r.ms_per_step / 1000:.1f} | {r.peak_alloc_gib:.1f} | "
+            f"{r.peak_reserved_gib:.1f} | {shared} of {a.steps + a.warmup} | "
+            f"{', '.join(f'{m:.3f}' for m in r.margins)} | {wall:.0f} |",
+            flush=True,
+        )
+        return longest.Trial(outcome, wall, r)
+
+    s = longest.find_longest_from_flags(trial, a)
+    print(
+        f"longest DPO row that fits at {pairs} pair(s): {s.fits:,} tokens (a pair of {s.fits // 2 * 3:,}: prompt, "
+        f"chosen and rejected {s.fits // 2:,} each); {s.summary()}; continue with {s.continue_flags(a.find_start)}",
+        flush=True,
+    )
+    peaks = [(n, t.row.peak_alloc_gib) for n, t in s.trials if t.row.ok]
+    if a.smoke:
+        capacity = None
+    else:
+        import torch
+
+        capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
+    line = capacity and longest.extrapolated(peaks, capacity)
+    if line:
+        print(
+            f"extrapolated (not measured): peak +{line[0] * 1024:.2f} GiB per 1K row tokens; {capacity:.0f} GiB "
+            f"reached at a row of ~{line[1]:,} tokens",
+            flush=True,
+        )
+    return s.as_dict()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true")
@@ -234,6 +293,15 @@ def main() -> None:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shape on the CPU: checks the harness, not speed"
     )
+    p.add_argument(
+        "--dpo-row",
+        type=int,
+        help="preference parts: a row's prompt + completion tokens, half each (default 1024)",
+    )
+    p.add_argument(
+        "--dpo-pairs", type=int, help="preference parts: pairs a step (default 4; --find-longest: 1)"
+    )
+    longest.add_flags(p, unit="DPO row tokens (prompt + completion)", start=16384, max_length=262144)
     a = p.parse_args()
     w = workload(a.part, a.smoke)  # a worker's (and --write-model's) part; the orchestrator's is per part
     # --smoke: few tokens, as the Triton interpreter runs strop's kernels at ~10 s a step for 64 x 2
@@ -265,8 +333,19 @@ def main() -> None:
     for part in parts:
         families.setdefault(workload(part, a.smoke).saved_model_dir(), []).append(part)
     for family in families.values():
-        longest = max(seq for p in family for seq, _ in parts[p])
-        workload(family[0], a.smoke).ensure_saved_model(longest, family[0])
+        longest_seq = max(seq for p in family for seq, _ in parts[p])
+        if a.find_longest:
+            longest_seq = max(longest_seq, a.find_max)
+        workload(family[0], a.smoke).ensure_saved_model(longest_seq, family[0])
+    if a.find_longest:
+        if list(parts) != ["dpo"]:
+            raise SystemExit("--find-longest searches the DPO part: --parts dpo")
+        found = find_longest_dpo(a)
+        if a.json:
+            os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+            with open(a.json, "w") as f:
+                json.dump(found, f, indent=1)
+        return
     results: list[Result] = []
     for part, points in parts.items():
         for system in a.systems.split(","):
