@@ -122,6 +122,13 @@ def _lower_right(q_len: int, kv_len: int, device: torch.device) -> Any:
     return bias if device.type == "cuda" else bias._materialize(device)
 
 
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether SDPA's flash kernel takes these grouped-query heads (it needs 16-bit inputs, among others)."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
+
+
 def _attend_alike(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -145,11 +152,14 @@ def _attend_alike(
     if len(later) == 1:  # the prompt's keys and the suffix's, one run
         keys = torch.cat([k[:, :, :prompt], k[:, :, first:end]], 2)
         values = torch.cat([v[:, :, :prompt], v[:, :, first:end]], 2)
+        ql = q[:, :, first:end]
+        if gqa and q.is_cuda and not _flash_takes(ql, keys, values):
+            # the bias's other kernel (memory-efficient) takes no grouped heads: without the repeat, SDPA would
+            # materialize the [n, p + n] bias and run the math kernel
+            keys, values, gqa = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1), False
         bias = _lower_right(end - first, keys.shape[2], q.device)
         out.append(
-            F.scaled_dot_product_attention(
-                q[:, :, first:end], keys, values, attn_mask=bias, scale=scale, enable_gqa=gqa
-            )
+            F.scaled_dot_product_attention(ql, keys, values, attn_mask=bias, scale=scale, enable_gqa=gqa)
         )
     elif later:
         # the kv heads repeated to the query heads: SDPA's memory-efficient kernel takes a mask, not GQA
