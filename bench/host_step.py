@@ -144,7 +144,7 @@ def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[fl
             counter.launches = 0
             with OpCounter() as ops:
                 step(model, opt, data, a.fp32)
-            text = ""
+            launches, text = counter.launches, ""
             if a.cprofile and not out:
                 p = cProfile.Profile()
                 p.enable()
@@ -154,7 +154,7 @@ def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[fl
                 buf = _Text()
                 pstats.Stats(p, stream=buf).sort_stats("tottime").print_stats(a.cprofile)
                 text = buf.text
-            out.append((min(t) * 1e3, counter.launches, ops.ops, text))
+            out.append((min(t) * 1e3, launches, ops.ops, text))
     return out
 
 

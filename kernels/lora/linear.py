@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ..ops.fp8 import Fp8Weight, fp8_weight, quantize_rows
 from ..ops.nf4 import dequantize_shared, dequantize_shared_stacked, dequantize_weight, is_nf4
@@ -256,9 +257,23 @@ def _one_buffer(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return ts[0].as_strided((rows, width), (width, 1))
 
 
-def mm_scaled(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale · (a @ b)`` rounded once: the scale is applied to the fp32 accumulator (addmm's alpha)."""
-    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
+# addmm's input at beta = 0, one 0-d tensor per dtype and device: neither read nor propagated (addmm ignores its input
+# then), so one kept tensor serves every call instead of an allocation each (some fourteen a layer and step)
+_UNREAD: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def mm_scaled(
+    a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``scale · (a @ b)`` rounded once: the scale is applied to the fp32 accumulator (addmm's alpha); into ``out``
+    if given."""
+    key = (a.dtype, a.device)
+    unread = _UNREAD.get(key)
+    if unread is None:
+        unread = _UNREAD[key] = a.new_zeros(())
+    if out is None:
+        return torch.addmm(unread, a, b, beta=0, alpha=scale)
+    return torch.addmm(unread, a, b, beta=0, alpha=scale, out=out)
 
 
 def _adapters(projs: Sequence[LoRAProj]) -> tuple[tuple[int, int, int], ...]:
@@ -278,11 +293,14 @@ class Factors(NamedTuple):
         a: Every adapter's A stacked, ``[Σr, in]`` (the one GEMM ``u = x aᵀ`` reads them all), or None.
         b: Each projection's B, ``[out_i, r_i]``, or None where it has no adapter.
         spans: (projection index, first column, end column) of each adapter in ``a``'s rows / u's columns.
+        bt: Each B transposed, ``[r_i, out_i]`` (a view; the forward's rank-r updates read it): made with the
+            factors, so once per layer and step rather than in every pass.
     """
 
     a: torch.Tensor | None
     b: tuple[torch.Tensor | None, ...]
     spans: tuple[tuple[int, int, int], ...]
+    bt: tuple[torch.Tensor | None, ...] = ()
 
 
 def _stacked_in(ts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -311,7 +329,7 @@ def factors_of(projs: Sequence[LoRAProj], dtype: torch.dtype) -> Factors:
             b = tuple(None if p.lora_B is None else next(blocks) for p in projs)
         else:
             b = tuple(None if p.lora_B is None else p.lora_B.to(dtype) for p in projs)
-        factors = Factors(a, b, spans)
+        factors = Factors(a, b, spans, tuple(None if t is None else t.t() for t in b))
         stash(tag, factors)
     return factors
 
@@ -332,9 +350,10 @@ def forward_projections(
     adjacent column blocks of one output where the bases stack (:func:`stacked_weight`): one GEMM for all, and
     :func:`backward_projections` then forms dx in one GEMM too. For a caller that keeps the y_i private (a view
     returned from an autograd Function could not be modified in place)."""
+    # F.linear(x, w) is x @ wᵀ (the same GEMM) in one call from Python instead of two
     w_all = stacked_weight(projs, dtype) if stack else None
     if w_all is not None:
-        y_all, ys, col = x @ w_all.t(), [], 0
+        y_all, ys, col = F.linear(x, w_all), [], 0
         for p in projs:
             ys.append(y_all[:, col : col + out_features(p.base)])
             col += out_features(p.base)
@@ -348,13 +367,13 @@ def forward_projections(
                 ys.append(y if p.bias is None else y.add_(p.bias.to(dtype)))
                 continue
             w = weight(p.base, dtype)  # consumed by the next GEMM before the scratch buffer is reused
-            ys.append(x @ w.t() if p.bias is None else torch.addmm(p.bias.to(dtype), x, w.t()))
+            ys.append(F.linear(x, w) if p.bias is None else torch.addmm(p.bias.to(dtype), x, w.t()))
     if factors.a is None:
         return ys, None
-    u = x @ factors.a.t()  # one read of x for every adapter
+    u = F.linear(x, factors.a)  # one read of x for every adapter
     if add_lora:
         for i, lo, hi in factors.spans:
-            addmm_small_k_(ys[i], u[:, lo:hi], factors.b[i].t(), alpha=projs[i].scaling)
+            addmm_small_k_(ys[i], u[:, lo:hi], factors.bt[i], alpha=projs[i].scaling)
     return ys, u
 
 
@@ -362,7 +381,7 @@ def lora_terms(projs: Sequence[LoRAProj], u: torch.Tensor | None, factors: Facto
     """Each projection's LoRA term ``s · u_i B_iᵀ`` (None without an adapter), from forward_projections' u."""
     terms: list[LowRank | None] = [None] * len(projs)
     for i, lo, hi in factors.spans:
-        terms[i] = LowRank(u[:, lo:hi], factors.b[i].t(), projs[i].scaling)
+        terms[i] = LowRank(u[:, lo:hi], factors.bt[i], projs[i].scaling)
     return terms
 
 
@@ -387,11 +406,23 @@ def backward_projections(
     if spans:
         gs = [mm_scaled(dys[i], factors.b[i], projs[i].scaling) for i, _, _ in spans]
         g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)  # [N, Σr]
-        d_a_stack = g.t() @ x  # [Σr, in]: the only read of x in the backward
-        for i, lo, hi in spans:
-            p = projs[i]
-            d_a[i] = d_a_stack[lo:hi].to(p.lora_A.dtype)
-            d_b[i] = mm_scaled(dys[i].t(), u[:, lo:hi], p.scaling).to(p.lora_B.dtype)
+        d_a_stack = torch.mm(g.t(), x)  # [Σr, in]: the only read of x in the backward
+        # the gradients in the adapters' dtype: each stack cast once (a cast rounds each value alone), handed out
+        # as row blocks
+        _cast_blocks(d_a_stack, spans, projs, "lora_A", d_a)
+        d_b_stack = _d_b_stack(projs, spans, dtype, x.device)
+        outs = (
+            [None] * len(spans)
+            if d_b_stack is None
+            else d_b_stack.split([projs[i].lora_B.shape[0] for i, _, _ in spans])
+        )
+        for (i, lo, hi), out in zip(spans, outs, strict=True):
+            d_b[i] = mm_scaled(dys[i].t(), u[:, lo:hi], projs[i].scaling, out=out)
+        if d_b_stack is None:
+            for i, _, _ in spans:
+                d_b[i] = d_b[i].to(projs[i].lora_B.dtype)
+        else:
+            _cast_blocks(d_b_stack, spans, projs, "lora_B", d_b)
     if not need_dx:
         return None, d_a, d_b
     dy_all = _one_buffer(dys) if len(dys) > 1 else None
@@ -414,6 +445,36 @@ def backward_projections(
     if g is not None:
         addmm_small_k_(dx, g, factors.a)
     return dx, d_a, d_b
+
+
+def _d_b_stack(
+    projs: Sequence[LoRAProj], spans: Sequence[tuple[int, int, int]], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """One ``[Σ out_i, r]`` buffer for the dB GEMMs to write as row blocks, when there are several adapters of one
+    rank whose B share a dtype other than ``dtype`` (so that one cast serves them all); else None."""
+    if len(spans) < 2:
+        return None
+    bs = [projs[i].lora_B for i, _, _ in spans]
+    if len({t.shape[1] for t in bs}) != 1 or len({t.dtype for t in bs}) != 1 or bs[0].dtype == dtype:
+        return None
+    return torch.empty(sum(t.shape[0] for t in bs), bs[0].shape[1], dtype=dtype, device=device)
+
+
+def _cast_blocks(
+    stack: torch.Tensor,
+    spans: Sequence[tuple[int, int, int]],
+    projs: Sequence[LoRAProj],
+    factor: str,
+    grads: list[torch.Tensor | None],
+) -> None:
+    """Set ``grads[i]`` to projection i's row block of ``stack`` (the blocks one under the other in the spans'
+    order, each as many rows as projection i's ``factor``) in that factor's dtype: one cast of the stack where the
+    dtypes agree, else one cast a block."""
+    ts = [getattr(projs[i], factor) for i, _, _ in spans]
+    dtypes = {t.dtype for t in ts}
+    blocks = (stack.to(dtypes.pop()) if len(dtypes) == 1 else stack).split([t.shape[0] for t in ts])
+    for (i, _, _), block, t in zip(spans, blocks, ts, strict=True):
+        grads[i] = block.to(t.dtype)
 
 
 class no_autocast:  # a context manager, named as torch.no_grad

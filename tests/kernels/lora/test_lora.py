@@ -342,6 +342,30 @@ def test_lora_qkv_forward_and_grads_match_reference(r, x_shape, nf4, dtype):
     _compare(ys, x, [q, k, v], [torch.randn_like(y) for y in ys], _qkv_reference, _qkv_bf16)
 
 
+def test_adapter_grads_come_back_in_each_adapters_dtype_from_one_cast_a_stack():
+    """bf16 compute with fp32 adapters (strop's): the dA of the adapters of one call and their dB (one rank) are
+    cast from the compute dtype as one stack each; every gradient is in its own factor's dtype and the values are
+    the per-projection backward's, cast alone (a cast rounds each value by itself)."""
+    q, k, v = (_proj(o, 67, 8, dtype=torch.bfloat16, seed=s) for s, o in ((1, 96), (2, 32), (3, 32)))
+    x = torch.randn(15, 67).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    ys = lora_qkv(x, q, k, v)
+    dys = [torch.randn_like(y) for y in ys]
+    fused = _grads(ys, _factors(q, k, v), dys)
+    assert [g.dtype for g in fused] == [torch.float32] * 6
+    for p, y_grad, ga, gb in zip((q, k, v), dys, fused[0::2], fused[1::2], strict=True):
+        alone = lora_linear(x, *p)
+        da, db = _grads([alone], _factors(p), [y_grad])
+        # the same bf16 products (one GEMM's rows or columns against a GEMM of that block alone), rounded once each
+        assert _rel(ga, da) <= 2.0**-8 and _rel(gb, db) <= 2.0**-8
+    gate, up, down = (
+        _proj(o, i, 8, dtype=torch.bfloat16, seed=s) for s, o, i in ((4, 96, 67), (5, 96, 67), (6, 67, 96))
+    )
+    out = lora_mlp(x, gate, up, down)
+    assert [g.dtype for g in _grads([out], _factors(gate, up, down), [torch.randn_like(out)])] == [
+        torch.float32
+    ] * 6
+
+
 # ---- lora_mlp ---------------------------------------------------------------------------------------
 
 
