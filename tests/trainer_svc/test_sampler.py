@@ -12,6 +12,7 @@ equality with ``generate`` holds unless two logits tie within that error, which 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -92,6 +93,36 @@ def test_sampled_logprobs_equal_a_full_forward(tiny):
     for req, res in zip(reqs, sample(model, reqs), strict=True):
         assert len(res.sequences) == req.num_samples
         for s in res.sequences:
+            ref = full_logprobs(model, req.prompt + s.tokens)[len(req.prompt) - 1 :]
+            assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOL, rtol=0), (s.logprobs, ref.tolist())
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the split kernel runs under the interpreter"
+)
+def test_decode_attention_split_over_keys_gives_the_same_samples(tiny, monkeypatch):
+    """The decode attention as it runs on CUDA (kernels/ops/decode_attention.py's kernel, taken here under the
+    Triton interpreter): every step's attention goes through it, and the sampled tokens and log-probs are those of a
+    full forward (TOL: fp32 rounding) and of the SDPA path, ragged samples (2 and 1) included."""
+    import strop.kernels.ops.decode_attention as kernel
+    from strop.trainer_svc.core import decode_step
+
+    model, _ = tiny
+    reqs = [
+        SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=5, temperature=1.0, seed=5)),
+        SampleRequest(PROMPTS[1], 1, SamplingParams(max_tokens=5, temperature=0.0)),
+    ]
+    sdpa = sample(model, reqs)
+    calls = []
+    real = kernel.decode_attention
+    monkeypatch.setattr(decode_step, "split_over_keys", kernel.decode_attention_can_run)
+    monkeypatch.setattr(kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    split = sample(model, reqs)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 4 * layers  # steps 1-4 (step 0's token comes from the prefill)
+    for req, a, b in zip(reqs, split, sdpa, strict=True):
+        for s, t in zip(a.sequences, b.sequences, strict=True):
+            assert s.tokens == t.tokens
             ref = full_logprobs(model, req.prompt + s.tokens)[len(req.prompt) - 1 :]
             assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOL, rtol=0), (s.logprobs, ref.tolist())
 

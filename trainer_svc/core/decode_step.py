@@ -14,7 +14,10 @@ Decode attention. HF's SDPA path repeats K/V to every query head when a mask is 
 copying the whole cache per layer and step; for one query token per row the grouped product is computed directly
 instead (``gqa_decode_attention``, registered as an attention implementation for the duration of a call; prefill
 keeps the model's own implementation): a request's samples and each kv head's query heads become the query positions
-of one attention over that request's slots, the mask telling each sample its own.
+of one attention over that request's slots, the mask telling each sample its own. On CUDA (``split_over_keys``)
+that attention is ``kernels/ops/decode_attention.py``'s, split over the slots, since a flash kernel gives the few
+query rows of each kv head one program that walks the whole prompt alone; elsewhere (and for a logit soft-cap) SDPA
+or the plain product.
 
 On CUDA the decode step (backbone + head, :class:`DecodeStep`) is captured once per call as a CUDA graph and
 replayed; if capture fails the call decodes eagerly and says so in the sampler's stats.
@@ -101,6 +104,14 @@ class StaticKVCache:
         return len(self.k)
 
 
+def split_over_keys(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the decode attention runs ``kernels/ops/decode_attention.py``'s kernel: on CUDA. (Under the Triton
+    interpreter it would run too, but its programs run one by one: the CPU tests take it on purpose, one call.)"""
+    from strop.kernels.ops.decode_attention import decode_attention_can_run
+
+    return q.is_cuda and decode_attention_can_run(q, key, value)
+
+
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention for one query token per sampled row over its request's slots of a grouped-query cache, without
     repeating K/V per query head or per sample.
@@ -124,6 +135,8 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    from strop.kernels.ops.decode_attention import decode_attention
+
     lay: DecodeLayout = getattr(module.config, DECODE_LAYOUT)
     h, d = query.shape[1], query.shape[3]
     n_req, hkv, length = key.shape[0], key.shape[1], key.shape[2]
@@ -132,8 +145,13 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
     if lay.padded is not None:
         query = query.index_select(0, lay.padded)
     q = query.reshape(n_req, s, hkv, g, d).transpose(1, 2).reshape(n_req, hkv, s * g, d)
-    mask = None if attention_mask is None else attention_mask[:, :, :, :length].repeat_interleave(g, dim=2)
     softcap = kwargs.get("softcap")
+    if not softcap and split_over_keys(q, key, value):  # K/V read in place
+        rows = None if attention_mask is None else attention_mask[:, 0, :, :length]  # [R, S, L], a view
+        out = decode_attention(q, key, value, rows, g, scale)
+        out = out.reshape(n_req, hkv, s, g, dv).transpose(1, 2).reshape(n_req * s, 1, h, dv)
+        return (out if lay.unpadded is None else out.index_select(0, lay.unpadded)), None
+    mask = None if attention_mask is None else attention_mask[:, :, :, :length].repeat_interleave(g, dim=2)
     if not softcap:  # SDPA's own kernels (fp32 softmax inside), K/V read in place
         out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     else:  # Gemma 2's logit soft-cap, which SDPA has no argument for
