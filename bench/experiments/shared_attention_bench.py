@@ -1,19 +1,23 @@
 """Attention cost of prompt sharing on the H200, DPO-bench shapes (4 pairs, prompt 512 + completions 512; 32 query
-heads of 128, 8 KV heads repeated as HF's SDPA path does with a mask): forward + backward, ms per call.
+heads / 8 kv heads of 128, as the 8B): forward + backward of one layer's attention, ms per call.
 
-    unshared   [8, 32, 1024, 128], is_causal (what TRL's rows run: flash)
-    shared     [4, 32, 1536, 128] with the [4, 1, 1536, 1536] boolean mask (what shared_prompt.py runs)
-    split      [4, 32, 1024, 128] is_causal for prompt + chosen, and [4, 32, 512, 128] queries of the rejected
-               completion over [prompt | rejected] keys with a lower-right causal mask (two calls, no dense mask)
+    TRL's rows      [8, 32, 1024, 128], is_causal, grouped heads (what the unshared batch runs)
+    gathered        the shared batch's q, k, v gathered into TRL's rows, is_causal there, the output gathered back
+                    (``shared_prompt.py`` before the shared-prefix attention became its one owner)
+    attend          ``shared_prompt.attend``: [4, 32, 1024, 128] is_causal for prompt + chosen, and the rejected
+                    completion's [4, 32, 512, 128] queries over [prompt | rejected] keys with a lower-right causal bias
+
+``--prompt/--completion`` change the shape; ``--pairs 1 --prompt 16384 --completion 16384`` is the long-context
+shape, where the gathered path's share of memory traffic is smaller and attention's FLOPs dominate.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, ".")
 
@@ -32,35 +36,54 @@ def timed(fn, reps=20) -> float:
 
 
 def main() -> None:
-    from strop.kernels.trainers.shared_prompt import share_prompts
+    from strop.kernels.trainers import shared_prompt
     from tests.kernels.trainers.test_shared_prompt import _batch
 
-    ids, am, cm = _batch(prompts=(512,) * 4, chosen=(512,) * 4, rejected=(512,) * 4)
-    mask = share_prompts(ids.cuda(), am.cuda(), cm.cuda(), attn_implementation="sdpa").attention_mask
-    h, d = 32, 128
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--completion", type=int, default=512)
+    a = p.parse_args()
+    b, pr, c = a.pairs, a.prompt, a.completion
+    ids, am, cm = _batch(prompts=(pr,) * b, chosen=(c,) * b, rejected=(c,) * b)
+    shared = shared_prompt.share_prompts(ids.cuda(), am.cuda(), cm.cuda(), attn_implementation="sdpa")
+    hq, hkv, d, width, t = 32, 8, 128, pr + 2 * c, pr + c
+    index = shared.index.cuda().reshape(-1)
+    # each shared position's place in TRL's rows (a prompt position's copies in both rows compute the same output;
+    # these pairs have no padding)
+    source = torch.empty(b * width, dtype=torch.long, device="cuda")
+    source[index] = torch.arange(index.numel(), device="cuda")
 
-    def qkv(b, t, s=None):
-        s = s or t
-        q = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        return q, k, v
+    def leaf(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
-    def fwd_bwd(q, k, v, **kw):
-        def run():
-            o = F.scaled_dot_product_attention(q, k, v, **kw)
+    def fwd_bwd(run):
+        def step():
+            o = run()
             o.backward(torch.ones_like(o))
 
-        return run
+        return step
 
-    q, k, v = qkv(8, 1024)
-    print(f"unshared is_causal       {timed(fwd_bwd(q, k, v, is_causal=True)):7.3f} ms", flush=True)
-    q, k, v = qkv(4, 1536)
-    print(f"shared boolean mask      {timed(fwd_bwd(q, k, v, attn_mask=mask)):7.3f} ms", flush=True)
-    q1, k1, v1 = qkv(4, 1024)
-    q2, k2, v2 = qkv(4, 512, 1024)
-    both = (fwd_bwd(q1, k1, v1, is_causal=True), fwd_bwd(q2, k2, v2, attn_mask=causal_lower_right(512, 1024)))
-    print(f"split, two calls         {timed(lambda: [f() for f in both]):7.3f} ms", flush=True)
+    q, k, v = leaf(2 * b, hq, t, d), leaf(2 * b, hkv, t, d), leaf(2 * b, hkv, t, d)
+    rows = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    print(f"TRL's rows [{2 * b}, {hq}, {t}, {d}] is_causal   {timed(rows):8.3f} ms", flush=True)
+
+    qs, ks, vs = leaf(b, hq, width, d), leaf(b, hkv, width, d), leaf(b, hkv, width, d)
+
+    def gathered():
+        def to_rows(x):
+            flat = x.transpose(1, 2).reshape(b * width, x.shape[1], d)
+            return flat.index_select(0, index).view(2 * b, t, x.shape[1], d).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            to_rows(qs), to_rows(ks), to_rows(vs), is_causal=True, enable_gqa=True
+        )
+        flat = out.transpose(1, 2).reshape(2 * b * t, hq, d)
+        return flat.index_select(0, source).view(b, width, hq, d)
+
+    print(f"gathered to TRL's rows and back        {timed(fwd_bwd(gathered)):8.3f} ms", flush=True)
+    new = fwd_bwd(lambda: shared_prompt.attend(shared.rows, qs, ks, vs))
+    print(f"attend (causal + lower-right)          {timed(new):8.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
