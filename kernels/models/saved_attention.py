@@ -39,7 +39,9 @@ q, k and v kept too (``save_qkv``). With o and lse saved, the recompute still ru
 and RoPE for one purpose: attention's backward reads q, k and v. At 16K tokens of an 8B Llama those projections are a
 [16384, 4096] x [4096, 6144] GEMM, about 1.2 ms a layer on an H200, for 192 MiB of q, k and v. So the forward also
 copies the q, k and v attention read (after RoPE) to pinned host memory; they reload behind o and lse, on their own
-event, which only attention's backward waits for (after the layer's MLP recompute and backward), and the recompute
+event, which only attention's backward waits for (after the layer's MLP recompute and backward); the reload starts as
+the layer above begins its attention backward, not as it ends it, since the recompute no longer runs the projections
+that hid the link's time for o and lse (130 MiB a layer, ~2.5 ms at the ~52 GB/s measured); and the recompute
 replaces the projections and RoPE by a node (:class:`_SavedQKVFunction`) that returns them and whose backward is
 RoPE's backward followed by the fused Q/K/V's (``kernels/lora/linear.py``'s ``backward_projections``, on the same
 saved input x and LoRA factor u = x Aᵀ the projections' own node would hold). The gradients are bitwise those of the
@@ -319,6 +321,15 @@ class _SavedAttentionFunction(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v = ctx.saved_tensors
         o, lse = ctx.o, ctx.lse
+        # the layer whose backward comes next: its o and lse start back as this attention backward ends, into the
+        # memory this layer's leave; with its q, k, v saved too (save_qkv) its recompute has no projections for
+        # the reload to overlap, so it starts as this backward begins, past the MLP backward (where a layer's
+        # backward holds the most: its e and g, [N, I] each, against o, lse, q, k, v of the layer below)
+        prev = ctx.saves.prev() if ctx.saves.prev is not None else None
+        ctx.saves = None
+        early = prev is not None and prev.qkv
+        if early:
+            prev.reload()
         if ctx.info.qkv_ready is not None:  # q, k, v reloaded (save_qkv): their copies are done
             torch.cuda.current_stream(q.device).wait_event(ctx.info.qkv_ready)
             ctx.info.qkv_ready = None
@@ -327,10 +338,7 @@ class _SavedAttentionFunction(torch.autograd.Function):
         dq, dk, dv = _backward(ctx.info, g, q, k, v, o, lse, ctx.scale)
         ctx.o = ctx.lse = None
         del o, lse, g
-        # the layer whose backward comes next: its o and lse start back now, into the memory this layer's just left
-        prev = ctx.saves.prev() if ctx.saves.prev is not None else None
-        ctx.saves = None
-        if prev is not None:
+        if prev is not None and not early:
             prev.reload()
         return dq, dk, dv, None, None
 

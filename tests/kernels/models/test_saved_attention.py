@@ -405,3 +405,33 @@ def test_gpu_saved_qkv_train_as_saved_attention_alone_in_no_more_memory():
         err = (g_qkv[n] - g).abs().max().item()
         assert err <= 2 * noise, f"{n}: {err:.3g} against run-to-run {noise:.3g}"
     assert peak_qkv <= peak_ref + (16 << 20), (peak_qkv / 2**30, peak_ref / 2**30)
+
+
+@pytest.mark.parametrize("qkv", [False, True], ids=["o-lse", "with-qkv"])
+def test_the_layer_below_reloads_as_attention_backward_ends_or_with_qkv_as_it_begins(monkeypatch, qkv):
+    """Without q, k, v saved, the recompute's projections overlap the reload of o and lse, which starts into the memory
+    the layer above leaves as its attention backward ends; with them saved nothing is left to overlap, so it starts
+    as that backward begins."""
+    model = _model()
+    events = []
+    real_backward, real_reload = sa._backward, sa.AttentionSaves.reload
+
+    def backward(*args, **kwargs):
+        events.append("attention backward")
+        return real_backward(*args, **kwargs)
+
+    def reload(self):
+        if any(s.host or s.qkv_host for s in self.saved):
+            events.append("reload")
+        return real_reload(self)
+
+    monkeypatch.setattr(sa, "_backward", backward)
+    monkeypatch.setattr(sa.AttentionSaves, "reload", reload)
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True, save_qkv=qkv
+    )
+    _step(model, _ids())
+    below = ["reload", "attention backward"] if qkv else ["attention backward", "reload"]
+    assert events == ["reload"] + below * (LAYERS - 1) + ["attention backward"], events
+    assert off.stats.qkv_saved == (LAYERS if qkv else 0) and off.stats.host_bytes == 0, off.stats
+    disable_offloaded_checkpointing(model)
