@@ -283,10 +283,12 @@ def _merge_kernel(
     tl.store(out_ptr + row[:, None] + rk[None, :], cast_to(v + scale * ba, OUT_DTYPE), mask=mask)
 
 
-# The merge's tiles, (BLOCK_N, BLOCK_K, num_warps): untuned guesses around the first, which the interpreter (CPU
-# tests, which pay per program) always runs; on CUDA the autotuner times them on first use for each projection's
-# shape, rank and dtypes (a trainer's first step: two compiles and ~0.1 s of timing a tile) and keeps the fastest.
-_MERGE_TILES = ((64, 128, 4), (32, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8))
+# The merge's tiles, (BLOCK_N, BLOCK_K, num_warps): the first is what the interpreter (CPU tests, which pay per
+# program) always runs; on CUDA the autotuner times them all on first use for each projection's shape, rank and
+# dtypes (a trainer's first step: a compile and ~0.1 s of timing a tile) and keeps the fastest. The NF4 tile's
+# per-element code and scale gathers hold a 64-bit address an element, so registers bound the programs an SM runs
+# (ptxas -v on the sm_90 compile says how many); the smaller tiles trade elements a thread for programs in flight.
+_MERGE_TILES = ((64, 128, 4), (32, 128, 4), (16, 128, 4), (32, 256, 8), (64, 64, 4))
 _TUNED_MERGE: list = []
 
 
