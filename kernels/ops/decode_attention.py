@@ -3,7 +3,7 @@
 Why. When a request's samples decode against its shared prompt (``trainer_svc/core/decode_step.py``), each kv head
 sees ``samples × (heads / kv_heads)`` query rows (32 at 8 samples of an 8B model) over the whole cache (8K slots and
 more). A flash kernel gives one program to each (batch, head, 64-query tile): 8 programs for an 8B model's kv heads,
-each walking every key alone, so most of the GPU idles and the call takes ~50x the time of reading K and V once.
+each walking every key alone, so most of the GPU idles and the call is far slower than reading K and V once.
 Here the keys are split into chunks with a program each (``splits`` per kv head, about two programs an SM in all),
 every program keeps its chunk's online-softmax state (row max, row sum, unnormalised output, fp32), and a second
 kernel merges the chunks' states per row.
