@@ -19,6 +19,12 @@ Usage (GPU machine)::
     python bench/moe_experts_bench.py --tokens 16384
     python bench/moe_experts_bench.py --tokens 16384 --profile   # and one profiled strop / strop-nf4 iteration each
     python bench/moe_experts_bench.py --smoke          # CPU, interpreter, tiny shape: checks the script only
+    python bench/moe_experts_bench.py --merge          # the stack merge alone: each autotuned tile's time
+
+``--merge`` times ``moe_gemm``'s merge kernel alone (NF4 codes, double-quantized, to a bf16 ``W + s·B·A``, rank 16)
+at the layer's two stacks, gate/up [128, 1536, 2048] and down [128, 2048, 768]: every tile the autotuner tried with
+its time, the tile kept, then the median of --iters merges and the bandwidth of its bytes (bf16 written, codes and
+absmax codes read).
 """
 
 from __future__ import annotations
@@ -133,6 +139,54 @@ def run_system(system, pm, x, idx, w, a):
     return statistics.median(times) * 1000, peak, out.detach().float(), grads
 
 
+def merge_timings(a, device) -> None:
+    """``--merge``: the merge kernel alone at the layer's gate/up and down stacks (rows print as they finish)."""
+    import torch
+
+    from strop.kernels.ops import moe_gemm
+    from strop.kernels.ops.moe_gemm import Nf4Experts
+
+    shapes = [(8, 64, 64), (8, 64, 32)] if a.smoke else [(128, 1536, 2048), (128, 2048, 768)]
+    dtype = torch.float32 if a.smoke else torch.bfloat16
+    print(
+        "stack            tile (BLOCK_N, BLOCK_K, warps): ms as tuned      kept         ms   GB/s", flush=True
+    )
+    for e, n, k in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = Nf4Experts.quantize(torch.randn(e, n, k, device=device, generator=gen, dtype=dtype).mul_(0.02))
+        fa = torch.randn(e, 16, k, device=device, generator=gen, dtype=dtype).mul_(0.02)
+        fb = torch.randn(e, n, 16, device=device, generator=gen, dtype=dtype).mul_(0.02)
+        out = torch.empty(e * n * k, device=device, dtype=dtype)
+        moe_gemm._merge_into(out, q, fa, fb, 2.0)  # tunes on CUDA
+        tuner = moe_gemm._TUNED_MERGE[0] if moe_gemm._TUNED_MERGE else None
+        tried, kept = "-", "-"
+        if tuner is not None:
+
+            def tile(c):
+                return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}x{c.num_warps}"
+
+            tried = " ".join(f"{tile(c)}:{t[0]:.3f}" for c, t in tuner.configs_timings.items())
+            kept = tile(tuner.best_config)
+        times = []
+        for _ in range(max(a.iters, 1) * 4):
+            t0 = time.perf_counter()
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                moe_gemm._merge_into(out, q, fa, fb, 2.0)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                moe_gemm._merge_into(out, q, fa, fb, 2.0)
+                times.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times)
+        moved = out.numel() * out.element_size() + sum(
+            t.numel() * t.element_size() for t in q.tensors().values()
+        )
+        print(f"[{e}, {n}, {k}] {tried}  {kept}  {ms:8.3f} {moved / ms / 1e6:6.0f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384)
@@ -142,6 +196,9 @@ def main() -> None:
     p.add_argument(
         "--profile", action="store_true", help="also profile one strop and strop-nf4 iteration (CUDA)"
     )
+    p.add_argument(
+        "--merge", action="store_true", help="time the stack merge kernel alone (each autotuned tile)"
+    )
     a = p.parse_args()
     a.profiles = {}
     if a.smoke:
@@ -150,6 +207,9 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         a.tokens, a.warmup, a.iters = 64, 0, 1
     device = "cpu" if a.smoke else "cuda"
+    if a.merge:
+        merge_timings(a, device)
+        return
     pm, cfg, x, idx, w = build(a, device)
     impl = model_experts_implementation(cfg)
     res = {}
