@@ -281,9 +281,10 @@ def decode_attention(
         num_stages=2,
     )
     block_s = max(2, next_power_of_2(splits))
-    rows = interpreter_rows(m, block_s * block_dv)  # a row a program compiled; several under the interpreter
+    # two rows a program compiled (no tile dimension of 1), more under the interpreter (its cost is per program)
+    rows = max(2, interpreter_rows(m, block_s * block_dv))
     _merge_kernel[(r * hkv, cdiv(m, rows))](
-        part, stat, out, m, dv, splits, BLOCK_S=block_s, ROWS=rows, BLOCK_DV=block_dv
+        part, stat, out, m, dv, splits, BLOCK_S=block_s, ROWS=rows, BLOCK_DV=block_dv, num_warps=8
     )
     return out
 
