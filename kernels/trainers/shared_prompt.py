@@ -14,12 +14,15 @@ so each suffix's tokens see the keys, values and RoPE positions their own row gi
 (projections, norms, MLP) runs on each prompt token once. The backward through a prompt position sums its
 suffixes' gradients, which is the chain rule of the shared computation.
 
-Attention (:func:`attend`) builds no mask over the row, for rows with the same lengths at once:
-  - prompt + suffix 1 is a causal prefix of the row: one SDPA call with ``is_causal`` (flash on CUDA);
-  - a single later suffix (a pair's rejected completion): its queries over ``[prompt keys | its keys]`` with a
-    lower-right causal bias (flash, no mask tensor; both key runs copied into one, linear in the row);
-  - several later suffixes (a GRPO group): one SDPA call of their queries over the row's keys with a boolean mask
-    [Σn, p + Σn] (prompt keys, then each query's own suffix, causal), small since GRPO's completions are short;
+Attention (:func:`attend`) builds no mask over the row, and makes two SDPA calls whatever the rows' lengths:
+  - prompt + suffix 1 is a causal prefix of the row: one call with ``is_causal`` over the longest such prefix
+    (flash on CUDA; a shorter row's positions past its own prefix are computed there and not used);
+  - pairs alike (one later suffix, every row of the same lengths: the DPO bench, a long pair at batch 1): the
+    rejected completion's queries over ``[prompt keys | its keys]`` with a lower-right causal bias (flash, no mask
+    tensor; both key runs copied into one, linear in the row);
+  - otherwise (several later suffixes: a GRPO group; pairs of other lengths): one call of the later positions'
+    queries over the rows' keys with a boolean mask [B, later positions, keys] (its row's prompt keys, then its own
+    suffix, causal), small since such suffixes are short or the pairs are a batch of short ones;
   - padding queries output zeros (no label reads them).
 Attention FLOPs are the prompt's once plus each suffix's over the prompt, never a suffix against another.
 
@@ -74,7 +77,7 @@ class Rows:
     prompts: tuple[int, ...]
     suffixes: tuple[tuple[int, ...], ...]
     width: int
-    _masks: dict = field(default_factory=dict, repr=False)  # later_mask's, per (lengths, device)
+    _masks: dict = field(default_factory=dict, repr=False)  # later_mask's, per device
 
     def __post_init__(self) -> None:
         for p, ns in zip(self.prompts, self.suffixes, strict=True):
@@ -86,31 +89,42 @@ class Rows:
         """One row, no padding (a GRPO group)."""
         return cls((prompt,), (tuple(suffixes),), prompt + sum(suffixes))
 
-    def groups(self) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-        """The rows of each (prompt, suffixes) lengths, which attend in the same calls."""
-        out: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        for b, key in enumerate(zip(self.prompts, self.suffixes, strict=True)):
-            out.setdefault(key, []).append(b)
-        return out
+    @property
+    def firsts(self) -> list[int]:
+        """Each row's prompt + first suffix: the causal prefix of the row."""
+        return [p + (ns[0] if ns else 0) for p, ns in zip(self.prompts, self.suffixes, strict=True)]
 
-    def mask(self, prompt: int, suffixes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        key = (prompt, suffixes, str(device))
+    @property
+    def ends(self) -> list[int]:
+        return [p + sum(ns) for p, ns in zip(self.prompts, self.suffixes, strict=True)]
+
+    def lower_right(self) -> bool:
+        """Whether every row has the same lengths and at most one later suffix: that suffix's queries are the last
+        of [prompt | its keys], a lower-right causal block in every row."""
+        alike = len(set(self.prompts)) == 1 and len(set(self.suffixes)) == 1
+        return alike and sum(1 for n in self.suffixes[0][1:] if n) <= 1
+
+    def later_mask(self, device: torch.device | str) -> torch.Tensor:
+        """``[B, 1, hi − lo, hi]`` bool over the positions ``lo = min(firsts) … hi = max(ends)`` of every row: a
+        query of a later suffix (past its row's first) sees its row's prompt keys and its own suffix's earlier
+        tokens and itself, never another suffix; any other query sees key 0 alone (its output is not used)."""
+        key = str(device)
         if key not in self._masks:
-            self._masks[key] = later_mask(prompt, list(suffixes)).to(device)
+            lo, hi = min(self.firsts), max(self.ends)
+            seg = torch.full((len(self.prompts), hi), -1)  # 0 prompt, s the s-th suffix, -1 padding
+            for b, (p, ns) in enumerate(zip(self.prompts, self.suffixes, strict=True)):
+                seg[b, :p] = 0
+                start = p
+                for i, n in enumerate(ns, 1):
+                    seg[b, start : start + n] = i
+                    start += n
+            sq, sk = seg[:, lo:, None], seg[:, None, :]
+            j, i = torch.arange(hi), torch.arange(lo, hi)
+            later = sq >= 2
+            mask = later & ((sk == 0) | ((sk == sq) & (j[None, None, :] <= i[None, :, None])))
+            mask |= ~later & (j == 0)[None, None, :]
+            self._masks[key] = mask.unsqueeze(1).to(device)
         return self._masks[key]
-
-
-def later_mask(prompt: int, suffixes: list[int]) -> torch.Tensor:
-    """``[Σ n_2.., p + Σ n]`` bool: which of the row's keys each query of the suffixes after the first sees (every
-    prompt key, none of suffix 1's, its own suffix's earlier tokens and itself)."""
-    first, later = suffixes[0], suffixes[1:]
-    n = sum(later)
-    sample = torch.repeat_interleave(torch.arange(len(later)), torch.tensor(later, dtype=torch.long))
-    index = torch.arange(n)
-    own = (sample[:, None] == sample[None, :]) & (index[:, None] >= index[None, :])
-    return torch.cat(
-        [torch.ones(n, prompt, dtype=torch.bool), torch.zeros(n, first, dtype=torch.bool), own], 1
-    )
 
 
 def _lower_right(q_len: int, kv_len: int, device: torch.device) -> Any:
@@ -129,68 +143,57 @@ def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
 
 
-def _attend_alike(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    prompt: int,
-    suffixes: tuple[int, ...],
-    rows: Rows,
-    scale,
+def attend(
+    rows: Rows, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """:func:`attend` for rows of the same lengths: q ``[b, Hq, L, D]``, k/v ``[b, Hkv, L, D]`` → ``[b, L, Hq, D]``."""
+    """Attention over rows laid out as ``rows`` says (see the module docstring): query ``[B, Hq, L, D]``, key and
+    value ``[B, Hkv, L, D]`` → ``[B, L, Hq, D]`` (padding positions zero). Two SDPA calls at most, whatever the
+    rows' lengths."""
+    q, k, v = query, key, value
     groups = q.shape[1] // k.shape[1]
     gqa = groups > 1
-    first = prompt + (suffixes[0] if suffixes else 0)
-    end = prompt + sum(suffixes)
-    out = [
-        F.scaled_dot_product_attention(
-            q[:, :, :first], k[:, :, :first], v[:, :, :first], is_causal=True, scale=scale, enable_gqa=gqa
-        )
-    ]
-    later = [n for n in suffixes[1:] if n]
-    if len(later) == 1:  # the prompt's keys and the suffix's, one run
-        keys = torch.cat([k[:, :, :prompt], k[:, :, first:end]], 2)
-        values = torch.cat([v[:, :, :prompt], v[:, :, first:end]], 2)
+    firsts, ends = rows.firsts, rows.ends
+    lo, first, end = min(firsts), max(firsts), max(ends)
+    # prompt + first suffix, causal: a row shorter than the longest computes garbage past its own, replaced below
+    causal = F.scaled_dot_product_attention(
+        q[:, :, :first], k[:, :, :first], v[:, :, :first], is_causal=True, scale=scale, enable_gqa=gqa
+    )
+    if end == lo:  # no later suffix
+        later = None
+    elif rows.lower_right():  # the prompt's keys and the one later suffix's, one run in every row
+        p = rows.prompts[0]
+        keys = torch.cat([k[:, :, :p], k[:, :, first:end]], 2)
+        values = torch.cat([v[:, :, :p], v[:, :, first:end]], 2)
         ql = q[:, :, first:end]
         if gqa and q.is_cuda and not _flash_takes(ql, keys, values):
             # the bias's other kernel (memory-efficient) takes no grouped heads: without the repeat, SDPA would
             # materialize the [n, p + n] bias and run the math kernel
             keys, values, gqa = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1), False
         bias = _lower_right(end - first, keys.shape[2], q.device)
-        out.append(
-            F.scaled_dot_product_attention(ql, keys, values, attn_mask=bias, scale=scale, enable_gqa=gqa)
-        )
-    elif later:
-        # the kv heads repeated to the query heads: SDPA's memory-efficient kernel takes a mask, not GQA
+        later = F.scaled_dot_product_attention(ql, keys, values, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    else:  # several later suffixes, or rows of other lengths: one masked call over the later positions
         keys, values = k[:, :, :end], v[:, :, :end]
-        if gqa:
+        if gqa:  # SDPA's memory-efficient kernel takes a mask, not grouped heads
             keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        mask = rows.mask(prompt, suffixes, q.device)
-        out.append(
-            F.scaled_dot_product_attention(q[:, :, first:end], keys, values, attn_mask=mask, scale=scale)
-        )
-    if end < q.shape[2]:
-        out.append(q.new_zeros(q.shape[0], q.shape[1], q.shape[2] - end, q.shape[3]))
-    return torch.cat(out, 2).transpose(1, 2)
-
-
-def attend(
-    rows: Rows, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
-) -> torch.Tensor:
-    """Attention over rows laid out as ``rows`` says (see the module docstring): query ``[B, Hq, L, D]``, key and
-    value ``[B, Hkv, L, D]`` → ``[B, L, Hq, D]`` (padding positions zero)."""
-    parts = rows.groups()
-    if len(parts) == 1:
-        (prompt, suffixes), _ = next(iter(parts.items()))
-        return _attend_alike(query, key, value, prompt, suffixes, rows, scale)
-    b, hq, length, d = query.shape
-    out = query.new_zeros(b, length, hq, d)
-    for (prompt, suffixes), members in parts.items():
-        idx = torch.tensor(members, device=query.device)
-        qkv = (t.index_select(0, idx) for t in (query, key, value))
-        out = out.index_copy(0, idx, _attend_alike(*qkv, prompt, suffixes, rows, scale))
-    return out
+        mask = rows.later_mask(q.device)
+        later = F.scaled_dot_product_attention(q[:, :, lo:end], keys, values, attn_mask=mask, scale=scale)
+    length = q.shape[2]
+    if len(set(firsts)) == 1 and len(set(ends)) == 1:  # every row alike: the pieces in order
+        pieces = [causal] + (
+            [] if later is None else [later]
+        )  # here lo == first: later starts where causal ends
+        if end < length:
+            pieces.append(q.new_zeros(q.shape[0], q.shape[1], length - end, q.shape[3]))
+        return torch.cat(pieces, 2).transpose(1, 2)
+    # rows of other lengths: each position from the call that computed it for its row
+    pos = torch.arange(length, device=q.device)
+    f = torch.tensor(firsts, device=q.device)[:, None, None, None]
+    e = torch.tensor(ends, device=q.device)[:, None, None, None]
+    at = pos[None, None, :, None]
+    out = torch.where(at < f, F.pad(causal, (0, 0, 0, length - first)), 0)
+    if later is not None:
+        out = torch.where((at >= f) & (at < e), F.pad(later, (0, 0, lo, length - end)), out)
+    return out.transpose(1, 2)
 
 
 def config_reason(configs: list[Any], length: int | None = None) -> str | None:

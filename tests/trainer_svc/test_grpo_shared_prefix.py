@@ -117,13 +117,11 @@ def test_the_layouts_agree_through_strops_patched_forwards(tiny, monkeypatch):
 
 
 def test_a_completion_sees_the_prompt_and_its_own_tokens_only():
-    from strop.kernels.trainers.shared_prompt import later_mask
-
     lay = shared_prefix.layout(3, [2, 0, 1])
     assert lay.width == 6
     # sample 0 attends causally with the prompt (is_causal over the first 5 positions); the later samples' queries,
     # here sample 2's one, see the 3 prompt keys, none of sample 0's 2, and their own
-    assert torch.equal(later_mask(3, [2, 0, 1]), torch.tensor([[1, 1, 1, 0, 0, 1]], dtype=torch.bool))
+    assert torch.equal(lay.later_mask("cpu")[0, 0], torch.tensor([[1, 1, 1, 0, 0, 1]], dtype=torch.bool))
     # two later samples of 2 and 1 inputs after a first of 1: each sees the prompt and its own earlier tokens only
     expected = torch.tensor(
         [
@@ -133,7 +131,7 @@ def test_a_completion_sees_the_prompt_and_its_own_tokens_only():
         ],
         dtype=torch.bool,
     )
-    assert torch.equal(later_mask(3, [1, 2, 1]), expected)
+    assert torch.equal(shared_prefix.layout(3, [1, 2, 1]).later_mask("cpu")[0, 0], expected)
     rows = shared_prefix.predicting_rows(lay, [3, 1, 2], "cpu")
     # sample 0: the prompt's last position, then its inputs 3, 4; sample 1: the prompt's last; sample 2: it and 5
     assert rows.tolist() == [2, 3, 4, 2, 2, 5]

@@ -223,12 +223,15 @@ def _attend_reference(rows: Rows, q, k, v):
         ((4, 4, 2), ((3, 5), (3, 5), (6, 1)), 12),  # two pairs alike, one of its own: two groups
         ((5,), ((2, 0, 3, 1),), 11),  # a GRPO group: an empty sample, several later ones
         ((3, 6), ((4,), (0, 2)), 9),  # a prompt with one suffix; a pair whose chosen completion is empty
+        ((5, 3), ((2, 0, 3, 1), (1, 4, 2)), 12),  # groups of other lengths
+        ((4, 4), ((2, 3, 1), (2, 3, 1)), 10),  # groups alike, several later suffixes
+        ((2, 2), ((3, 4), (3, 4)), 10),  # pairs alike: the lower-right call
     ],
 )
 def test_attend_is_the_dense_segment_mask_attention(layout):
-    """``attend`` (no mask over the row: causal calls, a lower-right one, a masked one for several later suffixes,
-    grouped-query heads) against the dense [L, L] mask of the layout in fp32; a suffix that saw another's key would
-    move its output by O(0.1) against a bound of fp32 rounding (1e-5 on O(1) outputs)."""
+    """``attend`` (no mask over the row: a causal call, then a lower-right one for pairs alike or a masked one over
+    the later positions, grouped-query heads) against the dense [L, L] mask of the layout in fp32; a suffix that
+    saw another's key would move its output by O(0.1) against a bound of fp32 rounding (1e-5 on O(1) outputs)."""
     rows = Rows(*layout)
     gen = torch.Generator().manual_seed(0)
     b, length = len(rows.prompts), rows.width
@@ -240,12 +243,19 @@ def test_attend_is_the_dense_segment_mask_attention(layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_attend_in_bf16_at_an_8b_heads_shape_matches_the_dense_mask():
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ((1024, 1024), ((1024, 768), (1024, 768)), 3072),  # pairs alike: causal + lower-right (flash)
+        ((1024, 1024), ((1024, 768), (512, 1500)), 3072),  # pairs of other lengths: causal + masked
+    ],
+)
+def test_gpu_attend_in_bf16_at_an_8b_heads_shape_matches_the_dense_mask(layout):
     """An 8B model's heads (32 query, 8 kv, 128 wide): ``attend`` in bf16 on CUDA's kernels (flash for the causal
-    and the lower-right calls, grouped-query heads unrepeated) against the dense-mask attention in fp32. Bound:
-    bf16 inputs' rounding (2^-9 relative) through a softmax-weighted mean of O(1) values: 2e-2 absolute, far under
-    a wrong key set's O(0.1) and a NaN."""
-    rows = Rows((1024, 1024), ((1024, 768), (512, 1500)), 3072)
+    and the lower-right calls, grouped-query heads unrepeated; the masked call's kernel) against the dense-mask
+    attention in fp32. Bound: bf16 inputs' rounding (2^-9 relative) through a softmax-weighted mean of O(1)
+    values: 2e-2 absolute, far under a wrong key set's O(0.1) and a NaN."""
+    rows = Rows(*layout)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 32, 3072, 128, device="cuda", generator=gen)
     k, v = (torch.randn(2, 8, 3072, 128, device="cuda", generator=gen) for _ in range(2))
