@@ -77,7 +77,7 @@ class Rows:
     prompts: tuple[int, ...]
     suffixes: tuple[tuple[int, ...], ...]
     width: int
-    _masks: dict = field(default_factory=dict, repr=False)  # later_mask's, per device
+    _masks: dict = field(default_factory=dict, repr=False)  # later_mask's and selectors', per device
 
     def __post_init__(self) -> None:
         for p, ns in zip(self.prompts, self.suffixes, strict=True):
@@ -103,6 +103,17 @@ class Rows:
         of [prompt | its keys], a lower-right causal block in every row."""
         alike = len(set(self.prompts)) == 1 and len(set(self.suffixes)) == 1
         return alike and sum(1 for n in self.suffixes[0][1:] if n) <= 1
+
+    def selectors(self, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, 1, length, 1]`` bool each: the positions of each row's causal prefix, and of its later suffixes
+        (built once per device: a tensor made from a list on every layer's call would copy host to device each time)."""
+        key = ("selectors", length, str(device))
+        if key not in self._masks:
+            at = torch.arange(length)[None, :]
+            f, e = torch.tensor(self.firsts)[:, None], torch.tensor(self.ends)[:, None]
+            sel = (at < f, (at >= f) & (at < e))
+            self._masks[key] = tuple(x[:, None, :, None].to(device) for x in sel)
+        return self._masks[key]
 
     def later_mask(self, device: torch.device | str) -> torch.Tensor:
         """``[B, 1, hi − lo, hi]`` bool over the positions ``lo = min(firsts) … hi = max(ends)`` of every row: a
@@ -186,13 +197,10 @@ def attend(
             pieces.append(q.new_zeros(q.shape[0], q.shape[1], length - end, q.shape[3]))
         return torch.cat(pieces, 2).transpose(1, 2)
     # rows of other lengths: each position from the call that computed it for its row
-    pos = torch.arange(length, device=q.device)
-    f = torch.tensor(firsts, device=q.device)[:, None, None, None]
-    e = torch.tensor(ends, device=q.device)[:, None, None, None]
-    at = pos[None, None, :, None]
-    out = torch.where(at < f, F.pad(causal, (0, 0, 0, length - first)), 0)
+    in_causal, in_later = rows.selectors(length, q.device)
+    out = torch.where(in_causal, F.pad(causal, (0, 0, 0, length - first)), 0)
     if later is not None:
-        out = torch.where((at >= f) & (at < e), F.pad(later, (0, 0, lo, length - end)), out)
+        out = torch.where(in_later, F.pad(later, (0, 0, lo, length - end)), out)
     return out.transpose(1, 2)
 
 
