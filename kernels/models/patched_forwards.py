@@ -17,6 +17,7 @@ from strop.common.archs import SlidingWindow, arch_of, moe_sizes
 
 from ..lora.linear import LoRAProj, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
+from ..lora.stash import stash, take_stashed
 from ..ops.rmsnorm import RMSNormMode
 from .hf import scaled_logits_reason
 from .patch_state import PatchState, patched
@@ -32,11 +33,19 @@ _WINDOW: dict[SlidingWindow, Callable[[nn.Module], int | None] | None] = {
 
 
 def _layer_specs(state: PatchState, owner: nn.Module, layers, x) -> list[LoRAProj] | None:
+    # A checkpointed layer's recompute takes the specs its forward read (``kernels/lora/stash.py``): it must compute
+    # what the forward computed, from the same projections, and reading them costs some twenty attribute and dict
+    # look-ups a projection and pass.
+    tag = ("patched_forwards.specs", id(owner))
+    specs = take_stashed(tag)
+    if specs is not None:
+        return specs
     specs = [layer_spec(m, x) for m in layers]
     bad = next((s for s in specs if isinstance(s, str)), None)
     if bad is not None:
         state.fallback(owner, bad)
         return None
+    stash(tag, specs)
     return specs
 
 

@@ -761,6 +761,37 @@ def test_the_recompute_takes_u_d_and_the_cast_adapter_factors_from_the_forward(m
     disable_offloaded_checkpointing(model)
 
 
+def test_the_recompute_takes_the_projections_specs_from_the_forward(monkeypatch):
+    """Each patched forward reads its projections' specs (proj_spec.layer_spec: the base, the active adapter, its
+    scale) in the layer's forward and stashes them; the recompute takes them back instead of reading the modules
+    again: seven reads a layer (q, k, v, o, gate, up, down) instead of fourteen, loss and gradients bit for bit
+    those of a recompute that reads them again."""
+    import strop.kernels.models.offload as offload_mod
+    import strop.kernels.models.patched_forwards as forwards_mod
+    from strop.kernels.models import patch_model
+
+    model = _lora(_tiny_llama())
+    patch_model(model)
+    reads, real_spec = [0], forwards_mod.layer_spec
+
+    def spec(*args, **kw):
+        reads[0] += 1
+        return real_spec(*args, **kw)
+
+    monkeypatch.setattr(forwards_mod, "layer_spec", spec)
+    ids = _ids()
+    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
+    stashed = _step(model, ids)
+    assert reads == [7 * LAYERS], f"{reads[0]} spec reads: the recompute read the modules again"
+    reads[0] = 0
+    real_record = offload_mod.recording_for_recompute
+    monkeypatch.setattr(offload_mod, "recording_for_recompute", lambda stash: real_record(None))
+    reread = _step(model, ids)
+    assert reads == [14 * LAYERS]
+    _assert_same_step(stashed, reread, "specs from the stash")
+    disable_offloaded_checkpointing(model)
+
+
 def test_a_recompute_stash_hands_items_back_by_tag_in_order():
     from strop.kernels.lora.stash import RecomputeStash
 
