@@ -234,14 +234,28 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
     return out
 
 
+@triton.jit
+def _block_scale(
+    absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, blk, mask, NESTED: tl.constexpr, BS2: tl.constexpr
+):
+    """The fp32 absmax of NF4 blocks ``blk`` (any shape), double quantization undone as bitsandbytes does."""
+    if NESTED:
+        q2 = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
+        s1 = tl.load(code2_ptr + q2, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(absmax2_ptr + blk // BS2, mask=mask, other=0.0).to(tl.float32)
+        absmax = s1 * s2  # two roundings, as bitsandbytes (the launch disables fp contraction)
+        return absmax + tl.load(offset_ptr).to(tl.float32)
+    return tl.load(absmax_ptr + blk, mask=mask, other=0.0).to(tl.float32)
+
+
 # fmt: skip on the signature: one row per role (the stack and its NF4 state, the factors, sizes, strides, constexprs)
 @triton.jit
 def _merge_kernel(
-    w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr,
+    w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, pairs_ptr,
     b_ptr, a_ptr, out_ptr, scale,
     N, K, R,
     b_se, b_sn, b_sr, a_se, a_sr, a_sk, w_se, w_sn, w_sk,
-    NF4: tl.constexpr, HALF_BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr,
+    NF4: tl.constexpr, HALF_BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     QDTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
@@ -257,23 +271,30 @@ def _merge_kernel(
         rb = tl.program_id(1).to(tl.int64) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         bmask = n_mask[:, None] & (rb < K // 2)[None, :]
         byte = row[:, None] // 2 + rb[None, :]
-        blk = byte // HALF_BS
-        if NESTED:
-            q2 = tl.load(absmax_ptr + blk, mask=bmask, other=0).to(tl.int32)
-            s1 = tl.load(code2_ptr + q2, mask=bmask, other=0.0).to(tl.float32)
-            s2 = tl.load(absmax2_ptr + blk // BS2, mask=bmask, other=0.0).to(tl.float32)
-            absmax = s1 * s2  # two roundings, as bitsandbytes (the launch disables fp contraction)
-            absmax = absmax + tl.load(offset_ptr).to(tl.float32)
+        if ROW_BLOCKS and (BLOCK_K % (2 * HALF_BS) == 0):
+            # K and the tile both whole blocks: a tile row spans BLOCK_K // blocksize blocks, each block's scale
+            # read once a row (not once a byte) and selected by column
+            absmax = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
+            first = row // (2 * HALF_BS) + tl.program_id(1).to(tl.int64) * (BLOCK_K // (2 * HALF_BS))
+            col_blk = (tl.arange(0, BLOCK_K // 2) // HALF_BS)[None, :]
+            for j in tl.static_range(BLOCK_K // (2 * HALF_BS)):
+                rmask = n_mask & (tl.program_id(1) * BLOCK_K + j * 2 * HALF_BS < K)
+                scale_j = _block_scale(
+                    absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, first + j, rmask, NESTED, BS2
+                )
+                absmax = tl.where(col_blk == j, scale_j[:, None], absmax)
         else:
-            absmax = tl.load(absmax_ptr + blk, mask=bmask, other=0.0).to(tl.float32)
+            absmax = _block_scale(
+                absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, byte // HALF_BS, bmask, NESTED, BS2
+            )
         b = tl.load(w_ptr + byte, mask=bmask, other=0).to(tl.int32)
-        v = tl.interleave(tl.load(code_ptr + (b >> 4)) * absmax, tl.load(code_ptr + (b & 0x0F)) * absmax)
-        # rounded to the stack's dtype as nf4.py's kernel does (integer rounding for bf16: exact in the interpreter)
-        if QDTYPE == tl.bfloat16:  # noqa: SIM300
-            u = v.to(tl.uint32, bitcast=True)
-            v = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        elif QDTYPE == tl.float16:  # noqa: SIM300
-            v = v.to(tl.float16).to(tl.float32)
+        # both codes of a byte from one 256-entry table of (code[high nibble], code[low nibble]): one 8-byte read
+        # a byte, the pair already in output order
+        pair = tl.load(pairs_ptr + (2 * b)[:, :, None] + tl.arange(0, 2)[None, None, :])
+        v = tl.reshape(pair * absmax[:, :, None], [BLOCK_N, BLOCK_K])
+        # rounded to the stack's dtype as nf4.py's kernel does, to nearest even (cast_to: the hardware's rounding
+        # compiled, integer rounding in the interpreter, whose cast truncates)
+        v = cast_to(v, QDTYPE).to(tl.float32)
     else:
         v = tl.load(w_ptr + e * w_se + rn[:, None] * w_sn + rk[None, :] * w_sk, mask=mask, other=0.0).to(
             tl.float32
@@ -286,10 +307,23 @@ def _merge_kernel(
 # The merge's tiles, (BLOCK_N, BLOCK_K, num_warps): the first is what the interpreter (CPU tests, which pay per
 # program) always runs; on CUDA the autotuner times them all on first use for each projection's shape, rank and
 # dtypes (a trainer's first step: a compile and ~0.1 s of timing a tile) and keeps the fastest. The NF4 tile's
-# per-element code and scale gathers hold a 64-bit address an element, so registers bound the programs an SM runs
-# (ptxas -v on the sm_90 compile says how many); the smaller tiles trade elements a thread for programs in flight.
+# code-pair gathers hold a 64-bit address a byte, so registers bound the programs an SM runs (ptxas -v on the sm_90
+# compile says how many); the smaller tiles trade elements a thread for programs in flight.
 _MERGE_TILES = ((64, 128, 4), (32, 128, 4), (16, 128, 4), (32, 256, 8), (64, 64, 4))
 _TUNED_MERGE: list = []
+
+
+_CODE_PAIRS: dict[torch.device, torch.Tensor] = {}
+
+
+def _code_pairs(device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: for each byte, the NF4 code of its high nibble then of its low one (the stack's order)."""
+    pairs = _CODE_PAIRS.get(device)
+    if pairs is None:
+        byte = torch.arange(256, device=device)
+        code = _code(device)
+        pairs = _CODE_PAIRS[device] = torch.stack((code[byte >> 4], code[byte & 0x0F]), dim=1).contiguous()
+    return pairs
 
 
 def _merge_kernel_for(device: torch.device):
@@ -299,7 +333,7 @@ def _merge_kernel_for(device: torch.device):
         return _merge_kernel, {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps}
     if not _TUNED_MERGE:
         configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _MERGE_TILES]
-        key = ["N", "K", "R", "NF4", "NESTED", "QDTYPE", "OUT_DTYPE"]
+        key = ["N", "K", "R", "NF4", "NESTED", "ROW_BLOCKS", "QDTYPE", "OUT_DTYPE"]
         _TUNED_MERGE.append(triton.autotune(configs, key=key)(_merge_kernel))
     return _TUNED_MERGE[0], {}
 
@@ -319,10 +353,11 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
         nested = w.nested
         src, absmax = w.packed, w.absmax
         absmax2, code2, offset = (w.absmax2, w.code2, _offset(qs, w.device)) if nested else (absmax,) * 3
-        code, half_bs, bs2, qdtype = _code(w.device), w.blocksize // 2, w.blocksize2 if nested else 1, w.dtype
+        pairs, half_bs, qdtype = _code_pairs(w.device), w.blocksize // 2, w.dtype
+        bs2 = w.blocksize2 if nested else 1
     else:
         src = w  # read through its strides
-        absmax = absmax2 = code2 = offset = code = src  # unread placeholders
+        absmax = absmax2 = code2 = offset = pairs = src  # unread placeholders
         half_bs, bs2, nested, qdtype = 1, 1, False, w.dtype
     r = a_.shape[1]
     w_strides = (0, 0, 0) if nf4 else w.stride()
@@ -330,11 +365,11 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), e)  # noqa: E731
     # fmt: skip below: one row per role, as the kernel's signature
     kernel[grid](
-        src, absmax, absmax2, code2, offset, code,
+        src, absmax, absmax2, code2, offset, pairs,
         b_, a_, out, float(scale),
         n, k, r,
         b_.stride(0), b_.stride(1), b_.stride(2), a_.stride(0), a_.stride(1), a_.stride(2), *w_strides,
-        NF4=nf4, HALF_BS=half_bs, NESTED=nested, BS2=bs2,
+        NF4=nf4, HALF_BS=half_bs, NESTED=nested, BS2=bs2, ROW_BLOCKS=nf4 and k % (2 * half_bs) == 0,
         QDTYPE=_TL_DTYPES[qdtype], OUT_DTYPE=_TL_DTYPES[out.dtype], IEEE=out.dtype == torch.float32,
         BLOCK_R=block_k(r), enable_fp_fusion=False, **tile,
     )  # fmt: skip

@@ -145,12 +145,14 @@ def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and
 @cpu_tier
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("double_quant", [True, False], ids=["double-quant", "fp32-absmax"])
-def test_the_merge_kernel_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product(dtype, double_quant):
+@pytest.mark.parametrize("k", [192, 96], ids=["rows-of-whole-blocks", "blocks-across-rows"])
+def test_the_merge_kernel_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product(dtype, double_quant, k):
     """The merged stack's W part is ``nf4_dequantize``'s values bit for bit (zero factors: nothing added), and with
     factors it is W + s·B_e A_e of the compute-dtype factors, in fp32 to its rounding (bf16: rounded once, so within
     half an ulp of the fp32 sum: 2⁻⁸ relative, the sum itself the reference's within the fp32 rounding of its r + 1
-    terms, which a cancellation can make larger). N 40 and K 192: a partial tile in both, rows of 1.5 K-tiles."""
-    _check_merge((3, 40, 192), 4, dtype, double_quant, "cpu")
+    terms, which a cancellation can make larger). N 40 and K 192: a partial tile in both, rows of 1.5 K-tiles, each
+    of whole NF4 blocks (their scales read once a row); K 96: blocks of 64 straddle rows (scales read a byte)."""
+    _check_merge((3, 40, k), 4, dtype, double_quant, "cpu")
 
 
 @pytest.mark.gpu
