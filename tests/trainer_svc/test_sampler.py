@@ -11,6 +11,7 @@ equality with ``generate`` holds unless two logits tie within that error, which 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -486,18 +487,12 @@ def test_nf4_kernel_that_disagrees_with_bitsandbytes_is_not_used(nf4_tiny, monke
     assert got[0].sequences[0].tokens == sample(nf4_tiny, req, nf4_decode=False)[0].sequences[0].tokens
 
 
-def test_a_16bit_session_decodes_its_fp32_lora_on_strops_path(tmp_path, monkeypatch):
-    """A session as the trainer holds one under bf16 compute (16-bit base, LoRA factors in fp32, strop's kernels
-    patched) samples under autocast to bf16, as it trains: every patched LoRA forward of the prefill and of each
-    decode step (o_proj, the MLP) runs strop's kernel (counted per call), none falls back to PEFT's reference path
-    (without autocast each did: fp32 factors meeting a bf16 input); autocast is off again after the call."""
+def _sixteen_bit_session(tmp_path):
+    """A session as the trainer holds one under bf16 compute: a 16-bit base, LoRA factors in fp32."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    import strop.kernels.models.patched_forwards as pf
     from strop.fixtures import make_tiny_model
-    from strop.kernels.models import patch_model, unpatch_model
-    from strop.kernels.models.patch_state import PatchState
 
     path = make_tiny_model(tmp_path / "tiny", arch="llama", dtype="bfloat16", seed=0)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -510,6 +505,19 @@ def test_a_16bit_session_decodes_its_fp32_lora_on_strops_path(tmp_path, monkeypa
         model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype
         == torch.float32
     )
+    return model
+
+
+def test_a_16bit_session_decodes_its_fp32_lora_on_strops_path(tmp_path, monkeypatch):
+    """A session as the trainer holds one under bf16 compute (16-bit base, LoRA factors in fp32, strop's kernels
+    patched) samples under autocast to bf16, as it trains: every patched LoRA forward of the prefill and of each
+    decode step (o_proj, the MLP) runs strop's kernel (counted per call), none falls back to PEFT's reference path
+    (without autocast each did: fp32 factors meeting a bf16 input); autocast is off again after the call."""
+    import strop.kernels.models.patched_forwards as pf
+    from strop.kernels.models import patch_model, unpatch_model
+    from strop.kernels.models.patch_state import PatchState
+
+    model = _sixteen_bit_session(tmp_path)
     patch_model(model)
     calls = {"lora_qkv": 0, "lora_linear": 0, "lora_mlp": 0}
     for name in calls:
@@ -536,3 +544,51 @@ def test_a_16bit_session_decodes_its_fp32_lora_on_strops_path(tmp_path, monkeypa
         len(s.tokens) == max_tokens and all(math.isfinite(x) for x in s.logprobs) for s in got[0].sequences
     )
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_16bit_sessions_lora_factors_are_cast_once_for_the_call_and_put_back(tmp_path, monkeypatch):
+    """Under bf16 compute the call holds every fp32 LoRA factor cast to bf16 once (seen by a forward hook), so no
+    projection casts its factors (nor PEFT its input to their dtype) in each forward: at least 14 casts fewer a
+    layer and forward (7 projections x A and B), counted at the dispatcher. The tokens and log-probs are bitwise
+    those of the call that casts at each use, and after it every factor is the same fp32 parameter with the same
+    values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import strop.trainer_svc.core.sampler as sampler
+    from strop.kernels.models import patch_model, unpatch_model
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    model = _sixteen_bit_session(tmp_path)
+    patch_model(model)
+    factors = [(n, p, p.detach().clone()) for n, p in model.named_parameters() if "lora_" in n]
+    q_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]
+    seen: list[torch.dtype] = []
+    hook = q_a.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    max_tokens = 4
+    reqs = [SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=max_tokens, seed=5))]
+    try:
+        with Casts() as once:
+            got = sample(model, reqs)
+        kept = list(seen)
+        monkeypatch.setattr(sampler, "_lora_factors_in", lambda model, dtype: contextlib.nullcontext())
+        with Casts() as each_use:
+            ref = sample(model, reqs)
+    finally:
+        hook.remove()
+        unpatch_model(model)
+    assert kept and set(kept) == {torch.bfloat16}
+    forwards = max_tokens  # the prefill, then one a further token
+    assert each_use.n - once.n >= 14 * model.config.num_hidden_layers * forwards, (each_use.n, once.n)
+    assert [s.tokens for s in got[0].sequences] == [s.tokens for s in ref[0].sequences]
+    assert [s.logprobs for s in got[0].sequences] == [s.logprobs for s in ref[0].sequences]
+    after = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    for (n, p, before), (n2, p2) in zip(factors, after, strict=True):
+        assert n == n2 and p is p2 and p.dtype == torch.float32 and torch.equal(p, before), n

@@ -201,10 +201,55 @@ def _compute_autocast(parts: ModelParts) -> contextlib.AbstractContextManager:
     16-bit input meeting fp32 factors is PEFT's own arithmetic (the LoRA term in fp32), which strop's patched
     forwards leave to PEFT (``kernels/models/proj_spec.py``); under it they take strop's path and compute the LoRA
     term as training does. The cast cache stays off, as torch's CUDA-graph notes ask of autocast around a capture."""
-    w = parts.backbone.get_input_embeddings().weight
-    if w.dtype not in (torch.bfloat16, torch.float16):
+    dtype = _compute_dtype(parts)
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(w.device.type, dtype=w.dtype, cache_enabled=False)
+    return torch.autocast(
+        parts.backbone.get_input_embeddings().weight.device.type, dtype=dtype, cache_enabled=False
+    )
+
+
+def _compute_dtype(parts: ModelParts) -> torch.dtype | None:
+    """The 16-bit dtype a session computes in (its embedding's), or None (fp32: no autocast)."""
+    w = parts.backbone.get_input_embeddings().weight
+    return w.dtype if w.dtype in (torch.bfloat16, torch.float16) else None
+
+
+@contextlib.contextmanager
+def _lora_factors_in(model, dtype: torch.dtype | None):
+    """For the call, every fp32 LoRA factor of a linear (PEFT's ``lora_A``/``lora_B``) holds its value cast to the
+    compute ``dtype``; the fp32 tensors go back after, as they were (the optimizer's parameters are the same
+    objects throughout).
+
+    Why: under autocast each use of an fp32 factor casts it to ``dtype`` (autocast's weight-cast cache stays off
+    around a CUDA graph capture, ``_compute_autocast``), and PEFT casts the layer's input to the factor's dtype and
+    back; with 16-bit factors those casts are no-ops. Replayed in every decode step's graph they were a kernel
+    each, for every projection of every layer. The values are the same: the forward casts the factors to ``dtype``
+    (round to nearest) either way. None: nothing changes (fp32 compute; the opt-in NF4 decode kernel, which takes
+    fp32 factors); DoRA layers are left alone (their weight norm reads the factors in their own dtype)."""
+    kept: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    try:
+        if dtype is not None:
+            for m in model.modules():
+                factors = (getattr(m, "lora_A", None), getattr(m, "lora_B", None))
+                if not all(isinstance(f, torch.nn.ModuleDict) for f in factors):
+                    continue
+                dora = getattr(m, "use_dora", None) or {}
+                for f in factors:
+                    for name, sub in f.items():
+                        w = getattr(sub, "weight", None)
+                        if (
+                            dora.get(name)
+                            or not isinstance(w, torch.nn.Parameter)
+                            or w.dtype != torch.float32
+                        ):
+                            continue
+                        kept.append((w, w.data))
+                        w.data = w.data.to(dtype)
+        yield len(kept)
+    finally:
+        for w, data in kept:
+            w.data = data
 
 
 def sample(
@@ -259,6 +304,7 @@ def sample(
         with (
             torch.no_grad(),
             _compute_autocast(parts),
+            _lora_factors_in(model, None if nf4_decode else _compute_dtype(parts)),
             _decode_forwards(model, nf4_decode, sum(r.num_samples for r in requests)) as (swapped, notes),
         ):
             stats.extra["nf4_decode_layers"] = swapped
