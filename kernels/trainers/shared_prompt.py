@@ -24,7 +24,8 @@ Attention (:func:`attend`) builds no mask over the row, and makes two SDPA calls
     queries over the rows' keys with a boolean mask [B, later positions, keys] (its row's prompt keys, then its own
     suffix, causal), small since such suffixes are short or the pairs are a batch of short ones;
   - padding queries output zeros (no label reads them).
-Attention FLOPs are the prompt's once plus each suffix's over the prompt, never a suffix against another.
+For pairs alike, attention's FLOPs are the prompt's once plus each completion's over the prompt and itself; the
+masked call computes its whole [later positions × keys] block, masked entries included.
 
 Two ways in. TRL's preference rows: :func:`share_prompts` re-lays a ``[chosen; rejected]`` batch and hands the
 model a marker 4-D mask that carries the :class:`Rows`; HF's ``sdpa`` attention function, wrapped by a
