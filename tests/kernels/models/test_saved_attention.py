@@ -366,9 +366,10 @@ def test_a_layers_saved_attention_reloads_as_the_layer_above_ends_its_attention_
 @pytest.mark.gpu
 def test_gpu_saved_qkv_train_as_saved_attention_alone_in_no_more_memory():
     """1B shape, 16K tokens, bf16: with q, k, v saved too, the forward is the same code (the loss differs by no more
-    than two runs of saved attention alone do) and the gradients differ from saved attention alone by no more than that path differs from itself across
-    two runs (the attention backward may accumulate in another order run to run); peak memory no higher. Step times
-    are printed, not asserted (a speed claim is the benchmark's: ``train_bench.py … strop-standard-q1``)."""
+    than two runs of saved attention alone do) and the gradients differ from saved attention alone by no more than
+    that path differs from itself across two runs (the attention backward may accumulate in another order run to
+    run), with room for 4x; peak memory no higher. Step times are printed, not asserted (a speed claim is the
+    benchmark's: ``train_bench.py … strop-standard-q1``)."""
     seq = 16384
     model = _gpu_1b(seq)
     ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -391,8 +392,8 @@ def test_gpu_saved_qkv_train_as_saved_attention_alone_in_no_more_memory():
         disable_offloaded_checkpointing(model)
         return sorted(times[1:])[1], torch.cuda.max_memory_allocated(), loss.detach(), grads, stats
 
-    t_ref, peak_ref, loss_ref, g_ref, _ = run(False)
-    _, _, loss_ref2, g_ref2, _ = run(False)
+    _, _, loss_ref, g_ref, _ = run(False)  # the first run also compiles the kernels
+    t_ref, peak_ref, loss_ref2, g_ref2, _ = run(False)
     t_qkv, peak_qkv, loss_qkv, g_qkv, stats = run(True)
     print(
         f"\n1B, {seq} tokens: saved attention {t_ref * 1e3:.1f} ms {peak_ref / 2**30:.3f} GiB; with q, k, v "
@@ -400,10 +401,16 @@ def test_gpu_saved_qkv_train_as_saved_attention_alone_in_no_more_memory():
     )
     assert stats.qkv_saved == stats.attention_saved == 4 * 15, stats
     assert (loss_qkv - loss_ref).abs() <= 2 * (loss_ref2 - loss_ref).abs(), (loss_qkv, loss_ref, loss_ref2)
+
+    # relative to each gradient's largest element; the bound is the reference's worst run-to-run difference over all
+    # gradients (0 where the kernels are deterministic, and then the two must be bitwise equal), with room for 4x
+    def rel(a, b):
+        return (a - b).abs().max().item() / b.abs().max().clamp_min(1e-30).item()
+
+    noise = max(rel(g_ref2[n], g) for n, g in g_ref.items())
     for n, g in g_ref.items():
-        noise = (g_ref2[n] - g).abs().max().item()
-        err = (g_qkv[n] - g).abs().max().item()
-        assert err <= 2 * noise, f"{n}: {err:.3g} against run-to-run {noise:.3g}"
+        err = rel(g_qkv[n], g)
+        assert err <= 4 * noise, f"{n}: {err:.3g} against the reference's run-to-run {noise:.3g}"
     assert peak_qkv <= peak_ref + (16 << 20), (peak_qkv / 2**30, peak_ref / 2**30)
 
 
