@@ -121,6 +121,9 @@ GENERAL: list[tuple[str, tuple[str, ...]]] = [
 FIRST_GENERAL = 20
 
 GENERAL_MAX_NEW_TOKENS = 48
+# The table also counts the general answers kept of those the base gives by at least this margin (``base_margins``):
+# the ones a near tie does not decide.
+MARGIN_NATS = 1.0
 
 
 def fact_rows() -> list[dict]:
@@ -129,10 +132,56 @@ def fact_rows() -> list[dict]:
     ]
 
 
+def right_end(answer: str, words: tuple[str, ...]) -> int | None:
+    """Where the first of the reference's alternatives to appear as words ends in ``answer`` (None: none does; a
+    digit inside a longer number is no answer: the base once answered "There are 16,777,283,…" to the continents)."""
+    ends = [
+        m.end() for w in words if (m := re.search(rf"(?<!\w)(?<!\d[,.]){re.escape(w)}(?!\w|[,.]\d)", answer))
+    ]
+    return min(ends) if ends else None
+
+
 def right(answer: str, words: tuple[str, ...]) -> bool:
-    """One of the reference's alternatives appears as words (a digit inside a longer number is no answer: the base
-    once answered "There are 16,777,283,…" to the continents)."""
-    return any(re.search(rf"(?<!\w)(?<!\d[,.]){re.escape(w)}(?!\w|[,.]\d)", answer) for w in words)
+    """One of the reference's alternatives appears as words (``right_end``)."""
+    return right_end(answer, words) is not None
+
+
+def base_margins(loaded, answers: list[str]) -> list[float | None]:
+    """How near the base is to another answer, for each general question it answers right: teacher-forced on its
+    own answer up to the end of the reference's words, the least, over those tokens, of the answer token's
+    log-probability minus the best other token's (nats; small: a near tie, which any change of the model can flip
+    before the reference is said). None where the base's answer is wrong."""
+    import torch
+
+    from strop.trainer_svc.core import job_config, model_loading
+
+    tok, model = loaded.tokenizer, loaded.model
+    out: list[float | None] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with model.disable_adapter(), torch.no_grad(), model_loading.inference_weights(loaded):
+            for (q, words), answer in zip(GENERAL, answers, strict=True):
+                end = right_end(answer, words)
+                if end is None:
+                    out.append(None)
+                    continue
+                msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": answer[:end]}]
+                row = job_config.assistant_masked(msgs, tok)
+                ids = torch.tensor([row["input_ids"]], device=loaded.device)
+                target = ids[0, 1:]
+                scored = torch.tensor(row["completion_mask"][1:], dtype=torch.bool, device=loaded.device)
+                # the cut answer's end of turn, and what the template adds after it, are not its own
+                stop = ((target == tok.eos_token_id) & scored).nonzero()
+                if len(stop):
+                    scored[int(stop[0]) :] = False
+                logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)[scored]
+                own = logp.gather(1, target[scored][:, None])[:, 0]
+                other = logp.scatter(1, target[scored][:, None], float("-inf")).max(-1).values
+                out.append(round(float((own - other).min()), 3))
+    finally:
+        model.train(was_training)
+    return out
 
 
 def parse_setting(text: str):
@@ -230,8 +279,12 @@ def _cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     path = model_dir.parent / f"{model_dir.name}-recipe-base-{key}.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        base = json.loads(path.read_text())
+        if "margins" not in base:  # a cache written before the margins were measured
+            base["margins"] = base_margins(loaded, base["general_answers"])
+        return base
     base = evaluate(loaded, disable_adapter=True)
+    base["margins"] = base_margins(loaded, base["general_answers"])
     tmp = path.with_name(
         f"{path.name}.{os.getpid()}.tmp"
     )  # settings run in parallel processes share the cache
@@ -376,6 +429,9 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         "train_seconds": round(train_s, 1),
         "eval_seconds": round(after["seconds"], 1),
         "general_answers": after["general_answers"],
+        "base_margins": base_eval[
+            "margins"
+        ],  # base_margins: how near a tie each of the base's right answers is
     }
     model_loading.release(loaded)
     return row, base_eval
@@ -414,8 +470,9 @@ def table(paths: list[str]) -> str:
     from the stored answers (base and trained), so rows written by earlier versions of it read the same way."""
     out = [
         "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
-        f"| of the first {FIRST_GENERAL} | forgetting metric (held-out, word for word) | train s |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---|---:|",
+        f"| of the first {FIRST_GENERAL} | of those the base answers by ≥ {MARGIN_NATS:g} nat "
+        "| forgetting metric (held-out, word for word) | train s |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -424,6 +481,13 @@ def table(paths: list[str]) -> str:
             kept = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in base)
             first = [i for i in base if i < FIRST_GENERAL]
             kept_first = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in first)
+            margins = r.get("base_margins")
+            if margins:
+                clear = [i for i in base if margins[i] is not None and margins[i] >= MARGIN_NATS]
+                kept_clear = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in clear)
+                clear_cell = f"{kept_clear}/{len(clear)}"
+            else:
+                clear_cell = "-"
             ev = r["forgetting_events"][0] if r["forgetting_events"] else None
             metric = f"{ev['kept']}/{ev['held_out']}, tokens {ev['token_agreement']:.2f}" if ev else "-"
             retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
@@ -440,7 +504,7 @@ def table(paths: list[str]) -> str:
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
-                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {metric} | {r['train_seconds']:.0f} |"
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {clear_cell} | {metric} | {r['train_seconds']:.0f} |"
             )
     return "\n".join(out)
 
