@@ -120,12 +120,32 @@ def test_decode_attention_split_over_keys_gives_the_same_samples(tiny, monkeypat
     monkeypatch.setattr(kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     split = sample(model, reqs)
     layers = model.config.num_hidden_layers
+    assert decode_step.SPLIT_REFUSED == {}  # the first call's comparison with SDPA passed
     assert len(calls) == 4 * layers  # steps 1-4 (step 0's token comes from the prefill)
     for req, a, b in zip(reqs, split, sdpa, strict=True):
         for s, t in zip(a.sequences, b.sequences, strict=True):
             assert s.tokens == t.tokens
             ref = full_logprobs(model, req.prompt + s.tokens)[len(req.prompt) - 1 :]
             assert torch.allclose(torch.tensor(s.logprobs), ref, atol=TOL, rtol=0), (s.logprobs, ref.tolist())
+
+
+def test_a_split_kernel_that_disagrees_with_sdpa_is_refused(tiny, monkeypatch):
+    """The split decode attention's first call on a device is checked against SDPA: a kernel returning wrong
+    values (zeros here) is refused for the process with the reason kept, and SDPA serves the call, which samples
+    what the SDPA path samples."""
+    import strop.kernels.ops.decode_attention as kernel
+    from strop.trainer_svc.core import decode_step
+
+    model, _ = tiny
+    reqs = [SampleRequest(PROMPTS[0], 2, SamplingParams(max_tokens=3, temperature=0.0))]
+    sdpa = sample(model, reqs)
+    monkeypatch.setattr(decode_step, "SPLIT_REFUSED", {})
+    monkeypatch.setattr(decode_step, "_SPLIT_CHECKED", set())
+    monkeypatch.setattr(decode_step, "split_over_keys", lambda q, k, v: True)
+    monkeypatch.setattr(kernel, "decode_attention", lambda q, k, v, *a, **kw: q.new_zeros(q.shape))
+    got = sample(model, reqs)
+    assert "differs from SDPA" in decode_step.SPLIT_REFUSED["cpu"]
+    assert [s.tokens for s in got[0].sequences] == [s.tokens for s in sdpa[0].sequences]
 
 
 def test_prompt_logprobs_equal_a_full_forward(tiny):
@@ -416,9 +436,9 @@ def test_cuda_sampler_with_graph_and_nf4_kernel_is_within_bf16_error_of_fp32(tmp
     """GPU tier. On an NF4 session as the trainer has it on CUDA (bf16 compute, strop's kernels patched), the
     decode step runs as a CUDA graph through the fused NF4 kernel, the same seed gives bitwise the same tokens
     twice, the capture frees none of the pinned host allocator's cached blocks (the activation offload's between
-    steps), and the sampled log-probs are no further from an fp32-compute teacher-forced forward of the same NF4
-    weights than 2x bf16's own error (HF + PEFT + bitsandbytes in bf16 against that fp32 forward): DESIGN.md's bf16
-    rule."""
+    steps), the decode attention is the split kernel (not refused by its check against SDPA), and the sampled
+    log-probs are no further from an fp32-compute teacher-forced forward of the same NF4 weights than 2x bf16's own
+    error (HF + PEFT + bitsandbytes in bf16 against that fp32 forward): DESIGN.md's bf16 rule."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -454,6 +474,9 @@ def test_cuda_sampler_with_graph_and_nf4_kernel_is_within_bf16_error_of_fp32(tmp
     again = sample(model, reqs, nf4_decode=True)
     assert stats.cuda_graph, stats.note
     assert torch.cuda.host_memory_stats()["num_host_free"] == freed
+    from strop.trainer_svc.core.decode_step import SPLIT_REFUSED
+
+    assert SPLIT_REFUSED == {}  # the decode attention ran split over the keys (its first call matched SDPA)
     assert stats.extra["nf4_decode_layers"] == 14
     assert [[s.tokens for s in r.sequences] for r in got] == [[s.tokens for s in r.sequences] for r in again]
     unpatch_model(model)

@@ -104,6 +104,38 @@ class StaticKVCache:
         return len(self.k)
 
 
+# device → why the split kernel is not used there, found by its first call in the process (a compile failure or a
+# result unlike SDPA's); devices whose first call passed. Written once per device, before any capture.
+SPLIT_REFUSED: dict[str, str] = {}
+_SPLIT_CHECKED: set[str] = set()
+
+
+def _split_attention(q, key, value, rows, g: int, scale: float) -> torch.Tensor | None:
+    """The split kernel's attention, or None where it is refused. A device's first call also runs SDPA and compares
+    (a host sync, in the call's eager steps before any capture): an exception or a result off by more than 1% of
+    SDPA's largest output refuses the kernel on that device for the process, with a warning."""
+    from strop.kernels.ops.decode_attention import decode_attention
+
+    dev = str(q.device)
+    if dev in _SPLIT_CHECKED:
+        return decode_attention(q, key, value, rows, g, scale)
+    if dev in SPLIT_REFUSED:
+        return None
+    try:
+        out = decode_attention(q, key, value, rows, g, scale)
+        mask = None if rows is None else rows.repeat_interleave(g, dim=1)[:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+        err, bound = float((out.float() - ref.float()).abs().max()), 0.01 * float(ref.float().abs().max())
+        if not err <= bound:
+            raise ValueError(f"differs from SDPA by {err:.3g} (bound {bound:.3g})")
+    except Exception as exc:  # any failure of the kernel: SDPA serves the process instead
+        SPLIT_REFUSED[dev] = f"{type(exc).__name__}: {exc}"[:500]
+        log.warning("split decode attention refused on %s, SDPA instead: %s", dev, SPLIT_REFUSED[dev])
+        return None
+    _SPLIT_CHECKED.add(dev)
+    return out
+
+
 def split_over_keys(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the decode attention runs ``kernels/ops/decode_attention.py``'s kernel: on CUDA. (Under the Triton
     interpreter it would run too, but its programs run one by one: the CPU tests take it on purpose, one call.)"""
@@ -135,8 +167,6 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    from strop.kernels.ops.decode_attention import decode_attention
-
     lay: DecodeLayout = getattr(module.config, DECODE_LAYOUT)
     h, d = query.shape[1], query.shape[3]
     n_req, hkv, length = key.shape[0], key.shape[1], key.shape[2]
@@ -146,9 +176,11 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
         query = query.index_select(0, lay.padded)
     q = query.reshape(n_req, s, hkv, g, d).transpose(1, 2).reshape(n_req, hkv, s * g, d)
     softcap = kwargs.get("softcap")
+    out = None
     if not softcap and split_over_keys(q, key, value):  # K/V read in place
         rows = None if attention_mask is None else attention_mask[:, 0, :, :length]  # [R, S, L], a view
-        out = decode_attention(q, key, value, rows, g, scale)
+        out = _split_attention(q, key, value, rows, g, scale)
+    if out is not None:
         out = out.reshape(n_req, hkv, s, g, dv).transpose(1, 2).reshape(n_req * s, 1, h, dv)
         return (out if lay.unpadded is None else out.index_select(0, lay.unpadded)), None
     mask = None if attention_mask is None else attention_mask[:, :, :, :length].repeat_interleave(g, dim=2)
