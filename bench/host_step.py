@@ -15,7 +15,8 @@ on a tiny Llama of the 1B parts' structure (tied embeddings) on the CPU, bf16 ba
   counted so that it can be added.
 
 Reported per system: ms a step at ``--layers`` and at ``--layers-small`` layers (the least of ``--steps``, the two
-models' steps interleaved so that a shared CPU's load falls on both alike), their difference per layer (the decoder
+models' steps interleaved so that a shared CPU's load falls on both alike; the step's thread's CPU time, torch held to
+one thread, so that time the thread waits for a core on a loaded machine is not counted), their difference per layer (the decoder
 layer's host time: forward, recompute, backward, its share of the optimizer), Triton launches and aten ops a layer
 and step (exact counts, whatever the load; views and other metadata ops count as aten ops but launch nothing), and
 with ``--cprofile`` the functions with the most own time in the larger model's step. A bench script, not a test:
@@ -125,7 +126,7 @@ def step(model, opt, data, fp32: bool = False) -> None:
 
 
 def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[float, int, int, str]]:
-    """For the larger and the smaller model: (ms a step (the least of ``a.steps``, the two models' steps
+    """For the larger and the smaller model: (CPU ms a step (the least of ``a.steps``, the two models' steps
     interleaved so that the load of a shared CPU falls on both), Triton launches a step, aten ops a step, cProfile
     text or "")."""
     data = torch.randint(0, SHAPE["vocab"], (2, 16), generator=torch.Generator().manual_seed(1234))
@@ -136,10 +137,10 @@ def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[fl
         times: list[list[float]] = [[] for _ in runs]
         for i in range(3 + a.steps):
             for (model, opt), t in zip(runs, times, strict=True):
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 step(model, opt, data, a.fp32)
                 if i >= 3:
-                    t.append(time.perf_counter() - t0)
+                    t.append(time.thread_time() - t0)
         for (model, opt), t in zip(runs, times, strict=True):
             counter.launches = 0
             with OpCounter() as ops:

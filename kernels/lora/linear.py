@@ -325,7 +325,7 @@ def factors_of(projs: Sequence[LoRAProj], dtype: torch.dtype) -> Factors:
         a = _stacked_in([projs[i].lora_A for i, _, _ in spans], dtype)
         bs = [p.lora_B for p in projs if p.lora_B is not None]
         if len(bs) > 1 and len({t.shape[1] for t in bs}) == 1 and any(t.dtype != dtype for t in bs):
-            blocks = iter(_stacked_in(bs, dtype).split([t.shape[0] for t in bs]))
+            blocks = iter(_stacked_in(bs, dtype).split_with_sizes([t.shape[0] for t in bs]))
             b = tuple(None if p.lora_B is None else next(blocks) for p in projs)
         else:
             b = tuple(None if p.lora_B is None else p.lora_B.to(dtype) for p in projs)
@@ -414,7 +414,7 @@ def backward_projections(
         outs = (
             [None] * len(spans)
             if d_b_stack is None
-            else d_b_stack.split([projs[i].lora_B.shape[0] for i, _, _ in spans])
+            else d_b_stack.split_with_sizes([projs[i].lora_B.shape[0] for i, _, _ in spans])
         )
         for (i, lo, hi), out in zip(spans, outs, strict=True):
             d_b[i] = mm_scaled(dys[i].t(), u[:, lo:hi], projs[i].scaling, out=out)
@@ -472,7 +472,9 @@ def _cast_blocks(
     dtypes agree, else one cast a block."""
     ts = [getattr(projs[i], factor) for i, _, _ in spans]
     dtypes = {t.dtype for t in ts}
-    blocks = (stack.to(dtypes.pop()) if len(dtypes) == 1 else stack).split([t.shape[0] for t in ts])
+    whole = stack.to(dtypes.pop()) if len(dtypes) == 1 else stack
+    # split_with_sizes, here and above: a method in C, where Tensor.split is a Python wrapper over it
+    blocks = whole.split_with_sizes([t.shape[0] for t in ts])
     for (i, _, _), block, t in zip(spans, blocks, ts, strict=True):
         grads[i] = block.to(t.dtype)
 

@@ -152,7 +152,7 @@ class _MLPFrozen(Frozen):
 
 def _rows(term: LowRank | None, start: int, end: int) -> LowRank | None:
     """The rows [start, end) of a term (its ``a`` is per token; ``b`` is shared)."""
-    return None if term is None else term._replace(a=term.a[start:end])
+    return None if term is None else LowRank(term.a[start:end], term.b, term.scale)
 
 
 class LoRAMLPFunction(torch.autograd.Function):

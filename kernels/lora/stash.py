@@ -10,6 +10,8 @@ and some of them cost host launches or device passes out of proportion to their 
                                                  of an 8B model at r = 16)
     the down adapter's u_d = h A_dᵀ               an activation pass over [N, I] and a GEMM reading h, for N·r
                                                  values (``kernels/lora/mlp.py``)
+    each projection's spec (base, active          some twenty attribute and dict look-ups a projection in Python
+    adapter, scale: ``models/proj_spec.py``)      (``models/patched_forwards.py``), no device work
 
 Under :func:`recording_for_recompute` (around the first run) the ops :func:`stash` such values in a
 :class:`RecomputeStash`; under :func:`recompute_outputs_unused` (around the recompute) they :func:`take_stashed` them
