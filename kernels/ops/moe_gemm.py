@@ -326,16 +326,25 @@ def _code_pairs(device: torch.device) -> torch.Tensor:
     return pairs
 
 
-def _merge_kernel_for(device: torch.device):
-    """(kernel, tile kwargs): the autotuned merge on CUDA, the first tile elsewhere (the interpreter)."""
+# The tile the autotuner kept, by what it keys on: later merges of that shape launch the kernel with it directly,
+# without the autotuner's per-call bookkeeping (tens of microseconds of host time a merge).
+_MERGE_TILE: dict[tuple, dict] = {}
+
+
+def _merge_kernel_for(key: tuple, device: torch.device):
+    """(kernel, tile kwargs, tuner): the first tile off CUDA (the interpreter); on CUDA the tile the autotuner
+    kept for ``key``, else the autotuner itself (the caller records its pick)."""
     if device.type != "cuda":
         n, k, warps = _MERGE_TILES[0]
-        return _merge_kernel, {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps}
+        return _merge_kernel, {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps}, None
+    if key in _MERGE_TILE:
+        return _merge_kernel, _MERGE_TILE[key], None
     if not _TUNED_MERGE:
         configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _MERGE_TILES]
-        key = ["N", "K", "R", "NF4", "NESTED", "ROW_BLOCKS", "QDTYPE", "OUT_DTYPE"]
-        _TUNED_MERGE.append(triton.autotune(configs, key=key)(_merge_kernel))
-    return _TUNED_MERGE[0], {}
+        _TUNED_MERGE.append(
+            triton.autotune(configs, key=["N", "K", "R", "NF4", "NESTED", "ROW_BLOCKS"])(_merge_kernel)
+        )
+    return _TUNED_MERGE[0], {}, _TUNED_MERGE[0]
 
 
 def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale: float) -> None:
@@ -361,7 +370,9 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
         half_bs, bs2, nested, qdtype = 1, 1, False, w.dtype
     r = a_.shape[1]
     w_strides = (0, 0, 0) if nf4 else w.stride()
-    kernel, tile = _merge_kernel_for(out.device)
+    row_blocks = nf4 and k % (2 * half_bs) == 0
+    key = (out.device, n, k, r, nf4, nested, row_blocks, qdtype, out.dtype, a_.dtype)
+    kernel, tile, tuner = _merge_kernel_for(key, out.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), e)  # noqa: E731
     # fmt: skip below: one row per role, as the kernel's signature
     kernel[grid](
@@ -369,10 +380,12 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
         b_, a_, out, float(scale),
         n, k, r,
         b_.stride(0), b_.stride(1), b_.stride(2), a_.stride(0), a_.stride(1), a_.stride(2), *w_strides,
-        NF4=nf4, HALF_BS=half_bs, NESTED=nested, BS2=bs2, ROW_BLOCKS=nf4 and k % (2 * half_bs) == 0,
+        NF4=nf4, HALF_BS=half_bs, NESTED=nested, BS2=bs2, ROW_BLOCKS=row_blocks,
         QDTYPE=_TL_DTYPES[qdtype], OUT_DTYPE=_TL_DTYPES[out.dtype], IEEE=out.dtype == torch.float32,
         BLOCK_R=block_k(r), enable_fp_fusion=False, **tile,
     )  # fmt: skip
+    if tuner is not None:
+        _MERGE_TILE[key] = tuner.best_config.all_kwargs()
 
 
 def _merged(w, a, b, a_, b_, scale: float, dtype, *, reuse: bool = False) -> torch.Tensor:
