@@ -76,6 +76,8 @@ class StaticKVCache:
         self.length = length
         self.prompt = int(slots.numel())  # the prefill attends over the prompt slots only
         self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        # decode: the slot each row writes this step, set once a step by DecodeStep (one add, not one a layer)
+        self.at: torch.Tensor | None = None
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.k[layer_idx] is None:
@@ -88,7 +90,7 @@ class StaticKVCache:
             v.index_copy_(2, self.slots, value.to(v.dtype))
             return k[:, :, : self.prompt], v[:, :, : self.prompt]
         request, start = self.rows  # decode: one token per sampled row, key [rows, kv_heads, 1, dim]
-        at = start + self.slots
+        at = self.at if self.at is not None else start + self.slots
         k[request, :, at] = key[:, :, 0].to(k.dtype)
         v[request, :, at] = value[:, :, 0].to(v.dtype)
         return k, v
@@ -354,6 +356,7 @@ class DecodeStep:
     def _step(self) -> torch.Tensor:
         parts = self.parts
         mask = decode_masks(parts, self.slots, self.step, self.dtype)
+        self.cache.at = self.cache.rows[1] + self.step  # the rows' slots this step, for every layer's write
         out = parts.backbone(
             input_ids=self.ids,
             attention_mask=mask,
