@@ -404,8 +404,13 @@ def backward_projections(
     d_b: list[torch.Tensor | None] = [None] * len(projs)
     g = None
     if spans:
-        gs = [mm_scaled(dys[i], factors.b[i], projs[i].scaling) for i, _, _ in spans]
-        g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=1)  # [N, Σr]
+        if len(spans) == 1:
+            ((i, _, _),) = spans
+            g = mm_scaled(dys[i], factors.b[i], projs[i].scaling)
+        else:  # g = [s_i dy_i B_i], [N, Σr]: each GEMM writes its column block (the row's stride is its ldc)
+            g = dys[spans[0][0]].new_empty(x.shape[0], spans[-1][2])
+            for i, lo, hi in spans:
+                mm_scaled(dys[i], factors.b[i], projs[i].scaling, out=g[:, lo:hi])
         d_a_stack = torch.mm(g.t(), x)  # [Σr, in]: the only read of x in the backward
         # the gradients in the adapters' dtype: each stack cast once (a cast rounds each value alone), handed out
         # as row blocks
