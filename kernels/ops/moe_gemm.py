@@ -308,7 +308,10 @@ def _merge_kernel(
 # program) always runs; on CUDA the autotuner times them all on first use for each projection's shape, rank and
 # dtypes (a trainer's first step: a compile and ~0.1 s of timing a tile) and keeps the fastest. The NF4 tile's
 # code-pair gathers hold a 64-bit address a byte, so registers bound the programs an SM runs (ptxas -v on the sm_90
-# compile says how many); the smaller tiles trade elements a thread for programs in flight.
+# compile says how many); the smaller tiles trade elements a thread for programs in flight. W's part is exact
+# whatever the tile; the rank-r product's tensor-core instruction depends on it (wgmma for 64-row tiles over 4 warps,
+# mma below), so two processes that keep different tiles may round a merged weight differently (the tests bound
+# that rounding, not its bits).
 _MERGE_TILES = ((64, 128, 4), (32, 128, 4), (16, 128, 4), (32, 256, 8), (64, 64, 4))
 _TUNED_MERGE: list = []
 
