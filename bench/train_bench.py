@@ -48,8 +48,14 @@ way, bf16 LoRA with the same adapter config and loop; systems ``baseline``, ``st
 the 8B parts; ``--batch 2`` for the 2 × 2048 point. At this size a step's GPU work is short enough that the host's
 Python and launches per layer can set the pace: ``--profile`` gives the GPU's idle time in the step.
 
+Qwen3-8B and Gemma 3 4B parts (``--parts qlora-qwen3-8b,qlora-gemma3-4b``, bf16: ``lora-…``; issue 39's other
+architectures): Qwen3-8B's shape (hidden 4096, inter 12288, 36 layers, 32 heads / 8 KV heads of 128, per-head q/k
+RMSNorm, vocab 151,936, untied) and Gemma 3 4B's text model (hidden 2560, inter 10240, 34 layers, 8 heads / 4 KV heads
+of 256, window 1024 on five of every six layers, vocab 262,208, tied), each saved and loaded the same way, every
+system as in the 8B parts (``harness.PART_SHAPES``; ``--smoke``: a tiny shape of the same architecture).
+
 FLOP accounting (stated so MFU can be checked):
-    N      = parameters in matmuls per token (7 projections x 32 layers + lm_head)
+    N      = parameters in matmuls per token (7 projections x layers + lm_head)
     attn   = causal attention per token, forward: 2 * 2 * layers * seq/2 * heads*head_dim (QK^T and PV, half
              masked; a sliding layer's keys per query are its window w less w²/(2·seq), not seq/2)
     model FLOPs/token    = 2N + 2N (forward, backward dX; the frozen base has no weight gradient)
@@ -68,6 +74,7 @@ Usage (on the GPU machine)::
     python bench/train_bench.py --parts orpo,kto,simpo --systems baseline,strop-standard --steps 8 --warmup 0
     python bench/train_bench.py --parts gemma --systems baseline,strop,strop-standard --profile
     python bench/train_bench.py --parts lora-1b,qlora-1b --systems baseline,strop-standard,service --batch 2
+    python bench/train_bench.py --parts qlora-qwen3-8b,qlora-gemma3-4b --systems baseline,strop-standard,baseline
     python bench/train_bench.py --parts context --systems baseline,strop-long-context --context 65536,131072,262144,524288
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``, plain checkpointing), and the trainer's memory

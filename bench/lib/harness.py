@@ -2,15 +2,16 @@
 recipe, and the step measurements every script reports (peak memory, median step time, MFU/HFU).
 
 A :class:`Workload` (a shape, a device and a dtype) is passed to whatever needs it; nothing here is module
-state a script sets. ``workload(part, smoke)`` gives a part's: Gemma 3 1B's shape for ``gemma``, Llama 3.2 1B's
-for ``lora-1b`` and ``qlora-1b``, else the 8B Llama's; ``smoke`` the tiny CPU shapes in fp32, the dtype strop's
-kernels run in under the CPU interpreter.
+state a script sets. ``workload(part, smoke)`` gives a part's (``PART_SHAPES``): Gemma 3 1B's shape for ``gemma``,
+Llama 3.2 1B's for ``lora-1b`` and ``qlora-1b``, Qwen3-8B's for ``[q]lora-qwen3-8b``, Gemma 3 4B's for
+``[q]lora-gemma3-4b``, else the 8B Llama's; ``smoke`` a tiny shape of the same architecture in fp32, the dtype
+strop's kernels run in under the CPU interpreter.
 
 The saved dir (``MODEL_ROOT``, a tiny BPE tokenizer beside the weights) is written once per machine by a child
 process (``python -m lib.harness --write-model``, run from bench/) before any worker starts, so no worker's
 time or memory includes it; a later run reuses it when its config matches and its max_position_embeddings
-covers the longest point. RoPE is the default type, which never reads max_position_embeddings, so that value
-changes nothing in any step: it is written as ``MAX_POSITIONS`` once.
+covers the longest point. RoPE is the default type (Gemma 3 4B's full layers: linear), neither of which reads
+max_position_embeddings, so that value changes nothing in any step: it is written as ``MAX_POSITIONS`` once.
 
 FLOP accounting (stated so MFU can be checked): see bench/train_bench.py's docstring; ``flops_per_token``
 implements it.
@@ -32,12 +33,18 @@ from strop.common.trainer_types import DEFAULT_TARGET_MODULES
 from .profile import profile_summary
 
 PEAK_TFLOPS = 790.0  # measured bf16 matmul ceiling on the H200 (DESIGN.md, KINDS.md)
-LLAMA_SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, head_dim=128)
+# A shape: the dims of a released model's text config, ``name`` (its saved dir's) and ``model_type`` ("llama" when
+# absent). Each is that model's published config.json; the bench writes random weights of it, never the weights.
+LLAMA_SHAPE = dict(
+    name="llama-8b", hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, head_dim=128
+)
 # --smoke: a tiny shape on the CPU, to check the harness itself without a GPU (numbers meaningless)
-SMOKE_SHAPE = dict(hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=640, head_dim=32)
+SMOKE_SHAPE = dict(LLAMA_SHAPE, hidden=128, inter=256, layers=2, heads=4, kv_heads=2, vocab=640, head_dim=32)
 # The gemma part: Gemma 3 1B's shape (the GPU tier's parity test, tests/kernels/models/test_gemma.py), bf16 LoRA.
 # window: the sliding layers' attention window; full_every: every 6th layer attends to the whole sequence.
 GEMMA_SHAPE = dict(
+    name="gemma3-1b",
+    model_type="gemma3_text",
     hidden=1152,
     inter=6912,
     layers=26,
@@ -49,16 +56,66 @@ GEMMA_SHAPE = dict(
     full_every=6,
 )
 SMOKE_GEMMA_SHAPE = dict(
-    hidden=128, inter=256, layers=6, heads=4, kv_heads=1, vocab=640, head_dim=32, window=16, full_every=6
+    GEMMA_SHAPE, hidden=128, inter=256, layers=6, heads=4, kv_heads=1, vocab=640, head_dim=32, window=16
 )
-GEMMA_PARTS = ("gemma",)
 # The 1B parts: Llama 3.2 1B's shape (tied embeddings, as the released model), bf16 LoRA and QLoRA; a step's GPU
 # work is a sixth of the 8B's, so the host's time per layer shows where the 8B's hides behind the GPU.
 LLAMA_1B_SHAPE = dict(
-    hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, vocab=128256, head_dim=64, tied=True
+    name="llama-1b",
+    hidden=2048,
+    inter=8192,
+    layers=16,
+    heads=32,
+    kv_heads=8,
+    vocab=128256,
+    head_dim=64,
+    tied=True,
 )
-SMOKE_1B_SHAPE = dict(SMOKE_SHAPE, tied=True)
-LLAMA_1B_PARTS = ("lora-1b", "qlora-1b")
+SMOKE_1B_SHAPE = dict(SMOKE_SHAPE, name="llama-1b", tied=True)
+# Qwen3-8B (Qwen/Qwen3-8B's config.json): per-head RMSNorm on q and k before RoPE, rope theta 1e6, untied head.
+QWEN3_8B_SHAPE = dict(
+    name="qwen3-8b",
+    model_type="qwen3",
+    hidden=4096,
+    inter=12288,
+    layers=36,
+    heads=32,
+    kv_heads=8,
+    vocab=151936,
+    head_dim=128,
+)
+SMOKE_QWEN3_SHAPE = dict(SMOKE_SHAPE, name="qwen3-8b", model_type="qwen3")
+# Gemma 3 4B's text model (google/gemma-3-4b-it's text_config; the vocabulary is Gemma3TextConfig's default, which
+# that config leaves unset: the checkpoint's embedding has 262,208 rows): GQA 8 / 4 heads of 256, window 1024 on
+# five of every six layers, the full layers' RoPE positions scaled down 8× (linear), tied embeddings.
+GEMMA3_4B_SHAPE = dict(
+    name="gemma3-4b",
+    model_type="gemma3_text",
+    hidden=2560,
+    inter=10240,
+    layers=34,
+    heads=8,
+    kv_heads=4,
+    vocab=262208,
+    head_dim=256,
+    window=1024,
+    full_every=6,
+    rope_linear=8.0,
+)
+SMOKE_GEMMA3_4B_SHAPE = dict(
+    GEMMA3_4B_SHAPE, hidden=128, inter=256, layers=6, heads=4, kv_heads=2, vocab=640, head_dim=32, window=16
+)
+# The parts whose model is not the 8B Llama's: part -> (shape, its --smoke shape). The qlora-/lora- prefix says
+# whether the base is NF4 (train_workers.QLORA_PARTS).
+PART_SHAPES = {
+    "gemma": (GEMMA_SHAPE, SMOKE_GEMMA_SHAPE),
+    "lora-1b": (LLAMA_1B_SHAPE, SMOKE_1B_SHAPE),
+    "qlora-1b": (LLAMA_1B_SHAPE, SMOKE_1B_SHAPE),
+    "lora-qwen3-8b": (QWEN3_8B_SHAPE, SMOKE_QWEN3_SHAPE),
+    "qlora-qwen3-8b": (QWEN3_8B_SHAPE, SMOKE_QWEN3_SHAPE),
+    "lora-gemma3-4b": (GEMMA3_4B_SHAPE, SMOKE_GEMMA3_4B_SHAPE),
+    "qlora-gemma3-4b": (GEMMA3_4B_SHAPE, SMOKE_GEMMA3_4B_SHAPE),
+}
 MAX_POSITIONS = 524288  # the longest context point (512K tokens at batch 1); default RoPE ignores it
 MODEL_ROOT = "/tmp/strop-bench-models"
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,8 +184,9 @@ class Workload:
         """``AutoConfig.for_model`` arguments of the shape's saved model, less max_position_embeddings (also what
         a saved dir must match)."""
         shape = self.shape
+        model_type = shape.get("model_type", "llama")
         common = dict(
-            model_type="gemma3_text" if "window" in shape else "llama",
+            model_type=model_type,
             vocab_size=shape["vocab"],
             hidden_size=shape["hidden"],
             intermediate_size=shape["inter"],
@@ -139,31 +197,39 @@ class Workload:
             use_cache=False,
             dtype="bfloat16",
         )
-        if "window" not in shape:
+        if model_type == "llama":
             return dict(
                 common,
                 rms_norm_eps=1e-5,
                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                 tie_word_embeddings=bool(shape.get("tied")),
             )
-        return (
-            dict(  # Gemma 3 1B's: tied embeddings, GeGLU, soft-capping off, five sliding layers per full one
+        if model_type == "qwen3":  # Qwen3-8B's: q/k RMSNorm (always built by the architecture), no biases
+            return dict(
                 common,
                 rms_norm_eps=1e-6,
-                sliding_window=shape["window"],
-                sliding_window_pattern=shape["full_every"],
-                query_pre_attn_scalar=shape["head_dim"],
-                rope_parameters={
-                    "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                },
-                tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                tie_word_embeddings=False,
             )
+        full_rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
+        if "rope_linear" in shape:  # Gemma 3 4B's full layers: positions divided by the factor
+            full_rope = {"rope_type": "linear", "factor": shape["rope_linear"], "rope_theta": 1_000_000.0}
+        return dict(  # Gemma 3's: tied embeddings, GeGLU, soft-capping off, five sliding layers per full one
+            common,
+            rms_norm_eps=1e-6,
+            sliding_window=shape["window"],
+            sliding_window_pattern=shape["full_every"],
+            query_pre_attn_scalar=shape["head_dim"],
+            rope_parameters={
+                "full_attention": full_rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            tie_word_embeddings=True,
         )
 
     def saved_model_dir(self) -> str:
         """The shape's saved random model's HF dir (each shape has its own, so none overwrites another)."""
-        name = "gemma3-1b" if "window" in self.shape else "llama-1b" if self.shape.get("tied") else "llama-8b"
+        name = self.shape["name"]
         return os.path.join(MODEL_ROOT, f"{name}-smoke-shape" if self.device == "cpu" else f"{name}-shape")
 
     def ensure_saved_model(self, longest: int, part: str) -> None:
@@ -292,16 +358,11 @@ class Workload:
 
 
 def workload(part: str, smoke: bool) -> Workload:
-    """A part's workload: Gemma 3 1B's shape for the gemma part, Llama 3.2 1B's for the 1B parts, else the 8B
-    Llama's, bf16 on CUDA (``smoke``: the tiny shapes in fp32 on the CPU)."""
-    if part in GEMMA_PARTS:
-        shape = SMOKE_GEMMA_SHAPE if smoke else GEMMA_SHAPE
-    elif part in LLAMA_1B_PARTS:
-        shape = SMOKE_1B_SHAPE if smoke else LLAMA_1B_SHAPE
-    else:
-        shape = SMOKE_SHAPE if smoke else LLAMA_SHAPE
+    """A part's workload: its shape in ``PART_SHAPES``, else the 8B Llama's, bf16 on CUDA (``smoke``: the tiny
+    shape of the same architecture in fp32 on the CPU)."""
+    shape, smoke_shape = PART_SHAPES.get(part, (LLAMA_SHAPE, SMOKE_SHAPE))
     if smoke:
-        return Workload(dict(shape), device="cpu", dtype="float32")
+        return Workload(dict(smoke_shape), device="cpu", dtype="float32")
     return Workload(dict(shape))
 
 

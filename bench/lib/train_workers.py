@@ -10,11 +10,28 @@ import os
 import re
 import time
 
-from .harness import MODEL_ROOT, Result, Workload, attach_lora, host_peak_rss_gib, upcast_adapters_
+from .harness import (
+    MODEL_ROOT,
+    PART_SHAPES,
+    Result,
+    Workload,
+    attach_lora,
+    host_peak_rss_gib,
+    upcast_adapters_,
+)
 from .profile import label_phases, memory_at_peak, profile_step, profile_summary
 
 FAST_BUDGET_GIB = 80  # the memory-allowed mode's cap (issue 5)
-QLORA_PARTS = ("qlora", "qlora-1b", "context", "dpo", "orpo", "kto", "simpo")
+# the parts whose base is NF4 (the shaped parts say so by their "qlora-" prefix)
+QLORA_PARTS = (
+    "qlora",
+    *(p for p in PART_SHAPES if p.startswith("qlora-")),
+    "context",
+    "dpo",
+    "orpo",
+    "kto",
+    "simpo",
+)
 # trained by TRL's preference trainers on the fixed batch of DPO pairs (run_dpo_worker, run_preference_worker)
 PREFERENCE_PARTS = ("dpo", "orpo", "kto", "simpo")
 # TRL's default lr 5e-6 hardly moves the margin from random weights in 8 steps (the H200 baseline's did not
