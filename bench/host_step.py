@@ -14,17 +14,24 @@ on a tiny Llama of the 1B parts' structure (tied embeddings) on the CPU, bf16 ba
   the driver call: ~16 µs on the H200's host, bench/RESULTS.md session 7) is not in the time; the launches are
   counted so that it can be added.
 
-Reported per system: ms a step at ``--layers`` and at ``--layers-small`` layers (the least of ``--steps``, the two
-models' steps interleaved so that a shared CPU's load falls on both alike; the step's thread's CPU time, torch held to
-one thread, so that time the thread waits for a core on a loaded machine is not counted), their difference per layer (the decoder
-layer's host time: forward, recompute, backward, its share of the optimizer), Triton launches and aten ops a layer
-and step (exact counts, whatever the load; views and other metadata ops count as aten ops but launch nothing), and
-with ``--cprofile`` the functions with the most own time in the larger model's step. A bench script, not a test:
-the stubbed kernels compute nothing.
+With ``--cuda`` (on the GPU machine) the same tiny model trains on the GPU, every kernel compiled and run: each
+computes a few elements in a few µs, so the GPU waits on the host throughout and a step's wall time is the host's,
+real launches (cuBLAS, Triton, copies) included. The layer inputs go to host memory as at the 1B shape's sizes
+(``min_offload_bytes`` 0: these tiny ones would stay below the threshold).
 
-Usage (CPU)::
+Reported per system: ms a step at ``--layers`` and at ``--layers-small`` layers (the least of ``--steps``, the two
+models' steps interleaved so that a shared CPU's load falls on both alike; on the CPU the step's thread's CPU time,
+torch held to one thread, so that waits for a core on a loaded machine are not counted; with ``--cuda`` the wall time
+from a synchronized start to a synchronized end), their difference per layer (the decoder layer's host time:
+forward, recompute, backward, its share of the optimizer), Triton launches and aten ops a layer and step (exact
+counts, whatever the load; views and other metadata ops count as aten ops but launch nothing), and with
+``--cprofile`` the functions with the most own time in the larger model's step. A bench script, not a test: the
+stubbed kernels compute nothing, and the tiny kernels of ``--cuda`` train nothing worth checking.
+
+Usage::
 
     python3 bench/host_step.py [--systems baseline,strop-standard] [--qlora] [--fp32] [--steps 30] [--cprofile 25]
+    python3 bench/host_step.py --cuda [--qlora]     # on the GPU machine
 """
 
 from __future__ import annotations
@@ -38,8 +45,8 @@ import sys
 import tempfile
 import time
 
-# strop's Triton paths on the CPU (their launches stubbed below)
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# read before torch and triton load: the CPU runs strop's Triton paths interpreted (their launches stubbed below)
+os.environ.setdefault("TRITON_INTERPRET", "0" if "--cuda" in sys.argv[1:] else "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
@@ -48,34 +55,40 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lib.harness import SMOKE_1B_SHAPE, Workload, attach_lora, load_saved
 from lib.train_workers import apply_memory
 
+CUDA = "--cuda" in sys.argv[1:]  # (the flag's help: main)
+
 # a tiny Llama of the 1B parts' structure: tied embeddings, GQA (4 heads, 2 KV heads)
 SHAPE = dict(SMOKE_1B_SHAPE, hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16, vocab=256)
 
 
 class LaunchCounter:
-    """Replaces the Triton interpreter's launch by a count (``stub``), or counts the launches it runs."""
+    """Replaces the Triton interpreter's launch by a count (``stub``), or counts the launches it runs (on the GPU,
+    the compiled kernels' launches)."""
 
     def __init__(self, stub: bool) -> None:
         self.stub, self.launches = stub, 0
 
     @contextlib.contextmanager
     def installed(self):
-        from triton.runtime.interpreter import InterpretedFunction
+        if CUDA:
+            from triton.runtime.jit import JITFunction as Launcher
+        else:
+            from triton.runtime.interpreter import InterpretedFunction as Launcher
 
-        run = InterpretedFunction.run
+        run = Launcher.run
         counter = self
 
-        def counted(fn, *args, grid, warmup, **kwargs):
+        def counted(fn, *args, **kwargs):
             counter.launches += 1
-            if counter.stub or warmup:
+            if counter.stub or (kwargs.get("warmup") and not CUDA):
                 return None
-            return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            return run(fn, *args, **kwargs)
 
-        InterpretedFunction.run = counted
+        Launcher.run = counted
         try:
             yield self
         finally:
-            InterpretedFunction.run = run
+            Launcher.run = run
 
 
 class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
@@ -94,7 +107,8 @@ def build(system: str, layers: int, a, root: str):
     """train_bench's model for ``system`` at ``layers`` layers: saved, loaded as the baseline loads it, LoRA, patch,
     memory mode; and its optimizer."""
     dtype = torch.float32 if a.fp32 else torch.bfloat16
-    w = Workload(dict(SHAPE, layers=layers), device="cpu", dtype=str(dtype).removeprefix("torch."))
+    device = "cuda" if CUDA else "cpu"
+    w = Workload(dict(SHAPE, layers=layers), device=device, dtype=str(dtype).removeprefix("torch."))
     path = os.path.join(root, f"l{layers}-{w.dtype}")
     if not os.path.exists(path):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -102,13 +116,16 @@ def build(system: str, layers: int, a, root: str):
         torch.manual_seed(0)
         config = AutoConfig.for_model(**w.model_config(), max_position_embeddings=64)
         AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
-    model = attach_lora(load_saved(path, a.qlora, dtype, "cpu"))
+    model = attach_lora(load_saved(path, a.qlora, dtype, device))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if system.startswith("strop"):
         from strop.kernels.models import patch_model
 
         patch_model(model)
-    apply_memory(w, model, system, 2, 16)
+    installed = apply_memory(w, model, system, 2, 16)
+    offloader = None if installed is None or installed.memory is None else installed.memory.offloader
+    if CUDA and offloader is not None:
+        offloader.pool.min_offload_bytes = 0  # as the 1B shape's layer inputs (MiBs), these go to host memory
     model.train()
     # foreach: the implementation torch picks on CUDA (the CPU default is one tensor at a time)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
@@ -116,9 +133,9 @@ def build(system: str, layers: int, a, root: str):
 
 
 def step(model, opt, data, fp32: bool = False) -> None:
-    """train_bench's step (``train_step``) under bf16 autocast on the CPU, as on the GPU (the worker's is on there);
-    ``fp32``: without autocast."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not fp32):
+    """train_bench's step (``train_step``) under bf16 autocast on the data's device, as on the GPU (the worker's is
+    on there); ``fp32``: without autocast."""
+    with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=not fp32):
         loss = model(input_ids=data, labels=data).loss
     loss.backward()
     opt.step()
@@ -126,10 +143,11 @@ def step(model, opt, data, fp32: bool = False) -> None:
 
 
 def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[float, int, int, str]]:
-    """For the larger and the smaller model: (CPU ms a step (the least of ``a.steps``, the two models' steps
-    interleaved so that the load of a shared CPU falls on both), Triton launches a step, aten ops a step, cProfile
+    """For the larger and the smaller model: (ms a step by :func:`_now` (the least of ``a.steps``, the two models'
+    steps interleaved so that the load of a shared CPU falls on both), Triton launches a step, aten ops a step, cProfile
     text or "")."""
     data = torch.randint(0, SHAPE["vocab"], (2, 16), generator=torch.Generator().manual_seed(1234))
+    data = data.to("cuda" if CUDA else "cpu")
     counter = LaunchCounter(a.stub)
     runs = [build(system, n, a, root)[1:] for n in layers]
     out = []
@@ -137,10 +155,10 @@ def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[fl
         times: list[list[float]] = [[] for _ in runs]
         for i in range(3 + a.steps):
             for (model, opt), t in zip(runs, times, strict=True):
-                t0 = time.thread_time()
+                t0 = _now()
                 step(model, opt, data, a.fp32)
                 if i >= 3:
-                    t.append(time.thread_time() - t0)
+                    t.append(_now() - t0)
         for (model, opt), t in zip(runs, times, strict=True):
             counter.launches = 0
             with OpCounter() as ops:
@@ -157,6 +175,15 @@ def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[fl
                 text = buf.text
             out.append((min(t) * 1e3, launches, ops.ops, text))
     return out
+
+
+def _now() -> float:
+    """The step clock: on the GPU the wall time, the device's queue drained (the autograd engine runs a CUDA
+    backward on a thread of its own); on the CPU the thread's CPU time."""
+    if CUDA:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.thread_time()
 
 
 class _Text:
@@ -181,7 +208,11 @@ def main() -> None:
         action="store_true",
         help="fp32 bases, no autocast (no casts; for CPUs slow at bf16 matmuls)",
     )
+    p.add_argument(
+        "--cuda", action="store_true", help="on the GPU, kernels compiled and run (read at import)"
+    )
     a = p.parse_args()
+    a.stub = a.stub and not a.cuda
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="strop-host-step-")
     rows = []

@@ -476,6 +476,9 @@ def _cast_blocks(
     order, each as many rows as projection i's ``factor``) in that factor's dtype: one cast of the stack where the
     dtypes agree, else one cast a block."""
     ts = [getattr(projs[i], factor) for i, _, _ in spans]
+    if len(ts) == 1:  # the stack is the one block
+        grads[spans[0][0]] = stack.to(ts[0].dtype)
+        return
     dtypes = {t.dtype for t in ts}
     whole = stack.to(dtypes.pop()) if len(dtypes) == 1 else stack
     # split_with_sizes, here and above: a method in C, where Tensor.split is a Python wrapper over it
