@@ -308,11 +308,11 @@ def _merge_kernel(
 # program) always runs; on CUDA the autotuner times them all on first use for each projection's shape, rank and
 # dtypes (a trainer's first step: a compile and ~0.1 s of timing a tile) and keeps the fastest. The NF4 tile's
 # code-pair gathers hold a 64-bit address a byte, so registers bound the programs an SM runs (ptxas -v on the sm_90
-# compile says how many); the smaller tiles trade elements a thread for programs in flight. W's part is exact
-# whatever the tile; the rank-r product's tensor-core instruction depends on it (wgmma for 64-row tiles over 4 warps,
-# mma below), so two processes that keep different tiles may round a merged weight differently (the tests bound
-# that rounding, not its bits).
-_MERGE_TILES = ((64, 128, 4), (32, 128, 4), (16, 128, 4), (32, 256, 8), (64, 64, 4))
+# compile says how many); the smaller tiles trade elements a thread for programs in flight. Every tile gives each
+# warpgroup 64 rows, so the rank-r product is one Hopper wgmma k-step whatever the tile (fewer rows a warpgroup
+# would make it mma's); W's part is exact. A 16-bit stack and NF4 codes of one shape share the kept tile
+# (_MERGE_TILE's key), so the two paths merge to the same bits.
+_MERGE_TILES = ((64, 128, 4), (64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 128, 8))
 _TUNED_MERGE: list = []
 
 
@@ -374,7 +374,7 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
     r = a_.shape[1]
     w_strides = (0, 0, 0) if nf4 else w.stride()
     row_blocks = nf4 and k % (2 * half_bs) == 0
-    key = (out.device, n, k, r, nf4, nested, row_blocks, qdtype, out.dtype, a_.dtype)
+    key = (out.device, n, k, r, out.dtype, a_.dtype)  # not the stack's kind: NF4 and 16-bit share a tile
     kernel, tile, tuner = _merge_kernel_for(key, out.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), e)  # noqa: E731
     # fmt: skip below: one row per role, as the kernel's signature
