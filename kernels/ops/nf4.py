@@ -240,6 +240,18 @@ def nf4_dequantize(
         TypeError: On a wrong tensor type or dtype.
         ValueError: On an unsupported quant type or blocksize, or sizes/devices that do not match.
     """
+    with torch._C.DisableTorchFunctionSubclass():  # see _nf4_dequantize
+        return _nf4_dequantize(packed, quant_state, out, dtype)
+
+
+# bitsandbytes' Params4bit overrides __torch_function__ (to keep its quant state through chunk and split), so each
+# tensor method or property read on one runs that Python override: several times the host time of the same read on
+# a plain tensor, some twenty of them a dequantization. For any other op the override returns what torch returns,
+# so the NF4 entry points (nf4_dequantize, dequantize_shared, dequantize_shared_stacked), which never call chunk or
+# split, run with subclass dispatch off: the same tensors, less host time.
+def _nf4_dequantize(
+    packed: torch.Tensor, quant_state, out: torch.Tensor | None, dtype: torch.dtype | None
+) -> torch.Tensor:
     dtype = dtype or quant_state.dtype
     n = _check(packed, quant_state, out, dtype)
     shape = tuple(quant_state.shape)
@@ -327,7 +339,8 @@ def dequantize_shared(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise TypeError(f"expected an NF4 Params4bit, got {type(param).__name__}")
     qs = param.quant_state
     n = _numel(qs.shape)
-    return nf4_dequantize(param, qs, out=_shared_buffer(param.device, dtype, n)[:n], dtype=dtype)
+    with torch._C.DisableTorchFunctionSubclass():  # see _nf4_dequantize
+        return _nf4_dequantize(param, qs, _shared_buffer(param.device, dtype, n)[:n], dtype)
 
 
 def shared_buffer_holding(
@@ -387,11 +400,12 @@ def dequantize_shared_stacked(params: tuple[torch.Tensor, ...], dtype: torch.dty
     if len({s[1:] for s in shapes}) != 1:
         raise ValueError(f"stacked weights need one input width, got shapes {shapes}")
     sizes = [_numel(s) for s in shapes]
-    buf = _shared_buffer(params[0].device, dtype, sum(sizes))
-    start = 0
-    for p, n in zip(params, sizes, strict=True):
-        nf4_dequantize(p, p.quant_state, out=buf[start : start + n], dtype=dtype)
-        start += n
+    with torch._C.DisableTorchFunctionSubclass():  # see _nf4_dequantize
+        buf = _shared_buffer(params[0].device, dtype, sum(sizes))
+        start = 0
+        for p, n in zip(params, sizes, strict=True):
+            _nf4_dequantize(p, p.quant_state, buf[start : start + n], dtype)
+            start += n
     return buf[:start].view(sum(s[0] for s in shapes), *shapes[0][1:])
 
 

@@ -24,6 +24,7 @@ bnb_functional = locked("bitsandbytes.functional")
 
 from strop.kernels.ops.nf4 import (  # noqa: E402
     dequantize_shared,
+    dequantize_shared_stacked,
     dequantize_weight,
     nf4_dequantize,
     nf4_dequantize_reference,
@@ -120,6 +121,35 @@ def test_dequantize_shared_reuses_one_buffer_per_device_and_dtype():
     b = dequantize_shared(param2, torch.float32)
     assert b.data_ptr() == a.data_ptr()  # the smaller weight lands in the same scratch storage
     assert torch.equal(b, nf4_dequantize_reference(p2, s2))
+
+
+def test_params4bit_is_dequantized_without_its_python_torch_function(monkeypatch):
+    """Params4bit's __torch_function__ (Python, on every tensor method or property read) is never entered by the NF4
+    entry points, which read the packed weight as the plain tensor it is for every op they call; the values are the
+    reference's bit for bit."""
+    _, p1, s1 = _quantize((64, 64), torch.bfloat16, 64, nested=True, seed=1)
+    _, p2, s2 = _quantize((32, 64), torch.bfloat16, 64, nested=True, seed=2)
+    params = [
+        bnb.nn.Params4bit(p, requires_grad=False, quant_state=s, quant_type="nf4", bnb_quantized=True)
+        for p, s in ((p1, s1), (p2, s2))
+    ]
+    assert params[0].numel() == p1.numel()  # the override runs on a plain read outside these functions
+    entered, real = [0], bnb.nn.Params4bit.__torch_function__.__func__
+
+    def counting(cls, *args, **kwargs):
+        entered[0] += 1
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(bnb.nn.Params4bit, "__torch_function__", classmethod(counting))
+    assert params[0].numel() == p1.numel() and entered == [1]  # counted where it runs
+    entered[0] = 0
+    one = dequantize_shared(params[1], torch.bfloat16).clone()
+    direct = nf4_dequantize(params[0], s1, dtype=torch.bfloat16)
+    both = dequantize_shared_stacked(tuple(params), torch.bfloat16)
+    assert entered == [0]
+    assert torch.equal(one, nf4_dequantize_reference(p2, s2, torch.bfloat16))
+    assert torch.equal(direct, nf4_dequantize_reference(p1, s1, torch.bfloat16))
+    assert torch.equal(both, torch.cat([direct, one]))
 
 
 def test_dequantize_weight_accepts_linear4bit_params4bit_and_plain_tensors():
