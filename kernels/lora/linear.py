@@ -140,6 +140,15 @@ def in_features(base: torch.Tensor) -> int:
 
 def check_proj(p: LoRAProj, name: str, width: int, device: torch.device) -> None:
     """Validate one projection against its input width and device (raises TypeError/ValueError)."""
+    if type(p.base) in (torch.Tensor, torch.nn.Parameter):
+        return _check_proj(p, name, width, device)
+    # a subclass, such as an NF4 base's Params4bit, whose Python __torch_function__ would run on each property read
+    # here (``kernels/ops/nf4.py``, ``_nf4_dequantize``): read as the plain tensor it is
+    with torch._C.DisableTorchFunctionSubclass():
+        return _check_proj(p, name, width, device)
+
+
+def _check_proj(p: LoRAProj, name: str, width: int, device: torch.device) -> None:
     if not isinstance(p.base, torch.Tensor):
         raise TypeError(f"{name}.base must be a tensor or NF4 Params4bit, got {type(p.base).__name__}")
     if not is_nf4(p.base):
