@@ -25,7 +25,8 @@ Systems:
              sample (as TRL and strop before session 20 train).
 
 Figures per system: end-to-end tokens/s = (prompt + completion tokens of every sequence of a step) / step wall
-time (sampling, grading and training), median over the steps after ``--warmup``; sampled tokens per step; GPU peak
+time (sampling, grading and training), over the steps after ``--warmup`` (their tokens over their summed time; the
+s/step and the note's split are means over those steps); sampled tokens per step; GPU peak
 allocated and reserved over the training steps (reset after loading). Workers print progress lines (TRL: each
 generate call's seconds and the peak so far; both: each step's) as they go, and a worker past ``--timeout`` leaves its
 last ones in its row. ``--smoke`` runs a tiny shape on the CPU
@@ -118,19 +119,26 @@ def rows(n: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def rates(
+    times: list[float], tokens: list[float], sampled: list[float], warmup: int
+) -> tuple[int, float, float, float]:
+    """(measured steps, seconds a step, tokens/s, sampled tokens/s) over the steps after ``warmup``, all from one
+    statistic: the totals (tokens over the steps' summed time; the step time is their mean). A median of an even
+    count taken as one element picked the slower step for the time and the faster for the rates."""
+    t, n, c = times[warmup:], tokens[warmup:], sampled[warmup:]
+    return len(t), mean(t), sum(n) / sum(t), sum(c) / sum(t)
 
 
 def finish(
     w: harness.Workload, row: Row, times: list[float], tokens: list[float], sampled: list[float], warmup: int
 ) -> None:
-    t, n, c = times[warmup:], tokens[warmup:], sampled[warmup:]
-    row.steps = len(t)
-    row.seconds_per_step = median(t)
-    row.tokens_per_s = median([a / b for a, b in zip(n, t, strict=True)])
-    row.sampled_tokens_per_s = median([a / b for a, b in zip(c, t, strict=True)])
+    row.steps, row.seconds_per_step, row.tokens_per_s, row.sampled_tokens_per_s = rates(
+        times, tokens, sampled, warmup
+    )
     res = harness.Result(part="grpo", system=row.system, seq=0, batch=0)
     w.record_peak_memory(res)
     row.peak_alloc_gib, row.peak_reserved_gib = res.peak_alloc_gib, res.peak_reserved_gib
@@ -244,8 +252,8 @@ def run_strop(a, w: harness.Workload) -> Row:
     if peaks:  # the timed steps' peaks, not the profiled step's
         row.peak_alloc_gib, row.peak_reserved_gib = peaks
     row.note = (
-        f"sampling {median([m.rl.sampling_seconds for m in metrics[a.warmup :]]):.1f} s, training "
-        f"{median([m.rl.training_seconds for m in metrics[a.warmup :]]):.1f} s a step; {loaded.facts.kernels_reason[:80]}"
+        f"sampling {mean([m.rl.sampling_seconds for m in metrics[a.warmup :]]):.1f} s, training "
+        f"{mean([m.rl.training_seconds for m in metrics[a.warmup :]]):.1f} s a step; {loaded.facts.kernels_reason[:80]}"
     )
     return row
 
@@ -435,7 +443,7 @@ def run_trl(a, w: harness.Workload) -> Row:
     row.rewards = [h.get("reward", 0.0) for h in hist]
     finish(w, row, times[: len(lengths)], tokens, sampled, a.warmup)
     if len(gen_times) == len(times):
-        gen = median(gen_times[a.warmup :])
+        gen = mean(gen_times[a.warmup :])
         row.note = f"generate {gen:.1f} s, the rest (training) {row.seconds_per_step - gen:.1f} s a step"
     return row
 
