@@ -43,6 +43,7 @@ Usage (GPU machine, after ``source bench/gpu_env.sh``)::
     python bench/grpo_bench.py --json bench/out/grpo.json              # both systems, table
     python bench/grpo_bench.py --systems strop --new-tokens 1024
     python bench/grpo_bench.py --prompts 1 --prompt-tokens 4096 --new-tokens 128 --steps 1  # long prompt
+    python bench/grpo_bench.py --prompts 1 --prompt-tokens 8192 --new-tokens 64 --steps 4 --vary-prompt 200
     python bench/grpo_bench.py --find-longest --new-tokens 128 --budget 540
     python bench/grpo_bench.py --smoke
     python bench/grpo_bench.py --smoke --find-longest --find-start 32 --find-step 16 --new-tokens 4
@@ -99,22 +100,23 @@ class Row:
     profile: str = ""  # --profile: one more step under torch.profiler, summarised (bench/lib/profile.py)
 
 
-def rows(n: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
+def rows(n: int, prompt_tokens: int, seed: int = 0, vary: int = 0) -> list[dict]:
     """``n`` prompts rows of random text (``prompt_tokens`` tokens each, within a few, before the chat template)
-    asking for the letter 'e'."""
+    asking for the letter 'e'; with ``vary``, row i is ``(37·i) mod (vary + 1)`` tokens shorter, so consecutive
+    steps train rows of other lengths (as a real job's do: its prompts and completions differ)."""
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
 
     tok = make_bpe_tokenizer()
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
-        ids = [rng.randrange(3, 640) for _ in range(prompt_tokens)]
+    for i in range(n):
+        ids = [rng.randrange(3, 640) for _ in range(prompt_tokens - (37 * i) % (vary + 1))]
         text = tok.decode(ids, skip_special_tokens=True)
         for _ in range(4):  # decoded ids re-encode longer (merges across the joins): cut to the asked length
             enc = tok(text)["input_ids"]
             if len(enc) <= prompt_tokens:
                 break
-            text = tok.decode(enc[:prompt_tokens], skip_special_tokens=True)
+            text = tok.decode(enc[: len(ids)], skip_special_tokens=True)
         out.append({"messages": [{"role": "user", "content": text}], "letter": "e"})
     return out
 
@@ -180,7 +182,7 @@ def run_strop(a, w: harness.Workload) -> Row:
     loaded = core.sessions.open(info.session_id).loaded
     timed = a.steps + a.warmup
     extra = int(a.profile and w.device == "cuda")  # the profiled step runs after the timed ones
-    data = rows(a.prompts * (timed + extra), a.prompt_tokens)
+    data = rows(a.prompts * (timed + extra), a.prompt_tokens, vary=a.vary_prompt)
     cfg = TrainConfig(
         method=TrainMethod.GRPO,
         learning_rate=LR,
@@ -201,6 +203,7 @@ def run_strop(a, w: harness.Workload) -> Row:
     metrics = []
     phases = time_phases(w)
     warned = count_reference_paths()
+    compiled = count_triton_compiles()
 
     def on_step(m) -> None:
         metrics.append(m)
@@ -209,8 +212,12 @@ def run_strop(a, w: harness.Workload) -> Row:
         progress(
             f"strop step {len(metrics)}: {m.step_seconds:.1f} s (sampling {m.rl.sampling_seconds:.1f}, training "
             f"{m.rl.training_seconds:.1f}), peak alloc {peak_gib(w):.1f} GiB since the reset; seconds: {parts}; "
-            f"kernels' reference-path warnings so far {len(warned)}; {loaded.extra.get('step_memory_mode', '')}"
+            f"kernels' reference-path warnings so far {len(warned)}; mean completion "
+            f"{m.rl.sampled_length_mean:.1f} tokens; Triton compiles this step {len(compiled)}"
+            f"{': ' + ', '.join(sorted(set(compiled))) if compiled else ''}; "
+            f"{loaded.extra.get('step_memory_mode', '')}"
         )
+        compiled.clear()
         if len(metrics) == a.warmup:
             w.reset_peak_memory()  # the measured steps' peaks
         if len(metrics) == timed and extra:
@@ -317,6 +324,25 @@ def count_reference_paths() -> list[str]:
     return seen
 
 
+def count_triton_compiles() -> list[str]:
+    """The Triton kernels compiled from here on (one name per compile: a new specialization of a kernel, such as
+    a row count of another divisibility or a new constexpr; a kernel already compiled in the process is not counted),
+    through Triton's post-compile hook."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return []
+    seen: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*, fn, **kw):
+        seen.append(fn.name)
+        return previous(fn=fn, **kw) if previous else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return seen
+
+
 def run_trl(a, w: harness.Workload) -> Row:
     import torch
     from datasets import Dataset
@@ -326,7 +352,7 @@ def run_trl(a, w: harness.Workload) -> Row:
     row = Row("trl")
     model = harness.attach_lora(w.load_model(qlora=True))
     tok = AutoTokenizer.from_pretrained(w.saved_model_dir())
-    data = rows(a.prompts * (a.steps + a.warmup), a.prompt_tokens)
+    data = rows(a.prompts * (a.steps + a.warmup), a.prompt_tokens, vary=a.vary_prompt)
     dataset = Dataset.from_list([{"prompt": r["messages"], "letter": r["letter"]} for r in data])
 
     def reward(completions, letter, **kw):
@@ -482,6 +508,7 @@ def spawn(
         "--prompt-tokens": a.prompt_tokens if prompt_tokens is None else prompt_tokens,
         "--steps": a.steps if steps is None else steps,
         "--warmup": a.warmup if warmup is None else warmup,
+        "--vary-prompt": a.vary_prompt,
     }
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system]
     cmd += [x for k, v in shape.items() for x in (k, str(v))] + (["--smoke"] if a.smoke else [])
@@ -602,6 +629,13 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
     p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument(
+        "--vary-prompt",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompt i is (37 i mod (N+1)) tokens shorter: each step trains a row of another length, as in a real job",
+    )
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=3, help="measured steps")
     p.add_argument("--warmup", type=int, default=1)
