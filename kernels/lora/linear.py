@@ -461,6 +461,26 @@ def backward_projections(
     return dx, d_a, d_b
 
 
+def node_backward(ctx, x: torch.Tensor, u: torch.Tensor | None, dys: Sequence[torch.Tensor], projs):
+    """:func:`backward_projections` for an autograd node whose forward kept ``ctx.frozen`` and ``ctx.factors`` (as
+    :func:`forward_projections`' callers do), outside autocast, dx into x where the node allows it; the node's
+    factors are released after."""
+    frozen = ctx.frozen
+    with no_autocast(x.device.type):
+        out = backward_projections(
+            x,
+            u,
+            dys,
+            projs,
+            frozen.dtype,
+            ctx.factors,
+            ctx.needs_input_grad[0],
+            dx_out=x if frozen.inplace_dx else None,
+        )
+    ctx.factors = None
+    return out
+
+
 def _d_b_stack(
     projs: Sequence[LoRAProj], spans: Sequence[tuple[int, int, int]], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
@@ -558,18 +578,7 @@ class LoRALinearFunction(torch.autograd.Function):
         x, u, lora_A, lora_B = ctx.saved_tensors
         frozen = ctx.frozen
         projs = with_factors(frozen, (lora_A, lora_B))
-        with no_autocast(x.device.type):
-            dx, (d_a,), (d_b,) = backward_projections(
-                x,
-                u,
-                [dy.to(frozen.dtype)],
-                projs,
-                frozen.dtype,
-                ctx.factors,
-                ctx.needs_input_grad[0],
-                dx_out=x if frozen.inplace_dx else None,
-            )
-        ctx.factors = None
+        dx, (d_a,), (d_b,) = node_backward(ctx, x, u, [dy.to(frozen.dtype)], projs)
         return dx, d_a, d_b, None
 
 
@@ -597,18 +606,7 @@ class LoRAQKVFunction(torch.autograd.Function):
             else d.to(frozen.dtype)
             for d, p in zip((dq, dk, dv), projs, strict=True)
         ]
-        with no_autocast(x.device.type):
-            dx, d_a, d_b = backward_projections(
-                x,
-                u,
-                dys,
-                projs,
-                frozen.dtype,
-                ctx.factors,
-                ctx.needs_input_grad[0],
-                dx_out=x if frozen.inplace_dx else None,
-            )
-        ctx.factors = None
+        dx, d_a, d_b = node_backward(ctx, x, u, dys, projs)
         return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a[2], d_b[2], None
 
 

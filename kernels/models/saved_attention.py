@@ -68,10 +68,10 @@ from ..lora.linear import (
     Frozen,
     LoRAProj,
     as_rows_for,
-    backward_projections,
     compute_dtype,
     factors_of,
     no_autocast,
+    node_backward,
     with_factors,
 )
 from ..ops.rope import rope_qk_grads
@@ -427,18 +427,7 @@ class _SavedQKVFunction(torch.autograd.Function):
         dq, dk = rope_qk_grads(dq, dk, cos, sin)
         # [B, H, T, d] back to the projections' [N, H·d] rows, as the views of the attention forward return them
         dys = [d.transpose(1, 2).reshape(n, -1).to(frozen.dtype) for d in (dq, dk, dv)]
-        with no_autocast(x.device.type):
-            dx, d_a, d_b = backward_projections(
-                x,
-                u,
-                dys,
-                projs,
-                frozen.dtype,
-                ctx.factors,
-                ctx.needs_input_grad[0],
-                dx_out=x if frozen.inplace_dx else None,
-            )
-        ctx.factors = None
+        dx, d_a, d_b = node_backward(ctx, x, u, dys, projs)
         return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a[2], d_b[2], None, None, None, None
 
 
