@@ -258,6 +258,24 @@ def test_outside_a_checkpointed_layer_attention_is_the_interface_itself():
 # ---- GPU --------------------------------------------------------------------------------------------------
 
 
+def _four_steps(model, ids: torch.Tensor):
+    """Four forward + backward passes on CUDA from a reset peak: the median of the last three's seconds, the peak
+    allocated, the last loss and the last pass's gradients (fp32 copies)."""
+    times = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return sorted(times[1:])[1], torch.cuda.max_memory_allocated(), loss, grads
+
+
 def _gpu_1b(seq: int):
     model = _gpu_model_1b(seq)  # test_offload's ~1B Llama shape with LoRA
     patch_model(model)
@@ -277,21 +295,10 @@ def test_gpu_saved_attention_trains_the_same_with_no_more_memory():
 
     def run(save: bool):
         off = enable_offloaded_checkpointing(model, save_attention=save)
-        times = []
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(4):
-            model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        t, peak, loss, grads = _four_steps(model, ids)
         stats = off.stats
         disable_offloaded_checkpointing(model)
-        return sorted(times[1:])[1], torch.cuda.max_memory_allocated(), float(loss), grads, stats
+        return t, peak, float(loss), grads, stats
 
     t_full, peak_full, loss_full, g_full, _ = run(False)
     t_saved, peak_saved, loss_saved, g_saved, stats = run(True)
@@ -376,21 +383,10 @@ def test_gpu_saved_qkv_train_as_saved_attention_alone_in_no_more_memory():
 
     def run(qkv: bool):
         off = enable_offloaded_checkpointing(model, save_attention=True, save_qkv=qkv)
-        times = []
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(4):
-            model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        t, peak, loss, grads = _four_steps(model, ids)
         stats = off.stats
         disable_offloaded_checkpointing(model)
-        return sorted(times[1:])[1], torch.cuda.max_memory_allocated(), loss.detach(), grads, stats
+        return t, peak, loss.detach(), grads, stats
 
     _, _, loss_ref, g_ref, _ = run(False)  # the first run also compiles the kernels
     t_ref, peak_ref, loss_ref2, g_ref2, _ = run(False)
