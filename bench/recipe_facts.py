@@ -319,7 +319,12 @@ def smoke(setting: str, model_dir: Path, device: str, steps: int) -> None:
         on_checkpoint=lambda step, path: None,
         on_start=lambda total: None,
     )
-    with retention_constants(setting), _NeighbourLog() as neighbours, tempfile.TemporaryDirectory() as work:
+    with (
+        retention_constants(setting),
+        general_never_neighbours(),
+        _NeighbourLog() as neighbours,
+        tempfile.TemporaryDirectory() as work,
+    ):
         training.run_training(
             loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
         )
@@ -331,6 +336,32 @@ def smoke(setting: str, model_dir: Path, device: str, steps: int) -> None:
         f"({time.perf_counter() - t0:.0f} s)",
         flush=True,
     )
+
+
+def _question_key(text: str) -> str:
+    """A question compared with the general ones: case, spacing and the British "colour" aside."""
+    return " ".join(text.lower().replace("colour", "color").split())
+
+
+@contextlib.contextmanager
+def general_never_neighbours():
+    """The bench's general questions are never among a job's neighbour questions (``retention_neighbours``): the
+    trainer leaves out its own held-out prompts, not this bench's test questions, and a neighbour question is one the
+    KL term trains towards the base's answer, so a general question among them would be counted as kept after being
+    trained on. The base's draw is filtered, not changed (the same seed draws the same questions, less those)."""
+    from strop.trainer_svc.core import retention
+
+    draw = retention.neighbour_prompts
+    general = {_question_key(q) for q, _ in GENERAL}
+
+    def neighbour_prompts(*args, **kwargs) -> list[str]:
+        return [q for q in draw(*args, **kwargs) if _question_key(q) not in general]
+
+    retention.neighbour_prompts = neighbour_prompts
+    try:
+        yield
+    finally:
+        retention.neighbour_prompts = draw
 
 
 class _NeighbourLog(logging.Handler):
@@ -391,7 +422,12 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         on_retention=events.append,
     )
     t0 = time.perf_counter()
-    with retention_constants(setting), _NeighbourLog() as neighbours, tempfile.TemporaryDirectory() as work:
+    with (
+        retention_constants(setting),
+        general_never_neighbours(),
+        _NeighbourLog() as neighbours,
+        tempfile.TemporaryDirectory() as work,
+    ):
         training.run_training(
             loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
         )

@@ -1,0 +1,40 @@
+"""The facts bench's measurement stays clean (bench/recipe_facts.py): the general questions it counts as kept are
+never among the neighbour questions a KL job trains towards the base's answers.
+
+The trainer leaves out its own held-out prompts only; the base, continuing "How many legs does", can write the
+bench's own "How many legs does a cat have?", and that answer would then be counted as kept after being trained on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from recipe_facts import GENERAL, general_never_neighbours
+
+from strop.trainer_svc.core import retention
+
+
+def test_general_questions_are_filtered_from_the_neighbour_draw_and_the_draw_is_restored(monkeypatch):
+    drawn = [
+        "How many legs does a cat have?",  # a general question, exactly
+        "What colour is coal?",  # the same question in British spelling
+        "how many  legs does a spider have?",  # not a general question
+        "What is  the capital of france?",  # a general question, other case and spacing
+    ]
+    seen = {}
+
+    def draw(loaded, questions, per_prefix, *, seed, exclude):
+        seen.update(per_prefix=per_prefix, seed=seed, exclude=exclude)
+        return list(drawn)
+
+    monkeypatch.setattr(retention, "neighbour_prompts", draw)
+    assert {"How many legs does a cat have?", "What color is coal?"} <= {q for q, _ in GENERAL}
+    with general_never_neighbours():
+        got = retention.neighbour_prompts(None, ["q"], 4, seed=1, exclude={"x"})
+    assert got == ["how many  legs does a spider have?"], "only the non-general question is kept, in order"
+    assert seen == {"per_prefix": 4, "seed": 1, "exclude": {"x"}}, (
+        "the trainer's own arguments pass unchanged"
+    )
+    assert retention.neighbour_prompts is draw, "the trainer's function is back after the run"
