@@ -72,6 +72,8 @@ class Moe:
         activation: the experts' activation: ``swiglu`` (``silu(gate) · up``) or gpt-oss's clamped
             ``(up + 1) · gate · σ(α · gate)``.
         shared_experts: the architecture adds always-on shared experts (none of these three does).
+        router_fp32_weights: the router hands the experts its top-k weights in fp32 (Mixtral); else cast to the
+            router logits' dtype (Qwen3-MoE).
     """
 
     num_experts_key: str
@@ -85,6 +87,7 @@ class Moe:
     checkpoint_mlp: str = "mlp"
     activation: str = "swiglu"
     shared_experts: bool = False
+    router_fp32_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,7 @@ MOE_ARCHS: dict[str, Arch] = {
                 TopKNorm.ALWAYS,
                 checkpoint_experts=("w1", "w3", "w2"),
                 checkpoint_mlp="block_sparse_moe",
+                router_fp32_weights=True,
             ),
         ),
         # attention sinks and biases, alternating sliding layers; fused, transposed, biased experts in the

@@ -12,7 +12,10 @@ RMSNorm before RoPE), gemma2 and gemma3_text, transformers 5.17 – 5.24:
                          scaling and Gemma 2's ``softcap``, exactly as HF's forward passes them) and o_proj
     lora_o               o_proj → ``lora_linear``
     lora_mlp             the MLP → ``lora_mlp`` (SwiGLU; GeGLU for gelu configs: Gemma's
-                         ``hidden_activation`` gelu_pytorch_tanh)
+                         ``hidden_activation`` gelu_pytorch_tanh); an MoE layer's experts → the grouped
+                         expert GEMM (``kernels/models/moe_experts.py``)
+    moe_router           an MoE layer's top-k router (Qwen3-MoE, Mixtral; PEFT's trainable copy too) → its
+                         linear layer, then ``moe_router`` (softmax, top-k, renormalisation: one kernel each way)
     fused_cross_entropy  the *ForCausalLM forward, only when called with ``labels``: the loss comes from
                          ``fused_linear_cross_entropy`` (labels shifted as HF's ForCausalLMLoss does,
                          ``num_items_in_batch`` as HF's denominator, Gemma's ``final_logit_softcapping``
@@ -63,7 +66,7 @@ import weakref
 import torch
 from torch import nn
 
-from strop.common.archs import KERNEL_MODEL_TYPES, arch_of
+from strop.common.archs import KERNEL_MODEL_TYPES, TopKNorm, arch_of
 
 from ..lora.linear import attach_fp8, detach_fp8, fp8_reason
 from ..ops.fp8 import fp8_device_reason
@@ -79,6 +82,7 @@ from .patched_forwards import (
     linear_forward,
     mlp_forward,
     norm_forward,
+    router_forward,
 )
 from .proj_spec import layer_spec
 
@@ -117,6 +121,7 @@ def patch_model(
     rms_norm: bool = True,
     rope: bool = True,
     lora_mlp: bool = True,
+    moe_router: bool = True,
     lora_qkv: bool = True,
     lora_o: bool = True,
     fused_cross_entropy: bool = True,
@@ -134,7 +139,8 @@ def patch_model(
             mistral, qwen2, qwen3, gemma2, gemma3_text), or a PEFT model wrapping one.
         rms_norm: Patch the RMSNorms.
         rope: Apply RoPE with the in-place kernel (replaces the attention forward).
-        lora_mlp: Fused LoRA MLP.
+        lora_mlp: Fused LoRA MLP (an MoE layer's experts: the grouped expert GEMM).
+        moe_router: An MoE layer's router on the fused router op.
         lora_qkv: Fused LoRA Q/K/V (replaces the attention forward).
         lora_o: LoRA o_proj.
         fused_cross_entropy: Fused linear cross-entropy for calls with ``labels``.
@@ -169,6 +175,7 @@ def patch_model(
         lora_qkv=lora_qkv,
         lora_o=lora_o,
         lora_mlp=lora_mlp,
+        moe_router=moe_router,
         fused_cross_entropy=fused_cross_entropy,
     )
 
@@ -244,6 +251,20 @@ def patch_model(
             else:
                 swap_forward(state, experts, experts_forward(patched))
                 report.patched["lora_mlp"].append(names[experts])
+        if moe_router and arch.moe is not None and "gate_proj" not in mlp._modules:
+            gate = mlp._modules.get(arch.moe.router)
+            # PEFT's modules_to_save (train_router) wraps the router: its frozen original and its trainable copy
+            routers = (
+                [m for m in gate.modules() if _is_hf_forward(m, "TopKRouter")] if gate is not None else []
+            )
+            if arch.moe.topk_norm not in (TopKNorm.CONFIG, TopKNorm.ALWAYS):
+                skip("moe_router", names[mlp], f"{model_type}'s router: {arch.moe.topk_norm} weights")
+            elif not routers:
+                skip("moe_router", names[mlp], "no HF top-k router (a *TopKRouter with HF's forward)")
+            else:
+                for router in routers:
+                    swap_forward(state, router, router_forward(arch.moe))
+                    report.patched["moe_router"].append(names[router])
         ok = {"lora_mlp": False}
         for c, (owner, mods) in projections.items():
             reasons = [s for s in (layer_spec(m) for m in mods) if isinstance(s, str)]

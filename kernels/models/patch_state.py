@@ -17,7 +17,7 @@ from .hf import Swaps, previous_forward
 
 logger = logging.getLogger("strop.kernels")
 
-COMPONENTS = ("rms_norm", "rope", "lora_qkv", "lora_o", "lora_mlp", "fused_cross_entropy")
+COMPONENTS = ("rms_norm", "rope", "lora_qkv", "lora_o", "lora_mlp", "moe_router", "fused_cross_entropy")
 
 
 @dataclass

@@ -58,6 +58,7 @@ def test_an_moe_on_the_kernels_trains_like_hf_peft(model_type, qlora, tmp_path, 
         "lora_qkv": layers,
         "lora_o": layers,
         "lora_mlp": layers,
+        "moe_router": layers,
         "fused_cross_entropy": 1,
     }, report
     assert not any(report.skipped.values()), report
@@ -86,6 +87,39 @@ def test_an_moe_on_the_kernels_trains_like_hf_peft(model_type, qlora, tmp_path, 
     assert "reference path" not in caplog.text, (
         "every call ran the kernels (the grouped expert GEMM included)"
     )
+
+
+@pytest.mark.parity
+def test_a_trained_router_runs_the_fused_router_op_and_gets_hf_peft_gradients():
+    """``train_router``: PEFT's modules_to_save wraps each router (its frozen original and the trainable copy the
+    forward runs); both are patched, and the copy's weight gradient (the fused op's logits gradient through torch's
+    linear layer) is HF + PEFT's within test_patch's bound. Mixtral: renormalised weights kept in fp32."""
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(moe_config("mixtral"), attn_implementation="sdpa")
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        init_lora_weights=False,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        modules_to_save=["mlp.gate"],
+    )
+    model = peft.get_peft_model(base.float().to(DEVICE), lora)
+    twin = copy.deepcopy(model)
+    report = patch_model(twin)
+    assert len(report.patched["moe_router"]) == 2 * 2, report  # 2 layers × (original, trainable copy)
+    assert not report.skipped["moe_router"], report
+    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ref_loss, ref_aux, ref_grads = loss_and_grads(model, ids)
+    loss, aux, grads = loss_and_grads(twin, ids)
+    bound = parity_bound(model.get_base_model().config)
+    assert abs(loss - ref_loss) <= bound * abs(ref_loss) and abs(aux - ref_aux) <= bound * abs(ref_aux)
+    routers = [n for n in ref_grads if "mlp.gate" in n]
+    assert len(routers) == 2, "each layer's router copy trains"
+    for name, ref in ref_grads.items():
+        err = rel(grads[name], ref)
+        assert err <= bound, f"{name} gradient off by {err:.3g} (bound {bound:.3g})"
 
 
 def test_gpt_oss_keeps_hf_peft_and_kernels_on_is_refused_naming_it():

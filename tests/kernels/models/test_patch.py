@@ -176,6 +176,7 @@ def expected_patched(model_type: str, layers: int) -> dict[str, int]:
         "lora_qkv": layers,
         "lora_o": layers,
         "lora_mlp": layers,
+        "moe_router": 0,
         "fused_cross_entropy": 1,
     }
 
