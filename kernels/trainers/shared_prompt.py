@@ -27,6 +27,18 @@ Attention (:func:`attend`) builds no mask over the row, and makes two SDPA calls
 For pairs alike, attention's FLOPs are the prompt's once plus each completion's over the prompt and itself; the
 masked call computes its whole [later positions × keys] block, masked entries included.
 
+Lengths in buckets (:data:`BUCKETS`, :func:`bucket`). On CUDA SDPA runs cuDNN's kernels first (Hopper and newer),
+and torch caches a cuDNN graph per exact shape and strides of q, k, v and the mask: each new length builds a graph
+for the forward and one for the backward of each call, which at a GRPO row of a few thousand tokens costs many
+times the kernels' own time (bench/RESULTS.md, ``bench/experiments/sdpa_new_shape.py``). A GRPO row's length (the prompt plus the completions) and a DPO batch's width change every step, so
+the training pass would pay that every step. Each call's inputs are therefore copied into new tensors whose length
+is rounded up to a bucket (eight an octave: at most 12.5% longer), zeros past the real positions, so a job's rows
+reach SDPA in a few shapes that repeat. Exact: in the causal call the padded keys lie after every real query (never
+seen) and the padded queries' outputs are dropped (their gradient is zero, so they add nothing to the keys' and
+values'); in the masked call the padded keys are masked out and the padded queries see key 0 and are dropped.
+The copies are linear in the row (three [B, H, L, D] tensors a call), the padding's attention FLOPs at most ~27%
+more for the causal call.
+
 Two ways in. TRL's preference rows: :func:`share_prompts` re-lays a ``[chosen; rejected]`` batch and hands the
 model a marker 4-D mask that carries the :class:`Rows`; HF's ``sdpa`` attention function, wrapped by a
 pass-through, runs :func:`attend` when it sees the marker (a checkpointed layer's recompute gets the same mask).
@@ -55,11 +67,13 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "BUCKETS",
     "MIN_SAVING",
     "PromptSharing",
     "Rows",
     "SharedPrompts",
     "attend",
+    "bucket",
     "config_reason",
     "share_prompts",
 ]
@@ -68,6 +82,34 @@ logger = logging.getLogger("strop.kernels")
 
 # Shared only when it removes at least this fraction of the batch's positions (padding counted).
 MIN_SAVING = 0.1
+
+# Whether attend's SDPA calls see lengths rounded up to a bucket (module docstring): None where cuDNN's SDPA may
+# run (16-bit inputs on CUDA with cuDNN's SDPA enabled), True or False everywhere (tests, measurements).
+BUCKETS: bool | None = None
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to a multiple of 2^(⌊log2 n⌋ − 3), and of 16: eight lengths an octave, at most 12.5% more
+    from 128 on (8,160 → 8,192; 8,271 → 9,216; 441 → 448), at most 15 more below."""
+    if n <= 16:
+        return 16
+    step = max(16, 1 << (n.bit_length() - 4))
+    return -(-n // step) * step
+
+
+def _bucketed(q: torch.Tensor) -> bool:
+    if BUCKETS is not None:
+        return BUCKETS
+    return (
+        q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.cudnn_sdp_enabled()
+    )
+
+
+def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` [B, H, n, D] in new contiguous memory of ``length`` ≥ n positions, zeros past n: its strides, like
+    its shape, depend on ``length`` alone (a slice of a row keeps the row's strides, which would key a new graph)."""
+    n = x.shape[2]
+    return F.pad(x, (0, 0, 0, length - n)) if length > n else x.contiguous()
 
 
 @dataclass(eq=False)
@@ -116,13 +158,25 @@ class Rows:
             self._masks[key] = tuple(x[:, None, :, None].to(device) for x in sel)
         return self._masks[key]
 
-    def later_mask(self, device: torch.device | str) -> torch.Tensor:
+    def later_mask(
+        self, device: torch.device | str, queries: int | None = None, keys: int | None = None
+    ) -> torch.Tensor:
         """``[B, 1, hi − lo, hi]`` bool over the positions ``lo = min(firsts) … hi = max(ends)`` of every row: a
         query of a later suffix (past its row's first) sees its row's prompt keys and its own suffix's earlier
-        tokens and itself, never another suffix; any other query sees key 0 alone (its output is not used)."""
+        tokens and itself, never another suffix; any other query sees key 0 alone (its output is not used).
+        ``queries``/``keys``: the mask padded to that many queries (seeing key 0 alone) and keys (seen by none)."""
+        lo, hi = min(self.firsts), max(self.ends)
+        if queries is not None or keys is not None:
+            qn, kn = queries or hi - lo, keys or hi
+            key = ("padded", qn, kn, str(device))
+            if key not in self._masks:
+                mask = torch.zeros(len(self.prompts), 1, qn, kn, dtype=torch.bool)
+                mask[:, :, :, 0] = True
+                mask[:, :, : hi - lo, :hi] = self.later_mask("cpu")
+                self._masks[key] = mask.to(device)
+            return self._masks[key]
         key = str(device)
         if key not in self._masks:
-            lo, hi = min(self.firsts), max(self.ends)
             seg = torch.full((len(self.prompts), hi), -1)  # 0 prompt, s the s-th suffix, -1 padding
             for b, (p, ns) in enumerate(zip(self.prompts, self.suffixes, strict=True)):
                 seg[b, :p] = 0
@@ -166,10 +220,13 @@ def attend(
     gqa = groups > 1
     firsts, ends = rows.firsts, rows.ends
     lo, first, end = min(firsts), max(firsts), max(ends)
+    pad = _bucketed(q)
     # prompt + first suffix, causal: a row shorter than the longest computes garbage past its own, replaced below
-    causal = F.scaled_dot_product_attention(
-        q[:, :, :first], k[:, :, :first], v[:, :, :first], is_causal=True, scale=scale, enable_gqa=gqa
-    )
+    qc, kc, vc = q[:, :, :first], k[:, :, :first], v[:, :, :first]
+    if pad:
+        qc, kc, vc = (_padded(x, bucket(first)) for x in (qc, kc, vc))
+    causal = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+    causal = causal[:, :, :first]
     if end == lo:  # no later suffix
         later = None
     elif rows.lower_right():  # the prompt's keys and the one later suffix's, one run in every row
@@ -184,11 +241,18 @@ def attend(
         bias = _lower_right(end - first, keys.shape[2], q.device)
         later = F.scaled_dot_product_attention(ql, keys, values, attn_mask=bias, scale=scale, enable_gqa=gqa)
     else:  # several later suffixes, or rows of other lengths: one masked call over the later positions
-        keys, values = k[:, :, :end], v[:, :, :end]
+        keys, values, ql = k[:, :, :end], v[:, :, :end], q[:, :, lo:end]
+        if pad:
+            qb, kb = bucket(end - lo), bucket(end)
+            keys, values, ql = _padded(keys, kb), _padded(values, kb), _padded(ql, qb)
+            mask = rows.later_mask(q.device, qb, kb)
+        else:
+            mask = rows.later_mask(q.device)
         if gqa:  # SDPA's memory-efficient kernel takes a mask, not grouped heads
             keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        mask = rows.later_mask(q.device)
-        later = F.scaled_dot_product_attention(q[:, :, lo:end], keys, values, attn_mask=mask, scale=scale)
+        later = F.scaled_dot_product_attention(ql, keys, values, attn_mask=mask, scale=scale)[
+            :, :, : end - lo
+        ]
     length = q.shape[2]
     if len(set(firsts)) == 1 and len(set(ends)) == 1:  # every row alike: the pieces in order
         pieces = [causal] + (

@@ -71,8 +71,16 @@ def _run(model, shared: bool, checkpointing: bool):
     return rows.detach(), lp.detach(), grads, grp
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_one_row_with_the_prompt_once_equals_the_padded_rows(tiny, checkpointing):
+@pytest.mark.parametrize(
+    ("checkpointing", "buckets"),
+    # buckets: the attention's lengths rounded up as on CUDA with cuDNN (shared_prompt.BUCKETS), through the
+    # checkpointed recompute too
+    [(False, None), (True, None), (True, True)],
+)
+def test_one_row_with_the_prompt_once_equals_the_padded_rows(tiny, checkpointing, buckets, monkeypatch):
+    from strop.kernels.trainers import shared_prompt
+
+    monkeypatch.setattr(shared_prompt, "BUCKETS", buckets)
     assert shared_prefix.reason(tiny) is None  # a Llama: the job trains its groups this way
     rows_p, lp_p, grads_p, padded = _run(tiny, shared=False, checkpointing=checkpointing)
     rows_s, lp_s, grads_s, grp = _run(tiny, shared=True, checkpointing=checkpointing)

@@ -264,3 +264,140 @@ def test_gpu_attend_in_bf16_at_an_8b_heads_shape_matches_the_dense_mask(layout):
     torch.testing.assert_close(got, truth, rtol=0, atol=2e-2)
     # fp32, which flash does not take: the lower-right call repeats the kv heads for the memory-efficient kernel
     torch.testing.assert_close(shared_prompt.attend(rows, q, k, v), truth, rtol=0, atol=1e-3)
+
+
+def _sdpa_recorder(monkeypatch) -> list[tuple]:
+    """Each SDPA call's (q, k, v, mask) shapes and strides, as torch keys a cuDNN graph by them."""
+    calls: list[tuple] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def record(q, k, v, attn_mask=None, **kwargs):
+        mask = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.stride())
+        calls.append((*((tuple(t.shape), t.stride()) for t in (q, k, v)), mask))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ((5,), ((2, 0, 3, 1),), 11),  # a GRPO group
+        ((37,), ((9, 4, 12, 7),), 69),  # a GRPO group whose lengths are no bucket's
+        ((5, 3), ((2, 0, 3, 1), (1, 4, 2)), 12),  # groups of other lengths
+        ((3, 6), ((4,), (0, 2)), 9),  # a pair whose chosen completion is empty
+        ((2, 2), ((3, 4), (3, 4)), 10),  # pairs alike: the lower-right call
+    ],
+)
+def test_attend_in_length_buckets_is_attend_unpadded_with_the_same_gradients(layout, monkeypatch):
+    """Lengths rounded up to a bucket (zeros past the real positions; the padded keys after every causal query or
+    masked out, the padded queries dropped) change neither the output nor any gradient: fp32 against the unpadded
+    calls and the dense reference, bound fp32 rounding of O(1) values (1e-5; a padded key that a query saw, or a
+    padded query whose gradient reached a key, moves them by O(0.1))."""
+    rows = Rows(*layout)
+    gen = torch.Generator().manual_seed(0)
+    b, length = len(rows.prompts), rows.width
+    q = torch.randn(b, 4, length, 8, generator=gen)
+    k, v = (torch.randn(b, 2, length, 8, generator=gen) for _ in range(2))
+    weights = torch.randn(b, length, 4, 8, generator=gen)
+
+    def run(buckets: bool):
+        monkeypatch.setattr(shared_prompt, "BUCKETS", buckets)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = shared_prompt.attend(rows, *leaves)
+        (out * weights).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    plain, plain_grads = run(False)
+    padded, padded_grads = run(True)
+    torch.testing.assert_close(padded, plain, rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded, _attend_reference(rows, q, k, v), rtol=0, atol=1e-5)
+    for name, got, want in zip("qkv", padded_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+
+
+def test_attend_gives_sdpa_one_shape_a_bucket_whatever_the_row_length(monkeypatch):
+    """The path taken: GRPO rows of prompts 50-54 and completions of other lengths (as consecutive steps of a job)
+    reach SDPA in one set of shapes and strides (what torch keys cuDNN's graphs by) with buckets on, and in a new
+    one for every row without; the automatic choice leaves the CPU's calls unpadded (no cuDNN there)."""
+    calls = _sdpa_recorder(monkeypatch)
+    groups = [(50, (5, 7, 6, 7)), (52, (6, 6, 7, 5)), (54, (7, 7, 5, 7))]
+
+    def shapes(buckets):
+        monkeypatch.setattr(shared_prompt, "BUCKETS", buckets)
+        seen = []
+        for prompt, lengths in groups:
+            rows = Rows.single(prompt, list(lengths))
+            q = torch.randn(1, 4, rows.width, 8)
+            k, v = torch.randn(2, 1, 2, rows.width, 8)
+            calls.clear()
+            shared_prompt.attend(rows, q, k, v)
+            assert len(calls) == 2, calls  # the causal call and the masked one
+            seen.append(tuple(calls))
+        return seen
+
+    padded = shapes(True)
+    assert len(set(padded)) == 1, padded
+    (causal, masked) = padded[0]
+    assert causal[0][0] == (1, 4, 64, 8) and masked[0][0] == (1, 4, 32, 8)  # 55-61 → 64; 18-20 later → 32
+    assert masked[1][0] == (1, 4, 80, 8) and masked[3][0] == (1, 1, 32, 80)  # 75-80 keys, heads repeated
+    assert len(set(shapes(False))) == len(groups)
+    assert len(set(shapes(None))) == len(groups)  # CPU: not padded
+    assert shared_prompt.bucket(8160) == 8192 and shared_prompt.bucket(8271) == 9216
+    for n in range(1, 5000):
+        assert n <= shared_prompt.bucket(n) <= max(n * 1.125, n + 15), n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_attend_pays_no_graph_build_for_a_new_row_length_in_a_seen_bucket():
+    """A GRPO group as session 22's bench trains it (8B heads: 32 query, 8 kv, 128 wide; 8 completions of 63
+    inputs; prompts near 8K), bf16 on CUDA, where SDPA runs cuDNN's kernels and torch builds a cuDNN graph per
+    exact shape (bench/RESULTS.md, sdpa_new_shape: a new length's forward + backward costs tens of repeats). With
+    the lengths in buckets, a new prompt length whose buckets were seen costs a repeat's time: bound 3x the repeat
+    + 30 ms, far under a build. Exactness: the bucketed output and q/k/v gradients against fp32 stay within 2x the unbucketed
+    bf16 run's error (plus bf16's 2^-9 of the largest value, for the ties of two roundings)."""
+    import time
+
+    def step(prompt: int, buckets: bool | None, dtype=torch.bfloat16, grads: bool = False):
+        rows = Rows.single(prompt, [63] * 8)
+        gen = torch.Generator(device="cuda").manual_seed(prompt)
+        q = torch.randn(1, rows.width, 32, 128, device="cuda", generator=gen).transpose(1, 2)
+        k, v = (
+            torch.randn(1, rows.width, 8, 128, device="cuda", generator=gen).transpose(1, 2) for _ in range(2)
+        )
+        leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
+        w = torch.randn(1, rows.width, 32, 128, device="cuda", generator=gen)
+        old = shared_prompt.BUCKETS
+        shared_prompt.BUCKETS = buckets
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = shared_prompt.attend(rows, *leaves)
+            (out.float() * w).sum().backward()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1000
+        finally:
+            shared_prompt.BUCKETS = old
+        if grads:
+            return ms, [out.float()] + [t.grad.float() for t in leaves]
+        return ms
+
+    assert shared_prompt._bucketed(torch.empty(1, device="cuda", dtype=torch.bfloat16))  # on by default here
+    step(
+        7750, None
+    )  # the buckets' first call: cuDNN's graphs built (prompt + first 7,813 → 8,192; 448 x 9,216)
+    repeat = min(step(7750, None) for _ in range(3))
+    new = [step(p, None) for p in (7800, 7901, 8002, 8129)]  # new lengths, the same buckets
+    unbucketed = [step(p, False) for p in (7811, 7912)]  # for the record: each new length builds its graphs
+    print(
+        f"attend fwd+bwd ms: repeat {repeat:.1f}, new lengths in seen buckets {new}, unbucketed {unbucketed}"
+    )
+    assert max(new) <= 3 * repeat + 30, (repeat, new)
+    truth = step(8002, False, torch.float32, grads=True)[1]
+    plain = step(8002, False, grads=True)[1]
+    ours = step(8002, None, grads=True)[1]
+    for name, t, p, o in zip(("out", "dq", "dk", "dv"), truth, plain, ours, strict=True):
+        err_plain, err_ours = (p - t).abs().max().item(), (o - t).abs().max().item()
+        assert err_ours <= 2 * err_plain + 2**-9 * t.abs().max().item(), (name, err_plain, err_ours)
