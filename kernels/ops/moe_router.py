@@ -65,7 +65,7 @@ def _router_fwd_kernel(
     x, p, cols, avail = _probs(l_ptr, rt, T, E, stride, BLOCK_T, BLOCK_E)
     kcols = tl.arange(0, BLOCK_K)
     v = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-    idx = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+    idx = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     for i in tl.static_range(K):
         best = tl.max(tl.where(avail, x, float("-inf")), axis=1)
         j = tl.min(tl.where(avail & (x == best[:, None]), cols[None, :], BLOCK_E), axis=1)
@@ -74,14 +74,14 @@ def _router_fwd_kernel(
         vi = tl.sum(tl.where(hit, p, 0.0), axis=1)
         avail = avail & ~hit
         v = tl.where(kcols[None, :] == i, vi[:, None], v)
-        idx = tl.where(kcols[None, :] == i, j[:, None].to(tl.int64), idx)
+        idx = tl.where(kcols[None, :] == i, j[:, None], idx)
     if NORMALIZE:
         s = tl.sum(v, axis=1)
         v = v / tl.where(s == 0.0, 1.0, s)[:, None]  # 0 only in a padding row
     out = rt[:, None] * K + kcols[None, :]
     mask = (rt < T)[:, None] & (kcols < K)[None, :]
     tl.store(w_ptr + out, cast_to(v, w_ptr.dtype.element_ty), mask=mask)
-    tl.store(idx_ptr + out, idx, mask=mask)
+    tl.store(idx_ptr + out, idx.to(tl.int64), mask=mask)
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def _router_bwd_kernel(
     kcols = tl.arange(0, BLOCK_K)
     kmask = (rt < T)[:, None] & (kcols < K)[None, :]
     at = rt[:, None] * K + kcols[None, :]
-    idx = tl.load(idx_ptr + at, mask=kmask, other=0)
+    idx = tl.load(idx_ptr + at, mask=kmask, other=0).to(tl.int32)  # < E
     dw = tl.load(dw_ptr + at, mask=kmask, other=0.0).to(tl.float32)
     v = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     for i in tl.static_range(K):  # v_i = p at the i-th choice

@@ -1,6 +1,6 @@
 """The fused router (``kernels/ops/moe_router.py``) against HF's router computation, forward and backward.
 
-CPU tier under the interpreter. The truth is HF's computation (``moe_router_reference``, torch autograd) in fp64 on
+CPU tier under the interpreter; GPU tier (``pytest -m gpu``) at Qwen3-30B-A3B's router shape. The truth is HF's computation (``moe_router_reference``, torch autograd) in fp64 on
 the same logits. Choices: with distinct logits the experts and their order are the reference's exactly. Values: the
 kernel works in fp32; a probability is an exp, an E-term sum and a division, a weight a k-term sum and a division
 more, so each is within (E + k + 4) fp32 roundings u = 2⁻²⁴ of the truth, relative; the backward adds the k-term
@@ -14,9 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels._tolerances import cpu_tier
-
-pytestmark = cpu_tier
+from tests.kernels._tolerances import cpu_tier, needs_cuda
 
 U32 = 2.0**-24
 
@@ -51,7 +49,7 @@ def _check(logits, k, normalize, out_dtype, seed=0):
 
     t, e = logits.shape
     gen = torch.Generator().manual_seed(seed)
-    dw = torch.randn(t, k, generator=gen).to(out_dtype)
+    dw = torch.randn(t, k, generator=gen).to(device=logits.device, dtype=out_dtype)
     w_true, idx_true, dl_true = _truth(logits, k, normalize, dw)
 
     lg = logits.clone().requires_grad_()
@@ -74,6 +72,7 @@ def _check(logits, k, normalize, out_dtype, seed=0):
     return w, idx, lg.grad
 
 
+@cpu_tier
 @pytest.mark.parametrize(
     ("t", "e", "k"),
     [(37, 128, 8), (5, 60, 4), (19, 8, 2), (3, 16, 1), (2, 6, 6)],
@@ -89,10 +88,11 @@ def test_router_equals_hf_router_in_fp32_forward_and_backward(t, e, k, normalize
 def _distinct_bf16(t: int, e: int, seed: int) -> torch.Tensor:
     # each row a permutation of e distinct bf16 values i/16 − 4 (exact in bf16 for i < 256): no ties
     gen = torch.Generator().manual_seed(seed)
-    rows = [torch.randperm(e, generator=gen) for _ in range(t)]
-    return (torch.stack(rows).float() / 16 - 4).to(torch.bfloat16)
+    rows = torch.rand(t, e, generator=gen).argsort(dim=1)
+    return (rows.float() / 16 - 4).to(torch.bfloat16)
 
 
+@cpu_tier
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=["qwen3-bf16", "mixtral-fp32"])
 def test_router_on_bf16_logits_gives_hf_choices_and_weights_within_one_rounding(weights_dtype):
     """Qwen3-MoE's weights are cast to the logits' dtype, Mixtral's stay fp32: both, from bf16 logits."""
@@ -100,6 +100,16 @@ def test_router_on_bf16_logits_gives_hf_choices_and_weights_within_one_rounding(
     _check(logits, 8, True, weights_dtype)
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_router_on_cuda_at_the_qwen3_30b_a3b_shape_equals_hf_router():
+    """8 × 2048 tokens, 128 experts, top 8 renormalised, bf16 logits and weights (the benchmark's router), compiled:
+    the CPU tests' checks (on the GPU, tl.exp's error, |l − m|·u for the |l − m| ≤ 16 here, is within the bound)."""
+    _check(_distinct_bf16(8 * 2048, 128, seed=2).cuda(), 8, True, torch.bfloat16)
+    _check(_distinct_bf16(8 * 2048, 128, seed=3).float().cuda(), 8, False, torch.float32)
+
+
+@cpu_tier
 def test_equal_logits_go_to_the_lowest_expert_index():
     from strop.kernels.ops.moe_router import moe_router
 
@@ -112,6 +122,7 @@ def test_equal_logits_go_to_the_lowest_expert_index():
     torch.testing.assert_close(w[1, 1:], torch.full((2,), p_tie), rtol=20 * U32, atol=0)
 
 
+@cpu_tier
 def test_no_tokens_and_bad_arguments():
     from strop.kernels.ops.moe_router import moe_router
 
