@@ -37,7 +37,7 @@ reach SDPA in a few shapes that repeat. Exact: in the causal call the padded key
 seen) and the padded queries' outputs are dropped (their gradient is zero, so they add nothing to the keys' and
 values'); in the masked call the padded keys are masked out and the padded queries see key 0 and are dropped.
 The copies are linear in the row (three [B, H, L, D] tensors a call), the padding's attention FLOPs at most ~27%
-more for the causal call.
+more for the causal call. Rows past :data:`BUCKET_MAX` positions run at their exact lengths.
 
 Two ways in. TRL's preference rows: :func:`share_prompts` re-lays a ``[chosen; rejected]`` batch and hands the
 model a marker 4-D mask that carries the :class:`Rows`; HF's ``sdpa`` attention function, wrapped by a
@@ -86,6 +86,10 @@ MIN_SAVING = 0.1
 # Whether attend's SDPA calls see lengths rounded up to a bucket (module docstring): None where cuDNN's SDPA may
 # run (16-bit inputs on CUDA with cuDNN's SDPA enabled), True or False everywhere (tests, measurements).
 BUCKETS: bool | None = None
+# Rows longer than this run at their exact lengths: there a graph build is a small part of the step's attention
+# (quadratic in the row), and the padded copies of q, k, v (up to 12.5% longer, held through the call and its
+# backward) would count against the longest row that fits.
+BUCKET_MAX = 65536
 
 
 def bucket(n: int) -> int:
@@ -220,7 +224,7 @@ def attend(
     gqa = groups > 1
     firsts, ends = rows.firsts, rows.ends
     lo, first, end = min(firsts), max(firsts), max(ends)
-    pad = _bucketed(q)
+    pad = end <= BUCKET_MAX and _bucketed(q)
     # prompt + first suffix, causal: a row shorter than the longest computes garbage past its own, replaced below
     qc, kc, vc = q[:, :, :first], k[:, :, :first], v[:, :, :first]
     if pad:

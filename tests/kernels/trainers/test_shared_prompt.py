@@ -344,6 +344,8 @@ def test_attend_gives_sdpa_one_shape_a_bucket_whatever_the_row_length(monkeypatc
     assert masked[1][0] == (1, 4, 80, 8) and masked[3][0] == (1, 1, 32, 80)  # 75-80 keys, heads repeated
     assert len(set(shapes(False))) == len(groups)
     assert len(set(shapes(None))) == len(groups)  # CPU: not padded
+    monkeypatch.setattr(shared_prompt, "BUCKET_MAX", 79)  # rows past it run at their exact lengths
+    assert len(set(shapes(True))) == 2  # the rows of 75 and 76 positions padded, the one of 80 not
     assert shared_prompt.bucket(8160) == 8192 and shared_prompt.bucket(8271) == 9216
     for n in range(1, 5000):
         assert n <= shared_prompt.bucket(n) <= max(n * 1.125, n + 15), n
