@@ -473,6 +473,47 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
     return row, base_eval
 
 
+def margins_check(model_dir: Path, device: str) -> None:
+    """``base_margins`` on ``device`` three ways, printed: the session loaded without strop's kernels (after its
+    batched greedy pass, as a bench row computes them), then with the kernels the device gets, before any greedy pass
+    and after one. On a CPU the three agree to rounding; a device whose rows record margins no right answer can have
+    (its own answer far below another token) shows here which of the kernels and the pass makes them."""
+    from strop.common.trainer_types import KernelMode, LoadModelRequest, LoraConfig
+    from strop.trainer_svc.core import model_loading
+
+    def load(kernels: KernelMode):
+        loaded = model_loading.load_model(
+            LoadModelRequest(model_path=model_dir.name, kernels=kernels),
+            model_root=model_dir.parent,
+            device=device,
+        )
+        model_loading.attach_lora(loaded, LoraConfig(seed=0))
+        return loaded
+
+    def show(label: str, margins: list[float | None]) -> None:
+        right = [m for m in margins if m is not None]
+        print(
+            f"{label}: {len(right)} right, {sum(m >= MARGIN_NATS for m in right)} by >= {MARGIN_NATS:g} nat, "
+            f"{sum(m < 0 for m in right)} negative; {margins[:8]}",
+            flush=True,
+        )
+
+    loaded = load(KernelMode.OFF)
+    answers = evaluate(loaded, disable_adapter=True)["general_answers"]
+    show(
+        f"kernels off ({loaded.facts.kernels_reason}), after the greedy pass",
+        base_margins(loaded, answers),
+    )
+    model_loading.release(loaded)
+    loaded = load(KernelMode.UNSPECIFIED)
+    show(f"kernels as loaded ({loaded.facts.kernels_reason}), fresh", base_margins(loaded, answers))
+    model_loading.generate_chat_batch(
+        loaded, [q for q, _ in GENERAL], max_new_tokens=GENERAL_MAX_NEW_TOKENS, disable_adapter=True
+    )
+    show("the same session after its greedy pass", base_margins(loaded, answers))
+    model_loading.release(loaded)
+
+
 def replay_census(model_dir: Path, device: str, path: Path) -> None:
     """The base's answers to every replay prompt as a REPLAY job generates them, and what replay keeps of each
     (``retention.replay_rows``: the whole answer if it ended its turn, else nothing)."""
@@ -554,6 +595,11 @@ def main() -> None:
         "--table", nargs="+", metavar="JSONL", help="print the Markdown table of these result files and exit"
     )
     p.add_argument(
+        "--margins-check",
+        action="store_true",
+        help="print the base's margins with and without strop's kernels, before and after a greedy pass, and exit",
+    )
+    p.add_argument(
         "--replay-rows",
         metavar="JSON",
         help="write the base's answers to the replay prompts and what replay keeps of each (JSON) and exit",
@@ -587,6 +633,9 @@ def main() -> None:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
+    if a.margins_check:
+        margins_check(model_dir, a.device)
+        return
     if a.replay_rows:
         replay_census(model_dir, a.device, Path(a.replay_rows))
         return
