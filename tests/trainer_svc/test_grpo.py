@@ -177,6 +177,17 @@ def test_a_cancelled_job_resumed_continues_as_one_never_stopped(client, datasets
     client.close_session(b)
 
 
+def test_a_job_checkpoints_every_n_steps(client, session, datasets, torch_engine):
+    cfg = grpo_config(4)
+    cfg.checkpoint_every_steps = 2
+    events = list(client.train(session, datasets[0].dataset_id, cfg))
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1]
+    saved = [e.checkpoint for e in events if e.checkpoint is not None]
+    assert [c.step for c in saved] == [2, 4], saved
+    assert all(c.artifact is not None for c in saved)
+    assert client.get_job(events[-1].job_id).last_checkpoint.step == 4
+
+
 @pytest.mark.parametrize(
     "change,field",
     [
