@@ -112,12 +112,17 @@ def test_the_reward_rises_on_a_verifiable_task(client, session, datasets, torch_
 
 
 def test_every_step_streams_its_rl_metrics(client, session, datasets, torch_engine):
-    events = list(client.train(session, datasets[0].dataset_id, grpo_config(2)))
+    # nucleus sampling on (top_p < 1), as a job may ask
+    events = list(client.train(session, datasets[0].dataset_id, grpo_config(2, top_p=0.9)))
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1]
     for s in steps_of(events):
         rl = s.rl
         # string_check scores 0 or 1 and passes at 1: its pass rate is the mean reward
         (g,) = rl.graders
         assert g.name == "has_letter" and g.pass_rate == pytest.approx(rl.reward_mean) == g.mean_score
+        # 0/1 rewards of 4 prompts x 8 samples: their unbiased std follows from the mean
+        m, n = rl.reward_mean, 32
+        assert rl.reward_std == pytest.approx(math.sqrt(n / (n - 1) * m * (1 - m)), abs=1e-6)
         # one update per batch: the ratio is exactly 1, nothing clips
         assert rl.clip_fraction == 0.0
         # fp32: the sampler's and the trainer's raw log-probs of the same weights agree to ~1e-5 (test_sampler.py)
@@ -201,6 +206,7 @@ def test_a_job_checkpoints_every_n_steps(client, session, datasets, torch_engine
         (dict(kl_coef=float("nan")), "config.grpo.kl_coef"),
         (dict(clip_eps_high=float("inf")), "config.grpo.clip_eps_high"),
         (dict(temperature=-1.0), "config.grpo.temperature"),
+        (dict(top_p=1.5), "config.grpo.top_p"),
         (dict(max_new_tokens=5000), "plus max_new_tokens 5000 exceeds max_length"),
     ],
 )
