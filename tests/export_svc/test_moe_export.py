@@ -1,7 +1,8 @@
 """Mixture-of-experts exports: an adapter the trainer attached to a tiny Qwen3-MoE or Mixtral (LoRA on q/k/v/o and on
 the fused experts, PEFT ``target_parameters``; B randomised as if trained) merged into the per-expert checkpoint layout
-vLLM loads, and written back as a PEFT adapter; each verified in its consumer against the model as trained (the base
-with the adapter unmerged, by PEFT). GGUF and gpt-oss are refused with their reasons.
+vLLM loads, written back as a PEFT adapter, and as GGUF (F32 and Q4_K_M, llama.cpp's expert tensors); each verified in
+its consumer against the model as trained (the base with the adapter unmerged, by PEFT). GGUF LoRA of fused experts,
+a PEFT adapter with a trained router and gpt-oss are refused with their reasons.
 
 Bounds. The merged fp32 directory and the as-trained model compute the same function in fp32, differing in
 whether ``s · B_e A_e`` is added to the weights before the product or (PEFT's ``ParamWrapper``) to the expert stack
@@ -25,7 +26,7 @@ FP32_BOUND = 1e-4
 F32_GGUF_BOUND = 1e-3
 
 
-def _trained_adapter(root: Path, arch: str, train_router: bool) -> Path:
+def _trained_adapter(root: Path, arch: str, train_router: bool, dirname: str = "") -> Path:
     from strop.common.trainer_types import LoadModelRequest, LoraConfig, Quantization
     from strop.trainer_svc.core.model_loading import attach_lora, load_model, write_adapter
 
@@ -40,7 +41,7 @@ def _trained_adapter(root: Path, arch: str, train_router: bool) -> Path:
         for name, p in loaded.model.named_parameters():
             if "lora_B" in name or ("modules_to_save" in name and p.requires_grad):
                 p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    out = root / f"{arch}-lora"
+    out = root / (dirname or f"{arch}-lora")
     write_adapter(loaded, out)
     return out
 
@@ -57,6 +58,7 @@ def moe_models(tmp_path_factory) -> Path:
         make_tiny_model(root / arch, arch=arch, shape=shape, dtype="float32", vocab_size=320)
     _trained_adapter(root, "qwen3_moe", train_router=False)
     _trained_adapter(root, "mixtral", train_router=True)
+    _trained_adapter(root, "mixtral", train_router=False, dirname="mixtral-frozen-router-lora")
     return root
 
 
@@ -147,6 +149,28 @@ def test_a_mixtral_adapter_with_a_trained_router_merges_into_block_sparse_moe_na
         )
 
 
+def test_a_mixtral_adapter_with_its_router_frozen_exports_as_peft_and_round_trips(moe_models, store):
+    """Mixtral's PEFT target (refused below when the router trained: vLLM refuses modules_to_save) with the router
+    frozen: PeftModel.from_pretrained on the base reproduces the model as trained within the merged bound, and the
+    file holds the fused-expert pairs under block_sparse_moe's names as PEFT saved them."""
+    from safetensors import safe_open
+
+    req = ExportRequest(
+        targets=_targets(ExportTargetKind.PEFT_ADAPTER),
+        adapter_path="mixtral-frozen-router-lora",
+        base_model_path="mixtral",
+    )
+    (r,) = run_export(req, model_root=moe_models, store=store)
+    assert r.verification.max_abs_logit_delta < FP32_BOUND, r.verification.max_abs_logit_delta
+    d = store.path_of(r.artifact.artifact_id)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    assert sorted(cfg["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"], cfg
+    assert not cfg.get("modules_to_save"), "a frozen router is not saved"
+    with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any("experts" in k and "lora_A" in k for k in keys) and not any(".gate.weight" in k for k in keys)
+
+
 @pytest.mark.parametrize(
     "kind,adapter,base,match",
     [
@@ -177,6 +201,8 @@ def test_an_moe_gguf_has_llama_cpps_expert_tensors_and_matches_the_model_as_trai
         v.max_abs_logit_delta,
         v.as_trained.max_abs_logit_delta,
     )
+    # the pre-tokenizer: llama.cpp's own tokenizer gives transformers' ids for the prompts and held-out text
+    assert v.tokens_checked and v.tokens_match, v.token_mismatches
     path = next(store.path_of(r.artifact.artifact_id).glob("*.gguf"))
     reader = gguf.GGUFReader(path)
     gguf_arch = reader.get_field("general.architecture").contents()
