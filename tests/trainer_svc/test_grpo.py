@@ -182,6 +182,23 @@ def test_a_cancelled_job_resumed_continues_as_one_never_stopped(client, datasets
     client.close_session(b)
 
 
+def test_no_pass_computes_logits_over_a_rows_positions(client, trainer, session, datasets, torch_engine):
+    """No full-vocabulary logits: the LM head module runs only on each sampled row's last position (the sampler's
+    next token); the policy's, the old policy's and the reference's log-probs read the head's weight through the
+    chunked engine. A forward that computed logits over a row's positions would pass the head [rows, positions,
+    hidden] with positions > 1."""
+    base = trainer[1].sessions.open(session).loaded.model.get_base_model()
+    shapes: list[tuple[int, ...]] = []
+    hook = base.lm_head.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    try:
+        events = list(client.train(session, datasets[0].dataset_id, grpo_config(1, kl_coef=0.1)))
+    finally:
+        hook.remove()
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1]
+    assert shapes, "the sampler's logits go through this module: the hook watches the right one"
+    assert all(len(s) == 2 or s[-2] == 1 for s in shapes), sorted(set(shapes))
+
+
 def test_a_job_checkpoints_every_n_steps(client, session, datasets, torch_engine):
     cfg = grpo_config(4)
     cfg.checkpoint_every_steps = 2
