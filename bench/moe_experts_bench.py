@@ -149,7 +149,8 @@ def merge_timings(a, device) -> None:
     shapes = [(8, 64, 64), (8, 64, 32)] if a.smoke else [(128, 1536, 2048), (128, 2048, 768)]
     dtype = torch.float32 if a.smoke else torch.bfloat16
     print(
-        "stack            tile (BLOCK_N, BLOCK_K, warps): ms as tuned      kept         ms   GB/s", flush=True
+        "stack            tile (BLOCK_N, BLOCK_K, warps / code lookup): ms as tuned      kept         ms   GB/s",
+        flush=True,
     )
     for e, n, k in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
@@ -162,8 +163,9 @@ def merge_timings(a, device) -> None:
         tried, kept = "-", "-"
         if tuner is not None:
 
-            def tile(c):
-                return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}x{c.num_warps}"
+            def tile(c):  # BLOCK_N x BLOCK_K x warps, then how a byte's codes are read (pairs or code book)
+                lookup = "pairs" if c.kwargs.get("PAIRS") else "book"
+                return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}x{c.num_warps}/{lookup}"
 
             tried = " ".join(f"{tile(c)}:{t[0]:.3f}" for c, t in tuner.configs_timings.items())
             kept = tile(tuner.best_config)

@@ -251,13 +251,13 @@ def _block_scale(
 # fmt: skip on the signature: one row per role (the stack and its NF4 state, the factors, sizes, strides, constexprs)
 @triton.jit
 def _merge_kernel(
-    w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, pairs_ptr,
+    w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, pairs_ptr,
     b_ptr, a_ptr, out_ptr, scale,
     N, K, R,
     b_se, b_sn, b_sr, a_se, a_sr, a_sk, w_se, w_sn, w_sk,
     NF4: tl.constexpr, HALF_BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     QDTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_N, BLOCK_K] tile of expert e's ``W_e + s · B_e A_e``: W read (NF4: dequantized as nf4.py's kernel
     does, bit for bit, and rounded to the stack's dtype), the rank-R product added in fp32, rounded once."""
@@ -288,10 +288,15 @@ def _merge_kernel(
                 absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, byte // HALF_BS, bmask, NESTED, BS2
             )
         b = tl.load(w_ptr + byte, mask=bmask, other=0).to(tl.int32)
-        # both codes of a byte from one 256-entry table of (code[high nibble], code[low nibble]): one 8-byte read
-        # a byte, the pair already in output order
-        pair = tl.load(pairs_ptr + (2 * b)[:, :, None] + tl.arange(0, 2)[None, None, :])
-        v = tl.reshape(pair * absmax[:, :, None], [BLOCK_N, BLOCK_K])
+        if PAIRS:
+            # both codes of a byte from one 256-entry table of (code[high nibble], code[low nibble]): one 8-byte
+            # read a byte, the pair already in output order; a warp's reads spread over the table's 2 KiB
+            pair = tl.load(pairs_ptr + (2 * b)[:, :, None] + tl.arange(0, 2)[None, None, :])
+            v = tl.reshape(pair * absmax[:, :, None], [BLOCK_N, BLOCK_K])
+        else:
+            # each nibble's code from the 16-entry code book: two 4-byte reads a byte, a warp's all within the
+            # book's 64 bytes (one cache line), interleaved into output order; the same products as the pairs'
+            v = tl.interleave(tl.load(code_ptr + (b >> 4)) * absmax, tl.load(code_ptr + (b & 0x0F)) * absmax)
         # rounded to the stack's dtype as nf4.py's kernel does, to nearest even (cast_to: the hardware's rounding
         # compiled, integer rounding in the interpreter, whose cast truncates)
         v = cast_to(v, QDTYPE).to(tl.float32)
@@ -304,15 +309,22 @@ def _merge_kernel(
     tl.store(out_ptr + row[:, None] + rk[None, :], cast_to(v + scale * ba, OUT_DTYPE), mask=mask)
 
 
-# The merge's tiles, (BLOCK_N, BLOCK_K, num_warps): the first is what the interpreter (CPU tests, which pay per
-# program) always runs; on CUDA the autotuner times them all on first use for each projection's shape, rank and
+# The merge's tiles, (BLOCK_N, BLOCK_K, num_warps, PAIRS): the first is what the interpreter (CPU tests, which pay
+# per program) always runs; on CUDA the autotuner times them all on first use for each projection's shape, rank and
 # dtypes (a trainer's first step: a compile and ~0.1 s of timing a tile) and keeps the fastest. The NF4 tile's
-# code-pair gathers hold a 64-bit address a byte, so registers bound the programs an SM runs (ptxas -v on the sm_90
-# compile says how many); the smaller tiles trade elements a thread for programs in flight. Every tile gives each
-# warpgroup 64 rows, so the rank-r product is one Hopper wgmma k-step whatever the tile (fewer rows a warpgroup
-# would make it mma's); W's part is exact. A 16-bit stack and NF4 codes of one shape share the kept tile
-# (_MERGE_TILE's key), so the two paths merge to the same bits.
-_MERGE_TILES = ((64, 128, 4), (64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 128, 8))
+# code gathers hold a 64-bit address a byte or nibble, so registers bound the programs an SM runs (ptxas -v on the
+# sm_90 compile says how many); the smaller tiles trade elements a thread for programs in flight. PAIRS picks how a
+# byte's two codes are read: one 8-byte gather from the 2 KiB pair table (fewer instructions; a warp's 32 reads
+# touch up to 16 of its 128-byte lines, each a pass of the L1) or two 4-byte gathers from the 64-byte code book
+# (one line: one pass each); the same values either way. Every tile gives each warpgroup 64 rows, so the rank-r
+# product is one Hopper wgmma k-step whatever the tile (fewer rows a warpgroup would make it mma's); W's part is
+# exact. A 16-bit stack and NF4 codes of one shape share the kept tile (_MERGE_TILE's key), so the two paths merge
+# to the same bits.
+_MERGE_TILES = tuple(
+    (n, k, warps, pairs)
+    for pairs in (False, True)
+    for n, k, warps in ((64, 128, 4), (64, 64, 4), (128, 64, 8), (64, 32, 4), (128, 128, 8))
+)
 _TUNED_MERGE: list = []
 
 
@@ -338,12 +350,15 @@ def _merge_kernel_for(key: tuple, device: torch.device):
     """(kernel, tile kwargs, tuner): the first tile off CUDA (the interpreter); on CUDA the tile the autotuner
     kept for ``key``, else the autotuner itself (the caller records its pick)."""
     if device.type != "cuda":
-        n, k, warps = _MERGE_TILES[0]
-        return _merge_kernel, {"BLOCK_N": n, "BLOCK_K": k, "num_warps": warps}, None
+        n, k, warps, pairs = _MERGE_TILES[0]
+        return _merge_kernel, {"BLOCK_N": n, "BLOCK_K": k, "PAIRS": pairs, "num_warps": warps}, None
     if key in _MERGE_TILE:
         return _merge_kernel, _MERGE_TILE[key], None
     if not _TUNED_MERGE:
-        configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _MERGE_TILES]
+        configs = [
+            triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PAIRS": p}, num_warps=w)
+            for n, k, w, p in _MERGE_TILES
+        ]
         _TUNED_MERGE.append(
             triton.autotune(configs, key=["N", "K", "R", "NF4", "NESTED", "ROW_BLOCKS"])(_merge_kernel)
         )
@@ -365,11 +380,11 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
         nested = w.nested
         src, absmax = w.packed, w.absmax
         absmax2, code2, offset = (w.absmax2, w.code2, _offset(qs, w.device)) if nested else (absmax,) * 3
-        pairs, half_bs, qdtype = _code_pairs(w.device), w.blocksize // 2, w.dtype
+        code, pairs, half_bs, qdtype = _code(w.device), _code_pairs(w.device), w.blocksize // 2, w.dtype
         bs2 = w.blocksize2 if nested else 1
     else:
         src = w  # read through its strides
-        absmax = absmax2 = code2 = offset = pairs = src  # unread placeholders
+        absmax = absmax2 = code2 = offset = code = pairs = src  # unread placeholders
         half_bs, bs2, nested, qdtype = 1, 1, False, w.dtype
     r = a_.shape[1]
     w_strides = (0, 0, 0) if nf4 else w.stride()
@@ -379,7 +394,7 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), e)  # noqa: E731
     # fmt: skip below: one row per role, as the kernel's signature
     kernel[grid](
-        src, absmax, absmax2, code2, offset, pairs,
+        src, absmax, absmax2, code2, offset, code, pairs,
         b_, a_, out, float(scale),
         n, k, r,
         b_.stride(0), b_.stride(1), b_.stride(2), a_.stride(0), a_.stride(1), a_.stride(2), *w_strides,

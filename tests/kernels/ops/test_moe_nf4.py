@@ -146,12 +146,20 @@ def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("double_quant", [True, False], ids=["double-quant", "fp32-absmax"])
 @pytest.mark.parametrize("k", [192, 96], ids=["rows-of-whole-blocks", "blocks-across-rows"])
-def test_the_merge_kernel_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product(dtype, double_quant, k):
+@pytest.mark.parametrize("pairs", [False, True], ids=["code-book", "code-pairs"])
+def test_the_merge_kernel_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product(
+    dtype, double_quant, k, pairs, monkeypatch
+):
     """The merged stack's W part is ``nf4_dequantize``'s values bit for bit (zero factors: nothing added), and with
     factors it is W + s·B_e A_e of the compute-dtype factors, in fp32 to its rounding (bf16: rounded once, so within
     half an ulp of the fp32 sum: 2⁻⁸ relative, the sum itself the reference's within the fp32 rounding of its r + 1
     terms, which a cancellation can make larger). N 40 and K 192: a partial tile in both, rows of 1.5 K-tiles, each
-    of whole NF4 blocks (their scales read once a row); K 96: blocks of 64 straddle rows (scales read a byte)."""
+    of whole NF4 blocks (their scales read once a row); K 96: blocks of 64 straddle rows (scales read a byte). Both
+    ways of reading a byte's codes (the interpreter runs the first tile: here the one of that lookup)."""
+    from strop.kernels.ops import moe_gemm
+
+    tiles = [t for t in moe_gemm._MERGE_TILES if t[3] == pairs]
+    monkeypatch.setattr(moe_gemm, "_MERGE_TILES", (tiles[0],))
     _check_merge((3, 40, k), 4, dtype, double_quant, "cpu")
 
 
@@ -159,9 +167,22 @@ def test_the_merge_kernel_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_pr
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_merge_kernel_on_cuda_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product():
     """The autotuned merge on CUDA, Qwen3-30B-A3B's gate/up and down shapes (8 experts), rank 16, bf16: the
-    CPU test's checks (the W part bit for bit, the merged stack within 2⁻⁸, the 16-bit stack's merge equal)."""
+    CPU test's checks (the W part bit for bit, the merged stack within 2⁻⁸, the 16-bit stack's merge equal), for
+    the tile the autotuner keeps and then for every tile it may keep, each launched alone (both ways of reading
+    the codes)."""
+    from strop.kernels.ops import moe_gemm
+
     for n, k in ((2 * 768, 2048), (2048, 768)):
         _check_merge((8, n, k), 16, torch.bfloat16, True, "cuda")
+        key = next(key for key in moe_gemm._MERGE_TILE if key[1:3] == (n, k))
+        for bn, bk, warps, pairs in moe_gemm._MERGE_TILES:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setitem(
+                    moe_gemm._MERGE_TILE,
+                    key,
+                    {"BLOCK_N": bn, "BLOCK_K": bk, "PAIRS": pairs, "num_warps": warps},
+                )
+                _check_merge((8, n, k), 16, torch.bfloat16, True, "cuda")
 
 
 def _check_merge(shape, r, dtype, double_quant, device):
