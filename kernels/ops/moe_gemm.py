@@ -29,10 +29,11 @@ merges, is the next its backward needs (4 merges a checkpointed layer and step: 
 gate/up, backward down). No merged stack is saved, one is resident at a time (every NF4
 weight of the model reuses that buffer, in stream order), so a 16-bit session's experts also use that buffer.
 
-``split=True`` runs the same products as two autograd nodes, ``u = x · A_eᵀ`` (saving x; its backward gives dA from
-du = s · dy · B_e) and the product (saving no tensor; the stack, the factors and u, [M, r], held on the node), so
-that a checkpointed layer ending in this projection (an MoE layer's down projection) is recomputed only up to u:
-torch's non-reentrant checkpoint stops its recompute at the layer's last saved tensor, before the merge and product.
+``split=True`` runs the same products as two autograd nodes, one that saves x and computes nothing (its backward
+gives dA from du = s · dy · B_e) and the product (saving no tensor; it computes u = x · A_eᵀ too, and holds the
+stack, the factors and u, [M, r], on the node), so that a checkpointed layer ending in this projection (an MoE
+layer's down projection) is recomputed only up to its input: torch's non-reentrant checkpoint stops its recompute
+at the layer's last saved tensor, before the merge, the product and u.
 
 NF4 experts (:class:`Nf4Experts`, a frozen base quantized as bitsandbytes' NF4: blocks of 64 along each expert's
 flattened [N, K], the absmax double-quantized) are dequantized by the merge kernel exactly as
@@ -483,17 +484,17 @@ def _has_rows(ends: torch.Tensor) -> torch.Tensor:
 
 
 class _LoraInputFunction(torch.autograd.Function):
-    """The split form's first node: ``u = x · A_eᵀ`` [M, r]. Its backward takes du = s · dy · B_e from the product
-    node and gives dA_e = Σ du[m]ᵀ x[m] only: x's share of the LoRA path is in the product node's ``dy · W'_e``."""
+    """The split form's first node: it saves x and computes nothing: its output is a stand-in of u's shape [M, r]
+    (one zero, expanded: no memory, no GEMM) through which the product node, which computes u itself, hands back
+    du = s · dy · B_e. Its backward gives dA_e = Σ du[m]ᵀ x[m] only: x's share of the LoRA path is in the product
+    node's ``dy · W'_e``. A checkpoint's recompute stops when this node saves x, so it recomputes no u either."""
 
     @staticmethod
     def forward(ctx, x, offsets, a):
-        with torch.autocast(x.device.type, enabled=False):
-            ends = offsets[1:].to(torch.int32)
-            u = grouped_mm(x, a.to(x.dtype).contiguous().transpose(1, 2), ends)
+        ends = offsets[1:].to(torch.int32)
         ctx.save_for_backward(x, ends)
         ctx.a_dtype = a.dtype
-        return u
+        return x.new_zeros(()).expand(x.shape[0], a.shape[1])
 
     @staticmethod
     def backward(ctx, du):
@@ -505,17 +506,19 @@ class _LoraInputFunction(torch.autograd.Function):
 
 
 class _MergedProductFunction(torch.autograd.Function):
-    """The split form's product node: ``y = x · W'_eᵀ`` over the merged stack, saving no tensor through
-    ``save_for_backward`` (so torch's non-reentrant checkpoint, whose recompute stops at a layer's last saved tensor,
-    skips this node's merge and GEMM where it ends a layer): the stack, the factors and ``u`` are held on ctx. Its
-    backward: dx = dy · W'_e, du = s · dy · B_e (to the first node, for dA), dB_e = s · Σ dy[m]ᵀ u[m]."""
+    """The split form's product node: ``y = x · W'_eᵀ`` over the merged stack and, for dB, ``u = x · A_eᵀ`` [M, r],
+    saving no tensor through ``save_for_backward`` (so torch's non-reentrant checkpoint, whose recompute stops at a
+    layer's last saved tensor, skips this node's merge and GEMMs where it ends a layer): the stack, the factors and
+    u are held on ctx. Its backward: dx = dy · W'_e, du = s · dy · B_e (to the first node's stand-in, for dA),
+    dB_e = s · Σ dy[m]ᵀ u[m]."""
 
     @staticmethod
-    def forward(ctx, x, u, offsets, w, a, b, scale):
+    def forward(ctx, x, stand_in, offsets, w, a, b, scale):
         with torch.autocast(x.device.type, enabled=False):
             dt = x.dtype
             ends = offsets[1:].to(torch.int32)
             a_, b_ = _factors(a, b, dt)
+            u = grouped_mm(x, a_.transpose(1, 2), ends) if ctx.needs_input_grad[5] else None
             y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
         ctx.w, ctx.a, ctx.b, ctx.u, ctx.ends, ctx.scale, ctx.dt = w, a, b, u, ends, scale, dt
         return y
@@ -531,7 +534,7 @@ class _MergedProductFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             du = grouped_mm(dy, b_, ends).mul_(s)
         if ctx.needs_input_grad[5]:
-            db = grouped_mm(dy.t(), u.to(dt), ends).where(_has_rows(ends), 0).to(b.dtype).mul_(s)
+            db = grouped_mm(dy.t(), u, ends).where(_has_rows(ends), 0).to(b.dtype).mul_(s)
         return dx, du, None, None, None, db, None
 
 
@@ -545,10 +548,10 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float, *, split: bool = False) -> 
             the factors into the shared scratch buffer per call, NF4 dequantized there).
         a: [E, r, K] LoRA A per expert; b: [E, N, r] LoRA B per expert.
         scale: the LoRA scale s.
-        split: two autograd nodes, ``u = x·A_eᵀ`` (saving x) and the product (saving nothing, holding u, [M, r],
-            on its node): for a checkpointed layer's last projection, whose recompute then stops before the
-            product (an MoE layer's down projection). The same products; dA from du = s·dy·B_e rounded to the
-            compute dtype.
+        split: two autograd nodes, one saving x (for dA) and the product (saving nothing; it computes
+            ``u = x·A_eᵀ`` and holds it, [M, r], on its node): for a checkpointed layer's last projection, whose
+            recompute then stops at the first node, before the product, its merge and u (an MoE layer's down
+            projection). The same products; dA from du = s·dy·B_e rounded to the compute dtype.
 
     Returns:
         y [M, N] in the compute dtype (autocast's when on, else x's); gradients flow to x, a and b (w is frozen).
@@ -557,6 +560,6 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float, *, split: bool = False) -> 
     x = x.to(_compute_dtype(x))
     if not split:
         return MoeLoraGemmFunction.apply(x, offsets, w, a, b, scale)
-    need_u = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    u = _LoraInputFunction.apply(x, offsets, a) if need_u else None
-    return _MergedProductFunction.apply(x, u, offsets, w, a, b, scale)
+    need_da = torch.is_grad_enabled() and a.requires_grad
+    stand_in = _LoraInputFunction.apply(x, offsets, a) if need_da else None
+    return _MergedProductFunction.apply(x, stand_in, offsets, w, a, b, scale)
