@@ -228,19 +228,18 @@ def test_a_qwen3_moe_without_top_k_renormalization_is_refused_as_gguf():
     assert gguf_refusals({**config, "norm_topk_prob": True}, MOE_ARCHS["qwen3_moe"]) == []
 
 
-def test_a_q4_k_m_gguf_of_an_moe_quantizes_the_expert_tensors_without_fallback(moe_models, store):
-    """llama.cpp's quantizer on the stacked expert tensors: with hidden and expert intermediate 256 (K-quants pack
-    rows in 256-wide super-blocks) nothing falls back; the file loads in llama.cpp and passes the export's
-    verification gate against the model as trained."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_q4_k_m_gguf_of_an_moe_quantizes_the_expert_tensors_without_fallback(moe_models, store, arch):
+    """llama.cpp's quantizer on the stacked expert tensors (qwen3moe's, and Mixtral's under llama's arch): with
+    hidden and expert intermediate 256 (K-quants pack rows in 256-wide super-blocks) nothing falls back; the file
+    loads in llama.cpp and passes the export's verification gate against the model as trained."""
     from strop.fixtures.tiny_models import TinyShape, make_tiny_model
 
     shape = TinyShape(
         hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64
     )
-    make_tiny_model(
-        moe_models / "qwen3_moe-256", arch="qwen3_moe", shape=shape, dtype="float32", vocab_size=320
-    )
-    req = ExportRequest(targets=[ExportTarget.gguf("Q4_K_M")], base_model_path="qwen3_moe-256")
+    make_tiny_model(moe_models / f"{arch}-256", arch=arch, shape=shape, dtype="float32", vocab_size=320)
+    req = ExportRequest(targets=[ExportTarget.gguf("Q4_K_M")], base_model_path=f"{arch}-256")
     (r,) = run_export(req, model_root=moe_models, store=store)
     (rep,) = r.quantization
     assert rep.fallbacks == [], rep.summary
