@@ -168,32 +168,29 @@ class Rows:
         """``[B, 1, hi − lo, hi]`` bool over the positions ``lo = min(firsts) … hi = max(ends)`` of every row: a
         query of a later suffix (past its row's first) sees its row's prompt keys and its own suffix's earlier
         tokens and itself, never another suffix; any other query sees key 0 alone (its output is not used).
-        ``queries``/``keys``: the mask padded to that many queries (seeing key 0 alone) and keys (seen by none)."""
+        ``queries``/``keys``: the mask padded to that many queries (seeing key 0 alone) and keys (seen by none).
+        Built on ``device`` from the rows' segment ids (a [B, keys] copy to it): the [B, queries, keys] comparisons
+        are elementwise work over the whole block, once a group and step, which the host's CPU would do far slower."""
         lo, hi = min(self.firsts), max(self.ends)
-        if queries is not None or keys is not None:
-            qn, kn = queries or hi - lo, keys or hi
-            key = ("padded", qn, kn, str(device))
-            if key not in self._masks:
-                mask = torch.zeros(len(self.prompts), 1, qn, kn, dtype=torch.bool)
-                mask[:, :, :, 0] = True
-                mask[:, :, : hi - lo, :hi] = self.later_mask("cpu")
-                self._masks[key] = mask.to(device)
-            return self._masks[key]
-        key = str(device)
+        qn, kn = queries or hi - lo, keys or hi
+        key = (qn, kn, str(device))
         if key not in self._masks:
-            seg = torch.full((len(self.prompts), hi), -1)  # 0 prompt, s the s-th suffix, -1 padding
+            seg = torch.full((len(self.prompts), kn), -1)  # 0 prompt, s the s-th suffix, -1 padding
             for b, (p, ns) in enumerate(zip(self.prompts, self.suffixes, strict=True)):
                 seg[b, :p] = 0
                 start = p
                 for i, n in enumerate(ns, 1):
                     seg[b, start : start + n] = i
                     start += n
-            sq, sk = seg[:, lo:, None], seg[:, None, :]
-            j, i = torch.arange(hi), torch.arange(lo, hi)
+            seg = seg.to(device)
+            sq = torch.full((len(self.prompts), qn), -1, device=seg.device)
+            sq[:, : hi - lo] = seg[:, lo:hi]
+            sq, sk = sq[:, :, None], seg[:, None, :]
+            j, i = torch.arange(kn, device=seg.device), torch.arange(lo, lo + qn, device=seg.device)
             later = sq >= 2
             mask = later & ((sk == 0) | ((sk == sq) & (j[None, None, :] <= i[None, :, None])))
             mask |= ~later & (j == 0)[None, None, :]
-            self._masks[key] = mask.unsqueeze(1).to(device)
+            self._masks[key] = mask.unsqueeze(1)
         return self._masks[key]
 
 
