@@ -212,6 +212,108 @@ class DeviceTokenCount:
         return super()._save_checkpoint(*args, **kwargs)
 
 
+class LeanStepLoop:
+    """Mixed into every job's TRL trainer class: HF's per-step walks over the whole model done with a fraction of the
+    Python, with the same effects.
+
+    Each step HF's loop calls ``model.train()`` (in ``training_step``: a recursion over every module, ~2,700 in an
+    8B PEFT model, each flag set through ``nn.Module.__setattr__``), ``floating_point_ops`` (``num_parameters``: every
+    module and parameter walked again, for ``total_flos``), the gradient clipping and, after the optimizer step,
+    ``model.zero_grad()`` (both read every parameter's ``.grad``, a 4-bit base's through bitsandbytes' Python
+    ``__torch_function__``). ``zero_grad`` and the next step's ``train()`` run after the step's one host read (the
+    gradient guard's), while the GPU has nothing queued; the library path's plain loop does none of this
+    (bench/RESULTS.md: "the service's host work a step"). During ``train``:
+
+    - the model's ``train(True)`` returns at once when every module is already in training mode (checked over the
+      modules listed at its first call); otherwise, and for ``train(False)``/``eval()``, it is the model's own;
+    - its ``zero_grad()`` sets each parameter's gradient to None as ``nn.Module.zero_grad`` does, reading ``.grad``
+      with subclass dispatch off (for a property read bitsandbytes' override returns what torch returns);
+    - the FLOP count's parameter count (``num_parameters(exclude_embeddings=True)``, which no step changes) is taken
+      once: HF's ``6 × input ids × parameters``, the same integers in the state;
+    - a single-process job's clipping is handed the parameters that hold a gradient (read as ``zero_grad`` reads
+      them): those torch's ``clip_grad_norm_`` keeps of ``model.parameters()``, in order, so the same norm.
+
+    The lists are taken at the first call of each, inside the loop, after accelerate has prepared the model (FSDP2
+    replaces the parameters then). A model accelerate wraps (DDP) gets HF's calls on the wrapper, unchanged.
+    """
+
+    def train(self, *args, **kwargs):
+        model = self.model
+        installed = {"train": self._strop_lean_train(model), "zero_grad": self._strop_lean_zero_grad(model)}
+        before = {name: model.__dict__.get(name) for name in installed}
+        self._strop_flop_params, self._strop_clip_params = None, []
+        model.__dict__.update(installed)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for name, previous in before.items():
+                if previous is None:
+                    model.__dict__.pop(name, None)
+                else:
+                    model.__dict__[name] = previous
+
+    @staticmethod
+    def _strop_lean_train(model):
+        own = model.train  # the model's train as it stands (its class's, or an instance's)
+        modules: list = []
+
+        def train(mode: bool = True):
+            if not modules:
+                modules.extend(model.modules())
+            if mode and all(m.training for m in modules):
+                return model
+            return own(mode)
+
+        return train
+
+    @staticmethod
+    def _strop_lean_zero_grad(model):
+        import torch
+
+        own = model.zero_grad
+        params: list = []
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            if not set_to_none or getattr(model, "_is_replica", False):
+                return own(set_to_none)  # zeroing in place, or a replica (torch warns): the model's own
+            if not params:
+                params.extend(model.parameters())
+            with torch._C.DisableTorchFunctionSubclass():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad = None
+            return None
+
+        return zero_grad
+
+    def _clip_grad_norm(self, model):
+        from accelerate.utils import DistributedType
+        from transformers.trainer import is_sagemaker_mp_enabled
+
+        if self.accelerator.distributed_type != DistributedType.NO or is_sagemaker_mp_enabled():
+            return super()._clip_grad_norm(model)
+        import torch
+
+        params = self.__dict__.setdefault("_strop_clip_params", [])
+        if not params:
+            params.extend(model.parameters())
+        with torch._C.DisableTorchFunctionSubclass():
+            with_grads = [p for p in params if p.grad is not None]
+        # the parameters torch's clip_grad_norm_ keeps of model.parameters() (those with a gradient), in order
+        return self.accelerator.clip_grad_norm_(with_grads, self.args.max_grad_norm)
+
+    def floating_point_ops(self, inputs) -> int:
+        from transformers import Trainer
+
+        name = getattr(self.model, "main_input_name", "input_ids")
+        hfs = getattr(super().floating_point_ops, "__func__", None) is Trainer.floating_point_ops
+        if not hfs or name not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)  # a trainer's own count, or HF's 0
+        if getattr(self, "_strop_flop_params", None) is None:
+            self._strop_flop_params = self.model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[name].numel() * self._strop_flop_params
+
+
 def _make_callback(loaded: LoadedModel, control: JobControl, sinks: Sinks, method: TrainMethod):
     from transformers import TrainerCallback
 
@@ -363,9 +465,9 @@ def _build_trl_trainer(
     callback = _make_callback(loaded, control, sinks, cfg.method)
 
     def held_out(shape: Callable[[list[dict]], list[dict]], trainer_cls: type) -> tuple[type, dict]:
-        """The trainer class (with the token count held on the device) and its eval_dataset kwarg: the
-        validation rows shaped like the training rows."""
-        counting = type(trainer_cls.__name__, (DeviceTokenCount, trainer_cls), {})
+        """The trainer class (with the token count held on the device and HF's per-step walks of the model
+        trimmed) and its eval_dataset kwarg: the validation rows shaped like the training rows."""
+        counting = type(trainer_cls.__name__, (LeanStepLoop, DeviceTokenCount, trainer_cls), {})
         if validation is None:
             return counting, {}
         validating = type(trainer_cls.__name__, (Validating, counting), {})
