@@ -396,7 +396,9 @@ def test_kernels_are_decided_by_where_the_model_will_run_when_told(monkeypatch):
     report = patch_model(model, device="cpu")
     assert all("the model runs on cpu" in r for v in report.skipped.values() for r in v.values()), report
     report = patch_model(model, device="cuda:0")
-    assert not any(report.skipped.values()) and all(report.patched.values()), report
+    # every component a dense model has (it has no MoE router)
+    assert not any(report.skipped.values()), report
+    assert all(v for c, v in report.patched.items() if c != "moe_router"), report
     unpatch_model(model)
 
 
