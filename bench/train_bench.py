@@ -91,7 +91,8 @@ inexact; its MFU is nominal: bf16-equivalent FLOPs over the bf16 ceiling), ``…
 its fused LM head on strop's kernel: ``strop_sft_trainer_class``; ``trl-lib-trlhead``: with TRL's own head;
 ``trl-lib-svcargs``: with what the service adds in process, its optimizer, token count and gradient guard)
 and ``service`` (the same through the trainer service over gRPC on localhost; ``--profile`` profiles its last
-step from the client's thread: the GPU timeline is whole, the job thread's Python ops are not seen).
+step from the client's thread: the GPU timeline is whole, the job thread's Python ops are not seen);
+``service-hfloop``: the service with HF's per-step walks of the model instead of ``training.LeanStepLoop``'s.
 
 Each (part, system) runs in a fresh subprocess (``--worker``) and prints one ``RESULT {json}`` line. Peak
 memory (GPU allocated/reserved, host RSS) is reset after loading and setup, so it is the training steps'.
@@ -323,7 +324,7 @@ def main() -> None:
                 res = run_dpo_worker(a, w)
             elif a.part in PREFERENCE_PARTS:
                 res = run_preference_worker(a, w)
-            elif a.system in ("service", "trl-lib", "trl-lib-trlhead", "trl-lib-svcargs"):
+            elif a.system in ("service", "service-hfloop", "trl-lib", "trl-lib-trlhead", "trl-lib-svcargs"):
                 res = run_trl_worker(a, w)
             else:
                 res = run_worker(a, w)

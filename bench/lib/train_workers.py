@@ -278,7 +278,7 @@ def run_trl_worker(a, w: Workload) -> Result:
     qlora = a.part in QLORA_PARTS
     times: list[float] = []
     arrivals: list[float] = []  # the service: each step event's arrival at the client
-    if a.system == "service":
+    if a.system in ("service", "service-hfloop"):
         import logging
 
         from strop.client import KernelMode, LoraConfig, Quantization, TrainConfig, TrainerClient, TrainMethod
@@ -292,6 +292,8 @@ def run_trl_worker(a, w: Workload) -> Result:
                 if record.getMessage().startswith("memory mode"):
                     res.notes += "\n" + record.getMessage()
 
+        if a.system == "service-hfloop":
+            hf_step_loop()
         trainer_log = logging.getLogger("strop.trainer")
         trainer_log.addHandler(KeepMemoryMode(logging.INFO))
         trainer_log.setLevel(min(trainer_log.getEffectiveLevel(), logging.INFO))
@@ -386,6 +388,19 @@ def run_trl_worker(a, w: Workload) -> Result:
         res.losses = [round(float(h["loss"]), 5) for h in trainer.state.log_history if "loss" in h]
     w.record_speed(res, times, a.warmup, a.batch * a.seq, 1.0)
     return res
+
+
+def hf_step_loop() -> None:
+    """``service-hfloop``: the service as it was before ``training.LeanStepLoop``, HF's per-step walks of the model
+    (``model.train()``, ``zero_grad()``, ``floating_point_ops``, the clipping's parameter list) as HF runs them, to
+    measure what the trimmed loop gains in the same run (the test of their equal effects:
+    tests/trainer_svc/test_step_host_work.py)."""
+    from strop.trainer_svc.core import training
+
+    lean = training.LeanStepLoop
+    lean.train = lambda self, *args, **kw: super(lean, self).train(*args, **kw)
+    lean.floating_point_ops = lambda self, inputs: super(lean, self).floating_point_ops(inputs)
+    lean._clip_grad_norm = lambda self, model: super(lean, self)._clip_grad_norm(model)
 
 
 def dpo_dataset(n_rows: int, prompt_tokens: int, completion_tokens: int):
