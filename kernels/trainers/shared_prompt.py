@@ -30,8 +30,9 @@ masked call computes its whole [later positions × keys] block, masked entries i
 Lengths in buckets (:data:`BUCKETS`, :func:`bucket`). On CUDA SDPA runs cuDNN's kernels first (Hopper and newer),
 and torch caches a cuDNN graph per exact shape and strides of q, k, v and the mask: each new length builds a graph
 for the forward and one for the backward of each call, which at a GRPO row of a few thousand tokens costs many
-times the kernels' own time (bench/RESULTS.md, ``bench/experiments/sdpa_new_shape.py``). A GRPO row's length (the prompt plus the completions) and a DPO batch's width change every step, so
-the training pass would pay that every step. Each call's inputs are therefore copied into new tensors whose length
+times the kernels' own time (bench/RESULTS.md, ``bench/experiments/sdpa_new_shape.py``). A GRPO row's length (the
+prompt plus the completions) and a DPO batch's width change every step, so the training pass would pay that every
+step. Each call's inputs are therefore copied into new tensors whose length
 is rounded up to a bucket (eight an octave: at most 12.5% longer), zeros past the real positions, so a job's rows
 reach SDPA in a few shapes that repeat. Exact: in the causal call the padded keys lie after every real query (never
 seen) and the padded queries' outputs are dropped (their gradient is zero, so they add nothing to the keys' and
