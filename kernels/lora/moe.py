@@ -88,9 +88,10 @@ def lora_moe_experts(
         flat = flat.to(torch.int16)
     order = torch.argsort(flat, stable=True)
     token = order // k
-    # each expert's first row in the sorted ids (no host sync, unlike bincount's output size on CUDA)
+    # each expert's first row in the sorted ids (no host sync, unlike bincount's output size on CUDA), as int32: the
+    # grouped GEMMs' row ends are then a view of it, not a cast a call
     bounds = torch.arange(experts + 1, dtype=flat.dtype, device=x.device)
-    offsets = torch.searchsorted(flat[order], bounds)
+    offsets = torch.searchsorted(flat[order], bounds, out_int32=True)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)  # token t's i-th copy sits at inv[t·k + i]
     xs = gather_rows(x, token, inv, k)

@@ -431,8 +431,14 @@ def _merged(w, a, b, a_, b_, scale: float, dtype, *, reuse: bool = False) -> tor
 
 def _factors(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A and B in the compute dtype and contiguous (PEFT's B is a permuted view whose strides torch's grouped GEMM
-    cannot take; the copy is E·N·r values)."""
-    return a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    cannot take; the copy is E·N·r values): one cast-and-copy each, none where a factor already is both."""
+    return _contiguous_in(a, dtype), _contiguous_in(b, dtype)
+
+
+def _contiguous_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # ``to`` with a memory format casts into a contiguous tensor in one copy; it returns t itself when the dtype
+    # is already t's, whatever its strides
+    return t.contiguous() if t.dtype == dtype else t.to(dtype, memory_format=torch.contiguous_format)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
