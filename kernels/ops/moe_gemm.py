@@ -455,38 +455,59 @@ class MoeLoraGemmFunction(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, x, offsets, w, a, b, scale):
         dt = x.dtype
-        ends = offsets[1:].to(torch.int32)
         a_, b_ = _factors(a, b, dt)
-        y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
+        y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), _ends(offsets))
         # NF4 experts are frozen buffers, kept by reference (no activation is saved for them)
         ctx.nf4 = w if isinstance(w, Nf4Experts) else None
-        ctx.save_for_backward(x, ends, a if ctx.nf4 else w, a, b)
+        ctx.save_for_backward(x, offsets, a if ctx.nf4 else w, a, b)
         ctx.scale = scale
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, ends, w, a, b = ctx.saved_tensors
-        w, s, dt = ctx.nf4 or w, ctx.scale, x.dtype
+        x, offsets, w, a, b = ctx.saved_tensors
+        w, s, dt, ends = ctx.nf4 or w, ctx.scale, x.dtype, _ends(offsets)
         dy = dy.to(dt).contiguous()
         a_, b_ = _factors(a, b, dt)
         dx = da = db = None
         if ctx.needs_input_grad[0]:  # dy · (W_e + s B_e A_e)
             dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt, reuse=True), ends)
-        has_rows = _has_rows(ends)
+        has_rows = _has_rows(offsets)
         if ctx.needs_input_grad[3]:  # dA_e = s Σ v[m]ᵀ x[m], v = dy · B_e
             v = grouped_mm(dy, b_, ends)
-            da = grouped_mm(v.t(), x, ends).where(has_rows, 0).to(a.dtype).mul_(s)
+            da = _factor_grad(grouped_mm(v.t(), x, ends), has_rows, a.dtype, s)
         if ctx.needs_input_grad[4]:  # dB_e = s Σ dy[m]ᵀ u[m], u = x · A_eᵀ
             u = grouped_mm(x, a_.transpose(1, 2), ends)
-            db = grouped_mm(dy.t(), u, ends).where(has_rows, 0).to(b.dtype).mul_(s)
+            db = _factor_grad(grouped_mm(dy.t(), u, ends), has_rows, b.dtype, s)
         return dx, None, None, da, db, None
 
 
-def _has_rows(ends: torch.Tensor) -> torch.Tensor:
+def _ends(offsets: torch.Tensor) -> torch.Tensor:
+    """Each expert's row end, int32 (torch's grouped GEMM's ``offs``): a view of int32 offsets."""
+    return offsets[1:].to(torch.int32)
+
+
+def _has_rows(offsets: torch.Tensor) -> torch.Tensor:
     """[E, 1, 1]: experts with rows (an expert without gets exactly 0, the per-expert loop's zeros; what torch's
-    kernel leaves there is not read)."""
-    return (torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None]
+    kernel leaves there is not read). One comparison of the offsets with themselves shifted."""
+    return (offsets[1:] > offsets[:-1])[:, None, None]
+
+
+_ZERO: dict[tuple, torch.Tensor] = {}
+
+
+def _factor_grad(g: torch.Tensor, has_rows: torch.Tensor, dtype: torch.dtype, s: float) -> torch.Tensor:
+    """A factor's gradient [E, …] from its grouped GEMM's ``g`` (compute dtype): in the factor's ``dtype``, exactly
+    0 for an expert without rows, times ``s`` in that dtype. The mask and the cast are one ``where`` against a
+    zero of ``dtype`` (dimensioned, so it promotes g), and a scale of 1 multiplies nothing: the values of
+    ``g.where(has_rows, 0).to(dtype).mul_(s)``, in one or two launches, not three."""
+    zero = _ZERO.get((g.device, dtype))
+    if zero is None:
+        zero = _ZERO[(g.device, dtype)] = torch.zeros(1, 1, 1, dtype=dtype, device=g.device)
+    out = torch.where(has_rows, g, zero)
+    if out.dtype != dtype:
+        out = out.to(dtype)
+    return out if s == 1.0 else out.mul_(s)
 
 
 class _LoraInputFunction(torch.autograd.Function):
@@ -497,17 +518,17 @@ class _LoraInputFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offsets, a):
-        ends = offsets[1:].to(torch.int32)
-        ctx.save_for_backward(x, ends)
+        ctx.save_for_backward(x, offsets)
         ctx.a_dtype = a.dtype
         return x.new_zeros(()).expand(x.shape[0], a.shape[1])
 
     @staticmethod
     def backward(ctx, du):
-        x, ends = ctx.saved_tensors
+        x, offsets = ctx.saved_tensors
         da = None
         if ctx.needs_input_grad[2]:
-            da = grouped_mm(du.to(x.dtype).t(), x, ends).where(_has_rows(ends), 0).to(ctx.a_dtype)
+            g = grouped_mm(du.to(x.dtype).t(), x, _ends(offsets))
+            da = _factor_grad(g, _has_rows(offsets), ctx.a_dtype, 1.0)
         return None, None, da
 
 
@@ -522,25 +543,27 @@ class _MergedProductFunction(torch.autograd.Function):
     def forward(ctx, x, stand_in, offsets, w, a, b, scale):
         with torch.autocast(x.device.type, enabled=False):
             dt = x.dtype
-            ends = offsets[1:].to(torch.int32)
+            ends = _ends(offsets)
             a_, b_ = _factors(a, b, dt)
             u = grouped_mm(x, a_.transpose(1, 2), ends) if ctx.needs_input_grad[5] else None
             y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
-        ctx.w, ctx.a, ctx.b, ctx.u, ctx.ends, ctx.scale, ctx.dt = w, a, b, u, ends, scale, dt
+        ctx.w, ctx.a, ctx.b, ctx.u, ctx.offsets, ctx.scale, ctx.dt = w, a, b, u, offsets, scale, dt
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        w, a, b, u, ends, s, dt = ctx.w, ctx.a, ctx.b, ctx.u, ctx.ends, ctx.scale, ctx.dt
+        w, a, b, u, offsets, s, dt = ctx.w, ctx.a, ctx.b, ctx.u, ctx.offsets, ctx.scale, ctx.dt
+        ends = _ends(offsets)
         dy = dy.to(dt).contiguous()
         a_, b_ = _factors(a, b, dt)
         dx = du = db = None
         if ctx.needs_input_grad[0]:
             dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt, reuse=True), ends)
         if ctx.needs_input_grad[1]:
-            du = grouped_mm(dy, b_, ends).mul_(s)
+            du = grouped_mm(dy, b_, ends)
+            du = du if s == 1.0 else du.mul_(s)
         if ctx.needs_input_grad[5]:
-            db = grouped_mm(dy.t(), u, ends).where(_has_rows(ends), 0).to(b.dtype).mul_(s)
+            db = _factor_grad(grouped_mm(dy.t(), u, ends), _has_rows(offsets), b.dtype, s)
         return dx, du, None, None, None, db, None
 
 

@@ -129,3 +129,24 @@ def test_every_product_runs_on_torch_grouped_gemm_with_pefts_factor_layout(monke
     y.backward(torch.ones_like(y))
     assert len(calls) == 6, calls
     assert_close_fp32(y, moe_gemm.moe_lora_gemm_reference(x, offsets, w, a.detach(), b.detach(), 2.0), "y")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-factor", "bf16-factor"])
+@pytest.mark.parametrize("s", [1.0, 0.37], ids=["scale-1", "scale-0.37"])
+def test_a_factor_gradient_is_masked_cast_and_scaled_as_the_three_step_chain(dtype, s):
+    """``_factor_grad`` (one ``where`` that also casts, a scale of 1 multiplying nothing) gives the bits of
+    ``g.where(has_rows, 0).to(dtype).mul_(s)``, and exactly 0 where an expert has no rows even if the grouped
+    GEMM left NaN or inf there (torch's kernel leaves an empty group's output unwritten)."""
+    from strop.kernels.ops.moe_gemm import _factor_grad, _has_rows
+
+    gen = torch.Generator().manual_seed(7)
+    offsets = torch.tensor([0, 3, 3, 7, 7], dtype=torch.int32)  # experts 1 and 3 have no rows
+    has_rows = _has_rows(offsets)
+    assert has_rows.flatten().tolist() == [True, False, True, False]
+    g = torch.randn(4, 2, 5, generator=gen).to(torch.bfloat16)
+    g[1] = float("nan")
+    g[3] = float("inf")
+    want = g.where(has_rows, 0).to(dtype).mul_(s)
+    got = _factor_grad(g.clone(), has_rows, dtype, s)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert not got[1].any() and not got[3].any()
