@@ -74,8 +74,8 @@ def _place_kernel(
     tot = tl.load(total_ptr + cols, mask=cols < E, other=0)
     start = tl.cumsum(tot, axis=0) - tot  # offsets[e]
     if b == 0:
-        tl.store(offsets_ptr + cols, start.to(tl.int64), mask=cols < E)
-        tl.store(offsets_ptr + E, tl.sum(tot, axis=0).to(tl.int64))
+        tl.store(offsets_ptr + cols, start, mask=cols < E)
+        tl.store(offsets_ptr + E, tl.sum(tot, axis=0))
     r = tl.arange(0, BLOCK)
     j = b * BLOCK + r
     valid = j < N
@@ -95,15 +95,16 @@ def _place_kernel(
 def route_plan_reference(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan by torch's stable sort, as ``lora_moe_experts`` builds it: (offsets [E + 1], token [T·k], inv [T·k],
-    weights in expert order [T·k] in ``dtype``), all int64 but the weights."""
+    """The plan by torch's stable sort, as ``lora_moe_experts`` builds it: (offsets [E + 1] int32, token [T·k] and
+    inv [T·k] int64, weights in expert order [T·k] in ``dtype``)."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     if experts <= torch.iinfo(torch.int16).max:  # 16-bit keys: fewer radix passes, the same stable order
         flat = flat.to(torch.int16)
     order = torch.argsort(flat, stable=True)
     bounds = torch.arange(experts + 1, dtype=flat.dtype, device=flat.device)
-    offsets = torch.searchsorted(flat[order], bounds)
+    # int32: the grouped GEMMs' row ends are views of it
+    offsets = torch.searchsorted(flat[order], bounds, out_int32=True)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     return offsets, order // k, inv, top_k_weights.reshape(-1)[order].to(dtype)
@@ -120,7 +121,7 @@ def _plan(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int, 
     counts = torch.empty(nb, experts, dtype=torch.int32, device=dev)
     before = torch.empty_like(counts)
     total = torch.empty(experts, dtype=torch.int32, device=dev)
-    offsets = torch.empty(experts + 1, dtype=torch.int64, device=dev)
+    offsets = torch.empty(experts + 1, dtype=torch.int32, device=dev)
     inv = torch.empty(n, dtype=torch.int64, device=dev)
     token = torch.empty(n, dtype=torch.int64, device=dev)
     ws = torch.empty(n, dtype=dtype, device=dev)
