@@ -82,6 +82,7 @@ class Result:
     error: str = ""
     oom: bool = False  # failed by running out of device memory
     wall_s: float = 0.0  # the worker's wall time, model building included
+    merge_tiles: str = ""  # strop on CUDA: the expert-stack merge's tile the autotuner kept, by stack shape
 
 
 def shape(layers: int, smoke: bool) -> dict:
@@ -264,9 +265,22 @@ def run_worker(a) -> Result:
         res.peak_fwd_bwd_gib, res.peak_optimizer_gib = peaks["fwd_bwd"] / 2**30, peaks["optimizer"] / 2**30
         res.peak_allocated_gib = max(res.peak_fwd_bwd_gib, res.peak_optimizer_gib)
         res.peak_reserved_gib = peaks["reserved"] / 2**30
+    if a.system == "strop" and cuda:
+        res.merge_tiles = kept_merge_tiles()
     if a.profile and cuda:  # one more step, after the timed ones and their peak
         res.profile = profile_moe_step(model, opt, ids)
     return res
+
+
+def kept_merge_tiles() -> str:
+    """The merge kernel's kept tile for each stack shape: BLOCK_N x BLOCK_K x warps, and how a byte's codes are
+    read (the 2 KiB pair table or the 16-entry code book)."""
+    from strop.kernels.ops import moe_gemm
+
+    return " ".join(
+        f"[{key[1]}, {key[2]}]: {t['BLOCK_N']}x{t['BLOCK_K']}x{t['num_warps']}/{'pairs' if t.get('PAIRS') else 'book'}"
+        for key, t in moe_gemm._MERGE_TILE.items()
+    )
 
 
 def profile_moe_step(model, opt, ids) -> str:
@@ -452,6 +466,9 @@ def main() -> None:
             f"{r.peak_allocated_gib:15.2f} {r.peak_reserved_gib:18.2f} "
             f"{r.peak_fwd_bwd_gib:13.2f} / {r.peak_optimizer_gib:<9.2f}  {[round(x, 4) for x in r.losses]}"
         )
+    for r in results:
+        if r.merge_tiles:
+            print(f"{r.system}: the expert-stack merge kept {r.merge_tiles}")
     for r in results:
         if r.profile:
             print(f"\n## {r.system} {a.batch}x{a.seq}\n{r.profile}")
