@@ -288,7 +288,7 @@ class LeanStepLoop:
 
     def _clip_grad_norm(self, model):
         from accelerate.utils import DistributedType
-        from transformers.trainer import is_sagemaker_mp_enabled
+        from transformers.utils import is_sagemaker_mp_enabled
 
         if self.accelerator.distributed_type != DistributedType.NO or is_sagemaker_mp_enabled():
             return super()._clip_grad_norm(model)
