@@ -7,11 +7,11 @@ HF's Qwen3-MoE / Mixtral experts module, given the router's choices (``top_k_ind
     y_t += w_{t,e} · (silu(g) · u) · D_eᵀ          D [E, H, I]
 
 and PEFT's ``target_parameters`` LoRA adds ``s · B_e A_e`` to GU_e and D_e (``trainer_svc/core/moe.py``). Here the
-T·k routed copies are sorted by expert once (a stable sort of the expert ids: ``offsets`` from their counts), gathered,
-run through :func:`~strop.kernels.ops.moe_gemm.moe_lora_gemm` for gate/up and again for down (torch's grouped GEMM
-over the merged stack), and each token's k rows summed back (``kernels/ops/moe_rows.py``: fp32, no atomics; the
-gather's backward is the same sum). Each routed row's
-weight multiplies its activation, ``w · (h Dᵀ) = (w · h) Dᵀ``, inside the SwiGLU kernel
+T·k routed copies are put in expert order once (``kernels/ops/moe_routing.py``: the stable sort of the expert ids by a
+counting sort; ``offsets`` from their counts), gathered, run through
+:func:`~strop.kernels.ops.moe_gemm.moe_lora_gemm` for gate/up and again for down (torch's grouped GEMM over the merged
+stack), and each token's k rows summed back (``kernels/ops/moe_rows.py``: fp32, no atomics; the gather's backward is
+the same sum). Each routed row's weight multiplies its activation, ``w · (h Dᵀ) = (w · h) Dᵀ``, inside the SwiGLU kernel
 (:class:`RoutedSwiGLUFunction`: ``kernels/ops/swiglu.py`` with a row scale, whose backward also gives the weights'
 gradient, the router's gradient path): the [M, I] activation is scaled instead of the [M, H] down product, which
 saves the weighting's own passes over that product (a multiply, its saved input and its two backward products), and
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.moe_gemm import moe_lora_gemm
+from ..ops.moe_gemm import _compute_dtype, moe_lora_gemm
+from ..ops.moe_routing import route_plan
 from ..ops.moe_rows import combine_rows, gather_rows
 from ..ops.swiglu import swiglu_bwd, swiglu_fwd
 
@@ -82,22 +83,13 @@ def lora_moe_experts(
     """
     experts = gate_up[0].shape[0]
     k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    # 16-bit keys where they fit: a quarter of int64's radix-sort passes, the same stable order
-    if experts <= torch.iinfo(torch.int16).max:
-        flat = flat.to(torch.int16)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    # each expert's first row in the sorted ids (no host sync, unlike bincount's output size on CUDA), as int32: the
-    # grouped GEMMs' row ends are then a view of it, not a cast a call
-    bounds = torch.arange(experts + 1, dtype=flat.dtype, device=x.device)
-    offsets = torch.searchsorted(flat[order], bounds, out_int32=True)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)  # token t's i-th copy sits at inv[t·k + i]
+    # the routing plan (kernels/ops/moe_routing.py, the stable sort's by a counting sort, no host sync): each
+    # expert's first sorted row (int32: the grouped GEMMs' row ends are views of it), each sorted row's token, the
+    # sorted row of token t's i-th copy at inv[t·k + i], and the weights in expert order in the compute dtype, as
+    # HF's weighting product has them
+    offsets, token, inv, w = route_plan(top_k_index, top_k_weights, experts, _compute_dtype(x))
     xs = gather_rows(x, token, inv, k)
     gu = moe_lora_gemm(xs, offsets, *gate_up)
-    # the weights in the compute dtype, as HF's weighting product has them
-    w = top_k_weights.reshape(-1)[order].to(gu.dtype)
     h = RoutedSwiGLUFunction.apply(gu, w)
     # split: the down projection ends the layer; its product then saves nothing, so a checkpointed recompute stops
     # before it (and before the sum, which saves nothing either)
