@@ -294,6 +294,7 @@ def run_trl_worker(a, w: Workload) -> Result:
 
         if a.system == "service-hfloop":
             hf_step_loop()
+        window = host_window()
         trainer_log = logging.getLogger("strop.trainer")
         trainer_log.addHandler(KeepMemoryMode(logging.INFO))
         trainer_log.setLevel(min(trainer_log.getEffectiveLevel(), logging.INFO))
@@ -348,6 +349,14 @@ def run_trl_worker(a, w: Workload) -> Result:
             w.record_peak_memory(res)
             # the warm-up's last event and each measured step's: the marks between the measured steps
             res.notes += wall_note(arrivals[a.warmup - 1 :], 0, times[a.warmup :]) if a.warmup else ""
+            measured = sorted(
+                window[a.warmup : a.warmup + a.steps - 1]
+            )  # the windows before measured steps 2…
+            if measured:
+                res.notes += (
+                    f"\nhost window (the guard's read to the next step's embedding, the GPU with nothing queued): "
+                    f"median {measured[len(measured) // 2]:.2f} ms"
+                )
         service.stop(grace=1.0)
     else:
         from datasets import Dataset
@@ -388,6 +397,34 @@ def run_trl_worker(a, w: Workload) -> Result:
         res.losses = [round(float(h["loss"]), 5) for h in trainer.state.log_history if "loss" in h]
     w.record_speed(res, times, a.warmup, a.batch * a.seq, 1.0)
     return res
+
+
+def host_window() -> list[float]:
+    """The service's host time between a step's one drain of the device and the next step's first forward op, ms
+    a step, appended as the job runs: from the end of the callbacks' ``on_optimizer_step`` (the gradient guard's
+    read, which waits for the optimizer step) to the input embedding's forward. The GPU has only the next batch's
+    small copies over it, so on the GPU it is idle time a step (bench/RESULTS.md: "the service's host work a
+    step"). Wraps HF's callback handler and ``nn.Embedding.forward`` in this worker's process."""
+    import torch
+    from transformers.trainer_callback import CallbackHandler
+
+    gaps: list[float] = []
+    read: list[float] = []
+    on_optimizer_step, embedding = CallbackHandler.on_optimizer_step, torch.nn.Embedding.forward
+
+    def after_read(self, *args, **kwargs):
+        out = on_optimizer_step(self, *args, **kwargs)
+        read[:] = [time.perf_counter()]
+        return out
+
+    def first_op(self, *args, **kwargs):
+        if read:
+            gaps.append((time.perf_counter() - read.pop()) * 1e3)
+        return embedding(self, *args, **kwargs)
+
+    CallbackHandler.on_optimizer_step = after_read
+    torch.nn.Embedding.forward = first_op
+    return gaps
 
 
 def hf_step_loop() -> None:
