@@ -20,8 +20,8 @@ Backward, per token (fp32; dw the weights' gradient, S = Σ_j v_j)::
     dp_e = dv_j where e = idx_j, else 0        (top-k's backward)
     dl_e = p_e · (dp_e − Σ_j dv_j v_j)         (softmax's backward: Σ_e dp_e p_e = Σ_j dv_j v_j)
 
-The choice. p is a strictly increasing function of the logit within a row (exp, then one division by the row's
-sum), so the top k of p are the top k logits: the kernel selects on the logits, k rounds of a row maximum. Equal
+The choice. p is an increasing function of the logit within a row (exp, then one division by the row's sum), so
+the top k of p are the top k logits: the kernel selects on the logits, k rounds of a row maximum. Equal
 logits go to the lowest expert index (torch's top-k leaves the order of ties to its implementation: its CPU and CUDA
 kernels differ); with distinct logits the chosen experts, and their order, are torch's. Where p rounds two distinct
 logits to one value (both underflow to 0), torch may take either; this takes the larger logit.
@@ -38,7 +38,8 @@ from .utils import INTERPRETER, cast_to, cdiv, interpreter_rows, next_power_of_2
 
 __all__ = ["MoeRouterFunction", "moe_router", "moe_router_reference"]
 
-# a program's tile: rows × the expert count's power of two, 2,048 elements (E = 128: 16 rows), as RMSNorm's row tile
+# a program's tile: rows × the expert count's power of two, 2,048 elements (E = 128: 16 rows), as RMSNorm's row tile;
+# untuned (sm_90 compile at E = 128, k = 8: 168 registers forward, 191 backward, no spills)
 _TILE, _NUM_WARPS = 2048, 4
 
 
