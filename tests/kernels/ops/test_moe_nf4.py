@@ -176,16 +176,15 @@ def test_the_merge_kernel_on_cuda_dequantizes_as_nf4_dequantize_and_adds_the_low
         _check_merge((8, n, k), 16, torch.bfloat16, True, "cuda")
         key = next(key for key in moe_gemm._MERGE_TILE if key[1:3] == (n, k))
         for bn, bk, warps, pairs in moe_gemm._MERGE_TILES:
+            tile = {"BLOCK_N": bn, "BLOCK_K": bk, "PAIRS": pairs, "num_warps": warps}
             with pytest.MonkeyPatch.context() as mp:
-                mp.setitem(
-                    moe_gemm._MERGE_TILE,
-                    key,
-                    {"BLOCK_N": bn, "BLOCK_K": bk, "PAIRS": pairs, "num_warps": warps},
+                mp.setitem(moe_gemm._MERGE_TILE, key, tile)
+                _check_merge(
+                    (8, n, k), 16, torch.bfloat16, True, "cuda", dense=False, label=f"{(n, k)} {tile}: "
                 )
-                _check_merge((8, n, k), 16, torch.bfloat16, True, "cuda", dense=False)
 
 
-def _check_merge(shape, r, dtype, double_quant, device, *, dense=True):
+def _check_merge(shape, r, dtype, double_quant, device, *, dense=True, label=""):
     from strop.kernels.ops.moe_gemm import Nf4Experts, _merge_into
 
     gen = torch.Generator().manual_seed(5)
@@ -196,15 +195,17 @@ def _check_merge(shape, r, dtype, double_quant, device, *, dense=True):
     q = Nf4Experts.quantize(w, double_quant=double_quant)
     out = torch.empty(w.numel(), dtype=dtype, device=device)
     _merge_into(out, q, a, torch.zeros_like(b), 0.5)
-    assert torch.equal(out.view(w.shape), q.dequantize(dtype)), "the merge kernel's dequantized values"
+    assert torch.equal(out.view(w.shape), q.dequantize(dtype)), (
+        label + "the merge kernel's dequantized values"
+    )
     _merge_into(out, q, a, b, 0.5)
     want = q.dequantize(dtype).float().baddbmm(b.float(), a.float(), alpha=0.5)
     if dtype == torch.float32:
-        assert_close_fp32(out.view(w.shape), want, "merged stack")
+        assert_close_fp32(out.view(w.shape), want, label + "merged stack")
     else:  # rounded once: half an ulp of the fp32 sum, which is the reference sum within r + 1 terms' fp32 rounding
         terms = q.dequantize(dtype).float().abs().baddbmm(b.float().abs(), a.float().abs(), alpha=0.5)
         bound = 2**-8 * want.abs() + 2 * (r + 1) * 2**-24 * terms  # both sums rounded in fp32
-        assert ((out.view(w.shape).float() - want).abs() <= bound).all(), "merged stack"
+        assert ((out.view(w.shape).float() - want).abs() <= bound).all(), label + "merged stack"
     if dense:
         merged16 = torch.empty_like(out)
         _merge_into(merged16, q.dequantize(dtype), a, b, 0.5)
