@@ -54,6 +54,27 @@ def test_its_gguf_pre_tokenizer_is_detected_and_proven_as_smollm(smollm2_root, t
     assert vocab.chat_template is None or "<|im_start|>" in vocab.chat_template
 
 
+def test_the_tokenizer_has_the_special_tokens_its_gguf_names_whatever_transformers_converter_gave(
+    smollm2_root, tokenizer
+):
+    # the GGUF's own: bos <|im_start|> (1), eos and pad <|im_end|> (2), unk <|endoftext|> (0)
+    from transformers import AutoTokenizer
+
+    from strop.fixtures.smollm2 import _restore_special_tokens, gguf_special_token_ids
+
+    named = gguf_special_token_ids(gguf_path())
+    assert named == {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
+    # the built directory's: the end of turn the chat template closes each message with is its eos
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True, return_dict=True)
+    assert ids["input_ids"][-2] == tokenizer.eos_token_id == tokenizer.pad_token_id == 2
+    # what transformers 5.17's GGUF converter gives this file (the GPU image's): eos <|im_start|>, no pad
+    converted = AutoTokenizer.from_pretrained(smollm2_root / MODEL_NAME)
+    converted.eos_token, converted.pad_token = "<|im_start|>", None
+    _restore_special_tokens(converted, gguf_path())
+    got = {a: getattr(converted, f"{a}_id") for a in named}
+    assert got == named, "the GGUF's special tokens replace the converter's"
+
+
 def test_assistant_only_loss_covers_exactly_each_answer_and_its_end_of_turn(tokenizer):
     # SmolLM2's template adds its own system message when none is given, and ends every turn with
     # "<|im_end|>\n": the mask must cover each assistant message's text and its "<|im_end|>" (so the model learns
