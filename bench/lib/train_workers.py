@@ -168,6 +168,7 @@ def run_worker(a, w: Workload) -> Result:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     res.notes += w.reset_peak_memory()
     times, starts = [], []
+    window = HostWindow()
     for _ in range(a.warmup + a.steps):
         starts.append(time.perf_counter())
         w.sync()
@@ -175,12 +176,13 @@ def run_worker(a, w: Workload) -> Result:
         loss = train_step(w, model, opt, data)
         w.sync()
         times.append(time.perf_counter() - ts)
+        window.mark()
         res.losses.append(round(float(loss.detach()), 5))
         if installed is not None and installed.step_end() is not None:
             res.notes += f"\nbudgeted recompute: {installed.recompute.plan}"
             res.notes += w.reset_peak_memory()  # the peak reported is the planned steps'
     starts.append(time.perf_counter())
-    res.notes += wall_note(starts, a.warmup, times)
+    res.notes += wall_note(starts, a.warmup, times) + window.note(a.warmup, a.steps, "the sync after a step")
     w.record_peak_memory(res)
     if installed is not None:
         res.notes += "\n" + str(installed)  # after training: what was offloaded
@@ -294,7 +296,7 @@ def run_trl_worker(a, w: Workload) -> Result:
 
         if a.system == "service-hfloop":
             hf_step_loop()
-        window = host_window()
+        window = HostWindow().after_guard_read()
         trainer_log = logging.getLogger("strop.trainer")
         trainer_log.addHandler(KeepMemoryMode(logging.INFO))
         trainer_log.setLevel(min(trainer_log.getEffectiveLevel(), logging.INFO))
@@ -349,14 +351,7 @@ def run_trl_worker(a, w: Workload) -> Result:
             w.record_peak_memory(res)
             # the warm-up's last event and each measured step's: the marks between the measured steps
             res.notes += wall_note(arrivals[a.warmup - 1 :], 0, times[a.warmup :]) if a.warmup else ""
-            measured = sorted(
-                window[a.warmup : a.warmup + a.steps - 1]
-            )  # the windows before measured steps 2…
-            if measured:
-                res.notes += (
-                    f"\nhost window (the guard's read to the next step's embedding, the GPU with nothing queued): "
-                    f"median {measured[len(measured) // 2]:.2f} ms"
-                )
+            res.notes += window.note(a.warmup, a.steps, "the guard's read")
         service.stop(grace=1.0)
     else:
         from datasets import Dataset
@@ -399,32 +394,52 @@ def run_trl_worker(a, w: Workload) -> Result:
     return res
 
 
-def host_window() -> list[float]:
-    """The service's host time between a step's one drain of the device and the next step's first forward op, ms
-    a step, appended as the job runs: from the end of the callbacks' ``on_optimizer_step`` (the gradient guard's
-    read, which waits for the optimizer step) to the input embedding's forward. The GPU has only the next batch's
-    small copies over it, so on the GPU it is idle time a step (bench/RESULTS.md: "the service's host work a
-    step"). Wraps HF's callback handler and ``nn.Embedding.forward`` in this worker's process."""
-    import torch
-    from transformers.trainer_callback import CallbackHandler
+class HostWindow:
+    """The host time from a step's drain of the device to the next step's first forward op, ms a step, recorded as
+    a worker trains: from :meth:`mark` (the library's loop: its sync after the step; the service: the end of the
+    callbacks' ``on_optimizer_step``, the gradient guard's read, which waits for the optimizer step,
+    :meth:`after_guard_read`) to the input embedding's forward. The GPU has only the next batch's small copies over
+    it, so on the GPU it is idle time a step (bench/RESULTS.md: "the service's host work a step"). Wraps
+    ``nn.Embedding.forward`` (and for the service HF's callback handler) in this worker's process."""
 
-    gaps: list[float] = []
-    read: list[float] = []
-    on_optimizer_step, embedding = CallbackHandler.on_optimizer_step, torch.nn.Embedding.forward
+    def __init__(self) -> None:
+        import torch
 
-    def after_read(self, *args, **kwargs):
-        out = on_optimizer_step(self, *args, **kwargs)
-        read[:] = [time.perf_counter()]
-        return out
+        self.gaps: list[float] = []
+        self._read: float | None = None
+        embedding = torch.nn.Embedding.forward
 
-    def first_op(self, *args, **kwargs):
-        if read:
-            gaps.append((time.perf_counter() - read.pop()) * 1e3)
-        return embedding(self, *args, **kwargs)
+        def first_op(module, *args, **kwargs):
+            if self._read is not None:
+                self.gaps.append((time.perf_counter() - self._read) * 1e3)
+                self._read = None
+            return embedding(module, *args, **kwargs)
 
-    CallbackHandler.on_optimizer_step = after_read
-    torch.nn.Embedding.forward = first_op
-    return gaps
+        torch.nn.Embedding.forward = first_op
+
+    def mark(self) -> None:
+        self._read = time.perf_counter()
+
+    def after_guard_read(self) -> HostWindow:
+        from transformers.trainer_callback import CallbackHandler
+
+        on_optimizer_step = CallbackHandler.on_optimizer_step
+
+        def after_read(handler, *args, **kwargs):
+            out = on_optimizer_step(handler, *args, **kwargs)
+            self.mark()
+            return out
+
+        CallbackHandler.on_optimizer_step = after_read
+        return self
+
+    def note(self, warmup: int, steps: int, since: str) -> str:
+        """The median over the windows before measured steps 2… (each window ends at the next step's forward)."""
+        measured = sorted(self.gaps[warmup : warmup + steps - 1])
+        if not measured:
+            return ""
+        median = measured[len(measured) // 2]
+        return f"\nhost window ({since} to the next step's embedding, the GPU with nothing queued): median {median:.2f} ms"
 
 
 def hf_step_loop() -> None:
