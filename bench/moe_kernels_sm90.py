@@ -1,0 +1,125 @@
+"""Compile the MoE router's and routing plan's Triton kernels for sm_90 (H100/H200) without a GPU: every variant the
+default training path launches (Qwen3-MoE and Mixtral shapes, bf16 and fp32 sessions, long-context scan steps),
+through Triton's own compiler and ptxas, and print each kernel's registers, spills (local memory) and SASS length.
+
+What it shows: the kernels compile for the GPU the benchmarks run on and do not spill; not that they are correct
+there (their ``-m gpu`` tests) nor how fast they are (``bench/moe_router_bench.py``).
+
+Usage (any machine with this venv's Triton; no GPU, no TRITON_INTERPRET)::
+
+    python bench/moe_kernels_sm90.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+_DT = {"bf16": "*bf16", "fp32": "*fp32", "i64": "*i64", "i32": "*i32"}
+
+
+def _compile(kern, sig: dict, consts: dict, warps: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+    c = triton.compile(
+        ASTSource(fn=kern, signature=sig, constexprs=consts),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps},
+    )
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cubin = Path("/tmp") / f"{kern.fn.__name__}-{os.getpid()}.cubin"
+    cubin.write_bytes(c.asm["cubin"])
+    use = subprocess.run(
+        [str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True
+    ).stdout
+    sass = subprocess.run(
+        [str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True
+    ).stdout
+    cubin.unlink()
+    regs = re.search(r"REG:(\d+)", use)
+    local = re.search(r"LOCAL:(\d+)", use)
+    n = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
+    return f"regs {regs.group(1) if regs else '?'} local {local.group(1) if local else '?'} sass {n}"
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+    from strop.kernels.ops import moe_router as r
+    from strop.kernels.ops import moe_routing as m
+    from strop.kernels.ops.utils import cdiv, next_power_of_2
+
+    print("sm_90 compile (Triton + ptxas, no GPU)", flush=True)
+    # (what, experts, k, normalize, logits dtype, weights dtype)
+    routers = [
+        ("qwen3-30b-a3b bf16", 128, 8, True, "bf16", "bf16"),
+        ("qwen3-moe norm_topk_prob false", 128, 8, False, "bf16", "bf16"),
+        ("mixtral-8x7b bf16 (fp32 weights)", 8, 2, True, "bf16", "fp32"),
+        ("qwen3-30b-a3b fp32 session", 128, 8, True, "fp32", "fp32"),
+    ]
+    for what, e, k, norm, ldt, wdt in routers:
+        block_e = next_power_of_2(e)
+        consts = dict(
+            K=k,
+            NORMALIZE=norm,
+            BLOCK_T=max(1, r._TILE // block_e),
+            BLOCK_E=block_e,
+            BLOCK_K=max(2, next_power_of_2(k)),
+        )
+        fwd = dict(l_ptr=_DT[ldt], w_ptr=_DT[wdt], idx_ptr="*i64", T="i32", E="i32", stride="i32")
+        bwd = dict(
+            l_ptr=_DT[ldt], idx_ptr="*i64", dw_ptr=_DT[wdt], dl_ptr=_DT[ldt], T="i32", E="i32", stride="i32",
+            dl_stride="i32",
+        )  # fmt: skip
+        print(f"router {what}: fwd {_compile(r._router_fwd_kernel, fwd, consts, r._NUM_WARPS)}", flush=True)
+        print(f"router {what}: bwd {_compile(r._router_bwd_kernel, bwd, consts, r._NUM_WARPS)}", flush=True)
+    # (what, experts, k, weights dtype, plan weights dtype, tokens)
+    plans = [
+        ("qwen3-30b-a3b 8 x 2048 bf16", 128, 8, "bf16", "bf16", 8 * 2048),
+        ("qwen3-30b-a3b 131,072 tokens", 128, 8, "bf16", "bf16", 131072),
+        ("mixtral-8x7b bf16 (fp32 weights)", 8, 2, "fp32", "bf16", 8 * 2048),
+        ("qwen3-30b-a3b fp32 session", 128, 8, "fp32", "fp32", 8 * 2048),
+    ]
+    for what, e, k, wdt, sdt, t in plans:
+        nb = max(1, cdiv(t * k, m._BLOCK))
+        block_e = max(2, next_power_of_2(e))
+        block_nb = min(m._SCAN_CHUNK, next_power_of_2(nb))
+        counts = _compile(
+            m._counts_kernel,
+            dict(idx_ptr="*i64", counts_ptr="*i32", N="i32", E="i32"),
+            dict(BLOCK=m._BLOCK, BLOCK_E=block_e),
+            m._NUM_WARPS,
+        )
+        scan = _compile(
+            m._scan_kernel,
+            dict(counts_ptr="*i32", before_ptr="*i32", total_ptr="*i32", NB="i32", E="i32"),
+            dict(BLOCK_NB=block_nb, CHUNKS=cdiv(nb, block_nb)),
+            m._NUM_WARPS,
+        )
+        place = _compile(
+            m._place_kernel,
+            dict(
+                idx_ptr="*i64",
+                w_ptr=_DT[wdt],
+                before_ptr="*i32",
+                total_ptr="*i32",
+                offsets_ptr="*i32",
+                inv_ptr="*i64",
+                token_ptr="*i64",
+                ws_ptr=_DT[sdt],
+                N="i32",
+                E="i32",
+            ),
+            dict(K=k, BLOCK=m._BLOCK, BLOCK_E=block_e),
+            m._NUM_WARPS,
+        )
+        print(f"routing plan {what}: counts {counts}; scan {scan}; place {place}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
