@@ -35,8 +35,8 @@ from .utils import cast_to, cdiv, next_power_of_2
 __all__ = ["route_plan", "route_plan_reference"]
 
 # copies a block (the place kernel's [BLOCK, BLOCK] and [BLOCK, E] compares): sm_90 compile at E = 128, k = 8,
-# 131,072 copies (ptxas, no GPU): 64 copies and 4 warps 96 registers and 13.7 M warp-instructions for the place
-# kernel over all blocks; 64 / 8 warps 16.3 M; 128 / 8 warps 14.0 M at 213 registers; 256 / 8 warps 16.8 M at 249
+# 131,072 copies (ptxas, no GPU): 64 copies and 4 warps 96 registers and 13.6 M warp-instructions for the place
+# kernel over all blocks; 64 / 8 warps 16.3 M; 128 / 8 warps 14.0 M at 213 registers; 256 / 8 warps 17.8 M at 249
 _BLOCK, _NUM_WARPS = 64, 4
 _SCAN_CHUNK = 2048  # blocks one scan step holds (8 × 2048 tokens × top 8 is 2,048 blocks of 64: one step)
 
