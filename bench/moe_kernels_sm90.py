@@ -1,6 +1,7 @@
-"""Compile the MoE router's and routing plan's Triton kernels for sm_90 (H100/H200) without a GPU: every variant the
-default training path launches (Qwen3-MoE and Mixtral shapes, bf16 and fp32 sessions, long-context scan steps),
-through Triton's own compiler and ptxas, and print each kernel's registers, spills (local memory) and SASS length.
+"""Compile the MoE router's, routing plan's and expert-stack merge's Triton kernels for sm_90 (H100/H200) without a
+GPU: every variant the default training path launches (Qwen3-MoE and Mixtral shapes, bf16 and fp32 sessions,
+long-context scan steps; each merge tile the autotuner may keep, NF4 and 16-bit stacks), through Triton's own
+compiler and ptxas, and print each kernel's registers, spills (local memory) and SASS length.
 
 What it shows: the kernels compile for the GPU the benchmarks run on and do not spill; not that they are correct
 there (their ``-m gpu`` tests) nor how fast they are (``bench/moe_router_bench.py``).
@@ -20,16 +21,21 @@ from pathlib import Path
 _DT = {"bf16": "*bf16", "fp32": "*fp32", "i64": "*i64", "i32": "*i32"}
 
 
-def _compile(kern, sig: dict, consts: dict, warps: int) -> str:
+def _compile(kern, sig: dict, consts: dict, warps: int, aligned=(), **options) -> str:
+    """``aligned``: the arguments specialized as multiples of 16 (pointers, sizes, strides), as Triton specializes
+    them at launch; ``options``: compile options beyond the warps (the merge's ``enable_fp_fusion=False``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+    names = kern.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    consts = {(names.index(n),): v for n, v in consts.items()}
     c = triton.compile(
-        ASTSource(fn=kern, signature=sig, constexprs=consts),
+        ASTSource(fn=kern, signature={n: sig[n] for n in names}, constexprs=consts, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps},
+        options={"num_warps": warps, **options},
     )
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     cubin = Path("/tmp") / f"{kern.fn.__name__}-{os.getpid()}.cubin"
@@ -119,6 +125,54 @@ def main() -> None:
             m._NUM_WARPS,
         )
         print(f"routing plan {what}: counts {counts}; scan {scan}; place {place}", flush=True)
+    merge_tiles()
+
+
+def merge_tiles() -> None:
+    """``moe_gemm._merge_kernel`` for each tile the autotuner may keep (BLOCK_N x BLOCK_K x warps, a byte's codes
+    from the pair table or the code book), Qwen3-30B-A3B's stacks (rank 16, bf16): NF4 double-quantized codes whose
+    rows are whole blocks (each block's scale once a tile row), and a 16-bit stack."""
+    import triton.language as tl
+
+    from strop.kernels.ops import moe_gemm as g
+    from strop.kernels.ops.small_k import block_k
+
+    tables = ("absmax_ptr", "absmax2_ptr", "code2_ptr", "offset_ptr", "code_ptr", "pairs_ptr")
+    sizes = ("N", "K", "R", "b_se", "b_sn", "b_sr", "a_se", "a_sr", "a_sk", "w_se", "w_sn", "w_sk")
+    for nf4 in (True, False):
+        sig = dict(
+            w_ptr="*u8" if nf4 else "*bf16",
+            absmax_ptr="*u8" if nf4 else "*bf16",
+            **{t: "*fp32" if nf4 else "*bf16" for t in tables[1:]},
+            b_ptr="*bf16",
+            a_ptr="*bf16",
+            out_ptr="*bf16",
+            scale="fp32",
+            **dict.fromkeys(sizes, "i32"),
+        )
+        for n, k, warps, pairs in g._MERGE_TILES:
+            consts = dict(
+                NF4=nf4, HALF_BS=g.NF4_BLOCKSIZE // 2 if nf4 else 1, NESTED=nf4, BS2=256 if nf4 else 1,
+                ROW_BLOCKS=nf4, QDTYPE=tl.bfloat16, OUT_DTYPE=tl.bfloat16, IEEE=False, BLOCK_N=n, BLOCK_K=k,
+                BLOCK_R=block_k(16), PAIRS=pairs,
+            )  # fmt: skip
+            aligned = (
+                "w_ptr",
+                *tables,
+                "b_ptr",
+                "a_ptr",
+                "out_ptr",
+                "N",
+                "K",
+                "R",
+                "b_se",
+                "b_sn",
+                "a_se",
+                "a_sr",
+            )
+            got = _compile(g._merge_kernel, sig, consts, warps, aligned, enable_fp_fusion=False)
+            lookup = "pairs" if pairs else "book"
+            print(f"merge {'NF4' if nf4 else '16-bit'} {n}x{k}x{warps} {lookup}: {got}", flush=True)
 
 
 if __name__ == "__main__":
