@@ -219,8 +219,9 @@ def read_score(reply: str, lo: float, hi: float) -> Score:
             value = math.inf if obj["result"] > 0 else -math.inf
     elif m := re.search(rf'"result"\s*:\s*({_NUMBER})', reply):
         value = float(m.group(1))  # a stated number past float's range reads as ±inf, then clips to the range
-    elif re.fullmatch(rf"\s*{_NUMBER}\s*", reply):
-        value = float(reply)
+    elif m := re.fullmatch(rf"\s*({_NUMBER})\s*", reply):
+        # the number alone: re's \s takes whitespace float() refuses (the separators \x1c-\x1f)
+        value = float(m.group(1))
     if value is None or math.isnan(value):
         return Score(INVALID, f"the grader model's reply states no score: {reply[:120]!r}")
     return Score(min(max(value, lo), hi))

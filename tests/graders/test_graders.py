@@ -22,6 +22,8 @@ from strop.graders import (
     numeric,
     parse_grader,
 )
+from strop.graders.base import Score
+from strop.graders.model import read_score
 from tests.deps import locked
 from tests.graders.specs import nc, sc, score, ts
 
@@ -468,6 +470,13 @@ def test_score_model_renders_its_prompts_asks_once_per_batch_and_reads_scores_le
     assert set(out[4].invalid) == {"judge"} and set(out[5].invalid) == {"judge"}
     with pytest.raises(RuntimeError, match="model_fn"):
         parse_grader(spec).grade(Sample.of("x"), {"ref": "R"})
+
+
+def test_a_bare_number_among_whitespace_float_refuses_reads_as_that_number():
+    """re's \\s takes the separators \\x1c-\\x1f (str.isspace), float() does not: a sampled reply such as
+    "\\x1d\\n\\n9" must read as 9, not end the job with a ValueError."""
+    for reply, want in [("\x1d\n\n9", 9.0), ("\x1c 3.5 \x1f", 3.5), ("\u2003-2e0\n", 0.0)]:
+        assert read_score(reply, 0.0, 10.0) == Score(want), reply
 
 
 def test_label_model_passes_the_passing_labels():
