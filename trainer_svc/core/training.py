@@ -237,11 +237,31 @@ class LeanStepLoop:
     replaces the parameters then). A model accelerate wraps (DDP) gets HF's calls on the wrapper, unchanged.
     """
 
+    # False: HF's loop as HF runs it (the bench's service-hfloop and the equal-effects test's reference)
+    enabled: bool = True
+
     def train(self, *args, **kwargs):
+        from accelerate.utils import DistributedType
+        from transformers import Trainer
+        from transformers.utils import is_sagemaker_mp_enabled
+
+        # decided once a train(): the clipping's own list where one process clips; the FLOP count's parameters
+        # counted once where HF's count is the one in use
+        self._strop_clip_params = (
+            []
+            if self.enabled
+            and self.accelerator.distributed_type == DistributedType.NO
+            and not is_sagemaker_mp_enabled()
+            else None
+        )
+        hfs = getattr(super().floating_point_ops, "__func__", None) is Trainer.floating_point_ops
+        self._strop_flops = hfs and self.enabled and hasattr(self.model, "num_parameters")
+        self._strop_flop_params = None
+        if not self.enabled:
+            return super().train(*args, **kwargs)
         model = self.model
         installed = {"train": self._strop_lean_train(model), "zero_grad": self._strop_lean_zero_grad(model)}
         before = {name: model.__dict__.get(name) for name in installed}
-        self._strop_flop_params, self._strop_clip_params = None, []
         model.__dict__.update(installed)
         try:
             return super().train(*args, **kwargs)
@@ -287,14 +307,11 @@ class LeanStepLoop:
         return zero_grad
 
     def _clip_grad_norm(self, model):
-        from accelerate.utils import DistributedType
-        from transformers.utils import is_sagemaker_mp_enabled
-
-        if self.accelerator.distributed_type != DistributedType.NO or is_sagemaker_mp_enabled():
+        params = getattr(self, "_strop_clip_params", None)
+        if params is None:
             return super()._clip_grad_norm(model)
         import torch
 
-        params = self.__dict__.setdefault("_strop_clip_params", [])
         if not params:
             params.extend(model.parameters())
         with torch._C.DisableTorchFunctionSubclass():
@@ -303,13 +320,10 @@ class LeanStepLoop:
         return self.accelerator.clip_grad_norm_(with_grads, self.args.max_grad_norm)
 
     def floating_point_ops(self, inputs) -> int:
-        from transformers import Trainer
-
         name = getattr(self.model, "main_input_name", "input_ids")
-        hfs = getattr(super().floating_point_ops, "__func__", None) is Trainer.floating_point_ops
-        if not hfs or name not in inputs or not hasattr(self.model, "num_parameters"):
+        if not getattr(self, "_strop_flops", False) or name not in inputs:
             return super().floating_point_ops(inputs)  # a trainer's own count, or HF's 0
-        if getattr(self, "_strop_flop_params", None) is None:
+        if self._strop_flop_params is None:
             self._strop_flop_params = self.model.num_parameters(exclude_embeddings=True)
         return 6 * inputs[name].numel() * self._strop_flop_params
 
