@@ -64,7 +64,7 @@ from ..ops.fp8 import Fp8Weight, fp8_weight, quantize_rows
 from ..ops.nf4 import dequantize_shared, dequantize_shared_stacked, dequantize_weight, is_nf4
 from ..ops.small_k import addmm_small_k_
 from ..ops.swiglu import LowRank
-from ..ops.utils import MAX_FUSED_SIZE
+from ..ops.utils import MAX_FUSED_SIZE, compute_dtype
 from .stash import stash, take_stashed
 
 __all__ = [
@@ -119,13 +119,6 @@ def lora_linear_reference(
     if lora_A is not None:
         y = y + scaling * ((xf @ lora_A.to(dt).t()) @ lora_B.to(dt).t())
     return y
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype LoRA ops compute in: autocast's when it is on for x's device, else x's own."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def out_features(base: torch.Tensor) -> int:

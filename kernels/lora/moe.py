@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.moe_gemm import _compute_dtype, moe_lora_gemm
+from ..ops.moe_gemm import moe_lora_gemm
 from ..ops.moe_routing import route_plan
 from ..ops.moe_rows import combine_rows, gather_rows
 from ..ops.swiglu import swiglu_bwd, swiglu_fwd
+from ..ops.utils import compute_dtype
 
 __all__ = ["RoutedSwiGLUFunction", "lora_moe_experts", "peft_expert_factors"]
 
@@ -87,7 +88,7 @@ def lora_moe_experts(
     # expert's first sorted row (int32: the grouped GEMMs' row ends are views of it), each sorted row's token, the
     # sorted row of token t's i-th copy at inv[t·k + i], and the weights in expert order in the compute dtype, as
     # HF's weighting product has them
-    offsets, token, inv, w = route_plan(top_k_index, top_k_weights, experts, _compute_dtype(x))
+    offsets, token, inv, w = route_plan(top_k_index, top_k_weights, experts, compute_dtype(x))
     xs = gather_rows(x, token, inv, k)
     gu = moe_lora_gemm(xs, offsets, *gate_up)
     h = RoutedSwiGLUFunction.apply(gu, w)

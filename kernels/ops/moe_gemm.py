@@ -61,7 +61,7 @@ import triton.language as tl
 
 from .nf4 import _TL_DTYPES, _code, _offset, _use_kernel, nf4_dequantize, shared_buffer_holding
 from .small_k import MAX_SMALL_K, block_k, small_k_tile
-from .utils import cast_to
+from .utils import cast_to, compute_dtype
 
 __all__ = ["MoeLoraGemmFunction", "Nf4Experts", "grouped_mm", "moe_lora_gemm", "moe_lora_gemm_reference"]
 
@@ -442,11 +442,6 @@ def _contiguous_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.contiguous() if t.dtype == dtype else t.to(dtype, memory_format=torch.contiguous_format)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
 class MoeLoraGemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, w, a, b, scale):
@@ -587,7 +582,7 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float, *, split: bool = False) -> 
         y [M, N] in the compute dtype (autocast's when on, else x's); gradients flow to x, a and b (w is frozen).
     """
     _check(x, offsets, w, a, b)
-    x = x.to(_compute_dtype(x))
+    x = x.to(compute_dtype(x))
     if not split:
         return MoeLoraGemmFunction.apply(x, offsets, w, a, b, scale)
     need_da = torch.is_grad_enabled() and a.requires_grad

@@ -231,3 +231,10 @@ def tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype LoRA ops compute in: autocast's when it is on for x's device, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
