@@ -241,7 +241,8 @@ def patch_model(
             "lora_qkv": (attn, (attn.q_proj, attn.k_proj, attn.v_proj)),
             "lora_o": (attn.o_proj, (attn.o_proj,)),
         }
-        if "gate_proj" in mlp._modules:  # dense (an MoE model's dense layers too)
+        moe_layer = "gate_proj" not in mlp._modules
+        if not moe_layer:  # dense (an MoE model's dense layers too)
             projections["lora_mlp"] = (mlp, (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         elif lora_mlp:  # an MoE layer: its experts on the grouped expert GEMM, or HF's expert loop and why
             experts = mlp._modules.get("experts")
@@ -251,7 +252,7 @@ def patch_model(
             else:
                 swap_forward(state, experts, experts_forward(patched))
                 report.patched["lora_mlp"].append(names[experts])
-        if moe_router and arch.moe is not None and "gate_proj" not in mlp._modules:
+        if moe_router and arch.moe is not None and moe_layer:
             gate = mlp._modules.get(arch.moe.router)
             # PEFT's modules_to_save (train_router) wraps the router: its frozen original and its trainable copy
             routers = (
@@ -263,7 +264,8 @@ def patch_model(
                 skip("moe_router", names[mlp], "no HF top-k router (a *TopKRouter with HF's forward)")
             else:
                 for router in routers:
-                    swap_forward(state, router, router_forward(arch.moe))
+                    normalize = arch.moe.topk_norm is TopKNorm.ALWAYS or bool(router.norm_topk_prob)
+                    swap_forward(state, router, router_forward(normalize, arch.moe.router_fp32_weights))
                     report.patched["moe_router"].append(names[router])
         ok = {"lora_mlp": False}
         for c, (owner, mods) in projections.items():

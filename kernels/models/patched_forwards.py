@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from strop.common.archs import Moe, SlidingWindow, TopKNorm, arch_of, moe_sizes
+from strop.common.archs import SlidingWindow, arch_of, moe_sizes
 
 from ..lora.linear import LoRAProj, lora_linear, lora_qkv
 from ..lora.mlp import lora_mlp
@@ -98,10 +98,12 @@ def mlp_forward(activation: str, inplace: bool, output_unused_in_recompute: bool
     return forward
 
 
-def router_forward(moe: Moe) -> Callable:
+def router_forward(normalize: bool, fp32_weights: bool) -> Callable:
     """HF's Qwen3-MoE / Mixtral top-k router (``*TopKRouter``) with its softmax, top-k and renormalisation on the
     fused router op (``kernels/ops/moe_router.py``); its linear layer stays torch's (the router weight's gradient,
-    where the router trains). Returns what HF's forward returns: (logits, weights, experts)."""
+    where the router trains). Returns what HF's forward returns: (logits, weights, experts). ``normalize``: the top-k
+    weights divided by their sum (Mixtral always, Qwen3-MoE by ``norm_topk_prob``); ``fp32_weights``: handed to the
+    experts in fp32 (``Moe.router_fp32_weights``), else in the logits' dtype."""
     from ..ops.moe_router import moe_router
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -109,8 +111,7 @@ def router_forward(moe: Moe) -> Callable:
         if not state.active or args or kwargs:
             return prev(hidden_states, *args, **kwargs)
         logits = nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        normalize = moe.topk_norm is TopKNorm.ALWAYS or bool(self.norm_topk_prob)
-        dtype = torch.float32 if moe.router_fp32_weights else logits.dtype
+        dtype = torch.float32 if fp32_weights else logits.dtype
         weights, experts = moe_router(logits, self.top_k, normalize=normalize, out_dtype=dtype)
         return logits, weights, experts
 
