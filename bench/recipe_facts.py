@@ -222,7 +222,7 @@ def retention_constants(text: str):
     """The setting's ``retention.NAME=value`` items set as ``trainer_svc/core/retention.py``'s module constants for
     the run and restored after it (the choices built into the trainer, measured against each other: e.g.
     ``retention.NEIGHBOUR_TEMPERATURE=0.7``, ``retention.NEIGHBOUR_PREFIX_WORDS=3+4``,
-    ``retention.MAX_KL_BATCH_FACTOR=1`` for a KL batch of the job's batch size); values cast to the constant's type,
+    ``retention.MAX_KL_BATCH_FACTOR=8`` for a KL batch that scores each answer once an epoch); values cast to the constant's type,
     a tuple's items joined by "+"."""
     from strop.trainer_svc.core import retention
 

@@ -320,7 +320,7 @@ def _merge_kernel(
 # (one line: one pass each); the same values either way. Every tile gives each warpgroup 64 rows, so the rank-r
 # product is one Hopper wgmma k-step whatever the tile (fewer rows a warpgroup would make it mma's); W's part is
 # exact. A 16-bit stack and NF4 codes of one shape share the kept tile (_MERGE_TILE's key), so the two paths merge
-# to the same bits. Three tiles a lookup, each a compile at the first step (64 × 32 runs the most instructions an
+# to the same bits. Three tiles a lookup, six configs in all, each a compile at the first step (64 × 32 runs the most instructions an
 # element, 128 × 128 the fewest warps an SM: left out).
 _MERGE_TILES = tuple(
     (n, k, warps, pairs)

@@ -10,8 +10,9 @@ increasing j)::
     token[p]   = order[p] // k                      [T·k]     the token of sorted row p
     ws[p]      = w.view(-1)[order[p]]               [T·k]     its weight, in the compute dtype
 
-which is what ``lora_moe_experts`` (``kernels/lora/moe.py``) builds with torch's stable radix sort, a searchsorted, an
-inverse scatter and two gathers (about a dozen launches). Here, over blocks of ``BLOCK`` consecutive copies:
+which :func:`route_plan_reference` builds with torch's stable radix sort, a searchsorted, an inverse scatter and two
+gathers (about a dozen launches: what ``lora_moe_experts`` ran before this op). Here, over blocks of ``BLOCK``
+consecutive copies:
 
 1. ``_counts_kernel``: each block's count of copies per expert ``c[b, e]`` (a one-hot column sum).
 2. ``_scan_kernel``: per expert, the copies of earlier blocks ``before[b, e] = Σ_{b' < b} c[b', e]`` and the total.
@@ -95,7 +96,7 @@ def _place_kernel(
 def route_plan_reference(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan by torch's stable sort, as ``lora_moe_experts`` builds it: (offsets [E + 1] int32, token [T·k] and
+    """The plan by torch's stable sort (what ``lora_moe_experts`` built before :func:`route_plan`): (offsets [E + 1] int32, token [T·k] and
     inv [T·k] int64, weights in expert order [T·k] in ``dtype``)."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)

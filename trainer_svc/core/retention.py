@@ -395,7 +395,7 @@ MAX_KL_BATCH_FACTOR = 1
 def kl_batch(scored: int, training_rows: int, batch_size: int) -> int:
     """How many of the ``scored`` base answers the KL term scores with each batch of ``batch_size`` training rows:
     enough that each comes round once an epoch, as each training row does, never fewer than ``batch_size`` and at
-    most ``MAX_KL_BATCH_FACTOR`` times it. A batch of the job's size alone would leave each of many answers unscored
+    most ``MAX_KL_BATCH_FACTOR`` times it (so ``batch_size`` itself at the default factor, 1). A batch of the job's size alone would leave each of many answers unscored
     for most of an epoch when they outnumber the training rows (30 facts against 110 answers: 8 steps an epoch
     score 32 of them), and what drifts meanwhile is pulled back only when its batch comes round again."""
     per_epoch = -(-max(training_rows, 1) // batch_size)  # training batches an epoch
