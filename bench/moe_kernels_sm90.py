@@ -58,7 +58,7 @@ def main() -> None:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
     from strop.kernels.ops import moe_router as r
     from strop.kernels.ops import moe_routing as m
-    from strop.kernels.ops.utils import cdiv, next_power_of_2
+    from strop.kernels.ops.utils import ROW_TILE, cdiv, next_power_of_2
 
     print("sm_90 compile (Triton + ptxas, no GPU)", flush=True)
     # (what, experts, k, normalize, logits dtype, weights dtype)
@@ -73,7 +73,7 @@ def main() -> None:
         consts = dict(
             K=k,
             NORMALIZE=norm,
-            BLOCK_T=max(1, r._TILE // block_e),
+            BLOCK_T=max(1, ROW_TILE // block_e),
             BLOCK_E=block_e,
             BLOCK_K=max(2, next_power_of_2(k)),
         )

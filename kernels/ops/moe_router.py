@@ -34,13 +34,13 @@ import triton
 import triton.language as tl
 
 from .nf4 import _use_kernel
-from .utils import INTERPRETER, cast_to, cdiv, interpreter_rows, next_power_of_2
+from .utils import cast_to, cdiv, next_power_of_2, rows_a_program
 
 __all__ = ["MoeRouterFunction", "moe_router", "moe_router_reference"]
 
-# a program's tile: rows × the expert count's power of two, 2,048 elements (E = 128: 16 rows), as RMSNorm's row tile;
-# untuned (sm_90 compile at E = 128, k = 8: 168 registers forward, 191 backward, no spills)
-_TILE, _NUM_WARPS = 2048, 4
+# a program's tile: rows × the expert count's power of two, utils.ROW_TILE elements (E = 128: 16 rows, as
+# RMSNorm's); untuned (sm_90 compile at E = 128, k = 8: 168 registers forward, 191 backward, no spills)
+_NUM_WARPS = 4
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def moe_router_reference(
 def _launch(logits: torch.Tensor, k: int):
     t, e = logits.shape
     block_e = next_power_of_2(e)
-    block_t = interpreter_rows(t, block_e) if INTERPRETER else max(1, _TILE // block_e)
+    block_t = rows_a_program(t, block_e)
     return (cdiv(t, block_t),), dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=max(2, next_power_of_2(k)))
 
 

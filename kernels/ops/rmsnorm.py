@@ -48,10 +48,10 @@ from .utils import (
     cdiv,
     check_float_tensor,
     check_same_device,
-    interpreter_rows,
     is_writable_in_place,
     next_power_of_2,
     num_sms,
+    rows_a_program,
 )
 
 __all__ = [
@@ -104,16 +104,7 @@ def rms_norm_bwd_reference(
     return dx, dw
 
 
-# Rows a program of the row kernels (the forward, the backward without dW). Compiled: one where a row fills
-# calculate_settings' warps, else a block of rows filling ROW_TILE elements: a q/k norm's rows (Qwen3's q_norm: one
-# row of head_dim 128 a head and token) one a program would give each lane of 4 warps one element and launch a
-# program a row. Not fitted to the row count (a few rows leave lanes masked): one compiled variant a row length, so
-# a decode step's graph capture never compiles one. Under the interpreter, interpreter_rows' larger block.
-ROW_TILE = 2048
-
-
-def _rows_a_program(n_rows: int, block: int) -> int:
-    return max(1, interpreter_rows(n_rows, block), ROW_TILE // block)
+# Rows a program of the row kernels (the forward, the backward without dW): ``rows_a_program`` (kernels/ops/utils.py).
 
 
 @triton.jit
@@ -131,7 +122,7 @@ def _rms_norm_fwd_kernel(
     ROWS: tl.constexpr,
     GEMMA: tl.constexpr,
 ):
-    # ROWS rows a program (``_rows_a_program``)
+    # ROWS rows a program (``rows_a_program``)
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     mask = (row < n_rows) & (cols < n_cols)
@@ -184,7 +175,7 @@ def _rms_norm_bwd_kernel(
     ROWS: tl.constexpr,
     GEMMA: tl.constexpr,
 ):
-    """Frozen weight: ROWS rows a program (``_rows_a_program``), dx only."""
+    """Frozen weight: ROWS rows a program (``rows_a_program``), dx only."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK_SIZE)[None, :]
     mask = (row < n_rows) & (cols < n_cols)
@@ -322,7 +313,7 @@ def rms_norm_fwd(
         return y, rstd
     block, num_warps = calculate_settings(n_cols)
     n_rows = x2.shape[0]
-    rows = _rows_a_program(n_rows, block)
+    rows = rows_a_program(n_rows, block)
     _rms_norm_fwd_kernel[(cdiv(n_rows, rows),)](
         x2,
         weight,
@@ -390,7 +381,7 @@ def rms_norm_bwd(
         return dx, dw
     block, num_warps = calculate_settings(n_cols)
     if not compute_dw:
-        rows = _rows_a_program(n_rows, block)
+        rows = rows_a_program(n_rows, block)
         _rms_norm_bwd_kernel[(cdiv(n_rows, rows),)](
             dy2,
             x2,

@@ -214,6 +214,18 @@ def interpreter_rows(m: int, block: int) -> int:
     return max(1, min(next_power_of_2(m), _INTERPRETER_TILE // block))
 
 
+# Rows a program of a row kernel over short rows (RMSNorm's, the MoE router's). Compiled: one where a row fills
+# calculate_settings' warps, else a block of rows filling ROW_TILE elements: a q/k norm's rows (Qwen3's q_norm: one
+# row of head_dim 128 a head and token) one a program would give each lane of 4 warps one element and launch a
+# program a row. Not fitted to the row count (a few rows leave lanes masked): one compiled variant a row length, so
+# a decode step's graph capture never compiles one. Under the interpreter, interpreter_rows' larger block.
+ROW_TILE = 2048
+
+
+def rows_a_program(n_rows: int, block: int) -> int:
+    return max(1, interpreter_rows(n_rows, block), ROW_TILE // block)
+
+
 @triton.jit
 def cast_to(x, dtype: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` rounding to nearest even, on the GPU and in the interpreter alike."""
