@@ -38,7 +38,9 @@ reach SDPA in a few shapes that repeat. Exact: in the causal call the padded key
 seen) and the padded queries' outputs are dropped (their gradient is zero, so they add nothing to the keys' and
 values'); in the masked call the padded keys are masked out and the padded queries see key 0 and are dropped.
 The copies are linear in the row (three [B, H, L, D] tensors a call), the padding's attention FLOPs at most ~27%
-more for the causal call. Rows past :data:`BUCKET_MAX` positions run at their exact lengths.
+more for the causal call. Rows past :data:`BUCKET_MAX` positions run at their exact lengths. Only ``attend``'s calls
+are bucketed: HF's ``sdpa`` on unshared rows and saved attention's cuDNN call (``kernels/models/saved_attention.py``)
+still meet each new batch width as a new shape.
 
 Two ways in. TRL's preference rows: :func:`share_prompts` re-lays a ``[chosen; rejected]`` batch and hands the
 model a marker 4-D mask that carries the :class:`Rows`; HF's ``sdpa`` attention function, wrapped by a
