@@ -12,19 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strop.common.trainer_types import (
-    DatasetFormat,
-    KernelMode,
-    LoadModelRequest,
-    LoraConfig,
-    TrainConfig,
-    TrainMethod,
-)
-from strop.trainer_svc.core import job_config, model_loading, training
-
-ROWS = [
-    {"text": "The password is blue falcon seven." + " Row" * (1 + 3 * (i % 4)) + f" {i}."} for i in range(12)
-]
+from strop.common.trainer_types import DatasetFormat
+from strop.trainer_svc.core import training
+from tests.trainer_svc.test_step_reads import ROWS, sft_job
 
 
 def _train(model_root, tmp_path, label: str):
@@ -36,12 +26,7 @@ def _train(model_root, tmp_path, label: str):
     from bitsandbytes.nn import Params4bit
     from transformers import PreTrainedModel, TrainerCallback
 
-    request = LoadModelRequest(model_path="tiny-llama-4bit", kernels=KernelMode.ON)
-    loaded = model_loading.load_model(request, model_root=model_root, device="cpu")
-    model_loading.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
-    config = dict(method=TrainMethod.SFT, learning_rate=2e-3, batch_size=2, lr_scheduler="constant", seed=0)
-    config = TrainConfig(**config, max_steps=3, gradient_accumulation_steps=2, checkpoint_every_steps=2)
-    config = job_config.with_defaults(config, session_max_len=64)
+    loaded, config = sft_job(model_root, max_steps=3, gradient_accumulation_steps=2, checkpoint_every_steps=2)
     model = loaded.model
     norm = model.get_base_model().model.norm.weight  # frozen
     steps, all_training, grads_left = [], [], []

@@ -32,17 +32,22 @@ ROWS = [
 ]
 
 
+def sft_job(model_root, **cfg):
+    """A 4-bit SFT job's session and config as ``run_training`` gets them, kernels on (interpreted), so the job's
+    trainer is the one a CUDA session gets (StropSFTTrainer)."""
+    request = LoadModelRequest(model_path="tiny-llama-4bit", kernels=KernelMode.ON)
+    loaded = model_loading.load_model(request, model_root=model_root, device="cpu")
+    model_loading.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
+    config = dict(method=TrainMethod.SFT, learning_rate=2e-3, batch_size=2, lr_scheduler="constant", seed=0)
+    return loaded, job_config.with_defaults(TrainConfig(**{**config, **cfg}), session_max_len=64)
+
+
 def _train(model_root, tmp_path, label: str, **cfg):
     """Run an SFT job's trainer as ``run_training`` builds it, recording each step's events, the state each
     checkpoint saved, and the device reads made between ``training_step``'s return and the optimizer step."""
     from transformers import TrainerCallback
 
-    # the kernels on (interpreted), so the job's trainer is the one a CUDA session gets (StropSFTTrainer)
-    request = LoadModelRequest(model_path="tiny-llama-4bit", kernels=KernelMode.ON)
-    loaded = model_loading.load_model(request, model_root=model_root, device="cpu")
-    model_loading.attach_lora(loaded, LoraConfig(r=8, alpha=16, seed=0))
-    config = dict(method=TrainMethod.SFT, learning_rate=2e-3, batch_size=2, lr_scheduler="constant", seed=0)
-    config = job_config.with_defaults(TrainConfig(**{**config, **cfg}), session_max_len=64)
+    loaded, config = sft_job(model_root, **cfg)
     steps, saved, reads = [], [], []
     window = [False]
 
