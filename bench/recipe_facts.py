@@ -146,11 +146,12 @@ def right(answer: str, words: tuple[str, ...]) -> bool:
     return right_end(answer, words) is not None
 
 
-def base_margins(loaded, answers: list[str]) -> list[float | None]:
+def base_margins(loaded, answers: list[str], *, disable_adapter: bool = True) -> list[float | None]:
     """How near the base is to another answer, for each general question it answers right: teacher-forced on its
     own answer up to the end of the reference's words, the least, over those tokens, of the answer token's
     log-probability minus the best other token's (nats; small: a near tie, which any change of the model can flip
-    before the reference is said). None where the base's answer is wrong."""
+    before the reference is said). None where the base's answer is wrong. With ``disable_adapter=False`` the
+    trained model's lead on the base's answers: negative where it would leave them, and by how much."""
     import torch
 
     from strop.trainer_svc.core import job_config, model_loading
@@ -160,7 +161,8 @@ def base_margins(loaded, answers: list[str]) -> list[float | None]:
     was_training = model.training
     model.eval()
     try:
-        with model.disable_adapter(), torch.no_grad(), model_loading.inference_weights(loaded):
+        adapter = model.disable_adapter() if disable_adapter else contextlib.nullcontext()
+        with adapter, torch.no_grad(), model_loading.inference_weights(loaded):
             for (q, words), answer in zip(GENERAL, answers, strict=True):
                 end = right_end(answer, words)
                 if end is None:
@@ -468,6 +470,8 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         "base_margins": base_eval[
             "margins"
         ],  # base_margins: how near a tie each of the base's right answers is
+        # the trained model's lead on the same answers (the base's): a measure of drift finer than kept or lost
+        "trained_margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
     }
     model_loading.release(loaded)
     return row, base_eval
@@ -548,8 +552,8 @@ def table(paths: list[str]) -> str:
     out = [
         "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
         f"| of the first {FIRST_GENERAL} | of those the base answers by ≥ {MARGIN_NATS:g} nat "
-        "| forgetting metric (held-out, word for word) | train s |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| lead on them, nats (base → trained) | forgetting metric (held-out, word for word) | train s |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -565,6 +569,14 @@ def table(paths: list[str]) -> str:
                 clear_cell = f"{kept_clear}/{len(clear)}"
             else:
                 clear_cell = "-"
+            lead = "-"
+            if margins and r.get(
+                "trained_margins"
+            ):  # the mean lead of the base's right answers, base and trained
+                before, after = (
+                    sum(ms[i] for i in base) / max(len(base), 1) for ms in (margins, r["trained_margins"])
+                )
+                lead = f"{before:.2f} → {after:.2f}"
             ev = r["forgetting_events"][0] if r["forgetting_events"] else None
             metric = f"{ev['kept']}/{ev['held_out']}, tokens {ev['token_agreement']:.2f}" if ev else "-"
             retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
@@ -581,7 +593,7 @@ def table(paths: list[str]) -> str:
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
-                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {clear_cell} | {metric} | {r['train_seconds']:.0f} |"
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} |"
             )
     return "\n".join(out)
 
