@@ -395,9 +395,55 @@ class _NeighbourLog(logging.Handler):
         self.logger.setLevel(self.level)
 
 
-def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cpu") -> tuple[dict, dict]:
+def adapter_scaled(loaded, scale: float) -> None:
+    """Every LoRA layer's scale set to ``scale`` times its configured alpha / r: the adapter's update interpolated
+    toward the base (0: the base, 1: as trained), as weight-space interpolation between a base and its fine-tuned
+    model does (WiSE-FT, Wortsman et al., CVPR 2022)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in loaded.model.modules():
+        if isinstance(module, LoraLayer):
+            for name in module.scaling:
+                module.set_scale(name, scale)
+
+
+def scaled_evaluations(loaded, base_eval: dict, scales: list[float]) -> list[dict]:
+    """The trained adapter evaluated at each of ``scales`` (``adapter_scaled``), then set back to 1."""
+    base_right = [i for i, a in enumerate(base_eval["general_answers"]) if right(a, GENERAL[i][1])]
+    out = []
+    try:
+        for scale in scales:
+            adapter_scaled(loaded, scale)
+            ev = evaluate(loaded, disable_adapter=False)
+            out.append(
+                {
+                    "scale": scale,
+                    "facts": sum(ev["facts"]),
+                    "general_kept": sum(right(ev["general_answers"][i], GENERAL[i][1]) for i in base_right),
+                    "general_answers": ev["general_answers"],
+                    "margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
+                }
+            )
+            print(
+                f"  scale {scale:g}: facts {out[-1]['facts']}, general kept {out[-1]['general_kept']}/{len(base_right)}",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        adapter_scaled(loaded, 1.0)
+    return out
+
+
+def run(
+    setting: str,
+    model_dir: Path,
+    base_eval: dict | None,
+    device: str = "cpu",
+    trace: bool = False,
+    scales: list[float] | None = None,
+) -> tuple[dict, dict]:
     from strop.common.trainer_types import DatasetFormat, LoadModelRequest
-    from strop.trainer_svc.core import job_config, model_loading, training
+    from strop.trainer_svc.core import job_config, model_loading, retention, training
 
     cfg, lora = parse_setting(setting)
     loaded = model_loading.load_model(
@@ -411,11 +457,33 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
     print(f"{setting}: base evaluated, training", file=sys.stderr, flush=True)
     events: list = []
     steps: list = []
+    traced: list = []
+    per_epoch = -(-len(FACTS) // cfg.batch_size)
+    facts = retention.BaseAnswers([q for q, _ in FACTS], [a for _, a in FACTS], [True] * len(FACTS), 0.0)
 
     def on_step(m) -> None:
         steps.append(m)
         if m.step % 10 == 0:
             print(f"  step {m.step}/{m.total_steps} loss {m.loss:.3f}", file=sys.stderr, flush=True)
+        if (
+            trace and m.step % per_epoch == 0
+        ):  # the model as it stands after each epoch: facts and the base's leads
+            hits = retention.answer_hits(loaded, facts, disable_adapter=False)
+            margins = base_margins(loaded, base_eval["general_answers"], disable_adapter=False)
+            traced.append(
+                {
+                    "step": m.step,
+                    "loss": m.loss,
+                    "facts": sum(h is not None and h[0] == h[1] for h in hits),
+                    "margins": margins,
+                }
+            )
+            lost = sum(x is not None and x < 0 for x in margins)
+            print(
+                f"  trace step {m.step}: facts {traced[-1]['facts']}, leads < 0: {lost}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     sinks = training.Sinks(
         on_step=on_step,
@@ -472,6 +540,8 @@ def run(setting: str, model_dir: Path, base_eval: dict | None, device: str = "cp
         ],  # base_margins: how near a tie each of the base's right answers is
         # the trained model's lead on the same answers (the base's): a measure of drift finer than kept or lost
         "trained_margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
+        "trace": traced,  # --trace: after each epoch, the facts answered exactly and the leads (as trained_margins)
+        "scaled": scaled_evaluations(loaded, base_eval, scales or []),  # --scales: the adapter interpolated
     }
     model_loading.release(loaded)
     return row, base_eval
@@ -622,6 +692,18 @@ def main() -> None:
         metavar="STEPS",
         help="run each setting for this many steps through the trainer's path, no evaluation, nothing written",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="after each epoch, record the facts answered exactly and the base's leads under the model as it stands",
+    )
+    p.add_argument(
+        "--scales",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=[],
+        metavar="S,S,...",
+        help="after training, evaluate the adapter also at these fractions of its scale (toward the base)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="the session's device: cpu (the issue's setting) or cuda")
     a = p.parse_args()
@@ -658,7 +740,7 @@ def main() -> None:
     base_eval = None
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     for setting in a.setting:
-        row, base_eval = run(setting, model_dir, base_eval, a.device)
+        row, base_eval = run(setting, model_dir, base_eval, a.device, a.trace, a.scales)
         row.update(
             commit=commit,
             date=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
