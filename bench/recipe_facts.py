@@ -443,7 +443,7 @@ def run(
     scales: list[float] | None = None,
 ) -> tuple[dict, dict]:
     from strop.common.trainer_types import DatasetFormat, LoadModelRequest
-    from strop.trainer_svc.core import job_config, model_loading, retention, training
+    from strop.trainer_svc.core import job_config, model_loading, training
 
     cfg, lora = parse_setting(setting)
     loaded = model_loading.load_model(
@@ -459,28 +459,26 @@ def run(
     steps: list = []
     traced: list = []
     per_epoch = -(-len(FACTS) // cfg.batch_size)
-    facts = retention.BaseAnswers([q for q, _ in FACTS], [a for _, a in FACTS], [True] * len(FACTS), 0.0)
+    base_right = [i for i, a in enumerate(base_eval["general_answers"]) if right(a, GENERAL[i][1])]
 
     def on_step(m) -> None:
         steps.append(m)
         if m.step % 10 == 0:
             print(f"  step {m.step}/{m.total_steps} loss {m.loss:.3f}", file=sys.stderr, flush=True)
-        if (
-            trace and m.step % per_epoch == 0
-        ):  # the model as it stands after each epoch: facts and the base's leads
-            hits = retention.answer_hits(loaded, facts, disable_adapter=False)
-            margins = base_margins(loaded, base_eval["general_answers"], disable_adapter=False)
+        if trace and m.step % per_epoch == 0:  # the model as it stands after each epoch
+            ev = evaluate(loaded, disable_adapter=False)
             traced.append(
                 {
                     "step": m.step,
                     "loss": m.loss,
-                    "facts": sum(h is not None and h[0] == h[1] for h in hits),
-                    "margins": margins,
+                    "facts": sum(ev["facts"]),
+                    "general_kept": sum(right(ev["general_answers"][i], GENERAL[i][1]) for i in base_right),
+                    "general_answers": ev["general_answers"],
+                    "margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
                 }
             )
-            lost = sum(x is not None and x < 0 for x in margins)
             print(
-                f"  trace step {m.step}: facts {traced[-1]['facts']}, leads < 0: {lost}",
+                f"  trace step {m.step}: facts {traced[-1]['facts']}, general kept {traced[-1]['general_kept']}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -540,7 +538,7 @@ def run(
         ],  # base_margins: how near a tie each of the base's right answers is
         # the trained model's lead on the same answers (the base's): a measure of drift finer than kept or lost
         "trained_margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
-        "trace": traced,  # --trace: after each epoch, the facts answered exactly and the leads (as trained_margins)
+        "trace": traced,  # --trace: after each epoch, the facts answered exactly, the general answers and the leads
         "scaled": scaled_evaluations(loaded, base_eval, scales or []),  # --scales: the adapter interpolated
     }
     model_loading.release(loaded)
@@ -695,7 +693,7 @@ def main() -> None:
     p.add_argument(
         "--trace",
         action="store_true",
-        help="after each epoch, record the facts answered exactly and the base's leads under the model as it stands",
+        help="after each epoch, record the facts answered exactly, the general answers and the base's leads",
     )
     p.add_argument(
         "--scales",
