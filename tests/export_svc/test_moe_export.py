@@ -1,8 +1,10 @@
 """Mixture-of-experts exports: an adapter the trainer attached to a tiny Qwen3-MoE or Mixtral (LoRA on q/k/v/o and on
 the fused experts, PEFT ``target_parameters``; B randomised as if trained) merged into the per-expert checkpoint layout
-vLLM loads, written back as a PEFT adapter, and as GGUF (F32 and Q4_K_M, llama.cpp's expert tensors); each verified in
-its consumer against the model as trained (the base with the adapter unmerged, by PEFT). GGUF LoRA of fused experts,
-a PEFT adapter with a trained router and gpt-oss are refused with their reasons.
+vLLM loads, written back as a PEFT adapter, and as GGUF (F32, llama.cpp's expert tensors); each verified in its
+consumer against the model as trained (the base with the adapter unmerged, by PEFT). Q4_K_M of 256-wide fixtures, the
+base's and with an adapter the trainer's SFT engine trained merged: no fallback, and the trained file is the model as
+trained, not the base (bounds in that test). GGUF LoRA of fused experts, a PEFT adapter with a trained router and
+gpt-oss are refused with their reasons.
 
 Bounds. The merged fp32 directory and the as-trained model compute the same function in fp32, differing in
 whether ``s · B_e A_e`` is added to the weights before the product or (PEFT's ``ParamWrapper``) to the expert stack
@@ -13,13 +15,22 @@ room and is still far below what a wrong expert slice moves (a whole expert's de
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from strop.common.artifacts import ArtifactStore
 from strop.common.errors import StropError
-from strop.common.export_types import ExportRequest, ExportTarget, ExportTargetKind
+from strop.common.export_types import (
+    ExportRequest,
+    ExportResult,
+    ExportTarget,
+    ExportTargetKind,
+    VerifyOptions,
+)
 from strop.export_svc.core.pipeline import run_export
 
 FP32_BOUND = 1e-4
@@ -77,8 +88,6 @@ def _targets(*kinds):
 def exported(moe_models, tmp_path_factory):
     """One export per arch (one probe, one as-trained model each): Qwen3-MoE to merged fp32 + PEFT + F32 GGUF,
     Mixtral (router trained) to merged fp32 + F32 GGUF. Returns the store and the results by arch and kind."""
-    from strop.common.artifacts import ArtifactStore
-
     store = ArtifactStore(tmp_path_factory.mktemp("moe-artifacts"))
     k = ExportTargetKind
     out = {}
@@ -228,21 +237,191 @@ def test_a_qwen3_moe_without_top_k_renormalization_is_refused_as_gguf():
     assert gguf_refusals({**config, "norm_topk_prob": True}, MOE_ARCHS["qwen3_moe"]) == []
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_a_q4_k_m_gguf_of_an_moe_quantizes_the_expert_tensors_without_fallback(moe_models, store, arch):
-    """llama.cpp's quantizer on the stacked expert tensors (qwen3moe's, and Mixtral's under llama's arch): with
-    hidden and expert intermediate 256 (K-quants pack rows in 256-wide super-blocks) nothing falls back; the file
-    loads in llama.cpp and passes the export's verification gate against the model as trained."""
-    from strop.fixtures.tiny_models import TinyShape, make_tiny_model
+# K-quants pack rows in 256-wide super-blocks: hidden and expert intermediate 256, so nothing falls back
+WIDE = dict(hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
+# the text the K-quant tests' adapter is trained on (SFT on raw text), split where the gate's probe asks
+QUESTION, ANSWER = "the quick brown fox jumps over", " the lazy dog, and the dog sleeps on."
+# the trainer's optimizer at 1e-2 until the fixture has learnt the text: the gate's probe (teacher-forced top-1 on
+# the answer ≥ 0.95 from the Q4_K_M file) needs the model as trained to give the answer itself
+SFT_STEPS, SFT_LR = 80, 1e-2
+# how much larger Q4_K_M's error on a log-prob may be for the trained model (or one lacking part of its adapter) than
+# for the base: the same quantizer, shapes and weight scale; what differs is how sure each model is of the text, which
+# sets how far a logit's error moves a log-prob
+QUANT_ERROR_ROOM = 4.0
 
-    shape = TinyShape(
-        hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64
+
+@dataclass
+class KQuantExports:
+    """A 256-wide base's Q4_K_M, an adapter trained on it by the trainer's SFT engine, its Q4_K_M merged through the
+    export's path, and the trained text's next-token log-probs (``logprobs``) of the fp32 models the files are judged
+    against: the model as trained (the trainer's session, the adapter unmerged), the base, and the model as trained
+    without its expert pairs or without its attention pairs."""
+
+    base: ExportResult
+    trained: ExportResult
+    store: ArtifactStore
+    ids: list[int]
+    logprobs: dict[str, np.ndarray]
+
+    def gguf_logprobs(self, r: ExportResult) -> np.ndarray:
+        from strop.export_svc.core.verify import LlamaCpp
+
+        lc = LlamaCpp(self.store.path_of(r.artifact.artifact_id) / r.artifact.metadata["gguf.file"], n_ctx=64)
+        try:
+            return next_token_logprobs(lc.logits(self.ids), self.ids)
+        finally:
+            lc.close()
+
+
+def next_token_logprobs(logits, ids: list[int]) -> np.ndarray:
+    """log p(ids[i+1] | ids[..i]) at every position, in fp64."""
+    lp = torch.as_tensor(np.asarray(logits[:-1]), dtype=torch.float64).log_softmax(-1)
+    return lp.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).numpy()
+
+
+def _sft_session_logprobs(loaded, ids: list[int]) -> dict[str, np.ndarray]:
+    """The session's log-probs on ``ids`` as trained, with its adapter disabled, and with the B factors of one group
+    of pairs zeroed (restored after)."""
+    model = loaded.model.eval()
+
+    def run() -> np.ndarray:
+        with torch.no_grad():
+            return next_token_logprobs(model(input_ids=torch.tensor([ids])).logits[0], ids)
+
+    out = {"as trained": run()}
+    with model.disable_adapter():
+        out["base"] = run()
+    b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    groups = {
+        "without the expert pairs": [n for n in b if ".experts." in n],
+        "without the attention pairs": [n for n in b if ".self_attn." in n],
+    }
+    assert sorted(n for names in groups.values() for n in names) == sorted(b) and all(groups.values()), (
+        sorted(b)
     )
-    make_tiny_model(moe_models / f"{arch}-256", arch=arch, shape=shape, dtype="float32", vocab_size=320)
-    req = ExportRequest(targets=[ExportTarget.gguf("Q4_K_M")], base_model_path=f"{arch}-256")
-    (r,) = run_export(req, model_root=moe_models, store=store)
-    (rep,) = r.quantization
-    assert rep.fallbacks == [], rep.summary
-    types = {c.type: c.count for c in rep.tensor_types}
-    assert set(types) <= {"Q4_K", "Q6_K", "F32"} and types.get("Q4_K", 0) >= 6, types
-    assert r.verification is not None and r.verification.positions > 50
+    for label, names in groups.items():
+        kept = {n: b[n].detach().clone() for n in names}
+        with torch.no_grad():
+            for n in names:
+                b[n].zero_()
+            out[label] = run()
+            for n in names:
+                b[n].copy_(kept[n])
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def k_quant(request, moe_models, tmp_path_factory) -> KQuantExports:
+    """``KQuantExports`` of one arch: the trainer's own path (load, LoRA on attention and every expert's gate/up/down,
+    ``run_training`` SFT on QUESTION + ANSWER, ``write_adapter``), then ExportRequests as a user's."""
+    from strop.common.trainer_types import (
+        DatasetFormat,
+        LoadModelRequest,
+        LoraConfig,
+        Quantization,
+        TrainConfig,
+        TrainMethod,
+    )
+    from strop.fixtures.tiny_models import TinyShape, make_tiny_model
+    from strop.trainer_svc.core import training
+    from strop.trainer_svc.core.job_config import with_defaults
+    from strop.trainer_svc.core.model_loading import attach_lora, load_model, release, write_adapter
+
+    arch = request.param
+    name = f"{arch}-256"
+    make_tiny_model(moe_models / name, arch=arch, shape=TinyShape(**WIDE), dtype="float32", vocab_size=320)
+    store = ArtifactStore(tmp_path_factory.mktemp(f"{arch}-k-quant-artifacts"))
+    req = ExportRequest(targets=[ExportTarget.gguf("Q4_K_M")], base_model_path=name)
+    (base,) = run_export(req, model_root=moe_models, store=store)
+
+    loaded = load_model(
+        LoadModelRequest(model_path=name, dtype="float32", quantization=Quantization.NONE),
+        model_root=moe_models,
+        device="cpu",
+    )
+    try:
+        attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+        rows = [{"text": QUESTION + ANSWER}] * 4
+        cfg = TrainConfig(
+            method=TrainMethod.SFT,
+            max_steps=SFT_STEPS,
+            batch_size=2,
+            learning_rate=SFT_LR,
+            lr_scheduler="constant",
+            max_length=64,
+            seed=0,
+        )
+        cfg = with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(rows))
+        sinks = training.Sinks(
+            on_step=lambda m: None, on_checkpoint=lambda s, p: None, on_start=lambda n: None
+        )
+        work = tmp_path_factory.mktemp(f"{arch}-sft")
+        steps = training.run_training(
+            loaded, rows, DatasetFormat.TEXT, cfg, work, training.JobControl(), sinks
+        )
+        assert steps == SFT_STEPS
+        ids = loaded.tokenizer(QUESTION + ANSWER)["input_ids"]
+        logprobs = _sft_session_logprobs(loaded, ids)
+        write_adapter(loaded, moe_models / f"{name}-sft-lora")
+    finally:
+        release(loaded)
+    from safetensors import safe_open
+
+    from strop.export_svc.core.moe import expert_pairs
+
+    with safe_open(str(moe_models / f"{name}-sft-lora" / "adapter_model.safetensors"), "pt") as f:
+        pairs = expert_pairs(f.keys())
+    assert len(pairs) == 2 * WIDE["num_layers"], pairs  # each layer's gate/up stack and its down stack
+    req = ExportRequest(
+        targets=[ExportTarget.gguf("Q4_K_M")],
+        adapter_path=f"{name}-sft-lora",
+        base_model_path=name,
+        verify=VerifyOptions(question=QUESTION, answer=ANSWER, raw_question=True),
+    )
+    (trained,) = run_export(req, model_root=moe_models, store=store)
+    return KQuantExports(base, trained, store, ids, logprobs)
+
+
+def test_a_q4_k_m_gguf_of_an_moe_quantizes_the_expert_tensors_without_fallback(k_quant):
+    """llama.cpp's quantizer on the stacked expert tensors (qwen3moe's, and Mixtral's under llama's arch), of the base
+    and of the base with the trained adapter merged: nothing falls back; each file loads in llama.cpp and passes the
+    export's verification gate (the base's against the base, the trained one's against the model as trained)."""
+    for r in (k_quant.base, k_quant.trained):
+        (rep,) = r.quantization
+        assert rep.fallbacks == [], rep.summary
+        types = {c.type: c.count for c in rep.tensor_types}
+        assert set(types) <= {"Q4_K", "Q6_K", "F32"} and types.get("Q4_K", 0) >= 6, types
+        assert r.verification is not None and r.verification.passed and r.verification.positions > 50
+
+
+def test_a_q4_k_m_gguf_of_a_trained_moe_adapter_is_the_model_as_trained_not_the_base(k_quant):
+    """The trained adapter (attention and every expert's gate/up/down) merged and quantized to Q4_K_M is the model as
+    trained, in llama.cpp: judged on the trained text's next-token log-probs, by mean |Δ log p| (a norm, so the
+    triangle inequality holds).
+
+    Bounds. ε_b: Q4_K_M's own error, the base's file against the base in fp32. Each model here quantizes to within
+    K · ε_b of itself (K: QUANT_ERROR_ROOM). A file that lacked a part X of the adapter (all of it, the expert pairs,
+    the attention pairs) would be the quantized model without X: within K · ε_b of that model, so at least
+    gap_X − K · ε_b from the model as trained, where gap_X is how far X moves the fp32 model's log-probs. That is more
+    than K · ε_b when gap_X > 2K · ε_b, which is how large the adapter's effect must be to be seen above the
+    quantizer's error (asserted first); then the trained file's distance d_t from the model as trained ≤ K · ε_b
+    rules every such file out. The gate passes with the trained answer as its probe (teacher-forced top-1 ≥ 0.95 on
+    the answer from the Q4_K_M file, llama.cpp's tokenization equal to transformers')."""
+    from strop.export_svc.core.verify import LOSSY_ANSWER_TOP1
+
+    lp = k_quant.logprobs
+    eps_b = float(np.abs(k_quant.gguf_logprobs(k_quant.base) - lp["base"]).mean())
+    k = QUANT_ERROR_ROOM
+    q = k_quant.gguf_logprobs(k_quant.trained)
+    d_t = float(np.abs(q - lp["as trained"]).mean())
+    for label in ("base", "without the expert pairs", "without the attention pairs"):
+        gap = float(np.abs(lp["as trained"] - lp[label]).mean())
+        assert gap > 2 * k * eps_b, (
+            f"as trained vs {label}: log p moves by {gap:.3g}, not > 2K·ε_b = {2 * k * eps_b:.3g}"
+        )
+        d_x = float(np.abs(q - lp[label]).mean())
+        assert d_t < d_x, f"the file is nearer the model {label} ({d_x:.3g}) than as trained ({d_t:.3g})"
+    assert eps_b > 0 and d_t <= k * eps_b, (d_t, eps_b)
+    v = k_quant.trained.verification
+    assert v.passed and v.answer_checked and v.answer_top1_agreement >= LOSSY_ANSWER_TOP1, v
+    assert v.tokens_match, v.token_mismatches
