@@ -1,5 +1,7 @@
-"""GPU tier: a Qwen3-MoE and a Mixtral in bf16 on strop's dense kernels (attention, norms, loss; experts on HF's
-expert path) under each memory mode the trainer installs, against HF + PEFT; LoRA on attention and the fused experts.
+"""GPU tier: a Qwen3-MoE and a Mixtral in bf16 on strop's kernels as ``patch_model`` installs them by default
+(attention, norms, loss; every MoE layer's router on the fused router op and its experts on the grouped expert GEMM,
+the counting-sort routing plan and the split down product whose checkpointed recompute runs no u GEMM) under each
+memory mode the trainer installs, against HF + PEFT; LoRA on attention and the fused experts.
 
 Bound (DESIGN's bf16 rule): against an fp32 run of the same weights, strop's bf16 loss and adapter gradients are no
 further off than 2× HF + PEFT's own bf16 run (plus a 1e-6 floor of the value's scale). Run with
@@ -76,6 +78,8 @@ def test_an_moe_on_the_kernels_in_bf16_is_within_twice_hf_peft_error(model_type,
     bf16.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = patch_model(bf16)
     assert report.patched["lora_qkv"] and report.patched["fused_cross_entropy"], report
+    layers = bf16.config.num_hidden_layers
+    assert len(report.patched["lora_mlp"]) == len(report.patched["moe_router"]) == layers, report.summary()
     installed = None
     if mode != "NONE":
         installed = apply_memory_mode(bf16, MemoryMode(mode), step=StepShape(2, 1024, True), device="cuda")
