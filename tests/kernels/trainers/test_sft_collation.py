@@ -9,7 +9,7 @@ import torch
 
 from strop.kernels.trainers.sft import _token_arrays
 from tests.deps import locked
-from tests.kernels._tolerances import cpu_tier
+from tests.kernels._tolerances import assert_close_fp32, cpu_tier
 from tests.kernels.ops.test_fused_linear_logprobs import _sft_rows, _tiny_sft_trainer
 
 
@@ -87,3 +87,176 @@ def test_a_users_own_collator_is_kept(tmp_path):
         data_collator=mine,
     )
     assert trainer.data_collator is mine
+
+
+# ---------------------------------------------------------------------------------- batch widths in buckets
+
+
+def _rows_of(lengths: list[int], prompt: int = 5) -> list[dict]:
+    """SFT rows of these lengths (random ids; the first ``prompt`` tokens unscored: completion-only loss)."""
+    gen = torch.Generator().manual_seed(5)
+    return [
+        {
+            "input_ids": torch.randint(0, 300, (n,), generator=gen).tolist(),
+            "completion_mask": [0] * prompt + [1] * (n - prompt),
+        }
+        for n in lengths
+    ]
+
+
+def _sft_trainer(tmp_path, rows, *, cuda: bool = False, **config):
+    """strop's SFT trainer (seeded) on a 2-layer Llama with LoRA on every projection, HF's ``sdpa`` attention."""
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+    from strop.kernels.trainers import strop_sft_trainer_class
+    from tests.kernels.ops.test_fused_linear_logprobs import _tiny_lora_llama
+
+    tok = make_bpe_tokenizer()
+    model = _tiny_lora_llama(
+        len(tok), ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert model.config._attn_implementation == "sdpa", "the attention whose shapes the buckets are for"
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=len(rows),
+        report_to=[],
+        save_strategy="no",
+        use_cpu=not cuda,
+        bf16=cuda,
+        seed=0,
+        completion_only_loss=True,
+        disable_tqdm=True,
+        **config,
+    )
+    return strop_sft_trainer_class()(
+        model=model.cuda() if cuda else model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+    )
+
+
+def _prepared(trainer) -> list[dict]:
+    """The trainer's rows as its dataloader hands them to the collator."""
+    return [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+
+
+@cpu_tier
+def test_bucketed_collator_pads_the_batch_to_its_bucket_with_columns_nothing_reads(tmp_path, monkeypatch):
+    """With the switch on, each batch's width is ``shared_prompt.bucket(width)`` (at most max_length): TRL's batch
+    in the first columns, then pad ids, attention mask 0 and labels -100, which no attention, loss or token count
+    reads. Off (the default), and for a collator with ``pad_to_multiple_of``, the batch is TRL's as it is."""
+    locked("trl")
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from strop.kernels.trainers import sft
+    from strop.kernels.trainers.shared_prompt import bucket
+
+    assert sft.WIDTH_BUCKETS is False, "opt-in until measured on a GPU (sft.WIDTH_BUCKETS' comment)"
+    monkeypatch.setattr(sft, "WIDTH_BUCKETS", True)
+    rows_in = _rows_of([20, 17, 9])  # width 20: its bucket 32 (below 128 buckets are multiples of 16)
+    for max_length, width in ((1024, bucket(20)), (28, 28)):  # the cap: never past max_length
+        trainer = _sft_trainer(tmp_path, rows_in, max_length=max_length)
+        rows = _prepared(trainer)
+        ref = DataCollatorForLanguageModeling(pad_token_id=trainer.data_collator.pad_token_id)(rows)
+        ours = trainer.data_collator(rows)
+        assert width == (32 if max_length == 1024 else 28) and ref["input_ids"].shape == (3, 20)
+        assert ours.keys() == ref.keys() and ours["input_ids"].shape == (3, width)
+        for key, value in ref.items():
+            assert torch.equal(ours[key][:, :20], value), f"{key}: TRL's batch in the first 20 columns"
+        pads = {"input_ids": trainer.data_collator.pad_token_id, "labels": -100, "attention_mask": 0}
+        for key, value in pads.items():
+            assert (ours[key][:, 20:] == value).all(), f"{key}: {value} past the real width"
+    monkeypatch.setattr(sft, "WIDTH_BUCKETS", False)
+    trainer = _sft_trainer(tmp_path, rows_in)
+    rows = _prepared(trainer)
+    _same_batch(trainer.data_collator(rows), DataCollatorForLanguageModeling(pad_token_id=0)(rows))
+    monkeypatch.setattr(sft, "WIDTH_BUCKETS", True)
+    trainer = _sft_trainer(tmp_path, rows_in, pad_to_multiple_of=8)
+    assert trainer.data_collator(_prepared(trainer))["input_ids"].shape[1] == 24, (
+        "the user's multiple of 8, kept"
+    )
+    # past BUCKET_MAX a batch keeps its width, and a batch with keys the bucketing does not know is left as it is
+    long = {"input_ids": torch.zeros(1, sft.BUCKET_MAX + 1, dtype=torch.long)}
+    assert sft.bucketed_width(long, 0)["input_ids"].shape[1] == sft.BUCKET_MAX + 1
+    odd = {"input_ids": torch.zeros(1, 20, dtype=torch.long), "token_type_ids": torch.zeros(1, 20)}
+    assert sft.bucketed_width(odd, 0) is odd
+
+
+@cpu_tier
+def test_bucketed_batch_trains_as_the_unpadded_batch(tmp_path, monkeypatch):
+    """SFT with completion-only loss, packing off: the padded batch's loss, LoRA gradients and token count are the
+    unpadded batch's. The added columns are keys no real query attends to (masked: an exact zero weight), queries
+    whose outputs no label reads (zero gradient, so no contribution to any weight's gradient) and positions no
+    label or count includes; what may differ is only the order fp32 sums run in (GEMMs over more rows), hence
+    DESIGN's fp32 tolerance."""
+    locked("trl")
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from strop.kernels.models import patch_model
+    from strop.kernels.trainers import sft
+
+    monkeypatch.setattr(sft, "WIDTH_BUCKETS", True)
+    trainer = _sft_trainer(tmp_path, _rows_of([20, 17, 9]))
+    rows = _prepared(trainer)
+    batches = {
+        "bucketed": trainer.data_collator(rows),
+        "TRL's": DataCollatorForLanguageModeling(pad_token_id=trainer.data_collator.pad_token_id)(rows),
+    }
+    assert batches["bucketed"]["input_ids"].shape[1] == 32 > batches["TRL's"]["input_ids"].shape[1] == 20
+    model = trainer.model
+    patch_model(
+        model
+    )  # strop's kernels, as its SFT jobs run: token-wise, so the padding leaves real rows alone
+    gen = torch.Generator().manual_seed(6)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # PEFT starts B at zero, which leaves A's gradient zero: nothing to compare
+            p.data = torch.randn(p.shape, generator=gen) * 0.1
+    model.train()
+    runs = {}
+    for name, batch in batches.items():
+        loss = trainer.compute_loss(model, dict(batch))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        runs[name] = (loss.detach(), grads, trainer._strop_tokens[-1])
+    (loss, grads, tokens), (ref_loss, ref_grads, ref_tokens) = runs["bucketed"], runs["TRL's"]
+    assert tokens == ref_tokens == 20 + 17 + 9, "the token count is the real tokens'"
+    assert_close_fp32(loss, ref_loss, "the loss")
+    assert len(grads) == 2 * 7 * 2, "A and B of seven projections in two layers"
+    for n, g in ref_grads.items():
+        assert g.abs().max() > 0, f"{n} has a gradient to compare"
+        assert_close_fp32(grads[n], g, f"{n}'s gradient")
+
+
+@cpu_tier
+def test_packed_and_padding_free_batches_are_left_alone(tmp_path, monkeypatch):
+    """Packing (TRL's default bfd strategy: padding-free, one row of the packed width) is not bucketed, switch on:
+    the collator's batch is TRL's, tensor for tensor."""
+    locked("trl")
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from strop.kernels.trainers import sft
+
+    monkeypatch.setattr(sft, "WIDTH_BUCKETS", True)
+    trainer = _sft_trainer(tmp_path, _rows_of([20, 17, 9, 13]), packing=True, max_length=40)
+    ours = trainer.data_collator
+    assert ours.padding_free, "TRL packs padding-free"
+    rows = _prepared(trainer)
+    ref = DataCollatorForLanguageModeling(pad_token_id=ours.pad_token_id, padding_free=True)(rows)
+    assert ref["input_ids"].shape[1] not in (16, 32, 48, 64), "a width a bucket would have changed"
+    _same_batch(ours(rows), ref)
+
+
+@cpu_tier
+def test_width_buckets_auto_is_off_off_cuda(tmp_path, monkeypatch):
+    """``WIDTH_BUCKETS = None`` buckets only where cuDNN's SDPA may run: not on the CPU."""
+    locked("trl")
+    from strop.kernels.trainers import sft
+
+    monkeypatch.setattr(sft, "WIDTH_BUCKETS", None)
+    trainer = _sft_trainer(tmp_path, _rows_of([20, 17, 9]))
+    assert not sft._width_buckets(trainer)
+    assert trainer.data_collator(_prepared(trainer))["input_ids"].shape[1] == 20
