@@ -48,6 +48,16 @@ way, bf16 LoRA with the same adapter config and loop; systems ``baseline``, ``st
 the 8B parts; ``--batch 2`` for the 2 × 2048 point. At this size a step's GPU work is short enough that the host's
 Python and launches per layer can set the pace: ``--profile`` gives the GPU's idle time in the step.
 
+Batches of varying width (``--vary-width N``, the SFT parts): each step's rows take their lengths from
+``harness.varied_lengths`` (seeded, the same for every system): the step's width uniform in [seq − N, seq], its
+first row that long and the others in [seq − N, width], right-padded to the longest (attention mask 0, labels −100)
+as TRL's collator pads a chat SFT job's rows; the library's loop and ``trl-lib`` (its rows sampled in order) alike,
+the service not. On CUDA, SDPA runs cuDNN's kernels, which build a graph per new shape: every step's width and time
+is printed, so a width's first step shows against a repeat; ms/step is the measured steps' mean (not the median)
+and tokens/s their real tokens over their time. ``trl-lib…-b1``/``-b0``: strop's SFT collator rounds each batch's
+width up to a bucket (``strop.kernels.trainers.sft.WIDTH_BUCKETS``) or not, whatever the library's default; the
+baseline pads its batches as it is given them (it is HF + PEFT's loop, which has no collator of strop's).
+
 Qwen3-8B and Gemma 3 4B parts (``--parts qlora-qwen3-8b,qlora-gemma3-4b``, bf16: ``lora-…``; issue 39's other
 architectures): Qwen3-8B's shape (hidden 4096, inter 12288, 36 layers, 32 heads / 8 KV heads of 128, per-head q/k
 RMSNorm, vocab 151,936, untied) and Gemma 3 4B's text model (hidden 2560, inter 10240, 34 layers, 8 heads / 4 KV heads
@@ -75,6 +85,7 @@ Usage (on the GPU machine)::
     python bench/train_bench.py --parts gemma --systems baseline,strop,strop-standard --profile
     python bench/train_bench.py --parts lora-1b,qlora-1b --systems baseline,strop-standard,service --batch 2
     python bench/train_bench.py --parts qlora-qwen3-8b,qlora-gemma3-4b --systems baseline,strop-standard,baseline
+    python bench/train_bench.py --parts qlora --systems baseline,trl-lib-b1,trl-lib-b0 --vary-width 512
     python bench/train_bench.py --parts context --systems baseline,strop-long-context --context 65536,131072,262144,524288
 
 Systems: ``baseline`` (HF + PEFT), ``strop`` (``patch_model``, plain checkpointing), and the trainer's memory
@@ -105,6 +116,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -122,6 +134,9 @@ from lib.train_workers import (
     run_trl_worker,
     run_worker,
 )
+
+# the systems run_trl_worker trains (a trl-lib system's -b1/-b0: SFT batch widths in buckets or not)
+TRL_SYSTEMS = ("service", "service-hfloop", "trl-lib", "trl-lib-trlhead", "trl-lib-svcargs")
 
 # ------------------------------------------------------------------------------------------ orchestrator
 
@@ -158,6 +173,7 @@ def spawn(part: str, system: str, seq: int, batch: int, a, timeout: float | None
         *(["--smoke"] if a.smoke else []),
         *(["--profile"] if a.profile else []),
         *(["--progress", a.progress] if a.progress else []),
+        *(["--vary-width", str(a.vary_width)] if a.vary_width else []),
     ]
     t0 = time.perf_counter()
     try:
@@ -210,6 +226,21 @@ def table(results: list[Result]) -> str:
             f"{r.peak_alloc_gib:.1f} | {r.peak_reserved_gib:.1f} | {r.host_peak_rss_gib:.1f} | {r.mfu:.1%} | "
             f"{r.hfu:.1%} | {sp} | {mem} | {', '.join(f'{x:.4f}' for x in r.losses[:3])} |"
         )
+    varied = [r for r in results if r.ok and r.step_ms]
+    if varied:
+        rows += [
+            "",
+            "Every step's batch width at the model and its time, warm-up included (--vary-width; the speed above is "
+            "the measured steps' real tokens over their time, ms/step their mean):",
+            "",
+            "| part | system | widths | ms each step | distinct widths |",
+            "|---|---|---|---|---|",
+        ]
+        rows += [
+            f"| {r.part} | {r.system} | {', '.join(map(str, r.widths))} | "
+            f"{', '.join(f'{t:,.0f}' for t in r.step_ms)} | {len(set(r.widths))} |"
+            for r in varied
+        ]
     dpo = [r for r in results if r.ok and r.margins]
     if dpo:
         rows += [
@@ -309,6 +340,13 @@ def main() -> None:
     p.add_argument(
         "--dpo-pairs", type=int, help="preference parts: pairs a step (default 4; --find-longest: 1)"
     )
+    p.add_argument(
+        "--vary-width",
+        type=int,
+        default=0,
+        metavar="N",
+        help="SFT parts: each step's rows of lengths drawn in [seq - N, seq], the batch padded to its longest",
+    )
     longest.add_flags(p, unit="DPO row tokens (prompt + completion)", start=16384, max_length=262144)
     a = p.parse_args()
     w = workload(a.part, a.smoke)  # a worker's (and --write-model's) part; the orchestrator's is per part
@@ -324,7 +362,7 @@ def main() -> None:
                 res = run_dpo_worker(a, w)
             elif a.part in PREFERENCE_PARTS:
                 res = run_preference_worker(a, w)
-            elif a.system in ("service", "service-hfloop", "trl-lib", "trl-lib-trlhead", "trl-lib-svcargs"):
+            elif re.sub(r"-b[01]$", "", a.system) in TRL_SYSTEMS:
                 res = run_trl_worker(a, w)
             else:
                 res = run_worker(a, w)
@@ -337,6 +375,8 @@ def main() -> None:
         print("RESULT " + json.dumps(asdict(res)), flush=True)
         return
     parts = {part: part_points(part, a) for part in a.parts.split(",")}
+    if a.vary_width and any(part in PREFERENCE_PARTS for part in parts):
+        raise SystemExit("--vary-width varies SFT batches: not the preference parts")
     families: dict[str, list[str]] = {}  # the parts of each saved model (shape)
     for part in parts:
         families.setdefault(workload(part, a.smoke).saved_model_dir(), []).append(part)

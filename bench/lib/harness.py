@@ -121,6 +121,22 @@ MODEL_ROOT = "/tmp/strop-bench-models"
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def varied_lengths(seq: int, vary: int, batch: int, steps: int, seed: int = 4321) -> list[list[int]]:
+    """``--vary-width``: each step's row lengths, drawn from a generator of their own, so every system trains the
+    same sequence. Step i's width W is uniform in [seq − vary, seq] and its first row W long (a batch is padded to
+    its longest row, as a chat SFT job's collator pads it); the other rows are uniform in [seq − vary, W]. Early
+    in such a job nearly every step's width is one the process has not met."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lo = max(1, seq - vary)
+    out = []
+    for _ in range(steps):
+        width = int(torch.randint(lo, seq + 1, (), generator=g))
+        out.append([width, *(int(n) for n in torch.randint(lo, width + 1, (batch - 1,), generator=g))])
+    return out
+
+
 @dataclass
 class Result:
     part: str
@@ -143,6 +159,9 @@ class Result:
     build_s: float = 0.0
     notes: str = ""
     profile: str = ""
+    # --vary-width: every step's time (ms, warm-up included) and its batch's width as it reached the model
+    step_ms: list[float] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -325,6 +344,21 @@ class Workload:
             model_f, hw_f = self.flops_per_token(res.seq, recompute=recompute)
             res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
             res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+
+    def record_varied_speed(
+        self, res: Result, times: list[float], warmup: int, real_tokens: list[int], recompute: float
+    ) -> None:
+        """``--vary-width``: every step's time kept (``res.step_ms``, so a step's first meeting with a width shows
+        against a repeat), the measured steps' mean (not their median, which would hide the first meetings) and
+        tokens/s over the measured steps' real (non-pad) tokens, ``real_tokens[i]`` step i's; MFU/HFU counted as
+        :meth:`record_speed` does, attention at ``res.seq`` (the widths' upper end: nominal)."""
+        res.step_ms = [round(t * 1e3, 1) for t in times]
+        measured, tokens = times[warmup:], real_tokens[warmup : len(times)]
+        res.steps, res.ms_per_step = len(measured), sum(measured) / len(measured) * 1e3
+        res.tokens_per_s = sum(tokens) / sum(measured)
+        model_f, hw_f = self.flops_per_token(res.seq, recompute=recompute)
+        res.mfu = model_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
+        res.hfu = hw_f * res.tokens_per_s / (PEAK_TFLOPS * 1e12)
 
     def step_timer(self, times: list[float], profile_into: Result | None = None):
         """A TrainerCallback appending each optimizer step's wall time (device synchronised) to ``times``; with

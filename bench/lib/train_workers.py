@@ -18,6 +18,7 @@ from .harness import (
     attach_lora,
     host_peak_rss_gib,
     upcast_adapters_,
+    varied_lengths,
 )
 from .profile import label_phases, memory_at_peak, profile_step, profile_summary
 
@@ -163,17 +164,22 @@ def run_worker(a, w: Workload) -> Result:
     if a.progress:
         log_layer_progress(w, model, a.progress)
     res.build_s = time.perf_counter() - t0
-    g = torch.Generator(device=w.device).manual_seed(1234)
-    data = torch.randint(0, w.shape["vocab"], (a.batch, a.seq), device=w.device, generator=g)
+    if a.vary_width:
+        batches = varied_batches(a, w, w.shape["vocab"])
+        res.widths = [b["input_ids"].shape[1] for b in batches]
+    else:
+        g = torch.Generator(device=w.device).manual_seed(1234)
+        data = torch.randint(0, w.shape["vocab"], (a.batch, a.seq), device=w.device, generator=g)
+        batches = [{"input_ids": data, "labels": data}] * (a.warmup + a.steps)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     res.notes += w.reset_peak_memory()
     times, starts = [], []
     window = HostWindow()
-    for _ in range(a.warmup + a.steps):
+    for batch in batches:
         starts.append(time.perf_counter())
         w.sync()
         ts = time.perf_counter()
-        loss = train_step(w, model, opt, data)
+        loss = train_step(w, model, opt, batch)
         w.sync()
         times.append(time.perf_counter() - ts)
         window.mark()
@@ -189,9 +195,9 @@ def run_worker(a, w: Workload) -> Result:
         if installed.memory is not None and installed.memory.offloader is not None:
             res.notes += f"\n{installed.memory.offloader!r}"
     if a.profile and w.device == "cuda":
-        res.profile = profile_step(lambda: train_step(w, model, opt, data))
+        res.profile = profile_step(lambda: train_step(w, model, opt, batches[-1]))
         try:
-            res.profile += "\n" + memory_at_peak(lambda: train_step(w, model, opt, data))
+            res.profile += "\n" + memory_at_peak(lambda: train_step(w, model, opt, batches[-1]))
         except Exception as exc:  # a diagnostic: its failure must not lose the measured run
             res.profile += f"\nmemory at peak: not recorded ({exc!r})"
     recompute = 1.0
@@ -201,8 +207,29 @@ def run_worker(a, w: Workload) -> Result:
     saved_layers = (memory_system(a.system) or (None, 0))[1]
     if saved_layers:  # never the last layer
         recompute = 1 - min(saved_layers, w.shape["layers"] - 1) / w.shape["layers"]
-    w.record_speed(res, times, a.warmup, a.batch * a.seq, recompute)
+    if a.vary_width:
+        real = [int(b["attention_mask"].sum()) for b in batches]
+        w.record_varied_speed(res, times, a.warmup, real, recompute)
+    else:
+        w.record_speed(res, times, a.warmup, a.batch * a.seq, recompute)
     return res
+
+
+def varied_batches(a, w: Workload, vocab: int) -> list[dict]:
+    """``--vary-width``: each step's batch for the library's loop (HF + PEFT and strop alike), rows of random ids
+    of ``varied_lengths``' lengths right-padded to the step's longest, as TRL's collator pads the same rows: id 0,
+    attention mask 0 and label -100 on the padding."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for lengths in varied_lengths(a.seq, a.vary_width, a.batch, a.warmup + a.steps):
+        width = max(lengths)
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        ids = torch.randint(0, vocab, (len(lengths), width), generator=g) * mask
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        out.append({k: v.to(w.device) for k, v in batch.items()})
+    return out
 
 
 def wall_note(marks: list[float], warmup: int, times: list[float]) -> str:
@@ -249,11 +276,12 @@ def log_layer_progress(w: Workload, model, path: str) -> None:
         layer.register_forward_hook(hook(i))
 
 
-def train_step(w: Workload, model, opt, data):
+def train_step(w: Workload, model, opt, batch: dict):
+    """One optimizer step on ``batch`` (``input_ids``, ``labels``, with ``--vary-width`` an ``attention_mask``)."""
     import torch
 
     with torch.autocast(w.device, dtype=torch.bfloat16, enabled=w.device == "cuda"):
-        loss = model(input_ids=data, labels=data).loss
+        loss = model(**batch).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -275,12 +303,19 @@ def run_trl_worker(a, w: Workload) -> Result:
     res = Result(part=a.part, system=a.system, seq=a.seq, batch=a.batch)
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, 640, (a.batch, a.seq), generator=g)  # ids of the saved tiny tokenizer
-    rows = [{"input_ids": ids[i].tolist()} for i in range(a.batch)] * (a.warmup + a.steps)
+    if a.vary_width:  # the rows of each step in turn (the trainer samples them in order)
+        steps = a.warmup + a.steps + profiled(a, w)
+        lengths = [n for step in varied_lengths(a.seq, a.vary_width, a.batch, steps) for n in step]
+        rows = [{"input_ids": torch.randint(0, 640, (n,), generator=g).tolist()} for n in lengths]
+    else:
+        ids = torch.randint(0, 640, (a.batch, a.seq), generator=g)  # ids of the saved tiny tokenizer
+        rows = [{"input_ids": ids[i].tolist()} for i in range(a.batch)] * (a.warmup + a.steps)
     qlora = a.part in QLORA_PARTS
     times: list[float] = []
     arrivals: list[float] = []  # the service: each step event's arrival at the client
     if a.system in ("service", "service-hfloop"):
+        if a.vary_width:
+            raise ValueError("--vary-width: the service's dataset order is its own; run trl-lib")
         import logging
 
         from strop.client import KernelMode, LoraConfig, Quantization, TrainConfig, TrainerClient, TrainMethod
@@ -359,19 +394,24 @@ def run_trl_worker(a, w: Workload) -> Result:
         from trl import SFTConfig, SFTTrainer
 
         from strop.kernels.models import patch_model
-        from strop.kernels.trainers import strop_sft_trainer_class
+        from strop.kernels.trainers import sft, strop_sft_trainer_class
 
+        system, buckets = re.fullmatch(r"(.*?)(?:-b([01]))?", a.system).groups()
+        if buckets is not None:  # -b1/-b0: SFT batch widths in buckets or not, whatever the library's default
+            sft.WIDTH_BUCKETS = buckets == "1"
         model = attach_lora(w.load_model(qlora))
         res.notes = str(patch_model(model))
         memory = apply_memory(
             w, model, "strop-standard", a.batch, a.seq
         )  # the service's default mode on CUDA
         # TRL's SFTTrainer with its fused LM head on strop's kernel; trl-lib-trlhead: TRL's own head (before 2026-12-03)
-        trainer_cls = SFTTrainer if a.system == "trl-lib-trlhead" else strop_sft_trainer_class()
+        trainer_cls = SFTTrainer if system == "trl-lib-trlhead" else strop_sft_trainer_class()
         # trl-lib-svcargs: what the service adds to the in-process run (its optimizer name, its token count and
         # its gradient guard), to tell those from the service's threads and gRPC
-        svc = a.system == "trl-lib-svcargs"
+        svc = system == "trl-lib-svcargs"
         extra = dict(optim="adamw_torch", include_num_input_tokens_seen="non_padding") if svc else {}
+        if a.vary_width:
+            extra["train_sampling_strategy"] = "sequential"
         trainer = trainer_cls(
             model=model,
             args=trl_args(SFTConfig, a, w, learning_rate=1e-4, max_length=a.seq, **extra),
@@ -383,6 +423,17 @@ def run_trl_worker(a, w: Workload) -> Result:
             from strop.trainer_svc.core.guard import make_guard
 
             trainer.add_callback(make_guard(model))
+        real: list[int] = []  # --vary-width: each batch's real tokens, as its width is recorded
+        if a.vary_width:
+            collate = trainer.data_collator
+
+            def recorded(examples):
+                batch = collate(examples)
+                res.widths.append(batch["input_ids"].shape[1])
+                real.append(int(batch["attention_mask"].sum()))
+                return batch
+
+            trainer.data_collator = recorded
         upcast_adapters_(model)
         res.build_s = time.perf_counter() - t0
         res.notes += w.reset_peak_memory()
@@ -390,6 +441,9 @@ def run_trl_worker(a, w: Workload) -> Result:
         w.record_peak_memory(res)
         res.notes += "\n" + str(memory)
         res.losses = [round(float(h["loss"]), 5) for h in trainer.state.log_history if "loss" in h]
+        if a.vary_width:
+            w.record_varied_speed(res, times, a.warmup, real, 1.0)
+            return res
     w.record_speed(res, times, a.warmup, a.batch * a.seq, 1.0)
     return res
 

@@ -39,8 +39,9 @@ seen) and the padded queries' outputs are dropped (their gradient is zero, so th
 values'); in the masked call the padded keys are masked out and the padded queries see key 0 and are dropped.
 The copies are linear in the row (three [B, H, L, D] tensors a call), the padding's attention FLOPs at most ~27%
 more for the causal call. Rows past :data:`BUCKET_MAX` positions run at their exact lengths. Only ``attend``'s calls
-are bucketed: HF's ``sdpa`` on unshared rows and saved attention's cuDNN call (``kernels/models/saved_attention.py``)
-still meet each new batch width as a new shape.
+are bucketed here: HF's ``sdpa`` on unshared rows and saved attention's cuDNN call (``kernels/models/saved_attention.py``)
+meet the batch's width, which strop's SFT collator rounds up with :func:`bucket` where ``sft.WIDTH_BUCKETS`` says so
+(``kernels/trainers/sft.py``); unshared preference rows still meet each new width as a new shape.
 
 Two ways in. TRL's preference rows: :func:`share_prompts` re-lays a ``[chosen; rejected]`` batch and hands the
 model a marker 4-D mask that carries the :class:`Rows`; HF's ``sdpa`` attention function, wrapped by a
