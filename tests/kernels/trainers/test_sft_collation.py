@@ -9,7 +9,7 @@ import torch
 
 from strop.kernels.trainers.sft import _token_arrays
 from tests.deps import locked
-from tests.kernels._tolerances import assert_close_fp32, cpu_tier
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
 from tests.kernels.ops.test_fused_linear_logprobs import _sft_rows, _tiny_sft_trainer
 
 
@@ -260,3 +260,45 @@ def test_width_buckets_auto_is_off_off_cuda(tmp_path, monkeypatch):
     trainer = _sft_trainer(tmp_path, _rows_of([20, 17, 9]))
     assert not sft._width_buckets(trainer)
     assert trainer.data_collator(_prepared(trainer))["input_ids"].shape[1] == 20
+
+
+@needs_cuda
+def test_width_buckets_auto_on_cuda_and_the_bucketed_batch_trains_within_bf16_rounding(tmp_path, monkeypatch):
+    """``WIDTH_BUCKETS = None`` on CUDA in bf16 with cuDNN's SDPA enabled buckets the batch (where cuDNN's graphs are
+    built per shape). In bf16 the padded batch's GEMMs run over more rows, which may pick other kernels and round
+    otherwise: its loss and LoRA gradients must be within DESIGN's bf16 rule of the fp32 truth (the unpadded batch
+    without autocast), against torch's own bf16 run of the unpadded batch."""
+    locked("trl")
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from strop.kernels.models import patch_model
+    from strop.kernels.trainers import sft
+
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        pytest.skip("cuDNN's SDPA is disabled here")
+    monkeypatch.setattr(sft, "WIDTH_BUCKETS", None)
+    trainer = _sft_trainer(tmp_path, _rows_of([100, 83, 41]), cuda=True)
+    assert sft._width_buckets(trainer), "CUDA, bf16, cuDNN's SDPA, sdpa attention: on"
+    rows = _prepared(trainer)
+    bucketed = trainer.data_collator(rows)
+    plain = DataCollatorForLanguageModeling(pad_token_id=trainer.data_collator.pad_token_id)(rows)
+    assert bucketed["input_ids"].shape[1] == 112 > plain["input_ids"].shape[1] == 100, "100's bucket: 112"
+    model = trainer.model
+    patch_model(model)
+    gen = torch.Generator().manual_seed(6)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # PEFT starts B at zero, which leaves A's gradient zero: nothing to compare
+            p.data = (torch.randn(p.shape, generator=gen) * 0.1).to(p.device)
+    model.train()
+    runs = {}
+    for name, batch, bf16 in (("truth", plain, False), ("torch", plain, True), ("ours", bucketed, True)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = trainer.compute_loss(model, {k: v.cuda() for k, v in batch.items()})
+        loss.backward()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        runs[name] = (loss.detach().float(), grads)
+    assert_bf16_within_torch_bound(runs["ours"][0], runs["torch"][0], runs["truth"][0], "the loss")
+    for n, truth in runs["truth"][1].items():
+        assert truth.abs().max() > 0, f"{n} has a gradient to compare"
+        assert_bf16_within_torch_bound(runs["ours"][1][n], runs["torch"][1][n], truth, f"{n}'s gradient")
