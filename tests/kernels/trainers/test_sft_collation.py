@@ -9,7 +9,7 @@ import torch
 
 from strop.kernels.trainers.sft import _token_arrays
 from tests.deps import locked
-from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier, needs_cuda
+from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier
 from tests.kernels.ops.test_fused_linear_logprobs import _sft_rows, _tiny_sft_trainer
 
 
@@ -262,7 +262,7 @@ def test_width_buckets_auto_is_off_off_cuda(tmp_path, monkeypatch):
     assert trainer.data_collator(_prepared(trainer))["input_ids"].shape[1] == 20
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_width_buckets_auto_on_cuda_and_the_bucketed_batch_trains_within_bf16_rounding(tmp_path, monkeypatch):
     """``WIDTH_BUCKETS = None`` on CUDA in bf16 with cuDNN's SDPA enabled buckets the batch (where cuDNN's graphs are
     built per shape). In bf16 the padded batch's GEMMs run over more rows, which may pick other kernels and round
