@@ -55,7 +55,7 @@ as TRL's collator pads a chat SFT job's rows; the library's loop and ``trl-lib``
 the service not. On CUDA, SDPA runs cuDNN's kernels, which build a graph per new shape: every step's width and time
 is printed, so a width's first step shows against a repeat; ms/step is the measured steps' mean (not the median)
 and tokens/s their real tokens over their time. ``trl-lib…-b1``/``-b0``: strop's SFT collator rounds each batch's
-width up to a bucket (``strop.kernels.trainers.sft.WIDTH_BUCKETS``) or not, whatever the library's default; the
+width up to a bucket (``strop.kernels.trainers.shared_prompt.WIDTH_BUCKETS``) or not, whatever the library's default; the
 baseline pads its batches as it is given them (it is HF + PEFT's loop, which has no collator of strop's).
 
 Qwen3-8B and Gemma 3 4B parts (``--parts qlora-qwen3-8b,qlora-gemma3-4b``, bf16: ``lora-…``; issue 39's other

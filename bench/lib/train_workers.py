@@ -394,11 +394,11 @@ def run_trl_worker(a, w: Workload) -> Result:
         from trl import SFTConfig, SFTTrainer
 
         from strop.kernels.models import patch_model
-        from strop.kernels.trainers import sft, strop_sft_trainer_class
+        from strop.kernels.trainers import shared_prompt, strop_sft_trainer_class
 
         system, buckets = re.fullmatch(r"(.*?)(?:-b([01]))?", a.system).groups()
         if buckets is not None:  # -b1/-b0: SFT batch widths in buckets or not, whatever the library's default
-            sft.WIDTH_BUCKETS = buckets == "1"
+            shared_prompt.WIDTH_BUCKETS = buckets == "1"
         model = attach_lora(w.load_model(qlora))
         res.notes = str(patch_model(model))
         memory = apply_memory(

@@ -1,8 +1,9 @@
 """What the TRL glue mixins share: HF's ``logging_nan_inf_filter`` applied on the device (``DeviceNanFilter``),
 the hidden-states head (the model surgery: a reversible forward swap that returns the backbone output), the
 PEFT/accelerate unwrapping, the LM-head and config checks that decide whether a chunked loss can replace TRL's,
-the model's final-logit soft-cap, and the reference forward's context
-(the PEFT model with its adapters disabled, or its "ref" adapter).
+the model's final-logit soft-cap, the reference forward's context
+(the PEFT model with its adapters disabled, or its "ref" adapter), and whether unshared batches' widths go in
+buckets (``width_buckets``).
 
 Plain functions of a trainer or its accelerator and model, so each mixin keeps its own method names while the
 chunked DPO and preference losses install, check and score a model the same way.
@@ -29,6 +30,7 @@ __all__ = [
     "remove_hidden_states_head",
     "start_chunked_loss",
     "trl_reference_helpers",
+    "width_buckets",
 ]
 
 logger = logging.getLogger("strop.kernels")
@@ -108,6 +110,23 @@ def start_chunked_loss(trainer: Any, method: str, reason: str | None) -> None:
 def hf_model(accelerator: Any, model: Any) -> Any:
     """The transformers model under accelerate's wrapper and PEFT's."""
     return unwrap_peft(accelerator.unwrap_model(model))
+
+
+def width_buckets(trainer: Any) -> bool:
+    """``shared_prompt.WIDTH_BUCKETS`` for this trainer: as set, or (None) whether cuDNN's SDPA may run its
+    attention: a CUDA device, 16-bit compute, cuDNN's SDPA enabled, the model's attention ``sdpa``."""
+    from . import shared_prompt
+
+    if shared_prompt.WIDTH_BUCKETS is not None:
+        return shared_prompt.WIDTH_BUCKETS
+    args, model = trainer.args, hf_model(trainer.accelerator, trainer.model)
+    half = args.bf16 or args.fp16 or model.dtype in (torch.float16, torch.bfloat16)
+    return (
+        args.device.type == "cuda"
+        and half
+        and torch.backends.cuda.cudnn_sdp_enabled()
+        and getattr(model.config, "_attn_implementation", None) == "sdpa"
+    )
 
 
 def _text_config(config: Any) -> Any:

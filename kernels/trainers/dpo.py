@@ -25,8 +25,9 @@ from ._glue import (
     remove_hidden_states_head,
     start_chunked_loss,
     trl_reference_helpers,
+    width_buckets,
 )
-from .shared_prompt import PromptSharing
+from .shared_prompt import PromptSharing, bucketed_width
 
 __all__ = ["StropDPOMixin", "add_hidden_states_head", "remove_hidden_states_head", "strop_dpo_trainer_class"]
 
@@ -59,6 +60,10 @@ class StropDPOMixin(DeviceNanFilter):
     ``ld_alpha``, ``use_weighting``, MoE aux loss, a trainable or scaled LM head, prompt learning, and
     ``return_outputs=True`` (evaluation with logits). A final-logit soft-cap (Gemma's
     ``final_logit_softcapping``) is applied inside the chunked loss, as HF's forward applies it to the logits.
+
+    Pairs run unshared (TRL's rows) reach the model with their width rounded up to a bucket where
+    ``shared_prompt.WIDTH_BUCKETS`` says so (``sft.py``'s docstring says why): padding columns, attention and
+    completion masks 0, so the same log-probs and gradients.
     """
 
     # Run each pair's prompt once, chosen and rejected completions after it (``shared_prompt.py``); exact up to
@@ -69,6 +74,15 @@ class StropDPOMixin(DeviceNanFilter):
         super().__init__(*args, **kwargs)
         self._strop_dpo_reason = self._strop_unsupported_reason()
         self._strop_sharing = PromptSharing("DPO")
+        # pairs run unshared reach the model in bucketed widths (shared_prompt.WIDTH_BUCKETS), unless the user's
+        # collator chose the widths (pad_to_multiple_of) or has no pad token id to pad with
+        collator = self.data_collator
+        self._strop_pad_id = getattr(collator, "pad_token_id", None)
+        self._strop_width_buckets = (
+            width_buckets(self)
+            and self._strop_pad_id is not None
+            and getattr(collator, "pad_to_multiple_of", None) is None
+        )
         start_chunked_loss(self, "DPO", self._strop_dpo_reason)
 
     # -- helpers
@@ -141,6 +155,12 @@ class StropDPOMixin(DeviceNanFilter):
             )
         if shared is not None:
             model_kwargs = {**shared.model_kwargs(), "use_cache": False}
+        elif self._strop_width_buckets:  # TRL's rows, their width rounded up to a bucket (labels -100 there)
+            rows = {k: v for k, v in model_kwargs.items() if k != "use_cache"}
+            cap = getattr(self.args, "max_length", None)
+            rows = dict(bucketed_width({**rows, "completion_mask": completion_mask}, self._strop_pad_id, cap))
+            labels = rows["input_ids"].masked_fill(rows.pop("completion_mask") == 0, -100)
+            model_kwargs = plain_kwargs = {**rows, "use_cache": False}
         unshare = (lambda h: h) if shared is None else shared.unshare
         hidden = unshare(model(**model_kwargs, strop_hidden_states=True).last_hidden_state)
         head = self._strop_hf_model(self.model).get_output_embeddings()

@@ -14,18 +14,19 @@ Kept on TRL's head, the reason logged once: a trainable or scaled LM head, PEFT 
 construction), MoE router logits and a sharded (FSDP2) head (per call). Everything else — collation (TRL's collator,
 handed each row's tokens as arrays), loss types, metrics, optimisation — is TRL's.
 
-Batch widths in buckets (:data:`WIDTH_BUCKETS`). TRL's collator pads a batch to its longest row, so an SFT job over
-rows of many lengths meets a new width nearly every step early on; on CUDA, SDPA runs cuDNN's kernels first and
-torch builds a cuDNN graph for each new shape, forward and backward (the cost in bench/RESULTS.md, "GRPO with a new
-row length at every step"). HF's ``sdpa`` on these unshared rows and saved attention's cuDNN call both see the
-batch's width, so the collator pads it further, to ``shared_prompt.bucket(width)`` (the one owner of the bucket
-rule, which prompt-sharing's attention uses too; never past ``max_length``, nor past ``shared_prompt.BUCKET_MAX``):
-the job's batches then reach the model in eight widths an octave. Exact: the added columns are padding (token
-``pad_token_id``, attention mask 0, label -100, position 0), which no real query attends to, no label scores
-(the loss and ``num_items_in_batch`` count the same tokens, so the gradient is the same sum) and the token count
-(the attention mask's sum) leaves out. Its cost: up to 12.5% more positions of work a step (GEMMs included).
-Left alone: packed and padding-free batches (one row of the packed width), a collator with ``pad_to_multiple_of``
-(the user chose the widths), and any batch with keys other than the four padded.
+Batch widths in buckets (``shared_prompt.WIDTH_BUCKETS``). TRL's collator pads a batch to its longest row, so an
+SFT job over rows of many lengths meets a new width nearly every step early on; on CUDA, SDPA runs cuDNN's kernels
+first and torch builds a cuDNN graph for each new shape, forward and backward (the cost in bench/RESULTS.md, "GRPO
+with a new row length at every step"). HF's ``sdpa`` on these unshared rows and saved attention's cuDNN call both
+see the batch's width, so the collator pads it further, to ``shared_prompt.bucket(width)`` (the one owner of the
+bucket rule, which prompt-sharing's attention uses too; :func:`shared_prompt.bucketed_width`, never past
+``max_length``, nor past ``shared_prompt.BUCKET_MAX``): the job's batches then reach the model in eight widths an
+octave. Exact: the added columns are padding (token ``pad_token_id``, attention mask 0, label -100, position 0),
+which no real query attends to, no label scores (the loss and ``num_items_in_batch`` count the same tokens, so the
+gradient is the same sum) and the token count (the attention mask's sum) leaves out. Its cost: up to 12.5% more
+positions of work a step (GEMMs included). Left alone: packed and padding-free batches (one row of the packed
+width), a collator with ``pad_to_multiple_of`` (the user chose the widths), and any batch with keys other than
+those padded.
 """
 
 from __future__ import annotations
@@ -37,28 +38,13 @@ import torch
 
 from ..models.hf import Swaps, previous_forward
 from ..ops.fused_linear_logprobs import fused_linear_logprobs
-from ._glue import DeviceNanFilter, final_logit_softcap, head_unsupported_reason, hf_model
-from .shared_prompt import BUCKET_MAX, bucket
+from ._glue import DeviceNanFilter, final_logit_softcap, head_unsupported_reason, hf_model, width_buckets
+from .shared_prompt import bucketed_width
 
-__all__ = [
-    "WIDTH_BUCKETS",
-    "StropSFTMixin",
-    "add_fused_logprob_head",
-    "bucketed_width",
-    "remove_fused_logprob_head",
-    "strop_sft_trainer_class",
-]
+__all__ = ["StropSFTMixin", "add_fused_logprob_head", "remove_fused_logprob_head", "strop_sft_trainer_class"]
 
 logger = logging.getLogger("strop.kernels")
 _TAG = "logprob_head"
-
-# Whether SFT batches reach the model with their width rounded up to a bucket (module docstring): True or False as
-# set; None where cuDNN's SDPA may run (a CUDA device, 16-bit compute, cuDNN's SDPA enabled, the model's attention
-# ``sdpa``). False until measured on a GPU: it trades up to 12.5% more positions a step for the graph builds
-# saved at widths not met before, and which side wins at a job's widths has not been measured.
-WIDTH_BUCKETS: bool | None = False
-# The columns the bucketed collator pads, each with its padding value (None: the collator's pad_token_id).
-_PAD_VALUES = {"input_ids": None, "labels": -100, "attention_mask": 0, "position_ids": 0}
 
 
 def _fused_output_class() -> Any:
@@ -162,8 +148,8 @@ class StropSFTMixin(DeviceNanFilter):
     ``compute_loss_func``, label smoothing, MoE aux loss, sequence parallelism, ``return_outputs``) are TRL's own.
 
     TRL's language-modeling collator gets each row's tokens as arrays (:func:`_array_collator`: the same batches in
-    a fraction of the host time between steps) and, where :data:`WIDTH_BUCKETS` says so, pads each batch's width
-    up to a bucket.
+    a fraction of the host time between steps) and, where ``shared_prompt.WIDTH_BUCKETS`` says so, pads each
+    batch's width up to a bucket.
 
     HF's ``logging_nan_inf_filter`` likewise runs on the device (``DeviceNanFilter``) instead of as two reads after
     every backward, which leave the GPU idle while the host runs the optimizer's Python (the profile is in
@@ -173,7 +159,7 @@ class StropSFTMixin(DeviceNanFilter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.data_collator = _array_collator(
-            self.data_collator, buckets=_width_buckets(self), max_width=self.args.max_length
+            self.data_collator, buckets=width_buckets(self), max_width=self.args.max_length
         )
         self._strop_tokens: list[torch.Tensor] = []  # train-token counts not yet added to _total_train_tokens
         self._strop_reason = head_unsupported_reason(self.accelerator, self.model, "strop's fused LM head")
@@ -262,41 +248,6 @@ def _token_arrays(example: dict[str, Any]) -> dict[str, Any]:
             if array.dtype == np.int64 and array.ndim == 1:
                 out[key] = array
     return out
-
-
-def _width_buckets(trainer: Any) -> bool:
-    """:data:`WIDTH_BUCKETS` for this trainer: as set, or (None) whether cuDNN's SDPA may run its attention."""
-    if WIDTH_BUCKETS is not None:
-        return WIDTH_BUCKETS
-    args, model = trainer.args, hf_model(trainer.accelerator, trainer.model)
-    half = args.bf16 or args.fp16 or model.dtype in (torch.float16, torch.bfloat16)
-    return (
-        args.device.type == "cuda"
-        and half
-        and torch.backends.cuda.cudnn_sdp_enabled()
-        and getattr(model.config, "_attn_implementation", None) == "sdpa"
-    )
-
-
-def bucketed_width(batch: dict[str, Any], pad_token_id: int, max_width: int | None = None) -> dict[str, Any]:
-    """``batch`` (a right-padded ``[B, width]`` language-modeling batch) padded on the right to
-    ``bucket(width)`` columns, at most ``max_width`` (when the width is within it) and left as it is past
-    ``BUCKET_MAX``: ids ``pad_token_id``, labels -100, attention mask 0, positions 0 (module docstring). A batch
-    with any other key is returned as it is."""
-    if not batch.keys() <= _PAD_VALUES.keys():
-        return batch
-    width = batch["input_ids"].shape[1]
-    target = bucket(width) if width <= BUCKET_MAX else width
-    if max_width is not None and width <= max_width:
-        target = min(target, max_width)
-    if target == width:
-        return batch
-    return {
-        key: torch.nn.functional.pad(
-            value, (0, target - width), value=pad_token_id if _PAD_VALUES[key] is None else _PAD_VALUES[key]
-        )
-        for key, value in batch.items()
-    }
 
 
 def _array_collator(collator: Any, buckets: bool = False, max_width: int | None = None) -> Any:

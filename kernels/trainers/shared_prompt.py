@@ -40,8 +40,9 @@ values'); in the masked call the padded keys are masked out and the padded queri
 The copies are linear in the row (three [B, H, L, D] tensors a call), the padding's attention FLOPs at most ~27%
 more for the causal call. Rows past :data:`BUCKET_MAX` positions run at their exact lengths. Only ``attend``'s calls
 are bucketed here: HF's ``sdpa`` on unshared rows and saved attention's cuDNN call (``kernels/models/saved_attention.py``)
-meet the batch's width, which strop's SFT collator rounds up with :func:`bucket` where ``sft.WIDTH_BUCKETS`` says so
-(``kernels/trainers/sft.py``); unshared preference rows still meet each new width as a new shape.
+meet the batch's width, which strop's SFT collator and DPO trainer (pairs run unshared) round up to a bucket
+(:func:`bucketed_width`) where :data:`WIDTH_BUCKETS` says so; ORPO's, KTO's and SimPO's unshared rows still meet
+each new width as a new shape.
 
 Two ways in. TRL's preference rows: :func:`share_prompts` re-lays a ``[chosen; rejected]`` batch and hands the
 model a marker 4-D mask that carries the :class:`Rows`; HF's ``sdpa`` attention function, wrapped by a
@@ -72,12 +73,15 @@ import torch.nn.functional as F
 
 __all__ = [
     "BUCKETS",
+    "BUCKET_MAX",
     "MIN_SAVING",
+    "WIDTH_BUCKETS",
     "PromptSharing",
     "Rows",
     "SharedPrompts",
     "attend",
     "bucket",
+    "bucketed_width",
     "config_reason",
     "share_prompts",
 ]
@@ -94,6 +98,21 @@ BUCKETS: bool | None = None
 # (quadratic in the row), and the padded copies of q, k, v (up to 12.5% longer, held through the call and its
 # backward) would count against the longest row that fits.
 BUCKET_MAX = 65536
+# Whether strop's TRL trainers hand the model unshared batches (SFT rows, preference pairs run unshared) with their
+# width rounded up to a bucket (:func:`bucketed_width`; ``kernels/trainers/sft.py``'s docstring): True or False as
+# set; None where cuDNN's SDPA may run (``_glue.width_buckets``: a CUDA device, 16-bit compute, cuDNN's SDPA
+# enabled, the model's attention ``sdpa``). False until measured on a GPU: it trades up to 12.5% more positions a
+# step (GEMMs included) for the graph builds saved at widths not met before, and which side wins has not been
+# measured.
+WIDTH_BUCKETS: bool | None = False
+# The columns bucketed_width pads, each with its padding value (None: the caller's pad token id).
+_PAD_VALUES = {
+    "input_ids": None,
+    "labels": -100,
+    "attention_mask": 0,
+    "completion_mask": 0,
+    "position_ids": 0,
+}
 
 
 def bucket(n: int) -> int:
@@ -103,6 +122,28 @@ def bucket(n: int) -> int:
         return 16
     step = max(16, 1 << (n.bit_length() - 4))
     return -(-n // step) * step
+
+
+def bucketed_width(batch: dict[str, Any], pad_token_id: int, max_width: int | None = None) -> dict[str, Any]:
+    """``batch`` (right-padded ``[B, width]`` rows) padded on the right to ``bucket(width)`` columns, at most
+    ``max_width`` (when the width is within it) and left as it is past :data:`BUCKET_MAX`: ids ``pad_token_id``,
+    labels -100, attention and completion masks 0, positions 0, columns no real query attends to (they lie after
+    it, and are masked), no label scores and no token count includes. A batch with any other key is returned as it
+    is."""
+    if not batch.keys() <= _PAD_VALUES.keys():
+        return batch
+    width = batch["input_ids"].shape[1]
+    target = bucket(width) if width <= BUCKET_MAX else width
+    if max_width is not None and width <= max_width:
+        target = min(target, max_width)
+    if target == width:
+        return batch
+    return {
+        key: F.pad(
+            value, (0, target - width), value=pad_token_id if _PAD_VALUES[key] is None else _PAD_VALUES[key]
+        )
+        for key, value in batch.items()
+    }
 
 
 def _bucketed(q: torch.Tensor) -> bool:

@@ -277,14 +277,38 @@ def _train(trainer_cls, tokenizer, tmp_path, steps=3, **config):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize(("loss_type", "share"), [("sigmoid", True), ("ipo", False)])
-def test_trl_dpo_trainer_and_strop_glue_train_identically(tokenizer, tmp_path, loss_type, share):
-    """With ``share``, strop runs each pair's prompt once (``shared_prompt.py``); TRL runs it in both rows."""
+@pytest.mark.parametrize(
+    ("loss_type", "share", "buckets"),
+    [("sigmoid", True, False), ("ipo", False, False), ("sigmoid", False, True)],
+)
+def test_trl_dpo_trainer_and_strop_glue_train_identically(
+    tokenizer, tmp_path, monkeypatch, loss_type, share, buckets
+):
+    """With ``share``, strop runs each pair's prompt once (``shared_prompt.py``); TRL runs it in both rows. With
+    ``buckets`` (``shared_prompt.WIDTH_BUCKETS``), the unshared rows reach the model padded to a bucket's width: the
+    added columns are masked padding (completion mask 0), so the same losses, logs and adapters."""
+    from strop.kernels.trainers import dpo, shared_prompt
+
+    widths = []  # (TRL's width, the model's) of each batch bucketed_width saw
+    bucketed = shared_prompt.bucketed_width
+
+    def recorded(batch, *args):
+        out = bucketed(batch, *args)
+        widths.append((batch["input_ids"].shape[1], out["input_ids"].shape[1]))
+        return out
+
+    monkeypatch.setattr(dpo, "bucketed_width", recorded)
+    monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", buckets)
     trl_trainer, trl_losses = _train(trl.DPOTrainer, tokenizer, tmp_path / "trl", loss_type=[loss_type])
     cls = type("Trainer", (strop_dpo_trainer_class(),), {"strop_share_prompts": share})
     ours, our_losses = _train(cls, tokenizer, tmp_path / "strop", loss_type=[loss_type])
     assert ours._strop_dpo_reason is None, ours._strop_dpo_reason
     assert ours.strop_shared_batches == (3 if share else 0), ours._strop_sharing.reasons
+    if buckets:
+        assert len(widths) == 3 and all(w == shared_prompt.bucket(t) for t, w in widths), widths
+        assert any(w > t for t, w in widths), f"no batch was widened, so the test proves nothing: {widths}"
+    else:
+        assert not widths, "bucketing is opt-in"
     assert len(our_losses) == len(trl_losses) == 3
     for step, (a, b) in enumerate(zip(our_losses, trl_losses, strict=True)):
         assert math.isclose(a, b, rel_tol=1e-5), f"step {step}: strop {a} vs TRL {b}"

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from strop.kernels.trainers._glue import width_buckets
 from strop.kernels.trainers.sft import _token_arrays
 from tests.deps import locked
 from tests.kernels._tolerances import assert_bf16_within_torch_bound, assert_close_fp32, cpu_tier
@@ -151,11 +152,13 @@ def test_bucketed_collator_pads_the_batch_to_its_bucket_with_columns_nothing_rea
     locked("trl")
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from strop.kernels.trainers import sft
+    from strop.kernels.trainers import shared_prompt
     from strop.kernels.trainers.shared_prompt import bucket
 
-    assert sft.WIDTH_BUCKETS is False, "opt-in until measured on a GPU (sft.WIDTH_BUCKETS' comment)"
-    monkeypatch.setattr(sft, "WIDTH_BUCKETS", True)
+    assert shared_prompt.WIDTH_BUCKETS is False, (
+        "opt-in until measured on a GPU (shared_prompt.WIDTH_BUCKETS' comment)"
+    )
+    monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", True)
     rows_in = _rows_of([20, 17, 9])  # width 20: its bucket 32 (below 128 buckets are multiples of 16)
     for max_length, width in ((1024, bucket(20)), (28, 28)):  # the cap: never past max_length
         trainer = _sft_trainer(tmp_path, rows_in, max_length=max_length)
@@ -169,20 +172,20 @@ def test_bucketed_collator_pads_the_batch_to_its_bucket_with_columns_nothing_rea
         pads = {"input_ids": trainer.data_collator.pad_token_id, "labels": -100, "attention_mask": 0}
         for key, value in pads.items():
             assert (ours[key][:, 20:] == value).all(), f"{key}: {value} past the real width"
-    monkeypatch.setattr(sft, "WIDTH_BUCKETS", False)
+    monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", False)
     trainer = _sft_trainer(tmp_path, rows_in)
     rows = _prepared(trainer)
     _same_batch(trainer.data_collator(rows), DataCollatorForLanguageModeling(pad_token_id=0)(rows))
-    monkeypatch.setattr(sft, "WIDTH_BUCKETS", True)
+    monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", True)
     trainer = _sft_trainer(tmp_path, rows_in, pad_to_multiple_of=8)
     assert trainer.data_collator(_prepared(trainer))["input_ids"].shape[1] == 24, (
         "the user's multiple of 8, kept"
     )
     # past BUCKET_MAX a batch keeps its width, and a batch with keys the bucketing does not know is left as it is
-    long = {"input_ids": torch.zeros(1, sft.BUCKET_MAX + 1, dtype=torch.long)}
-    assert sft.bucketed_width(long, 0)["input_ids"].shape[1] == sft.BUCKET_MAX + 1
+    long = {"input_ids": torch.zeros(1, shared_prompt.BUCKET_MAX + 1, dtype=torch.long)}
+    assert shared_prompt.bucketed_width(long, 0)["input_ids"].shape[1] == shared_prompt.BUCKET_MAX + 1
     odd = {"input_ids": torch.zeros(1, 20, dtype=torch.long), "token_type_ids": torch.zeros(1, 20)}
-    assert sft.bucketed_width(odd, 0) is odd
+    assert shared_prompt.bucketed_width(odd, 0) is odd
 
 
 @cpu_tier
@@ -196,9 +199,9 @@ def test_bucketed_batch_trains_as_the_unpadded_batch(tmp_path, monkeypatch):
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from strop.kernels.models import patch_model
-    from strop.kernels.trainers import sft
+    from strop.kernels.trainers import shared_prompt
 
-    monkeypatch.setattr(sft, "WIDTH_BUCKETS", True)
+    monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", True)
     trainer = _sft_trainer(tmp_path, _rows_of([20, 17, 9]))
     rows = _prepared(trainer)
     batches = {
@@ -238,9 +241,9 @@ def test_packed_and_padding_free_batches_are_left_alone(tmp_path, monkeypatch):
     locked("trl")
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from strop.kernels.trainers import sft
+    from strop.kernels.trainers import shared_prompt
 
-    monkeypatch.setattr(sft, "WIDTH_BUCKETS", True)
+    monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", True)
     trainer = _sft_trainer(tmp_path, _rows_of([20, 17, 9, 13]), packing=True, max_length=40)
     ours = trainer.data_collator
     assert ours.padding_free, "TRL packs padding-free"
@@ -254,11 +257,11 @@ def test_packed_and_padding_free_batches_are_left_alone(tmp_path, monkeypatch):
 def test_width_buckets_auto_is_off_off_cuda(tmp_path, monkeypatch):
     """``WIDTH_BUCKETS = None`` buckets only where cuDNN's SDPA may run: not on the CPU."""
     locked("trl")
-    from strop.kernels.trainers import sft
+    from strop.kernels.trainers import shared_prompt
 
-    monkeypatch.setattr(sft, "WIDTH_BUCKETS", None)
+    monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", None)
     trainer = _sft_trainer(tmp_path, _rows_of([20, 17, 9]))
-    assert not sft._width_buckets(trainer)
+    assert not width_buckets(trainer)
     assert trainer.data_collator(_prepared(trainer))["input_ids"].shape[1] == 20
 
 
@@ -272,13 +275,13 @@ def test_width_buckets_auto_on_cuda_and_the_bucketed_batch_trains_within_bf16_ro
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from strop.kernels.models import patch_model
-    from strop.kernels.trainers import sft
+    from strop.kernels.trainers import shared_prompt
 
     if not torch.backends.cuda.cudnn_sdp_enabled():
         pytest.skip("cuDNN's SDPA is disabled here")
-    monkeypatch.setattr(sft, "WIDTH_BUCKETS", None)
+    monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", None)
     trainer = _sft_trainer(tmp_path, _rows_of([100, 83, 41]), cuda=True)
-    assert sft._width_buckets(trainer), "CUDA, bf16, cuDNN's SDPA, sdpa attention: on"
+    assert width_buckets(trainer), "CUDA, bf16, cuDNN's SDPA, sdpa attention: on"
     rows = _prepared(trainer)
     bucketed = trainer.data_collator(rows)
     plain = DataCollatorForLanguageModeling(pad_token_id=trainer.data_collator.pad_token_id)(rows)
