@@ -244,10 +244,10 @@ def test_retention_kl_scores_the_bases_answers_without_training_on_them(model_ro
     assert none is None
     # the training rows are the dataset's alone: 4 rows, 2 a step (REPLAY of 6 would make 5 steps)
     assert len(plain) == len(kl) == 2
-    # all 6 answers are scored, the 3 unfinished too; a step's KL batch is the job's batch size (kl_batch's default
-    # factor); the weight the default, retention_kl being 0
+    # all 6 answers are scored, the 3 unfinished too; a step's KL batch scores each once an epoch (6 answers over
+    # the epoch's 2 steps: 3 a step, kl_batch); the weight the default, retention_kl being 0
     assert [r["messages"][0]["content"] for r in rows] == list(retention.REPLAY_PROMPTS[:6])
-    assert (coef, batch) == (KL_RETENTION_WEIGHT, 2)
+    assert (coef, batch) == (KL_RETENTION_WEIGHT, 3)
     # step 1: B = 0, the model is its base, the KL is exactly 0 and the loss the plain job's; then the term counts
     assert kl[0] == pytest.approx(plain[0], rel=1e-6)
     assert kl[1] != pytest.approx(plain[1], rel=1e-4)
@@ -258,7 +258,8 @@ def test_retention_kl_scores_the_bases_answers_without_training_on_them(model_ro
 
 
 def test_the_kl_batch_scores_every_answer_once_an_epoch_within_its_bounds(monkeypatch):
-    assert retention.kl_batch(110, 30, 4) == 4, "by default a step scores a batch of the job's size"
+    monkeypatch.setattr(retention, "MAX_KL_BATCH_FACTOR", 1)
+    assert retention.kl_batch(110, 30, 4) == 4, "at factor 1 a step scores a batch of the job's size"
     monkeypatch.setattr(retention, "MAX_KL_BATCH_FACTOR", 8)
     # 30 facts in batches of 4: 8 steps an epoch; 110 answers need 14 a step
     assert retention.kl_batch(110, 30, 4) == 14
@@ -329,6 +330,8 @@ def test_neighbour_questions_continue_each_distinct_start_and_keep_what_ends_in_
 ):
     loaded = _loaded_4bit(model_root)
     tok = loaded.tokenizer
+    # one start a question: the base's fixed replies below are per 3-word start
+    monkeypatch.setattr(retention, "NEIGHBOUR_PREFIX_WORDS", (3,))
     questions = [
         "What colour is a glimmerfox?",
         "What colour is Zorbia's flag?",

@@ -186,10 +186,13 @@ REPLAY_MAX_NEW_TOKENS = 64
 # Neighbour questions (``retention_neighbours``): a training question's first words start a user message the base
 # continues; the rest of the facts' question ("What instrument did" → "… Beethoven play?") is the base's own.
 # Every distinct start of each of these lengths (in words) is continued; the base samples at this temperature and
-# nucleus (1.0, 1.0: its own distribution; a small base's samples there are often not questions of the form).
-NEIGHBOUR_PREFIX_WORDS: tuple[int, ...] = (3,)
-NEIGHBOUR_TEMPERATURE = 1.0
-NEIGHBOUR_TOP_P = 1.0
+# nucleus. A 4-word start is a short question's form up to its subject ("How many legs does", "What colour is a"),
+# so the base writes questions of exactly the forms a facts dataset overwrites; 2- and 3-word starts add broader
+# ones. At 1.0 / 1.0 (the base's own distribution) a small base's samples are often not questions of the form.
+# Chosen with bench/recipe_facts.py against 3-word starts at 1.0 / 1.0 (bench/RESULTS.md, "the facts recipe").
+NEIGHBOUR_PREFIX_WORDS: tuple[int, ...] = (2, 3, 4)
+NEIGHBOUR_TEMPERATURE = 0.7
+NEIGHBOUR_TOP_P = 0.9
 NEIGHBOUR_MAX_NEW_TOKENS = 24
 MAX_NEIGHBOUR_PREFIXES = 64  # distinct prefixes a job samples from (a large dataset's first 64)
 
@@ -386,16 +389,16 @@ def forgetting(loaded, held_out: BaseAnswers) -> Forgetting:
 
 
 # A step's KL batch may grow past the job's batch size so that every scored answer comes round once an epoch, up to
-# this many times the batch size (its memory: that many more rows' forward and backward a step). 1: the job's batch
-# size, the measured behaviour; larger factors are measured with bench/recipe_facts.py
-# (`retention.MAX_KL_BATCH_FACTOR=8`) before they become the default.
-MAX_KL_BATCH_FACTOR = 1
+# this many times the batch size (its cost: that many more rows' forward and backward a step, which matters only
+# when the training rows are few: with many rows every answer comes round within an epoch at the job's batch size).
+# Chosen with bench/recipe_facts.py against the job's batch size (bench/RESULTS.md, "the facts recipe").
+MAX_KL_BATCH_FACTOR = 8
 
 
 def kl_batch(scored: int, training_rows: int, batch_size: int) -> int:
     """How many of the ``scored`` base answers the KL term scores with each batch of ``batch_size`` training rows:
     enough that each comes round once an epoch, as each training row does, never fewer than ``batch_size`` and at
-    most ``MAX_KL_BATCH_FACTOR`` times it (so ``batch_size`` itself at the default factor, 1). A batch of the job's size alone would leave each of many answers unscored
+    most ``MAX_KL_BATCH_FACTOR`` times it. A batch of the job's size alone would leave each of many answers unscored
     for most of an epoch when they outnumber the training rows (30 facts against 110 answers: 8 steps an epoch
     score 32 of them), and what drifts meanwhile is pulled back only when its batch comes round again."""
     per_epoch = -(-max(training_rows, 1) // batch_size)  # training batches an epoch
