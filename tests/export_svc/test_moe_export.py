@@ -15,6 +15,7 @@ room and is still far below what a wrong expert slice moves (a whole expert's de
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from strop.common.export_types import (
     ExportResult,
     ExportTarget,
     ExportTargetKind,
-    VerifyOptions,
 )
 from strop.export_svc.core.pipeline import run_export
 
@@ -239,26 +239,25 @@ def test_a_qwen3_moe_without_top_k_renormalization_is_refused_as_gguf():
 
 # K-quants pack rows in 256-wide super-blocks: hidden and expert intermediate 256, so nothing falls back
 WIDE = dict(hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
-# the text the K-quant tests' adapter is trained on (SFT on raw text), split where the gate's probe asks
-QUESTION, ANSWER = "the quick brown fox jumps over", " the lazy dog, and the dog sleeps on."
-# the trainer's optimizer at 1e-2 until the fixture has learnt the text: the gate's probe (teacher-forced top-1 on
-# the answer ≥ 0.95 from the Q4_K_M file) needs the model as trained to give the answer itself
-SFT_STEPS, SFT_LR = 80, 1e-2
-# how much larger Q4_K_M's error on a log-prob may be for the trained model (or one lacking part of its adapter) than
-# for the base: the same quantizer, shapes and weight scale; what differs is how sure each model is of the text, which
-# sets how far a logit's error moves a log-prob
-QUANT_ERROR_ROOM = 4.0
+# the text the K-quant tests' adapter is trained on (SFT on raw text)
+TRAINED_TEXT = "the quick brown fox jumps over the lazy dog, and the dog sleeps on."
+# a few steps of the trainer's optimizer: enough for the adapter and each of its parts to move the text's log-probs
+# far beyond Q4_K_M's error (asserted), few enough that the trained weights are the same on any CPU up to rounding
+# (Adam's later steps amplify rounding differences into different trajectories)
+SFT_STEPS, SFT_LR = 12, 1e-2
 
 
 @dataclass
 class KQuantExports:
-    """A 256-wide base's Q4_K_M, an adapter trained on it by the trainer's SFT engine, its Q4_K_M merged through the
-    export's path, and the trained text's next-token log-probs (``logprobs``) of the fp32 models the files are judged
+    """A 256-wide base's Q4_K_M; an adapter trained on it by the trainer's SFT engine, merged and quantized to Q4_K_M
+    through the export's path; the same with the adapter's expert pairs zeroed (what a merge that missed them would
+    write); and the trained text's next-token log-probs (``logprobs``) of the fp32 models the files are judged
     against: the model as trained (the trainer's session, the adapter unmerged), the base, and the model as trained
     without its expert pairs or without its attention pairs."""
 
     base: ExportResult
     trained: ExportResult
+    no_experts: ExportResult
     store: ArtifactStore
     ids: list[int]
     logprobs: dict[str, np.ndarray]
@@ -279,9 +278,36 @@ def next_token_logprobs(logits, ids: list[int]) -> np.ndarray:
     return lp.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).numpy()
 
 
+def _pair_groups(model) -> dict[str, list[torch.nn.Parameter]]:
+    """The session's LoRA B factors by the part of the adapter left out when they are zeroed."""
+    b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    groups = {
+        "without the expert pairs": [n for n in b if ".experts." in n],
+        "without the attention pairs": [n for n in b if ".self_attn." in n],
+    }
+    assert sorted(n for names in groups.values() for n in names) == sorted(b) and all(groups.values()), (
+        sorted(b)
+    )
+    return {label: [b[n] for n in names] for label, names in groups.items()}
+
+
+@contextmanager
+def _zeroed(params: list[torch.nn.Parameter]):
+    kept = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.zero_()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, k in zip(params, kept, strict=True):
+                p.copy_(k)
+
+
 def _sft_session_logprobs(loaded, ids: list[int]) -> dict[str, np.ndarray]:
-    """The session's log-probs on ``ids`` as trained, with its adapter disabled, and with the B factors of one group
-    of pairs zeroed (restored after)."""
+    """The session's log-probs on ``ids`` as trained, with its adapter disabled, and with each group of B factors
+    zeroed (restored after)."""
     model = loaded.model.eval()
 
     def run() -> np.ndarray:
@@ -291,29 +317,16 @@ def _sft_session_logprobs(loaded, ids: list[int]) -> dict[str, np.ndarray]:
     out = {"as trained": run()}
     with model.disable_adapter():
         out["base"] = run()
-    b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
-    groups = {
-        "without the expert pairs": [n for n in b if ".experts." in n],
-        "without the attention pairs": [n for n in b if ".self_attn." in n],
-    }
-    assert sorted(n for names in groups.values() for n in names) == sorted(b) and all(groups.values()), (
-        sorted(b)
-    )
-    for label, names in groups.items():
-        kept = {n: b[n].detach().clone() for n in names}
-        with torch.no_grad():
-            for n in names:
-                b[n].zero_()
+    for label, params in _pair_groups(model).items():
+        with _zeroed(params):
             out[label] = run()
-            for n in names:
-                b[n].copy_(kept[n])
     return out
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def k_quant(request, moe_models, tmp_path_factory) -> KQuantExports:
     """``KQuantExports`` of one arch: the trainer's own path (load, LoRA on attention and every expert's gate/up/down,
-    ``run_training`` SFT on QUESTION + ANSWER, ``write_adapter``), then ExportRequests as a user's."""
+    ``run_training`` SFT on TRAINED_TEXT, ``write_adapter``), then ExportRequests as a user's."""
     from strop.common.trainer_types import (
         DatasetFormat,
         LoadModelRequest,
@@ -341,11 +354,11 @@ def k_quant(request, moe_models, tmp_path_factory) -> KQuantExports:
     )
     try:
         attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
-        rows = [{"text": QUESTION + ANSWER}] * 4
+        rows = [{"text": TRAINED_TEXT}] * 4
         cfg = TrainConfig(
             method=TrainMethod.SFT,
             max_steps=SFT_STEPS,
-            batch_size=2,
+            batch_size=1,
             learning_rate=SFT_LR,
             lr_scheduler="constant",
             max_length=64,
@@ -360,9 +373,12 @@ def k_quant(request, moe_models, tmp_path_factory) -> KQuantExports:
             loaded, rows, DatasetFormat.TEXT, cfg, work, training.JobControl(), sinks
         )
         assert steps == SFT_STEPS
-        ids = loaded.tokenizer(QUESTION + ANSWER)["input_ids"]
+        ids = loaded.tokenizer(TRAINED_TEXT)["input_ids"]
         logprobs = _sft_session_logprobs(loaded, ids)
         write_adapter(loaded, moe_models / f"{name}-sft-lora")
+        # the negative control: the same adapter without its expert pairs, written as the trainer writes it
+        with _zeroed(_pair_groups(loaded.model)["without the expert pairs"]):
+            write_adapter(loaded, moe_models / f"{name}-sft-lora-no-experts")
     finally:
         release(loaded)
     from safetensors import safe_open
@@ -373,13 +389,16 @@ def k_quant(request, moe_models, tmp_path_factory) -> KQuantExports:
         pairs = expert_pairs(f.keys())
     assert len(pairs) == 2 * WIDE["num_layers"], pairs  # each layer's gate/up stack and its down stack
     req = ExportRequest(
-        targets=[ExportTarget.gguf("Q4_K_M")],
-        adapter_path=f"{name}-sft-lora",
-        base_model_path=name,
-        verify=VerifyOptions(question=QUESTION, answer=ANSWER, raw_question=True),
+        targets=[ExportTarget.gguf("Q4_K_M")], adapter_path=f"{name}-sft-lora", base_model_path=name
     )
     (trained,) = run_export(req, model_root=moe_models, store=store)
-    return KQuantExports(base, trained, store, ids, logprobs)
+    req = ExportRequest(
+        targets=[ExportTarget.gguf("Q4_K_M")],
+        adapter_path=f"{name}-sft-lora-no-experts",
+        base_model_path=name,
+    )
+    (no_experts,) = run_export(req, model_root=moe_models, store=store)
+    return KQuantExports(base, trained, no_experts, store, ids, logprobs)
 
 
 def test_a_q4_k_m_gguf_of_an_moe_quantizes_the_expert_tensors_without_fallback(k_quant):
@@ -396,32 +415,44 @@ def test_a_q4_k_m_gguf_of_an_moe_quantizes_the_expert_tensors_without_fallback(k
 
 def test_a_q4_k_m_gguf_of_a_trained_moe_adapter_is_the_model_as_trained_not_the_base(k_quant):
     """The trained adapter (attention and every expert's gate/up/down) merged and quantized to Q4_K_M is the model as
-    trained, in llama.cpp: judged on the trained text's next-token log-probs, by mean |Δ log p| (a norm, so the
-    triangle inequality holds).
+    trained, in llama.cpp: judged on the trained text's next-token log-probs by the distance d(a, b) = mean |Δ log p|
+    (a norm: the triangle inequality holds).
 
-    Bounds. ε_b: Q4_K_M's own error, the base's file against the base in fp32. Each model here quantizes to within
-    K · ε_b of itself (K: QUANT_ERROR_ROOM). A file that lacked a part X of the adapter (all of it, the expert pairs,
-    the attention pairs) would be the quantized model without X: within K · ε_b of that model, so at least
-    gap_X − K · ε_b from the model as trained, where gap_X is how far X moves the fp32 model's log-probs. That is more
-    than K · ε_b when gap_X > 2K · ε_b, which is how large the adapter's effect must be to be seen above the
-    quantizer's error (asserted first); then the trained file's distance d_t from the model as trained ≤ K · ε_b
-    rules every such file out. The gate passes with the trained answer as its probe (teacher-forced top-1 ≥ 0.95 on
-    the answer from the Q4_K_M file, llama.cpp's tokenization equal to transformers')."""
-    from strop.export_svc.core.verify import LOSSY_ANSWER_TOP1
-
+    Bounds. A file is the quantized form of the model nearest to it. For the trained file q: d_t = d(q, as trained);
+    for X, a part of the adapter (all of it, the expert pairs, the attention pairs), gap_X = d(as trained, without X)
+    and d_X = d(q, without X). If q were the quantized model without X, its error ε_X = d_X, and d_t ≥ gap_X − ε_X:
+    nearer the model as trained (d_t < d_X) only if gap_X < 2 · ε_X. So "d_t < d_X" tells the two apart whenever the
+    adapter's part moves the log-probs by more than twice the quantizer's error. That error is measured on three
+    models: ε_b (the base's file against the base, llama.cpp's quantizer without any adapter), d_t, and the file of
+    the adapter with its expert pairs zeroed against its own model (the negative control, exported the same way);
+    for the base and the expert pairs (the MoE part) gap_X > 4 · their largest is asserted: twice what the rule needs.
+    The attention pairs (the dense path's, whose K-quants test_trained_answer judges) are held to the rule alone. The
+    negative control itself is told apart: it is nearer the model without its expert pairs than the model as trained.
+    The gate (tokens and finite figures for a K-quant without a probe) passes for every file."""
     lp = k_quant.logprobs
-    eps_b = float(np.abs(k_quant.gguf_logprobs(k_quant.base) - lp["base"]).mean())
-    k = QUANT_ERROR_ROOM
+
+    def d(q, label):
+        return float(np.abs(q - lp[label]).mean())
+
     q = k_quant.gguf_logprobs(k_quant.trained)
-    d_t = float(np.abs(q - lp["as trained"]).mean())
+    q_base = k_quant.gguf_logprobs(k_quant.base)
+    q_x = k_quant.gguf_logprobs(k_quant.no_experts)
+    d_t = d(q, "as trained")
+    eps = {
+        "base": d(q_base, "base"),
+        "as trained": d_t,
+        "without the expert pairs": d(q_x, "without the expert pairs"),
+    }
+    eps_q = max(eps.values())
     for label in ("base", "without the expert pairs", "without the attention pairs"):
-        gap = float(np.abs(lp["as trained"] - lp[label]).mean())
-        assert gap > 2 * k * eps_b, (
-            f"as trained vs {label}: log p moves by {gap:.3g}, not > 2K·ε_b = {2 * k * eps_b:.3g}"
+        gap = d(lp["as trained"], label)
+        if label != "without the attention pairs":
+            assert gap > 4 * eps_q, (
+                f"as trained vs {label}: log p moves by {gap:.3g}, not > 4·{eps_q:.3g} ({eps})"
+            )
+        assert d_t < d(q, label), (
+            f"the file is nearer the model {label} ({d(q, label):.3g}) than as trained ({d_t:.3g})"
         )
-        d_x = float(np.abs(q - lp[label]).mean())
-        assert d_t < d_x, f"the file is nearer the model {label} ({d_x:.3g}) than as trained ({d_t:.3g})"
-    assert eps_b > 0 and d_t <= k * eps_b, (d_t, eps_b)
-    v = k_quant.trained.verification
-    assert v.passed and v.answer_checked and v.answer_top1_agreement >= LOSSY_ANSWER_TOP1, v
-    assert v.tokens_match, v.token_mismatches
+    assert eps["without the expert pairs"] < d(q_x, "as trained"), "the negative control is told apart"
+    for r in (k_quant.base, k_quant.trained, k_quant.no_experts):
+        assert r.verification.passed and r.verification.tokens_match, r.verification
