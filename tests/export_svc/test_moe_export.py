@@ -327,6 +327,8 @@ def _sft_session_logprobs(loaded, ids: list[int]) -> dict[str, np.ndarray]:
 def k_quant(request, moe_models, tmp_path_factory) -> KQuantExports:
     """``KQuantExports`` of one arch: the trainer's own path (load, LoRA on attention and every expert's gate/up/down,
     ``run_training`` SFT on TRAINED_TEXT, ``write_adapter``), then ExportRequests as a user's."""
+    from safetensors import safe_open
+
     from strop.common.trainer_types import (
         DatasetFormat,
         LoadModelRequest,
@@ -335,6 +337,7 @@ def k_quant(request, moe_models, tmp_path_factory) -> KQuantExports:
         TrainConfig,
         TrainMethod,
     )
+    from strop.export_svc.core.moe import expert_pairs
     from strop.fixtures.tiny_models import TinyShape, make_tiny_model
     from strop.trainer_svc.core import training
     from strop.trainer_svc.core.job_config import with_defaults
@@ -381,10 +384,6 @@ def k_quant(request, moe_models, tmp_path_factory) -> KQuantExports:
             write_adapter(loaded, moe_models / f"{name}-sft-lora-no-experts")
     finally:
         release(loaded)
-    from safetensors import safe_open
-
-    from strop.export_svc.core.moe import expert_pairs
-
     with safe_open(str(moe_models / f"{name}-sft-lora" / "adapter_model.safetensors"), "pt") as f:
         pairs = expert_pairs(f.keys())
     assert len(pairs) == 2 * WIDE["num_layers"], pairs  # each layer's gate/up stack and its down stack
