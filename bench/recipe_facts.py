@@ -407,28 +407,33 @@ def adapter_scaled(loaded, scale: float) -> None:
                 module.set_scale(name, scale)
 
 
+def snapshot(loaded, base_eval: dict, label: str, **fields) -> dict:
+    """The adapted model as it stands: the facts it answers exactly, the base's right general answers it keeps (and
+    its answers), and its leads on the base's answers (``base_margins``); one progress line."""
+    base_right = [i for i, a in enumerate(base_eval["general_answers"]) if right(a, GENERAL[i][1])]
+    ev = evaluate(loaded, disable_adapter=False)
+    out = {
+        **fields,
+        "facts": sum(ev["facts"]),
+        "general_kept": sum(right(ev["general_answers"][i], GENERAL[i][1]) for i in base_right),
+        "general_answers": ev["general_answers"],
+        "margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
+    }
+    print(
+        f"  {label}: facts {out['facts']}, general kept {out['general_kept']}/{len(base_right)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return out
+
+
 def scaled_evaluations(loaded, base_eval: dict, scales: list[float]) -> list[dict]:
     """The trained adapter evaluated at each of ``scales`` (``adapter_scaled``), then set back to 1."""
-    base_right = [i for i, a in enumerate(base_eval["general_answers"]) if right(a, GENERAL[i][1])]
     out = []
     try:
         for scale in scales:
             adapter_scaled(loaded, scale)
-            ev = evaluate(loaded, disable_adapter=False)
-            out.append(
-                {
-                    "scale": scale,
-                    "facts": sum(ev["facts"]),
-                    "general_kept": sum(right(ev["general_answers"][i], GENERAL[i][1]) for i in base_right),
-                    "general_answers": ev["general_answers"],
-                    "margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
-                }
-            )
-            print(
-                f"  scale {scale:g}: facts {out[-1]['facts']}, general kept {out[-1]['general_kept']}/{len(base_right)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            out.append(snapshot(loaded, base_eval, f"scale {scale:g}", scale=scale))
     finally:
         adapter_scaled(loaded, 1.0)
     return out
@@ -459,29 +464,13 @@ def run(
     steps: list = []
     traced: list = []
     per_epoch = -(-len(FACTS) // cfg.batch_size)
-    base_right = [i for i, a in enumerate(base_eval["general_answers"]) if right(a, GENERAL[i][1])]
 
     def on_step(m) -> None:
         steps.append(m)
         if m.step % 10 == 0:
             print(f"  step {m.step}/{m.total_steps} loss {m.loss:.3f}", file=sys.stderr, flush=True)
         if trace and m.step % per_epoch == 0:  # the model as it stands after each epoch
-            ev = evaluate(loaded, disable_adapter=False)
-            traced.append(
-                {
-                    "step": m.step,
-                    "loss": m.loss,
-                    "facts": sum(ev["facts"]),
-                    "general_kept": sum(right(ev["general_answers"][i], GENERAL[i][1]) for i in base_right),
-                    "general_answers": ev["general_answers"],
-                    "margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
-                }
-            )
-            print(
-                f"  trace step {m.step}: facts {traced[-1]['facts']}, general kept {traced[-1]['general_kept']}",
-                file=sys.stderr,
-                flush=True,
-            )
+            traced.append(snapshot(loaded, base_eval, f"trace step {m.step}", step=m.step, loss=m.loss))
 
     sinks = training.Sinks(
         on_step=on_step,
