@@ -172,6 +172,13 @@ def _add_train(sub) -> None:
         help="kl: for each distinct start of the dataset's questions, this many questions of that form the base "
         "writes and answers, scored by the KL term too; 0: none",
     )
+    p.add_argument(
+        "--adapter-scale",
+        type=float,
+        default=0.0,
+        help="the final adapter interpolated toward the base: every LoRA B factor times this (0-1) once training "
+        "ends; 0: 1, as trained",
+    )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     held = p.add_mutually_exclusive_group()
     held.add_argument(
@@ -327,6 +334,7 @@ def _cmd_train(a) -> int:
         retention_rows=a.retention_rows,
         retention_kl=a.retention_kl,
         retention_neighbours=a.retention_neighbours,
+        adapter_scale=a.adapter_scale,
         eval_every_steps=a.eval_every,
         eval_rows=a.eval_rows,
         eval_batch_size=a.eval_batch_size,

@@ -396,6 +396,9 @@ class TrainConfig:
     # KL: for each distinct start of the training questions (their first words), this many questions of that form
     # the base writes and answers, scored by the KL term with the replay prompts' answers (0: none)
     retention_neighbours: int = 0
+    # the job's final adapter interpolated toward the base: every LoRA B factor times this, once training ends
+    # (0: 1, the adapter as trained); checkpoints stay as trained, so a resumed job continues the same run
+    adapter_scale: float = 0.0
     # validation (a job's validation dataset; docs/validation.md): evaluate every N steps (0: once training ends)
     eval_every_steps: int = 0
     keep_best_checkpoint: bool = False  # the job's adapter is the evaluated checkpoint of least valid_loss

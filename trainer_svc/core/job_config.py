@@ -197,6 +197,15 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
             f"retention_kl must be a finite number >= 0, got {c.retention_kl}",
         ),
         (
+            math.isfinite(c.adapter_scale) and 0 <= c.adapter_scale <= 1,
+            f"adapter_scale must be in 0..1 (0: the adapter as trained), got {c.adapter_scale}",
+        ),
+        (
+            not (c.adapter_scale and c.keep_best_checkpoint),
+            "adapter_scale interpolates the adapter a run ends with; keep_best_checkpoint publishes a checkpoint "
+            "instead: ask for one of them",
+        ),
+        (
             0 <= c.retention_neighbours <= MAX_RETENTION_NEIGHBOURS,
             f"retention_neighbours must be in 0..{MAX_RETENTION_NEIGHBOURS}, got {c.retention_neighbours}",
         ),

@@ -379,6 +379,8 @@ class Jobs:
                         validation=held_out,
                         graders=graders,
                     )
+                    if control.stop is None:
+                        training.scale_adapter(sess.loaded, cfg.adapter_scale)
                     adapter = self.sessions.publish_adapter(
                         sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}
                     )

@@ -786,6 +786,32 @@ def _first_user_text(row: dict) -> str:
     return ""
 
 
+def scale_adapter(loaded: LoadedModel, scale: float) -> int:
+    """Multiply every LoRA B factor of the session's active adapter by ``scale`` in place: the adapted model becomes
+    W + scale · ΔW layer by layer (ΔW = s·B·A is linear in B), the base interpolated toward the fine-tuned model as
+    in weight-space ensembling (WiSE-FT, Wortsman et al., CVPR 2022), without a change of alpha that an exporter or
+    a server would have to carry. ``scale`` 0 or 1: the adapter as trained. Returns how many factors were scaled."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    count = 0
+    if not 0 < scale < 1:
+        return count
+    with torch.no_grad():
+        for module in loaded.model.modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            for name in module.active_adapters:
+                if name in module.lora_B:
+                    module.lora_B[name].weight.mul_(scale)
+                    count += 1
+                if name in getattr(module, "lora_embedding_B", {}):
+                    module.lora_embedding_B[name].mul_(scale)
+                    count += 1
+    log.info("adapter interpolated toward the base: %d LoRA B factors x %g", count, scale)
+    return count
+
+
 def run_training(
     loaded: LoadedModel,
     rows: list[dict],
@@ -844,6 +870,10 @@ def run_training(
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         events.wait()  # every step event stored (or its write's error raised) before the job's next events
         step = int(trainer.state.global_step)
+        if (
+            control.stop is None
+        ):  # a completed run's adapter (a cancelled one stays as trained, like its checkpoint)
+            scale_adapter(loaded, cfg.adapter_scale)
         if held_out is not None and sinks.on_retention is not None:
             f = retention.forgetting(loaded, held_out)
             log.info("forgetting metric: %d of %d held-out base answers kept", f.kept, f.held_out)

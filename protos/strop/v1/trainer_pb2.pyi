@@ -396,7 +396,7 @@ class ListDatasetsResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma", "parallelism", "num_nodes", "retention", "retention_rows", "retention_kl", "retention_neighbours", "eval_every_steps", "keep_best_checkpoint", "eval_batch_size", "eval_rows", "grpo")
+    __slots__ = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "warmup_steps", "max_steps", "num_epochs", "batch_size", "gradient_accumulation_steps", "max_length", "packing", "completion_only_loss", "optimizer", "weight_decay", "max_grad_norm", "dpo_beta", "dpo_loss_type", "checkpoint_every_steps", "seed", "gradient_checkpointing", "max_prompt_length", "dpo_reference", "memory_budget_gib", "memory_mode", "loss_on_all_tokens", "num_devices", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "simpo_beta", "simpo_gamma", "parallelism", "num_nodes", "retention", "retention_rows", "retention_kl", "retention_neighbours", "adapter_scale", "eval_every_steps", "keep_best_checkpoint", "eval_batch_size", "eval_rows", "grpo")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -435,6 +435,7 @@ class TrainConfig(_message.Message):
     RETENTION_ROWS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_KL_FIELD_NUMBER: _ClassVar[int]
     RETENTION_NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SCALE_FIELD_NUMBER: _ClassVar[int]
     EVAL_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     KEEP_BEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     EVAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -478,12 +479,13 @@ class TrainConfig(_message.Message):
     retention_rows: int
     retention_kl: float
     retention_neighbours: int
+    adapter_scale: float
     eval_every_steps: int
     keep_best_checkpoint: bool
     eval_batch_size: int
     eval_rows: int
     grpo: GrpoConfig
-    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., retention_rows: _Optional[int] = ..., retention_kl: _Optional[float] = ..., retention_neighbours: _Optional[int] = ..., eval_every_steps: _Optional[int] = ..., keep_best_checkpoint: _Optional[bool] = ..., eval_batch_size: _Optional[int] = ..., eval_rows: _Optional[int] = ..., grpo: _Optional[_Union[GrpoConfig, _Mapping]] = ...) -> None: ...
+    def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., retention_rows: _Optional[int] = ..., retention_kl: _Optional[float] = ..., retention_neighbours: _Optional[int] = ..., adapter_scale: _Optional[float] = ..., eval_every_steps: _Optional[int] = ..., keep_best_checkpoint: _Optional[bool] = ..., eval_batch_size: _Optional[int] = ..., eval_rows: _Optional[int] = ..., grpo: _Optional[_Union[GrpoConfig, _Mapping]] = ...) -> None: ...
 
 class RetentionMetrics(_message.Message):
     __slots__ = ("step", "held_out", "kept", "token_agreement", "mean_nll", "replay_rows")
