@@ -803,7 +803,10 @@ def scale_adapter(loaded: LoadedModel, scale: float) -> int:
                 continue
             for name in module.active_adapters:
                 if name in module.lora_B:
-                    module.lora_B[name].weight.mul_(scale)
+                    b = module.lora_B[name]
+                    b.weight.mul_(scale)
+                    if b.bias is not None:  # PEFT's lora_bias: part of the B product's output
+                        b.bias.mul_(scale)
                     count += 1
                 if name in getattr(module, "lora_embedding_B", {}):
                     module.lora_embedding_B[name].mul_(scale)
