@@ -609,8 +609,9 @@ def table(paths: list[str]) -> str:
     out = [
         "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
         f"| of the first {FIRST_GENERAL} | of those the base answers by ≥ {MARGIN_NATS:g} nat "
-        "| lead on them, nats (base → trained) | forgetting metric (held-out, word for word) | train s |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|",
+        "| lead on them, nats (base → trained) | forgetting metric (held-out, word for word) | train s "
+        "| after each epoch (facts, kept) | scaled toward the base (scale: facts, kept) |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|---|---|",
     ]
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -634,6 +635,11 @@ def table(paths: list[str]) -> str:
                     sum(ms[i] for i in base) / max(len(base), 1) for ms in (margins, r["trained_margins"])
                 )
                 lead = f"{before:.2f} → {after:.2f}"
+            epochs = " ".join(f"{t['facts']},{t['general_kept']}" for t in r.get("trace", [])) or "-"
+            scaled = (
+                "; ".join(f"{x['scale']:g}: {x['facts']}, {x['general_kept']}" for x in r.get("scaled", []))
+                or "-"
+            )
             ev = r["forgetting_events"][0] if r["forgetting_events"] else None
             metric = f"{ev['kept']}/{ev['held_out']}, tokens {ev['token_agreement']:.2f}" if ev else "-"
             retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
@@ -650,7 +656,8 @@ def table(paths: list[str]) -> str:
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
-                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} |"
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
+                f"| {epochs} | {scaled} |"
             )
     return "\n".join(out)
 
