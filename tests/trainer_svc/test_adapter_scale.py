@@ -61,6 +61,12 @@ def test_an_adapter_scale_with_keep_best_checkpoint_is_refused():
     )
     with pytest.raises(InvalidArgument, match="adapter_scale interpolates"):
         job_config.with_defaults(cfg, session_max_len=64)
+    kept = TrainConfig(
+        method=TrainMethod.SFT, adapter_scale=1.0, keep_best_checkpoint=True, eval_every_steps=2
+    )
+    assert job_config.with_defaults(kept, session_max_len=64).adapter_scale == 1.0, (
+        "1 is the adapter as trained"
+    )
     for scale in (0.0, 0.5, 1.0):
         assert (
             job_config.with_defaults(
@@ -68,3 +74,30 @@ def test_an_adapter_scale_with_keep_best_checkpoint_is_refused():
             ).adapter_scale
             == scale
         )
+
+
+def test_a_fully_trained_module_copy_moves_the_same_fraction_toward_the_base():
+    """A module PEFT trains whole (``modules_to_save``: an MoE's router with ``train_router``) is interpolated as the
+    LoRA pairs are: base + scale · (trained − base)."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    model = get_peft_model(
+        net, PeftLoraConfig(r=2, lora_alpha=4, target_modules=["0"], modules_to_save=["1"])
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:  # as if trained: B away from its zero init, the copy away from the base
+                p.add_(torch.randn_like(p))
+    wrapper = model.base_model.model[1]
+    base = {n: p.detach().clone() for n, p in wrapper.original_module.named_parameters()}
+    trained = {n: p.detach().clone() for n, p in wrapper.modules_to_save["default"].named_parameters()}
+    b = model.base_model.model[0].lora_B["default"].weight.detach().clone()
+    assert training.scale_adapter(SimpleNamespace(model=model), 0.25) == 2
+    torch.testing.assert_close(model.base_model.model[0].lora_B["default"].weight, b * 0.25, rtol=0, atol=0)
+    for n, p in wrapper.modules_to_save["default"].named_parameters():
+        torch.testing.assert_close(p, base[n] + 0.25 * (trained[n] - base[n]), rtol=1e-6, atol=1e-6)

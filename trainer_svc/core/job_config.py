@@ -201,7 +201,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
             f"adapter_scale must be in 0..1 (0: the adapter as trained), got {c.adapter_scale}",
         ),
         (
-            not (c.adapter_scale and c.keep_best_checkpoint),
+            not (0 < c.adapter_scale < 1 and c.keep_best_checkpoint),
             "adapter_scale interpolates the adapter a run ends with; keep_best_checkpoint publishes a checkpoint "
             "instead: ask for one of them",
         ),

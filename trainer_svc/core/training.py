@@ -695,7 +695,9 @@ def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
     return installed
 
 
-def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, installed) -> None:
+def _admit_by_device_memory(
+    loaded: LoadedModel, cfg: TrainConfig, trainer, installed, kl: retention.ReplayKL | None = None
+) -> None:
     """On CUDA, refuse a job whose estimated step (``admission``) exceeds the device memory free for it; a
     budgeted mode (MAX_SPEED) plans its own recompute within its budget instead."""
     if not loaded.device.startswith("cuda") or MEMORY_MODES[cfg.memory_mode].budgeted_recompute:
@@ -715,6 +717,8 @@ def _admit_by_device_memory(loaded: LoadedModel, cfg: TrainConfig, trainer, inst
         kernels=loaded.facts.kernels_enabled,
         expert_lora=moe.expert_lora(loaded.model.config, loaded.lora),
         nf4_experts=moe.holds_nf4_experts(loaded.model),
+        kl_tokens=max((ids.numel() for ids, _, _ in kl.batches), default=0) if kl is not None else 0,
+        kl_cached_tokens=sum(int(scored.sum()) for _, _, scored in kl.batches) if kl is not None else 0,
     )
     est = admission.estimate(loaded.model.config, cfg, **shape)
     # a single-process job whose AdamW does not fit with its moments on the device may keep them in host memory
@@ -793,12 +797,27 @@ def scale_adapter(loaded: LoadedModel, scale: float) -> int:
     a server would have to carry. ``scale`` 0 or 1: the adapter as trained. Returns how many factors were scaled."""
     import torch
     from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
 
     count = 0
     if not 0 < scale < 1:
         return count
     with torch.no_grad():
         for module in loaded.model.modules():
+            if isinstance(
+                module, ModulesToSaveWrapper
+            ):  # a fully trained copy (an MoE's router): the same line
+                for name in module.active_adapters:
+                    if name in module.modules_to_save:
+                        pairs = zip(
+                            module.modules_to_save[name].parameters(),
+                            module.original_module.parameters(),
+                            strict=True,
+                        )
+                        for trained, base in pairs:
+                            trained.lerp_(base.to(trained.dtype), 1 - scale)
+                        count += 1
+                continue
             if not isinstance(module, LoraLayer):
                 continue
             for name in module.active_adapters:
@@ -864,12 +883,14 @@ def run_training(
         log.info("retention KL term: %d answers, %d a step, weight %g", len(scored), batch, weight)
         kl = retention.ReplayKL(scored, loaded.tokenizer, weight, batch, loaded.device)
         retention.add_replay_kl(trainer, kl)
+    else:
+        kl = None
     installed = None
     try:
         installed = _install_memory_mode(
             loaded, cfg, trainer
         )  # inside the try: a failed install is cleaned up
-        _admit_by_device_memory(loaded, cfg, trainer, installed)
+        _admit_by_device_memory(loaded, cfg, trainer, installed, kl)
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         events.wait()  # every step event stored (or its write's error raised) before the job's next events
         step = int(trainer.state.global_step)
