@@ -321,3 +321,24 @@ def test_the_moments_go_to_the_host_only_beside_what_the_memory_mode_may_offload
     assert room(n, 80 * n + 5, MEMORY_MODES[MemoryMode.LONG_CONTEXT])
     assert not room(n, 79 * n, MEMORY_MODES[MemoryMode.LONG_CONTEXT])
     assert room(n, 16 * n, MEMORY_MODES[MemoryMode.MAX_SPEED])  # offloads nothing
+
+
+def test_retentions_kl_batch_counts_as_rows_of_the_step_and_its_cached_base_states_as_held():
+    """The KL term's batch runs its forward and backward in the same step as the training rows (``retention``), so
+    its positions count as the rows' do; the base hidden states it keeps for its scored positions are held too."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8, vocab_size=1000
+    )
+    cfg = TrainConfig(method=TrainMethod.SFT, batch_size=4, max_length=100)
+    shape = dict(longest_row=100, n_trainable=1000, checkpointed=True, offloaded=False, kernels=False)
+    rows_only = admission.estimate(config, cfg, **shape)
+    more_rows = admission.estimate(
+        config, TrainConfig(method=TrainMethod.SFT, batch_size=36, max_length=100), **shape
+    )
+    with_kl = admission.estimate(config, cfg, kl_tokens=3200, **shape)
+    # 32 KL rows of 100 positions cost what 32 more training rows of 100 do (the logits' share included)
+    assert with_kl.tokens == more_rows.tokens == 3600 and with_kl.total == more_rows.total > rows_only.total
+    cached = admission.estimate(config, cfg, kl_tokens=3200, kl_cached_tokens=5000, **shape)
+    assert cached.total - with_kl.total == 5000 * 256 * 4, "fp32 states of the kept positions, at most"

@@ -94,10 +94,14 @@ def estimate(
     expert_lora: bool = False,
     nf4_experts: bool = False,
     host_adam_moments: bool = False,
+    kl_tokens: int = 0,
+    kl_cached_tokens: int = 0,
 ) -> Estimate:
     """The estimate of the module docstring for one step of ``cfg`` on a model of ``hf_config`` (``expert_lora``: a
     mixture of experts whose experts carry LoRA; ``nf4_experts``: whose experts are held in NF4;
-    ``host_adam_moments``: AdamW's moments held in host memory, :class:`HostAdamW`)."""
+    ``host_adam_moments``: AdamW's moments held in host memory, :class:`HostAdamW`; ``kl_tokens``: the positions of
+    retention's KL batch, whose forward and backward run in the same step as the rows'; ``kl_cached_tokens``: the
+    scored positions whose base hidden states the KL term keeps, fp32 at most)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     h, inter = int(text.hidden_size), int(text.intermediate_size)
     n_layers, vocab = int(text.num_hidden_layers), int(text.vocab_size)
@@ -106,7 +110,7 @@ def estimate(
     kv = int(getattr(text, "num_key_value_heads", None) or heads) * head_dim
     # preference methods: chosen and rejected (KTO: each row and its KL row, a mismatched completion)
     rows = cfg.batch_size * (1 if cfg.method is TrainMethod.SFT else 2)
-    t = rows * min(longest_row, cfg.max_length)
+    t = rows * min(longest_row, cfg.max_length) + kl_tokens
     a, b, c = (12, 4, 4) if kernels else (40, 8, 8)
     model_type = str(getattr(text, "model_type", ""))
     arch = arch_of(model_type)
@@ -145,7 +149,7 @@ def estimate(
         adapter_state = 4 * n_trainable + host_adamw_device_bytes()
     else:
         adapter_state = (6 if "8bit" in cfg.optimizer else 12) * n_trainable
-    return Estimate(t, adapter_state, layers + dequantized, logits)
+    return Estimate(t, adapter_state, layers + dequantized + 4 * h * kl_cached_tokens, logits)
 
 
 def longest_row(dataset) -> int:
