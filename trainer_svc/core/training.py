@@ -804,9 +804,8 @@ def scale_adapter(loaded: LoadedModel, scale: float) -> int:
         return count
     with torch.no_grad():
         for module in loaded.model.modules():
-            if isinstance(
-                module, ModulesToSaveWrapper
-            ):  # a fully trained copy (an MoE's router): the same line
+            # a module trained whole (an MoE's router with train_router) moves the same fraction toward its base
+            if isinstance(module, ModulesToSaveWrapper):
                 for name in module.active_adapters:
                     if name in module.modules_to_save:
                         pairs = zip(
