@@ -17,7 +17,9 @@ ROWS = [
 ]
 
 
-def _factors_after_a_job(model_root, work, scale: float) -> dict[str, torch.Tensor]:
+def _factors_after_a_job(
+    model_root, work, scale: float, control: training.JobControl | None = None
+) -> dict[str, torch.Tensor]:
     loaded = model_loading.load_model(
         LoadModelRequest(model_path="tiny-llama"), model_root=model_root, device="cpu"
     )
@@ -29,7 +31,9 @@ def _factors_after_a_job(model_root, work, scale: float) -> dict[str, torch.Tens
         session_max_len=64,
     )
     sinks = training.Sinks(lambda m: None, lambda step, path: None, lambda total: None)
-    training.run_training(loaded, ROWS, DatasetFormat.TEXT, cfg, work, training.JobControl(), sinks)
+    training.run_training(
+        loaded, ROWS, DatasetFormat.TEXT, cfg, work, control or training.JobControl(), sinks
+    )
     factors = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if ".lora_" in n}
     model_loading.release(loaded)
     return factors
@@ -47,6 +51,31 @@ def test_a_scaled_job_ends_with_every_b_factor_times_the_scale_and_the_a_factors
         # the same job on the same CPU: bitwise the same run; the scale is one multiplication of each B at its end
         want = value * 0.3 if ".lora_B." in name else value
         assert torch.equal(scaled[name], want), name
+
+
+def test_a_cancel_that_lands_while_the_adapter_is_scaled_is_too_late_to_change_how_the_job_ends(
+    model_root, tmp_path, monkeypatch
+):
+    """The job's outcome is read after the scale: a stop asked between the two must not make a CANCELLED job whose
+    published adapter is the scaled one (only a completed run's adapter is scaled)."""
+    control = training.JobControl()
+    real = training.scale_adapter
+
+    def racing(loaded, scale):
+        control.request_stop("cancel")  # the Cancel RPC lands after the last step, before the job's outcome
+        return real(loaded, scale)
+
+    monkeypatch.setattr(training, "scale_adapter", racing)
+    _factors_after_a_job(model_root, tmp_path, 0.3, control)
+    assert control.completed and control.stop is None, "the run completed: the job ends SUCCEEDED, scaled"
+
+
+def test_a_stop_asked_before_the_run_completes_is_kept_and_the_run_is_not_completed():
+    control = training.JobControl()
+    control.request_stop("cancel")
+    control.request_stop("interrupt")
+    assert not control.complete() and not control.completed
+    assert control.stop is not None and control.stop.reason == "cancel", "the first stop asked is the job's"
 
 
 @pytest.mark.parametrize("scale", [-0.1, 1.5, math.nan, math.inf])

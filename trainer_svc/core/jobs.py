@@ -379,7 +379,7 @@ class Jobs:
                         validation=held_out,
                         graders=graders,
                     )
-                    if control.stop is None:
+                    if control.complete():  # from here a cancel is too late: the job ends as it completed
                         training.scale_adapter(sess.loaded, cfg.adapter_scale)
                     adapter = self.sessions.publish_adapter(
                         sess, artifact_id=None, metadata={"job_id": job_id, "step": str(step)}

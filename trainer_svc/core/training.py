@@ -55,16 +55,24 @@ class StopRequest:
 
 
 class JobControl:
-    """Shared between the job thread and RPC threads: a stop flag read between steps."""
+    """Shared between the job thread and RPC threads: a stop flag read between steps, until the run completes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.stop: StopRequest | None = None
+        self.completed = False
 
     def request_stop(self, reason: str) -> None:
         with self._lock:
-            if self.stop is None:
+            if self.stop is None and not self.completed:
                 self.stop = StopRequest(reason)
+
+    def complete(self) -> bool:
+        """Latch a run that ended without a stop as completed: a stop asked from here on is too late to change what
+        the job ends with (its adapter, already final or scaled, and its SUCCEEDED). True when the run completed."""
+        with self._lock:
+            self.completed = self.stop is None
+            return self.completed
 
 
 @dataclass
@@ -893,9 +901,8 @@ def run_training(
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         events.wait()  # every step event stored (or its write's error raised) before the job's next events
         step = int(trainer.state.global_step)
-        if (
-            control.stop is None
-        ):  # a completed run's adapter (a cancelled one stays as trained, like its checkpoint)
+        # a completed run's adapter is scaled (a cancelled one stays as trained, like its checkpoint)
+        if control.complete():
             scale_adapter(loaded, cfg.adapter_scale)
         if held_out is not None and sinks.on_retention is not None:
             f = retention.forgetting(loaded, held_out)
