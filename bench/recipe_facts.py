@@ -469,8 +469,20 @@ def run(
         steps.append(m)
         if m.step % 10 == 0:
             print(f"  step {m.step}/{m.total_steps} loss {m.loss:.3f}", file=sys.stderr, flush=True)
-        if trace and m.step % per_epoch == 0:  # the model as it stands after each epoch
-            traced.append(snapshot(loaded, base_eval, f"trace step {m.step}", step=m.step, loss=m.loss))
+
+    from transformers import TrainerCallback
+
+    class Trace(TrainerCallback):
+        """The model as it stands after each epoch, evaluated in the training thread between two steps. (Not from
+        ``on_step``: the trainer runs step sinks on a writer thread, so an evaluation there would run while training
+        goes on, seeing a model mid-step: with the adapter disabled by the KL term's base pass, or switched to eval
+        mode under a step's forward and its checkpointed recompute.)"""
+
+        def on_step_end(self, args, state, control_, **kw):
+            if state.global_step % per_epoch == 0:
+                traced.append(
+                    snapshot(loaded, base_eval, f"trace step {state.global_step}", step=state.global_step)
+                )
 
     sinks = training.Sinks(
         on_step=on_step,
@@ -486,7 +498,14 @@ def run(
         tempfile.TemporaryDirectory() as work,
     ):
         training.run_training(
-            loaded, fact_rows(), DatasetFormat.MESSAGES, cfg, Path(work) / "w", training.JobControl(), sinks
+            loaded,
+            fact_rows(),
+            DatasetFormat.MESSAGES,
+            cfg,
+            Path(work) / "w",
+            training.JobControl(),
+            sinks,
+            callbacks=[Trace()] if trace else [],
         )
     train_s = time.perf_counter() - t0
     after = evaluate(loaded, disable_adapter=False)
