@@ -148,15 +148,15 @@ def _prepared(trainer) -> list[dict]:
 def test_bucketed_collator_pads_the_batch_to_its_bucket_with_columns_nothing_reads(tmp_path, monkeypatch):
     """With the switch on, each batch's width is ``shared_prompt.bucket(width)`` (at most max_length): TRL's batch
     in the first columns, then pad ids, attention mask 0 and labels -100, which no attention, loss or token count
-    reads. Off (the default), and for a collator with ``pad_to_multiple_of``, the batch is TRL's as it is."""
+    reads. Off (and by default off CUDA), and for a collator with ``pad_to_multiple_of``, the batch is TRL's as it is."""
     locked("trl")
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from strop.kernels.trainers import shared_prompt
     from strop.kernels.trainers.shared_prompt import bucket
 
-    assert shared_prompt.WIDTH_BUCKETS is False, (
-        "opt-in until measured on a GPU (shared_prompt.WIDTH_BUCKETS' comment)"
+    assert shared_prompt.WIDTH_BUCKETS is None, (
+        "auto: where cuDNN's SDPA may run (shared_prompt.WIDTH_BUCKETS)"
     )
     monkeypatch.setattr(shared_prompt, "WIDTH_BUCKETS", True)
     rows_in = _rows_of([20, 17, 9])  # width 20: its bucket 32 (below 128 buckets are multiples of 16)
