@@ -458,7 +458,14 @@ def run(
     if base_eval is None:
         base_eval = _cached_base_eval(loaded, model_dir, device)
     cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(FACTS))
-    mode = job_config.retention_of(cfg, DatasetFormat.MESSAGES, loaded.tokenizer)
+    # the chat recipe's values where the setting leaves retention unset
+    cfg = job_config.with_retention(cfg, DatasetFormat.MESSAGES, loaded.tokenizer)
+    mode = cfg.retention
+    if scales and 0 < cfg.adapter_scale < 1:
+        raise SystemExit(
+            f"{setting}: --scales evaluates the adapter as trained at fractions of it, and this setting's adapter "
+            f"ends scaled by {cfg.adapter_scale:g} (the fractions would compound): add adapter_scale=1"
+        )
     print(f"{setting}: base evaluated, training", file=sys.stderr, flush=True)
     events: list = []
     steps: list = []
@@ -531,6 +538,7 @@ def run(
         "general_kept": kept,
         "general_base_right": len(base_right),
         "retention_neighbours": cfg.retention_neighbours,
+        "adapter_scale": cfg.adapter_scale or 1.0,  # the finished adapter's (1: as trained)
         # the base's neighbour questions the KL scored, and which of them are general questions of this bench (the
         # trainer excludes the held-out prompts, not this bench's other questions)
         "neighbour_prompts": neighbours.prompts,

@@ -17,6 +17,9 @@ from strop.cli.output import print_json
 from strop.client.errors import StropClientError
 from strop.client.progress import follow
 from strop.common.trainer_types import (
+    CHAT_RECIPE_ADAPTER_SCALE,
+    CHAT_RECIPE_KL,
+    CHAT_RECIPE_NEIGHBOURS,
     KL_RETENTION_WEIGHT,
     METHOD_DATASET_FORMAT,
     DatasetFormat,
@@ -150,7 +153,9 @@ def _add_train(sub) -> None:
         default="auto",
         help="SFT on messages data, so the model keeps what it knows: replay trains on the base model's own answers "
         "to general prompts; kl adds a KL(base || model) term on those answers instead, not training on them; "
-        f"auto: {_default('retention')}",
+        f"auto: {_default('retention')}; on chat data (a chat template, one device) auto is the chat recipe: kl "
+        f"with --retention-kl {CHAT_RECIPE_KL:g}, --retention-neighbours {CHAT_RECIPE_NEIGHBOURS} and "
+        f"--adapter-scale {CHAT_RECIPE_ADAPTER_SCALE:g} where those are left 0",
     )
     p.add_argument(
         "--retention-rows",
@@ -163,21 +168,21 @@ def _add_train(sub) -> None:
         type=float,
         default=0.0,
         help="weight of the KL(base || model) term on the base's answers; 0: none with replay, "
-        f"{KL_RETENTION_WEIGHT:g} with kl",
+        f"{KL_RETENTION_WEIGHT:g} with kl, {CHAT_RECIPE_KL:g} with auto",
     )
     p.add_argument(
         "--retention-neighbours",
         type=int,
         default=0,
         help="kl: for each distinct start of the dataset's questions, this many questions of that form the base "
-        "writes and answers, scored by the KL term too; 0: none",
+        f"writes and answers, scored by the KL term too; 0: none with kl, {CHAT_RECIPE_NEIGHBOURS} with auto",
     )
     p.add_argument(
         "--adapter-scale",
         type=float,
         default=0.0,
         help="the final adapter interpolated toward the base: every LoRA B factor times this (0-1) once training "
-        "ends; 0: 1, as trained",
+        f"ends; 1: as trained; 0: {CHAT_RECIPE_ADAPTER_SCALE:g} under the chat recipe (--retention auto), else 1",
     )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     held = p.add_mutually_exclusive_group()

@@ -83,7 +83,7 @@ METHOD_DATASET_FORMAT = {
 class Retention(enum.StrEnum):
     """How an SFT job keeps what the base model knows (``trainer_svc/core/retention.py``)."""
 
-    UNSPECIFIED = "UNSPECIFIED"  # TRAIN_DEFAULTS: REPLAY for SFT on messages data, NONE otherwise
+    UNSPECIFIED = "UNSPECIFIED"  # job_config.with_retention: KL (the chat recipe) on chat data, else NONE
     NONE = "NONE"
     # before training, the base (adapter disabled) answers general prompts greedily; those conversations are
     # mixed into the training rows (``retention_rows`` of them)
@@ -230,10 +230,11 @@ class DatasetInfo:
 
 
 # What a zero/empty TrainConfig field becomes on the trainer (``job_config.with_defaults``); the CLI's --help and the
-# docs/trainer.md show the same table. Per method where they differ: SFT's learning rate, batch, epochs and replay rows
-# are the setting bench/recipe_facts.py chose by measurement (the figures: bench/RESULTS.md and docs/trainer.md,
-# "Teaching facts"). Replay itself stays opt-in: it costs a generation pass before training and an evaluation after
-# every chat SFT job, whatever the model's size. DPO's is TRL's (a preference shift is slower than SFT by design:
+# docs/trainer.md show the same table. Per method where they differ: SFT's learning rate, batch, epochs, retention and
+# replay rows are the setting bench/recipe_facts.py chose by measurement (the figures: bench/RESULTS.md and
+# docs/trainer.md, "Teaching facts"). SFT on messages data with a chat template retains by default (CHAT_RECIPE_*
+# below): it costs a generation pass before training, a KL batch a step and an evaluation after the job, and it is
+# what keeps the base's general answers while the facts are learned. DPO's is TRL's (a preference shift is slower than SFT by design:
 # raise it, or train more steps, when 10 steps show no margin). ORPO, KTO and SimPO take DPO's learning rate, and
 # TRL's defaults for their own hyperparameters (ORPO's lambda is TRL's ORPOConfig.beta) but SimPO's beta: TRL's
 # CPOConfig beta 0.1 is for CPO's sigmoid loss; SimPO's reward is a length-normalised log-prob and the SimPO paper
@@ -266,11 +267,11 @@ TRAIN_DEFAULTS: dict[str, object] = {
     "simpo_beta": 2.0,
     "simpo_gamma": 0.5,
     "memory_mode": DEFAULT_MEMORY_MODE.value,
-    # REPLAY (SFT on messages data with a chat template, asked for): the base's own answers to general prompts join
-    # the rows, and the forgetting metric is reported; opt-in for its cost (see above), though it is what keeps the
-    # general answers (bench/RESULTS.md, "Teaching facts")
+    # SFT on messages data with a chat template, single-process (job_config.with_retention): KL, with the chat
+    # recipe's weight, neighbour questions and adapter scale (CHAT_RECIPE_*) where the request leaves them 0; NONE
+    # for other data and methods
     "retention": {
-        "SFT": "NONE",
+        "SFT": "KL",
         "DPO": "NONE",
         "ORPO": "NONE",
         "KTO": "NONE",
@@ -284,6 +285,15 @@ TRAIN_DEFAULTS: dict[str, object] = {
 # still taught every fact in the measurements (heavier weights kept a few more general answers and held the facts
 # back; bench/RESULTS.md, "the KL term alone")
 KL_RETENTION_WEIGHT = 2.0
+
+# The chat recipe: what an SFT job on messages data with a chat template runs with when its request leaves retention
+# unset (and these fields 0): retention KL at this weight, this many neighbour questions for each start of the
+# dataset's questions, and the finished adapter interpolated this far from the base toward the trained model
+# (adapter_scale). Chosen with bench/recipe_facts.py on SmolLM2-135M-Instruct (bench/RESULTS.md and docs/trainer.md,
+# "Teaching facts"): 30 new facts learned while the base keeps its right general answers.
+CHAT_RECIPE_KL = 3.0
+CHAT_RECIPE_NEIGHBOURS = 4
+CHAT_RECIPE_ADAPTER_SCALE = 0.8
 
 
 # A few dozen rows of facts need about ten passes before greedy answers repeat them (bench/RESULTS.md, "Teaching
@@ -391,13 +401,16 @@ class TrainConfig:
     # REPLAY, KL: how many of the base's answers are mixed in or scored (at most one a replay prompt)
     retention_rows: int = 0
     # REPLAY: weight of a KL(base ‖ model) term on the replayed answers, added to each step's loss (0: none);
-    # KL: the weight of that term, the answers out of the cross-entropy (0: KL_RETENTION_WEIGHT)
+    # KL: the weight of that term, the answers out of the cross-entropy (0: KL_RETENTION_WEIGHT; CHAT_RECIPE_KL
+    # under the chat recipe)
     retention_kl: float = 0.0
     # KL: for each distinct start of the training questions (their first words), this many questions of that form
-    # the base writes and answers, scored by the KL term with the replay prompts' answers (0: none)
+    # the base writes and answers, scored by the KL term with the replay prompts' answers (0: none;
+    # CHAT_RECIPE_NEIGHBOURS under the chat recipe)
     retention_neighbours: int = 0
     # the job's final adapter interpolated toward the base: every LoRA B factor times this, once training ends
-    # (0: 1, the adapter as trained); checkpoints stay as trained, so a resumed job continues the same run
+    # (0: CHAT_RECIPE_ADAPTER_SCALE under the chat recipe, else 1, the adapter as trained; 1: as trained);
+    # checkpoints stay as trained, so a resumed job continues the same run
     adapter_scale: float = 0.0
     # validation (a job's validation dataset; docs/validation.md): evaluate every N steps (0: once training ends)
     eval_every_steps: int = 0

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from strop.client import LoraConfig, TrainConfig, TrainerClient, TrainMethod
+from strop.client import LoraConfig, Retention, TrainConfig, TrainerClient, TrainMethod
 from strop.client.progress import follow
 from strop.demo.data import ANSWER, QUESTION, dpo_rows, sft_rows
 from strop.demo.services import start_service
@@ -37,6 +37,7 @@ SFT = TrainConfig(
     lr_scheduler="constant",
     checkpoint_every_steps=40,
     seed=0,
+    retention=Retention.NONE,  # a random tiny model knows nothing to keep: the rows alone (not the chat recipe)
 )
 DPO = TrainConfig(
     method=TrainMethod.DPO,

@@ -24,6 +24,7 @@ from strop.common.export_types import ExportTarget
 from strop.common.trainer_types import (
     GRPO_DEFAULTS,
     GrpoConfig,
+    Retention,
     TrainConfig,
     TrainMethod,
     auto_epochs,
@@ -308,6 +309,9 @@ def resolve(req: JobRequest, num_rows: int) -> tuple[TrainConfig, dict[str, obje
         batch_size=batch,
         seed=req.seed,
         checkpoint_every_steps=steps_per_epoch,
+        # an OpenAI job trains on its file as asked (no retention knob in that API): not strop's chat recipe, whose
+        # scaled final adapter would also differ from the job's last epoch checkpoint at the same step
+        retention=Retention.NONE,
     )
     out: dict[str, object] = {"n_epochs": epochs, "batch_size": batch, "learning_rate_multiplier": mult}
     if method is TrainMethod.DPO:

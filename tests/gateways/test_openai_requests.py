@@ -345,3 +345,16 @@ def test_a_prompts_file_is_stored_but_not_trained_by_sft(stack):
     with pytest.raises(openai.BadRequestError) as e:
         c.fine_tuning.jobs.create(model="tiny-llama", training_file=f.id)
     assert e.value.param == "training_file" and "prompts rows" in e.value.message
+
+
+@pytest.mark.parametrize("method", ["supervised", "dpo"])
+def test_an_openai_job_trains_on_its_file_alone_not_on_the_chat_recipe(method):
+    """OpenAI's API has no retention knob and reports one model a step: a job's trainer config asks retention NONE
+    (unset, SFT on chat data would run strop's chat recipe, whose scaled final adapter differs from the job's last
+    checkpoint at the same step)."""
+    from strop.common.trainer_types import Retention
+    from strop.gateways.openai.params import JobRequest, resolve
+
+    req = JobRequest("tiny-llama", "file-1", None, None, 0, None, method)
+    cfg, _ = resolve(req, num_rows=8)
+    assert cfg.retention is Retention.NONE and cfg.adapter_scale == 0.0

@@ -15,7 +15,15 @@ import json
 import pytest
 import torch
 
-from strop.client import GrpoConfig, InvalidArgumentError, JobState, LoraConfig, TrainConfig, TrainMethod
+from strop.client import (
+    GrpoConfig,
+    InvalidArgumentError,
+    JobState,
+    LoraConfig,
+    Retention,
+    TrainConfig,
+    TrainMethod,
+)
 from strop.common.errors import FailedPrecondition
 from strop.common.trainer_types import Quantization
 from strop.graders import Sample
@@ -103,6 +111,7 @@ def _teach_the_judge(c, session_id: str) -> None:
         batch_size=4,
         seed=0,
         lr_scheduler="constant",
+        retention=Retention.NONE,  # taught to reply with a score: the rows alone, not the chat recipe
     )
     events = list(c.train(session_id, data.dataset_id, cfg))
     assert events[-1].state.state is JobState.SUCCEEDED, events[-1]

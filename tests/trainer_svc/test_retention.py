@@ -11,6 +11,10 @@ import pytest
 
 from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
+    CHAT_RECIPE_ADAPTER_SCALE,
+    CHAT_RECIPE_KL,
+    CHAT_RECIPE_NEIGHBOURS,
+    KL_RETENTION_WEIGHT,
     DatasetFormat,
     LoadModelRequest,
     LoraConfig,
@@ -38,8 +42,9 @@ def _sft(**kw) -> TrainConfig:
     return TrainConfig(method=TrainMethod.SFT, **kw)
 
 
-def test_sft_replays_only_when_asked_and_only_on_messages_data():
-    assert job_config.retention_of(_sft(), DatasetFormat.MESSAGES, _Tok()) is Retention.NONE  # opt-in
+def test_sft_on_chat_data_retains_by_default_and_other_data_only_when_asked():
+    assert job_config.retention_of(_sft(), DatasetFormat.MESSAGES, _Tok()) is Retention.KL  # the chat recipe
+    assert job_config.retention_of(_sft(num_devices=2), DatasetFormat.MESSAGES, _Tok()) is Retention.NONE
     assert (
         job_config.retention_of(_sft(retention=Retention.REPLAY), DatasetFormat.MESSAGES, _Tok())
         is Retention.REPLAY
@@ -54,6 +59,49 @@ def test_sft_replays_only_when_asked_and_only_on_messages_data():
         job_config.retention_of(_sft(retention=Retention.REPLAY), DatasetFormat.PROMPT_COMPLETION, _Tok())
     with pytest.raises(InvalidArgument, match="REPLAY needs messages data"):
         job_config.check_dataset_fits(_sft(retention=Retention.REPLAY), DatasetFormat.TEXT, [], 100)
+
+
+def test_the_chat_recipe_fills_the_fields_a_request_left_unset_and_a_resolved_config_stays_as_it_is():
+    chat = job_config.with_retention(_sft(), DatasetFormat.MESSAGES, _Tok())
+    assert (chat.retention, chat.retention_kl, chat.retention_neighbours, chat.adapter_scale) == (
+        Retention.KL,
+        CHAT_RECIPE_KL,
+        CHAT_RECIPE_NEIGHBOURS,
+        CHAT_RECIPE_ADAPTER_SCALE,
+    )
+    assert job_config.with_retention(chat, DatasetFormat.MESSAGES, _Tok()) == chat, (
+        "resolving twice: no change"
+    )
+    own = job_config.with_retention(
+        _sft(retention_kl=6.0, adapter_scale=1.0, retention_neighbours=2), DatasetFormat.MESSAGES, _Tok()
+    )
+    assert (own.retention_kl, own.retention_neighbours, own.adapter_scale) == (6.0, 2, 1.0), "what was asked"
+    best = job_config.with_retention(_sft(keep_best_checkpoint=True), DatasetFormat.MESSAGES, _Tok())
+    assert best.retention is Retention.KL and best.adapter_scale == 0.0, (
+        "a kept checkpoint is published as is"
+    )
+    # asked explicitly, KL keeps its plain defaults: its weight, no neighbours, no scale (the recipe is the unset
+    # default)
+    asked = job_config.with_retention(_sft(retention=Retention.KL), DatasetFormat.MESSAGES, _Tok())
+    assert (asked.retention_kl, asked.retention_neighbours, asked.adapter_scale) == (
+        KL_RETENTION_WEIGHT,
+        0,
+        0.0,
+    )
+    assert job_config.with_retention(asked, DatasetFormat.MESSAGES, _Tok()) == asked
+    for fmt, tok in ((DatasetFormat.TEXT, _Tok()), (DatasetFormat.MESSAGES, object())):
+        plain = job_config.with_retention(_sft(), fmt, tok)
+        assert plain.retention is Retention.NONE and plain.adapter_scale == 0.0 and not plain.retention_kl
+        with pytest.raises(InvalidArgument, match="retention_neighbours adds questions to the KL term"):
+            job_config.with_retention(_sft(retention_neighbours=4), fmt, tok)
+    dpo = job_config.with_retention(TrainConfig(method=TrainMethod.DPO), DatasetFormat.PREFERENCE, _Tok())
+    assert dpo.retention is Retention.NONE
+    # several processes (asked, or the world a rank was launched into): each would generate on its own, so none
+    for cfg, ranks in ((_sft(num_devices=2), 0), (_sft(), 2)):
+        several = job_config.with_retention(cfg, DatasetFormat.MESSAGES, _Tok(), ranks)
+        assert several.retention is Retention.NONE and several.adapter_scale == 0.0
+    with pytest.raises(InvalidArgument, match="retention_kl weighs a KL term"):
+        job_config.with_retention(_sft(retention_kl=3.0), DatasetFormat.TEXT, _Tok())
 
 
 def test_retention_settings_are_validated():
@@ -134,9 +182,8 @@ def test_without_replay_only_the_rows_train_and_nothing_is_generated(model_root,
         raise AssertionError("a job without retention generates nothing")
 
     monkeypatch.setattr(retention, "base_answers", no_generation)
-    for asked in (Retention.NONE, Retention.UNSPECIFIED):  # the default
-        steps, events = _run(model_root, tmp_path / asked.value, monkeypatch, retention=asked)
-        assert len(steps) == 2 and events == []
+    steps, events = _run(model_root, tmp_path / "none", monkeypatch, retention=Retention.NONE)
+    assert len(steps) == 2 and events == []
 
 
 def test_the_forgetting_metric_counts_answers_the_model_still_gives_word_for_word(model_root):

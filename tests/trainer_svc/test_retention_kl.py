@@ -17,8 +17,12 @@ import torch.nn.functional as F
 from strop.common.errors import InvalidArgument
 from strop.common.serde import from_proto, to_proto
 from strop.common.trainer_types import (
+    CHAT_RECIPE_ADAPTER_SCALE,
+    CHAT_RECIPE_KL,
+    CHAT_RECIPE_NEIGHBOURS,
     KL_RETENTION_WEIGHT,
     DatasetFormat,
+    JobState,
     LoadModelRequest,
     LoraConfig,
     Retention,
@@ -197,14 +201,13 @@ def test_kl_rows_keep_every_answer_finished_or_cut_and_replay_only_the_finished(
 def _kl_job(model_root, tmp_path, monkeypatch, **cfg):
     """One SFT job on the tiny 4-bit model over ROWS[:4], 2 rows a step, one epoch; the base's answers fixed, half of
     them unfinished. Returns the step losses and what the KL term was built with (rows, weight), or None."""
-    monkeypatch.setattr(
-        model_loading,
-        "generate_chat_batch",
-        lambda loaded, prompts, **kw: (
-            ["Yes, it is."] * len(prompts),
-            [i % 2 == 0 for i in range(len(prompts))],
-        ),
-    )
+
+    def answers(loaded, prompts, **kw):
+        # the real one cannot batch no prompts (the tokenizer's padding indexes the first): never asked to
+        assert prompts, "the base is never asked to answer an empty batch"
+        return ["Yes, it is."] * len(prompts), [i % 2 == 0 for i in range(len(prompts))]
+
+    monkeypatch.setattr(model_loading, "generate_chat_batch", answers)
     built = []
     real = retention.ReplayKL
 
@@ -460,6 +463,18 @@ def test_a_kl_job_with_neighbours_scores_the_bases_questions_of_its_rows_forms(
     assert scored == [*retention.REPLAY_PROMPTS[:3], "What colour is snow?", "Who wrote Hamlet twice?"]
 
 
+def test_a_kl_job_whose_base_writes_no_neighbour_question_trains_on_the_replay_answers_alone(
+    model_root, tmp_path, monkeypatch
+):
+    """A base that ends no continuation with "?" (a small or random model) gives no neighbour questions: the job
+    goes on with the replay prompts' answers (it once asked the base to answer an empty batch, and failed)."""
+    monkeypatch.setattr(retention, "neighbour_prompts", lambda *a, **kw: [])
+    _, (rows, _, _) = _kl_job(
+        model_root, tmp_path, monkeypatch, retention=Retention.KL, retention_rows=3, retention_neighbours=4
+    )
+    assert [r["messages"][0]["content"] for r in rows] == list(retention.REPLAY_PROMPTS[:3])
+
+
 def test_no_neighbour_questions_where_the_chat_template_rewrites_the_users_text(model_root, monkeypatch):
     loaded = _loaded_4bit(model_root)
     monkeypatch.setattr(loaded.tokenizer, "apply_chat_template", lambda msgs, **kw: "user: (rewritten)\n")
@@ -470,4 +485,21 @@ def test_no_neighbour_questions_where_the_chat_template_rewrites_the_users_text(
     monkeypatch.setattr(loaded.model, "generate", generate)
     assert (
         retention.neighbour_prompts(loaded, ["What colour is a glimmerfox?"], 2, seed=0, exclude=set()) == []
+    )
+
+
+def test_a_chat_sft_job_that_leaves_retention_unset_runs_the_chat_recipe_and_its_config_says_so(
+    client, ready_session, sft_dataset
+):
+    events = list(client.train(ready_session, sft_dataset.dataset_id, sft_config(2, retention_rows=4)))
+    kinds = [e.kind for e in events]
+    assert kinds.count("retention") == 1, "the recipe's retention runs: the forgetting metric is reported"
+    job = client.get_job(events[-1].job_id)
+    assert job.state is JobState.SUCCEEDED
+    c = job.config  # stored as it ran: the recipe's values, not the request's zeros
+    assert (c.retention, c.retention_kl, c.retention_neighbours, c.adapter_scale) == (
+        Retention.KL,
+        CHAT_RECIPE_KL,
+        CHAT_RECIPE_NEIGHBOURS,
+        CHAT_RECIPE_ADAPTER_SCALE,
     )

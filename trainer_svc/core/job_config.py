@@ -9,6 +9,9 @@ from dataclasses import fields, replace
 
 from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
+    CHAT_RECIPE_ADAPTER_SCALE,
+    CHAT_RECIPE_KL,
+    CHAT_RECIPE_NEIGHBOURS,
     KL_RETENTION_WEIGHT,
     MEMORY_MODES,
     METHOD_DATASET_FORMAT,
@@ -73,9 +76,10 @@ def _defaults_for_unset(cfg: TrainConfig, session_max_len: int, num_rows: int) -
     return out
 
 
-def retention_of(cfg: TrainConfig, fmt: DatasetFormat, tokenizer) -> Retention:
+def retention_of(cfg: TrainConfig, fmt: DatasetFormat, tokenizer, ranks: int = 0) -> Retention:
     """The retention a job runs with: REPLAY, KL or NONE as asked, else ``TRAIN_DEFAULTS``'s for its method where
-    it applies (SFT on messages data with a chat template: the base's answers are chat messages), else NONE.
+    it applies (SFT on messages data with a chat template: the base's answers are chat messages; in one process,
+    ``ranks`` or else ``cfg.ranks()``), else NONE.
 
     Raises:
         InvalidArgument: REPLAY or KL asked for data other than messages, or a tokenizer without a chat template.
@@ -89,14 +93,44 @@ def retention_of(cfg: TrainConfig, fmt: DatasetFormat, tokenizer) -> Retention:
         )
     if cfg.retention is not Retention.UNSPECIFIED:
         mode = cfg.retention
-    else:
-        mode = Retention(train_default("retention", cfg.method)) if applies else Retention.NONE
+    else:  # a job on several ranks runs no retention (each rank would generate on its own)
+        default = applies and (ranks or cfg.ranks()) == 1
+        mode = Retention(train_default("retention", cfg.method)) if default else Retention.NONE
     if cfg.retention_kl and mode not in (Retention.REPLAY, Retention.KL):
         raise InvalidArgument(
             f"retention_kl weighs a KL term on the base's answers, and this job has none (retention "
             f"{mode.value}; REPLAY and KL need SFT on messages data with a chat template)"
         )
     return mode
+
+
+def with_retention(cfg: TrainConfig, fmt: DatasetFormat, tokenizer, ranks: int = 0) -> TrainConfig:
+    """``cfg`` with its retention resolved (``retention_of``; ``ranks``: the processes the job runs in, 0:
+    ``cfg.ranks()``), so the job's stored config says what it runs with. Where the request left retention unset and
+    the job is SFT on messages data with a chat template in one process, this is the chat recipe: KL, and
+    ``CHAT_RECIPE_KL``, ``CHAT_RECIPE_NEIGHBOURS`` and ``CHAT_RECIPE_ADAPTER_SCALE`` for the fields the request left
+    0 (no scale with ``keep_best_checkpoint``, whose adapter is a checkpoint); KL asked with weight 0 gets
+    ``KL_RETENTION_WEIGHT``. A resolved config resolves to itself.
+
+    Raises:
+        InvalidArgument: as ``retention_of``; neighbour questions for a job whose retention is not KL.
+    """
+    auto = cfg.retention is Retention.UNSPECIFIED
+    mode = retention_of(cfg, fmt, tokenizer, ranks)
+    if cfg.retention_neighbours and mode is not Retention.KL:
+        raise InvalidArgument(
+            f"retention_neighbours adds questions to the KL term alone, and this job's retention is {mode.value} "
+            "(KL runs in SFT jobs on messages data, with a chat template, in one process)"
+        )
+    if not (auto and mode is Retention.KL):
+        return replace(cfg, retention=mode, retention_kl=retention_kl_weight(cfg, mode))
+    return replace(
+        cfg,
+        retention=mode,
+        retention_kl=cfg.retention_kl or CHAT_RECIPE_KL,
+        retention_neighbours=cfg.retention_neighbours or CHAT_RECIPE_NEIGHBOURS,
+        adapter_scale=cfg.adapter_scale or (0.0 if cfg.keep_best_checkpoint else CHAT_RECIPE_ADAPTER_SCALE),
+    )
 
 
 def retention_kl_weight(cfg: TrainConfig, mode: Retention) -> float:
@@ -198,7 +232,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
         ),
         (
             math.isfinite(c.adapter_scale) and 0 <= c.adapter_scale <= 1,
-            f"adapter_scale must be in 0..1 (0: the adapter as trained), got {c.adapter_scale}",
+            f"adapter_scale must be in 0..1 (1: the adapter as trained; 0: the default), got {c.adapter_scale}",
         ),
         (
             not (0 < c.adapter_scale < 1 and c.keep_best_checkpoint),
@@ -210,7 +244,7 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
             f"retention_neighbours must be in 0..{MAX_RETENTION_NEIGHBOURS}, got {c.retention_neighbours}",
         ),
         (
-            not c.retention_neighbours or c.retention is Retention.KL,
+            not c.retention_neighbours or c.retention in (Retention.KL, Retention.UNSPECIFIED),
             "retention_neighbours adds questions to the KL term alone: it needs retention KL",
         ),
         (

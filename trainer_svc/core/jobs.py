@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from strop.common import auth, logs
@@ -33,6 +33,7 @@ from strop.common.trainer_types import (
     JobInfo,
     JobState,
     LogMessage,
+    Retention,
     SessionState,
     StepMetrics,
     TrainConfig,
@@ -174,6 +175,10 @@ class Jobs:
             validation_dataset_id = validation_dataset_id or prev.validation_dataset_id
             if config is None or config.method is TrainMethod.UNSPECIFIED:
                 config = prev.config
+                if (
+                    config.retention is Retention.UNSPECIFIED
+                ):  # stored before retention was resolved: it ran none
+                    config = replace(config, retention=Retention.NONE)
         if config is None:
             raise InvalidArgument("config is required (its method: SFT, DPO, ORPO, KTO, SIMPO or GRPO)")
         if not dataset_id:
@@ -185,6 +190,7 @@ class Jobs:
         cfg = job_config.with_defaults(
             config, session_max_len=sess.info.facts.max_seq_length, num_rows=len(rows)
         )
+        cfg = job_config.with_retention(cfg, ds_info.format, sess.loaded.tokenizer)  # stored as it runs
         job_config.check_dataset_fits(cfg, ds_info.format, rows, sess.info.facts.vocab_size)
         held_out = validation.load(
             self.datasets, validation_dataset_id, cfg, ds_info.format, sess.info.facts.vocab_size

@@ -34,7 +34,7 @@ from strop.common.trainer_types import (
     TrainConfig,
     TrainMethod,
 )
-from strop.trainer_svc.core import fsdp, moe, retention
+from strop.trainer_svc.core import fsdp, job_config, moe, retention
 from strop.trainer_svc.core.evaluation import (
     Evaluator,
     Validating,
@@ -776,8 +776,9 @@ def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat,
                 seed=cfg.seed,
                 exclude=set(questions) | set(retention.HELD_OUT_PROMPTS) | set(prompts),
             )
-            near = retention.base_answers(loaded, neighbours)
-            scored += retention.kl_rows(near, len(neighbours))
+            if neighbours:  # a base that wrote no question ending in "?" adds none
+                near = retention.base_answers(loaded, neighbours)
+                scored += retention.kl_rows(near, len(neighbours))
             log.info("retention KL neighbour questions (%d): %s", len(neighbours), neighbours)
         return held_out, [], scored
     replay = retention.replay_rows(answers, cfg.retention_rows)
@@ -841,6 +842,13 @@ def scale_adapter(loaded: LoadedModel, scale: float) -> int:
     return count
 
 
+def _distributed_world() -> int:
+    """The processes of the torch.distributed group this process belongs to (1 outside one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def run_training(
     loaded: LoadedModel,
     rows: list[dict],
@@ -854,6 +862,11 @@ def run_training(
     validation: ValidationSet | None = None,
 ) -> int:
     """Train to completion or until stopped, evaluating ``validation`` on its schedule; returns the step reached."""
+    ranks = cfg.ranks()
+    if _distributed_world() > 1:  # a training operator's rank launched without num_devices / num_nodes
+        ranks = max(ranks, _distributed_world())
+    # a job's retention is resolved already (in one process; as NONE on several); a library call's here
+    cfg = job_config.with_retention(cfg, fmt, loaded.tokenizer, ranks)
     work_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     drop_inference_weights(loaded)  # Generate's dequantized copy: training computes from the 4-bit weights
@@ -867,11 +880,11 @@ def run_training(
     chat_sft = (
         cfg.method is TrainMethod.SFT and fmt is DatasetFormat.MESSAGES and loaded.tokenizer.chat_template
     )
-    if chat_sft and cfg.ranks() > 1:
+    if chat_sft and ranks > 1:
         # each rank would generate on its own (an FSDP rank's base is not whole yet): not done on several ranks
         log.info(
             "retention (replay, the forgetting metric) runs in single-process jobs only; this job has %d ranks",
-            cfg.ranks(),
+            ranks,
         )
     elif chat_sft:
         held_out, replay, scored = _retention_before(loaded, cfg, fmt, rows)
