@@ -30,7 +30,7 @@ from strop.common.trainer_types import (
     TrainMethod,
 )
 from strop.kernels.losses.kl import token_kl, token_kl_reference
-from strop.trainer_svc.core import job_config, model_loading, retention, training
+from strop.trainer_svc.core import generation, job_config, model_loading, retention, training
 from strop.v1 import trainer_pb2
 from tests.trainer_svc.conftest import sft_config
 
@@ -205,6 +205,8 @@ def _kl_job(model_root, tmp_path, monkeypatch, **cfg):
     def answers(loaded, prompts, **kw):
         # the real one cannot batch no prompts (the tokenizer's padding indexes the first): never asked to
         assert prompts, "the base is never asked to answer an empty batch"
+        # as a CPU session's generation keeps its dequantized copy
+        loaded.extra[generation.INFERENCE_COPY] = {}
         return ["Yes, it is."] * len(prompts), [i % 2 == 0 for i in range(len(prompts))]
 
     monkeypatch.setattr(model_loading, "generate_chat_batch", answers)
@@ -227,6 +229,7 @@ def _kl_job(model_root, tmp_path, monkeypatch, **cfg):
     training.run_training(
         loaded, ROWS[:4], DatasetFormat.MESSAGES, config, tmp_path, training.JobControl(), sinks
     )
+    assert generation.INFERENCE_COPY not in loaded.extra, "the copy the base's answers came from is not kept"
     model_loading.release(loaded)
     return [s.loss for s in steps], (built[0] if built else None)
 

@@ -889,6 +889,7 @@ def run_training(
     elif chat_sft:
         held_out, replay, scored = _retention_before(loaded, cfg, fmt, rows)
         rows, replayed = rows + replay, len(replay)
+        drop_inference_weights(loaded)  # the base's answers were generated from it: not held through training
     if loaded.device.startswith("cuda"):
         import torch
 
