@@ -10,6 +10,8 @@ weight's default, its validation, the proto and the service.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -506,3 +508,23 @@ def test_a_chat_sft_job_that_leaves_retention_unset_runs_the_chat_recipe_and_its
         CHAT_RECIPE_NEIGHBOURS,
         CHAT_RECIPE_ADAPTER_SCALE,
     )
+
+
+def test_a_job_resumed_from_a_config_stored_before_retention_was_resolved_still_runs_none(
+    trainer, client, ready_session, sft_dataset
+):
+    """A job stored with retention unset ran without retention (the default then): resumed, it goes on the same way,
+    not with the chat recipe that an unset retention now resolves to."""
+    _, core, _ = trainer
+    cfg = sft_config(2, retention=Retention.NONE, checkpoint_every_steps=1)
+    first = list(client.train(ready_session, sft_dataset.dataset_id, cfg))
+    job_id = first[-1].job_id
+    stored = core.store.get_job(job_id).config
+    core.store.update_job(
+        job_id, config=replace(stored, retention=Retention.UNSPECIFIED)
+    )  # as stored back then
+    resumed = list(client.train(ready_session, resume_from_job_id=job_id))
+    assert resumed[-1].state.state is JobState.SUCCEEDED, resumed[-1]
+    assert "retention" not in [e.kind for e in resumed], "no forgetting metric: no retention ran"
+    c = client.get_job(resumed[-1].job_id).config
+    assert (c.retention, c.adapter_scale) == (Retention.NONE, 0.0)

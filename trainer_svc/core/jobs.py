@@ -175,9 +175,8 @@ class Jobs:
             validation_dataset_id = validation_dataset_id or prev.validation_dataset_id
             if config is None or config.method is TrainMethod.UNSPECIFIED:
                 config = prev.config
-                if (
-                    config.retention is Retention.UNSPECIFIED
-                ):  # stored before retention was resolved: it ran none
+                # stored before retention was resolved: that job ran none, and its resumption goes on the same way
+                if config.retention is Retention.UNSPECIFIED:
                     config = replace(config, retention=Retention.NONE)
         if config is None:
             raise InvalidArgument("config is required (its method: SFT, DPO, ORPO, KTO, SIMPO or GRPO)")
