@@ -102,9 +102,8 @@ BUCKET_MAX = 65536
 # width rounded up to a bucket (:func:`bucketed_width`; ``kernels/trainers/sft.py``'s docstring): True or False as
 # set; None where cuDNN's SDPA may run (``_glue.width_buckets``: a CUDA device, 16-bit compute, cuDNN's SDPA
 # enabled, the model's attention ``sdpa``). It trades up to 12.5% more positions a step (GEMMs included) for the
-# graph builds saved at widths not met before; measured on the H200 (bench/RESULTS.md, session 24: 8B QLoRA, 8 rows
-# of seeded widths 1667-2048 a step) the graph builds win by far: 9,754 against 4,608 tok/s, the unbucketed run's
-# steps at new widths taking 3.7-7.0 s against 1.3-1.5 s.
+# graph builds saved at widths not met before, and on a GPU the graph builds saved outweigh the padding by far
+# (bench/RESULTS.md, "SFT batches of varying width": an 8B QLoRA job over rows of varied lengths).
 WIDTH_BUCKETS: bool | None = None
 # The columns bucketed_width pads, each with its padding value (None: the caller's pad token id).
 _PAD_VALUES = {
