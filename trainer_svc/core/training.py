@@ -43,7 +43,7 @@ from strop.trainer_svc.core.evaluation import (
     eval_schedule,
 )
 from strop.trainer_svc.core.guard import BrokenTraining, make_guard, names
-from strop.trainer_svc.core.job_config import OPTIMIZERS, retention_kl_weight, retention_of, sft_rows
+from strop.trainer_svc.core.job_config import OPTIMIZERS, sft_rows
 from strop.trainer_svc.core.model_loading import LoadedModel, drop_inference_weights, repacked_4bit_layers
 
 log = logging.getLogger("strop.trainer")
@@ -752,7 +752,7 @@ def _retention_before(loaded: LoadedModel, cfg: TrainConfig, fmt: DatasetFormat,
     (for the forgetting metric), the replay rows to mix into the training rows (REPLAY), and the rows the KL term
     scores (REPLAY: the replay rows; KL: every answer, finished or not, none of them trained on); (None, [], [])
     without retention."""
-    mode = retention_of(cfg, fmt, loaded.tokenizer)
+    mode = cfg.retention  # resolved by with_retention at the top of run_training
     if mode not in (Retention.REPLAY, Retention.KL):
         return None, [], []
     base = retention.base_answers(loaded, retention.HELD_OUT_PROMPTS)
@@ -862,9 +862,8 @@ def run_training(
     validation: ValidationSet | None = None,
 ) -> int:
     """Train to completion or until stopped, evaluating ``validation`` on its schedule; returns the step reached."""
-    ranks = cfg.ranks()
-    if _distributed_world() > 1:  # a training operator's rank launched without num_devices / num_nodes
-        ranks = max(ranks, _distributed_world())
+    # a training operator's rank may be launched without num_devices / num_nodes: its world says how many there are
+    ranks = max(cfg.ranks(), _distributed_world())
     # a job's retention is resolved already (in one process; as NONE on several); a library call's here
     cfg = job_config.with_retention(cfg, fmt, loaded.tokenizer, ranks)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -898,7 +897,7 @@ def run_training(
     events = StepEventsOffThread(sinks)
     sinks = events.sinks()
     trainer = build_trainer(loaded, rows, fmt, cfg, work_dir, control, sinks, callbacks, validation)
-    weight = retention_kl_weight(cfg, retention_of(cfg, fmt, loaded.tokenizer)) if scored else 0.0
+    weight = cfg.retention_kl if scored else 0.0  # resolved by with_retention: the weight the job runs with
     if weight:
         batch = retention.kl_batch(len(scored), len(rows), cfg.batch_size)
         log.info("retention KL term: %d answers, %d a step, weight %g", len(scored), batch, weight)
