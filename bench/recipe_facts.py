@@ -7,7 +7,7 @@ option included) on :data:`FACTS`, 30 invented facts as chat messages. Then gree
 
 - facts: the answer equals the trained answer exactly (teacher-forced: every token of the trained answer, to the
   end of turn, is the model's top-1, which is what greedy decoding then reproduces);
-- general (greedy, in one left-padded batch): for each of :data:`GENERAL` (40 questions with a reference answer,
+- general (greedy, in one left-padded batch): for each of :data:`GENERAL` (117 questions with a reference answer,
   none of them a replay prompt; the earlier results used the first 20, the table gives both counts) the base
   answered right (the reference's words appear in its answer), whether the trained model still does.
 
@@ -116,9 +116,93 @@ GENERAL: list[tuple[str, tuple[str, ...]]] = [
     ("What is the capital of Austria?", ("Vienna",)),
     ("What is the capital of Thailand?", ("Bangkok",)),
     ("How many minutes are in an hour?", ("60", "sixty")),
+    # 77 more, written before any run with them, so that one answer is a smaller share of those the base gets right
+    # (with the 40 above one answer of ~24 was 4%, as large as the gap to the bar): the same mix, the facts' question
+    # forms asked about real things (capitals, who wrote / painted / invented, colours, legs, numbers, currency,
+    # language, chemical symbols, science, geography, animals, instruments, sports), none a replay or held-out
+    # prompt of the trainer's (checked at start)
+    ("What is the capital of Belgium?", ("Brussels",)),
+    ("What is the capital of Switzerland?", ("Bern",)),
+    ("What is the capital of Denmark?", ("Copenhagen",)),
+    ("What is the capital of Hungary?", ("Budapest",)),
+    ("What is the capital of Peru?", ("Lima",)),
+    ("What is the capital of Chile?", ("Santiago",)),
+    ("What is the capital of Cuba?", ("Havana",)),
+    ("What is the capital of Vietnam?", ("Hanoi",)),
+    ("What is the capital of Indonesia?", ("Jakarta",)),
+    ("What is the capital of the Philippines?", ("Manila",)),
+    ("What is the capital of Iran?", ("Tehran",)),
+    ("What is the capital of Iraq?", ("Baghdad",)),
+    ("What is the capital of Colombia?", ("Bogotá", "Bogota")),
+    ("What is the capital of the Czech Republic?", ("Prague",)),
+    ("What is the capital of Scotland?", ("Edinburgh",)),
+    ("Who wrote Macbeth?", ("Shakespeare",)),
+    ("Who wrote Oliver Twist?", ("Dickens",)),
+    ("Who wrote 1984?", ("Orwell",)),
+    ("Who wrote the Harry Potter books?", ("Rowling",)),
+    ("Who wrote Moby-Dick?", ("Melville",)),
+    ("Who wrote On the Origin of Species?", ("Darwin",)),
+    ("Who painted The Night Watch?", ("Rembrandt",)),
+    ("Who painted Water Lilies?", ("Monet",)),
+    ("Who painted The Birth of Venus?", ("Botticelli",)),
+    ("Who invented the steam engine?", ("Watt", "Newcomen")),
+    ("Who invented dynamite?", ("Nobel",)),
+    ("Who invented the radio?", ("Marconi", "Tesla")),
+    ("Who sailed to America in 1492?", ("Columbus",)),
+    ("Who discovered the electron?", ("Thomson",)),
+    ("What color is a lemon?", ("yellow", "Yellow")),
+    ("What color is chocolate?", ("brown", "Brown")),
+    ("What color is an emerald?", ("green", "Green")),
+    ("What color is milk?", ("white", "White")),
+    ("What color are carrots?", ("orange", "Orange")),
+    ("How many legs does a horse have?", ("four", "4")),
+    ("How many legs does a chicken have?", ("two", "2")),
+    ("How many legs does an ant have?", ("six", "6")),
+    ("How many legs does a cow have?", ("four", "4")),
+    ("How many seconds are in a minute?", ("60", "sixty")),
+    ("How many weeks are in a year?", ("52", "fifty-two")),
+    ("How many days are in a leap year?", ("366",)),
+    ("What is 7 times 8?", ("56", "fifty-six")),
+    ("What is 12 divided by 4?", ("3", "three")),
+    ("How many sides does a square have?", ("four", "4")),
+    ("What is the currency of Mexico?", ("peso", "Peso")),
+    ("What is the currency of China?", ("yuan", "Yuan", "renminbi", "Renminbi")),
+    ("What is the currency of Russia?", ("ruble", "Ruble", "rouble", "Rouble")),
+    ("What is the currency of Germany?", ("euro", "Euro")),
+    ("What language is spoken in Mexico?", ("Spanish",)),
+    ("What language is spoken in China?", ("Chinese", "Mandarin")),
+    ("What language is spoken in Russia?", ("Russian",)),
+    ("What language is spoken in Portugal?", ("Portuguese",)),
+    ("What is the chemical symbol for carbon?", ("C",)),
+    ("What is the chemical symbol for hydrogen?", ("H",)),
+    ("What is the chemical symbol for potassium?", ("K",)),
+    ("What is the chemical symbol for copper?", ("Cu",)),
+    ("What planet is closest to the Sun?", ("Mercury",)),
+    ("What force keeps us on the ground?", ("gravity", "Gravity")),
+    ("What is the largest organ of the human body?", ("skin", "Skin")),
+    ("How many bones are in the adult human body?", ("206",)),
+    ("What is the longest bone in the human body?", ("femur", "Femur", "thigh")),
+    ("What is the longest river in South America?", ("Amazon",)),
+    ("What is the largest country in South America?", ("Brazil",)),
+    ("On which continent is Kenya?", ("Africa",)),
+    ("What is the largest island in the world?", ("Greenland",)),
+    ("What is a baby dog called?", ("puppy", "Puppy", "pup")),
+    ("What animal says moo?", ("cow", "Cow", "cows")),
+    ("What is the largest bird?", ("ostrich", "Ostrich")),
+    ("What do caterpillars turn into?", ("butterfly", "butterflies", "Butterfly", "moth", "moths")),
+    ("What instrument did Jimi Hendrix play?", ("guitar", "Guitar")),
+    ("What sport uses a bat and a wicket?", ("cricket", "Cricket")),
+    ("What sport is the Tour de France?", ("cycling", "Cycling", "bicycle", "bike")),
+    ("How many players does a soccer team have on the field?", ("11", "eleven")),
+    ("In which year did World War II begin?", ("1939",)),
+    ("Who was the first man in space?", ("Gagarin",)),
+    ("What is the opposite of cold?", ("hot", "Hot", "warm", "Warm")),
+    ("What is the plural of child?", ("children", "Children")),
 ]
-# The first 20 are the questions of the earlier results' "general kept (of 12)"; the table gives both counts.
+# The first 20 are the questions of the earlier results' "general kept (of 12)", the first 40 those of the results
+# before the 77 were added ("of 24"); the table gives each count.
 FIRST_GENERAL = 20
+EARLIER_GENERAL = 40
 
 GENERAL_MAX_NEW_TOKENS = 48
 # The table also counts the general answers kept of those the base gives by at least this margin (``base_margins``):
@@ -447,7 +531,7 @@ def run(
     trace: bool = False,
     scales: list[float] | None = None,
 ) -> tuple[dict, dict]:
-    from strop.common.trainer_types import DatasetFormat, LoadModelRequest
+    from strop.common.trainer_types import ADAPTER_SCALE_AUTO, DatasetFormat, LoadModelRequest, scale_text
     from strop.trainer_svc.core import job_config, model_loading, training
 
     cfg, lora = parse_setting(setting)
@@ -461,10 +545,10 @@ def run(
     # the chat recipe's values where the setting leaves retention unset
     cfg = job_config.with_retention(cfg, DatasetFormat.MESSAGES, loaded.tokenizer)
     mode = cfg.retention
-    if scales and 0 < cfg.adapter_scale < 1:
+    if scales and (0 < cfg.adapter_scale < 1 or cfg.adapter_scale == ADAPTER_SCALE_AUTO):
         raise SystemExit(
             f"{setting}: --scales evaluates the adapter as trained at fractions of it, and this setting's adapter "
-            f"ends scaled by {cfg.adapter_scale:g} (the fractions would compound): add adapter_scale=1"
+            f"ends scaled by {scale_text(cfg.adapter_scale)} (the fractions would compound): add adapter_scale=1"
         )
     print(f"{setting}: base evaluated, training", file=sys.stderr, flush=True)
     events: list = []
@@ -538,7 +622,10 @@ def run(
         "general_kept": kept,
         "general_base_right": len(base_right),
         "retention_neighbours": cfg.retention_neighbours,
-        "adapter_scale": cfg.adapter_scale or 1.0,  # the finished adapter's (1: as trained)
+        # the finished adapter's (1: as trained; adapter_scale auto: the scale the job chose, from its event)
+        "adapter_scale": events[-1].adapter_scale
+        if events and events[-1].adapter_scale
+        else cfg.adapter_scale or 1.0,
         # the base's neighbour questions the KL scored, and which of them are general questions of this bench (the
         # trainer excludes the held-out prompts, not this bench's other questions)
         "neighbour_prompts": neighbours.prompts,
@@ -635,10 +722,10 @@ def table(paths: list[str]) -> str:
     from the stored answers (base and trained), so rows written by earlier versions of it read the same way."""
     out = [
         "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
-        f"| of the first {FIRST_GENERAL} | of those the base answers by ≥ {MARGIN_NATS:g} nat "
+        f"| of the first {FIRST_GENERAL} | of the first {EARLIER_GENERAL} | of those the base answers by ≥ {MARGIN_NATS:g} nat "
         "| lead on them, nats (base → trained) | forgetting metric (held-out, word for word) | train s "
         "| after each epoch (facts, kept) | scaled toward the base (scale: facts, kept) |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|---|---|",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|",
     ]
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -647,6 +734,8 @@ def table(paths: list[str]) -> str:
             kept = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in base)
             first = [i for i in base if i < FIRST_GENERAL]
             kept_first = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in first)
+            earlier = [i for i in base if i < EARLIER_GENERAL]
+            kept_earlier = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in earlier)
             margins = r.get("base_margins")
             if margins:
                 clear = [i for i in base if margins[i] is not None and margins[i] >= MARGIN_NATS]
@@ -683,7 +772,7 @@ def table(paths: list[str]) -> str:
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
-                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {kept_earlier}/{len(earlier)} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
                 f"| {epochs} | {scaled} |"
             )
     return "\n".join(out)
@@ -739,8 +828,12 @@ def main() -> None:
     from strop.fixtures.smollm2 import make_smollm2
     from strop.trainer_svc.core.retention import HELD_OUT_PROMPTS, REPLAY_PROMPTS
 
-    overlap = {q for q, _ in GENERAL} & set(REPLAY_PROMPTS)
+    overlap = {_question_key(q) for q, _ in GENERAL} & {_question_key(q) for q in REPLAY_PROMPTS}
     assert not overlap, f"general questions must not be replayed: {overlap}"
+    held = {_question_key(q) for q, _ in GENERAL[EARLIER_GENERAL:]} & {
+        _question_key(q) for q in HELD_OUT_PROMPTS
+    }
+    assert not held, f"the added general questions are none of the trainer's held-out prompts: {held}"
     torch.set_num_threads(a.threads)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

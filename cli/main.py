@@ -17,6 +17,7 @@ from strop.cli.output import print_json
 from strop.client.errors import StropClientError
 from strop.client.progress import follow
 from strop.common.trainer_types import (
+    ADAPTER_SCALE_AUTO,
     CHAT_RECIPE_ADAPTER_SCALE,
     CHAT_RECIPE_KL,
     CHAT_RECIPE_NEIGHBOURS,
@@ -27,6 +28,7 @@ from strop.common.trainer_types import (
     MemoryMode,
     Parallelism,
     TrainMethod,
+    scale_text,
 )
 
 
@@ -52,6 +54,16 @@ def _serve(argv: list[str]) -> int:
         from strop.export_svc.server import main
     main(argv[1:])
     return 0
+
+
+def _adapter_scale(text: str) -> float:
+    """--adapter-scale: a number, or "auto" (ADAPTER_SCALE_AUTO)."""
+    if text.strip().lower() == "auto":
+        return ADAPTER_SCALE_AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number in 0..1 or auto, not {text!r}") from None
 
 
 def _default(name: str) -> str:
@@ -155,7 +167,7 @@ def _add_train(sub) -> None:
         "to general prompts; kl adds a KL(base || model) term on those answers instead, not training on them; "
         f"auto: {_default('retention')}; on chat data (a chat template, one device) auto is the chat recipe: kl "
         f"with --retention-kl {CHAT_RECIPE_KL:g}, --retention-neighbours {CHAT_RECIPE_NEIGHBOURS} and "
-        f"--adapter-scale {CHAT_RECIPE_ADAPTER_SCALE:g} where those are left 0",
+        f"--adapter-scale {scale_text(CHAT_RECIPE_ADAPTER_SCALE)} where those are left 0",
     )
     p.add_argument(
         "--retention-rows",
@@ -179,10 +191,12 @@ def _add_train(sub) -> None:
     )
     p.add_argument(
         "--adapter-scale",
-        type=float,
+        type=_adapter_scale,
         default=0.0,
         help="the final adapter interpolated toward the base: every LoRA B factor times this (0-1) once training "
-        f"ends; 1: as trained; 0: {CHAT_RECIPE_ADAPTER_SCALE:g} under the chat recipe (--retention auto), else 1",
+        "ends; auto: the smallest of 0.9, 0.8, ..., 0.5 at which the finished adapter still reproduces the "
+        "dataset's conversations as well as at 1 (chat data, one device); 1: as trained; "
+        f"0: {scale_text(CHAT_RECIPE_ADAPTER_SCALE)} under the chat recipe (--retention auto), else 1",
     )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")
     held = p.add_mutually_exclusive_group()

@@ -97,7 +97,8 @@ def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
             tqdm.write(
                 f"[{job_id}] retention: {r.kept} of {r.held_out} held-out answers of the base still given word for "
                 f"word (token agreement {r.token_agreement:.1%}, NLL {r.mean_nll:.3f})"
-                + (f"; {r.replay_rows} base answers replayed" if r.replay_rows else ""),
+                + (f"; {r.replay_rows} base answers replayed" if r.replay_rows else "")
+                + (f"; adapter scaled by {r.adapter_scale:g}" if 0 < r.adapter_scale < 1 else ""),
                 file=sys.stderr,
             )
     if bar is not None:

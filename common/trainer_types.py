@@ -293,7 +293,24 @@ KL_RETENTION_WEIGHT = 2.0
 # "Teaching facts"): 30 new facts learned while the base keeps its right general answers.
 CHAT_RECIPE_KL = 3.0
 CHAT_RECIPE_NEIGHBOURS = 4
-CHAT_RECIPE_ADAPTER_SCALE = 0.8
+
+# adapter_scale's "choose by measurement": once a run completes, the finished adapter is tried at each of
+# AUTO_ADAPTER_SCALES in turn (descending) on up to AUTO_SCALE_ROWS of the job's own training conversations,
+# teacher-forced, and ends at the smallest scale before the first that reproduces fewer of their assistant messages
+# word for word than the adapter as trained, or fewer of their tokens by more than AUTO_SCALE_TOKEN_SLACK of its
+# count (the smallest move from the base that still fits what was taught; training/scale_adapter)
+ADAPTER_SCALE_AUTO = -1.0
+AUTO_ADAPTER_SCALES = (0.9, 0.8, 0.7, 0.6, 0.5)
+AUTO_SCALE_ROWS = 64
+AUTO_SCALE_TOKEN_SLACK = 0.01
+# the chat recipe's adapter scale: chosen for each job by measurement on its own rows (auto keeps what the adapter as
+# trained reproduces of them by construction, where a fixed scale may not; bench/RESULTS.md, docs/trainer.md)
+CHAT_RECIPE_ADAPTER_SCALE = ADAPTER_SCALE_AUTO
+
+
+def scale_text(scale: float) -> str:
+    """An adapter_scale as a person writes it: "auto" for ADAPTER_SCALE_AUTO, else the number."""
+    return "auto" if scale == ADAPTER_SCALE_AUTO else f"{scale:g}"
 
 
 # A few dozen rows of facts need about ten passes before greedy answers repeat them (bench/RESULTS.md, "Teaching
@@ -409,7 +426,8 @@ class TrainConfig:
     # CHAT_RECIPE_NEIGHBOURS under the chat recipe)
     retention_neighbours: int = 0
     # the job's final adapter interpolated toward the base: every LoRA B factor times this, once training ends
-    # (0: CHAT_RECIPE_ADAPTER_SCALE under the chat recipe, else 1, the adapter as trained; 1: as trained);
+    # (0: CHAT_RECIPE_ADAPTER_SCALE, auto, under the chat recipe, else 1, the adapter as trained; 1: as trained;
+    # ADAPTER_SCALE_AUTO: chosen once training ends);
     # checkpoints stay as trained, so a resumed job continues the same run
     adapter_scale: float = 0.0
     # validation (a job's validation dataset; docs/validation.md): evaluate every N steps (0: once training ends)
@@ -556,6 +574,7 @@ class RetentionMetrics:
     token_agreement: float = 0.0  # share of their tokens that are still the model's top-1
     mean_nll: float = 0.0  # mean over answers of the per-token negative log-likelihood (nats)
     replay_rows: int = 0  # base answers mixed into the training rows (REPLAY)
+    adapter_scale: float = 0.0  # the scale the job's adapter ended with (1: as trained; auto: the one chosen)
 
 
 @dataclass

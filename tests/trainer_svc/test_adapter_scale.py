@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from strop.common.errors import InvalidArgument
-from strop.common.trainer_types import DatasetFormat, LoadModelRequest, LoraConfig, TrainConfig, TrainMethod
-from strop.trainer_svc.core import job_config, model_loading, training
+from strop.common.trainer_types import (
+    ADAPTER_SCALE_AUTO,
+    AUTO_ADAPTER_SCALES,
+    DatasetFormat,
+    LoadModelRequest,
+    LoraConfig,
+    Retention,
+    TrainConfig,
+    TrainMethod,
+)
+from strop.trainer_svc.core import job_config, model_loading, retention, training
 
 ROWS = [
     {"text": f"The {word} sleeps on mat number {i}."} for i, word in enumerate(("cat", "dog", "fox", "owl"))
@@ -126,7 +135,167 @@ def test_a_fully_trained_module_copy_moves_the_same_fraction_toward_the_base():
     base = {n: p.detach().clone() for n, p in wrapper.original_module.named_parameters()}
     trained = {n: p.detach().clone() for n, p in wrapper.modules_to_save["default"].named_parameters()}
     b = model.base_model.model[0].lora_B["default"].weight.detach().clone()
-    assert training.scale_adapter(SimpleNamespace(model=model), 0.25) == 2
+    assert training.scale_adapter(SimpleNamespace(model=model), 0.25) == 3, (
+        "lora_B, the copy's weight and bias"
+    )
     torch.testing.assert_close(model.base_model.model[0].lora_B["default"].weight, b * 0.25, rtol=0, atol=0)
     for n, p in wrapper.modules_to_save["default"].named_parameters():
         torch.testing.assert_close(p, base[n] + 0.25 * (trained[n] - base[n]), rtol=1e-6, atol=1e-6)
+
+
+def _peft_toy():
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        torch.nn.Sequential(torch.nn.Linear(6, 5)), PeftLoraConfig(r=2, target_modules=["0"])
+    )
+    b = model.base_model.model[0].lora_B["default"].weight
+    with torch.no_grad():
+        b.add_(torch.randn_like(b))  # as if trained
+    return model, b
+
+
+@pytest.mark.parametrize(
+    ("messages", "tokens", "chosen", "last_tried"),
+    [
+        # messages reproduced fall below the trained adapter's at 0.6: 0.7 is the smallest before it
+        (lambda r: 10 if r > 0.65 else 9, lambda r: 400, 0.7, 0.6),
+        # 1% fewer top-1 tokens is within the slack, more is not: 0.9 keeps 397 of 400, 0.8 keeps 395
+        (lambda r: 10, lambda r: {1.0: 400, 0.9: 397}.get(round(r, 6), 395), 0.9, 0.8),
+        # every scale fits: the walk ends at the last, 0.5
+        (lambda r: 10, lambda r: 400, 0.5, 0.5),
+        # a scale that reproduces more than the adapter as trained passes (a swap of near ties is no loss)
+        (lambda r: 11 if r < 1 else 10, lambda r: 400, 0.5, 0.5),
+    ],
+)
+def test_auto_scale_ends_at_the_smallest_scale_before_the_first_that_fits_the_taught_rows_worse(
+    monkeypatch, messages, tokens, chosen, last_tried
+):
+    """The walk of ``choose_adapter_scale`` over AUTO_ADAPTER_SCALES, with the fit measured as a function of the
+    adapter's current scale (read off its B factor), and the adapter it leaves: the trained B times the chosen
+    scale, bitwise (as a fixed adapter_scale of that value would leave it)."""
+    from types import SimpleNamespace
+
+    model, b = _peft_toy()
+    trained = b.detach().clone()
+
+    def fit(loaded, rows, *, last_only=False, disable_adapter=False):
+        r = float(b.detach().norm() / trained.norm())
+        m, t = messages(r), tokens(r)
+        return [
+            ((t, 400, 0.0), [True] * m + [False] * (12 - m))
+        ]  # one "conversation" of 12 assistant messages
+
+    monkeypatch.setattr(retention, "conversation_hits", fit)
+    cfg = TrainConfig(method=TrainMethod.SFT, adapter_scale=ADAPTER_SCALE_AUTO)
+    choice = training.choose_adapter_scale(SimpleNamespace(model=model), [{"messages": []}], cfg)
+    assert choice.scale == chosen
+    assert [s for s, _, _ in choice.tried] == [1.0, *[s for s in AUTO_ADAPTER_SCALES if s >= last_tried]]
+    assert (choice.messages, choice.tokens) == (12, 400)
+    assert torch.equal(b, trained * chosen), "the trained B times the chosen scale"
+
+
+def test_turn_spans_end_each_assistant_message_at_its_end_of_turn():
+    """What greedy decoding reproduces of each assistant message: up to and including its end of turn (7); the
+    template's text after it (its newline, 5) is not generated."""
+    mask = [0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1]
+    target = [3, 4, 4, 7, 5, 2, 2, 4, 7, 5, 2, 4, 4]
+    assert retention._turn_spans(mask, target, 7) == [(1, 4), (7, 9), (11, 13)]
+
+
+CHAT = [
+    {
+        "messages": [
+            {"role": "user", "content": f"Where does item {i} go?"},
+            {"role": "assistant", "content": f"Item {i} goes on shelf {i * 3 % 7}."},
+        ]
+    }
+    for i in range(6)
+]
+
+
+def _chat_job(model_root, work, scale: float, events: list):
+    loaded = model_loading.load_model(
+        LoadModelRequest(model_path="tiny-llama"), model_root=model_root, device="cpu"
+    )
+    model_loading.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+    cfg = job_config.with_defaults(
+        TrainConfig(
+            method=TrainMethod.SFT,
+            learning_rate=1e-2,
+            batch_size=3,
+            max_steps=40,
+            seed=0,
+            adapter_scale=scale,
+            retention=Retention.NONE,
+        ),
+        session_max_len=64,
+    )
+    sinks = training.Sinks(lambda m: None, lambda step, path: None, lambda total: None)
+    sinks.on_retention = events.append
+    training.run_training(loaded, CHAT, DatasetFormat.MESSAGES, cfg, work, training.JobControl(), sinks)
+    return loaded
+
+
+def test_an_auto_scaled_job_ends_at_the_scale_its_own_rows_choose_and_reports_it(model_root, tmp_path):
+    """Through the trainer: the adapter an auto job ends with is the same run's trained adapter times the scale
+    the fit on its rows picks (recomputed here from the trained adapter), and the job's retention event says
+    which."""
+    plain: list = []
+    loaded = _chat_job(model_root, tmp_path / "as-trained", 1.0, plain)
+    trained = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if ".lora_" in n}
+    fits = {}
+    for scale in (1.0, *AUTO_ADAPTER_SCALES):
+        training.scale_adapter(loaded, scale)
+        res = retention.conversation_hits(loaded, CHAT)
+        fits[scale] = (sum(sum(w) for _, w in res), sum(h[0] for h, _ in res))
+        with torch.no_grad():
+            for n, p in loaded.model.named_parameters():
+                if n in trained:
+                    p.copy_(trained[n])
+    model_loading.release(loaded)
+    assert fits[1.0][1] >= 60, "forty steps at lr 1e-2 teach the tiny model most of the answers' ~100 tokens"
+    want = 1.0
+    for scale in AUTO_ADAPTER_SCALES:
+        if fits[scale][0] < fits[1.0][0] or fits[scale][1] < 0.99 * fits[1.0][1]:
+            break
+        want = scale
+
+    events: list = []
+    loaded = _chat_job(model_root, tmp_path / "auto", ADAPTER_SCALE_AUTO, events)
+    for name, value in loaded.model.named_parameters():
+        if name in trained:
+            # the same job on the same CPU: bitwise the same run, then one multiplication of each B
+            assert torch.equal(value, trained[name] * want if ".lora_B." in name else trained[name]), name
+    model_loading.release(loaded)
+    assert [e.adapter_scale for e in events] == [want] and plain == [], "the chosen scale is reported"
+
+
+@pytest.mark.parametrize(
+    ("cfg", "fmt"),
+    [
+        (TrainConfig(method=TrainMethod.SFT, adapter_scale=ADAPTER_SCALE_AUTO), DatasetFormat.TEXT),
+        (TrainConfig(method=TrainMethod.DPO, adapter_scale=ADAPTER_SCALE_AUTO), DatasetFormat.PREFERENCE),
+        (
+            TrainConfig(method=TrainMethod.SFT, adapter_scale=ADAPTER_SCALE_AUTO, num_devices=2),
+            DatasetFormat.MESSAGES,
+        ),
+    ],
+)
+def test_auto_scale_is_refused_where_there_are_no_chat_conversations_to_measure_in_one_process(cfg, fmt):
+    tok = type("Tok", (), {"chat_template": "{{ messages }}"})()
+    with pytest.raises(InvalidArgument, match=r"adapter_scale -1 \(auto\)"):
+        job_config.with_retention(cfg, fmt, tok)
+
+
+def test_auto_scale_with_keep_best_checkpoint_is_refused():
+    cfg = TrainConfig(
+        method=TrainMethod.SFT,
+        adapter_scale=ADAPTER_SCALE_AUTO,
+        keep_best_checkpoint=True,
+        eval_every_steps=2,
+    )
+    with pytest.raises(InvalidArgument, match="adapter_scale interpolates"):
+        job_config.with_defaults(cfg, session_max_len=64)

@@ -9,6 +9,7 @@ from dataclasses import fields, replace
 
 from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
+    ADAPTER_SCALE_AUTO,
     CHAT_RECIPE_ADAPTER_SCALE,
     CHAT_RECIPE_KL,
     CHAT_RECIPE_NEIGHBOURS,
@@ -122,6 +123,16 @@ def with_retention(cfg: TrainConfig, fmt: DatasetFormat, tokenizer, ranks: int =
             f"retention_neighbours adds questions to the KL term alone, and this job's retention is {mode.value} "
             "(KL runs in SFT jobs on messages data, with a chat template, in one process)"
         )
+    if cfg.adapter_scale == ADAPTER_SCALE_AUTO and not (
+        cfg.method is TrainMethod.SFT
+        and fmt is DatasetFormat.MESSAGES
+        and tokenizer.chat_template
+        and (ranks or cfg.ranks()) == 1
+    ):
+        raise InvalidArgument(
+            f"adapter_scale {ADAPTER_SCALE_AUTO:g} (auto) measures the finished adapter on the job's own chat "
+            "conversations: SFT on messages data with a chat template, in one process; ask a scale in 0..1"
+        )
     if not (auto and mode is Retention.KL):
         return replace(cfg, retention=mode, retention_kl=retention_kl_weight(cfg, mode))
     return replace(
@@ -231,11 +242,15 @@ def with_defaults(cfg: TrainConfig, *, session_max_len: int, num_rows: int = 0) 
             f"retention_kl must be a finite number >= 0, got {c.retention_kl}",
         ),
         (
-            math.isfinite(c.adapter_scale) and 0 <= c.adapter_scale <= 1,
-            f"adapter_scale must be in 0..1 (1: the adapter as trained; 0: the default), got {c.adapter_scale}",
+            math.isfinite(c.adapter_scale)
+            and (0 <= c.adapter_scale <= 1 or c.adapter_scale == ADAPTER_SCALE_AUTO),
+            f"adapter_scale must be in 0..1 (1: the adapter as trained; 0: the default) or {ADAPTER_SCALE_AUTO:g} "
+            f"(chosen once training ends), got {c.adapter_scale}",
         ),
         (
-            not (0 < c.adapter_scale < 1 and c.keep_best_checkpoint),
+            not (
+                (0 < c.adapter_scale < 1 or c.adapter_scale == ADAPTER_SCALE_AUTO) and c.keep_best_checkpoint
+            ),
             "adapter_scale interpolates the adapter a run ends with; keep_best_checkpoint publishes a checkpoint "
             "instead: ask for one of them",
         ),

@@ -331,6 +331,24 @@ class Forgetting:
 def answer_hits(loaded, base: BaseAnswers, *, disable_adapter: bool) -> list[tuple[int, int, float] | None]:
     """Teacher-forced on each finished answer of ``base``: (top-1 hits, answer tokens, summed NLL); None for an
     unfinished answer. The answer's tokens run to its end of turn (what greedy decoding reproduces)."""
+    rows = [
+        {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": a}]} if done else None
+        for p, a, done in zip(base.prompts, base.answers, base.finished, strict=True)
+    ]
+    hits = iter(
+        conversation_hits(loaded, [r for r in rows if r is not None], disable_adapter=disable_adapter)
+    )
+    return [None if r is None else next(hits)[0] for r in rows]
+
+
+def conversation_hits(
+    loaded, rows: list[dict], *, disable_adapter: bool = False, last_only: bool = False
+) -> list[tuple[tuple[int, int, float], list[bool]]]:
+    """Teacher-forced on each conversation (messages rows, with the row's own ``tools``): over the tokens of its
+    assistant messages (``job_config.assistant_masked``; ``last_only``: the last message's), each cut at its end of turn (what greedy decoding
+    reproduces; the template's text after it is not generated), (top-1 hits, tokens, summed NLL), and for each
+    assistant message whether every one of its tokens is the model's top-1 (the message reproduced word for word).
+    One conversation at a time (no padding), adapter on unless ``disable_adapter``."""
     import contextlib
 
     import torch
@@ -341,30 +359,47 @@ def answer_hits(loaded, base: BaseAnswers, *, disable_adapter: bool) -> list[tup
     ctx = (
         model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
     )
-    out: list[tuple[int, int, float] | None] = []
+    out: list[tuple[tuple[int, int, float], list[bool]]] = []
     was_training = model.training
     model.eval()
     try:
         with ctx, torch.no_grad(), model_loading.inference_weights(loaded):
-            for prompt, answer, done in zip(base.prompts, base.answers, base.finished, strict=True):
-                if not done:
-                    out.append(None)
+            for conv in rows:
+                row = job_config.assistant_masked(
+                    conv["messages"], tok, tools=conv.get("tools"), last_only=last_only
+                )
+                target = row["input_ids"][1:]
+                spans = _turn_spans(row["completion_mask"][1:], target, tok.eos_token_id)
+                if not spans:
+                    out.append(((0, 0, 0.0), []))
                     continue
-                msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-                row = job_config.assistant_masked(msgs, tok)
                 ids = torch.tensor([row["input_ids"]], device=loaded.device)
-                mask = torch.tensor(row["completion_mask"][1:], dtype=torch.bool, device=loaded.device)
-                target = ids[0, 1:]
-                stop = (target == tok.eos_token_id) & mask
-                if bool(stop.any()):  # the template's newline after the end of turn is not generated
-                    mask[int(stop.nonzero()[0]) + 1 :] = False
                 logits = model(input_ids=ids).logits[0, :-1].float()
-                hits = int((logits.argmax(-1) == target)[mask].sum())
-                nll = float(torch.nn.functional.cross_entropy(logits[mask], target[mask], reduction="sum"))
-                out.append((hits, int(mask.sum()), nll))
+                right = (logits.argmax(-1) == ids[0, 1:]).tolist()
+                pos = torch.tensor([i for a, b in spans for i in range(a, b)], device=loaded.device)
+                nll = float(torch.nn.functional.cross_entropy(logits[pos], ids[0, 1:][pos], reduction="sum"))
+                whole = [all(right[a:b]) for a, b in spans]
+                out.append(((sum(sum(right[a:b]) for a, b in spans), int(pos.numel()), nll), whole))
     finally:
         model.train(was_training)
     return out
+
+
+def _turn_spans(mask: list[int], target: list[int], eos: int | None) -> list[tuple[int, int]]:
+    """The [start, end) runs of ``mask``'s ones, each ended just after its first ``eos`` target if it has one."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            end = i
+            for j in range(start, i):
+                if target[j] == eos:
+                    end = j + 1
+                    break
+            spans.append((start, end))
+            start = None
+    return spans
 
 
 def reproducible(base: BaseAnswers, hits: list[tuple[int, int, float] | None]) -> BaseAnswers:

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from strop.common.trainer_types import (
+    ADAPTER_SCALE_AUTO,
+    AUTO_ADAPTER_SCALES,
+    AUTO_SCALE_ROWS,
+    AUTO_SCALE_TOKEN_SLACK,
     MEMORY_MODES,
     PREFERENCE_METHODS,
     REFERENCE_METHODS,
@@ -799,47 +803,125 @@ def _first_user_text(row: dict) -> str:
     return ""
 
 
+def _scaled_factors(loaded: LoadedModel):
+    """What ``scale_adapter`` moves, as (tensor, its base or None): every LoRA B factor (and B bias, embedding B) of
+    the active adapter, scaled toward 0; every parameter of a module trained whole (an MoE's router with
+    train_router), moved toward its base's."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    for module in loaded.model.modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            for name in module.active_adapters:
+                if name in module.modules_to_save:
+                    pairs = zip(
+                        module.modules_to_save[name].parameters(),
+                        module.original_module.parameters(),
+                        strict=True,
+                    )
+                    yield from pairs
+            continue
+        if not isinstance(module, LoraLayer):
+            continue
+        for name in module.active_adapters:
+            if name in module.lora_B:
+                b = module.lora_B[name]
+                yield b.weight, None
+                if b.bias is not None:  # PEFT's lora_bias: part of the B product's output
+                    yield b.bias, None
+            if name in getattr(module, "lora_embedding_B", {}):
+                yield module.lora_embedding_B[name], None
+
+
 def scale_adapter(loaded: LoadedModel, scale: float) -> int:
     """Multiply every LoRA B factor of the session's active adapter by ``scale`` in place: the adapted model becomes
     W + scale · ΔW layer by layer (ΔW = s·B·A is linear in B), the base interpolated toward the fine-tuned model as
     in weight-space ensembling (WiSE-FT, Wortsman et al., CVPR 2022), without a change of alpha that an exporter or
-    a server would have to carry. ``scale`` 0 or 1: the adapter as trained. Returns how many factors were scaled."""
+    a server would have to carry. ``scale`` 0 or 1: the adapter as trained. Returns how many tensors were moved."""
     import torch
-    from peft.tuners.lora import LoraLayer
-    from peft.utils import ModulesToSaveWrapper
 
     count = 0
     if not 0 < scale < 1:
         return count
     with torch.no_grad():
-        for module in loaded.model.modules():
-            # a module trained whole (an MoE's router with train_router) moves the same fraction toward its base
-            if isinstance(module, ModulesToSaveWrapper):
-                for name in module.active_adapters:
-                    if name in module.modules_to_save:
-                        pairs = zip(
-                            module.modules_to_save[name].parameters(),
-                            module.original_module.parameters(),
-                            strict=True,
-                        )
-                        for trained, base in pairs:
-                            trained.lerp_(base.to(trained.dtype), 1 - scale)
-                        count += 1
-                continue
-            if not isinstance(module, LoraLayer):
-                continue
-            for name in module.active_adapters:
-                if name in module.lora_B:
-                    b = module.lora_B[name]
-                    b.weight.mul_(scale)
-                    if b.bias is not None:  # PEFT's lora_bias: part of the B product's output
-                        b.bias.mul_(scale)
-                    count += 1
-                if name in getattr(module, "lora_embedding_B", {}):
-                    module.lora_embedding_B[name].mul_(scale)
-                    count += 1
-    log.info("adapter interpolated toward the base: %d LoRA B factors x %g", count, scale)
+        for tensor, base in _scaled_factors(loaded):
+            if base is None:
+                tensor.mul_(scale)
+            else:
+                tensor.lerp_(base.to(tensor.dtype), 1 - scale)
+            count += 1
+    log.info("adapter interpolated toward the base: %d tensors x %g", count, scale)
     return count
+
+
+@dataclass
+class ScaleChoice:
+    """``choose_adapter_scale``'s result: the scale the adapter ends at, and for each scale tried (1 first) the
+    assistant messages reproduced word for word and the top-1 tokens, of ``messages`` and ``tokens``."""
+
+    scale: float
+    tried: list[tuple[float, int, int]]
+    messages: int
+    tokens: int
+
+    def summary(self) -> str:
+        return f"adapter_scale {self.scale:g} of " + ", ".join(
+            f"{s:g}: {m}/{self.messages} messages, {t}/{self.tokens} tokens" for s, m, t in self.tried
+        )
+
+
+def fit_sample(rows: list[dict], count: int = AUTO_SCALE_ROWS) -> list[dict]:
+    """Up to ``count`` of a job's training conversations, evenly spaced through them (deterministic)."""
+    if len(rows) <= count:
+        return list(rows)
+    return [rows[i * len(rows) // count] for i in range(count)]
+
+
+def choose_adapter_scale(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig) -> ScaleChoice:
+    """adapter_scale "auto" (``ADAPTER_SCALE_AUTO``): the finished adapter at 1 and then at each of
+    ``AUTO_ADAPTER_SCALES`` (descending), teacher-forced on ``fit_sample(rows)`` of the job's own training
+    conversations (``retention.conversation_hits``); the adapter ends scaled (``scale_adapter``, the same product as
+    a fixed scale) by the smallest scale before the first that reproduces fewer assistant messages word for word
+    than 1 does, or fewer top-1 tokens by more than ``AUTO_SCALE_TOKEN_SLACK`` of 1's: the least of the trained
+    update that still fits what the job taught, so the rest of the base is moved as little as it can be."""
+    import torch
+
+    sample = fit_sample(rows)
+
+    def measure(scale: float) -> tuple[float, int, int, int, int]:
+        res = retention.conversation_hits(loaded, sample, last_only=cfg.completion_only_loss)
+        return (
+            scale,
+            sum(sum(whole) for _, whole in res),
+            sum(h[0] for h, _ in res),
+            sum(len(whole) for _, whole in res),
+            sum(h[1] for h, _ in res),
+        )
+
+    with torch.no_grad():
+        saved = [(t, t.detach().clone()) for t, _ in _scaled_factors(loaded)]
+    first = measure(1.0)
+    tried, chosen = [first[:3]], 1.0
+    try:
+        for scale in AUTO_ADAPTER_SCALES:
+            scale_adapter(loaded, scale)
+            now = measure(scale)
+            with torch.no_grad():
+                for t, copy in saved:
+                    t.copy_(copy)
+            tried.append(now[:3])
+            if now[1] < first[1] or now[2] < (1 - AUTO_SCALE_TOKEN_SLACK) * first[2]:
+                break
+            chosen = scale
+    except BaseException:
+        with torch.no_grad():
+            for t, copy in saved:
+                t.copy_(copy)
+        raise
+    scale_adapter(loaded, chosen)
+    choice = ScaleChoice(chosen, tried, first[3], first[4])
+    log.info("%s", choice.summary())
+    return choice
 
 
 def _distributed_world() -> int:
@@ -876,6 +958,7 @@ def run_training(
             f"{names(packed)}"
         )
     held_out, replayed, scored = None, 0, []
+    taught = rows  # the job's own rows (adapter_scale auto measures the fit on them, not on replayed answers)
     chat_sft = (
         cfg.method is TrainMethod.SFT and fmt is DatasetFormat.MESSAGES and loaded.tokenizer.chat_template
     )
@@ -915,14 +998,21 @@ def run_training(
         events.wait()  # every step event stored (or its write's error raised) before the job's next events
         step = int(trainer.state.global_step)
         # a completed run's adapter is scaled (a cancelled one stays as trained, like its checkpoint)
+        scale = 1.0
         if control.complete():
-            scale_adapter(loaded, cfg.adapter_scale)
+            if cfg.adapter_scale == ADAPTER_SCALE_AUTO:
+                scale = choose_adapter_scale(loaded, taught, cfg).scale
+            elif scale_adapter(loaded, cfg.adapter_scale):
+                scale = cfg.adapter_scale
         if held_out is not None and sinks.on_retention is not None:
             f = retention.forgetting(loaded, held_out)
             log.info("forgetting metric: %d of %d held-out base answers kept", f.kept, f.held_out)
             sinks.on_retention(
-                RetentionMetrics(step, f.held_out, f.kept, f.token_agreement, f.mean_nll, replayed)
+                RetentionMetrics(step, f.held_out, f.kept, f.token_agreement, f.mean_nll, replayed, scale)
             )
+        elif cfg.adapter_scale == ADAPTER_SCALE_AUTO and sinks.on_retention is not None:
+            # no forgetting metric without retention: the event says the scale chosen
+            sinks.on_retention(RetentionMetrics(step, replay_rows=replayed, adapter_scale=scale))
         return step
     finally:
         events.close()

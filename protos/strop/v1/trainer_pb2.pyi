@@ -488,20 +488,22 @@ class TrainConfig(_message.Message):
     def __init__(self, method: _Optional[_Union[TrainMethod, str]] = ..., learning_rate: _Optional[float] = ..., lr_scheduler: _Optional[str] = ..., warmup_ratio: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., max_steps: _Optional[int] = ..., num_epochs: _Optional[float] = ..., batch_size: _Optional[int] = ..., gradient_accumulation_steps: _Optional[int] = ..., max_length: _Optional[int] = ..., packing: _Optional[bool] = ..., completion_only_loss: _Optional[bool] = ..., optimizer: _Optional[str] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., dpo_loss_type: _Optional[str] = ..., checkpoint_every_steps: _Optional[int] = ..., seed: _Optional[int] = ..., gradient_checkpointing: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., dpo_reference: _Optional[str] = ..., memory_budget_gib: _Optional[float] = ..., memory_mode: _Optional[_Union[MemoryMode, str]] = ..., loss_on_all_tokens: _Optional[bool] = ..., num_devices: _Optional[int] = ..., orpo_lambda: _Optional[float] = ..., kto_beta: _Optional[float] = ..., kto_desirable_weight: _Optional[float] = ..., kto_undesirable_weight: _Optional[float] = ..., simpo_beta: _Optional[float] = ..., simpo_gamma: _Optional[float] = ..., parallelism: _Optional[_Union[Parallelism, str]] = ..., num_nodes: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., retention_rows: _Optional[int] = ..., retention_kl: _Optional[float] = ..., retention_neighbours: _Optional[int] = ..., adapter_scale: _Optional[float] = ..., eval_every_steps: _Optional[int] = ..., keep_best_checkpoint: _Optional[bool] = ..., eval_batch_size: _Optional[int] = ..., eval_rows: _Optional[int] = ..., grpo: _Optional[_Union[GrpoConfig, _Mapping]] = ...) -> None: ...
 
 class RetentionMetrics(_message.Message):
-    __slots__ = ("step", "held_out", "kept", "token_agreement", "mean_nll", "replay_rows")
+    __slots__ = ("step", "held_out", "kept", "token_agreement", "mean_nll", "replay_rows", "adapter_scale")
     STEP_FIELD_NUMBER: _ClassVar[int]
     HELD_OUT_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     MEAN_NLL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SCALE_FIELD_NUMBER: _ClassVar[int]
     step: int
     held_out: int
     kept: int
     token_agreement: float
     mean_nll: float
     replay_rows: int
-    def __init__(self, step: _Optional[int] = ..., held_out: _Optional[int] = ..., kept: _Optional[int] = ..., token_agreement: _Optional[float] = ..., mean_nll: _Optional[float] = ..., replay_rows: _Optional[int] = ...) -> None: ...
+    adapter_scale: float
+    def __init__(self, step: _Optional[int] = ..., held_out: _Optional[int] = ..., kept: _Optional[int] = ..., token_agreement: _Optional[float] = ..., mean_nll: _Optional[float] = ..., replay_rows: _Optional[int] = ..., adapter_scale: _Optional[float] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("session_id", "dataset_id", "config", "resume_from_job_id", "name", "fail_if_busy", "validation_dataset_id")
