@@ -92,13 +92,15 @@ def follow(events: Iterable[Any], on_event: Callable | None = None) -> str:
             tqdm.write(f"[{job_id}] adapter {ev.adapter.artifact_id}", file=sys.stderr)
         elif ev.log is not None:
             tqdm.write(f"[{job_id}] {ev.log.message}", file=sys.stderr)
+        elif ev.retention is not None and not ev.retention.held_out:  # no forgetting metric: the scale alone
+            tqdm.write(f"[{job_id}] adapter scale {ev.retention.adapter_scale:g} (chosen)", file=sys.stderr)
         elif ev.retention is not None:
             r = ev.retention
             tqdm.write(
                 f"[{job_id}] retention: {r.kept} of {r.held_out} held-out answers of the base still given word for "
                 f"word (token agreement {r.token_agreement:.1%}, NLL {r.mean_nll:.3f})"
                 + (f"; {r.replay_rows} base answers replayed" if r.replay_rows else "")
-                + (f"; adapter scaled by {r.adapter_scale:g}" if 0 < r.adapter_scale < 1 else ""),
+                + (f"; adapter scale {r.adapter_scale:g}" if r.adapter_scale else ""),
                 file=sys.stderr,
             )
     if bar is not None:

@@ -146,3 +146,17 @@ def test_serve_help_says_where_each_servers_options_are(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     assert "strop serve trainer --help" in out and "strop serve export --help" in out
+
+
+def test_adapter_scale_takes_a_number_or_auto_and_refuses_anything_else(capsys):
+    from strop.common.trainer_types import ADAPTER_SCALE_AUTO
+
+    parser = build_parser()
+    base = ["train", "--model", "m", "--dataset", "d.jsonl"]
+    assert parser.parse_args([*base, "--adapter-scale", "auto"]).adapter_scale == ADAPTER_SCALE_AUTO
+    assert parser.parse_args([*base, "--adapter-scale", "AUTO"]).adapter_scale == ADAPTER_SCALE_AUTO
+    assert parser.parse_args([*base, "--adapter-scale", "0.7"]).adapter_scale == 0.7
+    assert parser.parse_args(base).adapter_scale == 0.0, "0: the default (auto under the chat recipe)"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--adapter-scale", "most"])
+    assert "a number in 0..1 or auto, not 'most'" in capsys.readouterr().err

@@ -181,7 +181,7 @@ def test_auto_scale_ends_at_the_smallest_scale_before_the_first_that_fits_the_ta
     model, b = _peft_toy()
     trained = b.detach().clone()
 
-    def fit(loaded, rows, *, last_only=False, disable_adapter=False):
+    def fit(loaded, rows, **kw):
         r = float(b.detach().norm() / trained.norm())
         m, t = messages(r), tokens(r)
         return [
@@ -299,3 +299,60 @@ def test_auto_scale_with_keep_best_checkpoint_is_refused():
     )
     with pytest.raises(InvalidArgument, match="adapter_scale interpolates"):
         job_config.with_defaults(cfg, session_max_len=64)
+
+
+@pytest.mark.parametrize("failure", ["unmaskable", "no tokens"])
+def test_auto_scale_keeps_the_adapter_as_trained_where_the_fit_cannot_be_measured(monkeypatch, failure):
+    """A completed run is not failed by its measurement: rows its template masks only with loss_on_all_tokens
+    (``assistant_masked`` raises), or rows with no assistant tokens to measure, leave the adapter as trained."""
+    from types import SimpleNamespace
+
+    model, b = _peft_toy()
+    trained = b.detach().clone()
+
+    def fit(loaded, rows, **kw):
+        if failure == "unmaskable":
+            raise InvalidArgument("the chat template renders a conversation's first 2 messages differently")
+        return [((0, 0, 0.0), [])]
+
+    monkeypatch.setattr(retention, "conversation_hits", fit)
+    cfg = TrainConfig(method=TrainMethod.SFT, adapter_scale=ADAPTER_SCALE_AUTO)
+    choice = training.choose_adapter_scale(SimpleNamespace(model=model), [{"messages": []}], cfg)
+    assert choice.scale == 1.0 and torch.equal(b, trained)
+
+
+def test_conversation_hits_match_full_logits_on_every_assistant_message_and_cut_at_max_length(model_root):
+    """The measured positions' logits (``logits_to_keep``) against the full logits of the same forward, on a
+    two-turn conversation: the same top-1 hits, token count and NLL; each message judged whole on its own tokens;
+    a max_length cut measures only what lies before it."""
+    loaded = model_loading.load_model(
+        LoadModelRequest(model_path="tiny-llama"), model_root=model_root, device="cpu"
+    )
+    model_loading.attach_lora(loaded, LoraConfig(r=4, alpha=8, seed=0))
+    tok = loaded.tokenizer
+    conv = {
+        "messages": [
+            {"role": "user", "content": "Name a shelf."},
+            {"role": "assistant", "content": "Shelf three."},
+            {"role": "user", "content": "And another?"},
+            {"role": "assistant", "content": "Shelf five, by the door."},
+        ]
+    }
+    ((hits, tokens, nll), whole) = retention.conversation_hits(loaded, [conv])[0]
+    row = job_config.assistant_masked(conv["messages"], tok)
+    target = row["input_ids"][1:]
+    spans = retention._turn_spans(row["completion_mask"][1:], target, tok.eos_token_id)
+    assert len(spans) == 2 and len(whole) == 2, "one span per assistant message"
+    ids = torch.tensor([row["input_ids"]])
+    with torch.no_grad():
+        logits = loaded.model(input_ids=ids).logits[0, :-1].float()
+    at = torch.tensor([i for a, b in spans for i in range(a, b)])
+    right = logits.argmax(-1) == ids[0, 1:]
+    assert (hits, tokens) == (int(right[at].sum()), len(at))
+    want = float(torch.nn.functional.cross_entropy(logits[at], ids[0, 1:][at], reduction="sum"))
+    assert nll == pytest.approx(want, rel=1e-5)
+    assert whole == [bool(right[a:b].all()) for a, b in spans]
+    cut = spans[1][0] + 2  # two tokens into the second message's span
+    ((_, short, _), whole_cut) = retention.conversation_hits(loaded, [conv], max_length=cut + 1)[0]
+    assert short == (spans[0][1] - spans[0][0]) + 2 and len(whole_cut) == 2
+    model_loading.release(loaded)

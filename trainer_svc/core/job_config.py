@@ -126,7 +126,7 @@ def with_retention(cfg: TrainConfig, fmt: DatasetFormat, tokenizer, ranks: int =
     if cfg.adapter_scale == ADAPTER_SCALE_AUTO and not (
         cfg.method is TrainMethod.SFT
         and fmt is DatasetFormat.MESSAGES
-        and tokenizer.chat_template
+        and getattr(tokenizer, "chat_template", None)
         and (ranks or cfg.ranks()) == 1
     ):
         raise InvalidArgument(

@@ -342,13 +342,15 @@ def answer_hits(loaded, base: BaseAnswers, *, disable_adapter: bool) -> list[tup
 
 
 def conversation_hits(
-    loaded, rows: list[dict], *, disable_adapter: bool = False, last_only: bool = False
+    loaded, rows: list[dict], *, disable_adapter: bool = False, last_only: bool = False, max_length: int = 0
 ) -> list[tuple[tuple[int, int, float], list[bool]]]:
     """Teacher-forced on each conversation (messages rows, with the row's own ``tools``): over the tokens of its
     assistant messages (``job_config.assistant_masked``; ``last_only``: the last message's), each cut at its end of turn (what greedy decoding
     reproduces; the template's text after it is not generated), (top-1 hits, tokens, summed NLL), and for each
     assistant message whether every one of its tokens is the model's top-1 (the message reproduced word for word).
-    One conversation at a time (no padding), adapter on unless ``disable_adapter``."""
+    One conversation at a time (no padding), cut at ``max_length`` tokens as training cuts it (0: whole), the LM
+    head run at the measured positions only (``logits_to_keep``: no sequence × vocabulary logits); adapter on unless
+    ``disable_adapter``."""
     import contextlib
 
     import torch
@@ -368,18 +370,22 @@ def conversation_hits(
                 row = job_config.assistant_masked(
                     conv["messages"], tok, tools=conv.get("tools"), last_only=last_only
                 )
-                target = row["input_ids"][1:]
-                spans = _turn_spans(row["completion_mask"][1:], target, tok.eos_token_id)
+                input_ids = row["input_ids"][:max_length] if max_length else row["input_ids"]
+                target = input_ids[1:]
+                spans = _turn_spans(row["completion_mask"][1 : len(input_ids)], target, tok.eos_token_id)
                 if not spans:
                     out.append(((0, 0, 0.0), []))
                     continue
-                ids = torch.tensor([row["input_ids"]], device=loaded.device)
-                logits = model(input_ids=ids).logits[0, :-1].float()
-                right = (logits.argmax(-1) == ids[0, 1:]).tolist()
-                pos = torch.tensor([i for a, b in spans for i in range(a, b)], device=loaded.device)
-                nll = float(torch.nn.functional.cross_entropy(logits[pos], ids[0, 1:][pos], reduction="sum"))
-                whole = [all(right[a:b]) for a, b in spans]
-                out.append(((sum(sum(right[a:b]) for a, b in spans), int(pos.numel()), nll), whole))
+                at = [i for a, b in spans for i in range(a, b)]  # position i predicts token i + 1
+                ids = torch.tensor([input_ids], device=loaded.device)
+                keep = torch.tensor(at, device=loaded.device)
+                logits = model(input_ids=ids, logits_to_keep=keep).logits[0].float()
+                want = ids[0, keep + 1]
+                hit = (logits.argmax(-1) == want).tolist()
+                right = dict(zip(at, hit, strict=True))
+                nll = float(torch.nn.functional.cross_entropy(logits, want, reduction="sum"))
+                whole = [all(right[i] for i in range(a, b)) for a, b in spans]
+                out.append(((sum(hit), len(at), nll), whole))
     finally:
         model.train(was_training)
     return out

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
     ADAPTER_SCALE_AUTO,
     AUTO_ADAPTER_SCALES,
@@ -889,7 +890,9 @@ def choose_adapter_scale(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig
     sample = fit_sample(rows)
 
     def measure(scale: float) -> tuple[float, int, int, int, int]:
-        res = retention.conversation_hits(loaded, sample, last_only=cfg.completion_only_loss)
+        res = retention.conversation_hits(
+            loaded, sample, last_only=cfg.completion_only_loss, max_length=cfg.max_length
+        )
         return (
             scale,
             sum(sum(whole) for _, whole in res),
@@ -898,9 +901,20 @@ def choose_adapter_scale(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig
             sum(h[1] for h, _ in res),
         )
 
+    try:
+        first = measure(1.0)
+    except (InvalidArgument, torch.OutOfMemoryError) as e:
+        # the run is complete: a fit that cannot be measured (a template that masks these rows only with
+        # loss_on_all_tokens, a row too long for the device) leaves the adapter as trained, not the job failed
+        log.warning("adapter_scale auto: the fit could not be measured (%s); the adapter stays as trained", e)
+        return ScaleChoice(1.0, [], 0, 0)
+    if not first[4]:  # nothing to measure: no scale can be shown to fit
+        log.info(
+            "adapter_scale auto: the sampled rows have no assistant tokens; the adapter stays as trained"
+        )
+        return ScaleChoice(1.0, [first[:3]], 0, 0)
     with torch.no_grad():
         saved = [(t, t.detach().clone()) for t, _ in _scaled_factors(loaded)]
-    first = measure(1.0)
     tried, chosen = [first[:3]], 1.0
     try:
         for scale in AUTO_ADAPTER_SCALES:
