@@ -756,6 +756,8 @@ def table(paths: list[str]) -> str:
                 "; ".join(f"{x['scale']:g}: {x['facts']}, {x['general_kept']}" for x in r.get("scaled", []))
                 or "-"
             )
+            if r.get("adapter_scale", 1) != 1:
+                scaled = f"ended at {r['adapter_scale']:g}" + ("; " + scaled if scaled != "-" else "")
             ev = r["forgetting_events"][0] if r["forgetting_events"] else None
             metric = f"{ev['kept']}/{ev['held_out']}, tokens {ev['token_agreement']:.2f}" if ev else "-"
             retention = r["retention"].rsplit(".", 1)[-1].replace("UNSPECIFIED", "NONE (default)")
