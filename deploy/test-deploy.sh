@@ -90,10 +90,12 @@ if cpu; then
     # The CPU build from PyTorch's CPU index (PyPI's Linux torch is the CUDA build, several GB more and not what the
     # CPU images run); a find-links in pip's configuration that holds it (the CI machines' disk) is used first.
     "$VPY" -m pip download -q --no-deps --index-url "$TORCH_INDEX" "$TORCH_SPEC" -d "$ctx/deploy/wheels"
-    # llama-cpp-python is sdist-only: pip builds the wheel from the lock's sdist (--require-hashes checks it; a wheel
-    # pip built before from that sdist comes from its cache).
+    # llama-cpp-python is sdist-only: pip builds the wheel from the lock's sdist (--require-hashes checks it), portable
+    # (LLAMA_CMAKE_ARGS, the Makefile's: not for this host's CPU, which the image's nodes need not share) and outside
+    # pip's wheel cache (which may hold a native build of the same sdist).
     grep -A3 '^llama-cpp-python==' requirements/lock.txt | sed '/# via/,$d' >"$WORK/llama-lock.txt"
-    "$VPY" -m pip wheel -q --no-deps --require-hashes -r "$WORK/llama-lock.txt" -w "$ctx/deploy/wheels"
+    CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$VPY" -m pip wheel -q --no-deps --no-cache-dir \
+        --require-hashes -r "$WORK/llama-lock.txt" -w "$ctx/deploy/wheels"
     ls -l "$ctx/deploy/wheels"/*.whl
     ls "$ctx/deploy/wheels"/torch-*+cpu-*.whl >/dev/null || { echo "test-deploy: expected the CPU torch wheel"; exit 1; }
 fi
