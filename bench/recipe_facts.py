@@ -116,8 +116,8 @@ GENERAL: list[tuple[str, tuple[str, ...]]] = [
     ("What is the capital of Austria?", ("Vienna",)),
     ("What is the capital of Thailand?", ("Bangkok",)),
     ("How many minutes are in an hour?", ("60", "sixty")),
-    # 77 more, written before any run with them, so that one answer is a smaller share of those the base gets right
-    # (with the 40 above one answer of ~24 was 4%, as large as the gap to the bar): the same mix, the facts' question
+    # more, written before any run with them, so that one answer is a smaller share of those the base gets right
+    # (bench/RESULTS.md, session 25): the same mix, the facts' question
     # forms asked about real things (capitals, who wrote / painted / invented, colours, legs, numbers, currency,
     # language, chemical symbols, science, geography, animals, instruments, sports), none a replay or held-out
     # prompt of the trainer's (checked at start)
@@ -200,7 +200,7 @@ GENERAL: list[tuple[str, tuple[str, ...]]] = [
     ("What is the plural of child?", ("children", "Children")),
 ]
 # The first 20 are the questions of the earlier results' "general kept (of 12)", the first 40 those of the results
-# before the 77 were added ("of 24"); the table gives each count.
+# before the rest were added ("of 24"); the table gives each count.
 FIRST_GENERAL = 20
 EARLIER_GENERAL = 40
 
