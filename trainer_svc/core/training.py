@@ -916,22 +916,18 @@ def choose_adapter_scale(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig
     with torch.no_grad():
         saved = [(t, t.detach().clone()) for t, _ in _scaled_factors(loaded)]
     tried, chosen = [first[:3]], 1.0
-    try:
-        for scale in AUTO_ADAPTER_SCALES:
-            scale_adapter(loaded, scale)
+    for scale in AUTO_ADAPTER_SCALES:
+        scale_adapter(loaded, scale)
+        try:
             now = measure(scale)
+        finally:  # the adapter as trained again, whatever the measurement did
             with torch.no_grad():
                 for t, copy in saved:
                     t.copy_(copy)
-            tried.append(now[:3])
-            if now[1] < first[1] or now[2] < (1 - AUTO_SCALE_TOKEN_SLACK) * first[2]:
-                break
-            chosen = scale
-    except BaseException:
-        with torch.no_grad():
-            for t, copy in saved:
-                t.copy_(copy)
-        raise
+        tried.append(now[:3])
+        if now[1] < first[1] or now[2] < (1 - AUTO_SCALE_TOKEN_SLACK) * first[2]:
+            break
+        chosen = scale
     scale_adapter(loaded, chosen)
     choice = ScaleChoice(chosen, tried, first[3], first[4])
     log.info("%s", choice.summary())
