@@ -298,11 +298,13 @@ CHAT_RECIPE_NEIGHBOURS = 4
 # AUTO_ADAPTER_SCALES in turn (descending) on up to AUTO_SCALE_ROWS of the job's own training conversations,
 # teacher-forced, and ends at the smallest scale before the first that reproduces fewer of their assistant messages
 # word for word than the adapter as trained, or fewer of their tokens by more than AUTO_SCALE_TOKEN_SLACK of its
-# count (the smallest move from the base that still fits what was taught; training/scale_adapter)
+# count (the smallest move from the base that still fits what was taught; training/scale_adapter); the interval
+# between that scale and the first that fits worse is then halved AUTO_SCALE_REFINE times (to 0.1 / 2**REFINE)
 ADAPTER_SCALE_AUTO = -1.0
 AUTO_ADAPTER_SCALES = (0.9, 0.8, 0.7, 0.6, 0.5)
 AUTO_SCALE_ROWS = 64
 AUTO_SCALE_TOKEN_SLACK = 0.01
+AUTO_SCALE_REFINE = 2
 # the chat recipe's adapter scale: chosen for each job by measurement on its own rows (auto keeps what the adapter as
 # trained reproduces of them by construction, where a fixed scale may not; bench/RESULTS.md, docs/trainer.md)
 CHAT_RECIPE_ADAPTER_SCALE = ADAPTER_SCALE_AUTO

@@ -12,6 +12,7 @@ from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
     ADAPTER_SCALE_AUTO,
     AUTO_ADAPTER_SCALES,
+    AUTO_SCALE_REFINE,
     DatasetFormat,
     LoadModelRequest,
     LoraConfig,
@@ -158,22 +159,30 @@ def _peft_toy():
 
 
 @pytest.mark.parametrize(
-    ("messages", "tokens", "chosen", "last_tried"),
+    ("messages", "tokens", "chosen", "tried"),
     [
-        # messages reproduced fall below the trained adapter's at 0.6: 0.7 is the smallest before it
-        (lambda r: 10 if r > 0.65 else 9, lambda r: 400, 0.7, 0.6),
-        # 1% fewer top-1 tokens is within the slack, more is not: 0.9 keeps 397 of 400, 0.8 keeps 395
-        (lambda r: 10, lambda r: {1.0: 400, 0.9: 397}.get(round(r, 6), 395), 0.9, 0.8),
-        # every scale fits: the walk ends at the last, 0.5
-        (lambda r: 10, lambda r: 400, 0.5, 0.5),
+        # messages reproduced fall below the trained adapter's under 0.65: the walk stops at 0.6, then halves
+        # 0.7..0.6 twice: 0.65 fits, 0.625 does not
+        (lambda r: 10 if r > 0.64 else 9, lambda r: 400, 0.65, [0.9, 0.8, 0.7, 0.6, 0.65, 0.625]),
+        # 1% fewer top-1 tokens is within the slack, more is not: 0.9 keeps 397 of 400, below it 395
+        (
+            lambda r: 10,
+            lambda r: {1.0: 400, 0.9: 397}.get(round(r, 6), 395),
+            0.9,
+            [0.9, 0.8, 0.85, 0.875],
+        ),
+        # the first scale already fits worse: the interval is 1..0.9
+        (lambda r: 10 if r > 0.96 else 9, lambda r: 400, 0.975, [0.9, 0.95, 0.975]),
+        # every scale fits: the walk ends at the last, 0.5, with nothing to halve
+        (lambda r: 10, lambda r: 400, 0.5, [0.9, 0.8, 0.7, 0.6, 0.5]),
         # a scale that reproduces more than the adapter as trained passes (a swap of near ties is no loss)
-        (lambda r: 11 if r < 1 else 10, lambda r: 400, 0.5, 0.5),
+        (lambda r: 11 if r < 1 else 10, lambda r: 400, 0.5, [0.9, 0.8, 0.7, 0.6, 0.5]),
     ],
 )
 def test_auto_scale_ends_at_the_smallest_scale_before_the_first_that_fits_the_taught_rows_worse(
-    monkeypatch, messages, tokens, chosen, last_tried
+    monkeypatch, messages, tokens, chosen, tried
 ):
-    """The walk of ``choose_adapter_scale`` over AUTO_ADAPTER_SCALES, with the fit measured as a function of the
+    """The walk of ``choose_adapter_scale`` over AUTO_ADAPTER_SCALES and the halvings after it, with the fit measured as a function of the
     adapter's current scale (read off its B factor), and the adapter it leaves: the trained B times the chosen
     scale, bitwise (as a fixed adapter_scale of that value would leave it)."""
     from types import SimpleNamespace
@@ -192,7 +201,7 @@ def test_auto_scale_ends_at_the_smallest_scale_before_the_first_that_fits_the_ta
     cfg = TrainConfig(method=TrainMethod.SFT, adapter_scale=ADAPTER_SCALE_AUTO)
     choice = training.choose_adapter_scale(SimpleNamespace(model=model), [{"messages": []}], cfg)
     assert choice.scale == chosen
-    assert [s for s, _, _ in choice.tried] == [1.0, *[s for s in AUTO_ADAPTER_SCALES if s >= last_tried]]
+    assert [s for s, _, _ in choice.tried] == [1.0, *tried]
     assert (choice.messages, choice.tokens) == (12, 400)
     assert torch.equal(b, trained * chosen), "the trained B times the chosen scale"
 
@@ -246,22 +255,33 @@ def test_an_auto_scaled_job_ends_at_the_scale_its_own_rows_choose_and_reports_it
     plain: list = []
     loaded = _chat_job(model_root, tmp_path / "as-trained", 1.0, plain)
     trained = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if ".lora_" in n}
-    fits = {}
-    for scale in (1.0, *AUTO_ADAPTER_SCALES):
+
+    def fit(scale):
         training.scale_adapter(loaded, scale)
         res = retention.conversation_hits(loaded, CHAT)
-        fits[scale] = (sum(sum(w) for _, w in res), sum(h[0] for h, _ in res))
         with torch.no_grad():
             for n, p in loaded.model.named_parameters():
                 if n in trained:
                     p.copy_(trained[n])
-    model_loading.release(loaded)
-    assert fits[1.0][1] >= 60, "forty steps at lr 1e-2 teach the tiny model most of the answers' ~100 tokens"
-    want = 1.0
+        return sum(sum(w) for _, w in res), sum(h[0] for h, _ in res)
+
+    as_trained = fit(1.0)
+    assert as_trained[1] >= 60, "forty steps at lr 1e-2 teach the tiny model most of the answers' ~100 tokens"
+
+    def fits(scale):
+        m, t = fit(scale)
+        return m >= as_trained[0] and t >= 0.99 * as_trained[1]
+
+    want, worse = 1.0, None
     for scale in AUTO_ADAPTER_SCALES:
-        if fits[scale][0] < fits[1.0][0] or fits[scale][1] < 0.99 * fits[1.0][1]:
+        if not fits(scale):
+            worse = scale
             break
         want = scale
+    for _ in range(AUTO_SCALE_REFINE if worse is not None else 0):
+        mid = round((want + worse) / 2, 6)
+        want, worse = (mid, worse) if fits(mid) else (want, mid)
+    model_loading.release(loaded)
 
     events: list = []
     loaded = _chat_job(model_root, tmp_path / "auto", ADAPTER_SCALE_AUTO, events)

@@ -25,6 +25,7 @@ from strop.common.errors import InvalidArgument
 from strop.common.trainer_types import (
     ADAPTER_SCALE_AUTO,
     AUTO_ADAPTER_SCALES,
+    AUTO_SCALE_REFINE,
     AUTO_SCALE_ROWS,
     AUTO_SCALE_TOKEN_SLACK,
     MEMORY_MODES,
@@ -883,8 +884,9 @@ def choose_adapter_scale(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig
     ``AUTO_ADAPTER_SCALES`` (descending), teacher-forced on ``fit_sample(rows)`` of the job's own training
     conversations (``retention.conversation_hits``); the adapter ends scaled (``scale_adapter``, the same product as
     a fixed scale) by the smallest scale before the first that reproduces fewer assistant messages word for word
-    than 1 does, or fewer top-1 tokens by more than ``AUTO_SCALE_TOKEN_SLACK`` of 1's: the least of the trained
-    update that still fits what the job taught, so the rest of the base is moved as little as it can be."""
+    than 1 does, or fewer top-1 tokens by more than ``AUTO_SCALE_TOKEN_SLACK`` of 1's, that interval then halved
+    ``AUTO_SCALE_REFINE`` times (a scale between that fits is kept): the least of the trained update that still fits
+    what the job taught, so the rest of the base is moved as little as it can be."""
     import torch
 
     sample = fit_sample(rows)
@@ -915,8 +917,9 @@ def choose_adapter_scale(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig
         return ScaleChoice(1.0, [first[:3]], 0, 0)
     with torch.no_grad():
         saved = [(t, t.detach().clone()) for t, _ in _scaled_factors(loaded)]
-    tried, chosen = [first[:3]], 1.0
-    for scale in AUTO_ADAPTER_SCALES:
+    tried: list[tuple[float, int, int]] = [first[:3]]
+
+    def fits(scale: float) -> bool:
         scale_adapter(loaded, scale)
         try:
             now = measure(scale)
@@ -925,9 +928,21 @@ def choose_adapter_scale(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig
                 for t, copy in saved:
                     t.copy_(copy)
         tried.append(now[:3])
-        if now[1] < first[1] or now[2] < (1 - AUTO_SCALE_TOKEN_SLACK) * first[2]:
+        return now[1] >= first[1] and now[2] >= (1 - AUTO_SCALE_TOKEN_SLACK) * first[2]
+
+    chosen, worse = 1.0, None
+    for scale in AUTO_ADAPTER_SCALES:
+        if not fits(scale):
+            worse = scale
             break
         chosen = scale
+    for _ in range(AUTO_SCALE_REFINE if worse is not None else 0):
+        # the grid's step halved between the last scale that fits and the first that does not
+        mid = round((chosen + worse) / 2, 6)
+        if fits(mid):
+            chosen = mid
+        else:
+            worse = mid
     scale_adapter(loaded, chosen)
     choice = ScaleChoice(chosen, tried, first[3], first[4])
     log.info("%s", choice.summary())
