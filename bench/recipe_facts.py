@@ -530,6 +530,7 @@ def run(
     device: str = "cpu",
     trace: bool = False,
     scales: list[float] | None = None,
+    save_adapter: Path | None = None,
 ) -> tuple[dict, dict]:
     from strop.common.trainer_types import ADAPTER_SCALE_AUTO, DatasetFormat, LoadModelRequest, scale_text
     from strop.trainer_svc.core import job_config, model_loading, training
@@ -575,6 +576,23 @@ def run(
                     snapshot(loaded, base_eval, f"trace step {state.global_step}", step=state.global_step)
                 )
 
+    class SaveAsTrained(TrainerCallback):
+        """The LoRA tensors as trained (safetensors), written when training ends: before adapter_scale moves them,
+        so that other interpolations can be evaluated afterwards from the same run."""
+
+        def on_train_end(self, args, state, control_, **kw):
+            from safetensors.torch import save_file
+
+            save_file(
+                {
+                    n: p.detach().cpu().contiguous()
+                    for n, p in loaded.model.named_parameters()
+                    if ".lora_" in n
+                },
+                str(save_adapter),
+                metadata={"setting": setting},
+            )
+
     sinks = training.Sinks(
         on_step=on_step,
         on_checkpoint=lambda step, path: None,
@@ -596,7 +614,7 @@ def run(
             Path(work) / "w",
             training.JobControl(),
             sinks,
-            callbacks=[Trace()] if trace else [],
+            callbacks=[Trace()] * trace + [SaveAsTrained()] * (save_adapter is not None),
         )
     train_s = time.perf_counter() - t0
     after = evaluate(loaded, disable_adapter=False)
@@ -818,6 +836,11 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="the session's device: cpu (the issue's setting) or cuda")
+    p.add_argument(
+        "--save-adapter",
+        help="write each setting's LoRA tensors as trained (before any adapter_scale) to this directory, one "
+        "safetensors file a setting",
+    )
     a = p.parse_args()
     if a.table:
         print(table(a.table))
@@ -856,7 +879,11 @@ def main() -> None:
     base_eval = None
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     for setting in a.setting:
-        row, base_eval = run(setting, model_dir, base_eval, a.device, a.trace, a.scales)
+        save = None
+        if a.save_adapter:
+            Path(a.save_adapter).mkdir(parents=True, exist_ok=True)
+            save = Path(a.save_adapter) / (re.sub(r"[^\w.=-]+", "_", setting) + ".safetensors")
+        row, base_eval = run(setting, model_dir, base_eval, a.device, a.trace, a.scales, save)
         row.update(
             commit=commit,
             date=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
