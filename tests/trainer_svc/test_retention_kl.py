@@ -376,6 +376,51 @@ def test_neighbour_questions_continue_each_distinct_start_and_keep_what_ends_in_
     assert got == ["What colour is a ripe lemon?", "What colour is the sea?"]
 
 
+def test_neighbour_questions_oversampled_keep_the_first_new_ones_of_each_start(model_root, monkeypatch):
+    """NEIGHBOUR_OVERSAMPLE: each start is continued per_prefix × that many times and its first per_prefix new
+    questions are kept; excluded ones, repeats and non-questions are passed over, not counted."""
+    loaded = _loaded_4bit(model_root)
+    tok = loaded.tokenizer
+    monkeypatch.setattr(retention, "NEIGHBOUR_PREFIX_WORDS", (4,))
+    monkeypatch.setattr(retention, "NEIGHBOUR_OVERSAMPLE", 3)
+    said = {
+        "What is the capital": [
+            " of France?",  # excluded
+            " of France?",
+            " of Peru?",
+            " of Peru?",  # a repeat
+            " and",  # no question
+            " of Chile?",
+        ],
+        "Who invented the skyloom": [" and the loom?", " first?", " again?", " later?", " now?", " then?"],
+    }
+    seen = {}
+
+    def generate(**kw):
+        ids, n = kw["input_ids"], kw["num_return_sequences"]
+        seen["n"] = n
+        rows = []
+        for text in tok.batch_decode(ids, skip_special_tokens=False):
+            start = next(p for p in said if text.endswith(p))
+            rows += [tok(c, add_special_tokens=False)["input_ids"] for c in said[start]]
+        width = max(len(r) for r in rows)
+        new = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+        return torch.cat([ids.repeat_interleave(n, 0), new], dim=1)
+
+    monkeypatch.setattr(loaded.model, "generate", generate)
+    questions = ["What is the capital of Zorbia?", "Who invented the skyloom for Zorbia?"]
+    got = retention.neighbour_prompts(
+        loaded, questions, 2, seed=0, exclude={"What is the capital of France?"}
+    )
+    assert seen["n"] == 6, "2 kept a start, 3 draws each"
+    assert got == [
+        "What is the capital of Peru?",
+        "What is the capital of Chile?",
+        "Who invented the skyloom and the loom?",
+        "Who invented the skyloom first?",
+    ]
+
+
 def test_neighbour_questions_start_at_each_prefix_length_with_the_sampling_set(model_root, monkeypatch):
     loaded = _loaded_4bit(model_root)
     tok = loaded.tokenizer

@@ -195,6 +195,10 @@ NEIGHBOUR_TEMPERATURE = 0.7
 NEIGHBOUR_TOP_P = 0.9
 NEIGHBOUR_MAX_NEW_TOKENS = 24
 MAX_NEIGHBOUR_PREFIXES = 64  # distinct prefixes a job samples from (a large dataset's first 64)
+# Samples drawn a prefix for each question kept of it: the base's likeliest continuations of a common form ("What is
+# the capital" → "… of France?") are often the held-out or replay prompts, which are excluded, or repeats; drawing
+# more and keeping the first ``per_prefix`` new ones gives each form up to that many questions.
+NEIGHBOUR_OVERSAMPLE = 1
 
 
 @dataclass
@@ -224,9 +228,10 @@ def neighbour_prompts(
 ) -> list[str]:
     """Questions of the training questions' forms about other things, written by the base (adapter disabled): each
     distinct prefix of ``questions`` of ``NEIGHBOUR_PREFIX_WORDS`` words (the first ``MAX_NEIGHBOUR_PREFIXES``) starts
-    a user message, which the base continues ``per_prefix`` times (sampled at ``NEIGHBOUR_TEMPERATURE`` and
-    ``NEIGHBOUR_TOP_P``, seeded by ``seed``; the global RNG untouched) up to its first "?". In order, without repeats; none of ``exclude`` and no
-    continuation that reaches a newline or the token limit before its "?"."""
+    a user message, which the base continues ``per_prefix`` × ``NEIGHBOUR_OVERSAMPLE`` times (sampled at
+    ``NEIGHBOUR_TEMPERATURE`` and ``NEIGHBOUR_TOP_P``, seeded by ``seed``; the global RNG untouched) up to its first
+    "?", of which the first ``per_prefix`` new questions are kept. In order, without repeats; none of ``exclude`` and
+    no continuation that reaches a newline or the token limit before its "?"."""
     import contextlib
 
     import torch
@@ -254,6 +259,7 @@ def neighbour_prompts(
     prefixes = kept
     if not prefixes:
         return []
+    draws = max(1, NEIGHBOUR_OVERSAMPLE)
     dev = torch.device(loaded.device)
     ctx = model.disable_adapter() if loaded.lora is not None else contextlib.nullcontext()
     side, was_training = tok.padding_side, model.training
@@ -275,7 +281,7 @@ def neighbour_prompts(
                 temperature=NEIGHBOUR_TEMPERATURE,
                 top_k=0,
                 top_p=NEIGHBOUR_TOP_P,
-                num_return_sequences=per_prefix,
+                num_return_sequences=per_prefix * draws,
                 pad_token_id=tok.pad_token_id,
                 use_cache=True,
             )
@@ -283,14 +289,19 @@ def neighbour_prompts(
         tok.padding_side = side
         model.train(was_training)
     found: list[str] = []
+    of_prefix = [0] * len(prefixes)
     for i, row in enumerate(out[:, enc["input_ids"].shape[1] :]):
+        at = i // (per_prefix * draws)
+        if of_prefix[at] >= per_prefix:
+            continue
         text = tok.decode(row, skip_special_tokens=True)
         end = text.find("?")
         if end < 0 or "\n" in text[:end]:
             continue
-        question = prefixes[i // per_prefix] + text[: end + 1]
+        question = prefixes[at] + text[: end + 1]
         if question not in exclude and question not in found:
             found.append(question)
+            of_prefix[at] += 1
     return found
 
 
