@@ -434,14 +434,17 @@ def general_never_neighbours():
     """The bench's general questions are never among a job's neighbour questions (``retention_neighbours``): the
     trainer leaves out its own held-out prompts, not this bench's test questions, and a neighbour question is one the
     KL term trains towards the base's answer, so a general question among them would be counted as kept after being
-    trained on. The base's draw is filtered, not changed (the same seed draws the same questions, less those)."""
+    trained on. The base's draw is filtered, not changed (the same seed samples the same continuations; they are
+    excluded as the trainer's own prompts are, so that a start oversampled, ``NEIGHBOUR_OVERSAMPLE``, keeps another
+    question in their place, and what differs from them only in case or spacing is dropped after)."""
     from strop.trainer_svc.core import retention
 
     draw = retention.neighbour_prompts
     general = {_question_key(q) for q, _ in GENERAL}
 
-    def neighbour_prompts(*args, **kwargs) -> list[str]:
-        return [q for q in draw(*args, **kwargs) if _question_key(q) not in general]
+    def neighbour_prompts(*args, exclude: set[str], **kwargs) -> list[str]:
+        found = draw(*args, exclude=set(exclude) | {q for q, _ in GENERAL}, **kwargs)
+        return [q for q in found if _question_key(q) not in general]
 
     retention.neighbour_prompts = neighbour_prompts
     try:
