@@ -357,7 +357,7 @@ def evaluate(loaded, *, disable_adapter: bool) -> dict:
     }
 
 
-def _cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
+def cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     """The base's evaluation (the same for every setting: adapter disabled), kept beside the model's cache."""
     import hashlib
 
@@ -544,7 +544,7 @@ def run(
     )
     model_loading.attach_lora(loaded, lora)
     if base_eval is None:
-        base_eval = _cached_base_eval(loaded, model_dir, device)
+        base_eval = cached_base_eval(loaded, model_dir, device)
     cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(FACTS))
     # the chat recipe's values where the setting leaves retention unset
     cfg = job_config.with_retention(cfg, DatasetFormat.MESSAGES, loaded.tokenizer)

@@ -194,8 +194,9 @@ def _add_train(sub) -> None:
         type=_adapter_scale,
         default=0.0,
         help="the final adapter interpolated toward the base: every LoRA B factor times this (0-1) once training "
-        "ends; auto: the smallest scale (0.9, 0.8, ..., 0.5, then to 0.025 between) at which the finished adapter "
-        "still reproduces the dataset's conversations as well as at 1 (chat data, one device); 1: as trained; "
+        "ends; auto: of 0.9, 0.8, ..., 0.5 the last before the first at which the finished adapter reproduces the "
+        "dataset's conversations less well than at 1, refined to 0.025 between the two (chat data, one device); "
+        "1: as trained; "
         f"0: {scale_text(CHAT_RECIPE_ADAPTER_SCALE)} under the chat recipe (--retention auto), else 1",
     )
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end and on cancel")

@@ -9,9 +9,10 @@ the leads on the base's answers):
 
 - ``auto``: the trainer's ``choose_adapter_scale`` on the facts rows (what the chat recipe's default does);
 - ``scale S``: every B times S (``training.scale_adapter``);
-- ``groups``: after ``auto``, each group of projections in turn (q/k/v/o, gate/up, down; then per layer third) walked
-  further down (B times 0.75, 0.5, 0.25, 0 of its auto value) while the facts rows still fit as the adapter as
-  trained does (the auto criterion): the least update, group by group, that still fits;
+- ``groups``: after ``auto``, coordinate descent over groups of B factors: each projection's (q, k, v, o, gate, up,
+  down across all layers), then each third of the layers', in turn, walked further down (times 0.75, 0.5, 0.25, 0
+  of its value when its turn comes, so a third's factor compounds on its projections') while the facts rows still
+  fit as the adapter as trained does (the auto criterion); each group's factor is reported;
 - ``trim Q``: after ``auto``, every B factor's entries below the Q-quantile of its absolute values set to 0 (the
   trim step of TIES-merging, Yadav et al., NeurIPS 2023, on the B factor so the adapter stays low-rank), if the fit
   still holds (else reported as not fitting).
@@ -61,7 +62,7 @@ def main() -> None:
         LoadModelRequest(model_path=model_dir.name), model_root=model_dir.parent, device="cpu"
     )
     model_loading.attach_lora(loaded, lora)
-    base_eval = rf._cached_base_eval(loaded, model_dir, "cpu")
+    base_eval = rf.cached_base_eval(loaded, model_dir, "cpu")
     cfg = job_config.with_defaults(cfg, session_max_len=loaded.facts.max_seq_length, num_rows=len(rf.FACTS))
     cfg = job_config.with_retention(cfg, DatasetFormat.MESSAGES, loaded.tokenizer)
     params = dict(loaded.model.named_parameters())
@@ -73,7 +74,9 @@ def main() -> None:
                 params[k].copy_(v)
 
     def fit() -> tuple[int, int]:
-        res = retention.conversation_hits(loaded, rows, max_length=cfg.max_length)
+        res = retention.conversation_hits(
+            loaded, rows, last_only=cfg.completion_only_loss, max_length=cfg.max_length
+        )
         return sum(sum(w) for _, w in res), sum(h[0] for h, _ in res)
 
     restore()
@@ -115,12 +118,13 @@ def main() -> None:
             chosen[g] = kept
         return chosen
 
-    out_rows = []
     for variant in a.variants.split(","):
         restore()
         kind, _, arg = variant.partition(":")
         t0 = time.perf_counter()
         info: dict = {}
+        if kind not in ("auto", "scale", "groups", "trim"):
+            raise SystemExit(f"unknown variant {variant!r}: auto, scale:S, groups, trim:Q")
         if kind == "scale":
             training.scale_adapter(loaded, float(arg))
         else:
@@ -145,7 +149,6 @@ def main() -> None:
             f"fit {info['fit']} of {as_trained}, {json.dumps({k: v for k, v in info.items() if k != 'fit'})}",
             flush=True,
         )
-        out_rows.append(snap)
         with open(a.out, "a") as f:
             f.write(json.dumps(snap) + "\n")
     model_loading.release(loaded)

@@ -341,6 +341,27 @@ def test_auto_scale_keeps_the_adapter_as_trained_where_the_fit_cannot_be_measure
     assert choice.scale == 1.0 and torch.equal(b, trained)
 
 
+def test_auto_scale_ends_at_the_last_scale_shown_to_fit_when_a_later_try_runs_out_of_memory(monkeypatch):
+    """A try after the first that cannot be measured (out of memory at 0.7) ends the walk at the last scale shown
+    to fit, with B restored before it is scaled: the trained B times 0.8, bitwise."""
+    from types import SimpleNamespace
+
+    model, b = _peft_toy()
+    trained = b.detach().clone()
+
+    def fit(loaded, rows, **kw):
+        r = float(b.detach().norm() / trained.norm())
+        if abs(r - 0.7) < 1e-3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return [((400, 400, 0.0), [True] * 12)]
+
+    monkeypatch.setattr(retention, "conversation_hits", fit)
+    cfg = TrainConfig(method=TrainMethod.SFT, adapter_scale=ADAPTER_SCALE_AUTO)
+    choice = training.choose_adapter_scale(SimpleNamespace(model=model), [{"messages": []}], cfg)
+    assert choice.scale == 0.8 and [s for s, _, _ in choice.tried] == [1.0, 0.9, 0.8]
+    assert torch.equal(b, trained * 0.8)
+
+
 def test_conversation_hits_match_full_logits_on_every_assistant_message_and_cut_at_max_length(model_root):
     """The measured positions' logits (``logits_to_keep``) against the full logits of the same forward, on a
     two-turn conversation: the same top-1 hits, token count and NLL; each message judged whole on its own tokens;

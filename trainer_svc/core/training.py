@@ -931,18 +931,22 @@ def choose_adapter_scale(loaded: LoadedModel, rows: list[dict], cfg: TrainConfig
         return now[1] >= first[1] and now[2] >= (1 - AUTO_SCALE_TOKEN_SLACK) * first[2]
 
     chosen, worse = 1.0, None
-    for scale in AUTO_ADAPTER_SCALES:
-        if not fits(scale):
-            worse = scale
-            break
-        chosen = scale
-    for _ in range(AUTO_SCALE_REFINE if worse is not None else 0):
-        # the grid's step halved between the last scale that fits and the first that does not
-        mid = round((chosen + worse) / 2, 6)
-        if fits(mid):
-            chosen = mid
-        else:
-            worse = mid
+    try:
+        for scale in AUTO_ADAPTER_SCALES:
+            if not fits(scale):
+                worse = scale
+                break
+            chosen = scale
+        for _ in range(AUTO_SCALE_REFINE if worse is not None else 0):
+            # the grid's step halved between the last scale that fits and the first that does not
+            mid = round((chosen + worse) / 2, 6)
+            if fits(mid):
+                chosen = mid
+            else:
+                worse = mid
+    except (InvalidArgument, torch.OutOfMemoryError) as e:
+        # as for the first measurement: the job is complete; the adapter ends at the last scale shown to fit
+        log.warning("adapter_scale auto: a try could not be measured (%s); ending at %g", e, chosen)
     scale_adapter(loaded, chosen)
     choice = ScaleChoice(chosen, tried, first[3], first[4])
     log.info("%s", choice.summary())
