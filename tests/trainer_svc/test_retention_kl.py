@@ -338,8 +338,9 @@ def test_neighbour_questions_continue_each_distinct_start_and_keep_what_ends_in_
 ):
     loaded = _loaded_4bit(model_root)
     tok = loaded.tokenizer
-    # one start a question: the base's fixed replies below are per 3-word start
+    # one start a question: the base's fixed replies below are per 3-word start, one draw a question kept
     monkeypatch.setattr(retention, "NEIGHBOUR_PREFIX_WORDS", (3,))
+    monkeypatch.setattr(retention, "NEIGHBOUR_OVERSAMPLE", 1)
     questions = [
         "What colour is a glimmerfox?",
         "What colour is Zorbia's flag?",
@@ -461,7 +462,8 @@ def test_neighbour_questions_are_sampled_reproducibly_from_the_base_without_touc
     assert torch.equal(torch.random.get_rng_state(), state), "the trainer's seeding is left as it was"
     assert retention.neighbour_prompts(loaded, questions, 4, seed=3, exclude=set()) == first
     for q in first:
-        assert q.startswith(("What colour is", "Who invented the")) and q.endswith("?") and "\n" not in q
+        # a start of 2, 3 or 4 words of a question (NEIGHBOUR_PREFIX_WORDS)
+        assert q.startswith(("What colour", "Who invented")) and q.endswith("?") and "\n" not in q
     with loaded.model.disable_adapter():
         base_first = retention.neighbour_prompts(loaded, questions, 4, seed=3, exclude=set())
     assert base_first == first
