@@ -196,10 +196,9 @@ NEIGHBOUR_TOP_P = 0.9
 NEIGHBOUR_MAX_NEW_TOKENS = 24
 MAX_NEIGHBOUR_PREFIXES = 64  # distinct prefixes a job samples from (a large dataset's first 64)
 # Samples drawn a prefix for each question kept of it: the base's likeliest continuations of a common form ("What is
-# the capital" → "… of France?") are often the held-out or replay prompts, which are excluded, or repeats (with one
-# draw a question, a facts dataset's "What is the capital" kept one question of its four draws); drawing more and
-# keeping the first ``per_prefix`` new ones gives each form up to that many questions. Chosen with
-# bench/recipe_facts.py against 1, ten seeds each (bench/RESULTS.md, session 26).
+# the capital" → "… of France?") are often the held-out or replay prompts, which are excluded, or repeats, so with
+# one draw a question a common form keeps few; drawing more and keeping the first ``per_prefix`` new ones gives each
+# form up to that many questions. Chosen with bench/recipe_facts.py against 1 (bench/RESULTS.md, session 26).
 NEIGHBOUR_OVERSAMPLE = 4
 
 
