@@ -117,7 +117,7 @@ GENERAL: list[tuple[str, tuple[str, ...]]] = [
     ("What is the capital of Thailand?", ("Bangkok",)),
     ("How many minutes are in an hour?", ("60", "sixty")),
     # more, written before any run with them, so that one answer is a smaller share of those the base gets right
-    # (bench/RESULTS.md, session 25): the same mix, the facts' question
+    # (bench/RESULTS.md, "a larger general set"): the same mix, the facts' question
     # forms asked about real things (capitals, who wrote / painted / invented, colours, legs, numbers, currency,
     # language, chemical symbols, science, geography, animals, instruments, sports), none a replay or held-out
     # prompt of the trainer's (checked at start)

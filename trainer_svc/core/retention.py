@@ -198,7 +198,8 @@ MAX_NEIGHBOUR_PREFIXES = 64  # distinct prefixes a job samples from (a large dat
 # Samples drawn a prefix for each question kept of it: the base's likeliest continuations of a common form ("What is
 # the capital" → "… of France?") are often the held-out or replay prompts, which are excluded, or repeats, so with
 # one draw a question a common form keeps few; drawing more and keeping the first ``per_prefix`` new ones gives each
-# form up to that many questions. Chosen with bench/recipe_facts.py against 1 (bench/RESULTS.md, session 26).
+# form up to that many questions. Chosen with bench/recipe_facts.py against 1 (bench/RESULTS.md, "four draws a
+# neighbour question kept").
 NEIGHBOUR_OVERSAMPLE = 4
 
 
