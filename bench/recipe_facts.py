@@ -617,7 +617,7 @@ def run(
             Path(work) / "w",
             training.JobControl(),
             sinks,
-            callbacks=[Trace()] * trace + [SaveAsTrained()] * (save_adapter is not None),
+            callbacks=[c for c, on in ((Trace(), trace), (SaveAsTrained(), save_adapter is not None)) if on],
         )
     train_s = time.perf_counter() - t0
     after = evaluate(loaded, disable_adapter=False)

@@ -360,8 +360,8 @@ def conversation_hits(
     """Teacher-forced on each conversation (messages rows, with the row's own ``tools``): over the tokens of its
     assistant messages (``job_config.assistant_masked``; ``last_only``: the last message's), each cut at its end of
     turn (what greedy decoding reproduces; the template's text after it is not generated), (top-1 hits, tokens,
-    summed NLL), and for each
-    assistant message whether every one of its tokens is the model's top-1 (the message reproduced word for word).
+    summed NLL), and for each assistant message whether every one of its tokens is the model's top-1 (the message
+    reproduced word for word).
     One conversation at a time (no padding), cut at ``max_length`` tokens as training cuts it (0: whole), the LM
     head run at the measured positions only (``logits_to_keep``: no sequence × vocabulary logits); adapter on unless
     ``disable_adapter``."""
