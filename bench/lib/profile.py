@@ -140,6 +140,45 @@ def gpu_timeline(prof, kinds=None) -> list[str]:
     return out
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def sync_sites(step, top: int = 12) -> str:
+    """Run ``step`` under torch.profiler with Python stacks and say where the host waited for the GPU: each
+    synchronizing CUDA runtime call (``SYNC_CALLS``; ``cudaMemcpyAsync`` is not one unless it waits, which the
+    profiler cannot tell) grouped by the innermost frame in strop, transformers, peft, trl or bench/ of the nearest
+    enclosing op that recorded a stack, with its count and the host time spent in the call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    ours = re.compile(r"strop|/kernels/|transformers/|peft/|trl/|/bench/")
+    groups: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if not ev.name.startswith(SYNC_CALLS) or ev.name.startswith("cudaMemcpyAsync"):
+            continue
+        site, parent = "?", ev
+        while parent is not None:
+            # with_stack records Python calls as events named "file(line): function" enclosing the ops
+            frame = next((f for f in (parent.stack or [parent.name]) if ours.search(f)), None)
+            if frame is not None:
+                site = frame.split("/")[-1][:100]
+                break
+            parent = parent.cpu_parent
+        g = groups.setdefault(f"{ev.name}: {site}", [0, 0.0])
+        g[0] += 1
+        g[1] += ev.cpu_time_total / 1e3
+    if not groups:
+        return "host waits for the GPU: none recorded in the step"
+    lines = ["host waits for the GPU in the step (synchronizing CUDA calls, by the code that made them):"]
+    for key, (n, ms) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {ms:8.2f} ms x{n:<4d} {key[:150]}")
+    return "\n".join(lines)
+
+
 def memory_at_peak(step, top: int = 14) -> str:
     """Run ``step`` under CUDA's allocation history and say what was allocated at its peak: the blocks the step
     allocated and still held at that moment, grouped by the innermost frame in strop, transformers, peft, trl or

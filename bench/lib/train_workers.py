@@ -20,7 +20,7 @@ from .harness import (
     upcast_adapters_,
     varied_lengths,
 )
-from .profile import label_phases, memory_at_peak, profile_step, profile_summary
+from .profile import label_phases, memory_at_peak, profile_step, profile_summary, sync_sites
 
 FAST_BUDGET_GIB = 80  # the memory-allowed mode's cap (issue 5)
 # the parts whose base is NF4 (the shaped parts say so by their "qlora-" prefix)
@@ -200,6 +200,10 @@ def run_worker(a, w: Workload) -> Result:
             res.profile += "\n" + memory_at_peak(lambda: train_step(w, model, opt, batches[-1]))
         except Exception as exc:  # a diagnostic: its failure must not lose the measured run
             res.profile += f"\nmemory at peak: not recorded ({exc!r})"
+        try:
+            res.profile += "\n" + sync_sites(lambda: train_step(w, model, opt, batches[-1]))
+        except Exception as exc:  # a diagnostic, as above
+            res.profile += f"\nhost waits: not recorded ({exc!r})"
     recompute = 1.0
     plan = installed.recompute.plan if installed is not None and installed.recompute is not None else None
     if plan is not None:
