@@ -285,11 +285,12 @@ def kept_merge_tiles() -> str:
 
 def profile_moe_step(model, opt, ids) -> str:
     """One training step under the profiler (bench/lib/profile.py), its forward, backward and optimizer step
-    labelled as phases, the kernels grouped into the MoE step's kinds (``MOE_KERNEL_KINDS`` there)."""
+    labelled as phases, the kernels grouped into the MoE step's kinds (``MOE_KERNEL_KINDS`` there); then one more
+    step's host waits for the GPU (``sync_sites``)."""
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/lib, also under ``python -P``
-    from lib.profile import KERNEL_KINDS, MOE_KERNEL_KINDS, profile_step
+    from lib.profile import KERNEL_KINDS, MOE_KERNEL_KINDS, profile_step, sync_sites
 
     def step():
         with torch.profiler.record_function("phase:forward"), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -300,7 +301,7 @@ def profile_moe_step(model, opt, ids) -> str:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    return profile_step(step, kinds=MOE_KERNEL_KINDS + KERNEL_KINDS)
+    return profile_step(step, kinds=MOE_KERNEL_KINDS + KERNEL_KINDS) + "\n" + sync_sites(step)
 
 
 def spawn(system: str, a, timeout: float | None = None) -> Result:
