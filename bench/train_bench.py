@@ -72,8 +72,9 @@ FLOP accounting (stated so MFU can be checked):
                            + 3 * attn (attention forward + backward dQ, dK, dV) + LoRA (negligible, counted)
     hardware FLOPs/token = model FLOPs + 2N_layers + attn (gradient checkpointing recomputes each layer's forward;
                            scaled by the fraction of layers that recompute under budgeted recompute)
-    MFU = model FLOPs/token * tokens/s / 790 TFLOP/s (the H200's measured bf16 matmul ceiling); HFU likewise
-    with hardware FLOPs.
+    MFU = model FLOPs/token * tokens/s / 790 TFLOP/s (the measured bf16 matmul ceiling: an 8192³ product on
+    random data ran at 788 TFLOP/s on an H200 and 798 on an H100, the same Hopper chip's rates: KINDS.md of the
+    device library); HFU likewise with hardware FLOPs.
 
 Usage (on the GPU machine)::
 

@@ -32,7 +32,7 @@ from strop.common.trainer_types import DEFAULT_TARGET_MODULES
 
 from .profile import profile_summary
 
-PEAK_TFLOPS = 790.0  # measured bf16 matmul ceiling on the H200 (DESIGN.md, KINDS.md)
+PEAK_TFLOPS = 790.0  # measured bf16 matmul ceiling: 788 on an H200, 798 on an H100 (DESIGN.md, KINDS.md)
 # A shape: the dims of a released model's text config, ``name`` (its saved dir's) and ``model_type`` ("llama" when
 # absent). Each is that model's published config.json; the bench writes random weights of it, never the weights.
 LLAMA_SHAPE = dict(
