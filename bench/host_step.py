@@ -31,12 +31,14 @@ stubbed kernels compute nothing, and the tiny kernels of ``--cuda`` train nothin
 Usage::
 
     python3 bench/host_step.py [--systems baseline,strop-standard] [--qlora] [--fp32] [--steps 30] [--cprofile 25]
+                               [--ops 25]   # also the aten ops a layer calls most, by name
     python3 bench/host_step.py --cuda [--qlora]     # on the GPU machine
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import os
@@ -97,9 +99,11 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.names: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.names[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -142,10 +146,12 @@ def step(model, opt, data, fp32: bool = False) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[float, int, int, str]]:
+def measure(
+    system: str, layers: tuple[int, int], a, root: str
+) -> list[tuple[float, int, int, str, collections.Counter]]:
     """For the larger and the smaller model: (ms a step by :func:`_now` (the least of ``a.steps``, the two models'
     steps interleaved so that the load of a shared CPU falls on both), Triton launches a step, aten ops a step, cProfile
-    text or "")."""
+    text or "", aten ops a step by name)."""
     data = torch.randint(0, SHAPE["vocab"], (2, 16), generator=torch.Generator().manual_seed(1234))
     data = data.to("cuda" if CUDA else "cpu")
     counter = LaunchCounter(a.stub)
@@ -173,7 +179,7 @@ def measure(system: str, layers: tuple[int, int], a, root: str) -> list[tuple[fl
                 buf = _Text()
                 pstats.Stats(p, stream=buf).sort_stats("tottime").print_stats(a.cprofile)
                 text = buf.text
-            out.append((min(t) * 1e3, launches, ops.ops, text))
+            out.append((min(t) * 1e3, launches, ops.ops, text, ops.names))
     return out
 
 
@@ -204,6 +210,9 @@ def main() -> None:
     p.add_argument("--no-stub", dest="stub", action="store_false", help="run the interpreted kernels (slow)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="top N functions by own time")
     p.add_argument(
+        "--ops", type=int, default=0, metavar="N", help="the N aten ops most called a layer, by name"
+    )
+    p.add_argument(
         "--fp32",
         action="store_true",
         help="fp32 bases, no autocast (no casts; for CPUs slow at bf16 matmuls)",
@@ -231,6 +240,11 @@ def main() -> None:
             flush=True,
         )
         rows.append((system, big[3]))
+        if a.ops:
+            per_layer = (big[4] - small[4]).most_common(a.ops)
+            print(
+                f"  {system}, aten ops a layer by name: " + ", ".join(f"{k} {v / n:g}" for k, v in per_layer)
+            )
     for system, text in rows:
         if text:
             print(f"\n## {system}: top functions by own time, {a.layers} layers, 5 steps\n{text}")
