@@ -25,6 +25,7 @@ each setting for a few steps, no evaluation (a check before a device run).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
@@ -801,6 +802,30 @@ def table(paths: list[str]) -> str:
     return "\n".join(out)
 
 
+def losses(paths: list[str]) -> str:
+    """What each result row lost: the general questions the base answers right and the trained model does not,
+    each with the base's lead on its answer (``base_margins``, nats); then each lost question's count over the rows,
+    and the largest base lead of any answer lost: how near a tie the answers that go were before training."""
+    out, counts, leads = [], collections.Counter(), []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            margins = r.get("base_margins") or [None] * len(GENERAL)
+            lost = [
+                (q, margins[i])
+                for i, (q, words) in enumerate(GENERAL)
+                if right(r["base_general_answers"][i], words) and not right(r["general_answers"][i], words)
+            ]
+            counts.update(q for q, _ in lost)
+            leads.extend(m for _, m in lost if m is not None)
+            cells = "; ".join(q if m is None else f"{q} ({m:+.3f})" for q, m in lost) or "none"
+            out.append(f"- {r.get('device', 'cpu')} `{r['setting']}`: {len(lost)} lost: {cells}")
+    out.append("lost, by question over the rows: " + ", ".join(f"{q} {n}" for q, n in counts.most_common()))
+    if leads:
+        out.append(f"largest base lead of an answer lost: {max(leads):.3f} nats ({len(leads)} losses)")
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setting", action="append", default=[])
@@ -808,6 +833,12 @@ def main() -> None:
     p.add_argument("--write-facts", help="write the facts dataset (JSONL) here and exit")
     p.add_argument(
         "--table", nargs="+", metavar="JSONL", help="print the Markdown table of these result files and exit"
+    )
+    p.add_argument(
+        "--losses",
+        nargs="+",
+        metavar="JSONL",
+        help="print what each row lost, with the base's leads, and exit",
     )
     p.add_argument(
         "--margins-check",
@@ -847,6 +878,9 @@ def main() -> None:
     a = p.parse_args()
     if a.table:
         print(table(a.table))
+        return
+    if a.losses:
+        print(losses(a.losses))
         return
     if a.write_facts:
         Path(a.write_facts).write_text("".join(json.dumps(r) + "\n" for r in fact_rows()))
