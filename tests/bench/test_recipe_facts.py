@@ -7,6 +7,7 @@ bench's own "How many legs does a cat have?", and that answer would then be coun
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -39,3 +40,24 @@ def test_general_questions_are_filtered_from_the_neighbour_draw_and_the_draw_is_
         "oversampled start then keeps another question in their place)"
     )
     assert retention.neighbour_prompts is draw, "the trainer's function is back after the run"
+
+
+def test_losses_name_what_the_trained_model_lost_with_the_bases_lead(tmp_path):
+    from recipe_facts import losses
+
+    (q0, w0), (q1, w1), (q2, _) = GENERAL[:3]
+    base = [f"It is {w0[0]}.", f"It is {w1[0]}.", "No idea."] + ["-"] * (len(GENERAL) - 3)
+    trained = ["It is Brindlecourt.", f"It is {w1[0]}.", "Still none."] + ["-"] * (len(GENERAL) - 3)
+    margins = [0.125, 2.0, None] + [None] * (len(GENERAL) - 3)
+    row = {
+        "setting": "seed=0",
+        "base_general_answers": base,
+        "general_answers": trained,
+        "base_margins": margins,
+    }
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps(dict(row, setting="seed=1")) + "\n")
+    text = losses([str(path)])
+    assert f"`seed=0`: 1 lost: {q0} (+0.125)" in text  # q1 kept, q2 was never right
+    assert f"{q0} 2" in text and q1 not in text and q2 not in text
+    assert "largest base lead of an answer lost: 0.125 nats (2 losses)" in text
