@@ -98,11 +98,13 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = 0
         self.names: collections.Counter[str] = collections.Counter()
 
+    @property
+    def ops(self) -> int:
+        return self.names.total()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
         self.names[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 

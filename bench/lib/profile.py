@@ -140,14 +140,20 @@ def gpu_timeline(prof, kinds=None) -> list[str]:
     return out
 
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# the innermost frame worth naming in a stack: strop's, the libraries it patches or drives, or the bench's
+OUR_FRAMES = re.compile(r"strop|/kernels/|transformers/|peft/|trl/|/bench/")
+# CUDA runtime calls that wait for the device (``cudaMemcpyAsync`` waits only into pageable memory, which the
+# profiler does not say, so it is not counted)
+SYNC_CALLS = frozenset(
+    {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+)
 
 
 def sync_sites(step, top: int = 12) -> str:
     """Run ``step`` under torch.profiler with Python stacks and say where the host waited for the GPU: each
-    synchronizing CUDA runtime call (``SYNC_CALLS``; ``cudaMemcpyAsync`` is not one unless it waits, which the
-    profiler cannot tell) grouped by the innermost frame in strop, transformers, peft, trl or bench/ of the nearest
-    enclosing op that recorded a stack, with its count and the host time spent in the call."""
+    synchronizing CUDA runtime call (``SYNC_CALLS``) grouped by the innermost ``OUR_FRAMES`` frame enclosing it, with
+    its count and the host time spent in the call. A step of its own, not :func:`profile_step`'s: recording stacks
+    adds host time to every op, which would move the GPU idle time that profile attributes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -156,15 +162,14 @@ def sync_sites(step, top: int = 12) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         step()
     torch.cuda.synchronize()
-    ours = re.compile(r"strop|/kernels/|transformers/|peft/|trl/|/bench/")
     groups: dict[str, list[float]] = {}
     for ev in prof.events():
-        if not ev.name.startswith(SYNC_CALLS) or ev.name.startswith("cudaMemcpyAsync"):
+        if ev.name not in SYNC_CALLS:
             continue
         site, parent = "?", ev
         while parent is not None:
             # with_stack records Python calls as events named "file(line): function" enclosing the ops
-            frame = next((f for f in (parent.stack or [parent.name]) if ours.search(f)), None)
+            frame = next((f for f in (parent.stack or [parent.name]) if OUR_FRAMES.search(f)), None)
             if frame is not None:
                 site = frame.split("/")[-1][:100]
                 break
@@ -212,10 +217,9 @@ def memory_at_peak(step, top: int = 14) -> str:
             live[ev["addr"]] = ev
         elif ev["action"] == "free_requested":
             live.pop(ev["addr"], None)
-    ours = re.compile(r"strop|/kernels/|transformers/|peft/|trl/|/bench/")
     groups: dict[str, list[int]] = {}
     for ev in live.values():
-        frame = next((f for f in ev.get("frames", []) if ours.search(f["filename"])), None)
+        frame = next((f for f in ev.get("frames", []) if OUR_FRAMES.search(f["filename"])), None)
         key = "?" if frame is None else f"{frame['filename'].split('/')[-1]}:{frame['line']} {frame['name']}"
         g = groups.setdefault(key, [0, 0])
         g[0] += ev["size"]
