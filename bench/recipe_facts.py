@@ -231,6 +231,12 @@ def right(answer: str, words: tuple[str, ...]) -> bool:
     return right_end(answer, words) is not None
 
 
+def right_general(answers: list[str]) -> list[int]:
+    """The general questions (indices into ``GENERAL``, ascending) that ``answers`` answer right (``right``); rows of
+    earlier versions, with fewer questions, are judged over theirs."""
+    return [i for i, a in enumerate(answers) if right(a, GENERAL[i][1])]
+
+
 def base_margins(loaded, answers: list[str], *, disable_adapter: bool = True) -> list[float | None]:
     """How near the base is to another answer, for each general question it answers right: teacher-forced on its
     own answer up to the end of the reference's words, the least, over those tokens, of the answer token's
@@ -498,12 +504,12 @@ def adapter_scaled(loaded, scale: float) -> None:
 def snapshot(loaded, base_eval: dict, label: str, **fields) -> dict:
     """The adapted model as it stands: the facts it answers exactly, the base's right general answers it keeps (and
     its answers), and its leads on the base's answers (``base_margins``); one progress line."""
-    base_right = [i for i, a in enumerate(base_eval["general_answers"]) if right(a, GENERAL[i][1])]
+    base_right = right_general(base_eval["general_answers"])
     ev = evaluate(loaded, disable_adapter=False)
     out = {
         **fields,
         "facts": sum(ev["facts"]),
-        "general_kept": sum(right(ev["general_answers"][i], GENERAL[i][1]) for i in base_right),
+        "general_kept": len(set(base_right) & set(right_general(ev["general_answers"]))),
         "general_answers": ev["general_answers"],
         "margins": base_margins(loaded, base_eval["general_answers"], disable_adapter=False),
     }
@@ -623,8 +629,8 @@ def run(
     train_s = time.perf_counter() - t0
     after = evaluate(loaded, disable_adapter=False)
     # judged here, not from the cached booleans: ``right`` may be stricter than when the cache was written
-    base_right = [i for i, a in enumerate(base_eval["general_answers"]) if right(a, GENERAL[i][1])]
-    kept = sum(right(after["general_answers"][i], GENERAL[i][1]) for i in base_right)
+    base_right = right_general(base_eval["general_answers"])
+    kept = len(set(base_right) & set(right_general(after["general_answers"])))
     row = {
         "setting": setting,
         "lr": cfg.learning_rate,
@@ -752,16 +758,17 @@ def table(paths: list[str]) -> str:
     for path in paths:
         for line in Path(path).read_text().splitlines():
             r = json.loads(line)
-            base = [i for i, a in enumerate(r["base_general_answers"]) if right(a, GENERAL[i][1])]
-            kept = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in base)
+            base = right_general(r["base_general_answers"])
+            held = set(base) & set(right_general(r["general_answers"]))
+            kept = len(held)
             first = [i for i in base if i < FIRST_GENERAL]
-            kept_first = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in first)
+            kept_first = len(held.intersection(first))
             earlier = [i for i in base if i < EARLIER_GENERAL]
-            kept_earlier = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in earlier)
+            kept_earlier = len(held.intersection(earlier))
             margins = r.get("base_margins")
             if margins:
                 clear = [i for i in base if margins[i] is not None and margins[i] >= MARGIN_NATS]
-                kept_clear = sum(right(r["general_answers"][i], GENERAL[i][1]) for i in clear)
+                kept_clear = len(held.intersection(clear))
                 clear_cell = f"{kept_clear}/{len(clear)}"
             else:
                 clear_cell = "-"
@@ -811,10 +818,11 @@ def losses(paths: list[str]) -> str:
         for line in Path(path).read_text().splitlines():
             r = json.loads(line)
             margins = r.get("base_margins") or [None] * len(GENERAL)
+            trained = set(right_general(r["general_answers"]))
             lost = [
-                (q, margins[i])
-                for i, (q, words) in enumerate(GENERAL)
-                if right(r["base_general_answers"][i], words) and not right(r["general_answers"][i], words)
+                (GENERAL[i][0], margins[i])
+                for i in right_general(r["base_general_answers"])
+                if i not in trained
             ]
             counts.update(q for q, _ in lost)
             leads.extend(m for _, m in lost if m is not None)

@@ -61,3 +61,7 @@ def test_losses_name_what_the_trained_model_lost_with_the_bases_lead(tmp_path):
     assert f"`seed=0`: 1 lost: {q0} (+0.125)" in text  # q1 kept, q2 was never right
     assert f"{q0} 2" in text and q1 not in text and q2 not in text
     assert "largest base lead of an answer lost: 0.125 nats (2 losses)" in text
+    # a row of an earlier version, which asked only the first questions, reads the same way
+    short = dict(row, base_general_answers=base[:3], general_answers=trained[:3], base_margins=margins[:3])
+    path.write_text(json.dumps(short) + "\n")
+    assert f"`seed=0`: 1 lost: {q0} (+0.125)" in losses([str(path)])
