@@ -23,7 +23,18 @@ import random
 
 import pytest
 
-from tests.trainer_svc.test_ddp import LORA, ROW_TOKENS, ROWS, STEPS, U, _adapter, _events, _launch, _spec
+from tests.trainer_svc.test_ddp import (
+    LORA,
+    ROW_TOKENS,
+    ROWS,
+    STEPS,
+    U,
+    _adapter,
+    _events,
+    _finish,
+    _launch,
+    _spec,
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +76,7 @@ def moe_runs(tmp_path_factory):
         if p.requires_grad
     }
     for job, proc in procs.items():
-        assert proc.wait(timeout=300) == 0, (tmp / f"{job}.log").read_text()[-4000:]
+        _finish(proc, tmp, job, timeout=300)
     return tmp, config, initial
 
 

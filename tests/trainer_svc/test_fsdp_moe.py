@@ -37,6 +37,7 @@ from tests.trainer_svc.test_ddp import (
     U,
     _adapter,
     _events,
+    _finish,
     _key,
     _launch,
     _spec,
@@ -85,7 +86,7 @@ def fsdp_moe_runs(request, tmp_path_factory):
 
     stacks = [nf4_experts(m, p) for m in nf4_expert_modules(loaded.model).values() for p in EXPERT_STACKS]
     for job, proc in procs.items():
-        assert proc.wait(timeout=600) == 0, (tmp / f"{job}.log").read_text()[-4000:]
+        _finish(proc, tmp, job, timeout=600)
     return tmp, root, arch, config, initial, stacks
 
 
@@ -184,7 +185,7 @@ def test_an_fsdp_job_over_nf4_experts_resumed_from_its_checkpoint_continues_exac
     spec["config"].update(parallelism="FSDP", num_devices=2, checkpoint_every_steps=0)
     spec["resume_from"] = _key(ckpt["artifact"])
     proc = _launch(tmp, root, "moe-fsdp-resumed", batch_size=1, nproc=2, spec=spec)
-    assert proc.wait(timeout=600) == 0, (tmp / "moe-fsdp-resumed.log").read_text()[-4000:]
+    _finish(proc, tmp, "moe-fsdp-resumed", timeout=600)
     resumed = _events(tmp, "moe-fsdp-resumed")
     losses, before = _losses(resumed), _losses(fsdp)
     assert sorted(losses) == list(range(3, STEPS + 1))
