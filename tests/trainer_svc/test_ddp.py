@@ -125,14 +125,15 @@ def _launch(
             PET_MASTER_ADDR="127.0.0.1",
             PET_MASTER_PORT=str(_free_port()),
         )
-    proc = subprocess.Popen(
-        [sys.executable, *launcher, *worker],
-        cwd=ROOT,
-        env=env,
-        stdout=open(tmp / f"{job_id}.log", "w"),
-        stderr=subprocess.STDOUT,
-    )
-    proc.strop_env = env  # for _finish's relaunch
+    return _start([sys.executable, *launcher, *worker], env, tmp / f"{job_id}.log")
+
+
+def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Run ``argv`` from the repository root, its output to ``log``; the environment kept on the process for
+    :func:`_finish`'s relaunch (a Popen does not hold it)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc.strop_env = env
     return proc
 
 
@@ -177,11 +178,7 @@ def _finish(proc: subprocess.Popen, tmp: Path, job_id: str, timeout: float) -> N
         )
         (tmp / f"{job_id}.events").unlink(missing_ok=True)
         shutil.rmtree(tmp / "work" / job_id, ignore_errors=True)
-        with open(tmp / f"{job_id}.log", "w") as log:
-            proc = subprocess.Popen(
-                proc.args, cwd=ROOT, env=proc.strop_env, stdout=log, stderr=subprocess.STDOUT
-            )
-        code = proc.wait(timeout=timeout)
+        code = _start(proc.args, proc.strop_env, tmp / f"{job_id}.log").wait(timeout=timeout)
     assert code == 0, _log(tmp, job_id)
 
 
