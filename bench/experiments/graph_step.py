@@ -1,0 +1,242 @@
+"""What replaying a captured step would give the 1B shape (issue 39), before building it into the trainer.
+
+At the Llama-3.2-1B shape and 2 × 2048 tokens strop's step is 163 ms of which the GPU computes 54: the host's
+dispatch sets the pace, with no waits on the GPU (bench/RESULTS.md, session 29), and trimming ops a layer cannot
+reach the issue's "host time under 10% of the step". CUDA graphs replay a captured forward and backward with one
+launch each. This asks, on the GPU, before any of it goes into the trainer:
+
+- does strop's patched model (its Triton kernels, PEFT LoRA r=16 on the seven projections, bf16 autocast) capture
+  under ``torch.cuda.make_graphed_callables`` as a whole model (forward + backward; the optimizer stays eager:
+  torch's fused AdamW, a few launches), without checkpointing, with HF's checkpointing, and with the trainer's
+  default memory mode (layer inputs offloaded to pinned host memory by strop's checkpoint);
+- how long a step takes graphed against eager, in how much memory;
+- whether the graphed model trains the same: the losses of the same steps from the same init and data.
+
+Every variant builds the same random model (seed 0) in its own process (``--variant``, the orchestrator spawns
+them), so one failed capture does not take the others with it and each peak is its own. A capture that fails
+reports its exception's last lines. One-off experiment: nothing imports it and it imports nothing from bench/lib.
+
+Usage (repository root, on the GPU machine)::
+
+    python3 bench/experiments/graph_step.py [--batch 2] [--seq 2048] [--steps 8] [--warmup 3]
+        [--variants eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard]
+    python3 bench/experiments/graph_step.py --smoke --variants eager,eager-ckpt,eager-standard --seq 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+# the Llama-3.2-1B shape of bench/lib/harness.py's lora-1b part (tied embeddings)
+SHAPE = dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256)
+# --smoke: the eager variants on this CPU at a tiny shape (the script's own check before a device call)
+SMOKE = "--smoke" in sys.argv[1:]
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    SHAPE = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
+DEVICE = "cpu" if SMOKE else "cuda"
+VARIANTS = "eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard"
+
+
+def build(batch: int, seq: int, variant: str):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+    from strop.kernels.models import patch_model
+
+    cfg = LlamaConfig(
+        vocab_size=SHAPE["vocab"],
+        hidden_size=SHAPE["hidden"],
+        intermediate_size=SHAPE["inter"],
+        num_hidden_layers=SHAPE["layers"],
+        num_attention_heads=SHAPE["heads"],
+        num_key_value_heads=SHAPE["kv_heads"],
+        head_dim=SHAPE["head_dim"],
+        max_position_embeddings=max(seq, 2048),
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    lora = LoraConfig(
+        r=16,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=list(DEFAULT_TARGET_MODULES),
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)  # LoRA factors in fp32 (autocast_adapter_dtype)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    with torch.no_grad():  # non-zero B: every LoRA factor gets a gradient from the first step
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.01 * torch.randn(p.shape, generator=gen, device=DEVICE))
+    report = patch_model(model, device=DEVICE)
+    installed = None
+    if variant.endswith("-ckpt") or variant.endswith("-standard"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant.endswith("-standard"):
+        from strop.common.trainer_types import MEMORY_MODES, MemoryMode
+        from strop.kernels.models import StepShape, apply_memory_mode
+
+        installed = apply_memory_mode(
+            model,
+            MEMORY_MODES[MemoryMode.STANDARD],
+            step=StepShape(batch, seq),
+            budget_bytes=0,
+            device=DEVICE,
+            **({"offload_cpu_tensors": True, "min_offload_bytes": 0} if SMOKE else {}),
+        )
+    model.train()
+    return model, report, installed
+
+
+class LossOf:
+    """The model's loss on ``ids`` (labels = ids) under bf16 autocast without its weight cache (graph capture
+    refuses the cache; eager runs the same way so that both compute alike)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, ids):
+        import torch
+
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=False):
+            return self.model(input_ids=ids, labels=ids).loss
+
+
+def run_variant(a) -> dict:
+    import torch
+
+    out: dict = {"variant": a.variant}
+    model, report, installed = build(a.batch, a.seq, a.variant)
+    out["kernels"] = str(report.summary())
+    g = torch.Generator(device=DEVICE).manual_seed(1234)
+    batches = [
+        torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device=DEVICE, generator=g)
+        for _ in range(a.warmup + a.steps)
+    ]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=not SMOKE)
+    sync = torch.cuda.synchronize if not SMOKE else (lambda: None)
+    loss_of = LossOf(model)
+    step_fn = loss_of
+    if a.variant.startswith("graphed"):
+        t0 = time.perf_counter()
+        try:
+            step_fn = graphed(model, loss_of, batches[0])
+        except Exception as exc:
+            out["capture_error"] = "".join(traceback.format_exception(exc))[-3000:]
+            return out
+        out["capture_s"] = round(time.perf_counter() - t0, 2)
+    sync()
+    if not SMOKE:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for ids in batches:
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = step_fn(ids)
+        loss.backward()
+        opt.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(round(float(loss.detach()), 5))
+    measured = sorted(times[a.warmup :])
+    out["ms_step_median"] = round(1e3 * measured[len(measured) // 2], 2)
+    out["ms_steps"] = [round(1e3 * t, 1) for t in times]
+    out["tok_s"] = round(a.batch * a.seq / measured[len(measured) // 2])
+    out["peak_alloc_gib"] = 0.0 if SMOKE else round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    out["losses"] = losses
+    if installed is not None:
+        out["installed"] = str(installed)
+    return out
+
+
+def graphed(model, loss_of, sample_ids):
+    """The whole model's forward + backward as one graphed callable: the parameters that train are its inputs, so
+    autograd accumulates their gradients from the backward graph's static outputs, eagerly."""
+    import torch
+
+    class Whole(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, ids):
+            return loss_of(ids)
+
+    whole = Whole()
+    return torch.cuda.make_graphed_callables(whole, (sample_ids,), num_warmup_iters=3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--variants", default=VARIANTS)
+    p.add_argument("--variant", help="(internal) run this one variant in this process, print its JSON")
+    p.add_argument(
+        "--smoke", action="store_true", help="eager variants on this CPU at a tiny shape (read at import)"
+    )
+    p.add_argument("--timeout", type=int, default=240, help="seconds a variant's process may take")
+    a = p.parse_args()
+    if a.variant:
+        print("RESULT " + json.dumps(run_variant(a)), flush=True)
+        return
+    rows = []
+    for variant in a.variants.split(","):
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--variant",
+            variant,
+            *(["--smoke"] if a.smoke else []),
+        ]
+        cmd += [
+            "--batch",
+            str(a.batch),
+            "--seq",
+            str(a.seq),
+            "--steps",
+            str(a.steps),
+            "--warmup",
+            str(a.warmup),
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            row = json.loads(line[7:]) if line else {"variant": variant, "error": proc.stderr[-3000:]}
+        except subprocess.TimeoutExpired:
+            row = {"variant": variant, "error": f"timed out after {a.timeout} s"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n1B shape, {a.batch} x {a.seq}, bf16 LoRA r16, {a.steps} steps after {a.warmup}")
+    print("| variant | ms/step (median) | tok/s | peak alloc GiB | capture s | losses |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        if "ms_step_median" in r:
+            print(
+                f"| {r['variant']} | {r['ms_step_median']} | {r['tok_s']:,} | {r['peak_alloc_gib']} | "
+                f"{r.get('capture_s', '-')} | {r['losses'][:5]} |"
+            )
+        else:
+            why = (r.get("capture_error") or r.get("error") or "").strip().splitlines()
+            print(f"| {r['variant']} | failed: {why[-1] if why else '?'} | | | | |")
+
+
+if __name__ == "__main__":
+    main()
