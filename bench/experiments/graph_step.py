@@ -19,7 +19,7 @@ reports its exception's last lines. One-off experiment: nothing imports it and i
 Usage (repository root, on the GPU machine)::
 
     python3 bench/experiments/graph_step.py [--batch 2] [--seq 2048] [--steps 8] [--warmup 3]
-        [--variants eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard]
+        [--variants eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard] [--qlora]
     python3 bench/experiments/graph_step.py --smoke --variants eager,eager-ckpt,eager-standard --seq 16
 """
 
@@ -44,14 +44,18 @@ DEVICE = "cpu" if SMOKE else "cuda"
 VARIANTS = "eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard"
 
 
-def build(batch: int, seq: int, variant: str):
+MODEL_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "strop-graph-step-" + ("smoke" if SMOKE else "1b"))
+
+
+def write_model(seq: int) -> None:
+    """The random model (seed 0, bf16) saved once, for every variant to load as the baseline recipe loads it."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from strop.common.trainer_types import DEFAULT_TARGET_MODULES
-    from strop.kernels.models import patch_model
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
 
+    if os.path.exists(os.path.join(MODEL_DIR, "config.json")):
+        return
     cfg = LlamaConfig(
         vocab_size=SHAPE["vocab"],
         hidden_size=SHAPE["hidden"],
@@ -60,14 +64,41 @@ def build(batch: int, seq: int, variant: str):
         num_attention_heads=SHAPE["heads"],
         num_key_value_heads=SHAPE["kv_heads"],
         head_dim=SHAPE["head_dim"],
-        max_position_embeddings=max(seq, 2048),
+        max_position_embeddings=max(seq, 4096),
         tie_word_embeddings=True,
-        attn_implementation="sdpa",
-        use_cache=False,
     )
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(MODEL_DIR + ".tmp")
+    make_bpe_tokenizer().save_pretrained(MODEL_DIR + ".tmp")
+    os.replace(MODEL_DIR + ".tmp", MODEL_DIR)
+
+
+def build(batch: int, seq: int, variant: str, qlora: bool):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+    from strop.kernels.models import patch_model
+
+    quant = None
+    if qlora:  # DESIGN.md's baseline recipe: NF4 double quant, bf16 compute
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        MODEL_DIR,
+        dtype=torch.bfloat16,
+        device_map={"": 0 if DEVICE == "cuda" else "cpu"},
+        attn_implementation="sdpa",
+        quantization_config=quant,
+    )
+    model.config.use_cache = False
     lora = LoraConfig(
         r=16,
         lora_alpha=16,
@@ -119,7 +150,7 @@ def run_variant(a) -> dict:
     import torch
 
     out: dict = {"variant": a.variant}
-    model, report, installed = build(a.batch, a.seq, a.variant)
+    model, report, installed = build(a.batch, a.seq, a.variant, a.qlora)
     out["kernels"] = str(report.summary())
     g = torch.Generator(device=DEVICE).manual_seed(1234)
     batches = [
@@ -188,6 +219,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--variants", default=VARIANTS)
+    p.add_argument(
+        "--qlora", action="store_true", help="NF4 double-quant bases (bitsandbytes), as QLoRA loads them"
+    )
     p.add_argument("--variant", help="(internal) run this one variant in this process, print its JSON")
     p.add_argument(
         "--smoke", action="store_true", help="eager variants on this CPU at a tiny shape (read at import)"
@@ -197,6 +231,9 @@ def main() -> None:
     if a.variant:
         print("RESULT " + json.dumps(run_variant(a)), flush=True)
         return
+    t0 = time.perf_counter()
+    write_model(a.seq)
+    print(f"model at {MODEL_DIR} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = []
     for variant in a.variants.split(","):
         cmd = [
@@ -215,6 +252,7 @@ def main() -> None:
             str(a.steps),
             "--warmup",
             str(a.warmup),
+            *(["--qlora"] if a.qlora else []),
         ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
@@ -224,7 +262,8 @@ def main() -> None:
             row = {"variant": variant, "error": f"timed out after {a.timeout} s"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n1B shape, {a.batch} x {a.seq}, bf16 LoRA r16, {a.steps} steps after {a.warmup}")
+    base = "QLoRA (NF4 bases)" if a.qlora else "bf16 LoRA"
+    print(f"\n1B shape, {a.batch} x {a.seq}, {base} r16, {a.steps} steps after {a.warmup}")
     print("| variant | ms/step (median) | tok/s | peak alloc GiB | capture s | losses |")
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
