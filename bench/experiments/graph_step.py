@@ -106,6 +106,7 @@ def build(batch: int, seq: int, variant: str, qlora: bool):
         target_modules=list(DEFAULT_TARGET_MODULES),
         task_type="CAUSAL_LM",
     )
+    torch.manual_seed(0)  # the LoRA A init: the same in every variant
     model = get_peft_model(model, lora)  # LoRA factors in fp32 (autocast_adapter_dtype)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     with torch.no_grad():  # non-zero B: every LoRA factor gets a gradient from the first step
@@ -148,6 +149,13 @@ class LossOf:
 
 def run_variant(a) -> dict:
     import torch
+    import transformers.masking_utils as masking
+
+    # Rows of one sequence each (no packing): transformers' check of the position ids for packed sequences reads a
+    # GPU value (a sync) and, while a stream is capturing, skips that read and builds an explicit mask instead, so
+    # a captured attention would run masked where eager runs causal. The batches here are never packed: say so,
+    # in every variant alike (what a trainer that knows its collation would do).
+    masking.find_packed_sequence_indices = lambda position_ids: None
 
     out: dict = {"variant": a.variant}
     model, report, installed = build(a.batch, a.seq, a.variant, a.qlora)
