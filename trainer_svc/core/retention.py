@@ -538,3 +538,100 @@ def add_replay_kl(trainer, kl: ReplayKL) -> None:
             return (out[0] + term, *out[1:]) if return_outputs else out + term
 
     trainer.__class__ = ReplayKLTrainer
+
+
+# The null-space projection (a bench knob while it is measured, ``retention.NULL_SPACE_ENERGY`` in
+# bench/recipe_facts.py's settings; 0: off): every LoRA A factor kept orthogonal to the input directions that carry
+# this fraction of the energy of the base's inputs to its layer over the KL term's conversations (the general prompts
+# and the facts' neighbour questions, with the base's answers), so the adapter's update ΔW·x is small for inputs like
+# those and acts on what the facts' inputs have outside them: the constraint knowledge editing puts on its updates to
+# keep unrelated knowledge (AlphaEdit, Fang et al., ICLR 2025: the update projected on the null space of the
+# preserved keys), applied to every LoRA factor and after every optimizer step (projected gradient descent).
+NULL_SPACE_ENERGY = 0.0
+
+
+def null_space_projectors(peft_model, rows: list[dict], tokenizer, energy: float, device, batch: int = 16):
+    """For each LoRA layer of ``peft_model``'s active adapter whose A factor is a linear map: P = I − U·Uᵀ, U the
+    eigenvectors of Σ x·xᵀ over the layer's inputs x (the base's, adapter disabled, every real token of ``rows``)
+    that carry ``energy`` of its trace, largest first. Returns {A weight: P} (fp32, on the weight's device)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    from strop.trainer_svc.core import job_config
+
+    layers = {
+        name: module
+        for name, module in peft_model.named_modules()
+        if isinstance(module, LoraLayer)
+        and module.active_adapter
+        and module.active_adapter[0] in module.lora_A
+        and isinstance(module.lora_A[module.active_adapter[0]], torch.nn.Linear)
+    }
+    sums: dict[str, torch.Tensor] = {}
+    keep: list[torch.Tensor] = []
+
+    def hook(name):
+        def pre(module, args):
+            x = args[0].detach()
+            x = x[keep[0]] if x.dim() == 3 and x.shape[:2] == keep[0].shape else x.reshape(-1, x.shape[-1])
+            x = x.to(torch.float64)
+            sums[name] = sums.get(name, 0) + x.T @ x
+
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    masked = [job_config.assistant_masked(r["messages"], tokenizer)["input_ids"] for r in rows]
+    was_training = peft_model.training
+    peft_model.eval()
+    try:
+        with torch.no_grad(), peft_model.disable_adapter():
+            for i in range(0, len(masked), batch):
+                group = masked[i : i + batch]
+                width = max(len(g) for g in group)
+                ids = torch.full((len(group), width), pad, dtype=torch.long)
+                attn = torch.zeros((len(group), width), dtype=torch.long)
+                for j, g in enumerate(group):
+                    ids[j, : len(g)], attn[j, : len(g)] = torch.tensor(g), 1
+                keep[:] = [attn.bool().to(device)]
+                peft_model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+        peft_model.train(was_training)
+    out = {}
+    for name, module in layers.items():
+        if name not in sums:  # its forward was not called as a module (a fused path): left unconstrained
+            log.warning("null-space projection: no inputs seen for %s; left unconstrained", name)
+            continue
+        values, vectors = torch.linalg.eigh(sums[name])
+        values, vectors = values.flip(0).clamp_min(0), vectors.flip(1)
+        share = values.cumsum(0) / values.sum().clamp_min(1e-300)
+        k = int((share < energy).sum()) + 1
+        u = vectors[:, :k]
+        weight = module.lora_A[module.active_adapter[0]].weight
+        proj = torch.eye(u.shape[0], dtype=torch.float64) - u @ u.T
+        out[weight] = proj.to(device=weight.device, dtype=torch.float32)
+    return out
+
+
+def project_lora_a(projectors) -> None:
+    """A ← A·P for every (A, P) of :func:`null_space_projectors`, in place."""
+    import torch
+
+    with torch.no_grad():
+        for weight, proj in projectors.items():
+            weight.copy_((weight.float() @ proj).to(weight.dtype))
+
+
+def add_null_space(trainer, projectors) -> None:
+    """Keep ``projectors``' A factors in their null spaces through ``trainer``'s run: projected now, and again after
+    every optimizer step."""
+    from transformers import TrainerCallback
+
+    class NullSpace(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kw):
+            project_lora_a(projectors)
+
+    project_lora_a(projectors)
+    trainer.add_callback(NullSpace())
