@@ -1017,13 +1017,6 @@ def run_training(
         retention.add_replay_kl(trainer, kl)
     else:
         kl = None
-    if scored and retention.NULL_SPACE_ENERGY > 0:
-        t0 = time.perf_counter()
-        projectors = retention.null_space_projectors(
-            loaded.model, scored, loaded.tokenizer, retention.NULL_SPACE_ENERGY, loaded.device
-        )
-        retention.add_null_space(trainer, projectors)
-        log.info("null-space projection: %d LoRA A factors (%.1f s)", len(projectors), time.perf_counter() - t0)
     installed = None
     try:
         installed = _install_memory_mode(
