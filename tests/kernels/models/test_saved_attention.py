@@ -374,12 +374,12 @@ def test_a_layers_saved_attention_reloads_as_the_layer_above_ends_its_attention_
 
 
 @pytest.mark.gpu
-def test_gpu_saved_qkv_train_as_saved_attention_alone_in_no_more_memory():
+def test_gpu_saved_qkv_train_as_saved_attention_alone_with_one_layers_qkv_more_at_peak():
     """1B shape, 16K tokens, bf16: with q, k, v saved too, the forward is the same code (the loss differs by no more
     than two runs of saved attention alone do) and the gradients differ from saved attention alone by no more than
     that path differs from itself across two runs (the attention backward may accumulate in another order run to
-    run), with room for 4x; peak memory higher by no more than one layer's q, k, v. Step times are printed, not asserted (a speed claim is the
-    benchmark's: ``train_bench.py … strop-standard-q1``)."""
+    run), with room for 4x; peak memory higher by no more than one layer's q, k, v. Step times are printed, not
+    asserted (a speed claim is the benchmark's: ``train_bench.py … strop-standard-q1``)."""
     seq = 16384
     model = _gpu_1b(seq)
     ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
