@@ -14,13 +14,14 @@ launch each. This asks, on the GPU, before any of it goes into the trainer:
 
 Every variant builds the same random model (seed 0) in its own process (``--variant``, the orchestrator spawns
 them), so one failed capture does not take the others with it and each peak is its own. A capture that fails
-reports its exception's last lines. One-off experiment: nothing imports it and it imports nothing from bench/lib.
+reports its exception's last lines. The model is train_bench's saved 1B model (``lora-1b``; ``--qlora``: NF4 on load,
+``qlora-1b``), so its eager rows compare with train_bench's. A bench script, not a test.
 
 Usage (repository root, on the GPU machine)::
 
-    python3 bench/experiments/graph_step.py [--batch 2] [--seq 2048] [--steps 8] [--warmup 3]
+    python3 bench/graph_step.py [--batch 2] [--seq 2048] [--steps 8] [--warmup 3]
         [--variants eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard] [--qlora]
-    python3 bench/experiments/graph_step.py --smoke --variants eager,eager-ckpt,eager-standard --seq 16
+    python3 bench/graph_step.py --smoke --variants eager,eager-ckpt,eager-standard --seq 16
 """
 
 from __future__ import annotations
@@ -33,104 +34,42 @@ import sys
 import time
 import traceback
 
-# the Llama-3.2-1B shape of bench/lib/harness.py's lora-1b part (tied embeddings)
-SHAPE = dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256)
-# --smoke: the eager variants on this CPU at a tiny shape (the script's own check before a device call)
+# read before torch and triton load: --smoke runs the eager variants on this CPU, strop's Triton paths interpreted
 SMOKE = "--smoke" in sys.argv[1:]
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    SHAPE = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
 DEVICE = "cpu" if SMOKE else "cuda"
 VARIANTS = "eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard"
 
-
-MODEL_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "strop-graph-step-" + ("smoke" if SMOKE else "1b"))
-
-
-def write_model(seq: int) -> None:
-    """The random model (seed 0, bf16) saved once, for every variant to load as the baseline recipe loads it."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
-
-    if os.path.exists(os.path.join(MODEL_DIR, "config.json")):
-        return
-    cfg = LlamaConfig(
-        vocab_size=SHAPE["vocab"],
-        hidden_size=SHAPE["hidden"],
-        intermediate_size=SHAPE["inter"],
-        num_hidden_layers=SHAPE["layers"],
-        num_attention_heads=SHAPE["heads"],
-        num_key_value_heads=SHAPE["kv_heads"],
-        head_dim=SHAPE["head_dim"],
-        max_position_embeddings=max(seq, 4096),
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(MODEL_DIR + ".tmp")
-    make_bpe_tokenizer().save_pretrained(MODEL_DIR + ".tmp")
-    os.replace(MODEL_DIR + ".tmp", MODEL_DIR)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib.harness import attach_lora, workload  # noqa: E402
+from lib.train_workers import apply_memory  # noqa: E402
 
 
 def build(batch: int, seq: int, variant: str, qlora: bool):
+    """train_bench's saved 1B model (``lora-1b``/``qlora-1b``, loaded as the baseline recipe loads it) with its
+    LoRA, strop's kernels, and the variant's checkpointing or the trainer's memory mode, installed as train_bench
+    installs them. B is made non-zero so that every LoRA factor gets a gradient from the first step."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from strop.common.trainer_types import DEFAULT_TARGET_MODULES
     from strop.kernels.models import patch_model
 
-    quant = None
-    if qlora:  # DESIGN.md's baseline recipe: NF4 double quant, bf16 compute
-        quant = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-    model = AutoModelForCausalLM.from_pretrained(
-        MODEL_DIR,
-        dtype=torch.bfloat16,
-        device_map={"": 0 if DEVICE == "cuda" else "cpu"},
-        attn_implementation="sdpa",
-        quantization_config=quant,
-    )
-    model.config.use_cache = False
-    lora = LoraConfig(
-        r=16,
-        lora_alpha=16,
-        lora_dropout=0.0,
-        target_modules=list(DEFAULT_TARGET_MODULES),
-        task_type="CAUSAL_LM",
-    )
+    w = workload("qlora-1b" if qlora else "lora-1b", SMOKE)
     torch.manual_seed(0)  # the LoRA A init: the same in every variant
-    model = get_peft_model(model, lora)  # LoRA factors in fp32 (autocast_adapter_dtype)
+    model = attach_lora(w.load_model(qlora))
     gen = torch.Generator(device=DEVICE).manual_seed(1)
-    with torch.no_grad():  # non-zero B: every LoRA factor gets a gradient from the first step
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(0.01 * torch.randn(p.shape, generator=gen, device=DEVICE))
     report = patch_model(model, device=DEVICE)
-    installed = None
     if variant.endswith("-ckpt") or variant.endswith("-standard"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if variant.endswith("-standard"):
-        from strop.common.trainer_types import MEMORY_MODES, MemoryMode
-        from strop.kernels.models import StepShape, apply_memory_mode
-
-        installed = apply_memory_mode(
-            model,
-            MEMORY_MODES[MemoryMode.STANDARD],
-            step=StepShape(batch, seq),
-            budget_bytes=0,
-            device=DEVICE,
-            **({"offload_cpu_tensors": True, "min_offload_bytes": 0} if SMOKE else {}),
-        )
+    installed = (
+        apply_memory(w, model, "strop-standard", batch, seq) if variant.endswith("-standard") else None
+    )
     model.train()
-    return model, report, installed
+    return model, report, installed, w.shape["vocab"]
 
 
 class LossOf:
@@ -158,11 +97,11 @@ def run_variant(a) -> dict:
     masking.find_packed_sequence_indices = lambda position_ids: None
 
     out: dict = {"variant": a.variant}
-    model, report, installed = build(a.batch, a.seq, a.variant, a.qlora)
+    model, report, installed, vocab = build(a.batch, a.seq, a.variant, a.qlora)
     out["kernels"] = str(report.summary())
     g = torch.Generator(device=DEVICE).manual_seed(1234)
     batches = [
-        torch.randint(0, SHAPE["vocab"], (a.batch, a.seq), device=DEVICE, generator=g)
+        torch.randint(0, vocab, (a.batch, a.seq), device=DEVICE, generator=g)
         for _ in range(a.warmup + a.steps)
     ]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -239,9 +178,7 @@ def main() -> None:
     if a.variant:
         print("RESULT " + json.dumps(run_variant(a)), flush=True)
         return
-    t0 = time.perf_counter()
-    write_model(a.seq)
-    print(f"model at {MODEL_DIR} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    workload("lora-1b", a.smoke).ensure_saved_model(a.seq, "lora-1b")  # one saved model, both parts
     rows = []
     for variant in a.variants.split(","):
         cmd = [
