@@ -279,6 +279,7 @@ def kept_merge_tiles() -> str:
 
     return " ".join(
         f"[{key[1]}, {key[2]}]: {t['BLOCK_N']}x{t['BLOCK_K']}x{t['num_warps']}/{'pairs' if t.get('PAIRS') else 'book'}"
+        f"{'/' + str(t['K_TILES']) + ' tiles' if t.get('K_TILES', 1) > 1 else ''}"
         for key, t in moe_gemm._MERGE_TILE.items()
     )
 

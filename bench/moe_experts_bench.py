@@ -165,7 +165,8 @@ def merge_timings(a, device) -> None:
 
             def tile(c):  # BLOCK_N x BLOCK_K x warps, then how a byte's codes are read (pairs or code book)
                 lookup = "pairs" if c.kwargs.get("PAIRS") else "book"
-                return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}x{c.num_warps}/{lookup}"
+                looped = f"/{c.kwargs['K_TILES']} tiles" if c.kwargs.get("K_TILES", 1) > 1 else ""
+                return f"{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}x{c.num_warps}/{lookup}{looped}"
 
             tried = " ".join(f"{tile(c)}:{t[0]:.3f}" for c, t in tuner.configs_timings.items())
             kept = tile(tuner.best_config)

@@ -150,11 +150,11 @@ def merge_tiles() -> None:
             scale="fp32",
             **dict.fromkeys(sizes, "i32"),
         )
-        for n, k, warps, pairs in g._MERGE_TILES:
+        for n, k, warps, pairs, k_tiles in g._MERGE_TILES:
             consts = dict(
                 NF4=nf4, HALF_BS=g.NF4_BLOCKSIZE // 2 if nf4 else 1, NESTED=nf4, BS2=256 if nf4 else 1,
                 ROW_BLOCKS=nf4, QDTYPE=tl.bfloat16, OUT_DTYPE=tl.bfloat16, IEEE=False, BLOCK_N=n, BLOCK_K=k,
-                BLOCK_R=block_k(16), PAIRS=pairs,
+                BLOCK_R=block_k(16), PAIRS=pairs, K_TILES=k_tiles,
             )  # fmt: skip
             aligned = (
                 "w_ptr",
@@ -172,7 +172,8 @@ def merge_tiles() -> None:
             )
             got = _compile(g._merge_kernel, sig, consts, warps, aligned, enable_fp_fusion=False)
             lookup = "pairs" if pairs else "book"
-            print(f"merge {'NF4' if nf4 else '16-bit'} {n}x{k}x{warps} {lookup}: {got}", flush=True)
+            looped = f", {k_tiles} tiles looped" if k_tiles > 1 else ""
+            print(f"merge {'NF4' if nf4 else '16-bit'} {n}x{k}x{warps} {lookup}{looped}: {got}", flush=True)
 
 
 if __name__ == "__main__":

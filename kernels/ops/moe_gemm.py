@@ -259,27 +259,52 @@ def _merge_kernel(
     NF4: tl.constexpr, HALF_BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     QDTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PAIRS: tl.constexpr,
+    K_TILES: tl.constexpr,
 ):  # fmt: skip
-    """One [BLOCK_N, BLOCK_K] tile of expert e's ``W_e + s · B_e A_e``: W read (NF4: dequantized as nf4.py's kernel
-    does, bit for bit, and rounded to the stack's dtype), the rank-R product added in fp32, rounded once."""
+    """K_TILES consecutive [BLOCK_N, BLOCK_K] tiles of expert e's ``W_e + s · B_e A_e`` (:func:`_merge_tile` each)."""
+    for t in tl.range(K_TILES):
+        _merge_tile(
+            w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, pairs_ptr,
+            b_ptr, a_ptr, out_ptr, scale,
+            N, K, R,
+            b_se, b_sn, b_sr, a_se, a_sr, a_sk, w_se, w_sn, w_sk,
+            tl.program_id(1) * K_TILES + t,
+            NF4, HALF_BS, NESTED, BS2, ROW_BLOCKS, QDTYPE, OUT_DTYPE, IEEE, BLOCK_N, BLOCK_K, BLOCK_R, PAIRS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _merge_tile(
+    w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, code_ptr, pairs_ptr,
+    b_ptr, a_ptr, out_ptr, scale,
+    N, K, R,
+    b_se, b_sn, b_sr, a_se, a_sr, a_sk, w_se, w_sn, w_sk,
+    kt,
+    NF4: tl.constexpr, HALF_BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+    QDTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PAIRS: tl.constexpr,
+):  # fmt: skip
+    """Column tile ``kt`` of the program's [BLOCK_N, ·] rows of expert e's ``W_e + s · B_e A_e``: W read (NF4:
+    dequantized as nf4.py's kernel does, bit for bit, and rounded to the stack's dtype), the rank-R product added
+    in fp32, rounded once."""
     e = tl.program_id(2).to(tl.int64)
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rk = kt.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = rn < N
     mask = n_mask[:, None] & (rk < K)[None, :]
     row = e * N * K + rn * K  # each row's first element in the flat stack
     if NF4:  # K even: a row starts on a byte; the tile's BLOCK_K // 2 bytes a row, two codes each
-        rb = tl.program_id(1).to(tl.int64) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        rb = kt.to(tl.int64) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         bmask = n_mask[:, None] & (rb < K // 2)[None, :]
         byte = row[:, None] // 2 + rb[None, :]
         if ROW_BLOCKS and (BLOCK_K % (2 * HALF_BS) == 0):
             # K and the tile both whole blocks: a tile row spans BLOCK_K // blocksize blocks, each block's scale
             # read once a row (not once a byte) and selected by column
             absmax = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
-            first = row // (2 * HALF_BS) + tl.program_id(1).to(tl.int64) * (BLOCK_K // (2 * HALF_BS))
+            first = row // (2 * HALF_BS) + kt.to(tl.int64) * (BLOCK_K // (2 * HALF_BS))
             col_blk = (tl.arange(0, BLOCK_K // 2) // HALF_BS)[None, :]
             for j in tl.static_range(BLOCK_K // (2 * HALF_BS)):
-                rmask = n_mask & (tl.program_id(1) * BLOCK_K + j * 2 * HALF_BS < K)
+                rmask = n_mask & (kt * BLOCK_K + j * 2 * HALF_BS < K)
                 scale_j = _block_scale(
                     absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, first + j, rmask, NESTED, BS2
                 )
@@ -310,7 +335,7 @@ def _merge_kernel(
     tl.store(out_ptr + row[:, None] + rk[None, :], cast_to(v + scale * ba, OUT_DTYPE), mask=mask)
 
 
-# The merge's tiles, (BLOCK_N, BLOCK_K, num_warps, PAIRS): the first is what the interpreter (CPU tests, which pay
+# The merge's tiles, (BLOCK_N, BLOCK_K, num_warps, PAIRS, K_TILES): the first is what the interpreter (CPU tests, which pay
 # per program) always runs; on CUDA the autotuner times them all on first use for each projection's shape, rank and
 # dtypes (a trainer's first step: a compile and ~0.1 s of timing a tile) and keeps the fastest. The NF4 tile's
 # code gathers hold a 64-bit address a byte or nibble, so registers bound the programs an SM runs (ptxas -v on the
@@ -320,12 +345,16 @@ def _merge_kernel(
 # (one line: one pass each); the same values either way. Every tile gives each warpgroup 64 rows, so the rank-r
 # product is one Hopper wgmma k-step whatever the tile (fewer rows a warpgroup would make it mma's); W's part is
 # exact. A 16-bit stack and NF4 codes of one shape share the kept tile (_MERGE_TILE's key), so the two paths merge
-# to the same bits. Three tiles a lookup, six configs in all, each a compile at the first step (64 × 32 runs the most instructions an
-# element, 128 × 128 the fewest warps an SM: left out).
+# to the same bits. K_TILES > 1 loops a program over that many tiles along K (a runtime loop, which Triton may
+# pipeline): the row setup, expert offsets and mask work once per program, not once a tile, and the next tile's loads
+# can be in flight while one is stored (the merge runs at ~2 TB/s on the H200, half its copy bandwidth: bench/
+# RESULTS.md, session 30); the same per-element operations, so the same bits. Three single tiles a lookup and one
+# looped, eight configs in all, each a compile at the first step (64 × 32 runs the most instructions an element,
+# 128 × 128 the fewest warps an SM: left out).
 _MERGE_TILES = tuple(
-    (n, k, warps, pairs)
+    (n, k, warps, pairs, k_tiles)
     for pairs in (False, True)
-    for n, k, warps in ((64, 128, 4), (64, 64, 4), (128, 64, 8))
+    for n, k, warps, k_tiles in ((64, 128, 4, 1), (64, 64, 4, 1), (128, 64, 8, 1), (64, 64, 4, 4))
 )
 _TUNED_MERGE: list = []
 
@@ -348,18 +377,23 @@ def _code_pairs(device: torch.device) -> torch.Tensor:
 _MERGE_TILE: dict[tuple, dict] = {}
 
 
+def merge_tile_kwargs(tile: tuple) -> dict:
+    """A ``_MERGE_TILES`` entry as the kernel's launch keywords."""
+    n, k, warps, pairs, k_tiles = tile
+    return {"BLOCK_N": n, "BLOCK_K": k, "PAIRS": pairs, "K_TILES": k_tiles, "num_warps": warps}
+
+
 def _merge_kernel_for(key: tuple, device: torch.device):
     """(kernel, tile kwargs, tuner): the first tile off CUDA (the interpreter); on CUDA the tile the autotuner
     kept for ``key``, else the autotuner itself (the caller records its pick)."""
     if device.type != "cuda":
-        n, k, warps, pairs = _MERGE_TILES[0]
-        return _merge_kernel, {"BLOCK_N": n, "BLOCK_K": k, "PAIRS": pairs, "num_warps": warps}, None
+        return _merge_kernel, merge_tile_kwargs(_MERGE_TILES[0]), None
     if key in _MERGE_TILE:
         return _merge_kernel, _MERGE_TILE[key], None
     if not _TUNED_MERGE:
         configs = [
-            triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PAIRS": p}, num_warps=w)
-            for n, k, w, p in _MERGE_TILES
+            triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PAIRS": p, "K_TILES": kt}, num_warps=w)
+            for n, k, w, p, kt in _MERGE_TILES
         ]
         _TUNED_MERGE.append(
             triton.autotune(configs, key=["N", "K", "R", "NF4", "NESTED", "ROW_BLOCKS"])(_merge_kernel)
@@ -393,7 +427,10 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
     row_blocks = nf4 and k % (2 * half_bs) == 0
     key = (out.device, n, k, r, out.dtype, a_.dtype)  # not the stack's kind: NF4 and 16-bit share a tile
     kernel, tile, tuner = _merge_kernel_for(key, out.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), e)  # noqa: E731
+
+    def grid(meta):
+        return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"] * meta["K_TILES"]), e
+
     # fmt: skip below: one row per role, as the kernel's signature
     kernel[grid](
         src, absmax, absmax2, code2, offset, code, pairs,

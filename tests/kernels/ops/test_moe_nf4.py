@@ -147,18 +147,20 @@ def test_the_backward_reuses_the_stack_its_forward_left_in_the_shared_buffer_and
 @pytest.mark.parametrize("double_quant", [True, False], ids=["double-quant", "fp32-absmax"])
 @pytest.mark.parametrize("k", [192, 96], ids=["rows-of-whole-blocks", "blocks-across-rows"])
 @pytest.mark.parametrize("pairs", [False, True], ids=["code-book", "code-pairs"])
+@pytest.mark.parametrize("k_tiles", [1, 4], ids=["a-tile-a-program", "tiles-looped"])
 def test_the_merge_kernel_dequantizes_as_nf4_dequantize_and_adds_the_low_rank_product(
-    dtype, double_quant, k, pairs, monkeypatch
+    dtype, double_quant, k, pairs, k_tiles, monkeypatch
 ):
     """The merged stack's W part is ``nf4_dequantize``'s values bit for bit (zero factors: nothing added), and with
     factors it is W + s·B_e A_e of the compute-dtype factors, in fp32 to its rounding (bf16: rounded once, so within
     half an ulp of the fp32 sum: 2⁻⁸ relative, the sum itself the reference's within the fp32 rounding of its r + 1
     terms, which a cancellation can make larger). N 40 and K 192: a partial tile in both, rows of 1.5 K-tiles, each
     of whole NF4 blocks (their scales read once a row); K 96: blocks of 64 straddle rows (scales read a byte). Both
-    ways of reading a byte's codes (the interpreter runs the first tile: here the one of that lookup)."""
+    ways of reading a byte's codes, and a program's one tile or several looped along K (four tiles of 64: the last
+    ones past K, masked; the interpreter runs the first tile: here the one of that lookup and loop)."""
     from strop.kernels.ops import moe_gemm
 
-    tiles = [t for t in moe_gemm._MERGE_TILES if t[3] == pairs]
+    tiles = [t for t in moe_gemm._MERGE_TILES if t[3] == pairs and t[4] == k_tiles]
     monkeypatch.setattr(moe_gemm, "_MERGE_TILES", (tiles[0],))
     _check_merge((3, 40, k), 4, dtype, double_quant, "cpu")
 
@@ -175,8 +177,8 @@ def test_the_merge_kernel_on_cuda_dequantizes_as_nf4_dequantize_and_adds_the_low
     for n, k in ((2 * 768, 2048), (2048, 768)):
         _check_merge((8, n, k), 16, torch.bfloat16, True, "cuda")
         key = next(key for key in moe_gemm._MERGE_TILE if key[1:3] == (n, k))
-        for bn, bk, warps, pairs in moe_gemm._MERGE_TILES:
-            tile = {"BLOCK_N": bn, "BLOCK_K": bk, "PAIRS": pairs, "num_warps": warps}
+        for entry in moe_gemm._MERGE_TILES:
+            tile = moe_gemm.merge_tile_kwargs(entry)
             with pytest.MonkeyPatch.context() as mp:
                 mp.setitem(moe_gemm._MERGE_TILE, key, tile)
                 _check_merge(
