@@ -9,6 +9,10 @@ launch each. This asks, on the GPU, before any of it goes into the trainer:
   under ``torch.cuda.make_graphed_callables`` as a whole model (forward + backward; the optimizer stays eager:
   torch's fused AdamW, a few launches), without checkpointing, with HF's checkpointing, and with the trainer's
   default memory mode (layer inputs offloaded to pinned host memory by strop's checkpoint);
+- the same with strop's own :class:`~strop.kernels.models.step_graph.StepGraph` (``stepgraph*``: the forward and
+  the backward as one graph captured by hand, gradients accumulated into kept ``.grad``, the capture thread-local and
+  without emptying the allocators; torch's checkpoint then without its RNG state, which a capture cannot read): what
+  the trainer would use;
 - how long a step takes graphed against eager, in how much memory;
 - whether the graphed model trains the same: the losses of the same steps from the same init and data.
 
@@ -20,8 +24,8 @@ reports its exception's last lines. The model is train_bench's saved 1B model (`
 Usage (repository root, on the GPU machine)::
 
     python3 bench/graph_step.py [--batch 2] [--seq 2048] [--steps 8] [--warmup 3]
-        [--variants eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard] [--qlora]
-    python3 bench/graph_step.py --smoke --variants eager,eager-ckpt,eager-standard --seq 16
+        [--variants eager,graphed,stepgraph,eager-ckpt,graphed-ckpt,stepgraph-ckpt,eager-standard,...] [--qlora]
+    python3 bench/graph_step.py --smoke --variants eager,stepgraph,eager-ckpt,eager-standard --seq 16
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ SMOKE = "--smoke" in sys.argv[1:]
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEVICE = "cpu" if SMOKE else "cuda"
-VARIANTS = "eager,graphed,eager-ckpt,graphed-ckpt,eager-standard,graphed-standard"
+VARIANTS = "eager,graphed,stepgraph,eager-ckpt,graphed-ckpt,stepgraph-ckpt,eager-standard,graphed-standard,stepgraph-standard"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lib.harness import attach_lora, workload  # noqa: E402
@@ -64,7 +68,9 @@ def build(batch: int, seq: int, variant: str, qlora: bool):
                 p.copy_(0.01 * torch.randn(p.shape, generator=gen, device=DEVICE))
     report = patch_model(model, device=DEVICE)
     if variant.endswith("-ckpt") or variant.endswith("-standard"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # StepGraph's capture cannot read the RNG state torch's checkpoint saves by default; nothing here is random
+        kwargs = {"use_reentrant": False, "preserve_rng_state": not variant.startswith("stepgraph")}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     installed = (
         apply_memory(w, model, "strop-standard", batch, seq) if variant.endswith("-standard") else None
     )
@@ -109,6 +115,11 @@ def run_variant(a) -> dict:
     sync = torch.cuda.synchronize if not SMOKE else (lambda: None)
     loss_of = LossOf(model)
     step_fn = loss_of
+    stepgraph = None
+    if a.variant.startswith("stepgraph"):
+        from strop.kernels.models.step_graph import StepGraph
+
+        stepgraph = StepGraph(lambda ids: loss_of(ids), params, warmup=2)
     if a.variant.startswith("graphed"):
         t0 = time.perf_counter()
         try:
@@ -124,9 +135,13 @@ def run_variant(a) -> dict:
     for ids in batches:
         sync()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = step_fn(ids)
-        loss.backward()
+        if stepgraph is None:
+            opt.zero_grad(set_to_none=True)
+            loss = step_fn(ids)
+            loss.backward()
+        else:  # the graph accumulates into gradients it keeps: zeroed in place
+            stepgraph.zero_grads()
+            loss = stepgraph.step(ids)[0]
         opt.step()
         sync()
         times.append(time.perf_counter() - t0)
@@ -139,6 +154,12 @@ def run_variant(a) -> dict:
     out["losses"] = losses
     if installed is not None:
         out["installed"] = str(installed)
+    if stepgraph is not None:
+        out["stepgraph"] = {
+            "replayed": stepgraph.stats.replayed,
+            "eager": stepgraph.stats.eager,
+            "reasons": list(stepgraph.reasons.values()),
+        }
     return out
 
 
@@ -209,14 +230,22 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     base = "QLoRA (NF4 bases)" if a.qlora else "bf16 LoRA"
     print(f"\n1B shape, {a.batch} x {a.seq}, {base} r16, {a.steps} steps after {a.warmup}")
-    print("| variant | ms/step (median) | tok/s | peak alloc GiB | capture s | losses |")
+    print("| variant | ms/step (median) | tok/s | peak alloc GiB | capture s / steps replayed | losses |")
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
         if "ms_step_median" in r:
+            sg = r.get("stepgraph")
+            how = (
+                r.get("capture_s", "-")
+                if sg is None
+                else f"{sg['replayed']} of {sg['replayed'] + sg['eager']}"
+            )
             print(
                 f"| {r['variant']} | {r['ms_step_median']} | {r['tok_s']:,} | {r['peak_alloc_gib']} | "
-                f"{r.get('capture_s', '-')} | {r['losses'][:5]} |"
+                f"{how} | {r['losses'][:5]} |"
             )
+            if sg and sg["reasons"]:
+                print(f"|   eager: {sg['reasons'][-1][:200]} | | | | | |")
         else:
             why = (r.get("capture_error") or r.get("error") or "").strip().splitlines()
             print(f"| {r['variant']} | failed: {why[-1] if why else '?'} | | | | |")

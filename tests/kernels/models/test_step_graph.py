@@ -1,0 +1,118 @@
+"""``kernels/models/step_graph.py``: a training micro-step replayed as one CUDA graph.
+
+CPU tier: off CUDA every step runs eagerly, with the reason kept, and computes what ``fn(*inputs)[0].backward()``
+computes (outputs and accumulated gradients, bit for bit). GPU tier: a LoRA Llama with strop's kernels, under bf16
+autocast, replays its captured steps with the losses and gradients of the same steps run eagerly, micro-steps
+accumulating and an optimizer stepping between them; a signature past ``max_graphs`` runs eagerly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.deps import locked
+
+transformers = locked("transformers")
+peft = locked("peft")
+
+from strop.kernels.models.step_graph import StepGraph  # noqa: E402
+from tests.kernels.models.test_offload import VOCAB, _ids, _lora, _tiny_llama  # noqa: E402
+
+
+def _loss_fn(model):
+    def fn(ids):
+        out = model(input_ids=ids, labels=ids)
+        return out.loss, out.logits.detach().float().square().mean()
+
+    return fn
+
+
+def _trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def test_off_cuda_every_step_is_eager_and_computes_the_forward_and_backward_it_wraps():
+    model = _lora(_tiny_llama())
+    ref = _lora(_tiny_llama())
+    graphed = StepGraph(_loss_fn(model), _trainable(model), warmup=0)
+    for seed in (2, 5):  # two micro-steps: gradients accumulate as eager ones do
+        ids = _ids(seed)
+        loss, metric = graphed.step(ids)
+        ref_loss, ref_metric = _loss_fn(ref)(ids)
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss.detach()) and torch.equal(metric, ref_metric)
+        assert not loss.requires_grad, "the outputs are detached: the backward has run"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), f"{name}: accumulated gradient"
+    assert graphed.stats.eager == 2 and graphed.stats.replayed == 0 and not graphed.graphs
+    assert list(graphed.reasons.values()) == ["not one CUDA device (cpu)"]
+    graphed.zero_grads()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters()), "zeroed in place"
+
+
+def _cuda_model(seed: int = 0):
+    from strop.kernels.models import patch_model
+
+    model = _lora(_tiny_llama(layers=2, seed=seed)).cuda()
+    patch_model(model, device="cuda")
+    return model
+
+
+def _steps(model, batches, graphed: StepGraph | None, accumulate: int = 2):
+    """Optimizer steps of ``accumulate`` micro-steps each: the losses, and every trainable gradient after each."""
+    params = _trainable(model)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    losses, grads = [], []
+    for i in range(0, len(batches), accumulate):
+        for ids in batches[i : i + accumulate]:
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                if graphed is None:
+                    loss, _ = _loss_fn(model)(ids)
+                    loss.backward()
+                else:
+                    loss, _ = graphed.step(ids)
+            losses.append(loss.detach().clone())
+        grads.append([p.grad.clone() for p in params])
+        opt.step()
+        if graphed is None:
+            opt.zero_grad(set_to_none=True)
+        else:
+            graphed.zero_grads()
+    return losses, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_replayed_steps_train_as_the_same_steps_run_eagerly():
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, VOCAB, (2, 64), generator=gen).cuda() for _ in range(8)]
+    eager_losses, eager_grads = _steps(_cuda_model(), batches, None)
+    model = _cuda_model()
+    graphed = StepGraph(_loss_fn(model), _trainable(model), warmup=2)
+    losses, grads = _steps(model, batches, graphed)
+    assert graphed.reasons == {}, graphed.reasons
+    assert graphed.stats.eager == 2 and graphed.stats.replayed == 6, graphed.stats
+    # the replays launch the eager steps' kernels in the eager steps' order on the same values: the same bits,
+    # unless a library picks another algorithm on the capture stream (bf16 rounding of one product then differs):
+    # allow a few bf16 ulps of the loss, and of each gradient's largest element
+    for i, (a, b) in enumerate(zip(losses, eager_losses, strict=True)):
+        assert (a - b).abs() <= 4 * 2**-8 * b.abs(), f"micro-step {i}: loss {a.item()} vs eager {b.item()}"
+    for i, (gs, refs) in enumerate(zip(grads, eager_grads, strict=True)):
+        for j, (g, r) in enumerate(zip(gs, refs, strict=True)):
+            scale = r.abs().max().clamp(min=1e-30)
+            assert (g - r).abs().max() <= 4 * 2**-8 * scale, f"optimizer step {i}, parameter {j}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_signatures_past_max_graphs_run_eagerly_with_the_reason():
+    model = _cuda_model()
+    graphed = StepGraph(_loss_fn(model), _trainable(model), warmup=0, max_graphs=1)
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        for width in (32, 32, 48):
+            graphed.step(torch.randint(0, VOCAB, (2, width), device="cuda"))
+    assert len(graphed.graphs) == 1 and graphed.stats.replayed == 2 and graphed.stats.eager == 1
+    assert list(graphed.reasons.values()) == ["1 signatures captured already"]
