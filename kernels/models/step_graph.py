@@ -40,15 +40,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StepGraph"]
+__all__ = ["StepGraph", "capture_stream"]
 
 log = logging.getLogger("strop.kernels")
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """A side stream per device to capture on (capture cannot run on the default stream), kept for the process."""
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream per device to capture CUDA graphs on (capture cannot run on the default stream), kept for the
+    process (the training step's graphs here, the sampler's decode step: ``trainer_svc/core/decode_step.py``)."""
     if device not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
     return _CAPTURE_STREAMS[device]
@@ -158,7 +159,7 @@ class StepGraph:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        stream = _capture_stream(device)
+        stream = capture_stream(device)
         torch.cuda.synchronize(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         # autocast as the caller has it, without its cache of casts: a cast cached while capturing would be memory
