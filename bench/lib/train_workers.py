@@ -78,7 +78,7 @@ def trl_args(config_cls, a, w: Workload, **kw):
 
 
 def memory_system(system: str):
-    """``strop-<mode>[-sN][-aB][-tB][-qB]`` → (MemoryMode, N, attention, tiled, qkv): the trainer's memory modes by the names the service uses.
+    """``strop-<mode>[-sN][-aB][-tB][-qB][-gB]`` → (MemoryMode, N, attention, tiled, qkv, graphs): the trainer's memory modes by the names the service uses.
 
     ``strop-standard`` (checkpointed layer inputs in pinned host memory, what the trainer's default mode does
     on CUDA), ``strop-long-context`` (+ the tiled MLP), ``strop-max-speed`` (budgeted recompute under
@@ -86,21 +86,28 @@ def memory_system(system: str):
     ``-a1``/``-a0``: offloaded layers keep (or do not keep) their attention output for the recompute, whatever
     the mode's default (``MemoryFeatures.save_attention``); the third item is None without it. ``-t1``/``-t0``:
     the MLPs run tiled (or not), whatever the mode's default (``MemoryFeatures.tiled_mlp``); the fourth item. ``-q1``/``-q0``:
-    the saved attention calls keep (or do not keep) their q, k, v too (``MemoryFeatures.save_qkv``); the fifth item. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
+    the saved attention calls keep (or do not keep) their q, k, v too (``MemoryFeatures.save_qkv``); the fifth item. ``-g1``/``-g0``:
+    each step replays as a CUDA graph once captured (``MemoryFeatures.step_graphs``); the sixth. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
     these were called strop-offload[-sN], strop-mem and strop-fast.
     """
     from strop.common.trainer_types import MemoryMode
 
     system = re.sub(r"-f8(dx)?$", "", system)  # FP8 base GEMMs (fp8_system) combine with any mode
     m = re.fullmatch(
-        r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?(?:-q([01]))?", system
+        r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?(?:-q([01]))?(?:-g([01]))?",
+        system,
     )
     if m is None:
         return None
-    attention = None if m.group(3) is None else m.group(3) == "1"
-    tiled = None if m.group(4) is None else m.group(4) == "1"
-    qkv = None if m.group(5) is None else m.group(5) == "1"
-    return MemoryMode(m.group(1).replace("-", "_").upper()), int(m.group(2) or 0), attention, tiled, qkv
+    attention, tiled, qkv, graphs = (None if m.group(i) is None else m.group(i) == "1" for i in (3, 4, 5, 6))
+    return (
+        MemoryMode(m.group(1).replace("-", "_").upper()),
+        int(m.group(2) or 0),
+        attention,
+        tiled,
+        qkv,
+        graphs,
+    )
 
 
 def fp8_system(system: str) -> bool | str:
@@ -114,7 +121,7 @@ def fp8_system(system: str) -> bool | str:
 
 def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
     """Install the system's memory mode through the installer the trainer uses, the same way: the table's row
-    (with the system's ``-sN``/``-aB``/``-tB``/``-qB`` variant replaced into it), the step's shape for the host-room rule,
+    (with the system's ``-sN``/``-aB``/``-tB``/``-qB``/``-gB`` variant replaced into it), the step's shape for the host-room rule,
     and MAX_SPEED's budget as a job's ``memory_budget_gib`` would give it."""
     import dataclasses
 
@@ -126,7 +133,7 @@ def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
     spec = memory_system(system)
     if spec is None:
         return None
-    mode, save_layers, save_attention, tiled, qkv = spec
+    mode, save_layers, save_attention, tiled, qkv, graphs = spec
     if w.device != "cuda" and mode is MemoryMode.MAX_SPEED:
         return None  # --smoke: budgeted recompute measures CUDA memory
     features = MEMORY_MODES[mode]
@@ -135,6 +142,7 @@ def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
         "save_attention": save_attention,
         "tiled_mlp": tiled,
         "save_qkv": qkv,
+        "step_graphs": graphs,
     }
     # an unset variant (None) keeps the row's value; -a0/-q0 (False) and -s0 replace it as set
     features = dataclasses.replace(features, **{k: v for k, v in variant.items() if v is not None})
@@ -172,6 +180,7 @@ def run_worker(a, w: Workload) -> Result:
         data = torch.randint(0, w.shape["vocab"], (a.batch, a.seq), device=w.device, generator=g)
         batches = [{"input_ids": data, "labels": data}] * (a.warmup + a.steps)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    graph = step_graph(model) if installed is not None and installed.features.step_graphs else None
     res.notes += w.reset_peak_memory()
     times, starts = [], []
     window = HostWindow()
@@ -179,7 +188,7 @@ def run_worker(a, w: Workload) -> Result:
         starts.append(time.perf_counter())
         w.sync()
         ts = time.perf_counter()
-        loss = train_step(w, model, opt, batch)
+        loss = train_step(w, model, opt, batch, graph)
         w.sync()
         times.append(time.perf_counter() - ts)
         window.mark()
@@ -190,18 +199,21 @@ def run_worker(a, w: Workload) -> Result:
     starts.append(time.perf_counter())
     res.notes += wall_note(starts, a.warmup, times) + window.note(a.warmup, a.steps, "the sync after a step")
     w.record_peak_memory(res)
+    if graph is not None:
+        res.notes += f"\nstep graphs: {graph.stats.replayed} steps replayed, {graph.stats.eager} eager"
+        res.notes += "".join(f"; eager: {why}" for why in graph.reasons.values())
     if installed is not None:
         res.notes += "\n" + str(installed)  # after training: what was offloaded
         if installed.memory is not None and installed.memory.offloader is not None:
             res.notes += f"\n{installed.memory.offloader!r}"
     if a.profile and w.device == "cuda":
-        res.profile = profile_step(lambda: train_step(w, model, opt, batches[-1]))
+        res.profile = profile_step(lambda: train_step(w, model, opt, batches[-1], graph))
         try:
-            res.profile += "\n" + memory_at_peak(lambda: train_step(w, model, opt, batches[-1]))
+            res.profile += "\n" + memory_at_peak(lambda: train_step(w, model, opt, batches[-1], graph))
         except Exception as exc:  # a diagnostic: its failure must not lose the measured run
             res.profile += f"\nmemory at peak: not recorded ({exc!r})"
         try:
-            res.profile += "\n" + sync_sites(lambda: train_step(w, model, opt, batches[-1]))
+            res.profile += "\n" + sync_sites(lambda: train_step(w, model, opt, batches[-1], graph))
         except Exception as exc:  # a diagnostic, as above
             res.profile += f"\nhost waits: not recorded ({exc!r})"
     recompute = 1.0
@@ -280,15 +292,37 @@ def log_layer_progress(w: Workload, model, path: str) -> None:
         layer.register_forward_hook(hook(i))
 
 
-def train_step(w: Workload, model, opt, batch: dict):
-    """One optimizer step on ``batch`` (``input_ids``, ``labels``, with ``--vary-width`` an ``attention_mask``)."""
+_STEP_KEYS = (
+    "input_ids",
+    "labels",
+    "attention_mask",
+)  # a batch's tensors, in the order a step graph takes them
+
+
+def step_graph(model):
+    """A :class:`~strop.kernels.models.step_graph.StepGraph` of ``model``'s loss on a batch's tensors (``-g1``)."""
+    from strop.kernels.models.step_graph import StepGraph
+
+    def loss(*tensors):
+        return model(**dict(zip(_STEP_KEYS, tensors, strict=False))).loss
+
+    return StepGraph(loss, [p for p in model.parameters() if p.requires_grad])
+
+
+def train_step(w: Workload, model, opt, batch: dict, graph=None):
+    """One optimizer step on ``batch`` (``input_ids``, ``labels``, with ``--vary-width`` an ``attention_mask``);
+    through ``graph`` (:func:`step_graph`) where given: its replay, once captured, runs the forward and backward."""
     import torch
 
     with torch.autocast(w.device, dtype=torch.bfloat16, enabled=w.device == "cuda"):
-        loss = model(**batch).loss
-    loss.backward()
+        if graph is None:
+            loss = model(**batch).loss
+        else:
+            loss = graph.step(*(batch[k] for k in _STEP_KEYS if k in batch))[0]
+    if graph is None:
+        loss.backward()
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)  # a step graph binds its gradients again before its next replay
     return loss
 
 

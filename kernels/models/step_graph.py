@@ -9,8 +9,9 @@ What is captured. The forward and the backward as one graph: ``fn``'s outputs (a
 the same forward, as device tensors), and the backward of the first output accumulating into every trainable
 parameter's ``.grad``. The gradients are allocated before the capture (zeros, the parameter's layout) and kept, so the
 captured accumulation is an in-place add into fixed memory and micro-steps accumulate as eager ones do; zero them in
-place between optimizer steps (:meth:`StepGraph.zero_grads`; ``zero_grad(set_to_none=True)`` would leave the graph
-writing into gradients nothing reads). One graph rather than torch's ``make_graphed_callables`` (a forward graph
+place between optimizer steps (:meth:`StepGraph.zero_grads`), or set them to None as optimizers do: before each
+replay every ``.grad`` is made the graphs' tensor again (zeroed where it was None, holding an eager step's value where
+one made a new one), so the graph never writes into a gradient nothing reads. One graph rather than torch's ``make_graphed_callables`` (a forward graph
 and a backward graph joined by an autograd Function): gradients that a layer's backward accumulates itself, as strop's
 offloaded checkpoint does (``offload.py``: its recompute's ``backward`` writes ``.grad`` during the outer one), are in
 the graph too, and the capture neither empties the allocators' caches (``torch.cuda.graph`` does, which made the next
@@ -98,6 +99,7 @@ class StepGraph:
         self.reasons: dict[tuple, str] = {}  # signatures that run eagerly, and why
         self.stats = StepStats()
         self._pool = None
+        self._grads: list[torch.Tensor] | None = None  # the gradients every graph accumulates into
 
     @staticmethod
     def signature(inputs: Sequence[torch.Tensor]) -> tuple:
@@ -138,23 +140,40 @@ class StepGraph:
         for static, x in zip(g.inputs, inputs, strict=True):
             if static.data_ptr() != x.data_ptr():
                 static.copy_(x)
+        self._bind_grads()
         g.graph.replay()
         self.stats.replayed += 1
         return g.outputs
 
     def zero_grads(self) -> None:
         """Zero every parameter's gradient in place (the graphs accumulate into these tensors)."""
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    def _bind_grads(self) -> None:
+        """Make every parameter's ``.grad`` the tensor the graphs add into, with the value it has: a gradient set to
+        None (``zero_grad(set_to_none=True)``) is that tensor zeroed, one an eager step created is copied into it."""
+        if self._grads is None:
+            with torch.no_grad():
+                self._grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+        zero = []
+        for p, kept in zip(self.params, self._grads, strict=True):
+            if p.grad is kept:
+                continue
+            if p.grad is None:
+                zero.append(kept)
+            else:
+                kept.copy_(p.grad)
+            p.grad = kept
+        if zero:
+            torch._foreach_zero_(zero)
 
     def _capture(self, key: tuple, inputs) -> _Graph | None:
         device = inputs[0].device
-        # the gradients the captured backward adds into: allocated now, in the parameters' layout, keeping what
-        # earlier micro-steps of this optimizer step accumulated
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        # the gradients the captured backward adds into: allocated at the first capture, in the parameters' layout,
+        # keeping what earlier micro-steps of this optimizer step accumulated
+        self._bind_grads()
         static = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -162,8 +181,10 @@ class StepGraph:
         stream = capture_stream(device)
         torch.cuda.synchronize(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        # autocast as the caller has it, without its cache of casts: a cast cached while capturing would be memory
-        # the capture never wrote, read by eager code later in the caller's autocast region
+        # autocast as the caller has it, without its cache of casts, which is emptied before the capture and after
+        # it: a weight's cast cached by an eager step would be read by the graph as it stood then (never recast at
+        # a replay, after the optimizer changed the weight); one cached while capturing (an autocast region inside
+        # fn turns caching back on) would hand eager code memory that only replays write
         dev = device.type
         no_cache = torch.autocast(
             dev,
@@ -175,13 +196,14 @@ class StepGraph:
             with torch.cuda.stream(stream), no_cache:
                 # one step on the capture stream first, its gradients then put back: whatever the step sets up
                 # lazily for a stream (a cuBLAS workspace, a plan) is set up outside the capture
-                kept = [p.grad.clone() for p in self.params]
+                before = [p.grad.clone() for p in self.params]
                 out = self.fn(*static)
                 (out if isinstance(out, tuple) else (out,))[0].backward()
                 del out
-                for p, g in zip(self.params, kept, strict=True):
-                    p.grad.copy_(g)
-                del kept
+                self._bind_grads()  # (an AccumulateGrad that replaced a gradient: bound back)
+                torch._foreach_copy_(self._grads, before)
+                del before
+                torch.clear_autocast_cache()
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     out = self.fn(*static)
@@ -190,6 +212,7 @@ class StepGraph:
                     outputs = tuple(t.detach() for t in out)
                 finally:
                     graph.capture_end()
+                    torch.clear_autocast_cache()
             torch.cuda.current_stream(device).wait_stream(stream)
         except Exception as exc:  # a host sync or an uncapturable op somewhere in the step
             torch.cuda.synchronize(device)
