@@ -31,7 +31,9 @@ those padded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -41,10 +43,18 @@ from ..ops.fused_linear_logprobs import fused_linear_logprobs
 from ._glue import DeviceNanFilter, final_logit_softcap, head_unsupported_reason, hf_model, width_buckets
 from .shared_prompt import bucketed_width
 
-__all__ = ["StropSFTMixin", "add_fused_logprob_head", "remove_fused_logprob_head", "strop_sft_trainer_class"]
+__all__ = [
+    "GraphedSFTSteps",
+    "StropSFTMixin",
+    "add_fused_logprob_head",
+    "remove_fused_logprob_head",
+    "strop_sft_trainer_class",
+]
 
 logger = logging.getLogger("strop.kernels")
 _TAG = "logprob_head"
+# set (in this thread) while a step graph's step runs: the fused head scores every position (see its forward)
+_EVERY_POSITION = threading.local()
 
 
 def _fused_output_class() -> Any:
@@ -108,6 +118,27 @@ def add_fused_logprob_head(model: Any) -> None:
         dev = hidden.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
         bias = None if head.bias is None else head.bias.to(dtype)
+        if getattr(_EVERY_POSITION, "on", False):
+            # every position through the kernel, whose ignored rows give 0 and no gradient: no boolean index,
+            # so no host sync (a step graph's capture), at the head's work on the unscored positions too
+            logp, entropy, top1 = fused_linear_logprobs(
+                hidden.flatten(0, -2).to(dtype),
+                head.weight.to(dtype),
+                labels.flatten(),
+                bias,
+                softcap=final_logit_softcap(self),
+            )
+            log_probs, entropy, is_top1 = (
+                logp.view(mask.shape),
+                entropy.view(mask.shape),
+                top1.view(mask.shape),
+            )
+            loss = -log_probs.sum() / (
+                mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+            )
+            return fused_output(
+                loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask
+            )
         logp, entropy, top1 = fused_linear_logprobs(
             hidden[mask].to(dtype),
             head.weight.to(dtype),
@@ -135,7 +166,139 @@ def remove_fused_logprob_head(model: Any) -> None:
         swaps.undo()
 
 
-class StropSFTMixin(DeviceNanFilter):
+@contextlib.contextmanager
+def _every_position():
+    _EVERY_POSITION.on = True
+    try:
+        yield
+    finally:
+        _EVERY_POSITION.on = False
+
+
+def _plain_loss(outputs, loss_type: str, num_tokens) -> torch.Tensor:
+    """TRL's plain SFT loss from the fused head's outputs: minus the log-probs (0 on ignored positions; DFT weighs each
+    by its probability), summed, over the token count (at least 1)."""
+    per_token_loss = -outputs.log_probs
+    if loss_type == "dft":
+        per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
+    return per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+
+
+class GraphedSFTSteps:
+    """Mixed into :class:`StropSFTMixin` (under its device NaN filter): where the job's memory mode sets
+    ``step_graphs`` (``_strop_step_graphs``, from the trainer), each training micro-step of TRL's plain SFT branch runs
+    through a :class:`~strop.kernels.models.step_graph.StepGraph`: the forward, the loss and its backward replayed as
+    one CUDA graph per batch shape once captured (the host's dispatch off a step it would otherwise pace: small models).
+
+    The step is TRL's plain branch as :meth:`StropSFTMixin.compute_loss` computes it, and HF's ``training_step``
+    around it: the loss over ``num_items_in_batch``, divided by the accumulation steps where HF divides it, its
+    backward; the metrics (entropy, token accuracy, tokens) come out of the graph as device tensors and go to TRL's
+    lists as the eager path's do. Two differences, both at rounding level: the fused head scores every position
+    (its ignored rows give 0 and no gradient), since selecting the scored ones would make the host wait, and the
+    replays' GEMMs may round as another algorithm does. Anything else runs HF's ``training_step``, the reason logged
+    once: another loss path (TRL's branch, an overridden ``compute_loss`` such as the retention KL term's), several
+    processes, DeepSpeed, LOMO, no ``num_items_in_batch``, batches with other keys than ``input_ids``,
+    ``attention_mask`` and ``labels`` (packed, padding-free), a model off CUDA.
+    """
+
+    _strop_step_graphs = False
+    _strop_graph = None
+    _strop_graph_logged: str | None = None
+
+    def _strop_graph_reason(self, model, inputs, num_items_in_batch) -> str | None:
+        from accelerate.utils import DistributedType
+        from transformers.training_args import OptimizerNames
+        from transformers.utils import is_sagemaker_mp_enabled
+
+        if getattr(self, "_strop_reason", None):
+            return f"strop's fused head is off ({self._strop_reason})"
+        if not self._strop_plain_path(False):
+            return "TRL's loss branch is not the plain one"
+        if type(self).compute_loss is not StropSFTMixin.compute_loss:
+            return f"compute_loss is {type(self).compute_loss.__qualname__} (a term added to the loss)"
+        if (
+            self.accelerator.num_processes != 1
+            or self.args.n_gpu > 1
+            or self.accelerator.distributed_type != DistributedType.NO
+            or is_sagemaker_mp_enabled()
+        ):
+            return "several processes or devices"
+        if self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO):
+            return "a LOMO optimizer"
+        if num_items_in_batch is None:
+            return "no num_items_in_batch"
+        if set(inputs) != {"input_ids", "attention_mask", "labels"}:
+            return f"batch keys {sorted(inputs)}"
+        if next(model.parameters()).device.type != "cuda":
+            return "the model is not on CUDA"
+        return None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        reason = (
+            "off"
+            if not self._strop_step_graphs
+            else self._strop_graph_reason(model, inputs, num_items_in_batch)
+        )
+        if reason is not None:
+            if self._strop_step_graphs and reason != self._strop_graph_logged:
+                self._strop_graph_logged = reason
+                logger.warning("step graphs: HF's training step runs (%s)", reason)
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        if self._strop_graph is None:
+            from strop.kernels.models.step_graph import StepGraph
+
+            params = [p for p in model.parameters() if p.requires_grad]
+            self._strop_graph = StepGraph(self._strop_graph_fn(model), params)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # (transformers 5.24; absent in 5.17)
+        if scaled is None:  # HF's rule (num_items_in_batch is set here)
+            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        ids = inputs["input_ids"]
+        num = torch.as_tensor(num_items_in_batch).to(ids.device, non_blocking=True)
+        divisor = torch.tensor(1.0 if scaled else float(self.current_gradient_accumulation_steps)).to(
+            ids.device, non_blocking=True
+        )
+        with self.compute_loss_context_manager():
+            out = self._strop_graph.step(ids, inputs["attention_mask"], inputs["labels"], num, divisor)
+        loss, num_valid, entropy_sum, num_correct, tokens = (
+            t.clone() for t in out
+        )  # the next replay reuses them
+        metrics = self._metrics["train"]
+        metrics["entropy"].append(entropy_sum / num_valid.clamp(min=1))
+        metrics["mean_token_accuracy"].append(num_correct / num_valid.clamp(min=1))
+        self._strop_tokens.append(tokens // self._tp_size)
+        return loss
+
+    def _strop_graph_fn(self, model):
+        """TRL's plain branch (``StropSFTMixin.compute_loss``) on one process as a function of the batch's tensors:
+        the loss (divided as HF's step divides it) and the metrics' device tensors."""
+        loss_type = self.args.loss_type
+
+        def step(input_ids, attention_mask, labels, num_items, divisor):
+            with _every_position():
+                outputs = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    labels=labels,
+                    use_cache=False,
+                    fused_lm_head=True,
+                )
+            loss = _plain_loss(outputs, loss_type, num_items) / divisor
+            return (
+                loss,
+                outputs.label_mask.sum(),
+                outputs.entropy.detach().sum(),
+                outputs.is_top1.sum(),
+                attention_mask.sum(),
+            )
+
+        return step
+
+
+class StropSFTMixin(DeviceNanFilter, GraphedSFTSteps):
     """Mix into TRL's ``SFTTrainer`` so its fused LM head runs strop's kernel (``strop_sft_trainer_class()``), and
     its training metrics stay on the device until they are logged.
 
@@ -187,11 +350,8 @@ class StropSFTMixin(DeviceNanFilter):
         # TRL 1.16's plain branch, step for step
         inputs["use_cache"] = False
         outputs = model(**inputs, fused_lm_head=True)
-        per_token_loss = -outputs.log_probs  # zero on ignored positions
-        if self.args.loss_type == "dft":
-            per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
         num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
-        loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+        loss = _plain_loss(outputs, self.args.loss_type, num_tokens)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         # TRL's metrics without reading them: entropy and is_top1 are 0 at ignored positions, so with no valid

@@ -697,6 +697,13 @@ def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
         device=loaded.device,
     )
     log.info("%s", installed)
+    if installed.features.step_graphs and hasattr(trainer, "_strop_graph_reason"):
+        if installed.memory is not None and installed.memory.offloader is not None:
+            # its pinned host copies and their events cannot be captured; an aborted capture would leave the
+            # offloader mid-step (bench/graph_step.py's stepgraph-standard asks whether it can)
+            log.warning("step graphs off: the layer inputs are offloaded to host memory")
+        else:
+            trainer._strop_step_graphs = True  # SFT's micro-steps replay as CUDA graphs (GraphedSFTSteps)
     if installed.recompute is not None:
 
         class PlanAfterFirstStep(TrainerCallback):

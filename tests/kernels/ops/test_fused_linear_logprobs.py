@@ -8,6 +8,8 @@ vocab 65,536 in bf16.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -209,8 +211,10 @@ def _tiny_sft_trainer(
     targets=("q_proj",),
     max_steps: int = 4,
     logging_steps: int = 2,
+    **config,
 ):
-    """A ``cls`` SFT trainer (seeded) on a 2-layer Llama with LoRA on ``targets``: plain SGD at 0.5 on CPU."""
+    """A ``cls`` SFT trainer (seeded) on a 2-layer Llama with LoRA on ``targets``: plain SGD at 0.5 on CPU
+    (``config``: more or other ``SFTConfig`` fields)."""
     from datasets import Dataset
     from trl import SFTConfig
 
@@ -232,6 +236,7 @@ def _tiny_sft_trainer(
         completion_only_loss=True,
         disable_tqdm=True,
     )
+    args = dataclasses.replace(args, **config) if config else args
     return cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
 
 
