@@ -29,8 +29,8 @@ then set up outside the capture): a capture costs a step's time once.
 What cannot be captured (the step then runs eagerly from there on, the reason kept in :attr:`StepGraph.reasons`):
 anything that makes the host wait on the GPU (``.item()``, ``.tolist()``, a data-dependent shape), allocations of
 pinned host memory or events inside the step, RNG state reads (``torch.utils.checkpoint``'s ``preserve_rng_state``:
-train without dropout and turn it off). A failed capture leaves the model as it was; the step it was taken for then
-runs eagerly, so no step is lost or counted twice.
+train without dropout and turn it off). A failed capture leaves the parameters and gradients as they were; the step
+it was taken for then runs eagerly, so no step is lost or counted twice, and no other signature is tried again.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class StepGraph:
         self.stats = StepStats()
         self._pool = None
         self._grads: list[torch.Tensor] | None = None  # the gradients every graph accumulates into
+        self.failed: str | None = None  # a capture's failure: every signature eager from then on
 
     @staticmethod
     def signature(inputs: Sequence[torch.Tensor]) -> tuple:
@@ -115,6 +116,8 @@ class StepGraph:
     def _why_not(self, key: tuple, inputs) -> str | None:
         if key in self.reasons:
             return self.reasons[key]
+        if self.failed is not None:  # what kept one step out of a graph keeps the others out: no second try
+            return self.failed
         devices = {t.device for t in inputs} | {p.device for p in self.params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             return f"not one CUDA device ({', '.join(sorted(str(d) for d in devices))})"
@@ -217,7 +220,7 @@ class StepGraph:
         except Exception as exc:  # a host sync or an uncapturable op somewhere in the step
             torch.cuda.synchronize(device)
             reason = f"CUDA graph capture failed, eager steps: {type(exc).__name__}: {exc}"[:500]
-            self.reasons[key] = reason
+            self.reasons[key] = self.failed = reason
             log.warning("%s", reason)
             return None
         g = self.graphs[key] = _Graph(graph, static, outputs)

@@ -116,3 +116,39 @@ def test_gpu_signatures_past_max_graphs_run_eagerly_with_the_reason():
             graphed.step(torch.randint(0, VOCAB, (2, width), device="cuda"))
     assert len(graphed.graphs) == 1 and graphed.stats.replayed == 2 and graphed.stats.eager == 1
     assert list(graphed.reasons.values()) == ["1 signatures captured already"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_step_that_makes_the_host_wait_runs_eagerly_and_trains_as_eager_steps():
+    """A capture that fails (a host read of the loss inside the step) leaves the gradients as they were: that step and
+    the next of another signature run eagerly, with the reason, and give the eager steps' gradients exactly."""
+
+    def syncing(model):
+        plain = _loss_fn(model)
+
+        def fn(ids):
+            loss, metric = plain(ids)
+            if loss.item() != loss.item():  # a host read: not capturable
+                raise AssertionError("NaN loss")
+            return loss, metric
+
+        return fn
+
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (2, w), generator=gen).cuda() for w in (32, 32, 48)]
+    grads = []
+    for graph in (False, True):
+        model = _cuda_model()
+        graphed = StepGraph(syncing(model), _trainable(model), warmup=0) if graph else None
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            for ids in batches:
+                if graphed is None:
+                    syncing(model)(ids)[0].backward()
+                else:
+                    graphed.step(ids)
+        grads.append([p.grad.clone() for p in _trainable(model)])
+        if graph:
+            assert graphed.failed and "capture failed" in graphed.failed, graphed.failed
+            assert graphed.stats.replayed == 0 and graphed.stats.eager == 3 and not graphed.graphs
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True)), "a failed capture changed no gradient"
