@@ -27,9 +27,11 @@ signature runs on the capture stream, its gradients put back afterwards (what a 
 then set up outside the capture): a capture costs a step's time once.
 
 What cannot be captured (the step then runs eagerly from there on, the reason kept in :attr:`StepGraph.reasons`):
-anything that makes the host wait on the GPU (``.item()``, ``.tolist()``, a data-dependent shape), allocations of
-pinned host memory or events inside the step, RNG state reads (``torch.utils.checkpoint``'s ``preserve_rng_state``:
-train without dropout and turn it off). A failed capture leaves the parameters and gradients as they were; the step
+anything that makes the host wait on the GPU (``.item()``, ``.tolist()``, a data-dependent shape, an event's
+``query()`` or ``synchronize()``: recording and waiting on events is fine), RNG state reads (``torch.utils.checkpoint``'s
+``preserve_rng_state``: a model without dropout, :func:`random_free`, can turn it off exactly). strop's offloaded
+checkpoint does both (its copies' backpressure queries events; it saves the RNG state), so the trainer does not
+combine it with step graphs. A failed capture leaves the parameters and gradients as they were; the step
 it was taken for then runs eagerly, so no step is lost or counted twice, and no other signature is tried again.
 """
 
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StepGraph", "capture_stream"]
+__all__ = ["StepGraph", "capture_stream", "random_free"]
 
 log = logging.getLogger("strop.kernels")
 
@@ -54,6 +56,22 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
     return _CAPTURE_STREAMS[device]
+
+
+def random_free(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s training forward draws no random numbers: every ``nn.Dropout`` at p = 0 (PEFT's LoRA
+    dropout included) and every dropout probability its config names (attention's, HF's hidden dropouts) 0. Then a
+    checkpoint's recompute needs no saved RNG state (its default reads the CUDA generator's state, which a CUDA graph
+    capture cannot: :class:`StepGraph`), and dropping it is exact."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return False
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            for key, value in config.to_dict().items():
+                if "dropout" in key and isinstance(value, (int, float)) and value > 0:
+                    return False
+    return True
 
 
 @dataclass

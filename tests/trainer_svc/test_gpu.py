@@ -70,3 +70,34 @@ def test_memory_modes_train_the_same_thing_on_cuda(client, sft_dataset, memory_m
     assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
     for a, b in zip(_losses(events), _losses(standard), strict=True):
         assert abs(a - b) <= 2e-2 * abs(b), (_losses(events), _losses(standard))
+
+
+def test_step_graphs_replay_sft_steps_through_the_service_and_train_the_same(
+    client, sft_dataset, monkeypatch, caplog
+):
+    """MAX_SPEED with ``step_graphs`` set (no mode sets it yet): the service's SFT job replays its micro-steps as
+    CUDA graphs once captured (no layer of the tiny model recomputes within the budget, so nothing reads the RNG
+    state) and trains what the same job does eagerly, to bf16 noise."""
+    import dataclasses
+    import logging
+
+    from strop.common.memory_modes import MEMORY_MODES
+
+    def run():
+        s = client.attach_lora(client.load_model("tiny-llama-4bit").session_id, FAST_LORA)
+        config = sft_config(12, batch_size=4, memory_mode=MemoryMode.MAX_SPEED, memory_budget_gib=20.0)
+        events = list(client.train(s.session_id, sft_dataset.dataset_id, config))
+        client.close_session(s.session_id)
+        assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
+        return _losses(events)
+
+    eager = run()
+    features = dataclasses.replace(MEMORY_MODES[MemoryMode.MAX_SPEED], step_graphs=True)
+    monkeypatch.setitem(MEMORY_MODES, MemoryMode.MAX_SPEED, features)
+    with caplog.at_level(logging.INFO, logger="strop.kernels"):
+        graphed = run()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("captured a training step as a CUDA graph" in m for m in said), said
+    assert not any("step graphs: HF's training step runs" in m or "capture failed" in m for m in said), said
+    for a, b in zip(graphed, eager, strict=True):
+        assert abs(a - b) <= 2e-2 * abs(b), (graphed, eager)

@@ -704,6 +704,15 @@ def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
             log.warning("step graphs off: the layer inputs are offloaded to host memory")
         else:
             trainer._strop_step_graphs = True  # SFT's micro-steps replay as CUDA graphs (GraphedSFTSteps)
+            from strop.kernels.models.step_graph import random_free
+
+            if random_free(loaded.model):
+                # checkpointed layers recompute without the RNG state (exact: nothing draws from it), which a
+                # capture cannot read; set where HF's train() reads its checkpointing kwargs (5.24 renamed them)
+                for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+                    kwargs = getattr(trainer.args, name, None)
+                    if isinstance(kwargs, dict):
+                        setattr(trainer.args, name, {**kwargs, "preserve_rng_state": False})
     if installed.recompute is not None:
 
         class PlanAfterFirstStep(TrainerCallback):

@@ -53,6 +53,14 @@ def test_off_cuda_every_step_is_eager_and_computes_the_forward_and_backward_it_w
     assert all(p.grad is None or not p.grad.any() for p in model.parameters()), "zeroed in place"
 
 
+def test_random_free_is_true_only_without_any_dropout():
+    from strop.kernels.models.step_graph import random_free
+
+    assert random_free(_lora(_tiny_llama()))
+    assert not random_free(_lora(_tiny_llama(), dropout=0.1)), "LoRA dropout"
+    assert not random_free(_lora(_tiny_llama(attention_dropout=0.1))), "the config's attention dropout"
+
+
 def _cuda_model(seed: int = 0):
     from strop.kernels.models import patch_model
 
