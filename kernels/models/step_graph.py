@@ -6,56 +6,60 @@ strop's step is 163 ms of which the GPU computes 54, with no waits on the GPU (b
 host spends ~6 ms a layer in Python, autograd and launches. Replaying captured work removes all of it.
 
 What is captured. The forward and the backward as one graph: ``fn``'s outputs (a loss, and any metrics computed from
-the same forward, as device tensors), and the backward of the first output accumulating into every trainable
-parameter's ``.grad``. The gradients are allocated before the capture (zeros, the parameter's layout) and kept, so the
-captured accumulation is an in-place add into fixed memory and micro-steps accumulate as eager ones do; zero them in
-place between optimizer steps (:meth:`StepGraph.zero_grads`), or set them to None as optimizers do: before each
-replay every ``.grad`` is made the graphs' tensor again (zeroed where it was None, holding an eager step's value where
-one made a new one), so the graph never writes into a gradient nothing reads. One graph rather than torch's ``make_graphed_callables`` (a forward graph
-and a backward graph joined by an autograd Function): gradients that a layer's backward accumulates itself, as strop's
-offloaded checkpoint does (``offload.py``: its recompute's ``backward`` writes ``.grad`` during the outer one), are in
-the graph too, and the capture neither empties the allocators' caches (``torch.cuda.graph`` does, which made the next
-activation offload allocate pinned host memory anew: ``decode_step.py``) nor stops other threads' CUDA calls
-(``capture_error_mode="thread_local"``: another session on the device keeps running).
+the same forward, as device tensors), and the backward of the first output accumulating into the ``.grad`` of every
+trainable parameter the step reaches (those an eager step of it gives a gradient; the others keep None, as eagerly).
+Those gradients are allocated before the capture (zeros, the parameter's layout) and kept, so the captured
+accumulation (autograd's in-place add into a defined gradient) writes fixed memory and micro-steps accumulate as eager
+ones do; zero them in place between optimizer steps (:meth:`StepGraph.zero_grads`), or set them to None as optimizers
+do: before each replay every such ``.grad`` is made the graphs' tensor again (zeroed where it was None, holding an
+eager step's value where one made a new one), so the graph never writes into a gradient nothing reads. One graph
+rather than torch's ``make_graphed_callables`` (a forward graph and a backward graph joined by an autograd Function):
+gradients that a layer's backward accumulates itself are in the graph too, and the capture does not empty the pinned
+host allocator's cache (``torch.cuda.graph`` does, which made the next activation offload allocate pinned host memory
+anew: ``decode_step.py``); the device allocator's cache is emptied first, as there, since no cached block is released
+while a capture runs. ``capture_error_mode="thread_local"``: the capturing thread's unsafe calls fail the capture.
 
 Shapes. A graph replays fixed shapes and addresses: each distinct input signature (shapes, dtypes, devices) gets its
 own graph after ``warmup`` eager steps of that signature (Triton's autotuning and the allocator settle first), up to
 ``max_graphs`` of them, all drawing on one private memory pool (they never replay at once); other signatures run
 eagerly. Each call copies its inputs into the graph's static inputs, replays, and returns the outputs, which the next
-replay of that graph overwrites (clone what must outlive the step). Before a capture one more step of that
-signature runs on the capture stream, its gradients put back afterwards (what a step sets up lazily for a stream is
-then set up outside the capture): a capture costs a step's time once.
+replay of any of this object's graphs may overwrite (clone what must outlive the step). Before a capture one more
+step of that signature runs on the capture stream (what a step sets up lazily for a stream is then set up outside
+the capture), with the gradients set aside and put back afterwards: a capture costs a step's time once.
 
-What cannot be captured (the step then runs eagerly from there on, the reason kept in :attr:`StepGraph.reasons`):
-anything that makes the host wait on the GPU (``.item()``, ``.tolist()``, a data-dependent shape, an event's
-``query()`` or ``synchronize()``: recording and waiting on events is fine), RNG state reads (``torch.utils.checkpoint``'s
-``preserve_rng_state``: a model without dropout, :func:`random_free`, can turn it off exactly). strop's offloaded
-checkpoint does both (its copies' backpressure queries events; it saves the RNG state), so the trainer does not
-combine it with step graphs. A failed capture leaves the parameters and gradients as they were; the step
-it was taken for then runs eagerly, so no step is lost or counted twice, and no other signature is tried again.
+What cannot be captured: anything that makes the host wait on the GPU (``.item()``, ``.tolist()``, a data-dependent
+shape, an event's ``query()`` or ``synchronize()``; recording and waiting on events is fine) and RNG state reads
+(``torch.utils.checkpoint``'s ``preserve_rng_state``: a model without dropout, :func:`random_free`, can turn it off
+exactly). The step before a capture runs with torch's sync debug mode warning: a synchronizing call there keeps the
+signature from being captured at all, since a capture the driver invalidates leaves torch 2.11's generator and
+allocator mid-capture (later RNG calls and ``empty_cache`` fail). A capture that fails otherwise (an RNG state read
+fails cleanly) leaves the parameters and gradients as they were. Either way that step runs eagerly, no step is lost
+or counted twice, every later signature runs eagerly too (no second try), and the reason is kept in
+:attr:`StepGraph.reasons`. strop's offloaded checkpoint does both (its copies' backpressure queries events; it saves
+the RNG state), so the trainer does not combine it with step graphs.
+
+Other tenants. Captures (this module's and the sampler's decode step) take one process-wide lock, each on its own
+stream. In torch 2.11 the default CUDA generator is marked capturing for the whole capture: another thread's CUDA RNG
+call during those few hundred milliseconds (once per shape and job) raises; step graphs are opt-in.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StepGraph", "capture_stream", "random_free"]
+__all__ = ["CAPTURE_LOCK", "StepGraph", "random_free"]
 
 log = logging.getLogger("strop.kernels")
 
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """A side stream per device to capture CUDA graphs on (capture cannot run on the default stream), kept for the
-    process (the training step's graphs here, the sampler's decode step: ``trainer_svc/core/decode_step.py``)."""
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _CAPTURE_STREAMS[device]
+# held while a CUDA graph is captured in this process (step graphs, the sampler's decode step): one capture at a
+# time, and no device-cache emptying of another capture's under way
+CAPTURE_LOCK = threading.Lock()
 
 
 def random_free(model: torch.nn.Module) -> bool:
@@ -116,9 +120,11 @@ class StepGraph:
         self.seen: dict[tuple, int] = {}
         self.reasons: dict[tuple, str] = {}  # signatures that run eagerly, and why
         self.stats = StepStats()
+        self.failed: str | None = None  # why a capture failed: every signature eager from then on
         self._pool = None
-        self._grads: list[torch.Tensor] | None = None  # the gradients every graph accumulates into
-        self.failed: str | None = None  # a capture's failure: every signature eager from then on
+        self._stream: torch.cuda.Stream | None = None  # this object's capture stream
+        self._used: list[torch.nn.Parameter] | None = None  # the parameters the step gives a gradient
+        self._grads: list[torch.Tensor] | None = None  # their gradients, which every graph accumulates into
 
     @staticmethod
     def signature(inputs: Sequence[torch.Tensor]) -> tuple:
@@ -173,13 +179,13 @@ class StepGraph:
             torch._foreach_zero_(grads)
 
     def _bind_grads(self) -> None:
-        """Make every parameter's ``.grad`` the tensor the graphs add into, with the value it has: a gradient set to
-        None (``zero_grad(set_to_none=True)``) is that tensor zeroed, one an eager step created is copied into it."""
+        """Make every gradient the step reaches the tensor the graphs add into, with the value it has: a gradient set
+        to None (``zero_grad(set_to_none=True)``) is that tensor zeroed, one an eager step created is copied into it."""
         if self._grads is None:
             with torch.no_grad():
-                self._grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+                self._grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self._used]
         zero = []
-        for p, kept in zip(self.params, self._grads, strict=True):
+        for p, kept in zip(self._used, self._grads, strict=True):
             if p.grad is kept:
                 continue
             if p.grad is None:
@@ -190,22 +196,47 @@ class StepGraph:
         if zero:
             torch._foreach_zero_(zero)
 
+    def _fail(self, key: tuple, reason: str) -> None:
+        self.reasons[key] = self.failed = reason
+        log.warning("%s", reason)
+
+    def _pre_step(self, static, device) -> str | None:
+        """One step on the capture stream with every gradient set aside (put back after, whatever happens): which
+        parameters it reaches (the first time), and whether it made the host wait (torch's sync debug mode), which a
+        capture cannot take; None when it did not."""
+        held = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        previous = torch.cuda.get_sync_debug_mode()
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = self.fn(*static)
+                    (out if isinstance(out, tuple) else (out,))[0].backward()
+                    del out
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+            torch.cuda.synchronize(device)
+            if self._used is None:
+                self._used = [p for p in self.params if p.grad is not None]
+        finally:
+            for p, g in zip(self.params, held, strict=True):
+                p.grad = g
+        syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+        return f"the step makes the host wait on the GPU ({syncs[0][:200]})" if syncs else None
+
     def _capture(self, key: tuple, inputs) -> _Graph | None:
         device = inputs[0].device
-        # the gradients the captured backward adds into: allocated at the first capture, in the parameters' layout,
-        # keeping what earlier micro-steps of this optimizer step accumulated
-        self._bind_grads()
         static = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        stream = capture_stream(device)
-        torch.cuda.synchronize(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        # autocast as the caller has it, without its cache of casts, which is emptied before the capture and after
-        # it: a weight's cast cached by an eager step would be read by the graph as it stood then (never recast at
-        # a replay, after the optimizer changed the weight); one cached while capturing (an autocast region inside
-        # fn turns caching back on) would hand eager code memory that only replays write
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        stream = self._stream
+        # autocast as the caller has it, without its cache of casts, which is emptied before the capture and before
+        # it ends: a weight's cast cached by an eager step would be read by the graph as it stood then (never
+        # recast at a replay, after the optimizer changed the weight), and one cached while capturing (an autocast
+        # region inside fn turns caching back on) would be pool memory another of these graphs may reuse
         dev = device.type
         no_cache = torch.autocast(
             dev,
@@ -213,34 +244,38 @@ class StepGraph:
             enabled=torch.is_autocast_enabled(dev),
             cache_enabled=False,
         )
-        try:
-            with torch.cuda.stream(stream), no_cache:
-                # one step on the capture stream first, its gradients then put back: whatever the step sets up
-                # lazily for a stream (a cuBLAS workspace, a plan) is set up outside the capture
-                before = [p.grad.clone() for p in self.params]
-                out = self.fn(*static)
-                (out if isinstance(out, tuple) else (out,))[0].backward()
-                del out
-                self._bind_grads()  # (an AccumulateGrad that replaced a gradient: bound back)
-                torch._foreach_copy_(self._grads, before)
-                del before
-                torch.clear_autocast_cache()
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    out = self.fn(*static)
-                    out = out if isinstance(out, tuple) else (out,)
-                    out[0].backward()
-                    outputs = tuple(t.detach() for t in out)
-                finally:
-                    graph.capture_end()
-                    torch.clear_autocast_cache()
-            torch.cuda.current_stream(device).wait_stream(stream)
-        except Exception as exc:  # a host sync or an uncapturable op somewhere in the step
+        with CAPTURE_LOCK:
             torch.cuda.synchronize(device)
-            reason = f"CUDA graph capture failed, eager steps: {type(exc).__name__}: {exc}"[:500]
-            self.reasons[key] = self.failed = reason
-            log.warning("%s", reason)
-            return None
+            stream.wait_stream(torch.cuda.current_stream(device))
+            try:
+                with torch.cuda.stream(stream), no_cache:
+                    why = self._pre_step(static, device)
+                    if why is not None:
+                        self._fail(key, f"not captured, eager steps: {why}")
+                        return None
+                    self._bind_grads()  # the graphs' gradients: allocated at the first capture, keeping their values
+                    if self._pool is None:
+                        self._pool = torch.cuda.graph_pool_handle()
+                    torch.clear_autocast_cache()
+                    torch.cuda.empty_cache()  # (the device's: no cached block is released while capturing)
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        out = self.fn(*static)
+                        out = out if isinstance(out, tuple) else (out,)
+                        out[0].backward()
+                        outputs = tuple(t.detach() for t in out)
+                    finally:
+                        torch.clear_autocast_cache()
+                        graph.capture_end()
+                torch.cuda.current_stream(device).wait_stream(stream)
+            except (
+                Exception
+            ) as exc:  # an uncapturable op somewhere in the step (an RNG state read fails cleanly)
+                torch.clear_autocast_cache()
+                torch.cuda.synchronize(device)
+                self._fail(key, f"CUDA graph capture failed, eager steps: {type(exc).__name__}: {exc}"[:500])
+                return None
         g = self.graphs[key] = _Graph(graph, static, outputs)
         self.stats.captured.append(key)
         log.info("captured a training step as a CUDA graph for inputs %s", [s[0] for s in key])

@@ -175,6 +175,14 @@ def _every_position():
         _EVERY_POSITION.on = False
 
 
+def _checkpointing(args) -> tuple[bool, dict]:
+    """Whether HF's step checkpoints the layers, and with which kwargs (transformers 5.24 names them
+    ``activation_checkpointing``; 5.17 ``gradient_checkpointing``)."""
+    if hasattr(args, "activation_checkpointing"):
+        return bool(args.activation_checkpointing), dict(args.activation_checkpointing_kwargs or {})
+    return bool(args.gradient_checkpointing), dict(args.gradient_checkpointing_kwargs or {})
+
+
 def _plain_loss(outputs, loss_type: str, num_tokens) -> torch.Tensor:
     """TRL's plain SFT loss from the fused head's outputs: minus the log-probs (0 on ignored positions; DFT weighs each
     by its probability), summed, over the token count (at least 1)."""
@@ -197,8 +205,10 @@ class GraphedSFTSteps:
     (its ignored rows give 0 and no gradient), since selecting the scored ones would make the host wait, and the
     replays' GEMMs may round as another algorithm does. Anything else runs HF's ``training_step``, the reason logged
     once: another loss path (TRL's branch, an overridden ``compute_loss`` such as the retention KL term's), several
-    processes, DeepSpeed, LOMO, no ``num_items_in_batch``, batches with other keys than ``input_ids``,
-    ``attention_mask`` and ``labels`` (packed, padding-free), a model off CUDA.
+    processes, DeepSpeed, LOMO, fp16 loss scaling, TRL's activation offloading, checkpointing that saves the RNG
+    state, no ``num_items_in_batch``, batches with other keys than ``input_ids``, ``attention_mask`` and ``labels``
+    (packed, padding-free), a model off CUDA. Under capture transformers builds an explicit attention mask where an
+    eager step of an unpadded batch runs SDPA causal without one: the same attention by another kernel.
     """
 
     _strop_step_graphs = False
@@ -212,6 +222,13 @@ class GraphedSFTSteps:
 
         if getattr(self, "_strop_reason", None):
             return f"strop's fused head is off ({self._strop_reason})"
+        if getattr(self.accelerator, "scaler", None) is not None:
+            return "fp16 loss scaling (accelerate's GradScaler scales the loss it backpropagates)"
+        if getattr(self.args, "activation_offloading", False):
+            return "TRL's activation offloading (its context wraps HF's step)"
+        on, kwargs = _checkpointing(self.args)
+        if on and kwargs.get("preserve_rng_state", True):
+            return "checkpointed layers save the RNG state, which a capture cannot read"
         if not self._strop_plain_path(False):
             return "TRL's loss branch is not the plain one"
         if type(self).compute_loss is not StropSFTMixin.compute_loss:
@@ -234,6 +251,8 @@ class GraphedSFTSteps:
         return None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._strop_step_graphs:
+            model.train()  # (after an evaluation: the plain path is the training one)
         reason = (
             "off"
             if not self._strop_step_graphs
@@ -244,7 +263,6 @@ class GraphedSFTSteps:
                 self._strop_graph_logged = reason
                 logger.warning("step graphs: HF's training step runs (%s)", reason)
             return super().training_step(model, inputs, num_items_in_batch)
-        model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)

@@ -333,6 +333,16 @@ def register_decode_attention() -> None:
     AttentionInterface.register(DECODE_ATTENTION, gqa_decode_attention)
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream per device to capture on (capture cannot run on the default stream), kept for the process."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _CAPTURE_STREAMS[device]
+
+
 class DecodeStep:
     """One decode step over static buffers: the step's masks, the model, the head; then the step and the positions
     advance. Everything it reads and writes lives on the device, so the same step replays as a CUDA graph."""
@@ -375,10 +385,12 @@ class DecodeStep:
             # and an emptied host cache made the next pass's activation offload allocate and free every pinned
             # block anew (cudaHostAlloc/cudaFreeHost are slow and stall the GPU). Capture needs neither emptied:
             # the graph draws from its own private pool. thread_local: another session's work on this device
-            # from another thread is neither captured nor broken by the capture.
-            from strop.kernels.models.step_graph import capture_stream
+            # from another thread is not captured (in torch 2.11 its CUDA RNG calls raise while the capture runs:
+            # the default generator is marked capturing; kernels/models/step_graph.py).
+            # (one capture at a time in the process: the training step's graphs take the same lock)
+            from strop.kernels.models.step_graph import CAPTURE_LOCK
 
-            with torch.cuda.stream(capture_stream(self.ids.device)):
+            with CAPTURE_LOCK, torch.cuda.stream(_capture_stream(self.ids.device)):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     out = self._step()

@@ -720,6 +720,7 @@ def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
                 plan = installed.step_end()
                 if plan is not None:
                     log.info("budgeted recompute: %s", plan)
+                    trainer._strop_graph = None  # graphs of the layout before the plan: captured again
 
         trainer.add_callback(PlanAfterFirstStep())
     return installed

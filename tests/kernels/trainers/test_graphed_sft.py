@@ -21,6 +21,10 @@ from tests.kernels.ops.test_fused_linear_logprobs import _sft_rows, _tiny_sft_tr
 
 trl = locked("trl")
 
+# TRL checkpoints the layers by default; nothing in these models is random, so no RNG state to save (a capture
+# cannot read it)
+NO_RNG = {"use_reentrant": False, "preserve_rng_state": False}
+
 
 def _train(tmp_path, name: str, graphs: bool, *, force: bool = False, monkeypatch=None, **kw):
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
@@ -28,6 +32,7 @@ def _train(tmp_path, name: str, graphs: bool, *, force: bool = False, monkeypatc
     from strop.kernels.trainers.sft import GraphedSFTSteps
 
     tok = make_bpe_tokenizer()
+    kw.setdefault("gradient_checkpointing_kwargs", NO_RNG)
     trainer = _tiny_sft_trainer(
         strop_sft_trainer_class(),
         tok,
@@ -76,13 +81,22 @@ def test_the_graphed_step_trains_as_the_eager_step(tmp_path, monkeypatch, accumu
 
 
 @cpu_tier
-def test_where_no_graph_can_run_hfs_step_runs_bit_for_bit_and_says_why(tmp_path, caplog):
-    _, ref_logs, ref_adapter = _train(tmp_path, "eager", False)
+@pytest.mark.parametrize(
+    ("checkpointing", "why"),
+    [
+        (NO_RNG, "the model is not on CUDA"),
+        ({"use_reentrant": False}, "checkpointed layers save the RNG state, which a capture cannot read"),
+    ],
+    ids=["off-cuda", "rng-state-saved"],
+)
+def test_where_no_graph_can_run_hfs_step_runs_bit_for_bit_and_says_why(tmp_path, caplog, checkpointing, why):
+    kw = {"gradient_checkpointing_kwargs": checkpointing}
+    _, ref_logs, ref_adapter = _train(tmp_path, "eager", False, **kw)
     with caplog.at_level(logging.WARNING, logger="strop.kernels"):
-        trainer, logs, adapter = _train(tmp_path, "graphs-on", True)
+        trainer, logs, adapter = _train(tmp_path, "graphs-on", True, **kw)
     assert trainer._strop_graph is None
     said = [r.getMessage() for r in caplog.records if "step graphs" in r.getMessage()]
-    assert said == ["step graphs: HF's training step runs (the model is not on CUDA)"], said
+    assert said == [f"step graphs: HF's training step runs ({why})"], said
     assert logs == ref_logs or [h["loss"] for h in logs] == [h["loss"] for h in ref_logs]
     assert all(torch.equal(adapter[n], w) for n, w in ref_adapter.items())
 
@@ -110,6 +124,7 @@ def test_gpu_sft_steps_replay_and_train_as_the_eager_trainer(tmp_path):
             max_steps=8,
             logging_steps=1,
             use_cpu=False,
+            gradient_checkpointing_kwargs=NO_RNG,
         )
         patch_model(trainer.model, device="cuda")
         trainer._strop_step_graphs = graphs
