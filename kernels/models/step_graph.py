@@ -203,7 +203,8 @@ class StepGraph:
     def _pre_step(self, static, device) -> str | None:
         """One step on the capture stream with every gradient set aside (put back after, whatever happens): which
         parameters it reaches (the first time), and whether it made the host wait (torch's sync debug mode), which a
-        capture cannot take; None when it did not."""
+        capture cannot take; None when it did not. The debug mode and the warnings' capture are process-wide for
+        that step: another thread's sync then also counts (the signature stays eager: the safe side)."""
         held = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
@@ -269,9 +270,8 @@ class StepGraph:
                         torch.clear_autocast_cache()
                         graph.capture_end()
                 torch.cuda.current_stream(device).wait_stream(stream)
-            except (
-                Exception
-            ) as exc:  # an uncapturable op somewhere in the step (an RNG state read fails cleanly)
+            except Exception as exc:
+                # an uncapturable op somewhere in the step (an RNG state read fails cleanly), or the step failing
                 torch.clear_autocast_cache()
                 torch.cuda.synchronize(device)
                 self._fail(key, f"CUDA graph capture failed, eager steps: {type(exc).__name__}: {exc}"[:500])
