@@ -30,8 +30,9 @@ the capture), with the gradients set aside and put back afterwards: a capture co
 What cannot be captured: anything that makes the host wait on the GPU (``.item()``, ``.tolist()``, a data-dependent
 shape, an event's ``query()`` or ``synchronize()``; recording and waiting on events is fine) and RNG state reads
 (``torch.utils.checkpoint``'s ``preserve_rng_state``: a model without dropout, :func:`random_free`, can turn it off
-exactly). The step before a capture runs with torch's sync debug mode warning: a synchronizing call there keeps the
-signature from being captured at all, since a capture the driver invalidates leaves torch 2.11's generator and
+exactly). The step before a capture runs as the capture will (:func:`as_if_capturing`: transformers' capture-safe
+paths) with torch's sync debug mode warning: a synchronizing call there keeps the signature from being captured at
+all, since a capture the driver invalidates leaves torch 2.11's generator and
 allocator mid-capture (later RNG calls and ``empty_cache`` fail). A capture that fails otherwise (an RNG state read
 fails cleanly) leaves the parameters and gradients as they were. Either way that step runs eagerly, no step is lost
 or counted twice, every later signature runs eagerly too (no second try), and the reason is kept in
@@ -45,6 +46,7 @@ call during those few hundred milliseconds (once per shape and job) raises; step
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
@@ -53,13 +55,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CAPTURE_LOCK", "StepGraph", "random_free"]
+__all__ = ["CAPTURE_LOCK", "StepGraph", "as_if_capturing", "random_free"]
 
 log = logging.getLogger("strop.kernels")
 
 # held while a CUDA graph is captured in this process (step graphs, the sampler's decode step): one capture at a
 # time, and no device-cache emptying of another capture's under way
 CAPTURE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def as_if_capturing():
+    """transformers' ``is_tracing`` true for the duration, as it is while a CUDA graph is captured: its code takes the
+    paths that read nothing back from the device (an explicit attention mask built where an eager call would first
+    ask ``attention_mask.all()``), so a step run eagerly under this shows the syncs and builds the kernels' plans
+    that the captured step would. Process-wide while it lasts (another thread's transformers code takes those paths
+    too: the same attention, by another kernel)."""
+    import sys
+
+    utils = sys.modules.get("transformers.utils.import_utils")
+    if utils is None or not hasattr(utils, "is_cuda_stream_capturing"):
+        yield
+        return
+    real = utils.is_cuda_stream_capturing
+    utils.is_cuda_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        utils.is_cuda_stream_capturing = real
 
 
 def random_free(model: torch.nn.Module) -> bool:
@@ -210,7 +233,7 @@ class StepGraph:
             p.grad = None
         previous = torch.cuda.get_sync_debug_mode()
         try:
-            with warnings.catch_warnings(record=True) as seen:
+            with warnings.catch_warnings(record=True) as seen, as_if_capturing():
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:

@@ -53,6 +53,18 @@ def test_off_cuda_every_step_is_eager_and_computes_the_forward_and_backward_it_w
     assert all(p.grad is None or not p.grad.any() for p in model.parameters()), "zeroed in place"
 
 
+def test_as_if_capturing_makes_transformers_take_its_capture_paths_for_the_duration():
+    from transformers.utils import import_utils
+
+    from strop.kernels.models.step_graph import as_if_capturing
+
+    mask = torch.ones(2, 5, dtype=torch.long)
+    assert not import_utils.is_tracing(mask)
+    with as_if_capturing():
+        assert import_utils.is_tracing(mask), "as under a capture: no read of the mask back to the host"
+    assert not import_utils.is_tracing(mask)
+
+
 def test_random_free_is_true_only_without_any_dropout():
     from strop.kernels.models.step_graph import random_free
 
