@@ -162,7 +162,15 @@ def run_worker(a, w: Workload) -> Result:
     res = Result(part=a.part, system=a.system, seq=a.seq, batch=a.batch)
     t0 = time.perf_counter()
     model = attach_lora(w.load_model(a.part in QLORA_PARTS))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing = {"use_reentrant": False}
+    if (memory_system(a.system) or (None,) * 6)[5]:
+        from strop.kernels.models.step_graph import random_free
+
+        if random_free(
+            model
+        ):  # as the trainer does with step graphs: no RNG state to save, which a capture cannot read
+            checkpointing["preserve_rng_state"] = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     if a.system.startswith("strop"):
         from strop.kernels.models import patch_model
 
