@@ -67,6 +67,52 @@ def test_chunked_kl_equals_torchs_kl_div_on_full_logits_value_and_gradient(softc
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def _lead_hinge_by_hand(student_logits, teacher_logits, cap):
+    """sum over rows of relu(min(teacher lead, cap) − student lead) on the teacher's top token, written out."""
+    total = student_logits.new_zeros(())
+    for z, u in zip(student_logits, teacher_logits, strict=True):
+        a = int(u.argmax())
+        u_rest = torch.cat([u[:a], u[a + 1 :]])
+        z_rest = torch.cat([z[:a], z[a + 1 :]])
+        total = total + torch.relu(torch.clamp(u[a] - u_rest.max(), max=cap) - (z[a] - z_rest.max()))
+    return total
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap):
+    """With ``lead_weight``: the chunked term and the full-logits reference add lead_weight × the mean over rows of
+    relu(min(teacher lead, cap) − student lead) on the teacher's top token (the student 0.8 sigma away: many rows
+    lead less than the teacher), the definition written out row by row; float64, summation order apart."""
+    g = torch.Generator().manual_seed(2)
+    m, h, v = 29, 16, 40
+    student = torch.randn(m, h, generator=g, dtype=torch.float64).requires_grad_()
+    teacher = student.detach() + 0.8 * torch.randn(m, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).requires_grad_()
+
+    def logits(x):
+        z = x @ weight.T
+        return softcap * torch.tanh(z / softcap) if softcap else z
+
+    log_p, log_q = logits(teacher).log_softmax(-1), logits(student).log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    hinge = _lead_hinge_by_hand(logits(student), logits(teacher), 1.5) / m
+    assert float(hinge) > 0.01, "some rows lead less than the teacher's (capped) lead"
+    by_hand = kl + 0.7 * hinge
+    ref = token_kl_reference(student, teacher, weight, softcap=softcap, lead_weight=0.7, lead_cap=1.5)
+    got = token_kl(student, teacher, weight, softcap=softcap, chunk_size=8, lead_weight=0.7, lead_cap=1.5)
+    torch.testing.assert_close(ref, by_hand, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, by_hand, rtol=1e-12, atol=1e-12)
+    g_ref = torch.autograd.grad(by_hand, (student, weight))
+    g_got = torch.autograd.grad(
+        token_kl(student, teacher, weight, softcap=softcap, chunk_size=8, lead_weight=0.7, lead_cap=1.5),
+        (student, weight),
+    )
+    for a, b in zip(g_got, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    same = token_kl(teacher, teacher, weight.detach(), softcap=softcap, lead_weight=0.7, lead_cap=1.5)
+    assert float(same) == 0.0, "a model leading as its teacher does pays nothing"
+
+
 def test_chunked_kl_of_a_model_to_itself_is_zero_and_of_no_rows_is_a_connected_zero():
     x = torch.randn(5, 8, dtype=torch.float64)
     w = torch.randn(11, 8, dtype=torch.float64)
@@ -97,6 +143,8 @@ def _loaded(model_root):
 
 
 def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(model_root):
+    """KL(base ‖ model) on the answer tokens plus the lead hinge at its default weight (``retention.LEAD_HINGE``), against
+    two plain forwards of the PEFT model row by row."""
     loaded = _loaded(model_root)
     peft = loaded.model
     g = torch.Generator().manual_seed(1)
@@ -115,9 +163,13 @@ def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(mod
             ids = torch.tensor([masked["input_ids"]])
             scored = torch.tensor(masked["completion_mask"][1:], dtype=torch.bool)
             with torch.no_grad(), peft.disable_adapter():
-                base = peft(input_ids=ids).logits[0, :-1][scored].float().log_softmax(-1)
-            mine = peft(input_ids=ids).logits[0, :-1][scored].float().log_softmax(-1)
-            terms.append(F.kl_div(mine, base, log_target=True, reduction="sum"))
+                base = peft(input_ids=ids).logits[0, :-1][scored].float()
+            mine = peft(input_ids=ids).logits[0, :-1][scored].float()
+            terms.append(
+                F.kl_div(mine.log_softmax(-1), base.log_softmax(-1), log_target=True, reduction="sum")
+            )
+            # and the lead hinge at its default weight
+            terms.append(retention.LEAD_HINGE * _lead_hinge_by_hand(mine, base, retention.LEAD_CAP))
             n += int(scored.sum())
         want = 2.0 * sum(terms) / n
         want_grads = torch.autograd.grad(want, trainable)

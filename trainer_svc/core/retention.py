@@ -449,11 +449,11 @@ def forgetting(loaded, held_out: BaseAnswers) -> Forgetting:
 # Chosen with bench/recipe_facts.py against the job's batch size (bench/RESULTS.md, "the facts recipe").
 MAX_KL_BATCH_FACTOR = 8
 
-# An experiment (session 30, a bench knob: 0 is off): beside the KL, a hinge on each scored token's lead, the
-# base's top-1 logit over its next best, for leads up to LEAD_CAP nats: relu(min(base lead, cap) - model's lead)
-# on the base's top-1 token, times LEAD_HINGE. The KL barely sees a near tie flip (0.5/0.45 swapped costs ~0.005
-# nats) where a greedy answer changes; the hinge prices exactly that.
-LEAD_HINGE = 0.0
+# The lead hinge beside the KL (``kernels.losses.kl.token_kl``'s ``lead_weight``/``lead_cap``: relu(min(base lead, cap)
+# − model's lead) on the base's top token at each scored answer token, this weight relative to the KL's). What the
+# facts recipe lost were the base's near ties of the facts' forms, which the KL barely prices when they flip; with the
+# hinge, five CPU seeds of bench/recipe_facts.py keep 58–62 of 63 general answers (bench/RESULTS.md, session 30).
+LEAD_HINGE = 1.0
 LEAD_CAP = 1.0
 
 
@@ -521,29 +521,16 @@ class ReplayKL:
                 self.teacher[k] = hidden()
         softcap = getattr(hf.config.get_text_config(), "final_logit_softcapping", None)
         student = hidden()
-        kl = token_kl(student, self.teacher[k].to(student.dtype), head.weight, head.bias, softcap=softcap)
-        if LEAD_HINGE:
-            kl = kl + LEAD_HINGE * _lead_hinge(student, self.teacher[k].to(student.dtype), head, softcap)
+        kl = token_kl(
+            student,
+            self.teacher[k].to(student.dtype),
+            head.weight,
+            head.bias,
+            softcap=softcap,
+            lead_weight=LEAD_HINGE,
+            lead_cap=LEAD_CAP,
+        )
         return self.coef * kl
-
-
-def _lead_hinge(student, teacher, head, softcap, chunk: int = 256):
-    """mean over rows of relu(min(teacher lead, LEAD_CAP) - student lead) on the teacher's top-1 token."""
-    import torch
-
-    from strop.kernels.losses.kl import _logits
-
-    total = student.new_zeros((), dtype=torch.float32)
-    for i in range(0, student.shape[0], chunk):
-        u = _logits(teacher[i : i + chunk].detach(), head.weight, head.bias, softcap)
-        z = _logits(student[i : i + chunk], head.weight, head.bias, softcap)
-        top2 = u.topk(2, dim=-1)
-        best = top2.indices[:, :1]
-        lead_t = (top2.values[:, 0] - top2.values[:, 1]).clamp(max=LEAD_CAP)
-        z_best = z.gather(1, best)[:, 0]
-        z_other = z.scatter(1, best, float("-inf")).amax(-1)
-        total = total + torch.relu(lead_t - (z_best - z_other)).sum()
-    return total / max(student.shape[0], 1)
 
 
 def add_replay_kl(trainer, kl: ReplayKL) -> None:
