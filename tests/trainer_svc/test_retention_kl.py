@@ -183,7 +183,9 @@ def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(mod
     assert len(kl.teacher) == 2, "the base's hidden states are computed once per batch and kept"
 
 
-def test_a_job_with_retention_kl_adds_the_term_to_its_training_loss(model_root, tmp_path, monkeypatch):
+def test_a_job_with_retention_kl_trains_on_the_term_and_reports_the_rows_loss(
+    model_root, tmp_path, monkeypatch
+):
     monkeypatch.setattr(
         model_loading,
         "generate_chat_batch",
@@ -252,9 +254,10 @@ def test_kl_rows_keep_every_answer_finished_or_cut_and_replay_only_the_finished(
     assert len(retention.kl_rows(base, 2)) == 2
 
 
-def _kl_job(model_root, tmp_path, monkeypatch, **cfg):
+def _kl_job(model_root, tmp_path, monkeypatch, adapter=None, **cfg):
     """One SFT job on the tiny 4-bit model over ROWS[:4], 2 rows a step, one epoch; the base's answers fixed, half of
-    them unfinished. Returns the step losses and what the KL term was built with (rows, weight), or None."""
+    them unfinished. Returns the step losses and what the KL term was built with (rows, weight), or None; the LoRA
+    tensors as trained go into ``adapter`` (a dict) when one is given."""
 
     def answers(loaded, prompts, **kw):
         # the real one cannot batch no prompts (the tokenizer's padding indexes the first): never asked to
@@ -284,6 +287,8 @@ def _kl_job(model_root, tmp_path, monkeypatch, **cfg):
         loaded, ROWS[:4], DatasetFormat.MESSAGES, config, tmp_path, training.JobControl(), sinks
     )
     assert generation.INFERENCE_COPY not in loaded.extra, "the copy the base's answers came from is not kept"
+    if adapter is not None:
+        adapter.update({n: p.detach().clone() for n, p in loaded.model.named_parameters() if "lora_" in n})
     model_loading.release(loaded)
     return [s.loss for s in steps], (built[0] if built else None)
 
@@ -297,9 +302,18 @@ def _loaded_4bit(model_root):
 
 
 def test_retention_kl_scores_the_bases_answers_without_training_on_them(model_root, tmp_path, monkeypatch):
-    plain, none = _kl_job(model_root, tmp_path / "none", monkeypatch, retention=Retention.NONE)
+    plain_adapter, kl_adapter = {}, {}
+    plain, none = _kl_job(
+        model_root, tmp_path / "none", monkeypatch, plain_adapter, retention=Retention.NONE, adapter_scale=1.0
+    )
     kl, (rows, coef, batch) = _kl_job(
-        model_root, tmp_path / "kl", monkeypatch, retention=Retention.KL, retention_rows=6
+        model_root,
+        tmp_path / "kl",
+        monkeypatch,
+        kl_adapter,
+        retention=Retention.KL,
+        retention_rows=6,
+        adapter_scale=1.0,
     )
     assert none is None
     # the training rows are the dataset's alone: 4 rows, 2 a step (REPLAY of 6 would make 5 steps)
@@ -308,9 +322,12 @@ def test_retention_kl_scores_the_bases_answers_without_training_on_them(model_ro
     # the epoch's 2 steps: 3 a step, kl_batch); the weight the default, retention_kl being 0
     assert [r["messages"][0]["content"] for r in rows] == list(retention.REPLAY_PROMPTS[:6])
     assert (coef, batch) == (KL_RETENTION_WEIGHT, 3)
-    # step 1: B = 0, the model is its base, the KL is exactly 0 and the loss the plain job's; then the term counts
-    assert kl[0] == pytest.approx(plain[0], rel=1e-6)
-    assert kl[1] != pytest.approx(plain[1], rel=1e-4)
+    # step 1: B = 0, the model is its base, the KL and its lead hinge are exactly 0 (and so is their gradient), the
+    # loss the plain job's; step 2 reports the rows' loss after the same update, so the same; the term trains from
+    # step 2 on (the adapter has moved): the adapters as trained differ
+    assert kl == pytest.approx(plain, rel=1e-6)
+    moved = max(float((kl_adapter[n] - plain_adapter[n]).abs().max()) for n in plain_adapter)
+    assert moved > 1e-6, "the KL term's gradient changed the second step's update"
     _, (_, coef, _) = _kl_job(
         model_root, tmp_path / "kl3", monkeypatch, retention=Retention.KL, retention_rows=2, retention_kl=3.0
     )

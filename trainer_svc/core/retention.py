@@ -550,6 +550,10 @@ def add_replay_kl(trainer, kl: ReplayKL) -> None:
                 )
             if scaled:  # the trainer divides an unscaled loss by the accumulation steps itself
                 term = term / self.current_gradient_accumulation_steps
+            # the term trains (its gradient is added) but the loss the step reports stays the rows' own, the
+            # quantity evaluation's loss measures on held-out rows: the KL and its lead hinge are 0 at the first step
+            # and grow as the adapter moves (the hinge at first order), which a reported sum would show as a rise
+            term = term - term.detach()
             return (out[0] + term, *out[1:]) if return_outputs else out + term
 
     trainer.__class__ = ReplayKLTrainer
