@@ -248,7 +248,9 @@ class StepGraph:
         finally:
             for p, g in zip(self.params, held, strict=True):
                 p.grad = g
-        syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+        # torch's warning for each synchronizing call (not its note that the debug mode is a prototype, which
+        # setting the mode itself issues)
+        syncs = [str(w.message) for w in seen if "called a synchronizing" in str(w.message)]
         return f"the step makes the host wait on the GPU ({syncs[0][:200]})" if syncs else None
 
     def _capture(self, key: tuple, inputs) -> _Graph | None:
