@@ -1,9 +1,9 @@
 """A training micro-step replayed as a CUDA graph: ``loss = fn(*inputs); loss.backward()`` captured once per input
 shape, then one launch a step instead of the host's few hundred a layer.
 
-Why. Where a step's GPU work is short the host's dispatch sets the pace: at the Llama-3.2-1B shape and 2 × 2048 tokens
-strop's step is 163 ms of which the GPU computes 54, with no waits on the GPU (bench/RESULTS.md, session 29); the
-host spends ~6 ms a layer in Python, autograd and launches. Replaying captured work removes all of it.
+Why. Where a step's GPU work is short (small models, few tokens a step), the host's Python, autograd bookkeeping and
+launches, a few ms a layer, set the pace, and a checkpointed layer pays them twice (forward and recompute).
+Replaying captured work removes them; the measured gain is in bench/RESULTS.md (issue 39).
 
 What is captured. The forward and the backward as one graph: ``fn``'s outputs (a loss, and any metrics computed from
 the same forward, as device tensors), and the backward of the first output accumulating into the ``.grad`` of every

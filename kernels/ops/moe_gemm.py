@@ -347,8 +347,8 @@ def _merge_tile(
 # exact. A 16-bit stack and NF4 codes of one shape share the kept tile (_MERGE_TILE's key), so the two paths merge
 # to the same bits. K_TILES > 1 loops a program over that many tiles along K (a runtime loop, which Triton may
 # pipeline): the row setup, expert offsets and mask work once per program, not once a tile, and the next tile's loads
-# can be in flight while one is stored (the merge runs at ~2 TB/s on the H200, half its copy bandwidth: bench/
-# RESULTS.md, session 30); the same per-element operations, so the same bits. Three single tiles a lookup and one
+# can be in flight while one is stored (a single-tile merge moves about half of what a copy does: bench/RESULTS.md,
+# issue 38); the same per-element operations, so the same bits. Three single tiles a lookup and one
 # looped, eight configs in all, each a compile at the first step (64 × 32 runs the most instructions an element,
 # 128 × 128 the fewest warps an SM: left out).
 _MERGE_TILES = tuple(

@@ -451,8 +451,8 @@ MAX_KL_BATCH_FACTOR = 8
 
 # The lead hinge beside the KL (``kernels.losses.kl.token_kl``'s ``lead_weight``/``lead_cap``: relu(min(base lead, cap)
 # − model's lead) on the base's top token at each scored answer token, this weight relative to the KL's). What the
-# facts recipe lost were the base's near ties of the facts' forms, which the KL barely prices when they flip; with the
-# hinge, five CPU seeds of bench/recipe_facts.py keep 58–62 of 63 general answers (bench/RESULTS.md, session 30).
+# facts recipe lost were the base's near ties of the facts' forms, which the KL barely prices when they flip; the
+# hinge prices them (its measurement with bench/recipe_facts.py: bench/RESULTS.md, issue 31).
 LEAD_HINGE = 1.0
 LEAD_CAP = 1.0
 
