@@ -118,6 +118,7 @@ def add_fused_logprob_head(model: Any) -> None:
         dev = hidden.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
         bias = None if head.bias is None else head.bias.to(dtype)
+        softcap = final_logit_softcap(self)
         if getattr(_EVERY_POSITION, "on", False):
             # every position through the kernel, whose ignored rows give 0 and no gradient: no boolean index,
             # so no host sync (a step graph's capture), at the head's work on the unscored positions too
@@ -126,30 +127,21 @@ def add_fused_logprob_head(model: Any) -> None:
                 head.weight.to(dtype),
                 labels.flatten(),
                 bias,
-                softcap=final_logit_softcap(self),
+                softcap=softcap,
             )
             log_probs, entropy, is_top1 = (
                 logp.view(mask.shape),
                 entropy.view(mask.shape),
                 top1.view(mask.shape),
             )
-            loss = -log_probs.sum() / (
-                mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        else:
+            logp, entropy, top1 = fused_linear_logprobs(
+                hidden[mask].to(dtype), head.weight.to(dtype), labels[mask], bias, softcap=softcap
             )
-            return fused_output(
-                loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask
-            )
-        logp, entropy, top1 = fused_linear_logprobs(
-            hidden[mask].to(dtype),
-            head.weight.to(dtype),
-            labels[mask],
-            bias,
-            softcap=final_logit_softcap(self),
-        )
-        # masked_scatter keeps an all-masked batch connected to the model (a differentiable zero), as TRL's does
-        log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
-        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
-        is_top1 = torch.zeros_like(mask).masked_scatter(mask, top1)
+            # masked_scatter keeps an all-masked batch connected to the model (a differentiable zero), as TRL's does
+            log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
+            entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+            is_top1 = torch.zeros_like(mask).masked_scatter(mask, top1)
         loss = -log_probs.sum() / (
             mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         )
@@ -284,10 +276,7 @@ class GraphedSFTSteps:
         loss, num_valid, entropy_sum, num_correct, tokens = (
             t.clone() for t in out
         )  # the next replay reuses them
-        metrics = self._metrics["train"]
-        metrics["entropy"].append(entropy_sum / num_valid.clamp(min=1))
-        metrics["mean_token_accuracy"].append(num_correct / num_valid.clamp(min=1))
-        self._strop_tokens.append(tokens // self._tp_size)
+        self._strop_metrics(num_valid, entropy_sum, num_correct, tokens)
         return loss
 
     def _strop_graph_fn(self, model):
@@ -378,9 +367,6 @@ class StropSFTMixin(DeviceNanFilter, GraphedSFTSteps):
         num_valid = gather(outputs.label_mask.sum()).sum()
         entropy_sum = gather(outputs.entropy.detach().sum()).sum()
         num_correct = gather(outputs.is_top1.sum()).sum()
-        metrics = self._metrics["train"]
-        metrics["entropy"].append(entropy_sum / num_valid.clamp(min=1))
-        metrics["mean_token_accuracy"].append(num_correct / num_valid.clamp(min=1))
         if "attention_mask" in inputs:
             local = inputs["attention_mask"].sum()
         elif "position_ids" in inputs:
@@ -388,8 +374,15 @@ class StropSFTMixin(DeviceNanFilter, GraphedSFTSteps):
             local = torch.tensor(position_ids.size(1)).to(position_ids.device, non_blocking=True)
         else:
             raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
-        self._strop_tokens.append(gather(local).sum() // self._tp_size)
+        self._strop_metrics(num_valid, entropy_sum, num_correct, gather(local).sum())
         return loss
+
+    def _strop_metrics(self, num_valid, entropy_sum, num_correct, tokens) -> None:
+        """TRL's step metrics from their (gathered) device sums, kept on the device until ``log``."""
+        metrics = self._metrics["train"]
+        metrics["entropy"].append(entropy_sum / num_valid.clamp(min=1))
+        metrics["mean_token_accuracy"].append(num_correct / num_valid.clamp(min=1))
+        self._strop_tokens.append(tokens // self._tp_size)
 
     def _strop_fold_tokens(self) -> None:
         """Add the pending token counts to TRL's ``_total_train_tokens`` and its ``num_tokens`` metric (one read)."""
