@@ -1,9 +1,9 @@
 """What replaying a captured step would give the 1B shape (issue 39), before building it into the trainer.
 
-At the Llama-3.2-1B shape and 2 × 2048 tokens strop's step is 163 ms of which the GPU computes 54: the host's
-dispatch sets the pace, with no waits on the GPU (bench/RESULTS.md, session 29), and trimming ops a layer cannot
-reach the issue's "host time under 10% of the step". CUDA graphs replay a captured forward and backward with one
-launch each. This asks, on the GPU, before any of it goes into the trainer:
+At the Llama-3.2-1B shape and 2 × 2048 tokens a train_bench profile of strop's step found the GPU computing 54 of 163
+ms with no waits on it (bench/RESULTS.md, session 29): the host's dispatch set the pace there, and trimming ops a layer
+cannot reach the issue's "host time under 10% of the step". CUDA graphs replay a captured forward and backward with
+one launch each. This asks, on the GPU:
 
 - does strop's patched model (its Triton kernels, PEFT LoRA r=16 on the seven projections, bf16 autocast) capture
   under ``torch.cuda.make_graphed_callables`` as a whole model (forward + backward; the optimizer stays eager:
@@ -119,7 +119,7 @@ def run_variant(a) -> dict:
     if a.variant.startswith("stepgraph"):
         from strop.kernels.models.step_graph import StepGraph
 
-        stepgraph = StepGraph(lambda ids: loss_of(ids), params, warmup=2)
+        stepgraph = StepGraph(loss_of, params, warmup=2)
     if a.variant.startswith("graphed"):
         t0 = time.perf_counter()
         try:

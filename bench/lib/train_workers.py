@@ -166,9 +166,8 @@ def run_worker(a, w: Workload) -> Result:
     if (memory_system(a.system) or (None,) * 6)[5]:
         from strop.kernels.models.step_graph import random_free
 
-        if random_free(
-            model
-        ):  # as the trainer does with step graphs: no RNG state to save, which a capture cannot read
+        # as the trainer does with step graphs: no RNG state to save, which a capture cannot read
+        if random_free(model):
             checkpointing["preserve_rng_state"] = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     if a.system.startswith("strop"):
@@ -300,11 +299,8 @@ def log_layer_progress(w: Workload, model, path: str) -> None:
         layer.register_forward_hook(hook(i))
 
 
-_STEP_KEYS = (
-    "input_ids",
-    "labels",
-    "attention_mask",
-)  # a batch's tensors, in the order a step graph takes them
+# a batch's tensors, in the order a step graph takes them
+_STEP_KEYS = ("input_ids", "labels", "attention_mask")
 
 
 def step_graph(model):

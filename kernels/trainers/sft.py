@@ -47,6 +47,7 @@ __all__ = [
     "GraphedSFTSteps",
     "StropSFTMixin",
     "add_fused_logprob_head",
+    "checkpoint_without_rng_state",
     "remove_fused_logprob_head",
     "strop_sft_trainer_class",
 ]
@@ -167,12 +168,24 @@ def _every_position():
         _EVERY_POSITION.on = False
 
 
+def _checkpointing_names(args) -> tuple[str, str]:
+    """The training arguments' checkpointing switch and kwargs, by the names HF's ``train()`` reads (transformers 5.24
+    names them ``activation_checkpointing``; 5.17 ``gradient_checkpointing``)."""
+    prefix = "activation" if hasattr(args, "activation_checkpointing") else "gradient"
+    return f"{prefix}_checkpointing", f"{prefix}_checkpointing_kwargs"
+
+
 def _checkpointing(args) -> tuple[bool, dict]:
-    """Whether HF's step checkpoints the layers, and with which kwargs (transformers 5.24 names them
-    ``activation_checkpointing``; 5.17 ``gradient_checkpointing``)."""
-    if hasattr(args, "activation_checkpointing"):
-        return bool(args.activation_checkpointing), dict(args.activation_checkpointing_kwargs or {})
-    return bool(args.gradient_checkpointing), dict(args.gradient_checkpointing_kwargs or {})
+    """Whether HF's step checkpoints the layers, and with which kwargs."""
+    on, kwargs = _checkpointing_names(args)
+    return bool(getattr(args, on)), dict(getattr(args, kwargs) or {})
+
+
+def checkpoint_without_rng_state(args) -> None:
+    """Have HF's checkpointed layers recompute without saving the RNG state (which a CUDA graph capture cannot read;
+    exact for a model that draws no random numbers: ``step_graph.random_free``)."""
+    _, kwargs = _checkpointing_names(args)
+    setattr(args, kwargs, {**(getattr(args, kwargs) or {}), "preserve_rng_state": False})
 
 
 def _plain_loss(outputs, loss_type: str, num_tokens) -> torch.Tensor:

@@ -707,12 +707,9 @@ def _install_memory_mode(loaded: LoadedModel, cfg: TrainConfig, trainer):
             from strop.kernels.models.step_graph import random_free
 
             if random_free(loaded.model):
-                # checkpointed layers recompute without the RNG state (exact: nothing draws from it), which a
-                # capture cannot read; set where HF's train() reads its checkpointing kwargs (5.24 renamed them)
-                for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
-                    kwargs = getattr(trainer.args, name, None)
-                    if isinstance(kwargs, dict):
-                        setattr(trainer.args, name, {**kwargs, "preserve_rng_state": False})
+                from strop.kernels.trainers.sft import checkpoint_without_rng_state
+
+                checkpoint_without_rng_state(trainer.args)
     if installed.recompute is not None:
 
         class PlanAfterFirstStep(TrainerCallback):

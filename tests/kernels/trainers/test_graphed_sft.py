@@ -138,3 +138,16 @@ def test_gpu_sft_steps_replay_and_train_as_the_eager_trainer(tmp_path):
     assert_close_fp32(torch.tensor(logs), torch.tensor(ref_logs), "per-step losses")
     for n, w in ref_adapter.items():
         assert_close_fp32(adapter[n], w, f"final {n}")
+
+
+@cpu_tier
+def test_checkpointing_without_the_rng_state_is_set_where_hfs_train_reads_it(tmp_path):
+    """The trainer's switch for step graphs sets ``preserve_rng_state`` False in the kwargs HF's ``train()`` passes to
+    ``gradient_checkpointing_enable`` (named ``activation_…`` from transformers 5.24), keeping the others; the
+    graphed step's own check then finds nothing to refuse."""
+    from strop.kernels.trainers.sft import _checkpointing, checkpoint_without_rng_state
+
+    trainer, _, _ = _train(tmp_path, "args", False, gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert _checkpointing(trainer.args) == (True, {"use_reentrant": False})
+    checkpoint_without_rng_state(trainer.args)
+    assert _checkpointing(trainer.args) == (True, {"use_reentrant": False, "preserve_rng_state": False})
