@@ -78,7 +78,7 @@ def trl_args(config_cls, a, w: Workload, **kw):
 
 
 def memory_system(system: str):
-    """``strop-<mode>[-sN][-aB][-tB][-qB][-gB]`` → (MemoryMode, N, attention, tiled, qkv, graphs): the trainer's memory modes by the names the service uses.
+    """``strop-<mode>[-sN][-aB][-tB][-qB][-oB][-gB]`` → (MemoryMode, N, attention, tiled, qkv, graphs, offload): the trainer's memory modes by the names the service uses.
 
     ``strop-standard`` (checkpointed layer inputs in pinned host memory, what the trainer's default mode does
     on CUDA), ``strop-long-context`` (+ the tiled MLP), ``strop-max-speed`` (budgeted recompute under
@@ -87,19 +87,23 @@ def memory_system(system: str):
     the mode's default (``MemoryFeatures.save_attention``); the third item is None without it. ``-t1``/``-t0``:
     the MLPs run tiled (or not), whatever the mode's default (``MemoryFeatures.tiled_mlp``); the fourth item. ``-q1``/``-q0``:
     the saved attention calls keep (or do not keep) their q, k, v too (``MemoryFeatures.save_qkv``); the fifth item. ``-g1``/``-g0``:
-    each step replays as a CUDA graph once captured (``MemoryFeatures.step_graphs``); the sixth. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
+    each step replays as a CUDA graph once captured (``MemoryFeatures.step_graphs``); the sixth. ``-o1``/``-o0``: checkpointed
+    layer inputs offloaded to host memory (or kept on the GPU: plain recompute), whatever the mode's default
+    (``MemoryFeatures.offload_layer_inputs``); the seventh, though written before ``-g``. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
     these were called strop-offload[-sN], strop-mem and strop-fast.
     """
     from strop.common.trainer_types import MemoryMode
 
     system = re.sub(r"-f8(dx)?$", "", system)  # FP8 base GEMMs (fp8_system) combine with any mode
     m = re.fullmatch(
-        r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?(?:-q([01]))?(?:-g([01]))?",
+        r"strop-(standard|long-context|max-speed)(?:-s(\d+))?(?:-a([01]))?(?:-t([01]))?(?:-q([01]))?(?:-o([01]))?(?:-g([01]))?",
         system,
     )
     if m is None:
         return None
-    attention, tiled, qkv, graphs = (None if m.group(i) is None else m.group(i) == "1" for i in (3, 4, 5, 6))
+    attention, tiled, qkv, offload, graphs = (
+        None if m.group(i) is None else m.group(i) == "1" for i in range(3, 8)
+    )
     return (
         MemoryMode(m.group(1).replace("-", "_").upper()),
         int(m.group(2) or 0),
@@ -107,6 +111,7 @@ def memory_system(system: str):
         tiled,
         qkv,
         graphs,
+        offload,
     )
 
 
@@ -121,7 +126,7 @@ def fp8_system(system: str) -> bool | str:
 
 def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
     """Install the system's memory mode through the installer the trainer uses, the same way: the table's row
-    (with the system's ``-sN``/``-aB``/``-tB``/``-qB``/``-gB`` variant replaced into it), the step's shape for the host-room rule,
+    (with the system's ``-sN``/``-aB``/``-tB``/``-qB``/``-oB``/``-gB`` variant replaced into it), the step's shape for the host-room rule,
     and MAX_SPEED's budget as a job's ``memory_budget_gib`` would give it."""
     import dataclasses
 
@@ -133,7 +138,7 @@ def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
     spec = memory_system(system)
     if spec is None:
         return None
-    mode, save_layers, save_attention, tiled, qkv, graphs = spec
+    mode, save_layers, save_attention, tiled, qkv, graphs, offload = spec
     if w.device != "cuda" and mode is MemoryMode.MAX_SPEED:
         return None  # --smoke: budgeted recompute measures CUDA memory
     features = MEMORY_MODES[mode]
@@ -143,6 +148,7 @@ def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
         "tiled_mlp": tiled,
         "save_qkv": qkv,
         "step_graphs": graphs,
+        "offload_layer_inputs": offload,
     }
     # an unset variant (None) keeps the row's value; -a0/-q0 (False) and -s0 replace it as set
     features = dataclasses.replace(features, **{k: v for k, v in variant.items() if v is not None})
@@ -163,7 +169,7 @@ def run_worker(a, w: Workload) -> Result:
     t0 = time.perf_counter()
     model = attach_lora(w.load_model(a.part in QLORA_PARTS))
     checkpointing = {"use_reentrant": False}
-    if (memory_system(a.system) or (None,) * 6)[5]:
+    if (memory_system(a.system) or (None,) * 7)[5]:
         from strop.kernels.models.step_graph import random_free
 
         # as the trainer does with step graphs: no RNG state to save, which a capture cannot read

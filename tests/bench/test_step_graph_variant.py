@@ -20,9 +20,18 @@ from tests.kernels.models.test_offload import _ids, _lora, _tiny_llama  # noqa: 
 
 
 def test_g1_names_step_graphs_and_leaves_the_rest_of_the_name_as_it_was():
-    assert memory_system("strop-standard-g1") == (MemoryMode.STANDARD, 0, None, None, None, True)
-    assert memory_system("strop-max-speed-s2-q1-g0") == (MemoryMode.MAX_SPEED, 2, None, None, True, False)
-    assert memory_system("strop-standard")[-1] is None, "unset: the table's row (no mode sets it)"
+    assert memory_system("strop-standard-g1") == (MemoryMode.STANDARD, 0, None, None, None, True, None)
+    assert memory_system("strop-max-speed-s2-q1-g0") == (
+        MemoryMode.MAX_SPEED,
+        2,
+        None,
+        None,
+        True,
+        False,
+        None,
+    )
+    assert memory_system("strop-standard-o0-g1") == (MemoryMode.STANDARD, 0, None, None, None, True, False)
+    assert memory_system("strop-standard")[5] is None, "unset: the table's row (no mode sets it)"
 
 
 def test_the_library_step_through_a_step_graph_trains_as_the_plain_step_off_cuda():
