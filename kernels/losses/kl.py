@@ -44,6 +44,7 @@ def token_kl_reference(
     softcap: float | None = None,
     lead_weight: float = 0.0,
     lead_cap: float = 1.0,
+    lead_floor: float = 0.0,
 ) -> torch.Tensor:
     """mean over rows of KL(softmax(teacher logits) ‖ softmax(student logits)) from the full ``[M, V]`` logits
     (torch's ``kl_div`` with log-space targets), plus ``lead_weight`` × the mean lead hinge (:func:`token_kl`)."""
@@ -59,7 +60,7 @@ def token_kl_reference(
     others = zl.clone()
     others[rows, best] = float("-inf")
     student_lead = zl[rows, best] - others.amax(-1)
-    teacher_lead = (top2.values[:, 0] - top2.values[:, 1]).clamp(max=lead_cap)
+    teacher_lead = (top2.values[:, 0] - top2.values[:, 1]).clamp(min=lead_floor, max=lead_cap)
     return kl + lead_weight * torch.relu(teacher_lead - student_lead).sum() / m
 
 
@@ -71,6 +72,7 @@ def _chunk_kl_sum(
     softcap: float | None,
     lead_weight: float = 0.0,
     lead_cap: float = 1.0,
+    lead_floor: float = 0.0,
 ) -> torch.Tensor:
     u = _logits(teacher, weight, bias, softcap)
     z = _logits(student, weight, bias, softcap)
@@ -80,7 +82,7 @@ def _chunk_kl_sum(
         top2 = u.topk(2, dim=-1)
         best = top2.indices[:, :1]
         student_lead = z.gather(1, best)[:, 0] - z.scatter(1, best, float("-inf")).amax(-1)
-        teacher_lead = (top2.values[:, 0] - top2.values[:, 1]).clamp(max=lead_cap)
+        teacher_lead = (top2.values[:, 0] - top2.values[:, 1]).clamp(min=lead_floor, max=lead_cap)
         total = total + lead_weight * torch.relu(teacher_lead - student_lead).sum()
     return total
 
@@ -95,6 +97,7 @@ def token_kl(
     chunk_size: int | None = None,
     lead_weight: float = 0.0,
     lead_cap: float = 1.0,
+    lead_floor: float = 0.0,
 ) -> torch.Tensor:
     """:func:`token_kl_reference` computed ``chunk_size`` rows at a time (the fused linear CE's chunk by default).
 
@@ -103,13 +106,17 @@ def token_kl(
     ``z_a − max_{j≠a} z_j``: the mean of ``relu(teacher lead − student lead)``, times ``lead_weight``, is added. The
     KL barely prices a near tie that flips (0.5/0.45 swapped costs ~0.005 nats) though it changes what greedy
     decoding answers; the hinge prices exactly that, and nothing while the student leads at least as the teacher
-    does (to the cap). Computed on the same chunk's logits as the KL.
+    does (to the cap). With ``lead_floor`` > 0 the protected lead is at least the floor: where the teacher's top
+    token only just leads (or ties, as bf16 logits often do), the student is asked to lead by the floor, so that its
+    greedy choice there is the teacher's by a margin rounding does not flip. Computed on the same chunk's logits as
+    the KL.
 
     Args:
         student: [M, H] hidden states of the scored positions (gradient flows here, and to a trainable head).
         teacher: [M, H] the teacher's hidden states at the same positions (treated as constants).
         weight: [V, H] the LM head; bias: [V] or None; softcap: Gemma's final_logit_softcapping, or None.
         lead_weight, lead_cap: the lead hinge's weight (0: none) and the teacher lead it protects at most (nats).
+        lead_floor: the least lead it protects (nats; 0: the teacher's own lead, however small).
 
     Returns:
         The mean KL per row (plus the weighted mean hinge), fp32, a scalar (0 for no rows, still connected to
@@ -131,6 +138,7 @@ def token_kl(
             softcap,
             lead_weight,
             lead_cap,
+            lead_floor,
             use_reentrant=False,
         )
     return total / m

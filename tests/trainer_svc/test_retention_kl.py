@@ -67,22 +67,27 @@ def test_chunked_kl_equals_torchs_kl_div_on_full_logits_value_and_gradient(softc
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def _lead_hinge_by_hand(student_logits, teacher_logits, cap):
-    """sum over rows of relu(min(teacher lead, cap) − student lead) on the teacher's top token, written out."""
+def _lead_hinge_by_hand(student_logits, teacher_logits, cap, floor=0.0):
+    """sum over rows of relu(min(max(teacher lead, floor), cap) − student lead) on the teacher's top token, written
+    out."""
     total = student_logits.new_zeros(())
     for z, u in zip(student_logits, teacher_logits, strict=True):
         a = int(u.argmax())
         u_rest = torch.cat([u[:a], u[a + 1 :]])
         z_rest = torch.cat([z[:a], z[a + 1 :]])
-        total = total + torch.relu(torch.clamp(u[a] - u_rest.max(), max=cap) - (z[a] - z_rest.max()))
+        total = total + torch.relu(
+            torch.clamp(u[a] - u_rest.max(), min=floor, max=cap) - (z[a] - z_rest.max())
+        )
     return total
 
 
+@pytest.mark.parametrize("floor", [0.0, 0.6])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap):
+def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap, floor):
     """With ``lead_weight``: the chunked term and the full-logits reference add lead_weight × the mean over rows of
-    relu(min(teacher lead, cap) − student lead) on the teacher's top token (the student 0.8 sigma away: many rows
-    lead less than the teacher), the definition written out row by row; float64, summation order apart."""
+    relu(min(max(teacher lead, floor), cap) − student lead) on the teacher's top token (the student 0.8 sigma away:
+    many rows lead less than the teacher), the definition written out row by row; float64, summation order apart.
+    With a floor, rows where the teacher leads by less than it are held to the floor."""
     g = torch.Generator().manual_seed(2)
     m, h, v = 29, 16, 40
     student = torch.randn(m, h, generator=g, dtype=torch.float64).requires_grad_()
@@ -95,22 +100,31 @@ def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap):
 
     log_p, log_q = logits(teacher).log_softmax(-1), logits(student).log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    hinge = _lead_hinge_by_hand(logits(student), logits(teacher), 1.5) / m
+    hinge = _lead_hinge_by_hand(logits(student), logits(teacher), 1.5, floor) / m
     assert float(hinge) > 0.01, "some rows lead less than the teacher's (capped) lead"
+    if floor:
+        u = logits(teacher).detach()
+        top2 = u.topk(2, dim=-1).values
+        assert int(((top2[:, 0] - top2[:, 1]) < floor).sum()) >= 3, "some teacher leads are under the floor"
+        assert float(hinge) > float(_lead_hinge_by_hand(logits(student), logits(teacher), 1.5) / m)
+    kw = {"softcap": softcap, "lead_weight": 0.7, "lead_cap": 1.5, "lead_floor": floor}
     by_hand = kl + 0.7 * hinge
-    ref = token_kl_reference(student, teacher, weight, softcap=softcap, lead_weight=0.7, lead_cap=1.5)
-    got = token_kl(student, teacher, weight, softcap=softcap, chunk_size=8, lead_weight=0.7, lead_cap=1.5)
+    ref = token_kl_reference(student, teacher, weight, **kw)
+    got = token_kl(student, teacher, weight, chunk_size=8, **kw)
     torch.testing.assert_close(ref, by_hand, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got, by_hand, rtol=1e-12, atol=1e-12)
     g_ref = torch.autograd.grad(by_hand, (student, weight))
-    g_got = torch.autograd.grad(
-        token_kl(student, teacher, weight, softcap=softcap, chunk_size=8, lead_weight=0.7, lead_cap=1.5),
-        (student, weight),
-    )
+    g_got = torch.autograd.grad(token_kl(student, teacher, weight, chunk_size=8, **kw), (student, weight))
     for a, b in zip(g_got, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    same = token_kl(teacher, teacher, weight.detach(), softcap=softcap, lead_weight=0.7, lead_cap=1.5)
-    assert float(same) == 0.0, "a model leading as its teacher does pays nothing"
+    same = token_kl(teacher, teacher, weight.detach(), **kw)
+    if not floor:
+        assert float(same) == 0.0, "a model leading as its teacher does pays nothing"
+    else:  # the teacher itself pays for its leads under the floor, and only for those
+        u = logits(teacher).detach()
+        top2 = u.topk(2, dim=-1).values
+        short = torch.relu(floor - (top2[:, 0] - top2[:, 1])).sum() / m
+        torch.testing.assert_close(same, 0.7 * short, rtol=1e-12, atol=1e-12)
 
 
 def test_chunked_kl_of_a_model_to_itself_is_zero_and_of_no_rows_is_a_connected_zero():

@@ -455,6 +455,10 @@ MAX_KL_BATCH_FACTOR = 8
 # hinge prices them (its measurement with bench/recipe_facts.py: bench/RESULTS.md, issue 31).
 LEAD_HINGE = 1.0
 LEAD_CAP = 1.0
+# The least lead the hinge protects (``lead_floor``, nats): 0 protects the base's own lead however small. With bf16
+# logits a base's greedy answer can rest on a tie broken by the token's index; a floor asks the model to lead there
+# by a margin. Off until measured (bench/recipe_facts.py --setting retention.LEAD_FLOOR=F).
+LEAD_FLOOR = 0.0
 
 
 def kl_batch(scored: int, training_rows: int, batch_size: int) -> int:
@@ -529,6 +533,7 @@ class ReplayKL:
             softcap=softcap,
             lead_weight=LEAD_HINGE,
             lead_cap=LEAD_CAP,
+            lead_floor=LEAD_FLOOR,
         )
         return self.coef * kl
 
