@@ -110,3 +110,20 @@ def test_step_graphs_replay_sft_steps_through_the_service_and_train_the_same(
     assert not any("step graphs: HF's training step runs" in m or "capture failed" in m for m in said), about
     for a, b in zip(graphed, eager, strict=True):
         assert abs(a - b) <= 2e-2 * abs(b), (graphed, eager)
+
+
+def test_the_chat_recipes_kl_term_runs_strops_kernels_under_the_jobs_bf16(client, sft_dataset, caplog):
+    """A chat SFT job's default retention adds the KL term, whose forward calls the decoder itself: it runs under
+    the job's bf16 autocast, as the model's own forward, so strop's kernels serve it (without autocast PEFT's fp32
+    LoRA term sends every layer to the reference path, which says so)."""
+    import logging
+
+    s = client.attach_lora(client.load_model("tiny-llama-4bit").session_id, FAST_LORA)
+    with caplog.at_level(logging.INFO, logger="strop"):
+        events = list(client.train(s.session_id, sft_dataset.dataset_id, sft_config(4, batch_size=4)))
+    client.close_session(s.session_id)
+    assert events[-1].state.state is JobState.SUCCEEDED, events[-1].state.message
+    said = [r.getMessage() for r in caplog.records]
+    assert any("retention KL term" in m for m in said), "the chat data's default recipe adds the KL term"
+    fallbacks = [m for m in said if "reference path" in m]
+    assert not fallbacks, fallbacks[:3]

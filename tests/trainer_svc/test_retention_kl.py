@@ -197,6 +197,41 @@ def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(mod
     assert len(kl.teacher) == 2, "the base's hidden states are computed once per batch and kept"
 
 
+def test_the_kl_term_runs_under_the_trainers_autocast_as_the_models_forward_does():
+    """accelerate puts only ``model.forward`` under autocast (HF's Trainer adds none); the KL term calls the decoder
+    itself, so without the trainer's autocast a bf16 job's KL forward ran in fp32 around strop's kernels (their
+    reference path). The term is computed inside ``accelerator.autocast()``; the step's loss is the rows' own."""
+    seen = []
+
+    class Accelerator:
+        def autocast(self):
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+
+        def unwrap_model(self, model):
+            return model
+
+    class Trainer:
+        accelerator = Accelerator()
+        loss_is_scaled_for_ga = False
+        current_gradient_accumulation_steps = 1
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return torch.tensor(1.5)
+
+    class KL:
+        def loss(self, model):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return torch.tensor(0.25, requires_grad=True)
+
+    trainer = Trainer()
+    retention.add_replay_kl(trainer, KL())
+    model = torch.nn.Linear(2, 2).train()
+    loss = trainer.compute_loss(model, {})
+    assert seen == [True], "the term's forward ran under the trainer's autocast"
+    assert not torch.is_autocast_enabled("cpu")
+    assert float(loss) == 1.5 and loss.requires_grad, "the rows' loss, the term's gradient added"
+
+
 def test_a_job_with_retention_kl_trains_on_the_term_and_reports_the_rows_loss(
     model_root, tmp_path, monkeypatch
 ):

@@ -547,7 +547,10 @@ def add_replay_kl(trainer, kl: ReplayKL) -> None:
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if not model.training:
                 return out
-            term = kl.loss(self.accelerator.unwrap_model(model))
+            # under the mixed precision the model's own forward runs in: accelerate wraps only ``model.forward``
+            # in autocast (HF's Trainer adds none), and this term calls the decoder directly
+            with self.accelerator.autocast():
+                term = kl.loss(self.accelerator.unwrap_model(model))
             scaled = getattr(self, "loss_is_scaled_for_ga", None)
             if scaled is None:
                 scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
