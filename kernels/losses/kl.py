@@ -140,5 +140,6 @@ def token_kl(
             lead_cap,
             lead_floor,
             use_reentrant=False,
+            preserve_rng_state=False,  # the chunk draws no random numbers: nothing to replay
         )
     return total / m

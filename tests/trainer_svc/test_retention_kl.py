@@ -195,6 +195,13 @@ def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(mod
         for a, b in zip(got_grads, want_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
     assert len(kl.teacher) == 2, "the base's hidden states are computed once per batch and kept"
+    # the scored positions are kept as flat indices into [rows · width]: each row's answer predictions, in order
+    for (ids, _, at), batch in zip(kl.batches, (ROWS[:3], ROWS[3:]), strict=True):
+        want = []
+        for j, row in enumerate(batch):
+            mask = job_config.assistant_masked(row["messages"], loaded.tokenizer)["completion_mask"][1:]
+            want += [j * ids.shape[1] + t for t, m in enumerate(mask) if m]
+        assert at.tolist() == want
 
 
 def test_the_kl_term_runs_under_the_trainers_autocast_as_the_models_forward_does():

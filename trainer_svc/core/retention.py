@@ -502,7 +502,10 @@ class ReplayKL:
                 attn[j, :n] = 1
                 # position t's hidden state scores token t + 1: an answer token's prediction
                 scored[j, : n - 1] = torch.tensor(g["completion_mask"][1:], dtype=torch.bool)
-            self.batches.append((ids.to(device), attn.to(device), scored.to(device)))
+            # the scored positions as flat indices into the [rows · width] hidden states, in the mask's row-major
+            # order: a gather by them is the boolean index's values without its device-to-host sync each step
+            at = scored.nonzero()
+            self.batches.append((ids.to(device), attn.to(device), (at[:, 0] * width + at[:, 1]).to(device)))
 
     def loss(self, peft_model):
         """coef × the mean KL per answer token of the next batch, differentiable in the adapter."""
@@ -512,13 +515,13 @@ class ReplayKL:
 
         k = self.turn % len(self.batches)
         self.turn += 1
-        ids, attn, scored = self.batches[k]
+        ids, attn, at = self.batches[k]
         hf = peft_model.get_base_model()
         decoder, head = hf.get_decoder(), hf.get_output_embeddings()
 
         def hidden():
             out = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-            return out[:, :-1][scored]
+            return out.reshape(-1, out.shape[-1]).index_select(0, at)
 
         if k not in self.teacher:
             with torch.no_grad(), peft_model.disable_adapter():

@@ -746,7 +746,7 @@ def _admit_by_device_memory(
         expert_lora=moe.expert_lora(loaded.model.config, loaded.lora),
         nf4_experts=moe.holds_nf4_experts(loaded.model),
         kl_tokens=max((ids.numel() for ids, _, _ in kl.batches), default=0) if kl is not None else 0,
-        kl_cached_tokens=sum(int(scored.sum()) for _, _, scored in kl.batches) if kl is not None else 0,
+        kl_cached_tokens=sum(at.numel() for _, _, at in kl.batches) if kl is not None else 0,
     )
     est = admission.estimate(loaded.model.config, cfg, **shape)
     # a single-process job whose AdamW does not fit with its moments on the device may keep them in host memory
