@@ -236,7 +236,11 @@ class GraphedSFTSteps:
             return "checkpointed layers save the RNG state, which a capture cannot read"
         if not self._strop_plain_path(False):
             return "TRL's loss branch is not the plain one"
-        if type(self).compute_loss is not StropSFTMixin.compute_loss:
+        owners = [c for c in type(self).__mro__ if "compute_loss" in c.__dict__]
+        # the plain branch itself, or a class right above it whose added term runs after the graph on its own
+        # (``_strop_added_loss``: the retention KL term, ``trainer_svc/core/retention.py``)
+        added = "_strop_added_loss" in owners[0].__dict__ and owners[1:2] == [StropSFTMixin]
+        if owners[0] is not StropSFTMixin and not added:
             return f"compute_loss is {type(self).compute_loss.__qualname__} (a term added to the loss)"
         if (
             self.accelerator.num_processes != 1
@@ -289,6 +293,13 @@ class GraphedSFTSteps:
         loss, num_valid, entropy_sum, num_correct, tokens = (
             t.clone() for t in out
         )  # the next replay reuses them
+        added = getattr(self, "_strop_added_loss", None)
+        if (
+            added is not None
+        ):  # a term the loss adds (not reported in it), its backward on its own after the graph's
+            with self.compute_loss_context_manager():
+                term = added(model)
+            term.backward()
         self._strop_metrics(num_valid, entropy_sum, num_correct, tokens)
         return loss
 

@@ -72,12 +72,16 @@ def test_memory_modes_train_the_same_thing_on_cuda(client, sft_dataset, memory_m
         assert abs(a - b) <= 2e-2 * abs(b), (_losses(events), _losses(standard))
 
 
+@pytest.mark.parametrize(
+    "retention", [Retention.NONE, Retention.UNSPECIFIED], ids=["rows-alone", "chat-recipe"]
+)
 def test_step_graphs_replay_sft_steps_through_the_service_and_train_the_same(
-    client, sft_dataset, monkeypatch, caplog
+    client, sft_dataset, monkeypatch, caplog, retention
 ):
     """MAX_SPEED with ``step_graphs`` set (no mode sets it yet): the service's SFT job replays its micro-steps as
     CUDA graphs once captured (no layer of the tiny model recomputes within the budget, so nothing reads the RNG
-    state) and trains what the same job does eagerly, to bf16 noise."""
+    state) and trains what the same job does eagerly, to bf16 noise; with the chat data's default recipe, its KL
+    term runs after each replay, eagerly."""
     import dataclasses
     import logging
 
@@ -85,14 +89,12 @@ def test_step_graphs_replay_sft_steps_through_the_service_and_train_the_same(
 
     def run():
         s = client.attach_lora(client.load_model("tiny-llama-4bit").session_id, FAST_LORA)
-        # the rows' loss alone: the chat data's default retention adds its KL term to the loss, which the graphed
-        # step does not carry (the trainer then runs HF's step, saying so)
         config = sft_config(
             12,
             batch_size=4,
             memory_mode=MemoryMode.MAX_SPEED,
             memory_budget_gib=20.0,
-            retention=Retention.NONE,
+            retention=retention,
         )
         events = list(client.train(s.session_id, sft_dataset.dataset_id, config))
         client.close_session(s.session_id)

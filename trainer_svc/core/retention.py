@@ -543,28 +543,38 @@ class ReplayKL:
 
 def add_replay_kl(trainer, kl: ReplayKL) -> None:
     """Make ``trainer`` (a TRL SFT trainer, any strop subclass) add ``kl``'s term to every training step's loss;
-    evaluation's loss stays the trainer's own."""
+    evaluation's loss stays the trainer's own. A step graph (``kernels/trainers/sft.py``'s ``GraphedSFTSteps``) runs
+    the rows' forward and backward as its graph and this term after it, eagerly (``_strop_added_loss``): the two
+    backward passes add into the same gradients, as the backward of their sum does."""
+
+    def term(self, model):
+        # under the mixed precision the model's own forward runs in: accelerate wraps only ``model.forward`` in
+        # autocast (HF's Trainer adds none), and this term calls the decoder directly
+        with self.accelerator.autocast():
+            return kl.loss(self.accelerator.unwrap_model(model))
 
     class ReplayKLTrainer(type(trainer)):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if not model.training:
                 return out
-            # under the mixed precision the model's own forward runs in: accelerate wraps only ``model.forward``
-            # in autocast (HF's Trainer adds none), and this term calls the decoder directly
-            with self.accelerator.autocast():
-                term = kl.loss(self.accelerator.unwrap_model(model))
+            t = term(self, model)
             scaled = getattr(self, "loss_is_scaled_for_ga", None)
             if scaled is None:
                 scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
                     self.compute_loss_func is not None
                 )
             if scaled:  # the trainer divides an unscaled loss by the accumulation steps itself
-                term = term / self.current_gradient_accumulation_steps
+                t = t / self.current_gradient_accumulation_steps
             # the term trains (its gradient is added) but the loss the step reports stays the rows' own, the
             # quantity evaluation's loss measures on held-out rows: the KL and its lead hinge are 0 at the first step
             # and grow as the adapter moves (the hinge at first order), which a reported sum would show as a rise
-            term = term - term.detach()
-            return (out[0] + term, *out[1:]) if return_outputs else out + term
+            t = t - t.detach()
+            return (out[0] + t, *out[1:]) if return_outputs else out + t
+
+        def _strop_added_loss(self, model):
+            """The term as one micro-step's share of the step (divided by the accumulation steps, as HF's step
+            divides the sum or ``compute_loss`` divides the term), for a step graph to backpropagate on its own."""
+            return term(self, model) / self.current_gradient_accumulation_steps
 
     trainer.__class__ = ReplayKLTrainer

@@ -26,7 +26,20 @@ trl = locked("trl")
 NO_RNG = {"use_reentrant": False, "preserve_rng_state": False}
 
 
-def _train(tmp_path, name: str, graphs: bool, *, force: bool = False, monkeypatch=None, **kw):
+KL_ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": f"what is {i} and {i + 1}?"},
+            {"role": "assistant", "content": "it is " + "more " * i + "than that."},
+        ]
+    }
+    for i in range(5)
+]
+
+
+def _train(
+    tmp_path, name: str, graphs: bool, *, force: bool = False, monkeypatch=None, kl: float = 0.0, **kw
+):
     from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
     from strop.kernels.trainers import strop_sft_trainer_class
     from strop.kernels.trainers.sft import GraphedSFTSteps
@@ -45,6 +58,10 @@ def _train(tmp_path, name: str, graphs: bool, *, force: bool = False, monkeypatc
         **kw,
     )
     trainer._strop_step_graphs = graphs
+    if kl:  # the chat recipe's retention KL term (the base: the model with its adapter disabled)
+        from strop.trainer_svc.core import retention
+
+        retention.add_replay_kl(trainer, retention.ReplayKL(KL_ROWS, tok, kl, 2, "cpu"))
     if force:  # past the CUDA check: the step graph's own eager steps (off CUDA) run the graphed function
         real = GraphedSFTSteps._strop_graph_reason
 
@@ -78,6 +95,35 @@ def test_the_graphed_step_trains_as_the_eager_step(tmp_path, monkeypatch, accumu
         assert [h[key] for h in logs] == [h[key] for h in ref_logs], key
     for n, w in ref_adapter.items():
         assert_close_fp32(adapter[n], w, f"final {n}")
+
+
+@cpu_tier
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["one-micro-step", "two-accumulated"])
+def test_the_graphed_step_with_the_retention_kl_term_trains_as_hfs_step_with_it(
+    tmp_path, monkeypatch, accumulate
+):
+    """The KL term the chat recipe adds runs after the graph, its backward on its own: the gradients add up to the
+    backward of the sum that HF's step takes (fp32, summation order apart), and the reported loss is the rows' own in
+    both. Its weight is large enough that the adapter differs measurably from a run without it."""
+    kw = {"gradient_accumulation_steps": accumulate}
+    _, plain_logs, plain_adapter = _train(tmp_path, "plain", False, **kw)
+    _, ref_logs, ref_adapter = _train(tmp_path, "eager", False, kl=5.0, **kw)
+    trainer, logs, adapter = _train(
+        tmp_path, "graphed", True, force=True, monkeypatch=monkeypatch, kl=5.0, **kw
+    )
+    graph = trainer._strop_graph
+    assert graph is not None and graph.stats.eager == {1: 3, 2: 5}[accumulate], (
+        "every micro-step through the graph"
+    )
+    assert_close_fp32(
+        torch.tensor([h["loss"] for h in logs]), torch.tensor([h["loss"] for h in ref_logs]), "loss"
+    )
+    for n, w in ref_adapter.items():
+        assert_close_fp32(adapter[n], w, f"final {n}")
+    moved = max(float((ref_adapter[n] - plain_adapter[n]).abs().max()) for n in ref_adapter)
+    assert moved > 1e-3, "the term trains"
+    first = torch.tensor([logs[0]["loss"], plain_logs[0]["loss"]])
+    assert_close_fp32(first[0], first[1], "the first step reports the rows' loss alone, on the same weights")
 
 
 @cpu_tier
