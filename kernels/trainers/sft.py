@@ -208,8 +208,10 @@ class GraphedSFTSteps:
     backward; the metrics (entropy, token accuracy, tokens) come out of the graph as device tensors and go to TRL's
     lists as the eager path's do. Two differences, both at rounding level: the fused head scores every position
     (its ignored rows give 0 and no gradient), since selecting the scored ones would make the host wait, and the
-    replays' GEMMs may round as another algorithm does. Anything else runs HF's ``training_step``, the reason logged
-    once: another loss path (TRL's branch, an overridden ``compute_loss`` such as the retention KL term's), several
+    replays' GEMMs may round as another algorithm does. A term a subclass adds to the loss and computes on its own
+    (``_strop_added_loss``: the retention KL term) runs after the replay, eagerly, its backward adding into the same
+    gradients. Anything else runs HF's ``training_step``, the reason logged once: another loss path (TRL's branch, an
+    overridden ``compute_loss`` without such a term), several
     processes, DeepSpeed, LOMO, fp16 loss scaling, TRL's activation offloading, checkpointing that saves the RNG
     state, no ``num_items_in_batch``, batches with other keys than ``input_ids``, ``attention_mask`` and ``labels``
     (packed, padding-free), a model off CUDA. Under capture transformers builds an explicit attention mask where an
