@@ -45,6 +45,7 @@ def token_kl_reference(
     lead_weight: float = 0.0,
     lead_cap: float = 1.0,
     lead_floor: float = 0.0,
+    lead_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mean over rows of KL(softmax(teacher logits) ‖ softmax(student logits)) from the full ``[M, V]`` logits
     (torch's ``kl_div`` with log-space targets), plus ``lead_weight`` × the mean lead hinge (:func:`token_kl`)."""
@@ -54,14 +55,23 @@ def token_kl_reference(
     kl = F.kl_div(zl.log_softmax(-1), ul.log_softmax(-1), log_target=True, reduction="sum") / m
     if not lead_weight:
         return kl
-    top2 = ul.topk(2, dim=-1)
-    best = top2.indices[:, 0]
-    rows = torch.arange(zl.shape[0], device=zl.device)
-    others = zl.clone()
-    others[rows, best] = float("-inf")
-    student_lead = zl[rows, best] - others.amax(-1)
-    teacher_lead = (top2.values[:, 0] - top2.values[:, 1]).clamp(min=lead_floor, max=lead_cap)
-    return kl + lead_weight * torch.relu(teacher_lead - student_lead).sum() / m
+    return kl + lead_weight * _lead_hinge(ul, zl, lead_cap, lead_floor, lead_tokens) / m
+
+
+def _lead_hinge(
+    u: torch.Tensor, z: torch.Tensor, cap: float, floor: float, tokens: torch.Tensor | None
+) -> torch.Tensor:
+    """Σ_rows relu(clamp(teacher lead, floor, cap) − student lead) on each row's protected token: the teacher's top
+    token (``tokens`` None) or the given one. A lead is the token's logit minus the best other token's."""
+    if tokens is None:
+        top2 = u.topk(2, dim=-1)
+        best = top2.indices[:, :1]
+        teacher_lead = top2.values[:, 0] - top2.values[:, 1]
+    else:
+        best = tokens[:, None]
+        teacher_lead = u.gather(1, best)[:, 0] - u.scatter(1, best, float("-inf")).amax(-1)
+    student_lead = z.gather(1, best)[:, 0] - z.scatter(1, best, float("-inf")).amax(-1)
+    return torch.relu(teacher_lead.clamp(min=floor, max=cap) - student_lead).sum()
 
 
 def _chunk_kl_sum(
@@ -73,17 +83,14 @@ def _chunk_kl_sum(
     lead_weight: float = 0.0,
     lead_cap: float = 1.0,
     lead_floor: float = 0.0,
+    lead_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     u = _logits(teacher, weight, bias, softcap)
     z = _logits(student, weight, bias, softcap)
     log_p, log_q = u.log_softmax(-1), z.log_softmax(-1)
     total = (log_p.exp() * (log_p - log_q)).sum()
     if lead_weight:  # the lead hinge on the chunk's logits (token_kl's docstring)
-        top2 = u.topk(2, dim=-1)
-        best = top2.indices[:, :1]
-        student_lead = z.gather(1, best)[:, 0] - z.scatter(1, best, float("-inf")).amax(-1)
-        teacher_lead = (top2.values[:, 0] - top2.values[:, 1]).clamp(min=lead_floor, max=lead_cap)
-        total = total + lead_weight * torch.relu(teacher_lead - student_lead).sum()
+        total = total + lead_weight * _lead_hinge(u, z, lead_cap, lead_floor, lead_tokens)
     return total
 
 
@@ -98,6 +105,7 @@ def token_kl(
     lead_weight: float = 0.0,
     lead_cap: float = 1.0,
     lead_floor: float = 0.0,
+    lead_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`token_kl_reference` computed ``chunk_size`` rows at a time (the fused linear CE's chunk by default).
 
@@ -117,6 +125,9 @@ def token_kl(
         weight: [V, H] the LM head; bias: [V] or None; softcap: Gemma's final_logit_softcapping, or None.
         lead_weight, lead_cap: the lead hinge's weight (0: none) and the teacher lead it protects at most (nats).
         lead_floor: the least lead it protects (nats; 0: the teacher's own lead, however small).
+        lead_tokens: [M] the token each row's hinge protects (default: the teacher's top token). The token the
+            teacher's own decoding chose where one did: under a tie (bf16 logits) the top token is not decided by
+            the logits, and a floor must protect the chosen one.
 
     Returns:
         The mean KL per row (plus the weighted mean hinge), fp32, a scalar (0 for no rows, still connected to
@@ -139,6 +150,7 @@ def token_kl(
             lead_weight,
             lead_cap,
             lead_floor,
+            None if lead_tokens is None else lead_tokens[i : i + c],
             use_reentrant=False,
             preserve_rng_state=False,  # the chunk draws no random numbers: nothing to replay
         )

@@ -67,12 +67,12 @@ def test_chunked_kl_equals_torchs_kl_div_on_full_logits_value_and_gradient(softc
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def _lead_hinge_by_hand(student_logits, teacher_logits, cap, floor=0.0):
-    """sum over rows of relu(min(max(teacher lead, floor), cap) − student lead) on the teacher's top token, written
-    out."""
+def _lead_hinge_by_hand(student_logits, teacher_logits, cap, floor=0.0, tokens=None):
+    """sum over rows of relu(min(max(teacher lead, floor), cap) − student lead) on the teacher's top token (or the
+    row's given token), written out."""
     total = student_logits.new_zeros(())
-    for z, u in zip(student_logits, teacher_logits, strict=True):
-        a = int(u.argmax())
+    for i, (z, u) in enumerate(zip(student_logits, teacher_logits, strict=True)):
+        a = int(u.argmax()) if tokens is None else int(tokens[i])
         u_rest = torch.cat([u[:a], u[a + 1 :]])
         z_rest = torch.cat([z[:a], z[a + 1 :]])
         total = total + torch.relu(
@@ -81,13 +81,16 @@ def _lead_hinge_by_hand(student_logits, teacher_logits, cap, floor=0.0):
     return total
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["top-token", "given-tokens"])
 @pytest.mark.parametrize("floor", [0.0, 0.6])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap, floor):
+def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap, floor, given):
     """With ``lead_weight``: the chunked term and the full-logits reference add lead_weight × the mean over rows of
     relu(min(max(teacher lead, floor), cap) − student lead) on the teacher's top token (the student 0.8 sigma away:
     many rows lead less than the teacher), the definition written out row by row; float64, summation order apart.
-    With a floor, rows where the teacher leads by less than it are held to the floor."""
+    With a floor, rows where the teacher leads by less than it are held to the floor; with given tokens (the base's
+    chosen answer tokens: here the teacher's top token in half the rows, its second in the rest), the hinge protects
+    those, whose teacher lead may be negative."""
     g = torch.Generator().manual_seed(2)
     m, h, v = 29, 16, 40
     student = torch.randn(m, h, generator=g, dtype=torch.float64).requires_grad_()
@@ -100,14 +103,20 @@ def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap, floor):
 
     log_p, log_q = logits(teacher).log_softmax(-1), logits(student).log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    hinge = _lead_hinge_by_hand(logits(student), logits(teacher), 1.5, floor) / m
+    tokens = None
+    if given:
+        ranked = logits(teacher).detach().topk(2, dim=-1).indices
+        tokens = torch.where(torch.arange(m) % 2 == 0, ranked[:, 0], ranked[:, 1])
+    hinge = _lead_hinge_by_hand(logits(student), logits(teacher), 1.5, floor, tokens) / m
     assert float(hinge) > 0.01, "some rows lead less than the teacher's (capped) lead"
     if floor:
         u = logits(teacher).detach()
         top2 = u.topk(2, dim=-1).values
         assert int(((top2[:, 0] - top2[:, 1]) < floor).sum()) >= 3, "some teacher leads are under the floor"
-        assert float(hinge) > float(_lead_hinge_by_hand(logits(student), logits(teacher), 1.5) / m)
-    kw = {"softcap": softcap, "lead_weight": 0.7, "lead_cap": 1.5, "lead_floor": floor}
+        assert float(hinge) > float(
+            _lead_hinge_by_hand(logits(student), logits(teacher), 1.5, 0.0, tokens) / m
+        )
+    kw = {"softcap": softcap, "lead_weight": 0.7, "lead_cap": 1.5, "lead_floor": floor, "lead_tokens": tokens}
     by_hand = kl + 0.7 * hinge
     ref = token_kl_reference(student, teacher, weight, **kw)
     got = token_kl(student, teacher, weight, chunk_size=8, **kw)
@@ -118,7 +127,15 @@ def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap, floor):
     for a, b in zip(g_got, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     same = token_kl(teacher, teacher, weight.detach(), **kw)
-    if not floor:
+    if (
+        given
+    ):  # the teacher's own leads of the given tokens: it pays for those under the floor (the negative ones)
+        u = logits(teacher).detach()
+        lead = u.gather(1, tokens[:, None])[:, 0] - u.scatter(1, tokens[:, None], float("-inf")).amax(-1)
+        assert int((lead < 0).sum()) >= m // 2, "the second tokens trail"
+        short = torch.relu(lead.clamp(min=floor, max=1.5) - lead).sum() / m
+        torch.testing.assert_close(same, 0.7 * short, rtol=1e-12, atol=1e-12)
+    elif not floor:
         assert float(same) == 0.0, "a model leading as its teacher does pays nothing"
     else:  # the teacher itself pays for its leads under the floor, and only for those
         u = logits(teacher).detach()
@@ -156,9 +173,12 @@ def _loaded(model_root):
     return loaded
 
 
-def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(model_root):
+@pytest.mark.parametrize("floor", [0.0, 0.3], ids=["default", "floor"])
+def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(model_root, monkeypatch, floor):
     """KL(base ‖ model) on the answer tokens plus the lead hinge at its default weight (``retention.LEAD_HINGE``), against
-    two plain forwards of the PEFT model row by row."""
+    two plain forwards of the PEFT model row by row; with a floor (``retention.LEAD_FLOOR``) the hinge protects each
+    answer's own next token."""
+    monkeypatch.setattr(retention, "LEAD_FLOOR", floor)
     loaded = _loaded(model_root)
     peft = loaded.model
     g = torch.Generator().manual_seed(1)
@@ -183,7 +203,10 @@ def test_replay_kl_is_the_adapted_models_kl_to_the_base_on_the_answer_tokens(mod
                 F.kl_div(mine.log_softmax(-1), base.log_softmax(-1), log_target=True, reduction="sum")
             )
             # and the lead hinge at its default weight
-            terms.append(retention.LEAD_HINGE * _lead_hinge_by_hand(mine, base, retention.LEAD_CAP))
+            answer = ids[0, 1:][scored] if floor else None  # the tokens the base's answer chose
+            terms.append(
+                retention.LEAD_HINGE * _lead_hinge_by_hand(mine, base, retention.LEAD_CAP, floor, answer)
+            )
             n += int(scored.sum())
         want = 2.0 * sum(terms) / n
         want_grads = torch.autograd.grad(want, trainable)

@@ -457,7 +457,8 @@ LEAD_HINGE = 1.0
 LEAD_CAP = 1.0
 # The least lead the hinge protects (``lead_floor``, nats): 0 protects the base's own lead however small. With bf16
 # logits a base's greedy answer can rest on a tie broken by the token's index; a floor asks the model to lead there
-# by a margin. Off until measured (bench/recipe_facts.py --setting retention.LEAD_FLOOR=F).
+# by a margin, on the answer's own token (which a tie leaves the top-k's choice). Off until measured
+# (bench/recipe_facts.py --setting retention.LEAD_FLOOR=F).
 LEAD_FLOOR = 0.0
 
 
@@ -537,6 +538,8 @@ class ReplayKL:
             lead_weight=LEAD_HINGE,
             lead_cap=LEAD_CAP,
             lead_floor=LEAD_FLOOR,
+            # with a floor, the token the base's greedy answer chose (under a bf16 tie its top token is undecided)
+            lead_tokens=ids.reshape(-1).index_select(0, at + 1) if LEAD_FLOOR else None,
         )
         return self.coef * kl
 
