@@ -100,6 +100,8 @@ def memory_system(system: str):
         system,
     )
     if m is None:
+        if re.match(r"strop-(standard|long-context|max-speed)\b", system):
+            raise ValueError(f"{system}: the variants go -sN, -aB, -tB, -qB, -oB, -gB, in that order")
         return None
     attention, tiled, qkv, offload, graphs = (
         None if m.group(i) is None else m.group(i) == "1" for i in range(3, 8)

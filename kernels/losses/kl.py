@@ -133,6 +133,8 @@ def token_kl(
         The mean KL per row (plus the weighted mean hinge), fp32, a scalar (0 for no rows, still connected to
         ``student``).
     """
+    if lead_weight and lead_floor > lead_cap:
+        raise ValueError(f"lead_floor {lead_floor} is above lead_cap {lead_cap}")
     m = student.shape[0]
     if m == 0:
         return student.sum() * 0.0

@@ -241,8 +241,12 @@ class GraphedSFTSteps:
         owners = [c for c in type(self).__mro__ if "compute_loss" in c.__dict__]
         # the plain branch itself, or a class right above it whose added term runs after the graph on its own
         # (``_strop_added_loss``: the retention KL term, ``trainer_svc/core/retention.py``)
-        added = "_strop_added_loss" in owners[0].__dict__ and owners[1:2] == [StropSFTMixin]
-        if owners[0] is not StropSFTMixin and not added:
+        term = getattr(type(self), "_strop_added_loss", None)
+        if owners[0] is StropSFTMixin:
+            added = term is None
+        else:  # the term the graphed step runs is the one that class's compute_loss adds
+            added = owners[1:2] == [StropSFTMixin] and term is owners[0].__dict__.get("_strop_added_loss")
+        if not added:
             return f"compute_loss is {type(self).compute_loss.__qualname__} (a term added to the loss)"
         if (
             self.accelerator.num_processes != 1
@@ -302,6 +306,7 @@ class GraphedSFTSteps:
             with self.compute_loss_context_manager():
                 term = added(model)
             term.backward()
+            loss = loss + (term.detach() - term.detach())  # 0, or NaN as HF's step reports a NaN term
         self._strop_metrics(num_valid, entropy_sum, num_correct, tokens)
         return loss
 

@@ -32,6 +32,9 @@ def test_g1_names_step_graphs_and_leaves_the_rest_of_the_name_as_it_was():
     )
     assert memory_system("strop-standard-o0-g1") == (MemoryMode.STANDARD, 0, None, None, None, True, False)
     assert memory_system("strop-standard")[5] is None, "unset: the table's row (no mode sets it)"
+    assert memory_system("baseline") is None and memory_system("strop") is None
+    with pytest.raises(ValueError, match="in that order"):
+        memory_system("strop-standard-g1-o0")  # a misordered variant is no silent kernels-only run
 
 
 def test_the_library_step_through_a_step_graph_trains_as_the_plain_step_off_cuda():

@@ -144,6 +144,12 @@ def test_the_lead_hinge_is_added_as_defined_value_and_gradient(softcap, floor, g
         torch.testing.assert_close(same, 0.7 * short, rtol=1e-12, atol=1e-12)
 
 
+def test_a_lead_floor_above_the_cap_is_refused():
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match="above lead_cap"):
+        token_kl(x, x, w, lead_weight=1.0, lead_cap=0.5, lead_floor=0.6)
+
+
 def test_chunked_kl_of_a_model_to_itself_is_zero_and_of_no_rows_is_a_connected_zero():
     x = torch.randn(5, 8, dtype=torch.float64)
     w = torch.randn(11, 8, dtype=torch.float64)

@@ -127,6 +127,36 @@ def test_the_graphed_step_with_the_retention_kl_term_trains_as_hfs_step_with_it(
 
 
 @cpu_tier
+def test_only_the_term_its_compute_loss_adds_runs_after_the_graph(tmp_path):
+    """The graphed step runs an added term only where the class whose ``compute_loss`` adds it defines it: a
+    subclass that swaps the term alone, or a term beside the plain ``compute_loss``, keeps HF's step."""
+    from strop.fixtures.tokenizers_tiny import make_bpe_tokenizer
+    from strop.kernels.trainers import strop_sft_trainer_class
+    from strop.trainer_svc.core import retention
+
+    tok = make_bpe_tokenizer()
+    inputs = {"input_ids": None, "attention_mask": None, "labels": None}
+
+    def reason(trainer):
+        return trainer._strop_graph_reason(trainer.model, inputs, 1)
+
+    def trainer(name):
+        return _tiny_sft_trainer(
+            strop_sft_trainer_class(), tok, _sft_rows(len(tok)), tmp_path / name, batch_size=2,
+            gradient_checkpointing_kwargs=NO_RNG,
+        )  # fmt: skip
+
+    t = trainer("kl")
+    retention.add_replay_kl(t, retention.ReplayKL(KL_ROWS, tok, 1.0, 2, "cpu"))
+    assert reason(t) == "the model is not on CUDA", "the KL term: past the loss check"
+    t.__class__ = type("SwappedTerm", (type(t),), {"_strop_added_loss": lambda self, model: 0})
+    assert "a term added to the loss" in reason(t)
+    t = trainer("beside")
+    t.__class__ = type("TermBeside", (type(t),), {"_strop_added_loss": lambda self, model: 0})
+    assert "a term added to the loss" in reason(t)
+
+
+@cpu_tier
 @pytest.mark.parametrize(
     ("checkpointing", "why"),
     [
