@@ -20,6 +20,7 @@ rank 0 reached the last step, since its peers' share of the steps is not account
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
     from strop.trainer_svc.core.model_loading import LoadedModel
     from strop.trainer_svc.core.sessions import Session
     from strop.trainer_svc.core.training import JobControl
+
+log = logging.getLogger("strop.trainer")
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 120.0  # a stop waits for the step in flight; past this the ranks are killed
@@ -292,7 +295,10 @@ def run_distributed(
             # rank 0 never started (torchrun failed), or ended well without an adapter: not a resumable stop
             tail = log_path.read_text()[-2000:]
             raise RuntimeError(f"the distributed ranks exited with status {proc.returncode}: {tail}")
-        lost = lost_rank_summary(log_path.read_text()[-20_000:])
+        launcher_log = log_path.read_text()[-20_000:]
+        lost = lost_rank_summary(launcher_log)
+        # the job's work directory (this log with it) is removed when the job ends: the operator's copy of why
+        log.warning("job %s: %s; the launcher's last lines:\n%s", job_id, lost, _tail(launcher_log, 40))
         if checkpoint is not None:
             load_adapter_into_session(sess.loaded, artifacts.path_of(key_for(checkpoint.artifact)))
             resume = f"resume from the checkpoint at step {checkpoint.step}"
@@ -301,6 +307,10 @@ def run_distributed(
         raise RanksLost(f"{lost} at step {step}; {resume}", step, checkpoint)
     load_adapter_into_session(sess.loaded, artifacts.path_of(key_for(adapter)))
     return step, adapter
+
+
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def load_adapter_into_session(loaded: LoadedModel, adapter_dir: Path) -> None:
