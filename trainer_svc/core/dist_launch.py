@@ -20,7 +20,6 @@ rank 0 reached the last step, since its peers' share of the steps is not account
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -52,8 +51,6 @@ if TYPE_CHECKING:
     from strop.trainer_svc.core.sessions import Session
     from strop.trainer_svc.core.training import JobControl
 
-log = logging.getLogger("strop.trainer")
-
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 120.0  # a stop waits for the step in flight; past this the ranks are killed
 
@@ -79,9 +76,12 @@ class RankFailed(Exception):
 class RanksLost(Exception):
     """A rank died without a failure of its own (killed); the job is INTERRUPTED at its last checkpoint."""
 
-    def __init__(self, message: str, step: int, checkpoint: Checkpoint | None) -> None:
+    def __init__(
+        self, message: str, step: int, checkpoint: Checkpoint | None, launcher_tail: str = ""
+    ) -> None:
         super().__init__(message)
-        self.step, self.checkpoint = step, checkpoint
+        # the launcher log's last lines: the job's work directory, the log with it, is removed when the job ends
+        self.step, self.checkpoint, self.launcher_tail = step, checkpoint, launcher_tail
 
 
 FAILURES_DIR = "failures"
@@ -297,20 +297,15 @@ def run_distributed(
             raise RuntimeError(f"the distributed ranks exited with status {proc.returncode}: {tail}")
         launcher_log = log_path.read_text()[-20_000:]
         lost = lost_rank_summary(launcher_log)
-        # the job's work directory (this log with it) is removed when the job ends: the operator's copy of why
-        log.warning("job %s: %s; the launcher's last lines:\n%s", job_id, lost, _tail(launcher_log, 40))
         if checkpoint is not None:
             load_adapter_into_session(sess.loaded, artifacts.path_of(key_for(checkpoint.artifact)))
             resume = f"resume from the checkpoint at step {checkpoint.step}"
         else:
             resume = "no checkpoint to resume from"
-        raise RanksLost(f"{lost} at step {step}; {resume}", step, checkpoint)
+        tail = "\n".join(launcher_log.splitlines()[-40:])
+        raise RanksLost(f"{lost} at step {step}; {resume}", step, checkpoint, tail)
     load_adapter_into_session(sess.loaded, artifacts.path_of(key_for(adapter)))
     return step, adapter
-
-
-def _tail(text: str, lines: int) -> str:
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def load_adapter_into_session(loaded: LoadedModel, adapter_dir: Path) -> None:

@@ -408,7 +408,7 @@ class Jobs:
             else:
                 outcome = JobState.INTERRUPTED, f"service shutting down; stopped at step {step}", ""
         except dist_launch.RanksLost as exc:  # a rank was killed: resumable from the last checkpoint
-            log.warning("job %s: %s", job_id, exc)
+            log.warning("job %s: %s; the launcher's last lines:\n%s", job_id, exc, exc.launcher_tail)
             lost = (
                 JobState.CANCELLED
                 if control.stop and control.stop.reason == "cancel"
