@@ -48,6 +48,7 @@ __all__ = [
     "StropSFTMixin",
     "add_fused_logprob_head",
     "checkpoint_without_rng_state",
+    "loss_scaled_for_accumulation",
     "remove_fused_logprob_head",
     "strop_sft_trainer_class",
 ]
@@ -168,6 +169,19 @@ def _every_position():
         _EVERY_POSITION.on = False
 
 
+def loss_scaled_for_accumulation(trainer, num_items_in_batch) -> bool:
+    """HF's rule for whether a micro-step's loss is already divided for gradient accumulation (normalized by
+    ``num_items_in_batch``, by the model or a ``compute_loss_func``); where it is not, HF's ``training_step`` divides
+    it by the accumulation steps. transformers 5.24 keeps the answer as ``loss_is_scaled_for_ga``; 5.17 has no
+    attribute."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+            trainer.compute_loss_func is not None
+        )
+    return bool(scaled)
+
+
 def _checkpointing_names(args) -> tuple[str, str]:
     """The training arguments' checkpointing switch and kwargs, by the names HF's ``train()`` reads (transformers 5.24
     names them ``activation_checkpointing``; 5.17 ``gradient_checkpointing``)."""
@@ -286,9 +300,7 @@ class GraphedSFTSteps:
 
             params = [p for p in model.parameters() if p.requires_grad]
             self._strop_graph = StepGraph(self._strop_graph_fn(model), params)
-        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # (transformers 5.24; absent in 5.17)
-        if scaled is None:  # HF's rule (num_items_in_batch is set here)
-            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        scaled = loss_scaled_for_accumulation(self, num_items_in_batch)
         ids = inputs["input_ids"]
         num = torch.as_tensor(num_items_in_batch).to(ids.device, non_blocking=True)
         divisor = torch.tensor(1.0 if scaled else float(self.current_gradient_accumulation_steps)).to(
@@ -300,9 +312,8 @@ class GraphedSFTSteps:
             t.clone() for t in out
         )  # the next replay reuses them
         added = getattr(self, "_strop_added_loss", None)
-        if (
-            added is not None
-        ):  # a term the loss adds (not reported in it), its backward on its own after the graph's
+        # a term the loss adds (not reported in it): its backward on its own, after the graph's
+        if added is not None:
             with self.compute_loss_context_manager():
                 term = added(model)
             term.backward()

@@ -550,6 +550,8 @@ def add_replay_kl(trainer, kl: ReplayKL) -> None:
     the rows' forward and backward as its graph and this term after it, eagerly (``_strop_added_loss``): the two
     backward passes add into the same gradients, as the backward of their sum does."""
 
+    from strop.kernels.trainers.sft import loss_scaled_for_accumulation
+
     def term(self, model):
         # under the mixed precision the model's own forward runs in: accelerate wraps only ``model.forward`` in
         # autocast (HF's Trainer adds none), and this term calls the decoder directly
@@ -562,12 +564,8 @@ def add_replay_kl(trainer, kl: ReplayKL) -> None:
             if not model.training:
                 return out
             t = term(self, model)
-            scaled = getattr(self, "loss_is_scaled_for_ga", None)
-            if scaled is None:
-                scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
-                    self.compute_loss_func is not None
-                )
-            if scaled:  # the trainer divides an unscaled loss by the accumulation steps itself
+            # the trainer divides an unscaled loss by the accumulation steps itself
+            if loss_scaled_for_accumulation(self, num_items_in_batch):
                 t = t / self.current_gradient_accumulation_steps
             # the term trains (its gradient is added) but the loss the step reports stays the rows' own, the
             # quantity evaluation's loss measures on held-out rows: the KL and its lead hinge are 0 at the first step
