@@ -63,15 +63,18 @@ def _lead_hinge(
 ) -> torch.Tensor:
     """Σ_rows relu(clamp(teacher lead, floor, cap) − student lead) on each row's protected token: the teacher's top
     token (``tokens`` None) or the given one. A lead is the token's logit minus the best other token's."""
+
+    def lead(x: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, best)[:, 0] - x.scatter(1, best, float("-inf")).amax(-1)
+
     if tokens is None:
         top2 = u.topk(2, dim=-1)
         best = top2.indices[:, :1]
-        teacher_lead = top2.values[:, 0] - top2.values[:, 1]
+        teacher_lead = top2.values[:, 0] - top2.values[:, 1]  # its lead, without a second pass over the row
     else:
         best = tokens[:, None]
-        teacher_lead = u.gather(1, best)[:, 0] - u.scatter(1, best, float("-inf")).amax(-1)
-    student_lead = z.gather(1, best)[:, 0] - z.scatter(1, best, float("-inf")).amax(-1)
-    return torch.relu(teacher_lead.clamp(min=floor, max=cap) - student_lead).sum()
+        teacher_lead = lead(u, best)
+    return torch.relu(teacher_lead.clamp(min=floor, max=cap) - lead(z, best)).sum()
 
 
 def _chunk_kl_sum(
