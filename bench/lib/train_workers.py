@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import Any, NamedTuple
 
 from .harness import (
     MODEL_ROOT,
@@ -77,19 +78,32 @@ def trl_args(config_cls, a, w: Workload, **kw):
     )
 
 
-def memory_system(system: str):
-    """``strop-<mode>[-sN][-aB][-tB][-qB][-oB][-gB]`` → (MemoryMode, N, attention, tiled, qkv, graphs, offload): the trainer's memory modes by the names the service uses.
+class MemorySystem(NamedTuple):
+    """A ``strop-<mode>…`` system's memory mode and its variants (None: the mode's row as it is)."""
+
+    mode: Any  # MemoryMode
+    save_layers: int
+    attention: bool | None
+    tiled: bool | None
+    qkv: bool | None
+    graphs: bool | None
+    offload: bool | None
+
+
+def memory_system(system: str) -> MemorySystem | None:
+    """``strop-<mode>[-sN][-aB][-tB][-qB][-oB][-gB]`` → :class:`MemorySystem`: the trainer's memory modes by the names the service uses.
 
     ``strop-standard`` (checkpointed layer inputs in pinned host memory, what the trainer's default mode does
     on CUDA), ``strop-long-context`` (+ the tiled MLP), ``strop-max-speed`` (budgeted recompute under
     ``FAST_BUDGET_GIB``); ``-sN``: N evenly spaced layers skip the recompute, their activations in host memory;
-    ``-a1``/``-a0``: offloaded layers keep (or do not keep) their attention output for the recompute, whatever
-    the mode's default (``MemoryFeatures.save_attention``); the third item is None without it. ``-t1``/``-t0``:
-    the MLPs run tiled (or not), whatever the mode's default (``MemoryFeatures.tiled_mlp``); the fourth item. ``-q1``/``-q0``:
-    the saved attention calls keep (or do not keep) their q, k, v too (``MemoryFeatures.save_qkv``); the fifth item. ``-g1``/``-g0``:
-    each step replays as a CUDA graph once captured (``MemoryFeatures.step_graphs``); the sixth. ``-o1``/``-o0``: checkpointed
-    layer inputs offloaded to host memory (or kept on the GPU: plain recompute), whatever the mode's default
-    (``MemoryFeatures.offload_layer_inputs``); the seventh, though written before ``-g``. None for ``baseline`` and ``strop`` (kernels only, plain checkpointing). Before 2026-12-01 (bench/RESULTS.md)
+    ``-a1``/``-a0``: offloaded layers keep (or do not keep) their attention output for the recompute
+    (``MemoryFeatures.save_attention``); ``-t1``/``-t0``: the MLPs run tiled or not (``tiled_mlp``); ``-q1``/``-q0``:
+    the saved attention calls keep their q, k, v too or not (``save_qkv``); ``-o1``/``-o0``: checkpointed layer
+    inputs offloaded to host memory or kept on the GPU, a plain recompute (``offload_layer_inputs``); ``-g1``/``-g0``:
+    each step replays as a CUDA graph once captured or not (``step_graphs``). Each variant replaces the mode's
+    value; one left out is None (the mode's row). None for ``baseline`` and ``strop`` (kernels only, plain
+    checkpointing); a ``strop-<mode>`` name with its variants out of order is refused. Before 2026-12-01
+    (bench/RESULTS.md)
     these were called strop-offload[-sN], strop-mem and strop-fast.
     """
     from strop.common.trainer_types import MemoryMode
@@ -106,15 +120,8 @@ def memory_system(system: str):
     attention, tiled, qkv, offload, graphs = (
         None if m.group(i) is None else m.group(i) == "1" for i in range(3, 8)
     )
-    return (
-        MemoryMode(m.group(1).replace("-", "_").upper()),
-        int(m.group(2) or 0),
-        attention,
-        tiled,
-        qkv,
-        graphs,
-        offload,
-    )
+    mode = MemoryMode(m.group(1).replace("-", "_").upper())
+    return MemorySystem(mode, int(m.group(2) or 0), attention, tiled, qkv, graphs, offload)
 
 
 def fp8_system(system: str) -> bool | str:
@@ -140,17 +147,16 @@ def apply_memory(w: Workload, model, system: str, batch: int, seq: int):
     spec = memory_system(system)
     if spec is None:
         return None
-    mode, save_layers, save_attention, tiled, qkv, graphs, offload = spec
-    if w.device != "cuda" and mode is MemoryMode.MAX_SPEED:
+    if w.device != "cuda" and spec.mode is MemoryMode.MAX_SPEED:
         return None  # --smoke: budgeted recompute measures CUDA memory
-    features = MEMORY_MODES[mode]
+    features = MEMORY_MODES[spec.mode]
     variant = {
-        "save_layers": save_layers,
-        "save_attention": save_attention,
-        "tiled_mlp": tiled,
-        "save_qkv": qkv,
-        "step_graphs": graphs,
-        "offload_layer_inputs": offload,
+        "save_layers": spec.save_layers,
+        "save_attention": spec.attention,
+        "tiled_mlp": spec.tiled,
+        "save_qkv": spec.qkv,
+        "step_graphs": spec.graphs,
+        "offload_layer_inputs": spec.offload,
     }
     # an unset variant (None) keeps the row's value; -a0/-q0 (False) and -s0 replace it as set
     features = dataclasses.replace(features, **{k: v for k, v in variant.items() if v is not None})
@@ -171,7 +177,7 @@ def run_worker(a, w: Workload) -> Result:
     t0 = time.perf_counter()
     model = attach_lora(w.load_model(a.part in QLORA_PARTS))
     checkpointing = {"use_reentrant": False}
-    if (memory_system(a.system) or (None,) * 7)[5]:
+    if getattr(memory_system(a.system), "graphs", None):
         from strop.kernels.models.step_graph import random_free
 
         # as the trainer does with step graphs: no RNG state to save, which a capture cannot read
@@ -235,7 +241,7 @@ def run_worker(a, w: Workload) -> Result:
     plan = installed.recompute.plan if installed is not None and installed.recompute is not None else None
     if plan is not None:
         recompute = 1 - plan.uncheckpointed / plan.layers
-    saved_layers = (memory_system(a.system) or (None, 0))[1]
+    saved_layers = getattr(memory_system(a.system), "save_layers", 0)
     if saved_layers:  # never the last layer
         recompute = 1 - min(saved_layers, w.shape["layers"] - 1) / w.shape["layers"]
     if a.vary_width:
