@@ -129,3 +129,18 @@ def test_the_chat_recipes_kl_term_runs_strops_kernels_under_the_jobs_bf16(client
     assert any("retention KL term" in m for m in said), "the chat data's default recipe adds the KL term"
     fallbacks = [m for m in said if "reference path" in m]
     assert not fallbacks, fallbacks[:3]
+
+
+def test_generate_on_a_bf16_session_runs_strops_kernels_under_the_jobs_autocast(client, caplog):
+    """Generate computes under the autocast the session's jobs train in (``LoadedModel.compute_autocast``): with an
+    adapter attached (fp32 factors over the bf16/4-bit base) strop's kernels serve every layer, as in training;
+    without autocast PEFT's fp32 LoRA term sends each layer to the reference path, which says so."""
+    import logging
+
+    s = client.attach_lora(client.load_model("tiny-llama-4bit").session_id, FAST_LORA)
+    with caplog.at_level(logging.INFO, logger="strop"):
+        out = client.generate(s.session_id, QUESTION, max_new_tokens=8, apply_chat_template=True)
+    client.close_session(s.session_id)
+    assert len(out) == 1
+    fallbacks = [r.getMessage() for r in caplog.records if "reference path" in r.getMessage()]
+    assert not fallbacks, fallbacks[:3]

@@ -1,6 +1,6 @@
 """Generating from a session's model (Generate, and the base's answers that retention replays): batched
-``model.generate`` under a token cap and the caller's deadline, and on a CPU session a dequantized copy of the
-4-bit weights to generate from."""
+``model.generate`` under a token cap and the caller's deadline, under the autocast the session's jobs train in
+(``LoadedModel.compute_autocast``), and on a CPU session a dequantized copy of the 4-bit weights to generate from."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def _generate(
     was_training = model.training
     model.eval()
     try:
-        with ctx, torch.no_grad(), inference_weights(loaded):
+        with ctx, torch.no_grad(), inference_weights(loaded), loaded.compute_autocast():
             for text in texts:  # one at a time: no padding, so results do not depend on batch makeup
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -154,7 +154,7 @@ def generate_chat_batch(
     try:
         tok.padding_side = "left"
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(loaded.device)
-        with ctx, torch.no_grad(), inference_weights(loaded):
+        with ctx, torch.no_grad(), inference_weights(loaded), loaded.compute_autocast():
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

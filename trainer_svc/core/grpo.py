@@ -219,13 +219,6 @@ def step_prompts(num_rows: int, batch: int, seed: int, step: int) -> list[int]:
     return out
 
 
-def _autocast(loaded: LoadedModel):
-    dtype = getattr(torch, loaded.facts.compute_dtype or "float32")
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(loaded.device).type, dtype=dtype)
-
-
 def _peak_memory(device: str) -> int:
     if device.startswith("cuda"):
         return int(torch.cuda.max_memory_allocated(device))
@@ -490,7 +483,7 @@ class GrpoLoop:
         keep = [not SKIP_GROUPS_WITHOUT_SIGNAL or g.kl_coef > 0 or bool((a != 0).any()) for a in adv]
         groups = [grp for grp, k in zip(groups, keep, strict=True) if k]
         if g.kl_coef > 0:  # the reference: the same base with the adapter disabled, no gradient
-            with torch.no_grad(), loaded.model.disable_adapter(), _autocast(loaded):
+            with torch.no_grad(), loaded.model.disable_adapter(), loaded.compute_autocast():
                 for grp in groups:
                     with self._layout(grp):
                         ref_rows = self._rows(grp)
@@ -505,7 +498,7 @@ class GrpoLoop:
             total = 0.0
             for grp in groups:
                 with step_ops.memory_mode(loaded, grp.batch), self._layout(grp):
-                    with _autocast(loaded):
+                    with loaded.compute_autocast():
                         rows = self._rows(grp)
                         if it == 0:
                             self._first_pass(grp, rows.detach(), sums)

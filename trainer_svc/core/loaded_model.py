@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,3 +30,24 @@ class LoadedModel:
     # bytes the engine will still move onto ``device`` (a base staged in host memory for FSDP2, fsdp.py):
     # admission counts them against the device's free memory
     pending_device_bytes: int = 0
+
+    def autocast_dtype(self) -> str | None:
+        """The dtype this session's jobs compute in under autocast (the training arguments' ``bf16``/``fp16``:
+        bfloat16 on any device, float16 on CUDA), or None (fp32: no autocast)."""
+        dtype = self.facts.compute_dtype
+        if dtype == "bfloat16" or (dtype == "float16" and self.device.startswith("cuda")):
+            return dtype
+        return None
+
+    def compute_autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast as this session's jobs train under it, for its other forwards (Generate, the retention's
+        teacher-forced scoring, the step API's and GRPO's passes) to compute as training does. Without it a 16-bit
+        input meeting the fp32 LoRA factors is PEFT's own arithmetic (the LoRA term in fp32, added after the base
+        output's rounding), which strop's patched forwards leave to PEFT: another rounding of the model than the
+        one trained, on the reference path."""
+        dtype = self.autocast_dtype()
+        if dtype is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast(torch.device(self.device).type, dtype=getattr(torch, dtype))

@@ -363,7 +363,8 @@ def conversation_hits(
     summed NLL), and for each assistant message whether every one of its tokens is the model's top-1 (the message
     reproduced word for word).
     One conversation at a time (no padding), cut at ``max_length`` tokens as training cuts it (0: whole), the LM
-    head run at the measured positions only (``logits_to_keep``: no sequence × vocabulary logits); adapter on unless
+    head run at the measured positions only (``logits_to_keep``: no sequence × vocabulary logits), under the autocast
+    the session's jobs train in (``LoadedModel.compute_autocast``); adapter on unless
     ``disable_adapter``."""
     import contextlib
 
@@ -379,7 +380,7 @@ def conversation_hits(
     was_training = model.training
     model.eval()
     try:
-        with ctx, torch.no_grad(), model_loading.inference_weights(loaded):
+        with ctx, torch.no_grad(), model_loading.inference_weights(loaded), loaded.compute_autocast():
             for conv in rows:
                 row = job_config.assistant_masked(
                     conv["messages"], tok, tools=conv.get("tools"), last_only=last_only

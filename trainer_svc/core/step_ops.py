@@ -217,17 +217,6 @@ def make_batch(model_inputs: list[list[int]], inputs: list[dict[str, list]], dev
     return Batch(tokens.to(device), mask.to(device), lengths, cat, k)
 
 
-def _compute_dtype(loaded: model_loading.LoadedModel) -> torch.dtype:
-    return getattr(torch, loaded.facts.compute_dtype or "float32")
-
-
-def _autocast(loaded: model_loading.LoadedModel):
-    dtype = _compute_dtype(loaded)
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(loaded.device).type, dtype=dtype)
-
-
 def hidden_rows(loaded: model_loading.LoadedModel, batch: Batch) -> torch.Tensor:
     """Final hidden states (after the last norm) of every real position, [M, H] in datum order."""
     base = loaded.model.get_base_model()
@@ -265,7 +254,7 @@ def forward_backward(
     grad = torch.enable_grad() if backward else torch.no_grad()
     mode = memory_mode(loaded, batch) if backward else contextlib.nullcontext()
     with mode:  # installed from the forward through the backward (its recompute reloads the offloaded inputs)
-        with grad, _autocast(loaded):
+        with grad, loaded.compute_autocast():
             rows = hidden_rows(loaded, batch)
             if batch.k > 1:  # each row scored against its K candidates, in [N, K] row-major order
                 rows = rows.repeat_interleave(batch.k, dim=0)

@@ -421,8 +421,8 @@ def _training_args(cfg: TrainConfig, loaded: LoadedModel, work_dir: Path) -> dic
         report_to="none",
         disable_tqdm=True,
         # a bf16 session computes under bf16 autocast on any device (fp32 adapters over a bf16 base, as on CUDA)
-        bf16=loaded.facts.compute_dtype == "bfloat16",
-        fp16=on_cuda and loaded.facts.compute_dtype == "float16",
+        bf16=loaded.autocast_dtype() == "bfloat16",
+        fp16=loaded.autocast_dtype() == "float16",
         use_cpu=not on_cuda,
         gradient_checkpointing=cfg.gradient_checkpointing,
         # also without checkpointing: max_speed turns it on for some layers, and TRL re-enables it with these
