@@ -30,6 +30,7 @@ from ..ops.moe_routing import route_plan
 from ..ops.moe_rows import combine_rows, gather_rows
 from ..ops.swiglu import swiglu_bwd, swiglu_fwd
 from ..ops.utils import compute_dtype
+from .stash import recompute_outputs_unused_now
 
 __all__ = ["RoutedSwiGLUFunction", "lora_moe_experts", "peft_expert_factors"]
 
@@ -69,6 +70,8 @@ def lora_moe_experts(
     top_k_weights: torch.Tensor,
     gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float],
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float],
+    *,
+    output_unused_in_recompute: bool = False,
 ) -> torch.Tensor:
     """The experts' output for ``x [T, H]`` (HF's experts forward with PEFT's LoRA, by the grouped GEMM).
 
@@ -78,6 +81,12 @@ def lora_moe_experts(
         gate_up: (GU [E, 2·I, H], A [E, r, H], B [E, 2·I, r], scale).
         down: (D [E, H, I], A [E, r, I], B [E, H, r], scale).
             GU and D may be 16-bit tensors or :class:`~strop.kernels.ops.moe_gemm.Nf4Experts` stacks.
+        output_unused_in_recompute: The caller's layer reads nothing of the output but its graph when strop's
+            checkpoint recomputes it (``recompute_outputs_unused``: the experts' sum is the layer's last op up to a
+            reshape and the residual add, as in HF's Qwen3-MoE and Mixtral layers). That recompute, which runs the
+            whole layer where torch's non-reentrant checkpoint stops at the down projection's input, then skips
+            the down stack's merge, its product and the sum, as torch's does; the gradients are the same bit for bit
+            (the backward reads only what the nodes hold, computed the same way).
 
     Returns:
         [T, H] in x's dtype.
@@ -93,6 +102,8 @@ def lora_moe_experts(
     gu = moe_lora_gemm(xs, offsets, *gate_up)
     h = RoutedSwiGLUFunction.apply(gu, w)
     # split: the down projection ends the layer; its product then saves nothing, so a checkpointed recompute stops
-    # before it (and before the sum, which saves nothing either)
-    out = moe_lora_gemm(h, offsets, *down, split=True)
-    return combine_rows(out, token, inv, k, x.dtype)
+    # before it (and before the sum, which saves nothing either); strop's reentrant checkpoint, which recomputes the
+    # whole layer, says so instead, and the product and the sum are skipped
+    unused = output_unused_in_recompute and recompute_outputs_unused_now()
+    out = moe_lora_gemm(h, offsets, *down, split=True, output_unused=unused)
+    return combine_rows(out, token, inv, k, x.dtype, output_unused=unused)

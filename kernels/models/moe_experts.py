@@ -300,8 +300,9 @@ def expert_factors(wrapper: nn.Module, base: nn.Module):
     return nf4_experts(base, wrapper.parameter_name) or w, a, b, float(wrapper.scaling[active[0]])
 
 
-def experts_forward(ours: Callable) -> Callable:
-    """The patched forward of a PEFT-wrapped experts module; ``ours(module)`` gives (patch state, previous forward)."""
+def experts_forward(ours: Callable, output_unused_in_recompute: bool = False) -> Callable:
+    """The patched forward of a PEFT-wrapped experts module; ``ours(module)`` gives (patch state, previous forward).
+    ``output_unused_in_recompute``: its layer ends in the experts' sum (``lora_moe_experts``)."""
     from ..lora.moe import lora_moe_experts
 
     def forward(self, hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
@@ -314,6 +315,12 @@ def experts_forward(ours: Callable) -> Callable:
         if bad is not None:
             state.fallback(self, bad)
             return prev(hidden_states, top_k_index, top_k_weights)
-        return lora_moe_experts(hidden_states, top_k_index, top_k_weights, *parts)
+        return lora_moe_experts(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            *parts,
+            output_unused_in_recompute=output_unused_in_recompute,
+        )
 
     return forward

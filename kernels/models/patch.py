@@ -250,7 +250,14 @@ def patch_model(
             if why:
                 skip("lora_mlp", names[mlp], why)
             else:
-                swap_forward(state, experts, experts_forward(patched))
+                # HF's Qwen3-MoE and Mixtral layers end in ``residual + block(...)``, the block's output being the
+                # experts' sum reshaped: nothing reads its value in a recompute (kernels/lora/moe.py)
+                last_op = (
+                    _is_hf_forward(layer, "DecoderLayer")
+                    and _is_hf_forward(mlp, "SparseMoeBlock")
+                    and not arch.sandwich_norms
+                )
+                swap_forward(state, experts, experts_forward(patched, last_op))
                 report.patched["lora_mlp"].append(names[experts])
         if moe_router and arch.moe is not None and moe_layer:
             gate = mlp._modules.get(arch.moe.router)

@@ -573,13 +573,16 @@ class _MergedProductFunction(torch.autograd.Function):
     dB_e = s · Σ dy[m]ᵀ u[m]."""
 
     @staticmethod
-    def forward(ctx, x, stand_in, offsets, w, a, b, scale):
+    def forward(ctx, x, stand_in, offsets, w, a, b, scale, product=True):
         with torch.autocast(x.device.type, enabled=False):
             dt = x.dtype
             ends = _ends(offsets)
             a_, b_ = _factors(a, b, dt)
             u = grouped_mm(x, a_.transpose(1, 2), ends) if ctx.needs_input_grad[5] else None
-            y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
+            if product:
+                y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
+            else:  # a recompute that reads nothing of y but its graph (moe_lora_gemm's output_unused)
+                y = x.new_empty(x.shape[0], w.shape[1])
         ctx.w, ctx.a, ctx.b, ctx.u, ctx.offsets, ctx.scale, ctx.dt = w, a, b, u, offsets, scale, dt
         return y
 
@@ -597,10 +600,12 @@ class _MergedProductFunction(torch.autograd.Function):
             du = du if s == 1.0 else du.mul_(s)
         if ctx.needs_input_grad[5]:
             db = _factor_grad(grouped_mm(dy.t(), u, ends), _has_rows(offsets), b.dtype, s)
-        return dx, du, None, None, None, db, None
+        return dx, du, None, None, None, db, None, None
 
 
-def moe_lora_gemm(x, offsets, w, a, b, scale: float, *, split: bool = False) -> torch.Tensor:
+def moe_lora_gemm(
+    x, offsets, w, a, b, scale: float, *, split: bool = False, output_unused: bool = False
+) -> torch.Tensor:
     """``y[m] = x[m] W_eᵀ + s (x[m] A_eᵀ) B_eᵀ`` for rows sorted by expert (``offsets`` [E + 1]), grouped GEMMs.
 
     Args:
@@ -614,6 +619,10 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float, *, split: bool = False) -> 
             ``u = x·A_eᵀ`` and holds it, [M, r], on its node): for a checkpointed layer's last projection, whose
             recompute then stops at the first node, before the product, its merge and u (an MoE layer's down
             projection). The same products; dA from du = s·dy·B_e rounded to the compute dtype.
+        output_unused: with ``split``, the caller reads nothing of y but its graph (the recompute of a layer under
+            strop's reentrant checkpoint, ``kernels/models/offload.py``, which runs the whole layer where torch's
+            non-reentrant one stops early): the product node computes u and skips the merge and the product,
+            returning uninitialised memory of y's shape. Its backward is unchanged (it merges the stack itself).
 
     Returns:
         y [M, N] in the compute dtype (autocast's when on, else x's); gradients flow to x, a and b (w is frozen).
@@ -624,4 +633,4 @@ def moe_lora_gemm(x, offsets, w, a, b, scale: float, *, split: bool = False) -> 
         return MoeLoraGemmFunction.apply(x, offsets, w, a, b, scale)
     need_da = torch.is_grad_enabled() and a.requires_grad
     stand_in = _LoraInputFunction.apply(x, offsets, a) if need_da else None
-    return _MergedProductFunction.apply(x, stand_in, offsets, w, a, b, scale)
+    return _MergedProductFunction.apply(x, stand_in, offsets, w, a, b, scale, not output_unused)

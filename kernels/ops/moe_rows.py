@@ -84,16 +84,20 @@ class _GatherRows(torch.autograd.Function):
 
 class _CombineRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, token, inv, k, dtype):
+    def forward(ctx, out, token, inv, k, dtype, compute=True):
         # token is kept on ctx, not saved: nothing after the down projection's GEMM then saves a tensor in an MoE
         # layer, so torch's non-reentrant checkpoint stops the layer's recompute after that GEMM, before this sum
         # (which the backward does not read). The routing recomputes identically.
         ctx.token, ctx.dtype = token, out.dtype
+        if (
+            not compute
+        ):  # a recompute that reads nothing of the sum but its graph (combine_rows' output_unused)
+            return out.new_empty(inv.shape[0] // k, out.shape[1], dtype=dtype)
         return sum_rows(out, inv, k, dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        return dy.to(ctx.dtype).index_select(0, ctx.token), None, None, None, None
+        return dy.to(ctx.dtype).index_select(0, ctx.token), None, None, None, None, None
 
 
 def gather_rows(x: torch.Tensor, token: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
@@ -102,7 +106,16 @@ def gather_rows(x: torch.Tensor, token: torch.Tensor, inv: torch.Tensor, k: int)
     return _GatherRows.apply(x, token, inv, k)
 
 
-def combine_rows(out: torch.Tensor, token: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype):
+def combine_rows(
+    out: torch.Tensor,
+    token: torch.Tensor,
+    inv: torch.Tensor,
+    k: int,
+    dtype: torch.dtype,
+    *,
+    output_unused: bool = False,
+):
     """``y[t] = Σ_i out[inv[t·k + i]]`` [T, H] in ``dtype`` (HF's ``index_add_`` of the routed rows into zeros, in fp32,
-    rounded once); the backward gathers ``dy[token]``."""
-    return _CombineRows.apply(out, token, inv, k, dtype)
+    rounded once); the backward gathers ``dy[token]``. ``output_unused``: the caller reads nothing of y but its graph
+    (a recompute, as :func:`~strop.kernels.ops.moe_gemm.moe_lora_gemm`'s): no sum, uninitialised memory of y's shape."""
+    return _CombineRows.apply(out, token, inv, k, dtype, not output_unused)

@@ -224,9 +224,9 @@ def test_the_grouped_expert_gemm_computes_with_whichever_run_is_active(
     calls = []
     grouped = lora_moe.lora_moe_experts
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[3][1].data_ptr())  # the active run's gate_up A, as the GEMM got it
-        return grouped(*args)
+        return grouped(*args, **kwargs)
 
     monkeypatch.setattr(lora_moe, "lora_moe_experts", counted)  # read when the experts are patched
     out = {}
@@ -274,7 +274,7 @@ def test_a_run_on_experts_an_earlier_run_left_out_still_gets_the_grouped_gemm(cl
 
     calls = []
     grouped = lora_moe.lora_moe_experts
-    monkeypatch.setattr(lora_moe, "lora_moe_experts", lambda *a: calls.append(1) or grouped(*a))
+    monkeypatch.setattr(lora_moe, "lora_moe_experts", lambda *a, **k: calls.append(1) or grouped(*a, **k))
     out = {}
     for mode in (KernelMode.ON, KernelMode.OFF):
         sess = client.load_model("qwen3_moe", quantization=Quantization.NONE, dtype="float32", kernels=mode)
@@ -409,9 +409,9 @@ def test_on_cuda_runs_train_expert_lora_over_nf4_experts_on_the_grouped_gemm(
     calls = []
     grouped = lora_moe.lora_moe_experts
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[3][1].data_ptr())
-        return grouped(*args)
+        return grouped(*args, **kwargs)
 
     monkeypatch.setattr(lora_moe, "lora_moe_experts", counted)
     s = client.load_model(arch, quantization=Quantization.NF4, dtype="bfloat16")

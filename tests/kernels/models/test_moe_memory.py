@@ -49,3 +49,62 @@ def test_memory_modes_keep_the_moe_aux_loss_gradient(mode):
     for name, ref in ref_grads.items():
         assert rel(grads[name], ref) <= 1e-5, (name, rel(grads[name], ref))
     assert any("router_logits" in reason for reason in stats), stats
+
+
+def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the_same_gradients(monkeypatch):
+    """strop's offloaded checkpoint recomputes a whole layer (torch's non-reentrant one stops at the down
+    projection's input); an MoE layer ending in the experts' sum skips, in that recompute, the down stack's merge,
+    its product and the sum (``lora_moe_experts``' ``output_unused_in_recompute``). Their values are never read, so
+    the loss and every gradient are bitwise those of the full recompute; the skip shows as one merge fewer a layer."""
+    from strop.common.trainer_types import MemoryMode
+    from strop.kernels.lora import moe as lora_moe
+    from strop.kernels.models import StepShape, apply_memory_mode, patch_model
+    from strop.kernels.ops import moe_gemm
+    from tests.kernels.models.moe_setup import TINY, expert_lora, moe_config, transformers
+
+    torch.manual_seed(0)
+    config = moe_config("qwen3_moe", {**TINY, "output_router_logits": False}, norm_topk_prob=True)
+    model = expert_lora(
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    )
+    report = patch_model(model)
+    assert len(report.patched["lora_mlp"]) == 2, report
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    installed = apply_memory_mode(
+        model,
+        MemoryMode.STANDARD,
+        step=StepShape(2, 8, True),
+        device="cpu",
+        offload_cpu_tensors=True,
+        min_offload_bytes=0,
+    )
+    merges = []
+    merged = moe_gemm._merged
+    monkeypatch.setattr(moe_gemm, "_merged", lambda *a, **k: merges.append(1) or merged(*a, **k))
+    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
+
+    def step():
+        merges.clear()
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return out.loss.item(), grads, len(merges)
+
+    try:
+        loss, grads, skipped = step()
+        with monkeypatch.context() as m:  # the full recompute, as before the skip
+            m.setattr(lora_moe, "recompute_outputs_unused_now", lambda: False)
+            ref_loss, ref_grads, full = step()
+        offloaded = installed.memory.offloader.stats
+    finally:
+        installed.remove()
+    assert not offloaded.torch_checkpoint, offloaded.torch_checkpoint
+    assert loss == ref_loss
+    assert grads.keys() == ref_grads.keys() and any("experts" in n for n in grads)
+    for name, ref in ref_grads.items():
+        assert torch.equal(grads[name], ref), name
+    assert full - skipped == 2, (
+        full,
+        skipped,
+    )  # each layer's recompute merged its down stack; now it does not
