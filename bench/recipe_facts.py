@@ -750,10 +750,11 @@ def table(paths: list[str]) -> str:
     from the stored answers (base and trained), so rows written by earlier versions of it read the same way."""
     out = [
         "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
-        f"| of the first {FIRST_GENERAL} | of the first {EARLIER_GENERAL} | of those the base answers by ≥ {MARGIN_NATS:g} nat "
+        f"| of the first {FIRST_GENERAL} | of the first {EARLIER_GENERAL} | of those the base answers with a lead > 0 "
+        f"| of those the base answers by ≥ {MARGIN_NATS:g} nat "
         "| lead on them, nats (base → trained) | forgetting metric (held-out, word for word) | train s "
         "| after each epoch (facts, kept) | scaled toward the base (scale: facts, kept) |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|",
     ]
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -767,11 +768,15 @@ def table(paths: list[str]) -> str:
             kept_earlier = len(held.intersection(earlier))
             margins = r.get("base_margins")
             if margins:
-                clear = [i for i in base if margins[i] is not None and margins[i] >= MARGIN_NATS]
-                kept_clear = len(held.intersection(clear))
-                clear_cell = f"{kept_clear}/{len(clear)}"
+                # a lead ≤ 0 on the base's own teacher-forced pass: a right answer a tie (or the batch's padding)
+                # decided, which any change can flip
+                decided, clear = (
+                    [i for i in base if margins[i] is not None and margins[i] > floor]
+                    for floor in (0.0, MARGIN_NATS - 1e-9)
+                )
+                decided_cell, clear_cell = (f"{len(held.intersection(c))}/{len(c)}" for c in (decided, clear))
             else:
-                clear_cell = "-"
+                decided_cell = clear_cell = "-"
             lead = "-"
             if margins and r.get(
                 "trained_margins"
@@ -803,7 +808,7 @@ def table(paths: list[str]) -> str:
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
-                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {kept_earlier}/{len(earlier)} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {kept_earlier}/{len(earlier)} | {decided_cell} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
                 f"| {epochs} | {scaled} |"
             )
     return "\n".join(out)
