@@ -26,8 +26,11 @@ The backward merges the stack again unless the buffer still holds it (``nf4.shar
 and factors, unmodified, and nothing else took the buffer): an uncheckpointed MoE layer's down stack, the last one
 its forward merges, is the first its backward needs; a checkpointed layer's gate/up stack, the last one its recompute
 merges, is the next its backward needs (4 merges a checkpointed layer and step: forward gate/up and down, recompute
-gate/up, backward down). No merged stack is saved, one is resident at a time (every NF4
-weight of the model reuses that buffer, in stream order), so a 16-bit session's experts also use that buffer.
+gate/up, backward down). No merged stack is saved; the split form's product (the down projection) merges into the
+buffer's second slot, every other weight into the first (every NF4 weight of the model reuses that buffer, in stream
+order), so a 16-bit session's experts also use those two. The second slot keeps that count under strop's offloaded
+checkpoint too, which recomputes a layer before its backward (the gate/up merge first, then the backward's down
+merge): with one slot the down merge would take the gate/up stack the backward needs next, a fifth merge a layer.
 
 ``split=True`` runs the same products as two autograd nodes, one that saves x and computes nothing (its backward
 gives dA from du = s · dy · B_e) and the product (saving no tensor; it computes u = x · A_eᵀ too, and holds the
@@ -445,7 +448,7 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
         _MERGE_TILE[key] = tuner.best_config.all_kwargs()
 
 
-def _merged(w, a, b, a_, b_, scale: float, dtype, *, reuse: bool = False) -> torch.Tensor:
+def _merged(w, a, b, a_, b_, scale: float, dtype, *, reuse: bool = False, slot: int = 0) -> torch.Tensor:
     """``W_e + s · B_e A_e`` [E, N, K] in the compute dtype in nf4.py's shared scratch buffer (valid until the next
     NF4 dequantization on this device: used for one GEMM, never kept); with ``reuse`` (backwards only), read there as
     it is where the buffer still holds it for the same stack and factors, unmodified (``shared_buffer_holding``: the
@@ -463,6 +466,7 @@ def _merged(w, a, b, a_, b_, scale: float, dtype, *, reuse: bool = False) -> tor
         (float(scale),),
         lambda out: _merge_into(out, w, a_, b_, scale),
         reuse=reuse,
+        slot=slot,
     )
     return buf.view(e, n, k)
 
@@ -580,7 +584,7 @@ class _MergedProductFunction(torch.autograd.Function):
             a_, b_ = _factors(a, b, dt)
             u = grouped_mm(x, a_.transpose(1, 2), ends) if ctx.needs_input_grad[5] else None
             if product:
-                y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt).transpose(1, 2), ends)
+                y = grouped_mm(x, _merged(w, a, b, a_, b_, scale, dt, slot=1).transpose(1, 2), ends)
             else:  # a recompute that reads nothing of y but its graph (moe_lora_gemm's output_unused)
                 y = x.new_empty(x.shape[0], w.shape[1])
         ctx.w, ctx.a, ctx.b, ctx.u, ctx.offsets, ctx.scale, ctx.dt = w, a, b, u, offsets, scale, dt
@@ -594,7 +598,7 @@ class _MergedProductFunction(torch.autograd.Function):
         a_, b_ = _factors(a, b, dt)
         dx = du = db = None
         if ctx.needs_input_grad[0]:
-            dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt, reuse=True), ends)
+            dx = grouped_mm(dy, _merged(w, a, b, a_, b_, s, dt, reuse=True, slot=1), ends)
         if ctx.needs_input_grad[1]:
             du = grouped_mm(dy, b_, ends)
             du = du if s == 1.0 else du.mul_(s)

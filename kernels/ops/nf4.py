@@ -304,16 +304,18 @@ def _nf4_dequantize(
 
 # One flat scratch tensor per (device, dtype), grown to the largest weight seen. LoRA functions dequantize
 # each frozen NF4 weight into it just before its matmul, in forward and again in backward, so at most one
-# layer weight at 16 bits is ever resident. Stream order makes the reuse safe on one CUDA stream.
-_SHARED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# layer weight at 16 bits is ever resident. Stream order makes the reuse safe on one CUDA stream. A second slot
+# (``slot=1``) is written by one kind of weight alone (an MoE layer's down stack: ``moe_gemm``), so that what the
+# first holds survives it.
+_SHARED: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 # What the front of each buffer holds, where :func:`shared_buffer_holding` wrote it: (weak references to its
 # sources' storages, (element count, extra, each source's view and version counter)). Every other writer takes the
 # buffer through :func:`_shared_buffer`, which forgets it.
-_HELD: dict[tuple[torch.device, torch.dtype], tuple[tuple[StorageWeakRef, ...], tuple]] = {}
+_HELD: dict[tuple[torch.device, torch.dtype, int], tuple[tuple[StorageWeakRef, ...], tuple]] = {}
 
 
-def _shared_buffer(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
-    key = (device, dtype)
+def _shared_buffer(device: torch.device, dtype: torch.dtype, n: int, slot: int = 0) -> torch.Tensor:
+    key = (device, dtype, slot)
     _HELD.pop(key, None)  # the caller is about to write into it
     buf = _SHARED.get(key)
     if buf is None or buf.numel() < n:
@@ -352,6 +354,7 @@ def shared_buffer_holding(
     fill: Callable[[torch.Tensor], object],
     *,
     reuse: bool = True,
+    slot: int = 0,
 ) -> torch.Tensor:
     """The shared scratch buffer's first ``n`` elements holding a value computed from ``sources`` (and ``extra``,
     plain values compared with ==): ``fill`` writes it, unless ``reuse`` and the last writer was a call with the same
@@ -365,9 +368,10 @@ def shared_buffer_holding(
     recompute saves its own views of the parameters), which view the parameters' storages and share their version
     counters.
 
-    Aliases the buffer as :func:`dequantize_shared` does (valid until the next NF4 dequantization on this device).
+    Aliases the buffer as :func:`dequantize_shared` does (valid until the next NF4 dequantization on this device;
+    ``slot=1``: until the next write to that slot).
     """
-    key = (device, dtype)
+    key = (device, dtype, slot)
     state = (n, extra, tuple((t.data_ptr(), tuple(t.shape), t.stride(), t._version) for t in sources))
     held = _HELD.get(key)
     if (
@@ -380,7 +384,7 @@ def shared_buffer_holding(
         )
     ):
         return _SHARED[key][:n]
-    buf = _shared_buffer(device, dtype, n)[:n]
+    buf = _shared_buffer(device, dtype, n, slot)[:n]
     fill(buf)
     _HELD[key] = (tuple(StorageWeakRef(t.untyped_storage()) for t in sources), state)
     return buf

@@ -28,8 +28,9 @@ T = rows × the longest tokenized row, capped at max_length; H hidden, I interme
                                                          NF4 experts on HF's path: the same per layer kept (the
                                                          dequantized stack the expert GEMMs save), plus one layer's
                                                          stack dequantized for the call; on the grouped GEMM
-                                                         only the scratch buffer one merged stack is written into
-                                                         (the larger, E · 2·I_e·H · 2; 16-bit experts too)
+                                                         only the scratch buffer the merged stacks are written
+                                                         into: gate/up's slot and down's, E · 3·I_e·H · 2 (16-bit
+                                                         experts too)
     layers kept        L · one layer                     without checkpointing
                        L · T·H·2 + 2 · one layer         checkpointed: every layer input, one layer recomputed
                                                          and its backward's transients
@@ -121,11 +122,12 @@ def estimate(
         n_exp, top_k, inter_e = moe_sizes(text)
         one_layer = t * (a * h + b * kv + top_k * (8 * h + 10 * inter_e) + 10 * n_exp)
         # HF's expert path under PEFT merges W + s·BA for the whole stack (NF4 experts: it saves the stack
-        # dequantized for the call); the grouped expert GEMM saves none, and merges one stack at a time (16-bit or NF4
-        # experts) into nf4's shared scratch buffer (the larger stack, gate_up: E·2·I_e·H, kept between calls)
+        # dequantized for the call); the grouped expert GEMM saves none, and merges each stack (16-bit or NF4
+        # experts) into nf4's shared scratch buffer, gate_up (E·2·I_e·H) into its first slot and down (E·I_e·H) into
+        # its second, both kept between calls
         stack = n_exp * 3 * inter_e * h * 2 if (expert_lora or nf4_experts) and not kernels else 0
         if kernels and expert_lora:  # without expert LoRA the experts run HF's path (below)
-            dequantized = n_exp * 2 * inter_e * h * 2
+            dequantized = n_exp * 3 * inter_e * h * 2
         else:
             dequantized = n_exp * 3 * inter_e * h * 2 if nf4_experts else 0
     else:

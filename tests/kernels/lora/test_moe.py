@@ -97,8 +97,9 @@ def test_a_checkpointed_layers_backward_reads_the_gate_up_stack_its_recompute_me
 
     def layer(x, idx, w, gate_up, down):
         y = checkpoint(moe.lora_moe_experts, x, idx, w, gate_up, down, use_reentrant=False)
-        # what the layers after this one do between its forward and its backward: take the buffer
+        # what the layers after this one do between its forward and its backward: take the buffer's two slots
         nf4._shared_buffer(x.device, x.dtype, 1).zero_()
+        nf4._shared_buffer(x.device, x.dtype, 1, slot=1).zero_()
         merged.clear()
         return y
 

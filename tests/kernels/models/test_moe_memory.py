@@ -78,13 +78,15 @@ def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the
         offload_cpu_tensors=True,
         min_offload_bytes=0,
     )
-    merges = []
-    merged = moe_gemm._merged
+    merges, fills = [], []
+    merged, merge_into = moe_gemm._merged, moe_gemm._merge_into
     monkeypatch.setattr(moe_gemm, "_merged", lambda *a, **k: merges.append(1) or merged(*a, **k))
+    monkeypatch.setattr(moe_gemm, "_merge_into", lambda *a: fills.append(tuple(a[1].shape)) or merge_into(*a))
     ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
 
     def step():
         merges.clear()
+        fills.clear()
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
@@ -93,6 +95,7 @@ def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the
 
     try:
         loss, grads, skipped = step()
+        filled = list(fills)
         with monkeypatch.context() as m:  # the full recompute, as before the skip
             m.setattr(lora_moe, "recompute_outputs_unused_now", lambda: False)
             ref_loss, ref_grads, full = step()
@@ -104,7 +107,10 @@ def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the
     assert grads.keys() == ref_grads.keys() and any("experts" in n for n in grads)
     for name, ref in ref_grads.items():
         assert torch.equal(grads[name], ref), name
-    assert full - skipped == 2, (
-        full,
-        skipped,
-    )  # each layer's recompute merged its down stack; now it does not
+    # each layer's recompute merged its down stack; now it does not
+    assert full - skipped == 2, (full, skipped)
+    # the stacks written: the forward's four; the last layer's recompute gate/up (its down stack, the forward's last,
+    # still in the buffer's second slot); the first layer's recompute gate/up and backward down; each layer's
+    # backward gate/up reads the first slot as its recompute left it (with one slot the down merge took it: 10)
+    gu, down = filled[0], filled[1]
+    assert filled == [gu, down, gu, down, gu, gu, down], filled
