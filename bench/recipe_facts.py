@@ -341,13 +341,23 @@ def retention_constants(text: str):
             setattr(retention, name, value)
 
 
-def evaluate(loaded, *, disable_adapter: bool) -> dict:
+def evaluate(loaded, *, disable_adapter: bool, unbatched: bool = False) -> dict:
     """Facts: teacher-forced, the trained answer is exactly the greedy one when every one of its tokens (to the
     end of turn) is the model's top-1 (``retention.answer_hits``; unbatched, so no padding is involved).
-    General: greedy answers in one left-padded batch (``models.generate_chat_batch``)."""
-    from strop.trainer_svc.core import model_loading, retention
+    General: greedy answers in one left-padded batch (``models.generate_chat_batch``); ``unbatched``: also one
+    question at a time, as Generate answers a user (``generation.generate_chat``): on bf16 logits a batch's left
+    padding can decide a near tie either way, which an answer given alone does not see."""
+    from strop.trainer_svc.core import generation, model_loading, retention
 
     t0 = time.perf_counter()
+    alone = None
+    if unbatched:
+        alone, _ = generation.generate_chat(
+            loaded,
+            [q for q, _ in GENERAL],
+            max_new_tokens=GENERAL_MAX_NEW_TOKENS,
+            disable_adapter=disable_adapter,
+        )
     facts = retention.BaseAnswers([q for q, _ in FACTS], [a for _, a in FACTS], [True] * len(FACTS), 0.0)
     hits = retention.answer_hits(loaded, facts, disable_adapter=disable_adapter)
     general, _ = model_loading.generate_chat_batch(
@@ -360,6 +370,7 @@ def evaluate(loaded, *, disable_adapter: bool) -> dict:
         "facts": [h is not None and h[0] == h[1] for h in hits],
         "general": [right(a, words) for a, (_, words) in zip(general, GENERAL, strict=True)],
         "general_answers": general,
+        **({"general_answers_unbatched": alone} if unbatched else {}),
         "seconds": time.perf_counter() - t0,
     }
 
@@ -368,7 +379,7 @@ def cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     """The base's evaluation (the same for every setting: adapter disabled), kept beside the model's cache."""
     import hashlib
 
-    what = [FACTS, GENERAL, GENERAL_MAX_NEW_TOKENS, device]
+    what = [FACTS, GENERAL, GENERAL_MAX_NEW_TOKENS, device, "unbatched"]
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     path = model_dir.parent / f"{model_dir.name}-recipe-base-{key}.json"
     if path.is_file():
@@ -376,7 +387,7 @@ def cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
         if "margins" not in base:  # a cache written before the margins were measured
             base["margins"] = base_margins(loaded, base["general_answers"])
         return base
-    base = evaluate(loaded, disable_adapter=True)
+    base = evaluate(loaded, disable_adapter=True, unbatched=True)
     base["margins"] = base_margins(loaded, base["general_answers"])
     tmp = path.with_name(
         f"{path.name}.{os.getpid()}.tmp"
@@ -627,10 +638,13 @@ def run(
             callbacks=[c for c, on in ((Trace(), trace), (SaveAsTrained(), save_adapter is not None)) if on],
         )
     train_s = time.perf_counter() - t0
-    after = evaluate(loaded, disable_adapter=False)
+    after = evaluate(loaded, disable_adapter=False, unbatched=True)
     # judged here, not from the cached booleans: ``right`` may be stricter than when the cache was written
     base_right = right_general(base_eval["general_answers"])
     kept = len(set(base_right) & set(right_general(after["general_answers"])))
+    # the same, every question answered alone (Generate's way)
+    base_alone = right_general(base_eval["general_answers_unbatched"])
+    kept_alone = len(set(base_alone) & set(right_general(after["general_answers_unbatched"])))
     row = {
         "setting": setting,
         "lr": cfg.learning_rate,
@@ -649,6 +663,8 @@ def run(
         "facts_of": len(FACTS),
         "general_kept": kept,
         "general_base_right": len(base_right),
+        "general_kept_unbatched": kept_alone,
+        "general_base_right_unbatched": len(base_alone),
         "retention_neighbours": cfg.retention_neighbours,
         # the finished adapter's (1: as trained; adapter_scale auto: the scale the job chose, from its event)
         "adapter_scale": events[-1].adapter_scale
@@ -664,6 +680,8 @@ def run(
         "train_seconds": round(train_s, 1),
         "eval_seconds": round(after["seconds"], 1),
         "general_answers": after["general_answers"],
+        "general_answers_unbatched": after["general_answers_unbatched"],
+        "base_general_answers_unbatched": base_eval["general_answers_unbatched"],
         "base_margins": base_eval[
             "margins"
         ],  # base_margins: how near a tie each of the base's right answers is
@@ -750,11 +768,12 @@ def table(paths: list[str]) -> str:
     from the stored answers (base and trained), so rows written by earlier versions of it read the same way."""
     out = [
         "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
+        "| answered alone "
         f"| of the first {FIRST_GENERAL} | of the first {EARLIER_GENERAL} | of those the base answers with a lead > 0 "
         f"| of those the base answers by ≥ {MARGIN_NATS:g} nat "
         "| lead on them, nats (base → trained) | forgetting metric (held-out, word for word) | train s "
         "| after each epoch (facts, kept) | scaled toward the base (scale: facts, kept) |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|",
     ]
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -762,6 +781,11 @@ def table(paths: list[str]) -> str:
             base = right_general(r["base_general_answers"])
             held = set(base) & set(right_general(r["general_answers"]))
             kept = len(held)
+            alone_cell = "-"
+            if r.get("general_answers_unbatched"):  # rows written before the unbatched pass have none
+                alone = right_general(r["base_general_answers_unbatched"])
+                n = len(set(alone) & set(right_general(r["general_answers_unbatched"])))
+                alone_cell = f"{n}/{len(alone)} ({100 * n / max(len(alone), 1):.0f}%)"
             first = [i for i in base if i < FIRST_GENERAL]
             kept_first = len(held.intersection(first))
             earlier = [i for i in base if i < EARLIER_GENERAL]
@@ -808,7 +832,7 @@ def table(paths: list[str]) -> str:
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
-                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {kept_first}/{len(first)} | {kept_earlier}/{len(earlier)} | {decided_cell} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {alone_cell} | {kept_first}/{len(first)} | {kept_earlier}/{len(earlier)} | {decided_cell} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
                 f"| {epochs} | {scaled} |"
             )
     return "\n".join(out)
@@ -947,7 +971,8 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         print(
             f"{setting}: {row['steps']} steps, loss {row['loss_first']:.2f} -> {row['loss_last']:.2f}, "
-            f"facts {row['facts']}/{row['facts_of']}, general kept {row['general_kept']}/{row['general_base_right']}, "
+            f"facts {row['facts']}/{row['facts_of']}, general kept {row['general_kept']}/{row['general_base_right']} "
+            f"(answered alone {row['general_kept_unbatched']}/{row['general_base_right_unbatched']}), "
             f"forgetting {row['forgetting_events']}, train {row['train_seconds']} s",
             flush=True,
         )

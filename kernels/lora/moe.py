@@ -85,8 +85,9 @@ def lora_moe_experts(
             checkpoint recomputes it (``recompute_outputs_unused``: the experts' sum is the layer's last op up to a
             reshape and the residual add, as in HF's Qwen3-MoE and Mixtral layers). That recompute, which runs the
             whole layer where torch's non-reentrant checkpoint stops at the down projection's input, then skips
-            the down stack's merge, its product and the sum, as torch's does; the gradients are the same bit for bit
-            (the backward reads only what the nodes hold, computed the same way).
+            the down product (its merge there too: the backward merges the stack itself, into the scratch buffer's
+            second slot) and the sum, as torch's does; the gradients are the same bit for bit (the backward reads
+            only what the nodes hold, computed the same way).
 
     Returns:
         [T, H] in x's dtype.

@@ -9,7 +9,15 @@ from typing import Any
 
 from strop.common.trainer_types import KernelMode, LoraConfig, ModelFacts
 
-__all__ = ["LoadedModel"]
+__all__ = ["LoadedModel", "autocast_dtype"]
+
+
+def autocast_dtype(compute_dtype: str | None, device_type: str) -> str | None:
+    """The dtype a session computing in ``compute_dtype`` on ``device_type`` ("cuda", "cpu") trains in under autocast
+    (the training arguments' ``bf16``/``fp16``: bfloat16 on any device, float16 on CUDA), or None (no autocast)."""
+    if compute_dtype == "bfloat16" or (compute_dtype == "float16" and device_type == "cuda"):
+        return compute_dtype
+    return None
 
 
 @dataclass
@@ -34,10 +42,7 @@ class LoadedModel:
     def autocast_dtype(self) -> str | None:
         """The dtype this session's jobs compute in under autocast (the training arguments' ``bf16``/``fp16``:
         bfloat16 on any device, float16 on CUDA), or None (fp32: no autocast)."""
-        dtype = self.facts.compute_dtype
-        if dtype == "bfloat16" or (dtype == "float16" and self.device.startswith("cuda")):
-            return dtype
-        return None
+        return autocast_dtype(self.facts.compute_dtype, self.device.split(":")[0])
 
     def compute_autocast(self) -> contextlib.AbstractContextManager:
         """Autocast as this session's jobs train under it, for its other forwards (Generate, the retention's

@@ -56,6 +56,7 @@ from strop.trainer_svc.core.decode_step import (
     model_parts,
     register_decode_attention,
 )
+from strop.trainer_svc.core.loaded_model import autocast_dtype
 
 log = logging.getLogger("strop.trainer.sampler")
 
@@ -210,9 +211,11 @@ def _compute_autocast(parts: ModelParts) -> contextlib.AbstractContextManager:
 
 
 def _compute_dtype(parts: ModelParts) -> torch.dtype | None:
-    """The 16-bit dtype a session computes in (its embedding's), or None (fp32: no autocast)."""
+    """The 16-bit dtype a session computes in (its embedding's) where its jobs train under autocast to it
+    (``loaded_model.autocast_dtype``: not fp16 off CUDA), or None (no autocast)."""
     w = parts.backbone.get_input_embeddings().weight
-    return w.dtype if w.dtype in (torch.bfloat16, torch.float16) else None
+    name = autocast_dtype(str(w.dtype).removeprefix("torch."), w.device.type)
+    return None if name is None else getattr(torch, name)
 
 
 @contextlib.contextmanager

@@ -51,11 +51,17 @@ def test_memory_modes_keep_the_moe_aux_loss_gradient(mode):
     assert any("router_logits" in reason for reason in stats), stats
 
 
-def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the_same_gradients(monkeypatch):
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the_same_gradients(
+    model_type, monkeypatch
+):
     """strop's offloaded checkpoint recomputes a whole layer (torch's non-reentrant one stops at the down
-    projection's input); an MoE layer ending in the experts' sum skips, in that recompute, the down stack's merge,
-    its product and the sum (``lora_moe_experts``' ``output_unused_in_recompute``). Their values are never read, so
-    the loss and every gradient are bitwise those of the full recompute; the skip shows as one merge fewer a layer."""
+    projection's input); an MoE layer ending in the experts' sum skips, in that recompute, the down product (and its
+    merge there) and the sum (``lora_moe_experts``' ``output_unused_in_recompute``). Their values are never read:
+    with every uninitialised tensor of that step filled with NaN, the loss and every gradient are bitwise those of
+    the full recompute. The skip shows as one down merge fewer a layer in the recompute; with the down stacks in the
+    scratch buffer's second slot, the backward's gate/up reads the stack the recompute merged (four merges a layer,
+    the last layer's down stack still held from its forward)."""
     from strop.common.trainer_types import MemoryMode
     from strop.kernels.lora import moe as lora_moe
     from strop.kernels.models import StepShape, apply_memory_mode, patch_model
@@ -63,7 +69,8 @@ def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the
     from tests.kernels.models.moe_setup import TINY, expert_lora, moe_config, transformers
 
     torch.manual_seed(0)
-    config = moe_config("qwen3_moe", {**TINY, "output_router_logits": False}, norm_topk_prob=True)
+    extra = {"norm_topk_prob": True} if model_type == "qwen3_moe" else {}
+    config = moe_config(model_type, {**TINY, "output_router_logits": False}, **extra)
     model = expert_lora(
         transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     )
@@ -93,8 +100,16 @@ def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         return out.loss.item(), grads, len(merges)
 
+    empty = torch.Tensor.new_empty
+
+    def nan_empty(self, *size, **kwargs):
+        t = empty(self, *size, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
     try:
-        loss, grads, skipped = step()
+        with monkeypatch.context() as m:  # what is never read may hold anything
+            m.setattr(torch.Tensor, "new_empty", nan_empty)
+            loss, grads, skipped = step()
         filled = list(fills)
         with monkeypatch.context() as m:  # the full recompute, as before the skip
             m.setattr(lora_moe, "recompute_outputs_unused_now", lambda: False)
