@@ -89,9 +89,8 @@ class _CombineRows(torch.autograd.Function):
         # layer, so torch's non-reentrant checkpoint stops the layer's recompute after that GEMM, before this sum
         # (which the backward does not read). The routing recomputes identically.
         ctx.token, ctx.dtype = token, out.dtype
-        if (
-            not compute
-        ):  # a recompute that reads nothing of the sum but its graph (combine_rows' output_unused)
+        # a recompute that reads nothing of the sum but its graph (combine_rows' output_unused)
+        if not compute:
             return out.new_empty(inv.shape[0] // k, out.shape[1], dtype=dtype)
         return sum_rows(out, inv, k, dtype)
 
