@@ -126,10 +126,8 @@ def estimate(
         # experts) into nf4's shared scratch buffer, gate_up (E·2·I_e·H) into its first slot and down (E·I_e·H) into
         # its second, both kept between calls
         stack = n_exp * 3 * inter_e * h * 2 if (expert_lora or nf4_experts) and not kernels else 0
-        if kernels and expert_lora:  # without expert LoRA the experts run HF's path (below)
-            dequantized = n_exp * 3 * inter_e * h * 2
-        else:
-            dequantized = n_exp * 3 * inter_e * h * 2 if nf4_experts else 0
+        # the grouped GEMM's two slots (without expert LoRA the experts run HF's path), or HF's NF4 stack
+        dequantized = n_exp * 3 * inter_e * h * 2 if (kernels and expert_lora) or nf4_experts else 0
     else:
         one_layer = t * (a * h + b * kv + c * inter)
     if not checkpointed:
