@@ -387,7 +387,7 @@ def cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
         if "margins" not in base:  # a cache written before the margins were measured
             base["margins"] = base_margins(loaded, base["general_answers"])
         return base
-    base = evaluate(loaded, disable_adapter=True, unbatched=True)
+    base = evaluate(loaded, disable_adapter=True, unbatched=device != "cpu")
     base["margins"] = base_margins(loaded, base["general_answers"])
     tmp = path.with_name(
         f"{path.name}.{os.getpid()}.tmp"
@@ -638,13 +638,17 @@ def run(
             callbacks=[c for c, on in ((Trace(), trace), (SaveAsTrained(), save_adapter is not None)) if on],
         )
     train_s = time.perf_counter() - t0
-    after = evaluate(loaded, disable_adapter=False, unbatched=True)
+    # answered alone too where a batch's padding can decide a bf16 tie (the CPU computes in fp32: the same answers)
+    alone = device != "cpu"
+    after = evaluate(loaded, disable_adapter=False, unbatched=alone)
     # judged here, not from the cached booleans: ``right`` may be stricter than when the cache was written
     base_right = right_general(base_eval["general_answers"])
     kept = len(set(base_right) & set(right_general(after["general_answers"])))
     # the same, every question answered alone (Generate's way)
-    base_alone = right_general(base_eval["general_answers_unbatched"])
-    kept_alone = len(set(base_alone) & set(right_general(after["general_answers_unbatched"])))
+    base_alone = right_general(base_eval["general_answers_unbatched"]) if alone else []
+    kept_alone = (
+        len(set(base_alone) & set(right_general(after["general_answers_unbatched"]))) if alone else None
+    )
     row = {
         "setting": setting,
         "lr": cfg.learning_rate,
@@ -664,7 +668,7 @@ def run(
         "general_kept": kept,
         "general_base_right": len(base_right),
         "general_kept_unbatched": kept_alone,
-        "general_base_right_unbatched": len(base_alone),
+        "general_base_right_unbatched": len(base_alone) if alone else None,
         "retention_neighbours": cfg.retention_neighbours,
         # the finished adapter's (1: as trained; adapter_scale auto: the scale the job chose, from its event)
         "adapter_scale": events[-1].adapter_scale
@@ -680,8 +684,8 @@ def run(
         "train_seconds": round(train_s, 1),
         "eval_seconds": round(after["seconds"], 1),
         "general_answers": after["general_answers"],
-        "general_answers_unbatched": after["general_answers_unbatched"],
-        "base_general_answers_unbatched": base_eval["general_answers_unbatched"],
+        "general_answers_unbatched": after.get("general_answers_unbatched"),
+        "base_general_answers_unbatched": base_eval.get("general_answers_unbatched"),
         "base_margins": base_eval[
             "margins"
         ],  # base_margins: how near a tie each of the base's right answers is
@@ -794,10 +798,8 @@ def table(paths: list[str]) -> str:
             if margins:
                 # a lead ≤ 0 on the base's own teacher-forced pass: a right answer a tie (or the batch's padding)
                 # decided, which any change can flip
-                decided, clear = (
-                    [i for i in base if margins[i] is not None and margins[i] > floor]
-                    for floor in (0.0, MARGIN_NATS - 1e-9)
-                )
+                decided = [i for i in base if margins[i] is not None and margins[i] > 0]
+                clear = [i for i in decided if margins[i] >= MARGIN_NATS]
                 decided_cell, clear_cell = (f"{len(held.intersection(c))}/{len(c)}" for c in (decided, clear))
             else:
                 decided_cell = clear_cell = "-"
