@@ -245,35 +245,29 @@ def base_margins(loaded, answers: list[str], *, disable_adapter: bool = True) ->
     trained model's lead on the base's answers: negative where it would leave them, and by how much."""
     import torch
 
-    from strop.trainer_svc.core import job_config, model_loading
+    from strop.trainer_svc.core import generation, job_config
 
-    tok, model = loaded.tokenizer, loaded.model
+    tok = loaded.tokenizer
     out: list[float | None] = []
-    was_training = model.training
-    model.eval()
-    try:
-        adapter = model.disable_adapter() if disable_adapter else contextlib.nullcontext()
-        with adapter, torch.no_grad(), model_loading.inference_weights(loaded):
-            for (q, words), answer in zip(GENERAL, answers, strict=True):
-                end = right_end(answer, words)
-                if end is None:
-                    out.append(None)
-                    continue
-                msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": answer[:end]}]
-                row = job_config.assistant_masked(msgs, tok)
-                ids = torch.tensor([row["input_ids"]], device=loaded.device)
-                target = ids[0, 1:]
-                scored = torch.tensor(row["completion_mask"][1:], dtype=torch.bool, device=loaded.device)
-                # the cut answer's end of turn, and what the template adds after it, are not its own
-                stop = ((target == tok.eos_token_id) & scored).nonzero()
-                if len(stop):
-                    scored[int(stop[0]) :] = False
-                logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)[scored]
-                own = logp.gather(1, target[scored][:, None])[:, 0]
-                other = logp.scatter(1, target[scored][:, None], float("-inf")).max(-1).values
-                out.append(round(float((own - other).min()), 3))
-    finally:
-        model.train(was_training)
+    with generation.inference(loaded, disable_adapter=disable_adapter) as model:
+        for (q, words), answer in zip(GENERAL, answers, strict=True):
+            end = right_end(answer, words)
+            if end is None:
+                out.append(None)
+                continue
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": answer[:end]}]
+            row = job_config.assistant_masked(msgs, tok)
+            ids = torch.tensor([row["input_ids"]], device=loaded.device)
+            target = ids[0, 1:]
+            scored = torch.tensor(row["completion_mask"][1:], dtype=torch.bool, device=loaded.device)
+            # the cut answer's end of turn, and what the template adds after it, are not its own
+            stop = ((target == tok.eos_token_id) & scored).nonzero()
+            if len(stop):
+                scored[int(stop[0]) :] = False
+            logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)[scored]
+            own = logp.gather(1, target[scored][:, None])[:, 0]
+            other = logp.scatter(1, target[scored][:, None], float("-inf")).max(-1).values
+            out.append(round(float((own - other).min()), 3))
     return out
 
 
@@ -341,16 +335,31 @@ def retention_constants(text: str):
             setattr(retention, name, value)
 
 
+@contextlib.contextmanager
+def rounded_logits():
+    """Inside: generation's output head as autocast leaves it, its logits rounded to the session's 16-bit dtype, as
+    an engine serving the model in bf16 decides its tokens (``generation.unrounded_logits`` off)."""
+    from strop.trainer_svc.core import generation
+
+    keep = generation.unrounded_logits
+    generation.unrounded_logits = lambda model: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        generation.unrounded_logits = keep
+
+
 def evaluate(loaded, *, disable_adapter: bool, unbatched: bool = False) -> dict:
     """Facts: teacher-forced, the trained answer is exactly the greedy one when every one of its tokens (to the
     end of turn) is the model's top-1 (``retention.answer_hits``; unbatched, so no padding is involved).
-    General: greedy answers in one left-padded batch (``models.generate_chat_batch``); ``unbatched``: also one
-    question at a time, as Generate answers a user (``generation.generate_chat``): on bf16 logits a batch's left
-    padding can decide a near tie either way, which an answer given alone does not see."""
+    General: greedy answers in one left-padded batch (``models.generate_chat_batch``); ``unbatched`` (a 16-bit
+    session): also one question at a time, as Generate answers a user (``generation.generate_chat``), where a
+    batch's left padding can move a near tie either way, and the batch again with the logits rounded to 16 bits
+    (``rounded_logits``: how an engine serving in bf16 would answer; Generate's logits are fp32)."""
     from strop.trainer_svc.core import generation, model_loading, retention
 
     t0 = time.perf_counter()
-    alone = None
+    alone = rounded = None
     if unbatched:
         alone, _ = generation.generate_chat(
             loaded,
@@ -360,17 +369,24 @@ def evaluate(loaded, *, disable_adapter: bool, unbatched: bool = False) -> dict:
         )
     facts = retention.BaseAnswers([q for q, _ in FACTS], [a for _, a in FACTS], [True] * len(FACTS), 0.0)
     hits = retention.answer_hits(loaded, facts, disable_adapter=disable_adapter)
-    general, _ = model_loading.generate_chat_batch(
-        loaded,
-        [q for q, _ in GENERAL],
-        max_new_tokens=GENERAL_MAX_NEW_TOKENS,
-        disable_adapter=disable_adapter,
-    )
+
+    def batch():
+        return model_loading.generate_chat_batch(
+            loaded,
+            [q for q, _ in GENERAL],
+            max_new_tokens=GENERAL_MAX_NEW_TOKENS,
+            disable_adapter=disable_adapter,
+        )[0]
+
+    general = batch()
+    if unbatched:
+        with rounded_logits():
+            rounded = batch()
     return {
         "facts": [h is not None and h[0] == h[1] for h in hits],
         "general": [right(a, words) for a, (_, words) in zip(general, GENERAL, strict=True)],
         "general_answers": general,
-        **({"general_answers_unbatched": alone} if unbatched else {}),
+        **({"general_answers_unbatched": alone, "general_answers_rounded": rounded} if unbatched else {}),
         "seconds": time.perf_counter() - t0,
     }
 
@@ -379,7 +395,7 @@ def cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     """The base's evaluation (the same for every setting: adapter disabled), kept beside the model's cache."""
     import hashlib
 
-    what = [FACTS, GENERAL, GENERAL_MAX_NEW_TOKENS, device, "unbatched"]
+    what = [FACTS, GENERAL, GENERAL_MAX_NEW_TOKENS, device, "unbatched", "fp32 logits", "rounded"]
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     path = model_dir.parent / f"{model_dir.name}-recipe-base-{key}.json"
     if path.is_file():
@@ -649,6 +665,11 @@ def run(
     kept_alone = (
         len(set(base_alone) & set(right_general(after["general_answers_unbatched"]))) if alone else None
     )
+    # the same batch with 16-bit logits (a bf16 serving engine's decisions)
+    base_rounded = right_general(base_eval["general_answers_rounded"]) if alone else []
+    kept_rounded = (
+        len(set(base_rounded) & set(right_general(after["general_answers_rounded"]))) if alone else None
+    )
     row = {
         "setting": setting,
         "lr": cfg.learning_rate,
@@ -669,6 +690,8 @@ def run(
         "general_base_right": len(base_right),
         "general_kept_unbatched": kept_alone,
         "general_base_right_unbatched": len(base_alone) if alone else None,
+        "general_kept_rounded": kept_rounded,
+        "general_base_right_rounded": len(base_rounded) if alone else None,
         "retention_neighbours": cfg.retention_neighbours,
         # the finished adapter's (1: as trained; adapter_scale auto: the scale the job chose, from its event)
         "adapter_scale": events[-1].adapter_scale
@@ -686,6 +709,8 @@ def run(
         "general_answers": after["general_answers"],
         "general_answers_unbatched": after.get("general_answers_unbatched"),
         "base_general_answers_unbatched": base_eval.get("general_answers_unbatched"),
+        "general_answers_rounded": after.get("general_answers_rounded"),
+        "base_general_answers_rounded": base_eval.get("general_answers_rounded"),
         "base_margins": base_eval[
             "margins"
         ],  # base_margins: how near a tie each of the base's right answers is
@@ -767,17 +792,27 @@ def replay_census(model_dir: Path, device: str, path: Path) -> None:
     model_loading.release(loaded)
 
 
+def kept_cell(base: list[str] | None, trained: list[str] | None) -> str:
+    """ "kept/right (share)" of the base's right answers over one view of the general pass; "-" for rows written
+    before that view existed."""
+    if not base or not trained:
+        return "-"
+    right_base = right_general(base)
+    n = len(set(right_base) & set(right_general(trained)))
+    return f"{n}/{len(right_base)} ({100 * n / max(len(right_base), 1):.0f}%)"
+
+
 def table(paths: list[str]) -> str:
     """The Markdown table of result rows (JSONL files ``--out`` wrote), general answers judged again by ``right``
     from the stored answers (base and trained), so rows written by earlier versions of it read the same way."""
     out = [
         "| device | setting | lr | epochs | r/alpha | targets | retention | steps | facts exact | general kept "
-        "| answered alone "
+        "| answered alone | with bf16 logits "
         f"| of the first {FIRST_GENERAL} | of the first {EARLIER_GENERAL} | of those the base answers with a lead > 0 "
         f"| of those the base answers by ≥ {MARGIN_NATS:g} nat "
         "| lead on them, nats (base → trained) | forgetting metric (held-out, word for word) | train s "
         "| after each epoch (facts, kept) | scaled toward the base (scale: facts, kept) |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|",
     ]
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -785,11 +820,10 @@ def table(paths: list[str]) -> str:
             base = right_general(r["base_general_answers"])
             held = set(base) & set(right_general(r["general_answers"]))
             kept = len(held)
-            alone_cell = "-"
-            if r.get("general_answers_unbatched"):  # rows written before the unbatched pass have none
-                alone = right_general(r["base_general_answers_unbatched"])
-                n = len(set(alone) & set(right_general(r["general_answers_unbatched"])))
-                alone_cell = f"{n}/{len(alone)} ({100 * n / max(len(alone), 1):.0f}%)"
+            alone_cell, rounded_cell = (
+                kept_cell(r.get(f"base_general_answers_{view}"), r.get(f"general_answers_{view}"))
+                for view in ("unbatched", "rounded")
+            )
             first = [i for i in base if i < FIRST_GENERAL]
             kept_first = len(held.intersection(first))
             earlier = [i for i in base if i < EARLIER_GENERAL]
@@ -834,7 +868,7 @@ def table(paths: list[str]) -> str:
             out.append(
                 f"| {r.get('device', 'cpu')} | `{r['setting']}` | {r['lr']:g} | {r['epochs']:g} | {r['r']}/{r['alpha']:g} "
                 f"| {r['targets']} | {retention} | {r['steps']} | {r['facts']}/{r['facts_of']} "
-                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {alone_cell} | {kept_first}/{len(first)} | {kept_earlier}/{len(earlier)} | {decided_cell} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
+                f"| {kept}/{len(base)} ({100 * kept / max(len(base), 1):.0f}%) | {alone_cell} | {rounded_cell} | {kept_first}/{len(first)} | {kept_earlier}/{len(earlier)} | {decided_cell} | {clear_cell} | {lead} | {metric} | {r['train_seconds']:.0f} "
                 f"| {epochs} | {scaled} |"
             )
     return "\n".join(out)
@@ -974,7 +1008,8 @@ def main() -> None:
         print(
             f"{setting}: {row['steps']} steps, loss {row['loss_first']:.2f} -> {row['loss_last']:.2f}, "
             f"facts {row['facts']}/{row['facts_of']}, general kept {row['general_kept']}/{row['general_base_right']} "
-            f"(answered alone {row['general_kept_unbatched']}/{row['general_base_right_unbatched']}), "
+            f"(answered alone {row['general_kept_unbatched']}/{row['general_base_right_unbatched']}, "
+            f"bf16 logits {row['general_kept_rounded']}/{row['general_base_right_rounded']}), "
             f"forgetting {row['forgetting_events']}, train {row['train_seconds']} s",
             flush=True,
         )

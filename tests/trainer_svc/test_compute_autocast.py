@@ -1,7 +1,9 @@
 """A session's forwards outside training (Generate, the retention's teacher-forced scoring) compute under the
 autocast its jobs train in (``LoadedModel.compute_autocast``), so they score the model as trained, not PEFT's
-fp32-LoRA arithmetic over the 16-bit base. Checked on a bf16 CPU session against the same forwards written out
-under torch's autocast, and against the forwards without it, which differ (so the checks can fail)."""
+fp32-LoRA arithmetic over the 16-bit base, with the output head's logits left in fp32
+(``generation.unrounded_logits``). Checked on a bf16 CPU session against the same forwards written out under
+torch's autocast with the head's products summed in fp32 by hand, and against the forwards without autocast or
+with the head's logits rounded to bf16, which differ (so the checks can fail)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,25 @@ def bf16_session(model_root):
     return loaded
 
 
+@contextlib.contextmanager
+def _as_inference(model, *, round_head: bool = False):
+    """bf16 autocast, the output head's logits the bf16-rounded input times the weight summed and kept in fp32 (a
+    hook), or with ``round_head`` rounded to bf16 at the end as the plain autocast forward gives them."""
+    head = model.get_output_embeddings()
+
+    def exact(m, args, out):
+        with torch.autocast("cpu", enabled=False):  # the hook runs inside the forward's autocast
+            logits = args[0].to(m.weight.dtype).float() @ m.weight.float().t()
+        return logits.to(torch.bfloat16) if round_head else logits
+
+    hook = head.register_forward_hook(exact)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+    finally:
+        hook.remove()
+
+
 def _hits_by_hand(loaded, ctx) -> list[float]:
     """Each conversation's summed NLL over its assistant tokens, the plain forward under ``ctx``."""
     out = []
@@ -89,13 +110,16 @@ def _hits_by_hand(loaded, ctx) -> list[float]:
 
 
 def test_teacher_forced_scoring_computes_as_the_jobs_train(bf16_session):
+    model = bf16_session.model
     got = [h[0][2] for h in retention.conversation_hits(bf16_session, ROWS)]
-    trained = _hits_by_hand(bf16_session, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    trained = _hits_by_hand(bf16_session, lambda: _as_inference(model))
     plain = _hits_by_hand(bf16_session, contextlib.nullcontext)
+    rounded = _hits_by_hand(bf16_session, lambda: _as_inference(model, round_head=True))
     # the turns' tokens as the scorer cuts them (at the end of turn) are the ones summed by hand: each row ends its
     # answer with the turn, so the two agree exactly where the arithmetic is the same
     assert got == pytest.approx(trained, rel=1e-6, abs=1e-5)
     assert plain != pytest.approx(trained, rel=1e-6, abs=1e-5), "without autocast the scores differ"
+    assert rounded != pytest.approx(trained, rel=1e-6, abs=1e-5), "with bf16 logits the scores differ"
 
 
 def test_generate_decodes_as_the_jobs_train(bf16_session):
@@ -121,10 +145,42 @@ def test_generate_decodes_as_the_jobs_train(bf16_session):
     enc = tok(prompt, return_tensors="pt")
     model.eval()
     try:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), _as_inference(model):
             ref = model.generate(
                 **enc, max_new_tokens=12, do_sample=False, num_beams=1, pad_token_id=tok.pad_token_id
             )
     finally:
         model.train()
     assert got == tok.decode(ref[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_unrounded_logits_break_a_bf16_tie_as_the_head_computes_it(monkeypatch):
+    """Two tokens 1/32 nat apart at a logit of 16 tie once rounded to bf16 (its step there is 1/8), and greedy
+    decoding would take the lower id; unrounded, the higher one wins, on the one-GEMM path (an fp32 weight under
+    autocast) and on the CPU's sliced fp32 path (16-bit weight), whose slices are joined in vocabulary order."""
+
+    class Head(torch.nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(2, 5, bias=False, dtype=dtype)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(
+                    torch.tensor([[0.0, 1.0], [16.0, 0.0], [16.0, 2**-5], [1.0, 0.0], [0.0, -1.0]])
+                )
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    monkeypatch.setattr(generation, "UNROUNDED_HEAD_ROWS", 2)  # three slices
+    x = torch.tensor([[[1.0, 1.0]]], dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        m = Head(dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rounded = m.lm_head(x)
+            with generation.unrounded_logits(m):
+                exact = m.lm_head(x)
+        assert rounded.dtype == torch.bfloat16 and float(rounded[0, 0, 1]) == float(rounded[0, 0, 2]) == 16.0
+        assert exact.dtype == torch.float32 and exact.shape == (1, 1, 5)
+        assert exact[0, 0].tolist() == [1.0, 16.0, 16.03125, 1.0, -1.0]
+        assert (int(rounded.argmax()), int(exact.argmax())) == (1, 2)
+        assert "forward" not in m.lm_head.__dict__, "the head's own forward is back"

@@ -144,3 +144,39 @@ def test_generate_on_a_bf16_session_runs_strops_kernels_under_the_jobs_autocast(
     assert len(out) == 1
     fallbacks = [r.getMessage() for r in caplog.records if "reference path" in r.getMessage()]
     assert not fallbacks, fallbacks[:3]
+
+
+def test_unrounded_logits_on_cuda_are_the_fp32_sum_of_the_bf16_products():
+    """The CUDA head (``torch.mm`` with an fp32 output) sums the bf16-rounded input times the bf16 weight in fp32 and
+    keeps the sum: against the same products summed in fp32 by torch (summation order: a few fp32 ulps of the
+    terms' magnitude), and the bf16 tie of two tokens 1/32 nat apart at a logit of 16 broken toward the higher."""
+    import torch
+
+    from strop.trainer_svc.core import generation
+
+    class Head(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="cuda")
+            self.lm_head.to(torch.bfloat16).weight.data.copy_(weight)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(50_000, 576, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 7, 576, device="cuda", generator=g)
+    m = Head(w)
+    with torch.autocast("cuda", dtype=torch.bfloat16), generation.unrounded_logits(m):
+        got = m.lm_head(x)
+    ref = x.to(torch.bfloat16).double() @ w.double().t()
+    bound = 576 * 2**-23 * (x.to(torch.bfloat16).double().abs() @ w.double().abs().t())
+    assert got.dtype == torch.float32 and got.shape == (3, 7, 50_000)
+    assert bool(((got.double() - ref).abs() <= bound).all())
+    tie = Head(torch.tensor([[16.0, 0.0], [16.0, 2**-5]]))
+    one = torch.ones(1, 2, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        rounded = tie.lm_head(one)
+        with generation.unrounded_logits(tie):
+            exact = tie.lm_head(one)
+    assert rounded[0].tolist() == [16.0, 16.0] and exact[0].tolist() == [16.0, 16.03125]

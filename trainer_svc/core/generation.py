@@ -1,6 +1,7 @@
 """Generating from a session's model (Generate, and the base's answers that retention replays): batched
-``model.generate`` under a token cap and the caller's deadline, under the autocast the session's jobs train in
-(``LoadedModel.compute_autocast``), and on a CPU session a dequantized copy of the 4-bit weights to generate from."""
+``model.generate`` under a token cap and the caller's deadline, inside ``inference``: the autocast the session's
+jobs train in (``LoadedModel.compute_autocast``), the output head's logits not rounded to 16 bits, and on a CPU
+session a dequantized copy of the 4-bit weights to generate from."""
 
 from __future__ import annotations
 
@@ -65,10 +66,7 @@ def _generate(
     apply_chat_template: bool,
     time_budget: float | None,
 ) -> tuple[list[str], list[bool]]:
-    import contextlib
     import time
-
-    import torch
 
     if not prompts:
         raise InvalidArgument("no prompts given")
@@ -92,41 +90,28 @@ def _generate(
         ]
     else:
         texts = list(prompts)
-    model = loaded.model
     outs: list[str] = []
     finished: list[bool] = []
-    ctx = (
-        model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
-    )
-    was_training = model.training
-    model.eval()
-    try:
-        with ctx, torch.no_grad(), inference_weights(loaded), loaded.compute_autocast():
-            for text in texts:  # one at a time: no padding, so results do not depend on batch makeup
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise DeadlineExceeded(f"the deadline passed after {len(outs)} of {len(texts)} prompts")
-                enc = tok(text, return_tensors="pt", add_special_tokens=not apply_chat_template).to(
-                    loaded.device
-                )
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    num_beams=1,
-                    pad_token_id=tok.pad_token_id,
-                    use_cache=True,
-                    **({"max_time": left} if left is not None else {}),  # HF stops generating at max_time
-                )
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise DeadlineExceeded(
-                        f"the deadline passed during prompt {len(outs) + 1} of {len(texts)}"
-                    )
-                new = out[0, enc["input_ids"].shape[1] :]
-                outs.append(tok.decode(new, skip_special_tokens=True))
-                finished.append(bool(len(new)) and int(new[-1]) == tok.eos_token_id)
-    finally:
-        model.train(was_training)
+    with inference(loaded, disable_adapter=disable_adapter) as model:
+        for text in texts:  # one at a time: no padding, so results do not depend on batch makeup
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise DeadlineExceeded(f"the deadline passed after {len(outs)} of {len(texts)} prompts")
+            enc = tok(text, return_tensors="pt", add_special_tokens=not apply_chat_template).to(loaded.device)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=tok.pad_token_id,
+                use_cache=True,
+                **({"max_time": left} if left is not None else {}),  # HF stops generating at max_time
+            )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"the deadline passed during prompt {len(outs) + 1} of {len(texts)}")
+            new = out[0, enc["input_ids"].shape[1] :]
+            outs.append(tok.decode(new, skip_special_tokens=True))
+            finished.append(bool(len(new)) and int(new[-1]) == tok.eos_token_id)
     return outs, finished
 
 
@@ -135,26 +120,16 @@ def generate_chat_batch(
 ) -> tuple[list[str], list[bool]]:
     """``generate_chat`` over all prompts at once (left-padded): one decoding pass for the batch, for the trainer's
     own use (retention). Padding may change a near-tie argmax, so an answer can differ from the unbatched one."""
-    import contextlib
-
-    import torch
-
     tok = loaded.tokenizer
     texts = [
         tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         for p in prompts
     ]
-    model = loaded.model
     side = tok.padding_side
-    ctx = (
-        model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
-    )
-    was_training = model.training
-    model.eval()
     try:
         tok.padding_side = "left"
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(loaded.device)
-        with ctx, torch.no_grad(), inference_weights(loaded), loaded.compute_autocast():
+        with inference(loaded, disable_adapter=disable_adapter) as model:
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,
@@ -165,7 +140,6 @@ def generate_chat_batch(
             )
     finally:
         tok.padding_side = side
-        model.train(was_training)
     answers, finished = [], []
     for row in out[:, enc["input_ids"].shape[1] :].tolist():
         done = tok.eos_token_id in row
@@ -174,6 +148,85 @@ def generate_chat_batch(
         )
         finished.append(done)
     return answers, finished
+
+
+@contextlib.contextmanager
+def inference(loaded: LoadedModel, *, disable_adapter: bool = False):
+    """Inside, ``loaded.model`` (yielded) computes as a session's forwards outside training do (Generate, the
+    retention's teacher-forced scoring and sampling): eval mode, no autograd, the adapter off on request, a CPU
+    session's 4-bit layers from their dequantized copy (``inference_weights``), the autocast the session's jobs
+    train in (``LoadedModel.compute_autocast``) and the output head's logits in fp32 (``unrounded_logits``)."""
+    import torch
+
+    model = loaded.model
+    adapter = (
+        model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        with (
+            adapter,
+            torch.no_grad(),
+            inference_weights(loaded),
+            loaded.compute_autocast(),
+            unrounded_logits(model),
+        ):
+            yield model
+    finally:
+        model.train(was_training)
+
+
+# vocabulary rows a CPU head computes at a time in fp32 from 16-bit weights (a [rows, hidden] fp32 temporary)
+UNROUNDED_HEAD_ROWS = 8192
+
+
+@contextlib.contextmanager
+def unrounded_logits(model):
+    """Inside: the model's output head, where it is a plain ``nn.Linear``, returns its logits in fp32, the GEMM's
+    fp32 sum not rounded to the 16-bit dtype autocast (or a 16-bit weight) would give them.
+
+    Rounded, a logit near 20 moves in steps of 1/16 (bf16's 8 significant bits): two tokens a few hundredths of a
+    nat apart tie, and greedy decoding takes the lower token id, whatever the model prefers. The input is still
+    rounded to the head's dtype first, as under autocast, so the logits are the same products, summed exactly as
+    before and only not rounded at the end. A head with a LoRA layer (a trained unembedding) is left as it is."""
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (
+        type(head) is not torch.nn.Linear or "forward" in head.__dict__
+    ):  # not plain, or already (an outer call)
+        yield
+        return
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, lead = self.weight, x.shape[:-1]
+        with torch.autocast(x.device.type, enabled=False):
+            if w.dtype == torch.float32:
+                out = torch.nn.functional.linear(x.float(), w)
+            else:
+                x2 = x.reshape(-1, x.shape[-1]).to(w.dtype)
+                if x2.is_cuda:
+                    out = torch.mm(x2, w.t(), out_dtype=torch.float32)
+                else:  # no fp32-output 16-bit GEMM on the CPU: the same products in fp32, a slice of rows at a time
+                    x32 = x2.float()
+                    out = torch.cat(
+                        [
+                            x32 @ w[i : i + UNROUNDED_HEAD_ROWS].float().t()
+                            for i in range(0, w.shape[0], UNROUNDED_HEAD_ROWS)
+                        ],
+                        dim=-1,
+                    )
+                out = out.reshape(*lead, w.shape[0])
+            if self.bias is not None:
+                out = out + self.bias.float()
+        return out
+
+    head.forward = forward.__get__(head)
+    try:
+        yield
+    finally:
+        head.__dict__.pop("forward", None)
 
 
 # A CPU session's 4-bit layers generate from a dequantized copy of their weights: bitsandbytes' CPU path

@@ -234,13 +234,11 @@ def neighbour_prompts(
     ``NEIGHBOUR_TEMPERATURE`` and ``NEIGHBOUR_TOP_P``, seeded by ``seed``; the global RNG untouched) up to its first
     "?", of which the first ``per_prefix`` new questions are kept. In order, without repeats; none of ``exclude`` and
     no continuation that reaches a newline or the token limit before its "?"."""
-    import contextlib
-
     import torch
 
-    from strop.trainer_svc.core import model_loading
+    from strop.trainer_svc.core import generation
 
-    tok, model = loaded.tokenizer, loaded.model
+    tok = loaded.tokenizer
     prefixes: list[str] = []
     for q in questions:
         words = q.split()
@@ -263,17 +261,13 @@ def neighbour_prompts(
         return []
     draws = max(1, NEIGHBOUR_OVERSAMPLE)
     dev = torch.device(loaded.device)
-    ctx = model.disable_adapter() if loaded.lora is not None else contextlib.nullcontext()
-    side, was_training = tok.padding_side, model.training
-    model.eval()
+    side = tok.padding_side
     try:
         tok.padding_side = "left"
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
         with (
             torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []),
-            ctx,
-            torch.no_grad(),
-            model_loading.inference_weights(loaded),
+            generation.inference(loaded, disable_adapter=True) as model,
         ):
             torch.manual_seed(seed)
             out = model.generate(
@@ -289,7 +283,6 @@ def neighbour_prompts(
             )
     finally:
         tok.padding_side = side
-        model.train(was_training)
     found: list[str] = []
     of_prefix = [0] * len(prefixes)
     for i, row in enumerate(out[:, enc["input_ids"].shape[1] :]):
@@ -363,46 +356,36 @@ def conversation_hits(
     summed NLL), and for each assistant message whether every one of its tokens is the model's top-1 (the message
     reproduced word for word).
     One conversation at a time (no padding), cut at ``max_length`` tokens as training cuts it (0: whole), the LM
-    head run at the measured positions only (``logits_to_keep``: no sequence × vocabulary logits), under the autocast
-    the session's jobs train in (``LoadedModel.compute_autocast``); adapter on unless
+    head run at the measured positions only (``logits_to_keep``: no sequence × vocabulary logits), as Generate
+    computes (``generation.inference``: the session's autocast, fp32 logits); adapter on unless
     ``disable_adapter``."""
-    import contextlib
-
     import torch
 
-    from strop.trainer_svc.core import job_config, model_loading
+    from strop.trainer_svc.core import generation, job_config
 
-    tok, model = loaded.tokenizer, loaded.model
-    ctx = (
-        model.disable_adapter() if (disable_adapter and loaded.lora is not None) else contextlib.nullcontext()
-    )
+    tok = loaded.tokenizer
     out: list[tuple[tuple[int, int, float], list[bool]]] = []
-    was_training = model.training
-    model.eval()
-    try:
-        with ctx, torch.no_grad(), model_loading.inference_weights(loaded), loaded.compute_autocast():
-            for conv in rows:
-                row = job_config.assistant_masked(
-                    conv["messages"], tok, tools=conv.get("tools"), last_only=last_only
-                )
-                input_ids = row["input_ids"][:max_length] if max_length else row["input_ids"]
-                target = input_ids[1:]
-                spans = _turn_spans(row["completion_mask"][1 : len(input_ids)], target, tok.eos_token_id)
-                if not spans:
-                    out.append(((0, 0, 0.0), []))
-                    continue
-                at = [i for a, b in spans for i in range(a, b)]  # position i predicts token i + 1
-                ids = torch.tensor([input_ids], device=loaded.device)
-                keep = torch.tensor(at, device=loaded.device)
-                logits = model(input_ids=ids, logits_to_keep=keep).logits[0].float()
-                want = ids[0, keep + 1]
-                hit = (logits.argmax(-1) == want).tolist()
-                right = dict(zip(at, hit, strict=True))
-                nll = float(torch.nn.functional.cross_entropy(logits, want, reduction="sum"))
-                whole = [all(right[i] for i in range(a, b)) for a, b in spans]
-                out.append(((sum(hit), len(at), nll), whole))
-    finally:
-        model.train(was_training)
+    with generation.inference(loaded, disable_adapter=disable_adapter) as model:
+        for conv in rows:
+            row = job_config.assistant_masked(
+                conv["messages"], tok, tools=conv.get("tools"), last_only=last_only
+            )
+            input_ids = row["input_ids"][:max_length] if max_length else row["input_ids"]
+            target = input_ids[1:]
+            spans = _turn_spans(row["completion_mask"][1 : len(input_ids)], target, tok.eos_token_id)
+            if not spans:
+                out.append(((0, 0, 0.0), []))
+                continue
+            at = [i for a, b in spans for i in range(a, b)]  # position i predicts token i + 1
+            ids = torch.tensor([input_ids], device=loaded.device)
+            keep = torch.tensor(at, device=loaded.device)
+            logits = model(input_ids=ids, logits_to_keep=keep).logits[0].float()
+            want = ids[0, keep + 1]
+            hit = (logits.argmax(-1) == want).tolist()
+            right = dict(zip(at, hit, strict=True))
+            nll = float(torch.nn.functional.cross_entropy(logits, want, reduction="sum"))
+            whole = [all(right[i] for i in range(a, b)) for a, b in spans]
+            out.append(((sum(hit), len(at), nll), whole))
     return out
 
 
