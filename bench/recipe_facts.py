@@ -398,21 +398,28 @@ def cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
     what = [FACTS, GENERAL, GENERAL_MAX_NEW_TOKENS, device, "unbatched", "fp32 logits", "rounded"]
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
     path = model_dir.parent / f"{model_dir.name}-recipe-base-{key}.json"
-    if path.is_file():
+    cached = path.is_file()
+    if cached:
         base = json.loads(path.read_text())
         if "margins" not in base:  # a cache written before the margins were measured
             base["margins"] = base_margins(loaded, base["general_answers"])
-        return base
-    base = evaluate(loaded, disable_adapter=True, unbatched=device != "cpu")
-    base["margins"] = base_margins(loaded, base["general_answers"])
-    tmp = path.with_name(
-        f"{path.name}.{os.getpid()}.tmp"
-    )  # settings run in parallel processes share the cache
-    tmp.write_text(json.dumps(base))
-    os.replace(tmp, path)
-    print(
-        f"base: facts {sum(base['facts'])}/{len(FACTS)}, general {sum(base['general'])}/{len(GENERAL)} right "
-        f"({base['seconds']:.0f} s)",
+    else:
+        base = evaluate(loaded, disable_adapter=True, unbatched=device != "cpu")
+        base["margins"] = base_margins(loaded, base["general_answers"])
+        tmp = path.with_name(
+            f"{path.name}.{os.getpid()}.tmp"
+        )  # settings run in parallel processes share the cache
+        tmp.write_text(json.dumps(base))
+        os.replace(tmp, path)
+    views = "".join(
+        f", {view} {len(right_general(base[f'general_answers_{view}']))}"
+        for view in ("unbatched", "rounded")
+        if base.get(f"general_answers_{view}")
+    )
+    took = "cached" if cached else f"{base['seconds']:.0f} s"
+    print(  # bench/gpu_facts_seeds.sh waits for this line
+        f"base: facts {sum(base['facts'])}/{len(FACTS)}, general {sum(base['general'])}/{len(GENERAL)} right{views} "
+        f"({took})",
         file=sys.stderr,
         flush=True,
     )
