@@ -156,8 +156,9 @@ def test_generate_decodes_as_the_jobs_train(bf16_session):
 
 def test_unrounded_logits_break_a_bf16_tie_as_the_head_computes_it(monkeypatch):
     """Two tokens 1/32 nat apart at a logit of 16 tie once rounded to bf16 (its step there is 1/8), and greedy
-    decoding would take the lower id; unrounded, the higher one wins, on the one-GEMM path (an fp32 weight under
-    autocast) and on the CPU's sliced fp32 path (16-bit weight), whose slices are joined in vocabulary order."""
+    decoding would take the lower id; unrounded, the higher one wins: with an fp32 weight under autocast (rounded to
+    bf16 as autocast rounds it), with a 16-bit weight through the CPU's sliced path, whose slices are joined in
+    vocabulary order, and through a CPU session's fp32 copy of the weight."""
 
     class Head(torch.nn.Module):
         def __init__(self, dtype):
@@ -173,14 +174,35 @@ def test_unrounded_logits_break_a_bf16_tie_as_the_head_computes_it(monkeypatch):
 
     monkeypatch.setattr(generation, "UNROUNDED_HEAD_ROWS", 2)  # three slices
     x = torch.tensor([[[1.0, 1.0]]], dtype=torch.bfloat16)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, copy in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
         m = Head(dtype)
+        weight32 = m.lm_head.weight.float() if copy else None
         with torch.autocast("cpu", dtype=torch.bfloat16):
             rounded = m.lm_head(x)
-            with generation.unrounded_logits(m):
+            with generation.unrounded_logits(m, weight32):
                 exact = m.lm_head(x)
         assert rounded.dtype == torch.bfloat16 and float(rounded[0, 0, 1]) == float(rounded[0, 0, 2]) == 16.0
         assert exact.dtype == torch.float32 and exact.shape == (1, 1, 5)
         assert exact[0, 0].tolist() == [1.0, 16.0, 16.03125, 1.0, -1.0]
         assert (int(rounded.argmax()), int(exact.argmax())) == (1, 2)
         assert "forward" not in m.lm_head.__dict__, "the head's own forward is back"
+
+
+def test_a_bf16_cpu_sessions_head_decides_from_its_fp32_copy(bf16_session):
+    """A bf16 CPU session generates through ``inference`` with its output head's weight copied to fp32 once (the CPU
+    has no fp32-output 16-bit GEMM; converting the weight at every decoding step costs more than the product): the
+    logits are those of the sliced path that converts it each call, the copy lives until a job drops it."""
+    model = bf16_session.model
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    generation.drop_inference_weights(bf16_session)
+    with generation.inference(bf16_session) as m:
+        got = m(input_ids=ids).logits
+    copy = bf16_session.extra[generation.INFERENCE_HEAD]
+    assert copy is not None and copy.dtype == torch.float32
+    assert torch.equal(copy, model.get_output_embeddings().weight.float())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), generation.unrounded_logits(model):
+        sliced = model(input_ids=ids).logits
+    assert got.dtype == sliced.dtype == torch.float32
+    torch.testing.assert_close(got, sliced, rtol=0, atol=0)
+    generation.drop_inference_weights(bf16_session)
+    assert generation.INFERENCE_HEAD not in bf16_session.extra

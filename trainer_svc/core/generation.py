@@ -170,26 +170,29 @@ def inference(loaded: LoadedModel, *, disable_adapter: bool = False):
             torch.no_grad(),
             inference_weights(loaded),
             loaded.compute_autocast(),
-            unrounded_logits(model),
+            unrounded_logits(model, _head_copy(loaded)),
         ):
             yield model
     finally:
         model.train(was_training)
 
 
-# vocabulary rows a CPU head computes at a time in fp32 from 16-bit weights (a [rows, hidden] fp32 temporary)
+# vocabulary rows a CPU head without its fp32 copy computes at a time (a [rows, hidden] fp32 temporary)
 UNROUNDED_HEAD_ROWS = 8192
+INFERENCE_HEAD = "inference_head"
 
 
 @contextlib.contextmanager
-def unrounded_logits(model):
-    """Inside: the model's output head, where it is a plain ``nn.Linear``, returns its logits in fp32, the GEMM's
-    fp32 sum not rounded to the 16-bit dtype autocast (or a 16-bit weight) would give them.
+def unrounded_logits(model, weight32=None):
+    """Inside: the model's output head, where it is a plain ``nn.Linear``, returns its logits in fp32: the products
+    the session computes (input and weight in the autocast dtype, or the weight's) summed in fp32 and not rounded
+    to 16 bits at the end, as autocast (or a 16-bit weight) would give them.
 
-    Rounded, a logit near 20 moves in steps of 1/16 (bf16's 8 significant bits): two tokens a few hundredths of a
-    nat apart tie, and greedy decoding takes the lower token id, whatever the model prefers. The input is still
-    rounded to the head's dtype first, as under autocast, so the logits are the same products, summed exactly as
-    before and only not rounded at the end. A head with a LoRA layer (a trained unembedding) is left as it is."""
+    Rounded, a logit between 16 and 32 moves in steps of 1/8 nat (bf16's 8 significant bits): two tokens a few
+    hundredths of a nat apart tie, and greedy decoding takes the lower token id, whatever the model's sums prefer.
+    On CUDA one GEMM with an fp32 output (``torch.mm(..., out_dtype=float32)``); the CPU has none, so it multiplies
+    ``weight32``, the 16-bit weight in fp32 (a CPU session's copy, ``inference``), or without one converts a slice
+    of the weight at a time. A head with a LoRA layer (a trained unembedding) is left as it is."""
     import torch
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -200,24 +203,25 @@ def unrounded_logits(model):
         return
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, lead = self.weight, x.shape[:-1]
-        with torch.autocast(x.device.type, enabled=False):
-            if w.dtype == torch.float32:
-                out = torch.nn.functional.linear(x.float(), w)
+        w, lead, dev = self.weight, x.shape[:-1], x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
+        with torch.autocast(dev, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dt)
+            if dt == torch.float32:
+                out = x2 @ w.float().t()
+            elif x2.is_cuda:
+                out = torch.mm(x2, w.to(dt).t(), out_dtype=torch.float32)
+            elif weight32 is not None:
+                out = x2.float() @ weight32.t()
             else:
-                x2 = x.reshape(-1, x.shape[-1]).to(w.dtype)
-                if x2.is_cuda:
-                    out = torch.mm(x2, w.t(), out_dtype=torch.float32)
-                else:  # no fp32-output 16-bit GEMM on the CPU: the same products in fp32, a slice of rows at a time
-                    x32 = x2.float()
-                    out = torch.cat(
-                        [
-                            x32 @ w[i : i + UNROUNDED_HEAD_ROWS].float().t()
-                            for i in range(0, w.shape[0], UNROUNDED_HEAD_ROWS)
-                        ],
-                        dim=-1,
-                    )
-                out = out.reshape(*lead, w.shape[0])
+                out = torch.cat(
+                    [
+                        x2.float() @ w[i : i + UNROUNDED_HEAD_ROWS].to(dt).float().t()
+                        for i in range(0, w.shape[0], UNROUNDED_HEAD_ROWS)
+                    ],
+                    dim=-1,
+                )
+            out = out.reshape(*lead, w.shape[0])
             if self.bias is not None:
                 out = out + self.bias.float()
         return out
@@ -227,6 +231,30 @@ def unrounded_logits(model):
         yield
     finally:
         head.__dict__.pop("forward", None)
+
+
+def _head_copy(loaded: LoadedModel):
+    """A CPU session's output head weight as its jobs compute with it (in the autocast dtype, else its own) in fp32,
+    for ``unrounded_logits``; None where there is nothing to copy (CUDA, an fp32 head, no plain head) or the copy would
+    pass ``INFERENCE_COPY_HOST_SHARE`` of the host's available memory. Kept in ``loaded.extra`` until
+    ``drop_inference_weights``."""
+    if not loaded.device.startswith("cpu"):
+        return None
+    if INFERENCE_HEAD in loaded.extra:
+        return loaded.extra[INFERENCE_HEAD]
+    import psutil
+    import torch
+
+    head, copy = loaded.model.get_output_embeddings(), None
+    if type(head) is torch.nn.Linear:
+        auto = loaded.autocast_dtype()
+        dt = getattr(torch, auto) if auto else head.weight.dtype  # as unrounded_logits' forward rounds
+        room = psutil.virtual_memory().available * INFERENCE_COPY_HOST_SHARE
+        if dt != torch.float32 and head.weight.numel() * 4 <= room:
+            with torch.no_grad():
+                copy = head.weight.to(dt).float()
+    loaded.extra[INFERENCE_HEAD] = copy
+    return copy
 
 
 # A CPU session's 4-bit layers generate from a dequantized copy of their weights: bitsandbytes' CPU path
@@ -311,5 +339,6 @@ def _inference_copy(loaded: LoadedModel) -> dict:
 
 
 def drop_inference_weights(loaded: LoadedModel) -> None:
-    """Free the dequantized inference copy (a job starts training, the session closes)."""
+    """Free the dequantized inference copy and the head's fp32 copy (a job starts training, the session closes)."""
     loaded.extra.pop(INFERENCE_COPY, None)
+    loaded.extra.pop(INFERENCE_HEAD, None)
