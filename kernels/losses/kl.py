@@ -4,6 +4,8 @@ For rows m (one per scored token) with student hidden states s_m, teacher hidden
 head W [V, H] (bias b, optional soft-cap c):
 
     z_m = s_m Wᵀ + b,   u_m = t_m Wᵀ + b          (→ c · tanh(· / c) under a soft-cap)
+                                                  from 16-bit operands the fp32 sums, not rounded to 16 bits
+                                                  (``ops.unrounded_linear``)
     KL_m = Σ_v softmax(u_m)_v · (log_softmax(u_m)_v − log_softmax(z_m)_v)       fp32
     loss = mean_m KL_m
 
@@ -25,13 +27,15 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..ops.fused_linear_ce import default_chunk_size
+from ..ops.unrounded_linear import unrounded_linear
 
 __all__ = ["token_kl", "token_kl_reference"]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None):
-    z = F.linear(hidden, weight, bias)
-    z = z.to(torch.promote_types(z.dtype, torch.float32))  # fp32 at least (float64 stays, for the tests)
+    # fp32 at least (float64 stays, for the tests); from 16-bit operands the fp32 sum unrounded, as Generate decides
+    # (its leads are the ones the hinge protects)
+    z = unrounded_linear(hidden, weight, bias)
     return softcap * torch.tanh(z / softcap) if softcap else z
 
 

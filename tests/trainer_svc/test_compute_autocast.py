@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from strop.common.trainer_types import LoadModelRequest, LoraConfig, TrainConfig, TrainMethod
+from strop.kernels.ops import unrounded_linear
 from strop.trainer_svc.core import generation, job_config, model_loading, retention, training
 from strop.trainer_svc.core.loaded_model import LoadedModel
 
@@ -172,7 +173,7 @@ def test_unrounded_logits_break_a_bf16_tie_as_the_head_computes_it(monkeypatch):
         def get_output_embeddings(self):
             return self.lm_head
 
-    monkeypatch.setattr(generation, "UNROUNDED_HEAD_ROWS", 2)  # three slices
+    monkeypatch.setattr(unrounded_linear, "CPU_ROWS", 2)  # three slices
     x = torch.tensor([[[1.0, 1.0]]], dtype=torch.bfloat16)
     for dtype, copy in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
         m = Head(dtype)

@@ -177,23 +177,21 @@ def inference(loaded: LoadedModel, *, disable_adapter: bool = False):
         model.train(was_training)
 
 
-# vocabulary rows a CPU head without its fp32 copy computes at a time (a [rows, hidden] fp32 temporary)
-UNROUNDED_HEAD_ROWS = 8192
 INFERENCE_HEAD = "inference_head"
 
 
 @contextlib.contextmanager
 def unrounded_logits(model, weight32=None):
     """Inside: the model's output head, where it is a plain ``nn.Linear``, returns its logits in fp32: the products
-    the session computes (input and weight in the autocast dtype, or the weight's) summed in fp32 and not rounded
-    to 16 bits at the end, as autocast (or a 16-bit weight) would give them.
-
-    Rounded, a logit between 16 and 32 moves in steps of 1/8 nat (bf16's 8 significant bits): two tokens a few
+    the session computes (input and weight in the autocast dtype, else the input's) summed in fp32 and not rounded
+    to 16 bits at the end, as autocast would give them (``kernels.ops.unrounded_linear``; the retention's KL term
+    computes its logits the same way). Rounded, a logit between 16 and 32 moves in steps of 1/8 nat: two tokens a few
     hundredths of a nat apart tie, and greedy decoding takes the lower token id, whatever the model's sums prefer.
-    On CUDA one GEMM with an fp32 output (``torch.mm(..., out_dtype=float32)``); the CPU has none, so it multiplies
-    ``weight32``, the 16-bit weight in fp32 (a CPU session's copy, ``inference``), or without one converts a slice
-    of the weight at a time. A head with a LoRA layer (a trained unembedding) is left as it is."""
+    ``weight32``: the head's weight so rounded, in fp32 (a CPU session's copy, ``inference``; the CPU has no
+    fp32-output 16-bit GEMM). A head with a LoRA layer (a trained unembedding) is left as it is."""
     import torch
+
+    from strop.kernels.ops.unrounded_linear import unrounded_linear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (
@@ -203,28 +201,7 @@ def unrounded_logits(model, weight32=None):
         return
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, lead, dev = self.weight, x.shape[:-1], x.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
-        with torch.autocast(dev, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dt)
-            if dt == torch.float32:
-                out = x2 @ w.float().t()
-            elif x2.is_cuda:
-                out = torch.mm(x2, w.to(dt).t(), out_dtype=torch.float32)
-            elif weight32 is not None:
-                out = x2.float() @ weight32.t()
-            else:
-                out = torch.cat(
-                    [
-                        x2.float() @ w[i : i + UNROUNDED_HEAD_ROWS].to(dt).float().t()
-                        for i in range(0, w.shape[0], UNROUNDED_HEAD_ROWS)
-                    ],
-                    dim=-1,
-                )
-            out = out.reshape(*lead, w.shape[0])
-            if self.bias is not None:
-                out = out + self.bias.float()
-        return out
+        return unrounded_linear(x, self.weight, self.bias, weight32=weight32)
 
     head.forward = forward.__get__(head)
     try:
