@@ -98,21 +98,27 @@ def _generate(
             if left is not None and left <= 0:
                 raise DeadlineExceeded(f"the deadline passed after {len(outs)} of {len(texts)} prompts")
             enc = tok(text, return_tensors="pt", add_special_tokens=not apply_chat_template).to(loaded.device)
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                num_beams=1,
-                pad_token_id=tok.pad_token_id,
-                use_cache=True,
-                **({"max_time": left} if left is not None else {}),  # HF stops generating at max_time
-            )
+            # HF stops generating at max_time
+            out = _greedy(model, enc, tok, max_new_tokens, **({"max_time": left} if left is not None else {}))
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"the deadline passed during prompt {len(outs) + 1} of {len(texts)}")
             new = out[0, enc["input_ids"].shape[1] :]
             outs.append(tok.decode(new, skip_special_tokens=True))
             finished.append(bool(len(new)) and int(new[-1]) == tok.eos_token_id)
     return outs, finished
+
+
+def _greedy(model, enc, tok, max_new_tokens: int, **kwargs):
+    """HF's greedy decoding of ``enc`` with the KV cache, as Generate decodes."""
+    return model.generate(
+        **enc,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=tok.pad_token_id,
+        use_cache=True,
+        **kwargs,
+    )
 
 
 def generate_chat_batch(
@@ -130,14 +136,7 @@ def generate_chat_batch(
         tok.padding_side = "left"
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(loaded.device)
         with inference(loaded, disable_adapter=disable_adapter) as model:
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                num_beams=1,
-                pad_token_id=tok.pad_token_id,
-                use_cache=True,
-            )
+            out = _greedy(model, enc, tok, max_new_tokens)
     finally:
         tok.padding_side = side
     answers, finished = [], []
