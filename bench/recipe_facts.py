@@ -342,7 +342,7 @@ def rounded_logits():
     from strop.trainer_svc.core import generation
 
     keep = generation.unrounded_logits
-    generation.unrounded_logits = lambda model: contextlib.nullcontext()
+    generation.unrounded_logits = lambda *args, **kwargs: contextlib.nullcontext()
     try:
         yield
     finally:

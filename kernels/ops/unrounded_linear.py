@@ -69,8 +69,11 @@ def unrounded_linear(
     products, not rounded to a 16-bit compute dtype (the module docstring); at least fp32 out. Differentiable in x,
     weight and bias. ``weight32``: ``weight`` in the compute dtype, then in fp32 (a CPU caller's copy kept between
     calls, so the CPU converts no weight a call)."""
-    dt = compute_dtype(x)
-    if dt not in _HALF:
+    dt = compute_dtype(x) if x.dtype in (torch.float32, *_HALF) else x.dtype  # autocast leaves float64 alone
+    mixed = weight.dtype != x.dtype and not torch.is_autocast_enabled(
+        x.device.type
+    )  # F.linear raises on these
+    if dt not in _HALF or mixed:
         z = F.linear(x, weight, bias)
         return z.to(torch.promote_types(z.dtype, torch.float32))
     lead = x.shape[:-1]

@@ -65,3 +65,34 @@ def test_losses_name_what_the_trained_model_lost_with_the_bases_lead(tmp_path):
     short = dict(row, base_general_answers=base[:3], general_answers=trained[:3], base_margins=margins[:3])
     path.write_text(json.dumps(short) + "\n")
     assert f"`seed=0`: 1 lost: {q0} (+0.125)" in losses([str(path)])
+
+
+def test_the_bf16_logit_view_decodes_with_the_heads_rounded_logits_and_restores_the_fp32_ones(model_root):
+    """``rounded_logits`` (the bench's "with bf16 logits" column) takes ``generation.inference``'s head back to what
+    autocast gives (bf16) for the batch it wraps, and only for it."""
+    import torch
+    from recipe_facts import rounded_logits
+
+    from strop.common.trainer_types import LoadModelRequest
+    from strop.trainer_svc.core import generation, model_loading
+
+    loaded = model_loading.load_model(
+        LoadModelRequest(model_path="tiny-llama", dtype="bfloat16"), model_root=model_root, device="cpu"
+    )
+    head = loaded.model.get_output_embeddings()
+    seen: list[torch.dtype] = []
+    hook = head.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    try:
+        with rounded_logits():
+            rounded, _ = generation.generate_chat_batch(
+                loaded, ["Hi?", "Why?"], max_new_tokens=3, disable_adapter=True
+            )
+        assert seen and set(seen) == {torch.bfloat16}
+        seen.clear()
+        plain, _ = generation.generate_chat_batch(
+            loaded, ["Hi?", "Why?"], max_new_tokens=3, disable_adapter=True
+        )
+        assert seen and set(seen) == {torch.float32}
+    finally:
+        hook.remove()
+    assert len(rounded) == len(plain) == 2

@@ -192,18 +192,31 @@ def test_unrounded_logits_break_a_bf16_tie_as_the_head_computes_it(monkeypatch):
 def test_a_bf16_cpu_sessions_head_decides_from_its_fp32_copy(bf16_session):
     """A bf16 CPU session generates through ``inference`` with its output head's weight copied to fp32 once (the CPU
     has no fp32-output 16-bit GEMM; converting the weight at every decoding step costs more than the product): the
-    logits are those of the sliced path that converts it each call, the copy lives until a job drops it."""
+    logits are those of the path that converts it each call, the copy is what the head multiplies (a changed copy
+    changes the logits), it is made again when the weight changes, and a job's start drops it."""
     model = bf16_session.model
     ids = torch.tensor([[1, 5, 9, 13, 17]])
     generation.drop_inference_weights(bf16_session)
     with generation.inference(bf16_session) as m:
         got = m(input_ids=ids).logits
-    copy = bf16_session.extra[generation.INFERENCE_HEAD]
-    assert copy is not None and copy.dtype == torch.float32
-    assert torch.equal(copy, model.get_output_embeddings().weight.float())
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), generation.unrounded_logits(model):
-        sliced = model(input_ids=ids).logits
-    assert got.dtype == sliced.dtype == torch.float32
-    torch.testing.assert_close(got, sliced, rtol=0, atol=0)
+    key, copy = bf16_session.extra[generation.INFERENCE_HEAD]
+    weight = model.get_output_embeddings().weight
+    assert copy.dtype == torch.float32 and torch.equal(copy, weight.float())
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), generation.unrounded_logits(model):
+            converted = model(input_ids=ids).logits
+    finally:
+        model.train()
+    assert got.dtype == converted.dtype == torch.float32
+    torch.testing.assert_close(got, converted, rtol=0, atol=0)
+    copy.mul_(2)  # the head multiplies the copy
+    with generation.inference(bf16_session) as m:
+        assert not torch.equal(m(input_ids=ids).logits, got)
+    with torch.no_grad():
+        weight.add_(0)  # a new version of the weight: the copy is made again from it
+    with generation.inference(bf16_session) as m:
+        torch.testing.assert_close(m(input_ids=ids).logits, got, rtol=0, atol=0)
+    assert bf16_session.extra[generation.INFERENCE_HEAD][0] != key
     generation.drop_inference_weights(bf16_session)
     assert generation.INFERENCE_HEAD not in bf16_session.extra

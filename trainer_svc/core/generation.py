@@ -213,23 +213,30 @@ def _head_copy(loaded: LoadedModel):
     """A CPU session's output head weight as its jobs compute with it (in the autocast dtype, else its own) in fp32,
     for ``unrounded_logits``; None where there is nothing to copy (CUDA, an fp32 head, no plain head) or the copy would
     pass ``INFERENCE_COPY_HOST_SHARE`` of the host's available memory. Kept in ``loaded.extra`` until
-    ``drop_inference_weights``."""
+    ``drop_inference_weights``, and made again if the head's weight is no longer the one copied."""
     if not loaded.device.startswith("cpu"):
         return None
-    if INFERENCE_HEAD in loaded.extra:
-        return loaded.extra[INFERENCE_HEAD]
-    import psutil
     import torch
 
-    head, copy = loaded.model.get_output_embeddings(), None
-    if type(head) is torch.nn.Linear:
-        auto = loaded.autocast_dtype()
-        dt = getattr(torch, auto) if auto else head.weight.dtype  # as unrounded_logits' forward rounds
-        room = psutil.virtual_memory().available * INFERENCE_COPY_HOST_SHARE
-        if dt != torch.float32 and head.weight.numel() * 4 <= room:
-            with torch.no_grad():
-                copy = head.weight.to(dt).float()
-    loaded.extra[INFERENCE_HEAD] = copy
+    head = loaded.model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return None
+    auto = loaded.autocast_dtype()
+    dt = getattr(torch, auto) if auto else head.weight.dtype  # as unrounded_linear rounds it
+    if dt == torch.float32:
+        return None
+    w = head.weight
+    key = (w.data_ptr(), w._version, dt)
+    kept = loaded.extra.get(INFERENCE_HEAD)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    import psutil
+
+    if w.numel() * 4 > psutil.virtual_memory().available * INFERENCE_COPY_HOST_SHARE:
+        return None
+    with torch.no_grad():
+        copy = w.to(dt).float()
+    loaded.extra[INFERENCE_HEAD] = (key, copy)
     return copy
 
 
@@ -264,12 +271,13 @@ def inference_weights(loaded: LoadedModel):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return torch.nn.functional.linear(x, layers[self], bias).to(inp_dtype)
 
+    mine = [m for m in layers if "forward" not in m.__dict__]  # not those an outer call patched
     try:
-        for module in layers:
+        for module in mine:
             module.forward = forward.__get__(module)
         yield
     finally:
-        for module in layers:
+        for module in mine:
             module.__dict__.pop("forward", None)
 
 
