@@ -193,9 +193,8 @@ def unrounded_logits(model, weight32=None):
     from strop.kernels.ops.unrounded_linear import unrounded_linear
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if (
-        type(head) is not torch.nn.Linear or "forward" in head.__dict__
-    ):  # not plain, or already (an outer call)
+    # a head that is not plain, or one an outer call already patched, is left as it is
+    if type(head) is not torch.nn.Linear or "forward" in head.__dict__:
         yield
         return
 
