@@ -778,3 +778,25 @@ def test_forward_backward_under_the_jobs_memory_mode_equals_it_without(client, t
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-7)
     assert out.metrics[0].value == pytest.approx(plain.forward(data).metrics[0].value, rel=0.2)
     client.close_session(s.session_id)
+
+
+def test_a_training_step_drops_generates_copies_and_a_forward_only_call_keeps_them(
+    client, trainer, session_id
+):
+    """As a job does when it starts: a ForwardBackward frees the copies Generate keeps on a CPU session (its
+    dequantized 4-bit layers, its fp32 head), which training does not compute from; a forward-only call keeps them."""
+    from strop.trainer_svc.core import generation
+
+    loaded = _loaded(trainer, session_id)
+    run = client.create_training_run(session_id, RunLora(rank=2, seed=0))
+    kept = {generation.INFERENCE_COPY: {}, generation.INFERENCE_HEAD: ("key", torch.zeros(1))}
+    try:
+        loaded.extra.update(kept)
+        run.forward([ce_datum(SEQ)], "cross_entropy")
+        assert kept.keys() <= loaded.extra.keys()
+        run.forward_backward([ce_datum(SEQ)], "cross_entropy")
+        assert not kept.keys() & loaded.extra.keys()
+    finally:
+        for k in kept:
+            loaded.extra.pop(k, None)
+        run.delete()

@@ -251,6 +251,8 @@ def forward_backward(
         def logps(rows, targets):
             return token_logps_trainable_head(rows, head, targets, softcap=softcap)
 
+    if backward:  # as a job: Generate's copies (a CPU session's dequantized 4-bit layers, its fp32 head) go
+        model_loading.drop_inference_weights(loaded)
     grad = torch.enable_grad() if backward else torch.no_grad()
     mode = memory_mode(loaded, batch) if backward else contextlib.nullcontext()
     with mode:  # installed from the forward through the backward (its recompute reloads the offloaded inputs)
