@@ -349,18 +349,18 @@ def rounded_logits():
         generation.unrounded_logits = keep
 
 
-def evaluate(loaded, *, disable_adapter: bool, unbatched: bool = False) -> dict:
+def evaluate(loaded, *, disable_adapter: bool, tie_views: bool = False) -> dict:
     """Facts: teacher-forced, the trained answer is exactly the greedy one when every one of its tokens (to the
     end of turn) is the model's top-1 (``retention.answer_hits``; unbatched, so no padding is involved).
-    General: greedy answers in one left-padded batch (``models.generate_chat_batch``); ``unbatched`` (a 16-bit
-    session): also one question at a time, as Generate answers a user (``generation.generate_chat``), where a
+    General: greedy answers in one left-padded batch (``models.generate_chat_batch``); ``tie_views`` (a 16-bit
+    session, where near ties decide answers): also one question at a time, as Generate answers a user (``generation.generate_chat``), where a
     batch's left padding can move a near tie either way, and the batch again with the logits rounded to 16 bits
     (``rounded_logits``: how an engine serving in bf16 would answer; Generate's logits are fp32)."""
     from strop.trainer_svc.core import generation, model_loading, retention
 
     t0 = time.perf_counter()
     alone = rounded = None
-    if unbatched:
+    if tie_views:
         alone, _ = generation.generate_chat(
             loaded,
             [q for q, _ in GENERAL],
@@ -379,14 +379,14 @@ def evaluate(loaded, *, disable_adapter: bool, unbatched: bool = False) -> dict:
         )[0]
 
     general = batch()
-    if unbatched:
+    if tie_views:
         with rounded_logits():
             rounded = batch()
     return {
         "facts": [h is not None and h[0] == h[1] for h in hits],
         "general": [right(a, words) for a, (_, words) in zip(general, GENERAL, strict=True)],
         "general_answers": general,
-        **({"general_answers_unbatched": alone, "general_answers_rounded": rounded} if unbatched else {}),
+        **({"general_answers_unbatched": alone, "general_answers_rounded": rounded} if tie_views else {}),
         "seconds": time.perf_counter() - t0,
     }
 
@@ -404,7 +404,7 @@ def cached_base_eval(loaded, model_dir: Path, device: str) -> dict:
         if "margins" not in base:  # a cache written before the margins were measured
             base["margins"] = base_margins(loaded, base["general_answers"])
     else:
-        base = evaluate(loaded, disable_adapter=True, unbatched=device != "cpu")
+        base = evaluate(loaded, disable_adapter=True, tie_views=device != "cpu")
         base["margins"] = base_margins(loaded, base["general_answers"])
         tmp = path.with_name(
             f"{path.name}.{os.getpid()}.tmp"
@@ -663,7 +663,7 @@ def run(
     train_s = time.perf_counter() - t0
     # answered alone too where a batch's padding can decide a bf16 tie (the CPU computes in fp32: the same answers)
     alone = device != "cpu"
-    after = evaluate(loaded, disable_adapter=False, unbatched=alone)
+    after = evaluate(loaded, disable_adapter=False, tie_views=alone)
     # judged here, not from the cached booleans: ``right`` may be stricter than when the cache was written
     base_right = right_general(base_eval["general_answers"])
     kept = len(set(base_right) & set(right_general(after["general_answers"])))

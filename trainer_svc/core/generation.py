@@ -176,9 +176,6 @@ def inference(loaded: LoadedModel, *, disable_adapter: bool = False):
         model.train(was_training)
 
 
-INFERENCE_HEAD = "inference_head"
-
-
 @contextlib.contextmanager
 def unrounded_logits(model, weight32=None):
     """Inside: the model's output head, where it is a plain ``nn.Linear``, returns its logits in fp32: the products
@@ -244,6 +241,7 @@ def _head_copy(loaded: LoadedModel):
 # kept only while it takes at most this share of the host's available memory.
 INFERENCE_COPY_HOST_SHARE = 0.25
 INFERENCE_COPY = "inference_weights"
+INFERENCE_HEAD = "inference_head"  # a CPU session's fp32 head (_head_copy), dropped with the copy
 
 
 @contextlib.contextmanager
