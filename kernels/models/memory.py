@@ -278,31 +278,30 @@ class StepShape:
     checkpointed: bool = True
 
 
-def host_room(model: nn.Module, step: StepShape, qkv: bool = False) -> tuple[bool, bool]:
-    """Whether one step's checkpointed layer inputs fit in half the host's available memory, and whether their
-    attention outputs (the same size: [rows, seq, heads · head_dim], plus an fp32 log-sum-exp per head; ``qkv``:
-    and the q, k, v attention read) fit there beside them. Unknown host memory claims no room."""
+def host_room(model: nn.Module, step: StepShape) -> tuple[bool, bool, bool]:
+    """Whether one step's checkpointed layer inputs fit in half the host's available memory; whether their
+    attention outputs (the same size: [rows, seq, heads · head_dim], plus an fp32 log-sum-exp per head) fit there
+    beside them; and whether the q, k, v attention read fit there beside both. Unknown host memory claims no room."""
     from .host_pool import host_block_bytes as pinned
 
     cfg = model.config
     layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", 0) or heads)
     head_dim = int(getattr(cfg, "head_dim", 0) or 0) or (hidden // heads if heads else 0)
     itemsize = model.get_input_embeddings().weight.element_size()  # the residual stream's dtype
     tokens = step.rows * step.seq_len
     need = layers * pinned(tokens * hidden * itemsize)
     attention = layers * (pinned(tokens * heads * head_dim * itemsize) + pinned(tokens * heads * 4))  # o, lse
-    if qkv:
-        kv_heads = int(getattr(cfg, "num_key_value_heads", 0) or heads)
-        attention += layers * (
-            pinned(tokens * heads * head_dim * itemsize) + 2 * pinned(tokens * kv_heads * head_dim * itemsize)
-        )
-    available = host_available_bytes() or 0
-    if need > available // 2:
-        logger.info("%.1f GiB of layer inputs, %.1f GiB host available", need / 2**30, available / 2**30)
-        return False, False
-    return True, need + attention <= available // 2
+    qkv = layers * (
+        pinned(tokens * heads * head_dim * itemsize) + 2 * pinned(tokens * kv_heads * head_dim * itemsize)
+    )
+    half = (host_available_bytes() or 0) // 2
+    if need > half:
+        logger.info("%.1f GiB of layer inputs, %.1f GiB host available", need / 2**30, 2 * half / 2**30)
+        return False, False, False
+    return True, need + attention <= half, need + attention + qkv <= half
 
 
 def memory_budget_bytes(features: MemoryFeatures, device: str | None, requested_bytes: int = 0) -> int:
@@ -343,7 +342,8 @@ def apply_memory_mode(
     The mode is ``MEMORY_MODES[mode]`` (the one table), or a :class:`MemoryFeatures` made from a table entry with
     ``dataclasses.replace`` (e.g. a benchmark's ``save_layers``). This function owns the rules around the table:
     the host-room rule (offload needing host room happens only when the step's layer inputs fit in half the
-    host's available memory, attention outputs are saved only when they fit there too), the host budget (the
+    host's available memory, attention outputs and then their q, k, v are saved only when they fit there too),
+    the host budget (the
     mode's fraction of what the host has), and the device budget (``memory_budget_bytes``).
 
     Args:
@@ -363,19 +363,24 @@ def apply_memory_mode(
         features = MEMORY_MODES[mode]
     installed = InstalledMode(mode, features, model)
     budget = memory_budget_bytes(features, device, budget_bytes)
-    offload, save_attention = features.offload_layer_inputs, features.save_attention
+    offload, save_attention, save_qkv = (
+        features.offload_layer_inputs,
+        features.save_attention,
+        features.save_qkv,
+    )
     if offload and features.offload_needs_host_room:
-        inputs_fit, attention_fits = (
-            host_room(unwrap_peft(model), step, qkv=features.save_qkv)
-            if step.checkpointed
-            else (False, False)
+        inputs_fit, attention_fits, qkv_fits = (
+            host_room(unwrap_peft(model), step) if step.checkpointed else (False, False, False)
         )
         if not inputs_fit:
             offload = False
             installed.notes.append("layer inputs stay on the device: no host room for a step's worth")
         elif save_attention and not attention_fits:
-            save_attention = False
+            save_attention = save_qkv = False
             installed.notes.append("attention recomputed: no host room for the outputs beside the inputs")
+        elif save_attention and save_qkv and not qkv_fits:
+            save_qkv = False
+            installed.notes.append("q, k, v recomputed: no host room for them beside the attention outputs")
     host_budget_bytes = None
     available = host_available_bytes() if offload and features.host_budget_fraction > 0 else None
     if available is not None:
@@ -391,7 +396,7 @@ def apply_memory_mode(
                 offload_cpu_tensors=offload_cpu_tensors,
                 min_offload_bytes=min_offload_bytes,
                 save_attention=save_attention,
-                save_qkv=features.save_qkv,
+                save_qkv=save_qkv,
                 host_budget_bytes=host_budget_bytes,
             )
         if features.budgeted_recompute:

@@ -122,21 +122,46 @@ def test_the_host_room_rule_saves_attention_outputs_only_where_the_host_holds_th
     monkeypatch,
 ):
     # 8B shape, 8 × 2048 rows: each layer's input is 128 MiB and its attention output 128 MiB plus a 2 MiB
-    # log-sum-exp (each rounded up to a power of two, as the pinned allocator does): 32 layers need 4 GiB of
-    # inputs and 8.06 GiB with the outputs, against half the host's available memory
+    # log-sum-exp (each rounded up to a power of two, as the pinned allocator does), its q 128 MiB and its k and v
+    # 32 MiB each (8 KV heads): 32 layers need 4 GiB of inputs, 8.06 GiB with the outputs and 14.06 GiB with q, k,
+    # v, against half the host's available memory
     from types import SimpleNamespace
 
     import strop.kernels.models.memory as memory
 
-    config = SimpleNamespace(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, head_dim=128)
+    config = SimpleNamespace(
+        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128
+    )
     embeddings = SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16))
     model = SimpleNamespace(config=config, get_input_embeddings=lambda: embeddings)
     gib = 2**30
     for available, expected in (
-        (7 * gib, (False, False)),
-        (10 * gib, (True, False)),
-        (17 * gib, (True, True)),
+        (7 * gib, (False, False, False)),
+        (10 * gib, (True, False, False)),
+        (17 * gib, (True, True, False)),
+        (28 * gib, (True, True, False)),
+        (29 * gib, (True, True, True)),
     ):
         monkeypatch.setattr(memory, "host_available_bytes", lambda a=available: a)
         got = memory.host_room(model, StepShape(rows=8, seq_len=2048))
         assert got == expected, (available / gib, expected)
+
+
+def test_standard_keeps_q_k_v_only_where_the_host_holds_them_beside_the_attention_outputs(monkeypatch):
+    import strop.kernels.models.memory as memory
+
+    assert MEMORY_MODES[MemoryMode.STANDARD].save_qkv  # the default mode keeps them where the host has room
+    rows = []
+    for fits in ((True, True, True), (True, True, False), (True, False, False)):
+        monkeypatch.setattr(memory, "host_room", lambda model, step, f=fits: f)
+        model, installed = _install(MemoryMode.STANDARD)
+        off = installed.memory.offloader
+        rows.append((off.save_attention, off.save_qkv, installed.notes))
+        installed.remove()
+    assert rows[0] == (True, True, [])
+    assert rows[1] == (
+        True,
+        False,
+        ["q, k, v recomputed: no host room for them beside the attention outputs"],
+    )
+    assert rows[2] == (False, False, ["attention recomputed: no host room for the outputs beside the inputs"])
