@@ -138,17 +138,21 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
             _layer_specs(state, self, (self.q_proj, self.k_proj, self.v_proj), hidden_states) if qkv else None
         )
         cos, sin = position_embeddings
-        # q, k, v from strop's fused projections and in-place RoPE alone: a recomputed layer may take them from
-        # its forward (saved_attention's save_qkv)
-        ours = specs is not None and rope and not qk_norm
-        saved = replayed_qkv() if ours else None
-        if saved is not None:
+        # q, k, v from strop's fused projections: a recomputed layer may take them from its forward (saved_attention's
+        # save_qkv), after strop's in-place RoPE where nothing else follows the projections (Llama's family), else as
+        # the projections return them, the q/k norm and RoPE recomputed on them
+        after_rope = specs is not None and rope and not qk_norm
+        saved = replayed_qkv(ready=not after_rope) if specs is not None else None
+        if saved is not None and after_rope:
             q, k, v = saved_qkv_projections(hidden_states, specs, saved, cos, sin, inplace_dx=inplace)
         else:
-            if specs is not None:
+            if saved is not None:
+                q, k, v = saved_qkv_projections(hidden_states, specs, saved, None, None, inplace_dx=inplace)
+            elif specs is not None:
                 q, k, v = lora_qkv(hidden_states, *specs, inplace_dx=inplace)
             else:
                 q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+            projections = (q, k, v) if specs is not None else ()
             q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
             if qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -171,7 +175,7 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
                 attention_mask,
                 dropout=0.0 if not self.training else self.attention_dropout,
                 scaling=self.scaling,
-                keep_qkv=ours,
+                keep_qkv=(q, k, v) if after_rope else projections,
                 **kwargs,
             )
         )

@@ -48,8 +48,11 @@ saved input x and LoRA factor u = x Aᵀ the projections' own node would hold). 
 recompute: the reloaded q, k, v are the values the recompute would compute (the same ops on the same input), and the
 backward runs the same ops on the same gradients. Device memory at the step's peak does not change: the reloaded q,
 k, v take the place of the recomputed ones, which the recompute also holds until attention's backward. Applies where
-the attention forward is strop's fused LoRA Q/K/V and in-place RoPE with no q/k norm (Llama's family) and the host
-has room for them beside o and lse; elsewhere the recompute computes them.
+the attention forward's projections are strop's fused LoRA Q/K/V and the host has room for them beside o and lse;
+elsewhere the recompute computes them. Where only strop's in-place RoPE follows the projections (Llama's family), the
+q, k, v kept are RoPE's output, as above. Where a q/k norm comes between (Qwen3, Qwen3-MoE, Gemma 3), they are the
+projections' own outputs: the recompute waits for their reload as it starts (it reads them), runs the norm and RoPE
+on them as the forward did, and only the projections' node is replaced (its backward the fused Q/K/V's alone).
 """
 
 from __future__ import annotations
@@ -168,15 +171,19 @@ class AttentionSaves:
         s.wait()
         return s
 
-    def next_qkv(self) -> list[torch.Tensor] | None:
-        """In the recompute, before the next attention call: its saved q, k, v (reloading; attention's backward
-        waits for them), handed over once; None where that call saved none."""
+    def next_qkv(self, ready: bool) -> list[torch.Tensor] | None:
+        """In the recompute, before the next attention call: its saved q, k, v, handed over once; None where that
+        call saved none. Reloading, and attention's backward waits for them; ``ready``: the current stream waits
+        now (the recompute reads them)."""
         if self.cursor >= len(self.saved):
             return None
         s = self.saved[self.cursor]
         if s.qkv_host:
             self.reload()
         qkv, s.qkv = s.qkv, []
+        if qkv and ready and s.qkv_ready is not None:
+            torch.cuda.current_stream(qkv[0].device).wait_event(s.qkv_ready)
+            s.qkv_ready = None
         return qkv or None
 
 
@@ -353,14 +360,15 @@ def attention_call(
     *,
     dropout: float,
     scaling: float | None,
-    keep_qkv: bool = False,
+    keep_qkv: tuple[torch.Tensor, ...] = (),
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
     """The attention of a patched attention forward: HF's ``interface`` unless a layer's saved output applies.
 
     q [B, H, T, d], k/v [B, H_kv, T, d] as HF's interfaces take them; returns (o [B, T, H, d], None) as they do.
-    ``keep_qkv``: q, k, v are the fused LoRA Q/K/V's after in-place RoPE, which :func:`saved_qkv_projections` can
-    stand for in the recompute, so they may be saved too (``save_qkv``).
+    ``keep_qkv``: the fused LoRA Q/K/V's q, k, v that :func:`saved_qkv_projections` can stand for in the recompute
+    (these q, k, v after in-place RoPE, or the projections' outputs before a q/k norm), so they may be saved too
+    (``save_qkv``).
     """
     mode = _MODE.get()
     if mode is None:
@@ -381,7 +389,7 @@ def attention_call(
         _log_once(reason)
         saves.saved.append(_Saved("none"))
         return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
-    qkv = (q, k, v) if keep_qkv and saves.qkv else ()
+    qkv = keep_qkv if saves.qkv else ()
     if qkv and not pool.host_room(
         (*sizes, *(t.numel() * t.element_size() for t in qkv)), q.is_cuda, saves.reserve
     ):
@@ -396,19 +404,20 @@ def attention_call(
     return o.transpose(1, 2), None
 
 
-def replayed_qkv() -> list[torch.Tensor] | None:
-    """In a layer's recompute, before its next attention call: the q, k, v (after RoPE) that call's forward saved,
-    reloading (``save_qkv``); None where it saved none, or outside a recompute: compute them."""
+def replayed_qkv(ready: bool = False) -> list[torch.Tensor] | None:
+    """In a layer's recompute, before its next attention call: the q, k, v that call's forward saved (``save_qkv``;
+    after RoPE, or as the projections returned them), reloading, ``ready``: copied by the time the current stream
+    reads them; None where it saved none, or outside a recompute: compute them."""
     mode = _MODE.get()
     if mode is None or not mode.replay:
         return None
-    return mode.saves.next_qkv()
+    return mode.saves.next_qkv(ready)
 
 
 class _SavedQKVFunction(torch.autograd.Function):
-    """The fused LoRA Q/K/V and RoPE of a recomputed layer without their forward: returns the saved q, k, v; backward
-    is RoPE's backward (``RoPEQKFunction``'s) and then the fused Q/K/V's (``LoRAQKVFunction``'s), on x and u = x Aᵀ
-    as that node saves them (module docstring)."""
+    """The fused LoRA Q/K/V (and RoPE, with ``cos`` and ``sin``) of a recomputed layer without their forward: returns
+    the saved q, k, v; backward is RoPE's backward (``RoPEQKFunction``'s) where it stands for RoPE, then the fused
+    Q/K/V's (``LoRAQKVFunction``'s), on x and u = x Aᵀ as that node saves them (module docstring)."""
 
     @staticmethod
     def forward(ctx, x, qa, qb, ka, kb, va, vb, frozen, qkv, cos, sin):
@@ -424,9 +433,11 @@ class _SavedQKVFunction(torch.autograd.Function):
         x, u, *factors, cos, sin = ctx.saved_tensors
         frozen, n = ctx.frozen, x.shape[0]
         projs = with_factors(frozen, factors)
-        dq, dk = rope_qk_grads(dq, dk, cos, sin)
-        # [B, H, T, d] back to the projections' [N, H·d] rows, as the views of the attention forward return them
-        dys = [d.transpose(1, 2).reshape(n, -1).to(frozen.dtype) for d in (dq, dk, dv)]
+        if cos is None:  # the projections' own [..., H·d] outputs
+            dys = [d.reshape(n, -1).to(frozen.dtype) for d in (dq, dk, dv)]
+        else:  # [B, H, T, d] back to the projections' [N, H·d] rows, as the attention forward's views return them
+            dq, dk = rope_qk_grads(dq, dk, cos, sin)
+            dys = [d.transpose(1, 2).reshape(n, -1).to(frozen.dtype) for d in (dq, dk, dv)]
         dx, d_a, d_b = node_backward(ctx, x, u, dys, projs)
         return dx, d_a[0], d_b[0], d_a[1], d_b[1], d_a[2], d_b[2], None, None, None, None
 
@@ -435,13 +446,14 @@ def saved_qkv_projections(
     hidden_states: torch.Tensor,
     specs: Sequence[LoRAProj],
     qkv: list[torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     *,
     inplace_dx: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``rope_qk`` over ``lora_qkv(hidden_states, *specs)``'s q and k, with v, in HF's [B, H, T, d] layout, from the
-    saved ``qkv`` (:func:`replayed_qkv`) instead of computed: the graph of the two, neither's forward."""
+    """``rope_qk`` over ``lora_qkv(hidden_states, *specs)``'s q and k, with v, in HF's [B, H, T, d] layout (without
+    ``cos`` and ``sin``: ``lora_qkv``'s q, k, v as it returns them), from the saved ``qkv`` (:func:`replayed_qkv`)
+    instead of computed: the graph of the two, neither's forward."""
     dtype = compute_dtype(hidden_states)
     x2, inplace = as_rows_for(hidden_states, dtype, inplace_dx)
     factors = [t for p in specs for t in (p.lora_A, p.lora_B)]

@@ -154,7 +154,7 @@ def test_standard_keeps_q_k_v_only_where_the_host_holds_them_beside_the_attentio
     rows = []
     for fits in ((True, True, True), (True, True, False), (True, False, False)):
         monkeypatch.setattr(memory, "host_room", lambda model, step, f=fits: f)
-        model, installed = _install(MemoryMode.STANDARD)
+        _, installed = _install(MemoryMode.STANDARD)
         off = installed.memory.offloader
         rows.append((off.save_attention, off.save_qkv, installed.notes))
         installed.remove()

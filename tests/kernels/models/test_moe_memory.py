@@ -118,6 +118,9 @@ def test_the_offloaded_recompute_of_an_moe_layer_skips_its_down_product_with_the
     finally:
         installed.remove()
     assert not offloaded.torch_checkpoint, offloaded.torch_checkpoint
+    # the standard mode's saved attention keeps q, k, v too (after RoPE for Mixtral, before Qwen3's q/k norm);
+    # the last layer keeps its input on the device
+    assert offloaded.attention_saved == offloaded.qkv_saved == 2, offloaded  # layer 0 in each of two steps
     assert loss == ref_loss
     assert grads.keys() == ref_grads.keys() and any("experts" in n for n in grads)
     for name, ref in ref_grads.items():

@@ -590,22 +590,27 @@ def test_enable_memory_features_installs_both_and_gradients_stay_equal():
 # ---- GPU tier --------------------------------------------------------------------------------------------
 
 
-def _gpu_model_1b(seq: int):
-    cfg = transformers.LlamaConfig(
+def _gpu_model_1b(seq: int, model_type: str = "llama"):
+    """A ~1B shape with LoRA in bf16 on CUDA: Llama's, or with ``model_type="qwen3"`` the same with Qwen3's per-head
+    q/k norm."""
+    cfg = transformers.AutoConfig.for_model(
+        model_type,
         vocab_size=32000,
         hidden_size=2048,
         intermediate_size=5632,
         num_hidden_layers=16,
         num_attention_heads=32,
         num_key_value_heads=8,
+        head_dim=64,
         max_position_embeddings=seq,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
         use_cache=False,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(
+            torch.bfloat16
+        )
     return _lora(model)
 
 
