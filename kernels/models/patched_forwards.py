@@ -118,6 +118,10 @@ def router_forward(normalize: bool, fp32_weights: bool) -> Callable:
     return forward
 
 
+def _trains(*modules: nn.Module) -> bool:
+    return any(p.requires_grad for m in modules for p in m.parameters())
+
+
 def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> Callable:
     from ..ops.rope import rope_qk
 
@@ -138,26 +142,37 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
             _layer_specs(state, self, (self.q_proj, self.k_proj, self.v_proj), hidden_states) if qkv else None
         )
         cos, sin = position_embeddings
-        # q, k, v from strop's fused projections: a recomputed layer may take them from its forward (saved_attention's
-        # save_qkv), after strop's in-place RoPE where nothing else follows the projections (Llama's family), else as
-        # the projections return them, the q/k norm and RoPE recomputed on them
-        after_rope = specs is not None and rope and not qk_norm
-        saved = replayed_qkv(ready=not after_rope) if specs is not None else None
-        if saved is not None and after_rope:
-            q, k, v = saved_qkv_projections(hidden_states, specs, saved, cos, sin, inplace_dx=inplace)
-        else:
-            if saved is not None:
-                q, k, v = saved_qkv_projections(hidden_states, specs, saved, None, None, inplace_dx=inplace)
-            elif specs is not None:
-                q, k, v = lora_qkv(hidden_states, *specs, inplace_dx=inplace)
-            else:
-                q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-            projections = (q, k, v) if specs is not None else ()
+
+        def prepare(q, k, v):  # the projections' outputs to attention's q, k, v: heads, the q/k norm, RoPE
             q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
             if qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = rope_qk(q, k, cos, sin) if rope else hf.apply_rotary_pos_emb(q, k, cos, sin)
+            return q, k, v
+
+        # q, k, v from strop's fused projections: a recomputed layer may take them from its forward (saved_attention's
+        # save_qkv), after strop's in-place RoPE where nothing else follows the projections (Llama's family), else as
+        # the projections return them, with the rest of ``prepare`` run in attention's backward (the norm's weights
+        # frozen: that backward returns no gradient for them)
+        after_rope = specs is not None and rope and not qk_norm
+        before_norm = (
+            specs is not None and not after_rope and not (qk_norm and _trains(self.q_norm, self.k_norm))
+        )
+        saved = replayed_qkv() if after_rope or before_norm else None
+        deferred, projections = None, ()
+        if saved is not None:
+            q, k, v = saved_qkv_projections(
+                hidden_states, specs, saved, *((cos, sin) if after_rope else (None, None)), inplace_dx=inplace
+            )
+            deferred = None if after_rope else prepare
+        else:
+            if specs is not None:
+                q, k, v = lora_qkv(hidden_states, *specs, inplace_dx=inplace)
+            else:
+                q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+            projections = (q, k, v) if before_norm else ()
+            q, k, v = prepare(q, k, v)
         interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, hf.eager_attention_forward
         )
@@ -176,6 +191,7 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
                 dropout=0.0 if not self.training else self.attention_dropout,
                 scaling=self.scaling,
                 keep_qkv=(q, k, v) if after_rope else projections,
+                prepare=deferred,
                 **kwargs,
             )
         )

@@ -51,8 +51,10 @@ k, v take the place of the recomputed ones, which the recompute also holds until
 the attention forward's projections are strop's fused LoRA Q/K/V and the host has room for them beside o and lse;
 elsewhere the recompute computes them. Where only strop's in-place RoPE follows the projections (Llama's family), the
 q, k, v kept are RoPE's output, as above. Where a q/k norm comes between (Qwen3, Qwen3-MoE, Gemma 3), they are the
-projections' own outputs: the recompute waits for their reload as it starts (it reads them), runs the norm and RoPE
-on them as the forward did, and only the projections' node is replaced (its backward the fused Q/K/V's alone).
+projections' own outputs, and the recompute hands them to the saved attention node as they are: its backward runs
+the norm and RoPE on them (the forward's ops, under its autocast), attention's backward, then theirs. So the reload
+is read where Llama's is, in attention's backward, and the recompute holds the projections alone until then. The
+norm's weights must be frozen (the node returns no gradient for them); a layer whose norm trains recomputes q, k, v.
 """
 
 from __future__ import annotations
@@ -171,19 +173,15 @@ class AttentionSaves:
         s.wait()
         return s
 
-    def next_qkv(self, ready: bool) -> list[torch.Tensor] | None:
-        """In the recompute, before the next attention call: its saved q, k, v, handed over once; None where that
-        call saved none. Reloading, and attention's backward waits for them; ``ready``: the current stream waits
-        now (the recompute reads them)."""
+    def next_qkv(self) -> list[torch.Tensor] | None:
+        """In the recompute, before the next attention call: its saved q, k, v (reloading; attention's backward
+        waits for them), handed over once; None where that call saved none."""
         if self.cursor >= len(self.saved):
             return None
         s = self.saved[self.cursor]
         if s.qkv_host:
             self.reload()
         qkv, s.qkv = s.qkv, []
-        if qkv and ready and s.qkv_ready is not None:
-            torch.cuda.current_stream(qkv[0].device).wait_event(s.qkv_ready)
-            s.qkv_ready = None
         return qkv or None
 
 
@@ -313,14 +311,18 @@ def _backward(s: _Saved, g: torch.Tensor, q, k, v, o, lse, scale):
 
 
 class _SavedAttentionFunction(torch.autograd.Function):
-    """Returns the saved o; backward is attention's backward on (q, k, v, o, lse)."""
+    """Returns the saved o; backward is attention's backward on (q, k, v, o, lse). With ``prepare``, the q, k, v
+    given are the projections' outputs, and backward first runs ``prepare`` on them (the q/k norm and RoPE, under the
+    forward's autocast), then attention's backward, then ``prepare``'s backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, holder, scale):
         s: _Saved = holder[0]
         o, lse = s.device[0], s.device[1]
         del s.device[:2]
-        ctx.info, ctx.scale, ctx.o, ctx.lse, ctx.saves = s, scale, o, lse, holder[1]
+        ctx.info, ctx.scale, ctx.o, ctx.lse, ctx.saves, ctx.prepare = s, scale, o, lse, holder[1], holder[2]
+        device = q.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(q, k, v)
         return o.view_as(o)
 
@@ -340,11 +342,23 @@ class _SavedAttentionFunction(torch.autograd.Function):
         if ctx.info.qkv_ready is not None:  # q, k, v reloaded (save_qkv): their copies are done
             torch.cuda.current_stream(q.device).wait_event(ctx.info.qkv_ready)
             ctx.info.qkv_ready = None
+        prepare, ctx.prepare = ctx.prepare, None
+        if (
+            prepare is not None
+        ):  # q, k, v as the projections returned them: the norm and RoPE, on a graph of their own
+            projections = [t.detach().requires_grad_() for t in (q, k, v)]
+            enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(q.device.type, dtype=dtype, enabled=enabled):
+                prepared = prepare(*projections)
+            q, k, v = (t.detach() for t in prepared)
         if g.stride() != o.stride():  # the kernels take dO in O's layout
             g = torch.empty_like(o).copy_(g)
         dq, dk, dv = _backward(ctx.info, g, q, k, v, o, lse, ctx.scale)
         ctx.o = ctx.lse = None
         del o, lse, g
+        if prepare is not None:
+            dq, dk, dv = torch.autograd.grad(prepared, projections, (dq, dk, dv))
+            del prepared, projections
         if prev is not None and not early:
             prev.reload()
         return dq, dk, dv, None, None
@@ -361,6 +375,7 @@ def attention_call(
     dropout: float,
     scaling: float | None,
     keep_qkv: tuple[torch.Tensor, ...] = (),
+    prepare: Callable[..., tuple[torch.Tensor, ...]] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
     """The attention of a patched attention forward: HF's ``interface`` unless a layer's saved output applies.
@@ -368,17 +383,19 @@ def attention_call(
     q [B, H, T, d], k/v [B, H_kv, T, d] as HF's interfaces take them; returns (o [B, T, H, d], None) as they do.
     ``keep_qkv``: the fused LoRA Q/K/V's q, k, v that :func:`saved_qkv_projections` can stand for in the recompute
     (these q, k, v after in-place RoPE, or the projections' outputs before a q/k norm), so they may be saved too
-    (``save_qkv``).
+    (``save_qkv``). ``prepare`` (in a recompute whose attention output and projections were saved): q, k, v are the
+    projections' outputs, and ``prepare`` makes attention's q, k, v of them, run only in attention's backward.
     """
     mode = _MODE.get()
-    if mode is None:
-        return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
-    if mode.replay:
+    if mode is not None and mode.replay:
         s = mode.saves.take()
-        if s.kernel == "none":
-            return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
-        o = _SavedAttentionFunction.apply(q, k, v, [s, mode.saves], scaling)
-        return o.transpose(1, 2), None
+        if s.kernel != "none":
+            o = _SavedAttentionFunction.apply(q, k, v, [s, mode.saves, prepare], scaling)
+            return o.transpose(1, 2), None
+    if prepare is not None:
+        q, k, v = prepare(q, k, v)
+    if mode is None or mode.replay:
+        return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
     reason = _reason(module, q, k, mask, dropout, kwargs)
     saves, pool = mode.saves, mode.saves.pool
     # o is q-shaped in q's dtype, lse [B, H, T] fp32
@@ -404,14 +421,14 @@ def attention_call(
     return o.transpose(1, 2), None
 
 
-def replayed_qkv(ready: bool = False) -> list[torch.Tensor] | None:
+def replayed_qkv() -> list[torch.Tensor] | None:
     """In a layer's recompute, before its next attention call: the q, k, v that call's forward saved (``save_qkv``;
-    after RoPE, or as the projections returned them), reloading, ``ready``: copied by the time the current stream
-    reads them; None where it saved none, or outside a recompute: compute them."""
+    after RoPE, or as the projections returned them), reloading: only attention's backward may read them; None
+    where it saved none, or outside a recompute: compute them."""
     mode = _MODE.get()
     if mode is None or not mode.replay:
         return None
-    return mode.saves.next_qkv(ready)
+    return mode.saves.next_qkv()
 
 
 class _SavedQKVFunction(torch.autograd.Function):

@@ -454,8 +454,9 @@ def test_the_layer_below_reloads_as_attention_backward_ends_or_with_qkv_as_it_be
 @pytest.mark.parametrize(("model_type", "qlora"), [("qwen2", True), ("qwen3", False), ("qwen3", True)])
 def test_saved_qkv_over_nf4_bases_with_biases_and_past_a_qk_norm(tmp_path, monkeypatch, model_type, qlora):
     """Qwen2 over NF4 bases (q, k, v with biases): q, k, v saved after RoPE. Qwen3 normalises q and k per head
-    before RoPE: the projections' outputs are saved, and the recompute runs the norm and RoPE on them. Either way
-    the recompute projects nothing, and loss and gradients are bit for bit those of saved attention alone."""
+    before RoPE: the projections' outputs are saved, and the norm and RoPE run on them in attention's backward, not
+    in the recompute (which would wait for their reload). Either way the recompute projects nothing, and loss and
+    gradients are bit for bit those of saved attention alone."""
     from tests.kernels.models.test_patch import _model as _hf_model
     from tests.kernels.models.test_patch import _peft
 
@@ -467,9 +468,20 @@ def test_saved_qkv_over_nf4_bases_with_biases_and_past_a_qk_norm(tmp_path, monke
     loss_ref, grads_ref = _step(model, ids)
     disable_offloaded_checkpointing(model)
     calls = _counting_qkv(monkeypatch)
+    norms = []  # where each q norm ran: the forward (recording), the recompute (replay) or neither (backward)
+    if model_type == "qwen3":
+        for layer in model.get_base_model().model.layers:
+            layer.self_attn.q_norm.register_forward_pre_hook(
+                lambda *_: norms.append(
+                    {None: "backward", False: "forward", True: "recompute"}[
+                        getattr(sa._MODE.get(), "replay", None)
+                    ]
+                )
+            )
     off = enable_offloaded_checkpointing(model, **common, save_qkv=True)
     loss, grads = _step(model, ids)
     layers = model.config.num_hidden_layers
+    assert norms == ([] if model_type == "qwen2" else ["forward"] * layers + ["backward"] * layers), norms
     assert off.stats.attention_saved == layers and off.stats.qkv_saved == layers, off.stats
     assert calls == {"qkv": layers, "rope": (1 if model_type == "qwen2" else 2) * layers}, calls
     assert off.stats.host_bytes == 0 and off.pool._host_blocks == 0, "every saved q, k, v is released"
