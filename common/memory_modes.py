@@ -44,8 +44,9 @@ class MemoryFeatures:
         save_attention: Offloaded layers keep their attention output and log-sum-exp in host memory, so the
             recompute in backward skips attention's forward.
         save_qkv: With ``save_attention``, the q, k, v attention read are kept there too, so the recompute also
-            skips the fused Q/K/V projections and RoPE (``kernels/models/saved_attention.py``; where the host has
-            no room for them beside the attention outputs, the recompute computes them).
+            skips the fused Q/K/V projections (and RoPE where nothing else follows them; a q/k norm and RoPE run in
+            attention's backward instead: ``kernels/models/saved_attention.py``); where the host has no room for
+            them beside the attention outputs, the recompute computes them.
         host_budget_fraction: The share of the host's available memory (at install) the offloaded copies may
             hold; past it, layer inputs stay on the device and attention is recomputed (0: unbounded).
         save_layers: Evenly spaced offloaded layers that skip the recompute, their activations in host memory
@@ -74,8 +75,8 @@ class MemoryFeatures:
 MEMORY_MODES: dict[MemoryMode, MemoryFeatures] = {
     # offloading the layer inputs costs no step time at a few thousand tokens per row and takes a quarter off the
     # peak; keeping the offloaded layers' attention outputs (reloaded one layer early) makes the recompute skip
-    # attention for a few GiB of host memory, and keeping their q, k, v too skips the Q/K/V projections and RoPE
-    # at the same device peak — each only when the host has room for it (apply_memory_mode)
+    # attention for a few GiB of host memory, and keeping their q, k, v too skips the Q/K/V projections for a
+    # device peak higher by at most one layer's q, k, v — each only when the host has room for it (apply_memory_mode)
     MemoryMode.STANDARD: MemoryFeatures(None, True, True, False, False, save_attention=True, save_qkv=True),
     # what host memory holds goes there, layer inputs first (an attention output is saved only with room left for
     # the inputs still to come), the rest stays on the device; the MLP runs over sequence chunks

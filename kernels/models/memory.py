@@ -281,7 +281,9 @@ class StepShape:
 def host_room(model: nn.Module, step: StepShape) -> tuple[bool, bool, bool]:
     """Whether one step's checkpointed layer inputs fit in half the host's available memory; whether their
     attention outputs (the same size: [rows, seq, heads · head_dim], plus an fp32 log-sum-exp per head) fit there
-    beside them; and whether the q, k, v attention read fit there beside both. Unknown host memory claims no room."""
+    beside them; and whether the q, k, v attention read fit there beside both. Unknown host memory claims no room.
+    Every layer is counted as saving all three, including layers that will not (a sliding window shorter than the
+    sequence, projections not strop's): the rule errs toward recomputing."""
     from .host_pool import host_block_bytes as pinned
 
     cfg = model.config

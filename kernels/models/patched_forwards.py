@@ -153,13 +153,13 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
 
         # q, k, v from strop's fused projections: a recomputed layer may take them from its forward (saved_attention's
         # save_qkv), after strop's in-place RoPE where nothing else follows the projections (Llama's family), else as
-        # the projections return them, with the rest of ``prepare`` run in attention's backward (the norm's weights
-        # frozen: that backward returns no gradient for them)
+        # the projections return them (a q/k norm, or HF's RoPE), the rest of ``prepare`` run in attention's backward
+        # (a q/k norm's weights frozen: that backward returns no gradient for them)
         after_rope = specs is not None and rope and not qk_norm
-        before_norm = (
+        projected = (
             specs is not None and not after_rope and not (qk_norm and _trains(self.q_norm, self.k_norm))
         )
-        saved = replayed_qkv() if after_rope or before_norm else None
+        saved = replayed_qkv() if after_rope or projected else None
         deferred, projections = None, ()
         if saved is not None:
             q, k, v = saved_qkv_projections(
@@ -171,7 +171,7 @@ def attention_forward(model_type: str, rope: bool, qkv: bool, inplace: bool) -> 
                 q, k, v = lora_qkv(hidden_states, *specs, inplace_dx=inplace)
             else:
                 q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-            projections = (q, k, v) if before_norm else ()
+            projections = (q, k, v) if projected else ()
             q, k, v = prepare(q, k, v)
         interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, hf.eager_attention_forward

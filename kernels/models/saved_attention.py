@@ -46,8 +46,9 @@ replaces the projections and RoPE by a node (:class:`_SavedQKVFunction`) that re
 RoPE's backward followed by the fused Q/K/V's (``kernels/lora/linear.py``'s ``backward_projections``, on the same
 saved input x and LoRA factor u = x Aᵀ the projections' own node would hold). The gradients are bitwise those of the
 recompute: the reloaded q, k, v are the values the recompute would compute (the same ops on the same input), and the
-backward runs the same ops on the same gradients. Device memory at the step's peak does not change: the reloaded q,
-k, v take the place of the recomputed ones, which the recompute also holds until attention's backward. Applies where
+backward runs the same ops on the same gradients. Device memory at the step's peak grows by at most one layer's q, k,
+v (reloaded a layer early, beside what the layer above still holds; the reloaded q, k, v otherwise take the place of
+the recomputed ones, which the recompute also holds until attention's backward). Applies where
 the attention forward's projections are strop's fused LoRA Q/K/V and the host has room for them beside o and lse;
 elsewhere the recompute computes them. Where only strop's in-place RoPE follows the projections (Llama's family), the
 q, k, v kept are RoPE's output, as above. Where a q/k norm comes between (Qwen3, Qwen3-MoE, Gemma 3), they are the
@@ -232,7 +233,7 @@ def _log_once(reason: str) -> None:
 
 
 def _reason(
-    module: Any, q: torch.Tensor, k: torch.Tensor, mask: Any, dropout: float, kwargs: dict
+    module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout: float, kwargs: dict
 ) -> str | None:
     impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
     if impl != "sdpa":
@@ -252,6 +253,9 @@ def _reason(
         return "query heads not a multiple of key/value heads"
     if q.device.type not in ("cuda", "cpu"):
         return f"tensors on {q.device.type}"
+    # e.g. an fp32 q/k norm over 16-bit projections: the saved path's kernels take one dtype (SDPA casts itself)
+    if not q.dtype == k.dtype == v.dtype:
+        return "q, k, v of different dtypes"
     return None
 
 
@@ -336,7 +340,7 @@ class _SavedAttentionFunction(torch.autograd.Function):
         # backward holds the most: its e and g, [N, I] each, against o, lse, q, k, v of the layer below)
         prev = ctx.saves.prev() if ctx.saves.prev is not None else None
         ctx.saves = None
-        early = prev is not None and prev.qkv
+        early = prev is not None and any(s.qkv_host for s in prev.saved)  # q, k, v it did keep
         if early:
             prev.reload()
         if ctx.info.qkv_ready is not None:  # q, k, v reloaded (save_qkv): their copies are done
@@ -387,16 +391,18 @@ def attention_call(
     projections' outputs, and ``prepare`` makes attention's q, k, v of them, run only in attention's backward.
     """
     mode = _MODE.get()
-    if mode is not None and mode.replay:
-        s = mode.saves.take()
-        if s.kernel != "none":
-            o = _SavedAttentionFunction.apply(q, k, v, [s, mode.saves, prepare], scaling)
-            return o.transpose(1, 2), None
-    if prepare is not None:
-        q, k, v = prepare(q, k, v)
-    if mode is None or mode.replay:
+    # a call saves q, k, v only where it saves o and lse: prepare comes only with a saved output to replay
+    assert prepare is None or (mode is not None and mode.replay), "prepare outside a recompute"
+    if mode is None:
         return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
-    reason = _reason(module, q, k, mask, dropout, kwargs)
+    if mode.replay:
+        s = mode.saves.take()
+        if s.kernel == "none":
+            assert prepare is None, "q, k, v saved for a call that saved no attention output"
+            return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+        o = _SavedAttentionFunction.apply(q, k, v, [s, mode.saves, prepare], scaling)
+        return o.transpose(1, 2), None
+    reason = _reason(module, q, k, v, mask, dropout, kwargs)
     saves, pool = mode.saves, mode.saves.pool
     # o is q-shaped in q's dtype, lse [B, H, T] fp32
     sizes = (q.numel() * q.element_size(), q[..., 0].numel() * 4)

@@ -380,9 +380,10 @@ def test_gpu_saved_qkv_train_as_saved_attention_alone_with_one_layers_qkv_more_a
     than two runs of saved attention alone do) and the gradients differ from saved attention alone by no more than
     that path differs from itself across two runs (the attention backward may accumulate in another order run to
     run), with room for 4x; peak memory higher by no more than one layer's q, k, v. Llama keeps them after RoPE;
-    Qwen3 the projections' outputs before its q/k norm, which the recompute reads as it starts (a missed wait for
-    their reload would read stale memory and fail the bounds). Step times are printed, not asserted (a speed claim
-    is the benchmark's: ``train_bench.py … strop-standard``, ``-q0`` without them)."""
+    Qwen3 the projections' outputs before its q/k norm, which run with RoPE in attention's backward. (A missed wait
+    for the reload would most likely still pass: the copy normally lands during the MLP's recompute and backward.)
+    Step times are printed, not asserted (a speed claim is the benchmark's: ``train_bench.py … strop-standard``,
+    ``-q0`` without them)."""
     seq = 16384
     model = _gpu_1b(seq, model_type)
     ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -421,12 +422,18 @@ def test_gpu_saved_qkv_train_as_saved_attention_alone_with_one_layers_qkv_more_a
     assert peak_qkv <= peak_ref + one_layer_qkv + (16 << 20), (peak_qkv / 2**30, peak_ref / 2**30)
 
 
-@pytest.mark.parametrize("qkv", [False, True], ids=["o-lse", "with-qkv"])
+@pytest.mark.parametrize("qkv", [False, True, "unfused"], ids=["o-lse", "with-qkv", "qkv-not-strops"])
 def test_the_layer_below_reloads_as_attention_backward_ends_or_with_qkv_as_it_begins(monkeypatch, qkv):
     """Without q, k, v saved, the recompute's projections overlap the reload of o and lse, which starts into the memory
     the layer above leaves as its attention backward ends; with them saved nothing is left to overlap, so it starts
-    as that backward begins."""
-    model = _model()
+    as that backward begins. What decides is what the layer below kept, not the option: with ``save_qkv`` on and
+    projections that are not strop's fused Q/K/V (nothing it can stand for), the reload waits as without it."""
+    if qkv == "unfused":
+        model = _lora(_tiny_llama(attn_implementation="sdpa"))
+        patch_model(model, lora_qkv=False)
+    else:
+        model = _model()
+    ids = _ids()
     events = []
     real_backward, real_reload = sa._backward, sa.AttentionSaves.reload
 
@@ -442,12 +449,19 @@ def test_the_layer_below_reloads_as_attention_backward_ends_or_with_qkv_as_it_be
     monkeypatch.setattr(sa, "_backward", backward)
     monkeypatch.setattr(sa.AttentionSaves, "reload", reload)
     off = enable_offloaded_checkpointing(
-        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True, save_qkv=qkv
+        model,
+        offload_cpu_tensors=True,
+        min_offload_bytes=0,
+        keep_last=0,
+        save_attention=True,
+        save_qkv=bool(qkv),
     )
-    _step(model, _ids())
-    below = ["reload", "attention backward"] if qkv else ["attention backward", "reload"]
+    _step(model, ids)
+    kept = qkv is True
+    below = ["reload", "attention backward"] if kept else ["attention backward", "reload"]
     assert events == ["reload"] + below * (LAYERS - 1) + ["attention backward"], events
-    assert off.stats.qkv_saved == (LAYERS if qkv else 0) and off.stats.host_bytes == 0, off.stats
+    assert off.stats.attention_saved == LAYERS, off.stats
+    assert off.stats.qkv_saved == (LAYERS if kept else 0) and off.stats.host_bytes == 0, off.stats
     disable_offloaded_checkpointing(model)
 
 
@@ -488,4 +502,60 @@ def test_saved_qkv_over_nf4_bases_with_biases_and_past_a_qk_norm(tmp_path, monke
     assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys()
     for name, g in grads.items():
         assert torch.equal(g, grads_ref[name]), name
+    disable_offloaded_checkpointing(model)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "variant"), [("qwen3", "trained q/k norm"), ("qwen3", "HF's RoPE"), ("llama", "HF's RoPE")]
+)
+def test_saved_qkv_with_hfs_rope_or_a_trained_qk_norm(tmp_path, model_type, variant):
+    """With HF's RoPE (strop's not patched in) the projections' outputs are saved and RoPE runs in attention's
+    backward; a q/k norm that trains is left to the recompute (the deferred backward returns no gradient for its
+    weights), so nothing is saved. Both train bit for bit as saved attention alone, the norm's weights included."""
+    from tests.kernels.models.test_patch import _model as _hf_model
+    from tests.kernels.models.test_patch import _peft
+
+    model = _peft(_hf_model(model_type, False, tmp_path)).train()
+    trained_norm = variant == "trained q/k norm"
+    if trained_norm:
+        for layer in model.get_base_model().model.layers:
+            for p in (*layer.self_attn.q_norm.parameters(), *layer.self_attn.k_norm.parameters()):
+                p.requires_grad_(True)
+    patch_model(model, rope=trained_norm)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(4))
+    common = dict(offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True)
+    enable_offloaded_checkpointing(model, **common)
+    loss_ref, grads_ref = _step(model, ids)
+    disable_offloaded_checkpointing(model)
+    off = enable_offloaded_checkpointing(model, **common, save_qkv=True)
+    loss, grads = _step(model, ids)
+    layers = model.config.num_hidden_layers
+    assert off.stats.attention_saved == layers, off.stats
+    assert off.stats.qkv_saved == (0 if trained_norm else layers), off.stats
+    assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys()
+    assert any("q_norm" in n for n in grads) == trained_norm
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+    disable_offloaded_checkpointing(model)
+
+
+def test_q_k_v_of_different_dtypes_recompute_attention_with_a_reason(tmp_path, caplog):
+    """An fp32 base under bf16 autocast: the projections give bf16 q, k, v and Qwen3's fp32 q/k norm gives fp32 q
+    and k, which the saved path's kernels do not take (SDPA casts them itself): attention is recomputed, saying why."""
+    from tests.kernels.models.test_patch import _model as _hf_model
+    from tests.kernels.models.test_patch import _peft
+
+    model = _peft(_hf_model("qwen3", False, tmp_path)).train()
+    patch_model(model)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(4))
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True, save_qkv=True
+    )
+    sa._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="strop.kernels"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    assert torch.isfinite(loss) and off.stats.attention_saved == 0 and off.stats.qkv_saved == 0, off.stats
+    assert "q, k, v of different dtypes" in caplog.text
     disable_offloaded_checkpointing(model)
