@@ -12,6 +12,7 @@ import statistics
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from strop.common.trainer_types import JobEvent, JobInfo, JobState, StepMetrics
@@ -75,6 +76,7 @@ async def _storm(target: str, job_id: str) -> dict:
     return {"first": first, **lat}
 
 
+@pytest.mark.alone  # its bounds are wall-clock seconds on this machine, with nothing else computing beside it
 def test_five_hundred_replaying_streams_keep_health_and_get_job_fast(tmp_path, model_root):
     job_id = _job_with_events(tmp_path / "state", EVENTS)
     args = ["--model-root", str(model_root), "--artifact-root", str(tmp_path / "a"), "--state-dir"]
