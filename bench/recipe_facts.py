@@ -353,9 +353,10 @@ def evaluate(loaded, *, disable_adapter: bool, tie_views: bool = False) -> dict:
     """Facts: teacher-forced, the trained answer is exactly the greedy one when every one of its tokens (to the
     end of turn) is the model's top-1 (``retention.answer_hits``; unbatched, so no padding is involved).
     General: greedy answers in one left-padded batch (``models.generate_chat_batch``); ``tie_views`` (a 16-bit
-    session, where near ties decide answers): also one question at a time, as Generate answers a user (``generation.generate_chat``), where a
-    batch's left padding can move a near tie either way, and the batch again with the logits rounded to 16 bits
-    (``rounded_logits``: how an engine serving in bf16 would answer; Generate's logits are fp32)."""
+    session, where near ties decide answers): also one question at a time, as Generate answers a user
+    (``generation.generate_chat``), where a batch's left padding can move a near tie either way, and the batch again
+    with the logits rounded to 16 bits (``rounded_logits``: how an engine serving in bf16 would answer; Generate's
+    logits are fp32)."""
     from strop.trainer_svc.core import generation, model_loading, retention
 
     t0 = time.perf_counter()

@@ -345,8 +345,7 @@ def apply_memory_mode(
     ``dataclasses.replace`` (e.g. a benchmark's ``save_layers``). This function owns the rules around the table:
     the host-room rule (offload needing host room happens only when the step's layer inputs fit in half the
     host's available memory, attention outputs and then their q, k, v are saved only when they fit there too),
-    the host budget (the
-    mode's fraction of what the host has), and the device budget (``memory_budget_bytes``).
+    the host budget (the mode's fraction of what the host has), and the device budget (``memory_budget_bytes``).
 
     Args:
         model: A (patched) HF or PEFT model; gradient checkpointing as the caller set it.

@@ -36,26 +36,27 @@ Hopper) or FlashAttention-2's on CUDA, the flash kernel on the CPU (tests). The 
 offloaded (for a layer kept on the device, recomputing is what plain checkpointing does).
 
 q, k and v kept too (``save_qkv``). With o and lse saved, the recompute still runs the fused LoRA Q/K/V projections
-and RoPE for one purpose: attention's backward reads q, k and v. At 16K tokens of an 8B Llama those projections are a
-[16384, 4096] x [4096, 6144] GEMM, about 1.2 ms a layer on an H200, for 192 MiB of q, k and v. So the forward also
+and RoPE for one purpose: attention's backward reads q, k and v. At 16K tokens of an 8B Llama those projections are
+a [16384, 4096] x [4096, 6144] GEMM, about 1.2 ms a layer on an H200, for 192 MiB of q, k and v. So the forward also
 copies the q, k and v attention read (after RoPE) to pinned host memory; they reload behind o and lse, on their own
-event, which only attention's backward waits for (after the layer's MLP recompute and backward); the reload starts as
-the layer above begins its attention backward, not as it ends it, since the recompute no longer runs the projections
-that hid the link's time for o and lse (130 MiB a layer, ~2.5 ms at the ~52 GB/s measured); and the recompute
-replaces the projections and RoPE by a node (:class:`_SavedQKVFunction`) that returns them and whose backward is
-RoPE's backward followed by the fused Q/K/V's (``kernels/lora/linear.py``'s ``backward_projections``, on the same
-saved input x and LoRA factor u = x Aᵀ the projections' own node would hold). The gradients are bitwise those of the
-recompute: the reloaded q, k, v are the values the recompute would compute (the same ops on the same input), and the
-backward runs the same ops on the same gradients. Device memory at the step's peak grows by at most one layer's q, k,
-v (reloaded a layer early, beside what the layer above still holds; the reloaded q, k, v otherwise take the place of
-the recomputed ones, which the recompute also holds until attention's backward). Applies where
-the attention forward's projections are strop's fused LoRA Q/K/V and the host has room for them beside o and lse;
-elsewhere the recompute computes them. Where only strop's in-place RoPE follows the projections (Llama's family), the
-q, k, v kept are RoPE's output, as above. Where a q/k norm comes between (Qwen3, Qwen3-MoE, Gemma 3), they are the
-projections' own outputs, and the recompute hands them to the saved attention node as they are: its backward runs
-the norm and RoPE on them (the forward's ops, under its autocast), attention's backward, then theirs. So the reload
-is read where Llama's is, in attention's backward, and the recompute holds the projections alone until then. The
-norm's weights must be frozen (the node returns no gradient for them); a layer whose norm trains recomputes q, k, v.
+event, which only attention's backward waits for (after the layer's MLP recompute and backward); the reload starts
+as the layer above begins its attention backward, not as it ends it, since the recompute no longer runs the
+projections that hid the link's time for o and lse (130 MiB a layer, ~2.5 ms at the ~52 GB/s measured); and the
+recompute replaces the projections and RoPE by a node (:class:`_SavedQKVFunction`) that returns them and whose
+backward is RoPE's backward followed by the fused Q/K/V's (``kernels/lora/linear.py``'s ``backward_projections``, on
+the same saved input x and LoRA factor u = x Aᵀ the projections' own node would hold). The gradients are bitwise
+those of the recompute: the reloaded q, k, v are the values the recompute would compute (the same ops on the same
+input), and the backward runs the same ops on the same gradients. Device memory at the step's peak grows by at most
+one layer's q, k, v (reloaded a layer early, beside what the layer above still holds; the reloaded q, k, v otherwise
+take the place of the recomputed ones, which the recompute also holds until attention's backward). Applies where the
+attention forward's projections are strop's fused LoRA Q/K/V and the host has room for them beside o and lse;
+elsewhere the recompute computes them. Where only strop's in-place RoPE follows the projections (Llama's family),
+the q, k, v kept are RoPE's output, as above. Where a q/k norm comes between (Qwen3, Qwen3-MoE, Gemma 3), they are
+the projections' own outputs, and the recompute hands them to the saved attention node as they are: its backward
+runs the norm and RoPE on them (the forward's ops, under its autocast), attention's backward, then theirs. So the
+reload is read where Llama's is, in attention's backward, and the recompute holds the projections alone until then.
+The norm's weights must be frozen (the node returns no gradient for them); a layer whose norm trains recomputes q,
+k, v.
 """
 
 from __future__ import annotations
@@ -325,8 +326,9 @@ class _SavedAttentionFunction(torch.autograd.Function):
         o, lse = s.device[0], s.device[1]
         del s.device[:2]
         ctx.info, ctx.scale, ctx.o, ctx.lse, ctx.saves, ctx.prepare = s, scale, o, lse, holder[1], holder[2]
-        device = q.device.type
-        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        if ctx.prepare is not None:  # backward runs it as the forward would have
+            device = q.device.type
+            ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(q, k, v)
         return o.view_as(o)
 
@@ -347,9 +349,8 @@ class _SavedAttentionFunction(torch.autograd.Function):
             torch.cuda.current_stream(q.device).wait_event(ctx.info.qkv_ready)
             ctx.info.qkv_ready = None
         prepare, ctx.prepare = ctx.prepare, None
-        if (
-            prepare is not None
-        ):  # q, k, v as the projections returned them: the norm and RoPE, on a graph of their own
+        # q, k, v as the projections returned them: the norm and RoPE, on a graph of their own
+        if prepare is not None:
             projections = [t.detach().requires_grad_() for t in (q, k, v)]
             enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(q.device.type, dtype=dtype, enabled=enabled):
