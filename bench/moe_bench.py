@@ -35,6 +35,8 @@ pinned host memory streamed through the device; what the trainer's admission pic
 
 ``--memory-mode standard|long_context``: strop's system with the trainer's memory mode installed (``apply_memory_mode``:
 layer inputs in host memory; long_context also the MLP over sequence chunks where it applies); the default ``none`` is HF's gradient checkpointing alone, as the figures before.
+``--features save_qkv=0,save_attention=0``: that mode with some of its ``MemoryFeatures`` replaced (0/1 for flags), to
+measure what each feature adds on this step (a variant, not a mode a job runs).
 
 ``--find-longest`` (strop alone, batch 1): the longest sequence whose training step (``--warmup`` + ``--steps``)
 runs without running out of device memory, by bench/lib/longest.py's search (doubling from ``--find-start``, then
@@ -196,6 +198,46 @@ def attach_lora(model):
     return model
 
 
+def feature_overrides(text: str) -> dict:
+    """``save_qkv=0,save_attention=0`` as MemoryFeatures fields: 0/1 for flags, numbers for the rest."""
+    import dataclasses
+
+    from strop.common.memory_modes import MemoryFeatures
+
+    types = {f.name: f.type for f in dataclasses.fields(MemoryFeatures)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in types:
+            raise SystemExit(f"--features: no MemoryFeatures field {name!r} (fields: {', '.join(types)})")
+        kind = str(types[name])
+        out[name] = (
+            bool(int(value)) if kind.startswith("bool") else float(value) if "float" in kind else int(value)
+        )
+    return out
+
+
+def tune_offload(model, text: str) -> str:
+    """``inflight_gib=4,keep_last=6``: the installed offload's queued-copy window and how many of the last
+    checkpointed layers keep their input on the device (recomputing attention), set after the mode installed it
+    (an experiment's knobs, not a mode's)."""
+    from strop.kernels.models.hf import unwrap_peft
+
+    state = unwrap_peft(model).__dict__.get("_strop_offload")
+    if state is None:
+        raise SystemExit("--offload: the memory mode installed no offload")
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name == "inflight_gib":
+            state.offloader.pool.max_inflight_bytes = int(float(value) * 2**30)
+        elif name == "keep_last":
+            state.keep_last = int(value)
+            state.apply()
+        else:
+            raise SystemExit(f"--offload: {name!r} is neither inflight_gib nor keep_last")
+    return f"offload tuned: {text}"
+
+
 def run_worker(a) -> Result:
     import torch
 
@@ -214,10 +256,16 @@ def run_worker(a) -> Result:
 
             smoke = {} if device == "cuda" else {"offload_cpu_tensors": True, "min_offload_bytes": 0}
             mode = MemoryMode(a.memory_mode)
-            print(
-                apply_memory_mode(model, mode, step=StepShape(a.batch, a.seq), device=device, **smoke),
-                file=sys.stderr,
-            )
+            if a.features:
+                import dataclasses
+
+                from strop.common.memory_modes import MEMORY_MODES
+
+                mode = dataclasses.replace(MEMORY_MODES[mode], **feature_overrides(a.features))
+            installed = apply_memory_mode(model, mode, step=StepShape(a.batch, a.seq), device=device, **smoke)
+            print(installed, file=sys.stderr)
+            if a.offload:
+                print(tune_offload(model, a.offload), file=sys.stderr)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if a.host_adam:
@@ -326,6 +374,7 @@ def spawn(system: str, a, timeout: float | None = None) -> Result:
     ]
     cmd += ["--smoke"] * a.smoke + ["--no-qlora"] * (not a.qlora) + ["--no-nf4-experts"] * (not a.nf4_experts)
     cmd += ["--profile"] * a.profile + ["--host-adam"] * a.host_adam + ["--memory-mode", a.memory_mode]
+    cmd += ["--features", a.features] * bool(a.features) + ["--offload", a.offload] * bool(a.offload)
     env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     if a.smoke:
         env["TRITON_INTERPRET"] = "1"
@@ -414,6 +463,14 @@ def main() -> None:
         choices=["none", "standard", "long_context"],
         help="strop: install the trainer's memory mode (none: HF's gradient checkpointing alone, as before)",
     )
+    p.add_argument(
+        "--features",
+        default="",
+        help="with --memory-mode: replace some of the mode's MemoryFeatures, e.g. save_qkv=0,save_attention=0",
+    )
+    p.add_argument(
+        "--offload", default="", help="with --memory-mode: inflight_gib=G,keep_last=K (an experiment)"
+    )
     longest.add_flags(p, unit="sequence tokens at batch 1", start=16384, max_length=262_144)
     p.add_argument(
         "--profile",
@@ -455,6 +512,8 @@ def main() -> None:
     print(
         f"Qwen3-30B-A3B shape, {a.layers} layers, {quant}, {a.batch} x {a.seq}, {moments}, strop's memory mode "
         f"{a.memory_mode}"
+        + (f" ({a.features})" if a.features else "")
+        + (f" (offload {a.offload})" if a.offload else "")
     )
     print(
         "system     tok/s    ms/step  weights GiB  peak alloc GiB  peak reserved GiB  fwd+bwd / optimizer peak  losses"

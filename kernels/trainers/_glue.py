@@ -1,4 +1,5 @@
 """What the TRL glue mixins share: HF's ``logging_nan_inf_filter`` applied on the device (``DeviceNanFilter``),
+step metrics kept on the device until they are logged (``DeviceMetrics``),
 the hidden-states head (the model surgery: a reversible forward swap that returns the backbone output), the
 PEFT/accelerate unwrapping, the LM-head and config checks that decide whether a chunked loss can replace TRL's,
 the model's final-logit soft-cap, the reference forward's context
@@ -21,6 +22,7 @@ import torch
 from ..models.hf import Swaps, previous_forward, scaled_logits_reason, unwrap_peft
 
 __all__ = [
+    "DeviceMetrics",
     "DeviceNanFilter",
     "add_hidden_states_head",
     "final_logit_softcap",
@@ -62,6 +64,44 @@ class DeviceNanFilter:
             mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
             loss = torch.where(torch.isfinite(loss), loss, mean)
         return loss
+
+
+class DeviceMetrics:
+    """Mixed into strop's TRL trainers: TRL's per-step metrics kept as device tensors until ``log`` reads them.
+
+    TRL's ``compute_loss`` reads each metric back with ``.item()`` between the forward and the backward: the host
+    waits for the forward there and the GPU idles while it runs the Python that launches the backward. A mixin's
+    loss appends the same values as 0-d device tensors to TRL's ``_metrics`` lists (and train-token counts through
+    :meth:`_strop_hold_tokens`); ``log`` reads every held value in one read per metric and hands TRL the floats
+    its ``.item()`` would have given, before TRL averages them.
+    """
+
+    def _strop_hold_tokens(self, tokens: torch.Tensor) -> None:
+        """A train-token count (a device tensor) for TRL's ``_total_train_tokens``, added at the next log."""
+        held = self.__dict__.setdefault("_strop_tokens", [])
+        held.append(tokens // getattr(self, "_tp_size", 1))
+
+    def _strop_fold_tokens(self) -> None:
+        """Add the held token counts to TRL's ``_total_train_tokens`` (one read) and its ``num_tokens`` metrics."""
+        held = self.__dict__.get("_strop_tokens")
+        if held:
+            self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(torch.stack(held).sum())
+            held.clear()
+            for mode, metrics in self._metrics.items():
+                if (
+                    mode == "train" or "num_tokens" in metrics
+                ):  # TRL sets train's every step, eval's as it runs
+                    metrics["num_tokens"] = [self._total_train_tokens]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self._strop_fold_tokens()
+        for metrics in self._metrics.values():
+            for values in metrics.values():
+                held = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+                if held:  # one read for each metric; each value the float TRL's .item() gives
+                    for i, value in zip(held, torch.stack([values[i] for i in held]).tolist(), strict=True):
+                        values[i] = value
+        super().log(logs, start_time)
 
 
 def add_hidden_states_head(model: Any) -> None:

@@ -16,6 +16,7 @@ import torch
 from ..losses.dpo import LOSS_TYPES, dpo_loss_on_pairs
 from ..losses.logps import sequence_logps
 from ._glue import (
+    DeviceMetrics,
     DeviceNanFilter,
     add_hidden_states_head,
     final_logit_softcap,
@@ -40,7 +41,7 @@ def _dpo_trl_helpers() -> tuple[Any, Any]:
     return disable_gradient_checkpointing, use_adapter
 
 
-class StropDPOMixin(DeviceNanFilter):
+class StropDPOMixin(DeviceMetrics, DeviceNanFilter):
     """Mix into TRL's ``DPOTrainer`` so its loss is :func:`strop_dpo_loss` on the backbone's hidden states::
 
         from trl import DPOTrainer
@@ -196,21 +197,19 @@ class StropDPOMixin(DeviceNanFilter):
             self.label_smoothing,
         )
 
+        # TRL's metrics as device tensors, read at the next log (DeviceMetrics): no read between forward and backward
         gather = self.accelerator.gather
         metrics = self._metrics[mode]
         if mode == "train":
-            tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-            self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + tokens // getattr(
-                self, "_tp_size", 1
-            )
+            self._strop_hold_tokens(self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum())
         metrics["num_tokens"] = [getattr(self, "_total_train_tokens", 0)]
-        c, r = out.chosen_rewards, out.rejected_rewards
-        metrics["rewards/chosen"].append(gather(c).mean().item())
-        metrics["rewards/rejected"].append(gather(r).mean().item())
-        metrics["rewards/accuracies"].append(gather((c > r).float()).mean().item())
-        metrics["rewards/margins"].append(gather(c - r).mean().item())
-        metrics["logps/chosen"].append(gather(out.chosen_logps.detach()).mean().item())
-        metrics["logps/rejected"].append(gather(out.rejected_logps.detach()).mean().item())
+        c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
+        metrics["rewards/chosen"].append(gather(c).mean())
+        metrics["rewards/rejected"].append(gather(r).mean())
+        metrics["rewards/accuracies"].append(gather((c > r).float()).mean())
+        metrics["rewards/margins"].append(gather(c - r).mean())
+        metrics["logps/chosen"].append(gather(out.chosen_logps.detach()).mean())
+        metrics["logps/rejected"].append(gather(out.rejected_logps.detach()).mean())
         return out.loss
 
 

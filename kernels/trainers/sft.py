@@ -40,7 +40,14 @@ import torch
 
 from ..models.hf import Swaps, previous_forward
 from ..ops.fused_linear_logprobs import fused_linear_logprobs
-from ._glue import DeviceNanFilter, final_logit_softcap, head_unsupported_reason, hf_model, width_buckets
+from ._glue import (
+    DeviceMetrics,
+    DeviceNanFilter,
+    final_logit_softcap,
+    head_unsupported_reason,
+    hf_model,
+    width_buckets,
+)
 from .shared_prompt import bucketed_width
 
 __all__ = [
@@ -347,7 +354,7 @@ class GraphedSFTSteps:
         return step
 
 
-class StropSFTMixin(DeviceNanFilter, GraphedSFTSteps):
+class StropSFTMixin(DeviceMetrics, DeviceNanFilter, GraphedSFTSteps):
     """Mix into TRL's ``SFTTrainer`` so its fused LM head runs strop's kernel (``strop_sft_trainer_class()``), and
     its training metrics stay on the device until they are logged.
 
@@ -373,7 +380,6 @@ class StropSFTMixin(DeviceNanFilter, GraphedSFTSteps):
         self.data_collator = _array_collator(
             self.data_collator, buckets=width_buckets(self), max_width=self.args.max_length
         )
-        self._strop_tokens: list[torch.Tensor] = []  # train-token counts not yet added to _total_train_tokens
         self._strop_reason = head_unsupported_reason(self.accelerator, self.model, "strop's fused LM head")
         if self._strop_reason:
             logger.warning("strop's fused LM head off, TRL's runs: %s", self._strop_reason)
@@ -424,24 +430,7 @@ class StropSFTMixin(DeviceNanFilter, GraphedSFTSteps):
         metrics = self._metrics["train"]
         metrics["entropy"].append(entropy_sum / num_valid.clamp(min=1))
         metrics["mean_token_accuracy"].append(num_correct / num_valid.clamp(min=1))
-        self._strop_tokens.append(tokens // self._tp_size)
-
-    def _strop_fold_tokens(self) -> None:
-        """Add the pending token counts to TRL's ``_total_train_tokens`` and its ``num_tokens`` metric (one read)."""
-        if self._strop_tokens:
-            self._total_train_tokens += int(torch.stack(self._strop_tokens).sum())
-            self._strop_tokens.clear()
-            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        self._strop_fold_tokens()
-        for metrics in self._metrics.values():
-            for values in metrics.values():
-                held = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-                if held:  # one read for each metric; each value the float TRL's .item() gives
-                    for i, value in zip(held, torch.stack([values[i] for i in held]).tolist(), strict=True):
-                        values[i] = value
-        super().log(logs, start_time)
+        self._strop_hold_tokens(tokens)
 
 
 def _token_arrays(example: dict[str, Any]) -> dict[str, Any]:
