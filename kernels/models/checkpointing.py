@@ -32,6 +32,7 @@ class _Install:
     layers: list[nn.Module]
     keep_last: int
     save_layers: int
+    resident_layers: int
     hf_funcs: list[Any]  # what HF last set as each layer's _gradient_checkpointing_func (or _MISSING)
     flags_before: list[bool]
     enabled_by_us: bool
@@ -42,7 +43,8 @@ class _Install:
         """Point every layer that HF checkpoints at the offloaded function; the last ones keep their input,
         ``save_layers`` of the others (evenly spaced) skip the recompute. Returns (checkpointed, kept, saved)."""
         on = [i for i, layer in enumerate(self.layers) if layer.gradient_checkpointing]
-        keep = set(on[max(0, len(on) - self.keep_last) :]) if self.keep_last else set()
+        resident = set(on[max(0, len(on) - self.resident_layers) :]) if self.resident_layers else set()
+        keep = (set(on[max(0, len(on) - self.keep_last) :]) if self.keep_last else set()) | resident
         # never the last checkpointed layer: backward needs its activations first, no reload could hide
         saved = set(spread([i for i in on[:-1] if i not in keep], self.save_layers))
         offloaded = [i for i in on if i not in keep and i not in saved]
@@ -54,6 +56,7 @@ class _Install:
                 save=i in saved,
                 module=self.layers[i] if i in saved else None,
                 inputs_after=sum(j > i for j in offloaded),
+                resident=i in resident,
             )
         return len(on), len(keep), len(saved)
 
@@ -81,6 +84,7 @@ def enable_offloaded_checkpointing(
     save_attention: bool = False,
     save_qkv: bool = False,
     host_budget_bytes: int | None = None,
+    resident_layers: int = 0,
     trace: bool = False,
 ) -> ActivationOffloader:
     """Make an HF (or PEFT-wrapped HF) model checkpoint its decoder layers with offloaded inputs.
@@ -108,14 +112,19 @@ def enable_offloaded_checkpointing(
             fused Q/K/V projections and RoPE.
         host_budget_bytes: Host memory the copies may hold at once (None: unbounded); past it, inputs stay on
             the device and attention is recomputed, layer by layer as the forward reaches them.
+        resident_layers: How many of the last checkpointed layers keep their input and, with ``save_attention``,
+            their attention output (and q, k, v with ``save_qkv``) on the device: their recompute skips what the
+            offloaded layers' does, for device memory instead of host-link time. Where a forward's copies take
+            longer than its compute (a layer's saves large against its FLOPs, as an MoE layer's), the link sets the
+            forward's pace, and each resident layer takes its copies off the link.
         trace: Record the schedule in ``offloader.stats.trace``.
 
     Returns:
         The :class:`ActivationOffloader`; its ``stats`` report host memory and the schedule.
 
     Raises:
-        ValueError: If the model has no ``GradientCheckpointingLayer``, or ``keep_last``, ``save_layers`` or
-            ``max_inflight_bytes`` is negative.
+        ValueError: If the model has no ``GradientCheckpointingLayer``, or ``keep_last``, ``save_layers``,
+            ``resident_layers`` or ``max_inflight_bytes`` is negative.
     """
     hf = unwrap_peft(model)
     existing = hf.__dict__.get("_strop_offload")
@@ -125,6 +134,8 @@ def enable_offloaded_checkpointing(
         raise ValueError(f"keep_last must be ≥ 0, got {keep_last}")
     if save_layers < 0:
         raise ValueError(f"save_layers must be ≥ 0, got {save_layers}")
+    if resident_layers < 0:
+        raise ValueError(f"resident_layers must be ≥ 0, got {resident_layers}")
     layers = checkpoint_layers(hf)
     if not layers:
         raise ValueError(
@@ -147,6 +158,7 @@ def enable_offloaded_checkpointing(
         layers=layers,
         keep_last=keep_last,
         save_layers=save_layers,
+        resident_layers=resident_layers,
         hf_funcs=[layer.__dict__.get("_gradient_checkpointing_func", _MISSING) for layer in layers],
         flags_before=flags,
         enabled_by_us=not any(flags),

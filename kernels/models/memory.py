@@ -166,6 +166,7 @@ def enable_memory_features(
     save_attention: bool = False,
     save_qkv: bool = False,
     host_budget_bytes: int | None = None,
+    resident_layers: int = 0,
     offload_cpu_tensors: bool = False,
     preserve_rng_state: bool = True,
     trace: bool = False,
@@ -187,6 +188,8 @@ def enable_memory_features(
             fused Q/K/V projections and RoPE.
         host_budget_bytes: Host memory the offloaded copies may hold at once (None: unbounded); past it, layer
             inputs stay on the GPU (``ActivationOffloader``).
+        resident_layers: The last checkpointed layers that keep their input and saved attention on the GPU
+            (:func:`~strop.kernels.models.enable_offloaded_checkpointing`).
         offload_cpu_tensors: Exercise the offload path with CPU tensors (tests, the CPU smoke benchmark).
         preserve_rng_state: Replay the forward's RNG in the recompute (dropout).
         trace: Record the offload schedule in ``offloader.stats.trace``.
@@ -209,6 +212,7 @@ def enable_memory_features(
                 save_attention=save_attention,
                 save_qkv=save_qkv,
                 host_budget_bytes=host_budget_bytes,
+                resident_layers=resident_layers,
             )
         except ValueError as e:
             report.skipped["offload_activations"] = str(e)
@@ -399,6 +403,7 @@ def apply_memory_mode(
                 save_attention=save_attention,
                 save_qkv=save_qkv,
                 host_budget_bytes=host_budget_bytes,
+                resident_layers=features.resident_layers,
             )
         if features.budgeted_recompute:
             installed.recompute = enable_budgeted_recompute(model, budget)

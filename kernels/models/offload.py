@@ -203,12 +203,15 @@ class ActivationOffloader:
 
     # -- forward: save
 
-    def attention_saves(self, reserve: int = 0) -> AttentionSaves:
+    def attention_saves(self, reserve: int = 0, on_device: bool = False) -> AttentionSaves:
         """A layer call's saved attention outputs, linked to the previous call's, whose reload the end of its
         attention backward starts (``kernels/models/saved_attention.py``). ``reserve``: host bytes its saves must
         leave free for the layer inputs the forward offloads after it (inputs come first: an input kept on the
-        device costs device memory, an attention output not saved only its recompute)."""
-        saves = AttentionSaves(self.pool, prev=self._last_attention, reserve=reserve, qkv=self.save_qkv)
+        device costs device memory, an attention output not saved only its recompute). ``on_device``: a resident
+        layer's, held on the device (no copy, no host room needed)."""
+        saves = AttentionSaves(
+            self.pool, prev=self._last_attention, reserve=reserve, qkv=self.save_qkv, on_device=on_device
+        )
         self._last_attention = weakref.ref(saves)
         return saves
 
@@ -318,6 +321,7 @@ class ActivationOffloader:
         save: bool = False,
         module: nn.Module | None = None,
         inputs_after: int = 0,
+        resident: bool = False,
         **_: Any,
     ) -> Any:
         """Checkpoint ``function(*args)`` with its first positional input offloaded to host memory.
@@ -332,6 +336,9 @@ class ActivationOffloader:
             module: The layer, whose weights a saved layer keeps rather than copies.
             inputs_after: Layer inputs the forward offloads after this one, for which this layer's saved attention
                 output leaves host room (``attention_saves``).
+            resident: With ``offload=False``, the layer's saved attention (o, lse and q, k, v, as the offloaded
+                layers save them) stays on the device: its recompute skips them as theirs does, and nothing of it
+                crosses the host link (``enable_offloaded_checkpointing``'s ``resident_layers``).
             **_: ``torch.utils.checkpoint`` options (``use_reentrant``, …) are accepted and ignored.
 
         Returns:
@@ -346,7 +353,7 @@ class ActivationOffloader:
             self.stats.torch_checkpoint[reason] = self.stats.torch_checkpoint.get(reason, 0) + 1
             self._log_once(f"torch.utils.checkpoint for this call: {reason}", logging.WARNING)
             return checkpoint_reference(function, *args)
-        meta: dict[str, Any] = {"inputs_after": inputs_after}
+        meta: dict[str, Any] = {"inputs_after": inputs_after, "resident": resident and not offload}
         device = args[0].device
         if device not in self._anchors:
             self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
@@ -411,6 +418,8 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         if offloader.save_attention and ctx.record.offloaded:
             block = offloader.pool.block(ctx.record.nbytes, x.is_cuda)
             ctx.attention = offloader.attention_saves(reserve=meta["inputs_after"] * block)
+        elif offloader.save_attention and meta["resident"]:
+            ctx.attention = offloader.attention_saves(on_device=True)
         ctx.stash = RecomputeStash()  # what the layer's ops hand their recompute (kernels/lora/stash.py)
         with torch.no_grad(), saved_attention.recording(ctx.attention), recording_for_recompute(ctx.stash):
             out = function(*args)

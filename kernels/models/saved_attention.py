@@ -133,9 +133,16 @@ class AttentionSaves:
     reserve: int = 0
     # attention calls that qualify also keep their q, k, v (the module docstring's ``save_qkv``)
     qkv: bool = False
+    # a resident layer's saves (``resident_layers``): kept where they are, on the device, never copied
+    on_device: bool = False
 
     def keep(self, s: _Saved, tensors: tuple[torch.Tensor, ...], qkv: tuple[torch.Tensor, ...] = ()) -> None:
-        """Start copying ``tensors`` (o, lse) and then ``qkv`` of ``s`` to the host (forward)."""
+        """Start copying ``tensors`` (o, lse) and then ``qkv`` of ``s`` to the host (forward); on the device, hold
+        them."""
+        if self.on_device:
+            s.device.extend(tensors)
+            s.qkv.extend(qkv)
+            return
         off = self.pool
         for dest, ts in ((s.host, tensors), (s.qkv_host, qkv)):
             for t in ts:
@@ -407,15 +414,19 @@ def attention_call(
     saves, pool = mode.saves, mode.saves.pool
     # o is q-shaped in q's dtype, lse [B, H, T] fp32
     sizes = (q.numel() * q.element_size(), q[..., 0].numel() * 4)
-    if reason is None and not pool.host_room(sizes, q.is_cuda, reserve=saves.reserve):
+    if reason is None and not saves.on_device and not pool.host_room(sizes, q.is_cuda, reserve=saves.reserve):
         reason = "host memory at the offloader's host_budget_bytes: attention recomputed"
     if reason is not None:
         _log_once(reason)
         saves.saved.append(_Saved("none"))
         return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
     qkv = keep_qkv if saves.qkv else ()
-    if qkv and not pool.host_room(
-        (*sizes, *(t.numel() * t.element_size() for t in qkv)), q.is_cuda, saves.reserve
+    if (
+        qkv
+        and not saves.on_device
+        and not pool.host_room(
+            (*sizes, *(t.numel() * t.element_size() for t in qkv)), q.is_cuda, saves.reserve
+        )
     ):
         _log_once("host memory at the offloader's host_budget_bytes: q, k, v recomputed")
         qkv = ()

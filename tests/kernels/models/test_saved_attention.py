@@ -168,6 +168,38 @@ def test_saved_qkv_past_the_host_budget_are_recomputed_and_a_freed_graph_returns
     disable_offloaded_checkpointing(model)
 
 
+def test_resident_layers_keep_their_saves_on_the_device_and_train_bit_for_bit(monkeypatch):
+    # a resident layer's o, lse, q, k, v are the tensors an offloaded layer's host copies hold, held where they are:
+    # the same loss and gradients, no copy of them to the host, and its recompute skips what the others' skips
+    model = _model()
+    ids = _ids()
+    kwargs = dict(
+        offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True, save_qkv=True
+    )
+    off = enable_offloaded_checkpointing(model, **kwargs)
+    offloaded = _step(model, ids)
+    every_layer_bytes = off.stats.offloaded_bytes
+    disable_offloaded_checkpointing(model)
+    calls, qkv_calls = _counting(monkeypatch), _counting_qkv(monkeypatch)
+    off = enable_offloaded_checkpointing(model, **kwargs, resident_layers=2)
+    resident = _step(model, ids)
+    assert off.stats.offloaded == LAYERS - 2 and off.stats.offloaded_bytes < every_layer_bytes, off.stats
+    assert off.stats.attention_saved == LAYERS and off.stats.qkv_saved == LAYERS, off.stats
+    assert calls["forward"] == LAYERS, "a resident layer's recompute ran attention's forward again"
+    assert qkv_calls == {"qkv": LAYERS, "rope": LAYERS}, (
+        f"a resident layer's recompute projected again: {qkv_calls}"
+    )
+    assert off.stats.host_bytes == 0 and off.pool._host_blocks == 0
+    (loss, grads), (loss_ref, grads_ref) = resident, offloaded
+    assert torch.equal(loss, loss_ref), (loss.item(), loss_ref.item())
+    assert grads.keys() == grads_ref.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+    disable_offloaded_checkpointing(model)
+    with pytest.raises(ValueError, match="resident_layers"):
+        enable_offloaded_checkpointing(model, resident_layers=-1)
+
+
 def test_layers_kept_on_the_device_and_masked_batches_recompute_with_a_logged_reason(monkeypatch, caplog):
     model = _model()
     ids = _ids()
