@@ -420,6 +420,10 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
             ctx.attention = offloader.attention_saves(reserve=meta["inputs_after"] * block)
         elif offloader.save_attention and meta["resident"]:
             ctx.attention = offloader.attention_saves(on_device=True)
+        elif offloader.save_attention:
+            # a layer that saves nothing (its input kept on the device) ends the chain: the saves of the layer below
+            # it reload at their own recompute, not while the layers above it hold theirs
+            offloader._last_attention = None
         ctx.stash = RecomputeStash()  # what the layer's ops hand their recompute (kernels/lora/stash.py)
         with torch.no_grad(), saved_attention.recording(ctx.attention), recording_for_recompute(ctx.stash):
             out = function(*args)

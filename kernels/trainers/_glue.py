@@ -82,16 +82,14 @@ class DeviceMetrics:
         held.append(tokens // getattr(self, "_tp_size", 1))
 
     def _strop_fold_tokens(self) -> None:
-        """Add the held token counts to TRL's ``_total_train_tokens`` (one read) and its ``num_tokens`` metrics."""
+        """Add the held token counts to TRL's ``_total_train_tokens`` (one read) and its train ``num_tokens``."""
         held = self.__dict__.get("_strop_tokens")
         if held:
             self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(torch.stack(held).sum())
             held.clear()
-            for mode, metrics in self._metrics.items():
-                if (
-                    mode == "train" or "num_tokens" in metrics
-                ):  # TRL sets train's every step, eval's as it runs
-                    metrics["num_tokens"] = [self._total_train_tokens]
+            # TRL sets train's every step; eval's stays what it was as the evaluation ran (a loss in eval mode
+            # folds the held counts first)
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         self._strop_fold_tokens()

@@ -202,6 +202,8 @@ class StropDPOMixin(DeviceMetrics, DeviceNanFilter):
         metrics = self._metrics[mode]
         if mode == "train":
             self._strop_hold_tokens(self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum())
+        else:
+            self._strop_fold_tokens()  # TRL's eval num_tokens is the train count as the evaluation runs
         metrics["num_tokens"] = [getattr(self, "_total_train_tokens", 0)]
         c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
         metrics["rewards/chosen"].append(gather(c).mean())

@@ -45,9 +45,9 @@ def preference_pairs() -> list[dict[str, str]]:
 
 
 def train_recording_losses(
-    trainer_cls: type, args: Any, tokenizer: Any, dataset: Any
+    trainer_cls: type, args: Any, tokenizer: Any, dataset: Any, eval_dataset: Any = None
 ) -> tuple[Any, list[float]]:
-    """Train a fresh :func:`tiny_peft_llama` with ``trainer_cls``; the trainer and each step's loss."""
+    """Train a fresh :func:`tiny_peft_llama` with ``trainer_cls``; the trainer and each loss it computed."""
     losses: list[float] = []
 
     class Recording(trainer_cls):
@@ -57,7 +57,11 @@ def train_recording_losses(
             return loss
 
     trainer = Recording(
-        model=tiny_peft_llama(tokenizer), args=args, train_dataset=dataset, processing_class=tokenizer
+        model=tiny_peft_llama(tokenizer),
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
     )
     trainer.train()
     return trainer, losses

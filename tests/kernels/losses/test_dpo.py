@@ -253,10 +253,10 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-def _train(trainer_cls, tokenizer, tmp_path, steps=3, **config):
+def _train(trainer_cls, tokenizer, tmp_path, steps=3, evaluate=False, **config):
     from datasets import Dataset
 
-    args = trl.DPOConfig(
+    settings = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
         max_steps=steps,
@@ -271,9 +271,12 @@ def _train(trainer_cls, tokenizer, tmp_path, steps=3, **config):
         max_length=64,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        **config,
     )
-    return train_recording_losses(trainer_cls, args, tokenizer, Dataset.from_list(preference_pairs()))
+    args = trl.DPOConfig(**{**settings, **config})
+    pairs = Dataset.from_list(preference_pairs())
+    return train_recording_losses(
+        trainer_cls, args, tokenizer, pairs, pairs.select(range(2)) if evaluate else None
+    )
 
 
 @pytest.mark.parity
@@ -325,6 +328,34 @@ def test_trl_dpo_trainer_and_strop_glue_train_identically(
         if p.requires_grad:
             ref = trl_params[name].detach()
             torch.testing.assert_close(p.detach(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_metrics_held_on_the_device_log_what_trl_logs_across_accumulation_and_evaluation(tokenizer, tmp_path):
+    # the step metrics are read at the log (DeviceMetrics): with two micro-batches a logged step, a log every other
+    # step and an evaluation between logs, every logged value (the token counts included) is TRL's
+    config = dict(
+        steps=3,
+        gradient_accumulation_steps=2,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        evaluate=True,
+        per_device_eval_batch_size=2,
+    )
+    trl_trainer, _ = _train(trl.DPOTrainer, tokenizer, tmp_path / "trl", **config)
+    ours, _ = _train(strop_dpo_trainer_class(), tokenizer, tmp_path / "strop", **config)
+    history, trl_history = ours.state.log_history, trl_trainer.state.log_history
+    assert len(history) == len(trl_history), history
+    assert sum("eval_num_tokens" in h for h in history) == 3 and sum("num_tokens" in h for h in history) == 1
+    for log, trl_log in zip(history, trl_history, strict=True):
+        # TRL's entropy and logits/* need a pass over the vocabulary that the chunked loss does not make
+        assert log.keys() <= trl_log.keys(), (log.keys(), trl_log.keys())
+        for key, value in ((k, trl_log[k]) for k in log):
+            assert not isinstance(log[key], torch.Tensor), key
+            if "num_tokens" in key or key in ("step", "epoch"):
+                assert log[key] == value, (key, log[key], value)
+            elif key.startswith(("logps/", "eval_logps/", "rewards/accuracies", "eval_rewards/accuracies")):
+                assert math.isclose(log[key], value, rel_tol=1e-5, abs_tol=1e-6), key
 
 
 def test_glue_leaves_unsupported_configs_to_trl(tokenizer, tmp_path):

@@ -182,7 +182,12 @@ def test_resident_layers_keep_their_saves_on_the_device_and_train_bit_for_bit(mo
     disable_offloaded_checkpointing(model)
     calls, qkv_calls = _counting(monkeypatch), _counting_qkv(monkeypatch)
     off = enable_offloaded_checkpointing(model, **kwargs, resident_layers=2)
+    copies = []
+    real_copy = off.pool.copy_to_host
+    monkeypatch.setattr(off.pool, "copy_to_host", lambda x: copies.append(tuple(x.shape)) or real_copy(x))
     resident = _step(model, ids)
+    # the one offloaded layer's input, o, lse, q, k, v: nothing of the two resident layers crosses to the host
+    assert len(copies) == 6, copies
     assert off.stats.offloaded == LAYERS - 2 and off.stats.offloaded_bytes < every_layer_bytes, off.stats
     assert off.stats.attention_saved == LAYERS and off.stats.qkv_saved == LAYERS, off.stats
     assert calls["forward"] == LAYERS, "a resident layer's recompute ran attention's forward again"
@@ -198,6 +203,43 @@ def test_resident_layers_keep_their_saves_on_the_device_and_train_bit_for_bit(mo
     disable_offloaded_checkpointing(model)
     with pytest.raises(ValueError, match="resident_layers"):
         enable_offloaded_checkpointing(model, resident_layers=-1)
+
+
+def test_a_layer_that_saves_nothing_ends_the_early_reload_chain(monkeypatch):
+    # layer 0 offloaded, layer 1 kept (recomputes everything), layer 2 resident: layer 0's saves reload at its own
+    # recompute, not during layer 2's attention backward (held through layer 1's whole backward)
+    from strop.kernels.models import offload
+
+    model = _model()
+    ids = _ids()
+    kwargs = dict(offload_cpu_tensors=True, min_offload_bytes=0, save_attention=True, save_qkv=True)
+    off = enable_offloaded_checkpointing(model, **kwargs, keep_last=0)
+    reference = _step(model, ids)
+    disable_offloaded_checkpointing(model)
+    order = []
+    real_backward, real_reload = offload.OffloadedCheckpointFunction.backward, sa.AttentionSaves.reload
+
+    def backward(ctx, *grads):
+        order.append(f"backward {ctx.layer}")
+        return real_backward(ctx, *grads)
+
+    def reload(self):
+        if any(s.host or s.qkv_host for s in self.saved):
+            order.append("reload")
+        return real_reload(self)
+
+    monkeypatch.setattr(offload.OffloadedCheckpointFunction, "backward", staticmethod(backward))
+    monkeypatch.setattr(sa.AttentionSaves, "reload", reload)
+    off = enable_offloaded_checkpointing(model, **kwargs, keep_last=2, resident_layers=1)
+    loss, grads = _step(model, ids)
+    assert order == ["backward 2", "backward 1", "backward 0", "reload"], order
+    assert off.stats.attention_saved == 2 and off.stats.host_bytes == 0, off.stats
+    assert torch.equal(loss, reference[0])
+    for name, g in grads.items():
+        _assert_same_up_to_fp32_attention_backward(
+            (loss, {name: g}), (reference[0], {name: reference[1][name]})
+        )
+    disable_offloaded_checkpointing(model)
 
 
 def test_layers_kept_on_the_device_and_masked_batches_recompute_with_a_logged_reason(monkeypatch, caplog):
