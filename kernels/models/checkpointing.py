@@ -114,9 +114,8 @@ def enable_offloaded_checkpointing(
             the device and attention is recomputed, layer by layer as the forward reaches them.
         resident_layers: How many of the last checkpointed layers keep their input and, with ``save_attention``,
             their attention output (and q, k, v with ``save_qkv``) on the device: their recompute skips what the
-            offloaded layers' does, for device memory instead of host-link time. Where a forward's copies take
-            longer than its compute (a layer's saves large against its FLOPs, as an MoE layer's), the link sets the
-            forward's pace, and each resident layer takes its copies off the link.
+            offloaded layers' does, for device memory instead of host-link time (meant for steps whose copies
+            take as long as their forward, as an MoE layer's; there it measured slower: bench/RESULTS.md, session 35).
         trace: Record the schedule in ``offloader.stats.trace``.
 
     Returns:
