@@ -218,9 +218,8 @@ def feature_overrides(text: str) -> dict:
 
 
 def tune_offload(model, text: str) -> str:
-    """``inflight_gib=4,keep_last=6``: the installed offload's queued-copy window and how many of the last
-    checkpointed layers keep their input on the device (recomputing attention), set after the mode installed it
-    (an experiment's knobs, not a mode's)."""
+    """``keep_last=6``: how many of the last checkpointed layers keep their input on the device (recomputing
+    attention), set after the mode installed it (an experiment's knob, not a mode's)."""
     from strop.kernels.models.hf import unwrap_peft
 
     state = unwrap_peft(model).__dict__.get("_strop_offload")
@@ -228,13 +227,10 @@ def tune_offload(model, text: str) -> str:
         raise SystemExit("--offload: the memory mode installed no offload")
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        if name == "inflight_gib":
-            state.offloader.pool.max_inflight_bytes = int(float(value) * 2**30)
-        elif name == "keep_last":
-            state.keep_last = int(value)
-            state.apply()
-        else:
-            raise SystemExit(f"--offload: {name!r} is neither inflight_gib nor keep_last")
+        if name != "keep_last":
+            raise SystemExit(f"--offload: {name!r} is not keep_last")
+        state.keep_last = int(value)
+        state.apply()
     return f"offload tuned: {text}"
 
 
@@ -468,9 +464,7 @@ def main() -> None:
         default="",
         help="with --memory-mode: replace some of the mode's MemoryFeatures, e.g. save_qkv=0,save_attention=0",
     )
-    p.add_argument(
-        "--offload", default="", help="with --memory-mode: inflight_gib=G,keep_last=K (an experiment)"
-    )
+    p.add_argument("--offload", default="", help="with --memory-mode: keep_last=K (an experiment)")
     longest.add_flags(p, unit="sequence tokens at batch 1", start=16384, max_length=262_144)
     p.add_argument(
         "--profile",

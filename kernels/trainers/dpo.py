@@ -205,7 +205,7 @@ class StropDPOMixin(DeviceMetrics, DeviceNanFilter):
         else:
             self._strop_fold_tokens()  # TRL's eval num_tokens is the train count as the evaluation runs
         metrics["num_tokens"] = [getattr(self, "_total_train_tokens", 0)]
-        c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
+        c, r = out.chosen_rewards, out.rejected_rewards  # detached by the loss
         metrics["rewards/chosen"].append(gather(c).mean())
         metrics["rewards/rejected"].append(gather(r).mean())
         metrics["rewards/accuracies"].append(gather((c > r).float()).mean())
