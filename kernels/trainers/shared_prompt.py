@@ -27,6 +27,17 @@ Attention (:func:`attend`) builds no mask over the row, and makes two SDPA calls
 For pairs alike, attention's FLOPs are the prompt's once plus each completion's over the prompt and itself; the
 masked call computes its whole [later positions × keys] block, masked entries included.
 
+Packed (:data:`VARLEN`; by default on CUDA in 16-bit, where the keys gathered stay within :data:`PACKED_KEYS_MAX`
+of the rows): instead of those calls, one call of FlashAttention-2's variable-length kernels over the rows as
+packed sequences (``kernels/ops/varlen_attention.py``, :meth:`Rows.packing`): each row's prompt and first suffix
+over their own keys, each later suffix over its prompt's keys gathered in front of its own, causal aligned to the
+bottom right; a row's padding runs on at the end of its last sequence (a padding query sees that sequence's keys;
+no real query sees a padding key). q, k, v and the output stay in the rows' own layout, so nothing is copied but
+the gathered keys and values (a pair: each prompt's once more), and the backward adds each prompt key's gradients
+from the sequences that read it with one ``index_add_`` per further reading. That path has no cuDNN graph per
+shape, so its lengths are not bucketed. A long prompt's GRPO group (G copies of the prompt's keys) keeps the calls
+below.
+
 Lengths in buckets (:data:`BUCKETS`, :func:`bucket`). On CUDA SDPA runs cuDNN's kernels first (Hopper and newer),
 and torch caches a cuDNN graph per exact shape and strides of q, k, v and the mask: each new length builds a graph
 for the forward and one for the backward of each call, which at a GRPO row of a few thousand tokens costs many
@@ -71,6 +82,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..ops.varlen_attention import Packing, flash_takes, packed_attention
+
 __all__ = [
     "BUCKETS",
     "BUCKET_MAX",
@@ -98,6 +111,13 @@ BUCKETS: bool | None = None
 # (quadratic in the row), and the padded copies of q, k, v (up to 12.5% longer, held through the call and its
 # backward) would count against the longest row that fits.
 BUCKET_MAX = 65536
+# Whether attend runs the rows as packed sequences on FlashAttention-2's variable-length kernels (module docstring,
+# ``kernels/ops/varlen_attention.py``): None where those kernels take q, k, v (CUDA, 16-bit) and the keys gathered
+# are at most PACKED_KEYS_MAX times the rows; True or False everywhere (tests, measurements).
+VARLEN: bool | None = None
+# A later suffix reads its prompt's keys as gathered copies: a GRPO group of G samples over a long prompt would hold
+# G copies of the prompt's keys and values through the call and its backward, where the masked call holds none.
+PACKED_KEYS_MAX = 2.0
 # Whether strop's TRL trainers hand the model unshared batches (SFT rows, preference pairs run unshared) with their
 # width rounded up to a bucket (:func:`bucketed_width`; ``kernels/trainers/sft.py``'s docstring): True or False as
 # set; None where cuDNN's SDPA may run (``_glue.width_buckets``: a CUDA device, 16-bit compute, cuDNN's SDPA
@@ -207,6 +227,43 @@ class Rows:
             self._masks[key] = tuple(x[:, None, :, None].to(device) for x in sel)
         return self._masks[key]
 
+    def packed_keys(self, length: int) -> int:
+        """Keys the packed sequences read over rows of ``length`` positions: every position once, and each prompt
+        once more per later suffix that is not empty."""
+        return sum(
+            length + p * sum(1 for n in ns[1:] if n)
+            for p, ns in zip(self.prompts, self.suffixes, strict=True)
+        )
+
+    def packing(self, length: int, device: torch.device | str) -> Packing:
+        """The rows (of ``length`` positions each, flattened row after row) as packed causal sequences: a row's
+        prompt and first suffix over their own keys; each later suffix over its prompt's keys, then its own; the
+        row's padding appended to its last sequence (queries and keys), where no real query sees it. Built once
+        per device."""
+        key = ("packing", length, str(device))
+        if key not in self._masks:
+            sequences: list[tuple[int, int, list[tuple[int, int]]]] = []
+            for b, (p, ns) in enumerate(zip(self.prompts, self.suffixes, strict=True)):
+                base = b * length
+                row: list[list] = []
+                f = p + (ns[0] if ns else 0)
+                if f:
+                    row.append([base, f, [[base, f]]])
+                start = base + f
+                for n in ns[1:]:
+                    if n:
+                        row.append([start, n, ([[base, p]] if p else []) + [[start, n]]])
+                    start += n
+                pad = base + length - start
+                if pad and row:  # the last sequence's queries and its own keys run on through the padding
+                    row[-1][1] += pad
+                    row[-1][2][-1][1] += pad
+                elif pad:
+                    row.append([start, pad, [[start, pad]]])
+                sequences.extend((s, n, [tuple(r) for r in runs]) for s, n, runs in row)
+            self._masks[key] = Packing.build(sequences, device)
+        return self._masks[key]
+
     def later_mask(
         self, device: torch.device | str, queries: int | None = None, keys: int | None = None
     ) -> torch.Tensor:
@@ -255,13 +312,25 @@ def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
 
 
+def _packed(rows: Rows, q: torch.Tensor, k: torch.Tensor) -> bool:
+    if VARLEN is not None:
+        return VARLEN
+    b, _, length, _ = q.shape
+    return flash_takes(q, k) and rows.packed_keys(length) <= PACKED_KEYS_MAX * b * length
+
+
 def attend(
     rows: Rows, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """Attention over rows laid out as ``rows`` says (see the module docstring): query ``[B, Hq, L, D]``, key and
-    value ``[B, Hkv, L, D]`` → ``[B, L, Hq, D]`` (padding positions zero). Two SDPA calls at most, whatever the
-    rows' lengths."""
+    value ``[B, Hkv, L, D]`` → ``[B, L, Hq, D]``. Packed (:data:`VARLEN`): one variable-length flash call; a
+    padding query attends within its row's last sequence (no label reads it, so its gradient is zero). Otherwise
+    two SDPA calls at most, whatever the rows' lengths, padding positions zero."""
     q, k, v = query, key, value
+    if _packed(rows, q, k):
+        b, hq, length, d = q.shape
+        flat = [t.transpose(1, 2).reshape(b * length, t.shape[1], d) for t in (q, k, v)]
+        return packed_attention(*flat, rows.packing(length, q.device), scale).view(b, length, hq, d)
     groups = q.shape[1] // k.shape[1]
     gqa = groups > 1
     firsts, ends = rows.firsts, rows.ends

@@ -67,17 +67,21 @@ def _hidden_and_grads(model, kwargs, unshare, weights, valid):
 
 
 @pytest.mark.parametrize(
-    ("pairs", "patched"),
+    ("pairs", "patched", "packed"),
     [
         # 3 pairs of widths 9+7 / 15+10 / 5+8 (padded to 15) run as widths 16 / 16 / 10 (padded to 16): each pair
         # of its own lengths, so attention runs pair by pair
-        (((5, 9, 3), (4, 6, 2), (7, 1, 5)), False),
-        (((5, 9, 3), (4, 6, 2), (7, 1, 5)), True),
+        (((5, 9, 3), (4, 6, 2), (7, 1, 5)), False, False),
+        (((5, 9, 3), (4, 6, 2), (7, 1, 5)), True, False),
         # the DPO bench's shape in small: every pair alike, so attention runs the batch in one call each way
-        (((6, 6, 6), (5, 5, 5), (5, 5, 5)), False),
+        (((6, 6, 6), (5, 5, 5), (5, 5, 5)), False, False),
+        # packed sequences (one variable-length call; here its fp32 math, the kernel's on CUDA)
+        (((5, 9, 3), (4, 6, 2), (7, 1, 5)), True, True),
+        (((6, 6, 6), (5, 5, 5), (5, 5, 5)), False, True),
     ],
 )
-def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(pairs, patched, monkeypatch):
+def test_shared_prompts_give_the_unshared_hidden_states_and_gradients(pairs, patched, packed, monkeypatch):
+    monkeypatch.setattr(shared_prompt, "VARLEN", packed)
     prompts, chosen, rejected = pairs
     ids, am, cm = _batch(prompts, chosen, rejected)
     model = _model("sdpa", patched)
@@ -241,6 +245,131 @@ def test_attend_is_the_dense_segment_mask_attention(layout):
     torch.testing.assert_close(got, _attend_reference(rows, q, k, v), rtol=0, atol=1e-5)
 
 
+def _real(rows: Rows, length: int) -> torch.Tensor:
+    """``[B, length]``: the positions of each row that are not padding."""
+    at = torch.arange(length)[None, :]
+    return (
+        at < torch.tensor([p + sum(ns) for p, ns in zip(rows.prompts, rows.suffixes, strict=True)])[:, None]
+    )
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ((4,), ((3, 5),), 12),  # a pair, padded
+        ((4, 4, 2), ((3, 5), (3, 5), (6, 1)), 12),  # two pairs alike, one of its own
+        ((5,), ((2, 0, 3, 1),), 11),  # a GRPO group: an empty sample, several later ones
+        ((3, 6), ((4,), (0, 2)), 9),  # a prompt with one suffix; a pair whose chosen completion is empty
+        ((5, 3), ((2, 0, 3, 1), (1, 4, 2)), 12),  # groups of other lengths
+        ((0, 2), ((3, 4), (3, 4)), 10),  # no prompt: the later suffix over its own keys alone
+    ],
+)
+def test_packed_attend_is_the_dense_segment_mask_attention_with_its_gradients(layout, monkeypatch):
+    """The packed path (``VARLEN``: every row's sequences in one variable-length call, keys gathered, their
+    gradients summed back over the sequences that read them) against the dense [L, L] mask of the layout in fp32,
+    output and the gradients of q, k and v, at the real positions (a padding query attends within its row's last
+    sequence; the loss weights it by zero, as no label reads it). Bound: fp32 rounding of O(1) values (1e-5); a
+    prompt key whose gradient from a later suffix was dropped, or counted twice, moves it by O(0.1)."""
+    monkeypatch.setattr(shared_prompt, "VARLEN", True)
+    rows = Rows(*layout)
+    gen = torch.Generator().manual_seed(0)
+    b, length = len(rows.prompts), rows.width
+    q = torch.randn(b, 4, length, 8, generator=gen)
+    k, v = (torch.randn(b, 2, length, 8, generator=gen) for _ in range(2))
+    real = _real(rows, length)
+    weights = torch.randn(b, length, 4, 8, generator=gen) * real[:, :, None, None]
+    grads = []
+    for fn in (shared_prompt.attend, _attend_reference):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(rows, *leaves)
+        (out * weights).sum().backward()
+        grads.append((out.detach()[real], [t.grad for t in leaves]))
+    (got, got_grads), (want, want_grads) = grads
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_packing_reads_each_prompt_key_once_per_sequence_and_every_row_once_first():
+    """The plan of a pair and a GRPO group: queries in row order, each later suffix's keys its prompt's and then its
+    own, the padding on the row's last sequence; every row read first exactly once, and each further reading in a
+    group of distinct rows (so one ``index_add_`` a group adds each row once)."""
+    rows = Rows((2, 3), ((1, 2), (1, 0, 2)), 7)
+    plan = rows.packing(7, "cpu")
+    # row 0: [p p c r r | pad pad]; row 1: [p p p c | s3 s3 | pad]
+    assert plan.cu_q.tolist() == [0, 3, 7, 11, 14]
+    assert plan.lengths == ((3, 3), (4, 6), (4, 4), (3, 6))
+    row0 = [[0, 1, 2], [0, 1, 3, 4, 5, 6]]  # p p c; then p p r r pad pad
+    row1 = [[7, 8, 9, 10], [7, 8, 9, 11, 12, 13]]  # p p p c; then p p p s3 s3 pad
+    assert plan.k_index.tolist() == [i for keys in row0 + row1 for i in keys]
+    assert plan.k_index[plan.first].tolist() == list(range(14))
+    ((again_rows, again_at),) = plan.extra
+    assert again_rows.tolist() == [0, 1, 7, 8, 9]
+    assert plan.k_index[again_at].tolist() == again_rows.tolist()
+    assert rows.packed_keys(7) == 7 + 2 + 7 + 3  # each prompt once more for its one non-empty later suffix
+
+
+def test_packed_attend_runs_only_where_the_gathered_keys_stay_small(monkeypatch):
+    """Unset, ``VARLEN`` packs only on the flash kernels (not this CPU's fp32) and only where the keys gathered stay
+    within PACKED_KEYS_MAX of the rows: a pair (1.5×) would, a long prompt's group of eight would not (8 copies)."""
+    calls: list[int] = []
+    monkeypatch.setattr(shared_prompt, "packed_attention", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(shared_prompt, "VARLEN", None)
+    rows = Rows((4,), ((2, 2),), 8)
+    q = torch.randn(1, 2, 8, 8)
+    shared_prompt.attend(rows, q, q, q)
+    assert calls == []  # fp32 on the CPU: the SDPA calls
+    monkeypatch.setattr(shared_prompt, "flash_takes", lambda q, k: True)
+    assert shared_prompt._packed(rows, q, q)
+    group = Rows((64,), ((1,) * 8,), 72)
+    assert group.packed_keys(72) == 72 + 64 * 7 > 2 * 72 and not shared_prompt._packed(
+        group, q[..., :72, :], q
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ((512, 512, 512, 512), ((512, 512),) * 4, 1536),  # the DPO bench's pairs
+        ((1024, 1024), ((1024, 768), (512, 1500)), 3072),  # pairs of other lengths, padded
+        ((700,), ((90, 0, 130, 64, 64),), 1048),  # a GRPO group
+    ],
+)
+def test_gpu_packed_attend_in_bf16_is_within_the_sdpa_paths_error_in_output_and_gradients(
+    layout, monkeypatch
+):
+    """An 8B model's heads (32 query, 8 kv, 128 wide) on FlashAttention-2's variable-length kernels (grouped-query
+    heads unrepeated, bottom-right causal for the later suffixes) against the dense-mask attention in fp32: the
+    output and q, k, v's gradients at the real positions within 2× the error of the SDPA calls' path in bf16 on the
+    same inputs (plus 1e-3 of the largest value), far under a wrong key set's O(0.1) and a NaN."""
+    rows = Rows(*layout)
+    b, length = len(rows.prompts), rows.width
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, 32, length, 128, device="cuda", generator=gen)
+    k, v = (torch.randn(b, 8, length, 128, device="cuda", generator=gen) for _ in range(2))
+    real = _real(rows, length).cuda()
+    weights = torch.randn(b, length, 32, 128, device="cuda", generator=gen) * real[:, :, None, None]
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(rows, *leaves)
+        (out.float() * weights).sum().backward()
+        return [out.detach().float()[real]] + [t.grad.float() for t in leaves]
+
+    truth = run(_attend_reference, torch.float32)
+    monkeypatch.setattr(shared_prompt, "VARLEN", False)
+    sdpa = run(shared_prompt.attend, torch.bfloat16)
+    monkeypatch.setattr(shared_prompt, "VARLEN", None)  # what a bf16 job gets: the packed call
+    assert shared_prompt._packed(rows, q.bfloat16(), k.bfloat16())
+    packed = run(shared_prompt.attend, torch.bfloat16)
+    for name, t, s, p in zip(("o", "dq", "dk", "dv"), truth, sdpa, packed, strict=True):
+        err_s, err_p = (s - t).abs().max().item(), (p - t).abs().max().item()
+        print(f"{name}: bf16 error, SDPA calls {err_s:.3g}, packed {err_p:.3g}")
+        assert err_p <= 2 * err_s + 1e-3 * t.abs().max().item(), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
@@ -250,11 +379,12 @@ def test_attend_is_the_dense_segment_mask_attention(layout):
         ((1024, 1024), ((1024, 768), (512, 1500)), 3072),  # pairs of other lengths: causal + masked
     ],
 )
-def test_gpu_attend_in_bf16_at_an_8b_heads_shape_matches_the_dense_mask(layout):
+def test_gpu_attend_in_bf16_at_an_8b_heads_shape_matches_the_dense_mask(layout, monkeypatch):
     """An 8B model's heads (32 query, 8 kv, 128 wide): ``attend`` in bf16 on CUDA's kernels (flash for the causal
     and the lower-right calls, grouped-query heads unrepeated; the masked call's kernel) against the dense-mask
     attention in fp32. Bound: bf16 inputs' rounding (2^-9 relative) through a softmax-weighted mean of O(1)
     values: 2e-2 absolute, far under a wrong key set's O(0.1) and a NaN."""
+    monkeypatch.setattr(shared_prompt, "VARLEN", False)  # the SDPA calls (the packed path: the test above)
     rows = Rows(*layout)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 32, 3072, 128, device="cuda", generator=gen)

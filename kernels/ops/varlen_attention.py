@@ -1,0 +1,212 @@
+"""Causal attention over packed sequences whose keys are gathered from the query rows: FlashAttention-2's
+variable-length kernels, with a backward that sums each key row's gradient over the sequences that read it.
+
+What. Rows ``q, k, v`` ``[N, H, D]`` (N positions, one row each; k and v may have fewer heads, grouped-query) and a
+:class:`Packing`: the queries are split, in order, into S sequences (``cu_q``); sequence s reads the keys
+``k[k_index[cu_k[s] : cu_k[s+1]]]``, a list of rows that may repeat rows other sequences read too. Causal is aligned
+to the bottom right of each sequence's [queries × keys] block (FlashAttention-2's rule when the two lengths differ):
+query i of a sequence of n queries and m keys sees keys 0 … i + m − n. A shared prompt is then one gather: the
+prompt's and its first completion's queries over their own keys, and a later completion's queries over the prompt's
+keys followed by its own.
+
+    forward     kp = k[k_index], vp = v[k_index]   (one gather each: the prompt's rows once more per later sequence)
+                o, lse = varlen_attention(q, kp, vp)  (one launch; o is q-shaped, in q's row order)
+    backward    dq, dkp, dvp = its backward (one launch)
+                dk = dkp[first] (each key row's first reader), then for each further reading, one ``index_add_``
+                whose target rows are distinct (no two adds to one row in a launch: the same sums in the same
+                order on every run)
+
+Against SDPA calls over slices of the rows (``shared_prompt.attend``'s other path), nothing is copied but the
+gathered keys: no contiguous copies of q, k, v, no concatenation of the outputs, no zero-filled slice gradients to
+add up. Kernels: CUDA, 16-bit, head dims FlashAttention-2 takes (:func:`flash_takes`): ``aten._flash_attention_forward``
+and ``_flash_attention_backward`` with cumulative sequence lengths; grouped-query heads are the kernel's own (key
+heads unrepeated). Elsewhere (the CPU, fp32; tests) the same attention in fp32 math, one sequence at a time, its
+backward by autograd over that math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Packing", "flash_takes", "packed_attention"]
+
+
+@dataclass(eq=False)
+class Packing:
+    """Where each packed sequence's queries and keys lie (device tensors, and the host's lengths).
+
+    Attributes:
+        cu_q: ``[S+1]`` int32: sequence s's queries are rows ``cu_q[s] … cu_q[s+1]`` of q (together all N rows).
+        cu_k: ``[S+1]`` int32: its keys are packed rows ``cu_k[s] … cu_k[s+1]``.
+        k_index: ``[K]`` int64: the row of k each packed key is.
+        first: ``[N]`` int64: for each row of k, a packed position that reads it (every row is read).
+        extra: Further readings, in groups whose rows are distinct: ``(rows [n], packed positions [n])``.
+        max_q: The longest sequence's queries; max_k: its keys.
+        lengths: ``(queries, keys)`` of each sequence, on the host.
+    """
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    k_index: torch.Tensor
+    first: torch.Tensor
+    extra: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    max_q: int
+    max_k: int
+    lengths: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def build(
+        cls, sequences: list[tuple[int, int, list[tuple[int, int]]]], device: torch.device | str
+    ) -> Packing:
+        """From host-side sequences ``(query start, query count, key runs [(start, count), …])`` covering the rows
+        in order, each row read by at least one sequence; the tensors copied to ``device`` once, without waiting
+        for the device's queue (pinned host memory, asynchronous copies)."""
+        cu_q, cu_k, runs, lengths = [0], [0], [], []
+        for start, count, keys in sequences:
+            if start != cu_q[-1]:
+                raise ValueError(
+                    f"sequences must cover the rows in order: one starts at {start}, not {cu_q[-1]}"
+                )
+            m = sum(n for _, n in keys)
+            cu_q.append(start + count)
+            cu_k.append(cu_k[-1] + m)
+            runs.extend(keys)
+            lengths.append((count, m))
+        k_index = (
+            torch.cat([torch.arange(s, s + n) for s, n in runs]) if runs else torch.zeros(0, dtype=torch.long)
+        )
+        rows = cu_q[-1]
+        # each row's readings in packed order: the first goes to `first`, the r-th further to extra[r − 1]
+        order = torch.argsort(k_index, stable=True)
+        sorted_rows = k_index[order]
+        counts = torch.bincount(k_index, minlength=rows)
+        if rows and int(counts.min()) == 0:
+            raise ValueError("every row must be read as a key by some sequence")
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(len(order)) - starts[sorted_rows]
+        first = order[rank == 0]
+        extra = tuple(
+            (sorted_rows[rank == r], order[rank == r]) for r in range(1, int(counts.max()) if rows else 1)
+        )
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            if torch.device(device).type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return cls(
+            put(torch.tensor(cu_q, dtype=torch.int32)),
+            put(torch.tensor(cu_k, dtype=torch.int32)),
+            put(k_index),
+            put(first),
+            tuple((put(r), put(p)) for r, p in extra),
+            max((q for q, _ in lengths), default=0),
+            max((k for _, k in lengths), default=0),
+            tuple(lengths),
+        )
+
+
+def flash_takes(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether FlashAttention-2's variable-length kernels take these rows: CUDA, 16-bit, the same dtype, a head dim
+    that is a multiple of 8 up to 256, query heads a multiple of key heads, and SDPA's flash backend enabled."""
+    d = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and k.dtype == q.dtype
+        and d % 8 == 0
+        and d <= 256
+        and q.shape[1] % k.shape[1] == 0
+        and torch.backends.cuda.flash_sdp_enabled()
+    )
+
+
+def _math(q, kp, vp, packing: Packing, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' attention in fp32 math, a sequence at a time: o [N, H, D] in q's dtype, lse [H, N] fp32."""
+    groups = q.shape[1] // kp.shape[1]
+    outs, lses = [], []
+    qs = ks = 0
+    for nq, nk in packing.lengths:
+        qi = q[qs : qs + nq].float().transpose(0, 1)  # [H, nq, D]
+        ki = kp[ks : ks + nk].float().transpose(0, 1).repeat_interleave(groups, 0)
+        vi = vp[ks : ks + nk].float().transpose(0, 1).repeat_interleave(groups, 0)
+        scores = qi @ ki.transpose(1, 2) * scale
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        scores = scores.masked_fill(j > i + (nk - nq), float("-inf"))
+        lse = torch.logsumexp(scores, -1)  # [H, nq]
+        outs.append((torch.exp(scores - lse[..., None]) @ vi).transpose(0, 1))
+        lses.append(lse)
+        qs, ks = qs + nq, ks + nk
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, 1)
+
+
+def _forward(q, kp, vp, packing: Packing, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    if flash_takes(q, kp):
+        o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, kp, vp, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k, 0.0, True, False, scale=scale
+        )
+        return o, lse, (rng, unused)
+    o, lse = _math(q, kp, vp, packing, scale)
+    return o, lse, ()
+
+
+def _backward(g, q, kp, vp, o, lse, extra: tuple, packing: Packing, scale: float):
+    if extra:
+        rng, unused = extra
+        return torch.ops.aten._flash_attention_backward(
+            g.contiguous(),
+            q,
+            kp,
+            vp,
+            o,
+            lse,
+            packing.cu_q,
+            packing.cu_k,
+            packing.max_q,
+            packing.max_k,
+            0.0,
+            True,
+            rng,
+            unused,
+            scale=scale,
+        )
+    leaves = [t.detach().requires_grad_() for t in (q, kp, vp)]
+    with torch.enable_grad():
+        out, _ = _math(*leaves, packing, scale)
+    return torch.autograd.grad(out, leaves, g)
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, packing: Packing, scale: float):
+        kp, vp = k.index_select(0, packing.k_index), v.index_select(0, packing.k_index)
+        o, lse, extra = _forward(q, kp, vp, packing, scale)
+        ctx.save_for_backward(q, kp, vp, o, lse)
+        ctx.packing, ctx.scale, ctx.extra = packing, scale, extra
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        q, kp, vp, o, lse = ctx.saved_tensors
+        packing = ctx.packing
+        dq, dkp, dvp = _backward(g, q, kp, vp, o, lse, ctx.extra, packing, ctx.scale)
+        grads = []
+        for d in (dkp, dvp):
+            full = d.index_select(0, packing.first)
+            for rows, packed in packing.extra:
+                full.index_add_(0, rows, d.index_select(0, packed))
+            grads.append(full)
+        return dq, *grads, None, None
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of ``packing``'s sequences (module docstring): q ``[N, Hq, D]``, k and v ``[N, Hkv, D]``
+    (rows, last dim contiguous) → o ``[N, Hq, D]`` in q's row order. ``scale`` defaults to ``D^-1/2``."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _PackedAttention.apply(q, k, v, packing, scale)
