@@ -81,7 +81,9 @@ from ..lora.linear import (
     node_backward,
     with_factors,
 )
+from ..ops import varlen_attention
 from ..ops.rope import rope_qk_grads
+from ..ops.varlen_attention import Packing
 
 if TYPE_CHECKING:
     from .host_pool import HostPool
@@ -274,10 +276,21 @@ def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, d] → the [B·T, H, d] rows of packed attention (a view where t is a transposed [B, T, H, d])."""
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b * n, h, d)
+
+
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, packing: Packing | None = None
 ) -> tuple[str, tuple, tuple]:
-    """(kernel, (o, lse), extra for backward) of causal attention, o in [B, H, T, d]."""
+    """(kernel, (o, lse), extra for backward) of causal attention, o in [B, H, T, d]; with ``packing`` (a shared
+    prompt's packed sequences), that call's attention, o in [B·T, H, d] rows."""
+    if packing is not None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        o, lse, extra = varlen_attention.forward(_rows(q), _rows(k), _rows(v), packing, scale)
+        return "packed", (o, lse), (q.device, packing, scale, extra)
     aten = torch.ops.aten
     if q.device.type == "cpu":
         k, v = _expand_kv(q, k, v)
@@ -298,6 +311,13 @@ def _forward(
 
 def _backward(s: _Saved, g: torch.Tensor, q, k, v, o, lse, scale):
     aten = torch.ops.aten
+    if s.kernel == "packed":
+        _, packing, scale, extra = s.extra
+        grads = varlen_attention.backward(g, _rows(q), _rows(k), _rows(v), o, lse, extra, packing, scale)
+        b, _, n, d = q.shape
+        return tuple(
+            dt.view(b, n, t.shape[1], d).transpose(1, 2) for dt, t in zip(grads, (q, k, v), strict=True)
+        )
     if s.kernel == "cudnn":
         _, seed, offset, cq, ck, mq, mk = s.extra
         # no bias: the schema's non-optional attn_bias takes None as the undefined tensor autograd passes
@@ -409,8 +429,9 @@ def attention_call(
             assert prepare is None, "q, k, v saved for a call that saved no attention output"
             return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
         o = _SavedAttentionFunction.apply(q, k, v, [s, mode.saves, prepare], scaling)
-        return o.transpose(1, 2), None
-    reason = _reason(module, q, k, v, mask, dropout, kwargs)
+        return _output(o, q, s.kernel), None
+    packing = _packing_of(mask, q, k)
+    reason = _reason(module, q, k, v, None if packing is not None else mask, dropout, kwargs)
     saves, pool = mode.saves, mode.saves.pool
     # o is q-shaped in q's dtype, lse [B, H, T] fp32
     sizes = (q.numel() * q.element_size(), q[..., 0].numel() * 4)
@@ -430,13 +451,30 @@ def attention_call(
     ):
         _log_once("host memory at the offloader's host_budget_bytes: q, k, v recomputed")
         qkv = ()
-    kernel, (o, lse), extra = _forward(q, k, v, scaling)
+    kernel, (o, lse), extra = _forward(q, k, v, scaling, packing)
     s = _Saved(kernel, extra=extra)
     saves.keep(s, (o, lse), qkv)
     pool.stats.attention_saved += 1
     pool.stats.qkv_saved += bool(qkv)
     saves.saved.append(s)
-    return o.transpose(1, 2), None
+    return _output(o, q, kernel), None
+
+
+def _output(o: torch.Tensor, q: torch.Tensor, kernel: str) -> torch.Tensor:
+    """o as HF's attention functions return it, [B, T, H, d]."""
+    if kernel == "packed":  # [B·T, H, d] rows
+        b, h, n, d = q.shape
+        return o.view(b, n, h, d)
+    return o.transpose(1, 2)
+
+
+def _packing_of(mask: Any, q: torch.Tensor, k: torch.Tensor) -> Packing | None:
+    """A shared prompt's packed sequences for this call (``shared_prompt.packing_of``), or None."""
+    if getattr(mask, "_strop_shared_prompts", None) is None:
+        return None
+    from ..trainers.shared_prompt import packing_of
+
+    return packing_of(mask, q, k)
 
 
 def replayed_qkv() -> list[torch.Tensor] | None:

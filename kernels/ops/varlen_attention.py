@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Packing", "flash_takes", "packed_attention"]
+__all__ = ["Packing", "backward", "flash_takes", "forward", "packed_attention"]
 
 
 @dataclass(eq=False)
@@ -179,6 +179,27 @@ def _backward(g, q, kp, vp, o, lse, extra: tuple, packing: Packing, scale: float
     return torch.autograd.grad(out, leaves, g)
 
 
+def forward(q, k, v, packing: Packing, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(o [N, Hq, D], lse, what :func:`backward` needs besides q, k, v) of the packed sequences' attention."""
+    kp, vp = k.index_select(0, packing.k_index), v.index_select(0, packing.k_index)
+    return _forward(q, kp, vp, packing, scale)
+
+
+def backward(g, q, k, v, o, lse, extra: tuple, packing: Packing, scale: float):
+    """dq, dk, dv (q's and k's row layouts) of :func:`forward`'s o for the output gradient g: the kernel's backward
+    over the gathered keys, each key row's gradient summed over the sequences that read it."""
+    kp, vp = k.index_select(0, packing.k_index), v.index_select(0, packing.k_index)
+    dq, dkp, dvp = _backward(g, q, kp, vp, o, lse, extra, packing, scale)
+    return dq, *(_sum_readings(d, packing) for d in (dkp, dvp))
+
+
+def _sum_readings(d: torch.Tensor, packing: Packing) -> torch.Tensor:
+    full = d.index_select(0, packing.first)
+    for rows, packed in packing.extra:
+        full.index_add_(0, rows, d.index_select(0, packed))
+    return full
+
+
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, packing: Packing, scale: float):
@@ -193,13 +214,7 @@ class _PackedAttention(torch.autograd.Function):
         q, kp, vp, o, lse = ctx.saved_tensors
         packing = ctx.packing
         dq, dkp, dvp = _backward(g, q, kp, vp, o, lse, ctx.extra, packing, ctx.scale)
-        grads = []
-        for d in (dkp, dvp):
-            full = d.index_select(0, packing.first)
-            for rows, packed in packing.extra:
-                full.index_add_(0, rows, d.index_select(0, packed))
-            grads.append(full)
-        return dq, *grads, None, None
+        return dq, _sum_readings(dkp, packing), _sum_readings(dvp, packing), None, None
 
 
 def packed_attention(

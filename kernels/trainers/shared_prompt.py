@@ -96,6 +96,7 @@ __all__ = [
     "bucket",
     "bucketed_width",
     "config_reason",
+    "packing_of",
     "share_prompts",
 ]
 
@@ -317,6 +318,16 @@ def _packed(rows: Rows, q: torch.Tensor, k: torch.Tensor) -> bool:
         return VARLEN
     b, _, length, _ = q.shape
     return flash_takes(q, k) and rows.packed_keys(length) <= PACKED_KEYS_MAX * b * length
+
+
+def packing_of(mask: Any, q: torch.Tensor, k: torch.Tensor) -> Packing | None:
+    """The packed sequences :func:`attend` runs for this attention call (``mask``: what HF hands the attention
+    function; q ``[B, Hq, L, D]``), or None: the mask is not a shared layout's marker, or its call is not packed.
+    Saved attention (``kernels/models/saved_attention.py``) keeps such a call's output for the recompute."""
+    rows = getattr(mask, "_strop_shared_prompts", None)
+    if rows is None or not _packed(rows, q, k):
+        return None
+    return rows.packing(q.shape[2], q.device)
 
 
 def attend(

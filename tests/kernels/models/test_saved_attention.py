@@ -633,3 +633,49 @@ def test_q_k_v_of_different_dtypes_recompute_attention_with_a_reason(tmp_path, c
     assert torch.isfinite(loss) and off.stats.attention_saved == 0 and off.stats.qkv_saved == 0, off.stats
     assert "q, k, v of different dtypes" in caplog.text
     disable_offloaded_checkpointing(model)
+
+
+def test_shared_prompt_rows_save_their_packed_attention_and_q_k_v_and_train_bit_for_bit(monkeypatch):
+    """Preference pairs with their prompt run once (``kernels/trainers/shared_prompt.py``), on its packed path (one
+    variable-length call; here the kernel's fp32 math twin): the forward saves each layer's packed o, lse and q, k,
+    v, the recompute runs neither attention nor the Q/K/V projections, and loss and every gradient are bitwise the
+    full recompute's (the same ops on the same values: the reloaded outputs are the forward's, the backward the
+    packed call's own)."""
+    from strop.kernels.trainers import shared_prompt
+    from tests.kernels.trainers.test_shared_prompt import _batch
+
+    monkeypatch.setattr(shared_prompt, "VARLEN", True)
+    ids, am, cm = _batch(prompts=(5, 9, 3), chosen=(4, 6, 2), rejected=(7, 1, 5), vocab=VOCAB)
+    shared = shared_prompt.share_prompts(ids, am, cm, attn_implementation="sdpa")
+    assert not isinstance(shared, str), shared
+    weights = torch.randn(*ids.shape, generator=torch.Generator().manual_seed(4))
+    valid = am.bool()
+    model = _model()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits = model(**shared.model_kwargs()).logits.float()
+        picked = shared.unshare(logits).logsumexp(-1)
+        loss = (picked[valid] * weights[valid]).sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0)
+    full = step()
+    disable_offloaded_checkpointing(model)
+    calls = _counting(monkeypatch)
+    projections = _counting_qkv(monkeypatch)
+    off = enable_offloaded_checkpointing(
+        model, offload_cpu_tensors=True, min_offload_bytes=0, keep_last=0, save_attention=True, save_qkv=True
+    )
+    saved = step()
+    assert off.stats.attention_saved == LAYERS and off.stats.qkv_saved == LAYERS, off.stats
+    assert calls["forward"] == LAYERS, "attention's forward ran again in the recompute"
+    assert projections["qkv"] == LAYERS, f"the recompute projected q, k, v again: {projections}"
+    assert off.stats.host_bytes == 0, "every saved output is released by the end of backward"
+    (loss, grads), (loss_ref, grads_ref) = saved, full
+    assert torch.equal(loss, loss_ref), (loss.item(), loss_ref.item())
+    assert grads.keys() == grads_ref.keys() and any("q_proj.lora_A" in n for n in grads)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+    disable_offloaded_checkpointing(model)
