@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..ops.fused_linear_ce import MAX_BLOCK_V, NUM_WARPS, default_chunk_size, fused_linear_ce_fwd_kernel
-from ..ops.utils import cdiv, next_power_of_2
+from ..ops.utils import cdiv, next_power_of_2, upload
 
 __all__ = [
     "SequenceLogProbFunction",
@@ -280,6 +280,7 @@ def sequence_logps(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     softcap: float | None = None,
+    host_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-sequence Σ log p(label) of a causal LM's final hidden states, chunked (see the module docstring).
 
@@ -291,11 +292,29 @@ def sequence_logps(
         ignore_index: Label value that is not scored.
         chunk_size: Rows per chunk (default: ~256 MiB of logits).
         softcap: The model's final-logit soft-cap (Gemma's ``final_logit_softcapping``), or None.
+        host_labels: ``labels`` in host memory, where the caller has them: the scored rows are found there, so the
+            device's queue is not waited on for their count (``labels`` on the device is then not read).
 
     Returns:
         ``[S]`` fp32, differentiable w.r.t. ``hidden``.
     """
     _check(hidden, weight, labels, bias)
+    if host_labels is not None:
+        if host_labels.shape != labels.shape:
+            raise ValueError(f"host_labels {tuple(host_labels.shape)} are not labels' {tuple(labels.shape)}")
+        s, t = labels.shape
+        seq, col = (host_labels[:, 1:] != ignore_index).nonzero(as_tuple=True)
+        rows = hidden.reshape(s * t, hidden.shape[-1]).index_select(0, upload(seq * t + col, hidden.device))
+        return sequence_logps_rows(
+            rows,
+            weight,
+            upload(host_labels[seq, col + 1], hidden.device),
+            upload(seq, hidden.device),
+            s,
+            bias,
+            chunk_size=chunk_size,
+            softcap=softcap,
+        )
     targets = labels[:, 1:]
     mask = targets != ignore_index
     # Gathering the labelled rows (one host sync for their count) skips the prompt and padding rows' GEMMs.

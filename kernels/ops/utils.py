@@ -27,6 +27,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (in host memory) on ``device`` without a wait on the device's queue: to CUDA through pinned memory,
+    copied asynchronously (torch's pinned-memory cache holds the block until the copy is done; a blocking copy, or
+    one from pageable memory, waits for every kernel queued before it); elsewhere ``t.to(device)``."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two ≥ n (0 for 0), as ``triton.next_power_of_2`` without its call cost (see cdiv)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .utils import upload
+
 __all__ = ["Packing", "backward", "flash_takes", "forward", "packed_attention"]
 
 
@@ -92,9 +94,7 @@ class Packing:
         )
 
         def put(t: torch.Tensor) -> torch.Tensor:
-            if torch.device(device).type == "cuda":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
+            return upload(t, device)
 
         return cls(
             put(torch.tensor(cu_q, dtype=torch.int32)),

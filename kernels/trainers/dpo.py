@@ -163,12 +163,22 @@ class StropDPOMixin(DeviceMetrics, DeviceNanFilter):
             labels = rows["input_ids"].masked_fill(rows.pop("completion_mask") == 0, -100)
             model_kwargs = plain_kwargs = {**rows, "use_cache": False}
         unshare = (lambda h: h) if shared is None else shared.unshare
+        # the shared layout read the batch into host memory once: the scored rows are found there
+        host_labels = None
+        if shared is not None:
+            ids_host, completion_host = shared.host
+            host_labels = ids_host.masked_fill(completion_host == 0, -100)
         hidden = unshare(model(**model_kwargs, strop_hidden_states=True).last_hidden_state)
         head = self._strop_hf_model(self.model).get_output_embeddings()
         hidden = hidden.to(head.weight.device)
         labels = labels.to(head.weight.device)
         logps = sequence_logps(
-            hidden, head.weight, labels, head.bias, softcap=self._strop_softcap(self.model)
+            hidden,
+            head.weight,
+            labels,
+            head.bias,
+            softcap=self._strop_softcap(self.model),
+            host_labels=host_labels,
         )
         if getattr(self, "precompute_ref_logps", False) or "ref_chosen_logps" in inputs:
             ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).float()
@@ -185,6 +195,7 @@ class StropDPOMixin(DeviceMetrics, DeviceNanFilter):
                     labels,
                     ref_head.bias,
                     softcap=ref_softcap,
+                    host_labels=host_labels,
                 )
         out = dpo_loss_on_pairs(
             logps,

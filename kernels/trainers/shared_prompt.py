@@ -82,6 +82,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..ops.utils import upload
 from ..ops.varlen_attention import Packing, flash_takes, packed_attention
 
 __all__ = [
@@ -225,7 +226,7 @@ class Rows:
             at = torch.arange(length)[None, :]
             f, e = torch.tensor(self.firsts)[:, None], torch.tensor(self.ends)[:, None]
             sel = (at < f, (at >= f) & (at < e))
-            self._masks[key] = tuple(x[:, None, :, None].to(device) for x in sel)
+            self._masks[key] = tuple(upload(x[:, None, :, None], device) for x in sel)
         return self._masks[key]
 
     def packed_keys(self, length: int) -> int:
@@ -285,7 +286,7 @@ class Rows:
                 for i, n in enumerate(ns, 1):
                     seg[b, start : start + n] = i
                     start += n
-            seg = seg.to(device)
+            seg = upload(seg, device)
             sq = torch.full((len(self.prompts), qn), -1, device=seg.device)
             sq[:, : hi - lo] = seg[:, lo:hi]
             sq, sk = sq[:, :, None], seg[:, None, :]
@@ -427,6 +428,8 @@ class SharedPrompts:
             (padding positions point at position 0 of their pair's row; their labels are masked).
         rows: Each pair's prompt and completion lengths.
         saved: Fraction of positions (padding counted) the shared batch does not run.
+        host: The original ``[2B, T]`` input ids and completion mask as read into host memory (a caller may find
+            the scored positions there without reading the device again).
     """
 
     input_ids: torch.Tensor
@@ -435,6 +438,7 @@ class SharedPrompts:
     index: torch.Tensor
     rows: Rows
     saved: float
+    host: tuple[torch.Tensor, torch.Tensor]
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         return {
@@ -515,6 +519,13 @@ def share_prompts(
         return f"attention {attn_implementation!r} (the shared rows' attention is reached through sdpa's)"
     if input_ids.dim() != 2 or input_ids.shape[0] % 2 or input_ids.shape[0] == 0:
         return f"not [chosen; rejected] rows: input_ids {tuple(input_ids.shape)}"
+    device = input_ids.device
+    # one read of the batch into host memory: every check and index below is host work, with no other wait on the
+    # device's queue, and the layout's tensors go back with copies that do not wait either
+    host = torch.stack(
+        [input_ids, attention_mask.to(input_ids.dtype), completion_mask.to(input_ids.dtype)]
+    ).cpu()
+    input_ids, attention_mask, completion_mask = host.unbind(0)
     lengths = _prompt_and_length(attention_mask, completion_mask)
     if isinstance(lengths, str):
         return lengths
@@ -557,9 +568,10 @@ def share_prompts(
     _wrap_hf_sdpa()
     # HF passes a 4-D mask on as it is: a function other than the wrapped SDPA would read "attend to nothing"
     # and produce NaN, never a silently wrong result
-    marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(b, 1, width, width)
+    marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device).expand(b, 1, width, width)
     marker._strop_shared_prompts = rows
-    return SharedPrompts(ids, marker, position_ids, index, rows, saved)
+    ids, position_ids, index = (upload(t, device) for t in (ids, position_ids, index))
+    return SharedPrompts(ids, marker, position_ids, index, rows, saved, (input_ids, completion_mask))
 
 
 def _model_reason(hf: Any, length: int) -> str | None:

@@ -99,6 +99,25 @@ def test_sequence_logps_and_gradient_equal_full_logits(backend, chunk_size):
     assert g1[:, : PROMPT - 1].abs().max().item() == 0.0, "prompt rows predict masked labels: no gradient"
 
 
+def test_scored_rows_found_in_host_labels_give_the_same_log_probs_and_gradient_bit_for_bit():
+    """``host_labels`` (the labels as the caller holds them in host memory): the same rows, targets and sequence
+    of each row, in the same order, as the device path's boolean selection, so log-probs and d(hidden) are the
+    same bits; labels of another shape are refused."""
+    hidden, _, weight, labels = _inputs()
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    device_labels = labels.clone()
+    host = labels.clone()
+    got = sequence_logps(h1, weight, device_labels.masked_fill(device_labels >= 0, 7), host_labels=host)
+    expected = sequence_logps(h2, weight, labels)
+    assert torch.equal(got, expected)  # the device labels' values are not read: the host's are the labels
+    upstream = torch.linspace(-1.0, 2.0, S)
+    (g1,) = torch.autograd.grad(got, h1, upstream)
+    (g2,) = torch.autograd.grad(expected, h2, upstream)
+    assert torch.equal(g1, g2)
+    with pytest.raises(ValueError, match="host_labels"):
+        sequence_logps(hidden, weight, labels, host_labels=labels[:, 1:])
+
+
 def test_rows_api_with_unordered_sequence_index():
     gen = torch.Generator().manual_seed(5)
     rows = torch.randn(19, H, generator=gen, requires_grad=True)
