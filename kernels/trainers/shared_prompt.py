@@ -27,8 +27,8 @@ Attention (:func:`attend`) builds no mask over the row, and makes two SDPA calls
 For pairs alike, attention's FLOPs are the prompt's once plus each completion's over the prompt and itself; the
 masked call computes its whole [later positions × keys] block, masked entries included.
 
-Packed (:data:`VARLEN`; by default on CUDA in 16-bit, where the keys gathered stay within :data:`PACKED_KEYS_MAX`
-of the rows): instead of those calls, one call of FlashAttention-2's variable-length kernels over the rows as
+Packed (:data:`VARLEN`; by default on CUDA in 16-bit, rows up to :data:`PACKED_MAX_ROW` positions whose gathered
+keys stay within :data:`PACKED_KEYS_MAX` of the rows): instead of those calls, one call of FlashAttention-2's variable-length kernels over the rows as
 packed sequences (``kernels/ops/varlen_attention.py``, :meth:`Rows.packing`): each row's prompt and first suffix
 over their own keys, each later suffix over its prompt's keys gathered in front of its own, causal aligned to the
 bottom right; a row's padding runs on at the end of its last sequence (a padding query sees that sequence's keys;
@@ -120,6 +120,10 @@ VARLEN: bool | None = None
 # A later suffix reads its prompt's keys as gathered copies: a GRPO group of G samples over a long prompt would hold
 # G copies of the prompt's keys and values through the call and its backward, where the masked call holds none.
 PACKED_KEYS_MAX = 2.0
+# Rows longer than this keep the SDPA calls: what packing saves is copies, linear in the row, while attention's
+# own time grows with its square, and there cuDNN's causal kernel (which the SDPA calls get on Hopper) is the one the
+# long-context rows were measured with (bench/RESULTS.md); the packed call is FlashAttention-2's.
+PACKED_MAX_ROW = 8192
 # Whether strop's TRL trainers hand the model unshared batches (SFT rows, preference pairs run unshared) with their
 # width rounded up to a bucket (:func:`bucketed_width`; ``kernels/trainers/sft.py``'s docstring): True or False as
 # set; None where cuDNN's SDPA may run (``_glue.width_buckets``: a CUDA device, 16-bit compute, cuDNN's SDPA
@@ -318,7 +322,11 @@ def _packed(rows: Rows, q: torch.Tensor, k: torch.Tensor) -> bool:
     if VARLEN is not None:
         return VARLEN
     b, _, length, _ = q.shape
-    return flash_takes(q, k) and rows.packed_keys(length) <= PACKED_KEYS_MAX * b * length
+    return (
+        length <= PACKED_MAX_ROW
+        and flash_takes(q, k)
+        and rows.packed_keys(length) <= PACKED_KEYS_MAX * b * length
+    )
 
 
 def packing_of(mask: Any, q: torch.Tensor, k: torch.Tensor) -> Packing | None:
