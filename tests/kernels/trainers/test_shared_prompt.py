@@ -310,8 +310,9 @@ def test_the_packing_reads_each_prompt_key_once_per_sequence_and_every_row_once_
 
 
 def test_packed_attend_runs_only_where_the_gathered_keys_stay_small(monkeypatch):
-    """Unset, ``VARLEN`` packs only on the flash kernels (not this CPU's fp32) and only where the keys gathered stay
-    within PACKED_KEYS_MAX of the rows: a pair (1.5×) would, a long prompt's group of eight would not (8 copies)."""
+    """Unset, ``VARLEN`` packs only on the flash kernels (not this CPU's fp32), rows up to PACKED_MAX_ROW, and only
+    where the keys gathered stay within PACKED_KEYS_MAX of the rows: a pair (1.5×) would, a long prompt's group of
+    eight would not (8 copies)."""
     calls: list[int] = []
     monkeypatch.setattr(shared_prompt, "packed_attention", lambda *a, **k: calls.append(1))
     monkeypatch.setattr(shared_prompt, "VARLEN", None)
@@ -325,6 +326,8 @@ def test_packed_attend_runs_only_where_the_gathered_keys_stay_small(monkeypatch)
     assert group.packed_keys(72) == 72 + 64 * 7 > 2 * 72 and not shared_prompt._packed(
         group, q[..., :72, :], q
     )
+    monkeypatch.setattr(shared_prompt, "PACKED_MAX_ROW", 7)  # a row longer than it keeps the SDPA calls
+    assert not shared_prompt._packed(rows, q, q)
 
 
 @pytest.mark.gpu
