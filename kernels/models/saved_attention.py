@@ -469,12 +469,10 @@ def _output(o: torch.Tensor, q: torch.Tensor, kernel: str) -> torch.Tensor:
 
 
 def _packing_of(mask: Any, q: torch.Tensor, k: torch.Tensor) -> Packing | None:
-    """A shared prompt's packed sequences for this call (``shared_prompt.packing_of``), or None."""
-    if getattr(mask, "_strop_shared_prompts", None) is None:
-        return None
-    from ..trainers.shared_prompt import packing_of
-
-    return packing_of(mask, q, k)
+    """A shared prompt's packed sequences for this call, or None: the rows its marker mask carries
+    (``kernels/trainers/shared_prompt.py``'s ``Rows.packing_for``)."""
+    rows = getattr(mask, "_strop_shared_prompts", None)
+    return None if rows is None else rows.packing_for(q, k)
 
 
 def replayed_qkv() -> list[torch.Tensor] | None:

@@ -97,7 +97,6 @@ __all__ = [
     "bucket",
     "bucketed_width",
     "config_reason",
-    "packing_of",
     "share_prompts",
 ]
 
@@ -270,6 +269,12 @@ class Rows:
             self._masks[key] = Packing.build(sequences, device)
         return self._masks[key]
 
+    def packing_for(self, q: torch.Tensor, k: torch.Tensor) -> Packing | None:
+        """The packed sequences :func:`attend` runs for q ``[B, Hq, L, D]`` and k over these rows, or None (its
+        SDPA calls). Saved attention (``kernels/models/saved_attention.py``) keeps such a call's output for the
+        recompute, finding these rows on the mask HF hands the attention function."""
+        return self.packing(q.shape[2], q.device) if _packed(self, q, k) else None
+
     def later_mask(
         self, device: torch.device | str, queries: int | None = None, keys: int | None = None
     ) -> torch.Tensor:
@@ -327,16 +332,6 @@ def _packed(rows: Rows, q: torch.Tensor, k: torch.Tensor) -> bool:
         and flash_takes(q, k)
         and rows.packed_keys(length) <= PACKED_KEYS_MAX * b * length
     )
-
-
-def packing_of(mask: Any, q: torch.Tensor, k: torch.Tensor) -> Packing | None:
-    """The packed sequences :func:`attend` runs for this attention call (``mask``: what HF hands the attention
-    function; q ``[B, Hq, L, D]``), or None: the mask is not a shared layout's marker, or its call is not packed.
-    Saved attention (``kernels/models/saved_attention.py``) keeps such a call's output for the recompute."""
-    rows = getattr(mask, "_strop_shared_prompts", None)
-    if rows is None or not _packed(rows, q, k):
-        return None
-    return rows.packing(q.shape[2], q.device)
 
 
 def attend(
