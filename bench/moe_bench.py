@@ -85,6 +85,7 @@ class Result:
     oom: bool = False  # failed by running out of device memory
     wall_s: float = 0.0  # the worker's wall time, model building included
     merge_tiles: str = ""  # strop on CUDA: the expert-stack merge's tile the autotuner kept, by stack shape
+    step_ms: list | None = None  # each measured step's time, in order
 
 
 def shape(layers: int, smoke: bool) -> dict:
@@ -303,6 +304,7 @@ def run_worker(a) -> Result:
         if step >= a.warmup:
             times.append(time.perf_counter() - t0)
     res.losses = losses
+    res.step_ms = [round(1000 * t, 1) for t in times]
     res.ms_per_step = 1000 * sum(times) / len(times)
     res.tokens_per_s = a.batch * a.seq / (res.ms_per_step / 1000)
     if cuda:
@@ -521,6 +523,9 @@ def main() -> None:
             f"{r.peak_allocated_gib:15.2f} {r.peak_reserved_gib:18.2f} "
             f"{r.peak_fwd_bwd_gib:13.2f} / {r.peak_optimizer_gib:<9.2f}  {[round(x, 4) for x in r.losses]}"
         )
+    for r in results:
+        if r.step_ms:
+            print(f"{r.system}: measured steps {r.step_ms} ms")
     for r in results:
         if r.merge_tiles:
             print(f"{r.system}: the expert-stack merge kept {r.merge_tiles}")
