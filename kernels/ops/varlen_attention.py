@@ -14,7 +14,7 @@ keys followed by its own.
     backward    dq, dkp, dvp = its backward (one launch)
                 dk = dkp[first] (each key row's first reader), then for each further reading, one ``index_add_``
                 whose target rows are distinct (no two adds to one row in a launch: the same sums in the same
-                order on every run)
+                order on every run), in fp32, rounded once
 
 Against SDPA calls over slices of the rows (``shared_prompt.attend``'s other path), nothing is copied but the
 gathered keys: no contiguous copies of q, k, v, no concatenation of the outputs, no zero-filled slice gradients to
@@ -194,10 +194,15 @@ def backward(g, q, k, v, o, lse, extra: tuple, packing: Packing, scale: float):
 
 
 def _sum_readings(d: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """Each key row's gradient: the sum of its readings' [K, H, D] → [N, H, D], added in fp32 and rounded once to
+    d's dtype where a row has several (as an attention kernel accumulates a key's gradient over its queries)."""
     full = d.index_select(0, packing.first)
+    if not packing.extra:
+        return full
+    total = full.float()
     for rows, packed in packing.extra:
-        full.index_add_(0, rows, d.index_select(0, packed))
-    return full
+        total.index_add_(0, rows, d.index_select(0, packed).float())
+    return total.to(d.dtype)
 
 
 class _PackedAttention(torch.autograd.Function):
