@@ -430,7 +430,7 @@ def attention_call(
             return interface(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
         o = _SavedAttentionFunction.apply(q, k, v, [s, mode.saves, prepare], scaling)
         return _output(o, q, s.kernel), None
-    packing = _packing_of(mask, q, k)
+    packing = _packing_of(mask, q, k, v)
     reason = _reason(module, q, k, v, None if packing is not None else mask, dropout, kwargs)
     saves, pool = mode.saves, mode.saves.pool
     # o is q-shaped in q's dtype, lse [B, H, T] fp32
@@ -468,11 +468,11 @@ def _output(o: torch.Tensor, q: torch.Tensor, kernel: str) -> torch.Tensor:
     return o.transpose(1, 2)
 
 
-def _packing_of(mask: Any, q: torch.Tensor, k: torch.Tensor) -> Packing | None:
+def _packing_of(mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Packing | None:
     """A shared prompt's packed sequences for this call, or None: the rows its marker mask carries
     (``kernels/trainers/shared_prompt.py``'s ``Rows.packing_for``)."""
     rows = getattr(mask, "_strop_shared_prompts", None)
-    return None if rows is None else rows.packing_for(q, k)
+    return None if rows is None else rows.packing_for(q, k, v)
 
 
 def replayed_qkv() -> list[torch.Tensor] | None:

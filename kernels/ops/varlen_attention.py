@@ -18,7 +18,7 @@ keys followed by its own.
 
 Against SDPA calls over slices of the rows (``shared_prompt.attend``'s other path), nothing is copied but the
 gathered keys: no contiguous copies of q, k, v, no concatenation of the outputs, no zero-filled slice gradients to
-add up. Kernels: CUDA, 16-bit, head dims FlashAttention-2 takes (:func:`flash_takes`): ``aten._flash_attention_forward``
+add up. Kernels: CUDA in 16-bit (the caller asks :func:`flash_takes` first): ``aten._flash_attention_forward``
 and ``_flash_attention_backward`` with cumulative sequence lengths; grouped-query heads are the kernel's own (key
 heads unrepeated). Elsewhere (the CPU, fp32; tests) the same attention in fp32 math, one sequence at a time, its
 backward by autograd over that math.
@@ -108,19 +108,15 @@ class Packing:
         )
 
 
-def flash_takes(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether FlashAttention-2's variable-length kernels take these rows: CUDA, 16-bit, the same dtype, a head dim
-    that is a multiple of 8 up to 256, query heads a multiple of key heads, and SDPA's flash backend enabled."""
-    d = q.shape[-1]
-    return (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and k.dtype == q.dtype
-        and d % 8 == 0
-        and d <= 256
-        and q.shape[1] % k.shape[1] == 0
-        and torch.backends.cuda.flash_sdp_enabled()
-    )
+def flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether FlashAttention-2 trains causal attention of q ``[B, Hq, L, D]`` over k, v ``[B, Hkv, L, D]`` here:
+    SDPA's flash backend enabled, and torch's own check of its flash kernels (this GPU's generation and this build,
+    16-bit inputs of one dtype, the head dims it trains on this GPU, grouped-query heads)."""
+    if not (q.is_cuda and torch.backends.cuda.flash_sdp_enabled()):
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1]))
 
 
 def _math(q, kp, vp, packing: Packing, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +140,7 @@ def _math(q, kp, vp, packing: Packing, scale: float) -> tuple[torch.Tensor, torc
 
 
 def _forward(q, kp, vp, packing: Packing, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    if flash_takes(q, kp):
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
             q, kp, vp, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k, 0.0, True, False, scale=scale
         )

@@ -269,11 +269,11 @@ class Rows:
             self._masks[key] = Packing.build(sequences, device)
         return self._masks[key]
 
-    def packing_for(self, q: torch.Tensor, k: torch.Tensor) -> Packing | None:
+    def packing_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Packing | None:
         """The packed sequences :func:`attend` runs for q ``[B, Hq, L, D]`` and k over these rows, or None (its
         SDPA calls). Saved attention (``kernels/models/saved_attention.py``) keeps such a call's output for the
         recompute, finding these rows on the mask HF hands the attention function."""
-        return self.packing(q.shape[2], q.device) if _packed(self, q, k) else None
+        return self.packing(q.shape[2], q.device) if _packed(self, q, k, v) else None
 
     def later_mask(
         self, device: torch.device | str, queries: int | None = None, keys: int | None = None
@@ -323,13 +323,13 @@ def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
 
 
-def _packed(rows: Rows, q: torch.Tensor, k: torch.Tensor) -> bool:
+def _packed(rows: Rows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if VARLEN is not None:
         return VARLEN
     b, _, length, _ = q.shape
     return (
         length <= PACKED_MAX_ROW
-        and flash_takes(q, k)
+        and flash_takes(q, k, v)
         and rows.packed_keys(length) <= PACKED_KEYS_MAX * b * length
     )
 
@@ -342,7 +342,7 @@ def attend(
     padding query attends within its row's last sequence (no label reads it, so its gradient is zero). Otherwise
     two SDPA calls at most, whatever the rows' lengths, padding positions zero."""
     q, k, v = query, key, value
-    if _packed(rows, q, k):
+    if _packed(rows, q, k, v):
         b, hq, length, d = q.shape
         flat = [t.transpose(1, 2).reshape(b * length, t.shape[1], d) for t in (q, k, v)]
         return packed_attention(*flat, rows.packing(length, q.device), scale).view(b, length, hq, d)

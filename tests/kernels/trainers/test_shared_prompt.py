@@ -320,14 +320,15 @@ def test_packed_attend_runs_only_where_the_gathered_keys_stay_small(monkeypatch)
     q = torch.randn(1, 2, 8, 8)
     shared_prompt.attend(rows, q, q, q)
     assert calls == []  # fp32 on the CPU: the SDPA calls
-    monkeypatch.setattr(shared_prompt, "flash_takes", lambda q, k: True)
-    assert shared_prompt._packed(rows, q, q)
+    monkeypatch.setattr(shared_prompt, "flash_takes", lambda q, k, v: True)
+    assert shared_prompt._packed(rows, q, q, q)
     group = Rows((64,), ((1,) * 8,), 72)
-    assert group.packed_keys(72) == 72 + 64 * 7 > 2 * 72 and not shared_prompt._packed(
-        group, q[..., :72, :], q
-    )
+    long_q = torch.randn(1, 2, 72, 8)
+    assert group.packed_keys(72) == 72 + 64 * 7 > 2 * 72
+    assert not shared_prompt._packed(group, long_q, long_q, long_q)
+    assert shared_prompt._packed(Rows((64,), ((1, 1),), 72), long_q, long_q, long_q)  # one copy: 1.9x the row
     monkeypatch.setattr(shared_prompt, "PACKED_MAX_ROW", 7)  # a row longer than it keeps the SDPA calls
-    assert not shared_prompt._packed(rows, q, q)
+    assert not shared_prompt._packed(rows, q, q, q)
 
 
 @pytest.mark.gpu
@@ -365,7 +366,7 @@ def test_gpu_packed_attend_in_bf16_is_within_the_sdpa_paths_error_in_output_and_
     monkeypatch.setattr(shared_prompt, "VARLEN", False)
     sdpa = run(shared_prompt.attend, torch.bfloat16)
     monkeypatch.setattr(shared_prompt, "VARLEN", None)  # what a bf16 job gets: the packed call
-    assert shared_prompt._packed(rows, q.bfloat16(), k.bfloat16())
+    assert shared_prompt._packed(rows, q.bfloat16(), k.bfloat16(), v.bfloat16())
     packed = run(shared_prompt.attend, torch.bfloat16)
     for name, t, s, p in zip(("o", "dq", "dk", "dv"), truth, sdpa, packed, strict=True):
         err_s, err_p = (s - t).abs().max().item(), (p - t).abs().max().item()
