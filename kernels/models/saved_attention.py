@@ -83,7 +83,7 @@ from ..lora.linear import (
 )
 from ..ops import varlen_attention
 from ..ops.rope import rope_qk_grads
-from ..ops.varlen_attention import Packing
+from ..ops.varlen_attention import Packing, rows_of
 
 if TYPE_CHECKING:
     from .host_pool import HostPool
@@ -276,21 +276,14 @@ def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[B, H, T, d] → the [B·T, H, d] rows of packed attention (a view where t is a transposed [B, T, H, d])."""
-    b, h, n, d = t.shape
-    return t.transpose(1, 2).reshape(b * n, h, d)
-
-
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, packing: Packing | None = None
 ) -> tuple[str, tuple, tuple]:
     """(kernel, (o, lse), extra for backward) of causal attention, o in [B, H, T, d]; with ``packing`` (a shared
     prompt's packed sequences), that call's attention, o in [B·T, H, d] rows."""
     if packing is not None:
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        o, lse, extra = varlen_attention.forward(_rows(q), _rows(k), _rows(v), packing, scale)
-        return "packed", (o, lse), (q.device, packing, scale, extra)
+        o, lse, extra = varlen_attention.forward(rows_of(q), rows_of(k), rows_of(v), packing, scale)
+        return "packed", (o, lse), (q.device, packing, extra)
     aten = torch.ops.aten
     if q.device.type == "cpu":
         k, v = _expand_kv(q, k, v)
@@ -312,8 +305,10 @@ def _forward(
 def _backward(s: _Saved, g: torch.Tensor, q, k, v, o, lse, scale):
     aten = torch.ops.aten
     if s.kernel == "packed":
-        _, packing, scale, extra = s.extra
-        grads = varlen_attention.backward(g, _rows(q), _rows(k), _rows(v), o, lse, extra, packing, scale)
+        _, packing, extra = s.extra
+        grads = varlen_attention.backward(
+            g, rows_of(q), rows_of(k), rows_of(v), o, lse, extra, packing, scale
+        )
         b, _, n, d = q.shape
         return tuple(
             dt.view(b, n, t.shape[1], d).transpose(1, 2) for dt, t in zip(grads, (q, k, v), strict=True)

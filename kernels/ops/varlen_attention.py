@@ -32,7 +32,7 @@ import torch
 
 from .utils import upload
 
-__all__ = ["Packing", "backward", "flash_takes", "forward", "packed_attention"]
+__all__ = ["Packing", "backward", "flash_takes", "forward", "packed_attention", "rows_of"]
 
 
 @dataclass(eq=False)
@@ -45,7 +45,6 @@ class Packing:
         k_index: ``[K]`` int64: the row of k each packed key is.
         first: ``[N]`` int64: for each row of k, a packed position that reads it (every row is read).
         extra: Further readings, in groups whose rows are distinct: ``(rows [n], packed positions [n])``.
-        max_q: The longest sequence's queries; max_k: its keys.
         lengths: ``(queries, keys)`` of each sequence, on the host.
     """
 
@@ -54,9 +53,17 @@ class Packing:
     k_index: torch.Tensor
     first: torch.Tensor
     extra: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    max_q: int
-    max_k: int
     lengths: tuple[tuple[int, int], ...]
+
+    @property
+    def max_q(self) -> int:
+        """The longest sequence's queries."""
+        return max((q for q, _ in self.lengths), default=0)
+
+    @property
+    def max_k(self) -> int:
+        """The most keys a sequence reads."""
+        return max((k for _, k in self.lengths), default=0)
 
     @classmethod
     def build(
@@ -93,30 +100,33 @@ class Packing:
             (sorted_rows[rank == r], order[rank == r]) for r in range(1, int(counts.max()) if rows else 1)
         )
 
-        def put(t: torch.Tensor) -> torch.Tensor:
-            return upload(t, device)
-
         return cls(
-            put(torch.tensor(cu_q, dtype=torch.int32)),
-            put(torch.tensor(cu_k, dtype=torch.int32)),
-            put(k_index),
-            put(first),
-            tuple((put(r), put(p)) for r, p in extra),
-            max((q for q, _ in lengths), default=0),
-            max((k for _, k in lengths), default=0),
+            upload(torch.tensor(cu_q, dtype=torch.int32), device),
+            upload(torch.tensor(cu_k, dtype=torch.int32), device),
+            upload(k_index, device),
+            upload(first, device),
+            tuple((upload(r, device), upload(p, device)) for r, p in extra),
             tuple(lengths),
         )
 
 
-def flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether FlashAttention-2 trains causal attention of q ``[B, Hq, L, D]`` over k, v ``[B, Hkv, L, D]`` here:
-    SDPA's flash backend enabled, and torch's own check of its flash kernels (this GPU's generation and this build,
-    16-bit inputs of one dtype, the head dims it trains on this GPU, grouped-query heads)."""
+def flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> bool:
+    """Whether FlashAttention-2 trains attention of q ``[B, Hq, Lq, D]`` over k, v ``[B, Hkv, Lk, D]`` here (causal
+    as the square case's flag says; SDPA's lower-right bias asks with ``causal=False``): SDPA's flash backend
+    enabled, and torch's own check of its flash kernels (this GPU's generation and this build, 16-bit inputs of one
+    dtype, the head dims it trains on this GPU, grouped-query heads)."""
     if not (q.is_cuda and torch.backends.cuda.flash_sdp_enabled()):
         return False
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
-    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1]))
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, causal, q.shape[1] != k.shape[1]))
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, L, D]`` (as HF's attention functions take q, k, v) → the ``[B·L, H, D]`` rows packed attention takes:
+    a view where t is a transposed ``[B, L, H, D]``, as projections give them."""
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b * n, h, d)
 
 
 def _math(q, kp, vp, packing: Packing, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,18 +185,23 @@ def _backward(g, q, kp, vp, o, lse, extra: tuple, packing: Packing, scale: float
     return torch.autograd.grad(out, leaves, g)
 
 
-def forward(q, k, v, packing: Packing, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """(o [N, Hq, D], lse, what :func:`backward` needs besides q, k, v) of the packed sequences' attention."""
+def forward(q, k, v, packing: Packing, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(o [N, Hq, D], lse, what :func:`backward` needs besides q, k, v) of the packed sequences' attention; ``scale``
+    defaults to ``D^-1/2``."""
     kp, vp = k.index_select(0, packing.k_index), v.index_select(0, packing.k_index)
-    return _forward(q, kp, vp, packing, scale)
+    return _forward(q, kp, vp, packing, _scale(q, scale))
 
 
-def backward(g, q, k, v, o, lse, extra: tuple, packing: Packing, scale: float):
+def backward(g, q, k, v, o, lse, extra: tuple, packing: Packing, scale: float | None):
     """dq, dk, dv (q's and k's row layouts) of :func:`forward`'s o for the output gradient g: the kernel's backward
     over the gathered keys, each key row's gradient summed over the sequences that read it."""
     kp, vp = k.index_select(0, packing.k_index), v.index_select(0, packing.k_index)
-    dq, dkp, dvp = _backward(g, q, kp, vp, o, lse, extra, packing, scale)
+    dq, dkp, dvp = _backward(g, q, kp, vp, o, lse, extra, packing, _scale(q, scale))
     return dq, *(_sum_readings(d, packing) for d in (dkp, dvp))
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def _sum_readings(d: torch.Tensor, packing: Packing) -> torch.Tensor:
@@ -202,20 +217,20 @@ def _sum_readings(d: torch.Tensor, packing: Packing) -> torch.Tensor:
 
 
 class _PackedAttention(torch.autograd.Function):
+    """:func:`forward` and :func:`backward` as one autograd node (it saves k and v, gathering them again in
+    backward: the gathered copies are larger)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, packing: Packing, scale: float):
-        kp, vp = k.index_select(0, packing.k_index), v.index_select(0, packing.k_index)
-        o, lse, extra = _forward(q, kp, vp, packing, scale)
-        ctx.save_for_backward(q, kp, vp, o, lse)
+    def forward(ctx, q, k, v, packing: Packing, scale: float | None):
+        o, lse, extra = forward(q, k, v, packing, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
         ctx.packing, ctx.scale, ctx.extra = packing, scale, extra
         return o
 
     @staticmethod
     def backward(ctx, g):
-        q, kp, vp, o, lse = ctx.saved_tensors
-        packing = ctx.packing
-        dq, dkp, dvp = _backward(g, q, kp, vp, o, lse, ctx.extra, packing, ctx.scale)
-        return dq, _sum_readings(dkp, packing), _sum_readings(dvp, packing), None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        return *backward(g, q, k, v, o, lse, ctx.extra, ctx.packing, ctx.scale), None, None
 
 
 def packed_attention(
@@ -223,6 +238,4 @@ def packed_attention(
 ) -> torch.Tensor:
     """Causal attention of ``packing``'s sequences (module docstring): q ``[N, Hq, D]``, k and v ``[N, Hkv, D]``
     (rows, last dim contiguous) → o ``[N, Hq, D]`` in q's row order. ``scale`` defaults to ``D^-1/2``."""
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
     return _PackedAttention.apply(q, k, v, packing, scale)

@@ -83,7 +83,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.utils import upload
-from ..ops.varlen_attention import Packing, flash_takes, packed_attention
+from ..ops.varlen_attention import Packing, flash_takes, packed_attention, rows_of
 
 __all__ = [
     "BUCKETS",
@@ -316,13 +316,6 @@ def _lower_right(q_len: int, kv_len: int, device: torch.device) -> Any:
     return bias if device.type == "cuda" else bias._materialize(device)
 
 
-def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether SDPA's flash kernel takes these grouped-query heads (it needs 16-bit inputs, among others)."""
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
-
-    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
-
-
 def _packed(rows: Rows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if VARLEN is not None:
         return VARLEN
@@ -342,10 +335,10 @@ def attend(
     padding query attends within its row's last sequence (no label reads it, so its gradient is zero). Otherwise
     two SDPA calls at most, whatever the rows' lengths, padding positions zero."""
     q, k, v = query, key, value
-    if _packed(rows, q, k, v):
+    packing = rows.packing_for(q, k, v)
+    if packing is not None:
         b, hq, length, d = q.shape
-        flat = [t.transpose(1, 2).reshape(b * length, t.shape[1], d) for t in (q, k, v)]
-        return packed_attention(*flat, rows.packing(length, q.device), scale).view(b, length, hq, d)
+        return packed_attention(rows_of(q), rows_of(k), rows_of(v), packing, scale).view(b, length, hq, d)
     groups = q.shape[1] // k.shape[1]
     gqa = groups > 1
     firsts, ends = rows.firsts, rows.ends
@@ -364,7 +357,7 @@ def attend(
         keys = torch.cat([k[:, :, :p], k[:, :, first:end]], 2)
         values = torch.cat([v[:, :, :p], v[:, :, first:end]], 2)
         ql = q[:, :, first:end]
-        if gqa and q.is_cuda and not _flash_takes(ql, keys, values):
+        if gqa and q.is_cuda and not flash_takes(ql, keys, values, causal=False):
             # the bias's other kernel (memory-efficient) takes no grouped heads: without the repeat, SDPA would
             # materialize the [n, p + n] bias and run the math kernel
             keys, values, gqa = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1), False
