@@ -52,8 +52,8 @@ class MemoryFeatures:
         save_layers: Evenly spaced offloaded layers that skip the recompute, their activations in host memory
             (no mode sets it; a benchmark's variant may).
         resident_layers: The last checkpointed layers keep their input and saved attention on the device instead
-            of copying them over the host link (no mode sets it: not yet measured on the MoE step it is meant for; a
-            benchmark's variant may).
+            of copying them over the host link (no mode sets it: on the MoE step it is meant for, eight such layers
+            gained little on an H100, bench/RESULTS.md; a benchmark's variant may).
         step_graphs: SFT micro-steps of a repeated batch shape replay as CUDA graphs, forward and backward
             (``kernels/models/step_graph.py``): the host's dispatch off the step where it sets the pace (small
             models); a step that cannot be captured runs eagerly, saying why. No mode sets it until the GPU

@@ -115,7 +115,7 @@ def enable_offloaded_checkpointing(
         resident_layers: How many of the last checkpointed layers keep their input and, with ``save_attention``,
             their attention output (and q, k, v with ``save_qkv``) on the device: their recompute skips what the
             offloaded layers' does, for device memory instead of host-link time (meant for steps whose copies
-            take as long as their forward, as an MoE layer's; not yet measured there: bench/RESULTS.md).
+            take as long as their forward, as an MoE layer's; measured there: bench/RESULTS.md).
         trace: Record the schedule in ``offloader.stats.trace``.
 
     Returns:
