@@ -1,5 +1,6 @@
 """Trainer glue: TRL's trainers on strop's chunked losses (the only room that reads TRL internals)."""
 
+from ._glue import unwrapped_model
 from .dpo import StropDPOMixin, add_hidden_states_head, remove_hidden_states_head, strop_dpo_trainer_class
 from .preference import (
     StropCPOMixin,
@@ -26,4 +27,5 @@ __all__ = [
     "strop_kto_trainer_class",
     "strop_orpo_trainer_class",
     "strop_sft_trainer_class",
+    "unwrapped_model",
 ]

@@ -3,8 +3,17 @@ step metrics kept on the device until they are logged (``DeviceMetrics``),
 the hidden-states head (the model surgery: a reversible forward swap that returns the backbone output), the
 PEFT/accelerate unwrapping, the LM-head and config checks that decide whether a chunked loss can replace TRL's,
 the model's final-logit soft-cap, the reference forward's context
-(the PEFT model with its adapters disabled, or its "ref" adapter), and whether unshared batches' widths go in
-buckets (``width_buckets``).
+(the PEFT model with its adapters disabled, or its "ref" adapter; ``reference_pass``), and whether unshared batches'
+widths go in buckets (``width_buckets``).
+
+Host time. These run in every step, between the GPU's forwards, where the host's time is the GPU's idle time once its
+queue drains. accelerate's ``unwrap_model`` walks every module looking for compiled regions, PEFT's
+``disable_adapter`` walks them several times (and computes the model's adapter status), and TRL's
+``disable_gradient_checkpointing`` walks them twice: on a LoRA model of 32 layers each walk covers thousands of
+modules. So the unwrapped model is asked of accelerate once per model (``unwrapped_model``), a plain LoRA model's
+adapters are switched off and on by their flags alone (``reference_adapter``), and where strop's offloaded checkpoint
+runs the layers the checkpointing is left on (``reference_pass``): under ``no_grad`` it calls each layer directly.
+Each computes what the walk it replaces computes (the tests compare them bit for bit).
 
 Plain functions of a trainer or its accelerator and model, so each mixin keeps its own method names while the
 chunked DPO and preference losses install, check and score a model the same way.
@@ -29,9 +38,11 @@ __all__ = [
     "head_unsupported_reason",
     "hf_model",
     "reference_adapter",
+    "reference_pass",
     "remove_hidden_states_head",
     "start_chunked_loss",
     "trl_reference_helpers",
+    "unwrapped_model",
     "width_buckets",
 ]
 
@@ -147,9 +158,19 @@ def start_chunked_loss(trainer: Any, method: str, reason: str | None) -> None:
         add_hidden_states_head(hf_model(trainer.accelerator, trainer.ref_model))
 
 
+def unwrapped_model(accelerator: Any, model: Any) -> Any:
+    """``accelerator.unwrap_model(model)``, asked of accelerate once per model object (module docstring): a wrapper,
+    once made, keeps what it wraps, and a new wrapper is a new object."""
+    cache = accelerator.__dict__.setdefault("_strop_unwrapped", {})
+    entry = cache.get(id(model))
+    if entry is None or entry[0] is not model:  # (the model is held, so its id is not reused)
+        entry = cache[id(model)] = (model, accelerator.unwrap_model(model))
+    return entry[1]
+
+
 def hf_model(accelerator: Any, model: Any) -> Any:
     """The transformers model under accelerate's wrapper and PEFT's."""
-    return unwrap_peft(accelerator.unwrap_model(model))
+    return unwrap_peft(unwrapped_model(accelerator, model))
 
 
 def width_buckets(trainer: Any) -> bool:
@@ -196,7 +217,7 @@ def head_unsupported_reason(accelerator: Any, model: Any, scorer: str) -> str | 
     scaled = scaled_logits_reason(hf.config)
     if scaled:
         return f"{scaled}; {scorer} unscaled logits"
-    peft_cfg = getattr(accelerator.unwrap_model(model), "peft_config", {})
+    peft_cfg = getattr(unwrapped_model(accelerator, model), "peft_config", {})
     if any(getattr(c, "is_prompt_learning", False) for c in peft_cfg.values()):
         return "PEFT prompt learning (virtual tokens)"
     return None
@@ -218,6 +239,82 @@ def trl_reference_helpers(load: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any
 
 def reference_adapter(unwrapped: Any, peft_cfg: dict[str, Any], use_adapter: Any) -> Any:
     """The context in which the PEFT model ``unwrapped`` is its own reference: its "ref" adapter if it has one,
-    else its adapters disabled (TRL's ``use_adapter`` where available, else PEFT's ``disable_adapter``)."""
+    else its adapters disabled: by their flags where :func:`_adapter_flags` can (a plain LoRA model), else TRL's
+    ``use_adapter`` where available, else PEFT's ``disable_adapter``."""
     name = "ref" if "ref" in peft_cfg else None
+    if name is None:
+        layers = _adapter_flags(unwrapped)
+        if layers is not None:
+            return _adapters_off(unwrapped, layers)
     return use_adapter(unwrapped, adapter_name=name) if use_adapter else unwrapped.disable_adapter()
+
+
+def _flag_only_switches() -> tuple[Callable, ...]:
+    """The ``enable_adapters`` methods that change nothing a forward reads but the layer's ``_disable_adapters`` flag
+    (the rest is their parameters' ``requires_grad``)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    return (
+        BaseTunerLayer.enable_adapters,
+        AuxiliaryTrainingWrapper.enable_adapters,
+        ModulesToSaveWrapper.enable_adapters,
+    )
+
+
+def _adapter_flags(peft_model: Any) -> list[Any] | None:
+    """The adapter layers of a plain LoRA ``peft_model`` whose ``_disable_adapters`` flags alone make it the base
+    model, as PEFT's ``disable_adapter()`` does: every config LoRA without trained biases (PEFT warns there, and its
+    forward differs), every layer enabled and unmerged, every layer's ``enable_adapters`` PEFT's own flag switch (a
+    layer class with its own does more). None where any of that does not hold: PEFT's walk runs.
+
+    The layers are found once per set of adapters (one walk) and kept on the model. PEFT's switch also sets the
+    adapters' ``requires_grad`` (off, then on for the active adapter); under ``no_grad`` no forward reads it, and
+    this leaves it as it was."""
+    from peft import PeftType
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    configs = getattr(peft_model, "peft_config", None)
+    if not configs or getattr(peft_model, "_adapters_disabled", False):
+        return None
+    if any(
+        getattr(c, "peft_type", None) != PeftType.LORA or getattr(c, "bias", "none") != "none"
+        for c in configs.values()
+    ):
+        return None
+    key = tuple(configs)
+    cached = peft_model.__dict__.get("_strop_adapter_flags")
+    if cached is None or cached[0] != key:
+        layers = [m for m in peft_model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+        switches = _flag_only_switches()
+        plain = bool(layers) and all(type(m).enable_adapters in switches for m in layers)
+        cached = peft_model.__dict__["_strop_adapter_flags"] = (key, layers if plain else None)
+    layers = cached[1]
+    if layers is None or any(m._disable_adapters or getattr(m, "merged", False) for m in layers):
+        return None
+    return layers
+
+
+@contextlib.contextmanager
+def _adapters_off(peft_model: Any, layers: list[Any]) -> Iterator[None]:
+    was = getattr(peft_model, "_adapters_disabled", False)
+    for m in layers:
+        m._disable_adapters = True
+    peft_model._adapters_disabled = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._disable_adapters = False
+        peft_model._adapters_disabled = was
+
+
+def reference_pass(model: Any, disable_gc: Any, kwargs: Any) -> contextlib.AbstractContextManager:
+    """TRL's ``disable_gradient_checkpointing(model, kwargs)`` around a reference forward under ``no_grad``, or
+    nothing where strop's offloaded checkpoint runs ``model``'s layers: without grad it calls each layer as it is
+    (``kernels/models/offload.py``), so the toggle (HF's walk over every module, twice) would change nothing
+    computed."""
+    if "_strop_offload" in unwrap_peft(model).__dict__:
+        return contextlib.nullcontext()
+    return disable_gc(model, kwargs)

@@ -23,9 +23,11 @@ from ._glue import (
     head_unsupported_reason,
     hf_model,
     reference_adapter,
+    reference_pass,
     remove_hidden_states_head,
     start_chunked_loss,
     trl_reference_helpers,
+    unwrapped_model,
     width_buckets,
 )
 from .shared_prompt import PromptSharing, bucketed_width
@@ -116,9 +118,9 @@ class StropDPOMixin(DeviceMetrics, DeviceNanFilter):
 
     def _strop_reference_hidden(self, model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, float | None]:
         disable_gc, use_adapter = trl_reference_helpers(_dpo_trl_helpers)
-        with torch.no_grad(), disable_gc(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), reference_pass(self.model, disable_gc, self.args.gradient_checkpointing_kwargs):
             if self.ref_model is None:
-                unwrapped = self.accelerator.unwrap_model(self.model)
+                unwrapped = unwrapped_model(self.accelerator, self.model)
                 peft_cfg = getattr(unwrapped, "peft_config", None)
                 if peft_cfg is None:
                     raise ValueError(

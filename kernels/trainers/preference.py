@@ -27,8 +27,10 @@ from ._glue import (
     head_unsupported_reason,
     hf_model,
     reference_adapter,
+    reference_pass,
     start_chunked_loss,
     trl_reference_helpers,
+    unwrapped_model,
 )
 from .shared_prompt import PromptSharing
 
@@ -259,8 +261,8 @@ class StropKTOMixin(_StropPreferenceMixin):
             ref_logps = batch["ref_logps"]
             ref_kl = batch["ref_KL_logps"] if self.calculate_KL else None
         else:
-            with torch.no_grad(), disable_gc(self.model, self.args.gradient_checkpointing_kwargs):
-                unwrapped = self.accelerator.unwrap_model(self.model)
+            with torch.no_grad(), reference_pass(self.model, disable_gc, self.args.gradient_checkpointing_kwargs):
+                unwrapped = unwrapped_model(self.accelerator, self.model)
                 peft_cfg = getattr(unwrapped, "peft_config", None)
                 if self.ref_model is None and peft_cfg is not None:
                     ctx, ref_source = reference_adapter(unwrapped, peft_cfg, use_adapter), self.model

@@ -534,13 +534,14 @@ def add_replay_kl(trainer, kl: ReplayKL) -> None:
     the rows' forward and backward as its graph and this term after it, eagerly (``_strop_added_loss``): the two
     backward passes add into the same gradients, as the backward of their sum does."""
 
+    from strop.kernels.trainers import unwrapped_model
     from strop.kernels.trainers.sft import loss_scaled_for_accumulation
 
     def term(self, model):
         # under the mixed precision the model's own forward runs in: accelerate wraps only ``model.forward`` in
         # autocast (HF's Trainer adds none), and this term calls the decoder directly
         with self.accelerator.autocast():
-            return kl.loss(self.accelerator.unwrap_model(model))
+            return kl.loss(unwrapped_model(self.accelerator, model))
 
     class ReplayKLTrainer(type(trainer)):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
