@@ -286,7 +286,9 @@ def _adapter_flags(peft_model: Any) -> list[Any] | None:
     key = tuple(configs)
     cached = peft_model.__dict__.get("_strop_adapter_flags")
     if cached is None or cached[0] != key:
-        layers = [m for m in peft_model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+        layers = [
+            m for m in peft_model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))
+        ]
         switches = _flag_only_switches()
         plain = bool(layers) and all(type(m).enable_adapters in switches for m in layers)
         cached = peft_model.__dict__["_strop_adapter_flags"] = (key, layers if plain else None)

@@ -261,7 +261,10 @@ class StropKTOMixin(_StropPreferenceMixin):
             ref_logps = batch["ref_logps"]
             ref_kl = batch["ref_KL_logps"] if self.calculate_KL else None
         else:
-            with torch.no_grad(), reference_pass(self.model, disable_gc, self.args.gradient_checkpointing_kwargs):
+            with (
+                torch.no_grad(),
+                reference_pass(self.model, disable_gc, self.args.gradient_checkpointing_kwargs),
+            ):
                 unwrapped = unwrapped_model(self.accelerator, self.model)
                 peft_cfg = getattr(unwrapped, "peft_config", None)
                 if self.ref_model is None and peft_cfg is not None:
