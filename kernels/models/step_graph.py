@@ -85,18 +85,25 @@ def as_if_capturing():
         utils.is_cuda_stream_capturing = real
 
 
+# config keys whose positive value makes a training forward draw random numbers: dropout probabilities (attention's,
+# HF's hidden dropouts; GPT-2-style ``*_pdrop``) and Mixtral's ``router_jitter_noise`` (its block scales the router's
+# input by uniform noise while training)
+_RANDOM_CONFIG_KEYS = ("dropout", "pdrop", "jitter")
+
+
 def random_free(model: torch.nn.Module) -> bool:
     """Whether ``model``'s training forward draws no random numbers: every ``nn.Dropout`` at p = 0 (PEFT's LoRA
-    dropout included) and every dropout probability its config names (attention's, HF's hidden dropouts) 0. Then a
-    checkpoint's recompute needs no saved RNG state (its default reads the CUDA generator's state, which a CUDA graph
-    capture cannot: :class:`StepGraph`), and dropping it is exact."""
+    dropout included) and every dropout probability or router jitter its config names 0
+    (``_RANDOM_CONFIG_KEYS``). Then a checkpoint's recompute needs no saved RNG state (its default reads the CUDA
+    generator's state, which a CUDA graph capture cannot: :class:`StepGraph`), and dropping it is exact."""
     for m in model.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
             return False
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             for key, value in config.to_dict().items():
-                if "dropout" in key and isinstance(value, (int, float)) and value > 0:
+                random = any(k in key for k in _RANDOM_CONFIG_KEYS)
+                if random and isinstance(value, (int, float)) and value > 0:
                     return False
     return True
 

@@ -71,6 +71,10 @@ def test_random_free_is_true_only_without_any_dropout():
     assert random_free(_lora(_tiny_llama()))
     assert not random_free(_lora(_tiny_llama(), dropout=0.1)), "LoRA dropout"
     assert not random_free(_lora(_tiny_llama(attention_dropout=0.1))), "the config's attention dropout"
+    # Mixtral's block scales the router's input by uniform noise in training; GPT-2-style dropout names
+    assert not random_free(_lora(_tiny_llama(router_jitter_noise=0.01))), "router jitter"
+    assert not random_free(_lora(_tiny_llama(resid_pdrop=0.1))), "resid_pdrop"
+    assert random_free(_lora(_tiny_llama(router_jitter_noise=0.0)))
 
 
 def _cuda_model(seed: int = 0):
