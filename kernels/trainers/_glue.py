@@ -268,7 +268,7 @@ def _adapter_flags(peft_model: Any) -> list[Any] | None:
     forward differs), every layer enabled and unmerged, every layer's ``enable_adapters`` PEFT's own flag switch (a
     layer class with its own does more). None where any of that does not hold: PEFT's walk runs.
 
-    The layers are found once per set of adapters (one walk) and kept on the model. PEFT's switch also sets the
+    The layers are found once per set of adapters and targets (one walk) and kept on the model. PEFT's switch also sets the
     adapters' ``requires_grad`` (off, then on for the active adapter); under ``no_grad`` no forward reads it, and
     this leaves it as it was."""
     from peft import PeftType
@@ -283,7 +283,15 @@ def _adapter_flags(peft_model: Any) -> list[Any] | None:
         for c in configs.values()
     ):
         return None
-    key = tuple(configs)
+    # the adapters and what they target: adding an adapter (even under a deleted one's name) on other modules wraps
+    # other layers, and PEFT appends those to its targeted names
+    tuner = getattr(peft_model, "base_model", None)
+    key = (
+        tuple(configs),
+        tuple(getattr(tuner, "targeted_module_names", None) or ()),
+        tuple(getattr(tuner, "targeted_parameter_names", None) or ()),
+        tuple(sorted(getattr(peft_model, "modules_to_save", None) or ())),
+    )
     cached = peft_model.__dict__.get("_strop_adapter_flags")
     if cached is None or cached[0] != key:
         layers = [

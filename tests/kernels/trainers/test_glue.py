@@ -53,11 +53,15 @@ def _grad_flags(model: torch.nn.Module) -> dict[str, bool]:
     return {n: p.requires_grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]])
+@pytest.mark.parametrize("layout", ["plain", "modules_to_save", "inactive_second_adapter"])
 def test_the_adapter_switch_gives_peft_disable_adapters_output_and_leaves_the_model_as_it_was(
-    monkeypatch, modules_to_save
+    monkeypatch, layout
 ):
-    model = _model(modules_to_save=modules_to_save)
+    model = _model(modules_to_save=["lm_head"] if layout == "modules_to_save" else None)
+    if layout == "inactive_second_adapter":
+        model.add_adapter(
+            "other", peft.LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False)
+        )
     adapted = _logits(model)
     with model.disable_adapter():
         base = _logits(model)
@@ -117,7 +121,22 @@ def test_models_the_switch_does_not_cover_go_to_peft_and_trl():
     assert calls == ["ref"]
     # the set of adapters changed: the layers are found again
     assert _glue._adapter_flags(model) is not None
-    assert model.__dict__["_strop_adapter_flags"][0] == ("default", "ref")
+    assert model.__dict__["_strop_adapter_flags"][0][0] == ("default", "ref")
+
+
+def test_an_adapter_added_again_on_other_modules_under_its_old_name_has_its_layers_switched_too():
+    model = _model(target_modules=["q_proj"])
+    model.add_adapter("x", peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with _glue.reference_adapter(model, model.peft_config, None):  # the layers of ("default", "x") found
+        pass
+    model.delete_adapter("x")
+    model.add_adapter("x", peft.LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False))
+    model.base_model.set_adapter(["default", "x"])
+    with model.disable_adapter():
+        base = _logits(model)
+    assert not torch.equal(_logits(model), base)
+    with _glue.reference_adapter(model, model.peft_config, None):
+        assert torch.equal(_logits(model), base)
 
 
 def test_accelerate_unwraps_each_model_once():
@@ -156,7 +175,7 @@ def test_checkpointing_stays_on_for_a_reference_pass_over_offloaded_layers_with_
         pass
     assert toggled == [kwargs]
 
-    enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0)
+    offloader = enable_offloaded_checkpointing(model, offload_cpu_tensors=True, min_offload_bytes=0)
     try:
         with torch.no_grad(), disable_gc(model, kwargs):
             toggled_off = _logits(model)
@@ -166,5 +185,6 @@ def test_checkpointing_stays_on_for_a_reference_pass_over_offloaded_layers_with_
             kept_on = _logits(model)
         assert len(toggled) == 2, "strop's offloaded checkpoint: no toggle"
         assert torch.equal(kept_on, toggled_off)
+        assert offloader.stats.offloaded == 0, "a no-grad pass offloads nothing"
     finally:
         disable_offloaded_checkpointing(model)
