@@ -268,9 +268,9 @@ def _adapter_flags(peft_model: Any) -> list[Any] | None:
     forward differs), every layer enabled and unmerged, every layer's ``enable_adapters`` PEFT's own flag switch (a
     layer class with its own does more). None where any of that does not hold: PEFT's walk runs.
 
-    The layers are found once per set of adapters and targets (one walk) and kept on the model. PEFT's switch also sets the
-    adapters' ``requires_grad`` (off, then on for the active adapter); under ``no_grad`` no forward reads it, and
-    this leaves it as it was."""
+    The layers are found once per set of adapters and targets (one walk) and kept on the model. PEFT's switch also
+    sets the adapters' ``requires_grad`` (off, then on for the active adapter); under ``no_grad`` no forward reads
+    it, and this leaves it as it was."""
     from peft import PeftType
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
