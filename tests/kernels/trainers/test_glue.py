@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from strop.common.trainer_types import DEFAULT_TARGET_MODULES
+from strop.fixtures.tiny_models import TinyShape, build_config
 from tests.deps import locked
 
 transformers = locked("transformers")
@@ -22,16 +23,8 @@ from strop.kernels.trainers import _glue  # noqa: E402
 
 
 def _model(seed: int = 0, **lora) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    shape = TinyShape(hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+    cfg = build_config("llama", shape, 128)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).float()
     settings = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(DEFAULT_TARGET_MODULES))
