@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -259,3 +261,40 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+# The stream query Triton's own launches use (torch's; CUDA builds only, where a bound launch runs).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class BoundLaunch:
+    """A compiled Triton kernel's launch with every argument fixed but one tensor's pointer, re-launched without
+    Triton's per-call work.
+
+    ``kernel[grid](...)`` binds its arguments anew at every call: a specialization key per argument (dtype, 16-byte
+    alignment of pointers, divisibility of integers), a cache key from them and the options, the compiled kernel's
+    lookup, a check of the globals it read, then the driver's launcher. For a launch whose arguments are the same
+    objects, integers and constexprs each time but for one tensor (an NF4 weight's dequantization into a scratch
+    buffer: ``nf4.py``) that work finds the same compiled kernel every time, so the owner keeps this, made from the
+    kernel its first launch returned, and calls the driver's launcher directly: the same binary with the same
+    arguments, on the stream current at the call (as Triton's launch), the launch hooks honoured. The owner keys it
+    on everything specialization reads that may change: the varying pointer's alignment (``data_ptr() % 16 == 0``)
+    and the current device; the fixed tensors must stay the same objects (their pointers are what the launch reads).
+    """
+
+    __slots__ = ("compiled", "grid", "head", "tail")
+
+    def __init__(self, compiled, grid: tuple[int, ...], args: Sequence, index: int) -> None:
+        """``compiled``: what ``kernel[grid](*args, ...)`` returned; ``args``: every parameter of the kernel in order,
+        constexprs included (the launcher skips those); ``index``: the one that varies."""
+        self.compiled = compiled
+        self.grid = (*grid, 1, 1)[:3]
+        self.head, self.tail = tuple(args[:index]), tuple(args[index + 1 :])
+
+    def __call__(self, t: torch.Tensor) -> None:
+        c, (g0, g1, g2) = self.compiled, self.grid
+        args = (*self.head, t, *self.tail)
+        stream = _RAW_STREAM(torch.cuda.current_device())
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        meta = None if enter is None else c.launch_metadata(self.grid, stream, *args)
+        c.run(g0, g1, g2, stream, c.function, c.packed_metadata, meta, enter, leave, *args)

@@ -185,3 +185,91 @@ def test_kernel_is_bit_exact_with_bitsandbytes_cuda_at_8b_shapes(nested):
         expected = bnb_functional.dequantize_4bit(packed, state)
         assert torch.equal(nf4_dequantize(packed, state), expected)
         assert torch.equal(nf4_dequantize(packed, state, dtype=torch.float32), expected.float())
+
+
+def _bound_entries(state) -> dict:
+    from strop.kernels.ops import nf4
+
+    entry = nf4._BOUND.get(id(state))
+    return {} if entry is None or entry[0]() is not state else entry[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "double_quant"])
+def test_bound_launches_stay_bit_exact_and_follow_the_weight(nested):
+    """A weight's second dequantization into a buffer replays the first launch's compiled kernel (``BoundLaunch``):
+    the same bits as bitsandbytes on every call, at an unaligned output (its own launch), on a side stream, after
+    the packed data changed in place (the launch reads it), after the quant state's absmax was replaced (bound
+    anew), and the binding is gone with the quant state."""
+    import gc
+
+    from strop.kernels.ops import nf4
+
+    assert nf4.BIND_LAUNCHES
+    for shape, bs in (((67, 96), 64), ((1024, 4096), 64), ((5, 3), 256)):
+        _, packed, state = _quantize(shape, torch.bfloat16, bs, nested, device="cuda")
+        n = shape[0] * shape[1]
+        buf = torch.empty(n + 8, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            assert torch.equal(
+                nf4_dequantize(packed, state, out=buf[:n]),
+                _bnb_flat_dequantize(packed, state, torch.bfloat16),
+            )
+        assert len(_bound_entries(state)) == 1
+        got = nf4_dequantize(packed, state, out=buf[1 : n + 1])  # 2 bytes off: not 16-byte aligned
+        assert torch.equal(got, _bnb_flat_dequantize(packed, state, torch.bfloat16))
+        assert len(_bound_entries(state)) == 2
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got = nf4_dequantize(packed, state, out=buf[:n].zero_()).clone()
+        side.synchronize()
+        assert torch.equal(got, _bnb_flat_dequantize(packed, state, torch.bfloat16))
+        _, other, _ = _quantize(shape, torch.bfloat16, bs, nested, device="cuda", seed=1)
+        packed.copy_(other)
+        assert torch.equal(
+            nf4_dequantize(packed, state, out=buf[:n]), _bnb_flat_dequantize(packed, state, torch.bfloat16)
+        )
+        if nested:
+            state.state2.absmax = state.state2.absmax * 2
+        else:
+            state.absmax = state.absmax * 2
+        assert torch.equal(
+            nf4_dequantize(packed, state, out=buf[:n]), _bnb_flat_dequantize(packed, state, torch.bfloat16)
+        )
+        key = id(state)
+        del state
+        gc.collect()
+        assert key not in nf4._BOUND
+
+
+def test_a_binding_holds_while_its_quant_state_is_unchanged(monkeypatch):
+    """The bookkeeping of bound launches, on any device (the launch itself runs on CUDA only: the GPU test above):
+    a binding is found for the same weight and output, not after any quant-state attribute it came from is
+    reassigned or the packed data moved, and not for an output of another dtype or size; it goes with its quant state."""
+    import gc
+
+    from strop.kernels.ops import nf4
+
+    monkeypatch.setattr(
+        nf4, "_launch_key", lambda p, o, d: (p.data_ptr(), p.numel(), d, o.data_ptr() % 16 == 0)
+    )
+    _, packed, state = _quantize((64, 64), torch.bfloat16, 64, True)
+    out = torch.empty(64 * 64, dtype=torch.bfloat16)
+    launch = object()
+    nf4._bind(packed, state, out, torch.bfloat16, launch, (64, 64))
+    assert nf4._bound_launch(packed, state, out, torch.bfloat16) == (launch, (64, 64))
+    assert nf4._bound_launch(packed, state, out.float(), torch.float32) is None
+    assert nf4._bound_launch(packed, state, out[: 64 * 32], torch.bfloat16) is None
+    state.state2.code = state.state2.code.clone()
+    assert nf4._bound_launch(packed, state, out, torch.bfloat16) is None
+    nf4._bind(packed, state, out, torch.bfloat16, launch, (64, 64))
+    moved = packed.clone()
+    assert nf4._bound_launch(moved, state, out, torch.bfloat16) is None
+    nf4._bind(moved, state, out, torch.bfloat16, launch, (64, 64))
+    assert len(_bound_entries(state)) == 1  # the old data's binding dropped
+    key = id(state)
+    del state
+    gc.collect()
+    assert key not in nf4._BOUND
