@@ -282,19 +282,21 @@ class BoundLaunch:
     and the current device; the fixed tensors must stay the same objects (their pointers are what the launch reads).
     """
 
-    __slots__ = ("compiled", "grid", "head", "tail")
+    __slots__ = ("compiled", "function", "grid", "head", "metadata", "run", "tail")
 
     def __init__(self, compiled, grid: tuple[int, ...], args: Sequence, index: int) -> None:
         """``compiled``: what ``kernel[grid](*args, ...)`` returned; ``args``: every parameter of the kernel in order,
         constexprs included (the launcher skips those); ``index``: the one that varies."""
         self.compiled = compiled
+        self.run = compiled.run  # loads the module and function handles where the first launch has not
+        self.function, self.metadata = compiled.function, compiled.packed_metadata
         self.grid = (*grid, 1, 1)[:3]
         self.head, self.tail = tuple(args[:index]), tuple(args[index + 1 :])
 
     def __call__(self, t: torch.Tensor) -> None:
-        c, (g0, g1, g2) = self.compiled, self.grid
+        g0, g1, g2 = self.grid
         args = (*self.head, t, *self.tail)
         stream = _RAW_STREAM(torch.cuda.current_device())
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        meta = None if enter is None else c.launch_metadata(self.grid, stream, *args)
-        c.run(g0, g1, g2, stream, c.function, c.packed_metadata, meta, enter, leave, *args)
+        meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
+        self.run(g0, g1, g2, stream, self.function, self.metadata, meta, enter, leave, *args)
