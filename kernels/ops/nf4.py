@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -319,6 +320,7 @@ def _nf4_dequantize(
 # from is every attribute of the quant state the launch's arguments came from, as the same objects: one reassigned
 # (bitsandbytes' QuantState.to makes new tensors) binds anew. The output is checked as _check does at each call.
 _BOUND: dict[int, tuple[weakref.ref, dict]] = {}
+_BIND_LOCK = threading.Lock()
 _OUT_ARG = 6
 # False: every dequantization launches through Triton's own binding (to compare the two).
 BIND_LAUNCHES = True
@@ -363,19 +365,20 @@ def _bound_launch(packed: torch.Tensor, quant_state, out: torch.Tensor, dtype: t
 
 def _bind(packed: torch.Tensor, quant_state, out: torch.Tensor, dtype: torch.dtype, launch, shape) -> None:
     key = id(quant_state)
-    entry = _BOUND.get(key)
-    if entry is None or entry[0]() is not quant_state:
+    with _BIND_LOCK:  # jobs on other threads bind too; lookups (_bound_launch) only read
+        entry = _BOUND.get(key)
+        if entry is None or entry[0]() is not quant_state:
 
-        def forget(ref, key=key):
-            if _BOUND.get(key, (None,))[0] is ref:
-                del _BOUND[key]
+            def forget(ref, key=key):
+                if _BOUND.get(key, (None,))[0] is ref:
+                    _BOUND.pop(key, None)
 
-        entry = _BOUND[key] = (weakref.ref(quant_state, forget), {})
-    launches = entry[1]
-    lkey = _launch_key(packed, out, dtype)
-    if any(k[0] != lkey[0] for k in launches):
-        launches.clear()  # the weight's data moved: what was bound holds its old storage
-    launches[lkey] = (_sources(quant_state), launch, shape, _numel(shape))
+            entry = _BOUND[key] = (weakref.ref(quant_state, forget), {})
+        launches = entry[1]
+        lkey = _launch_key(packed, out, dtype)
+        if any(k[0] != lkey[0] for k in list(launches)):
+            launches.clear()  # the weight's data moved: what was bound holds its old storage
+        launches[lkey] = (_sources(quant_state), launch, shape, _numel(shape))
 
 
 # One flat scratch tensor per (device, dtype), grown to the largest weight seen. LoRA functions dequantize
