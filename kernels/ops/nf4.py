@@ -39,11 +39,13 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch.multiprocessing.reductions import StorageWeakRef
+from triton import knobs
 
 from .nf4_format import NF4_CODE
 from .utils import BoundLaunch, cdiv, interpreter_rows
@@ -91,9 +93,10 @@ def _code(device: torch.device) -> torch.Tensor:
     return code
 
 
-def _offset(quant_state, device: torch.device) -> torch.Tensor:
-    """The double-quant offset as a 1-element fp32 tensor on ``device`` (bitsandbytes keeps a 0-d tensor)."""
-    return torch.as_tensor(quant_state.offset, dtype=torch.float32, device=device).reshape(1)
+def _offset(offset, device: torch.device) -> torch.Tensor:
+    """The double-quant offset (a quant state's ``offset``) as a 1-element fp32 tensor on ``device`` (bitsandbytes
+    keeps a 0-d tensor)."""
+    return torch.as_tensor(offset, dtype=torch.float32, device=device).reshape(1)
 
 
 def _absmax_fp32(quant_state) -> torch.Tensor:
@@ -104,7 +107,7 @@ def _absmax_fp32(quant_state) -> torch.Tensor:
     q = quant_state.absmax.reshape(-1).long()
     blocks2 = torch.arange(q.numel(), device=q.device) // s2.blocksize
     absmax = s2.code.float()[q] * s2.absmax.float()[blocks2]
-    return absmax + _offset(quant_state, absmax.device)
+    return absmax + _offset(quant_state.offset, absmax.device)
 
 
 def nf4_dequantize_reference(
@@ -262,8 +265,9 @@ def _nf4_dequantize(
             launch, shape = bound
             launch(out)
             return out.view(shape)
+    src = _sources(quant_state)  # one read of every attribute the launch's arguments come from
     n = _check(packed, quant_state, out, dtype)
-    shape = tuple(quant_state.shape)
+    shape = tuple(src.shape)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=packed.device)
     out = out.view(shape)
@@ -271,26 +275,19 @@ def _nf4_dequantize(
         return out
     if not _use_kernel(packed.device):
         return out.copy_(nf4_dequantize_reference(packed, quant_state, dtype))
-    half_bs = quant_state.blocksize // 2
-    rows = max(
-        1, _BYTES_PER_PROGRAM // half_bs, interpreter_rows(cdiv(n, quant_state.blocksize), 2 * half_bs)
-    )
+    half_bs = src.blocksize // 2
+    rows = max(1, _BYTES_PER_PROGRAM // half_bs, interpreter_rows(cdiv(n, src.blocksize), 2 * half_bs))
     n_bytes = (n + 1) // 2
-    grid = (cdiv(cdiv(n, quant_state.blocksize), rows),)
-    absmax = quant_state.absmax.reshape(-1)
-    if quant_state.nested:
-        s2 = quant_state.state2
-        absmax2, code2, offset, bs2 = (
-            s2.absmax.reshape(-1),
-            s2.code,
-            _offset(quant_state, packed.device),
-            s2.blocksize,
-        )
+    grid = (cdiv(cdiv(n, src.blocksize), rows),)
+    absmax = src.absmax.reshape(-1)
+    if src.nested:
+        absmax2, code2, bs2 = src.absmax2.reshape(-1), src.code2, src.blocksize2
+        offset = _offset(src.offset, packed.device)
     else:
         absmax2 = code2 = offset = absmax  # unread placeholders
         bs2 = 1
     # every parameter of the kernel in order (out is the 7th), as a bound launch replays them
-    args = (
+    args = [
         packed.reshape(-1).view(torch.uint8),
         absmax,
         absmax2,
@@ -302,23 +299,32 @@ def _nf4_dequantize(
         n,
         half_bs,
         rows,
-        bool(quant_state.nested),
+        bool(src.nested),
         bs2,
-        _TL_DTYPES[quant_state.dtype],
+        _TL_DTYPES[src.dtype],
         _TL_DTYPES[dtype],
-    )
+    ]
     compiled = _nf4_dequant_kernel[grid](*args, num_warps=_NUM_WARPS, enable_fp_fusion=False)
     if bind and compiled is not None:
-        _bind(packed, quant_state, out, dtype, BoundLaunch(compiled, grid, args, _OUT_ARG), shape)
+        # the fixed tensors as their addresses (the launcher takes an int as a pointer): the binding holds no
+        # memory of the weight; each replay checks the addresses still hold (_bound_launch). Only an offset made
+        # here (the quant state's is not an fp32 tensor on the device) is kept as the tensor, a 4-byte one.
+        made = src.nested and offset.data_ptr() not in _addresses(src)
+        for i in range(6):
+            if not (i == 4 and made):
+                args[i] = args[i].data_ptr()  # [5]: the NF4 table, one per device for the process's life
+        _bind(packed, quant_state, src, out, dtype, BoundLaunch(compiled, grid, args, _OUT_ARG), shape)
     return out
 
 
 # Bound launches (utils.BoundLaunch) of each weight's dequantization: id(quant state) -> (a weak reference to it,
-# {launch key: (what it was bound from, the launch, the weight's shape)}). A launch key is what Triton's
-# specialization of this kernel reads that can differ between calls for one quant state: the packed data's address
-# and size, the output dtype, whether the output's address is 16-byte aligned, the current device. What it was bound
-# from is every attribute of the quant state the launch's arguments came from, as the same objects: one reassigned
-# (bitsandbytes' QuantState.to makes new tensors) binds anew. The output is checked as _check does at each call.
+# {launch key: (the sources it was bound from, their addresses, the launch, the weight's shape and size)}). A launch
+# key is what Triton's specialization of this kernel, and its choice of compiled kernel, reads that can differ
+# between calls for one quant state: the packed data's address and size (the launch passes that address), the
+# output dtype, whether the output's address is 16-byte aligned, the current device, Triton's debug and
+# instrumentation settings. The sources are every attribute of the quant state the launch's arguments came from,
+# checked at each replay as the same objects at the same addresses: one reassigned (bitsandbytes' QuantState.to
+# makes new tensors) or given other storage binds anew. The output is checked as _check does.
 _BOUND: dict[int, tuple[weakref.ref, dict]] = {}
 _BIND_LOCK = threading.Lock()
 _OUT_ARG = 6
@@ -326,16 +332,30 @@ _OUT_ARG = 6
 BIND_LAUNCHES = True
 
 
-def _sources(quant_state) -> tuple:
+class _Sources(NamedTuple):
+    absmax: torch.Tensor
+    shape: tuple
+    blocksize: int
+    dtype: torch.dtype
+    quant_type: str
+    nested: bool
+    offset: object  # the double quantization's (None without)
+    state2: object
+    absmax2: torch.Tensor | None
+    code2: torch.Tensor | None
+    blocksize2: int | None
+
+
+def _sources(quant_state) -> _Sources:
     s2 = quant_state.state2 if quant_state.nested else None
-    return (
+    return _Sources(
         quant_state.absmax,
         quant_state.shape,
         quant_state.blocksize,
         quant_state.dtype,
         quant_state.quant_type,
         quant_state.nested,
-        quant_state.offset if s2 is not None else None,
+        None if s2 is None else quant_state.offset,
         s2,
         None if s2 is None else s2.absmax,
         None if s2 is None else s2.code,
@@ -343,8 +363,27 @@ def _sources(quant_state) -> tuple:
     )
 
 
+def _same(a: _Sources, b: _Sources) -> bool:
+    return all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _addresses(src: _Sources) -> tuple:
+    return tuple(
+        t.data_ptr() if isinstance(t, torch.Tensor) else None
+        for t in (src.absmax, src.absmax2, src.code2, src.offset)
+    )
+
+
 def _launch_key(packed: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> tuple:
-    return (packed.data_ptr(), packed.numel(), dtype, out.data_ptr() % 16 == 0, torch.cuda.current_device())
+    return (
+        packed.data_ptr(),
+        packed.numel(),
+        dtype,
+        out.data_ptr() % 16 == 0,
+        torch.cuda.current_device(),
+        knobs.runtime.debug,
+        knobs.compilation.instrumentation_mode,
+    )
 
 
 def _bound_launch(packed: torch.Tensor, quant_state, out: torch.Tensor, dtype: torch.dtype):
@@ -355,15 +394,18 @@ def _bound_launch(packed: torch.Tensor, quant_state, out: torch.Tensor, dtype: t
     hit = entry[1].get(_launch_key(packed, out, dtype))
     if hit is None:
         return None
-    sources, launch, shape, n = hit
-    if any(a is not b for a, b in zip(sources, _sources(quant_state), strict=True)):
-        return None
+    sources, addresses, launch, shape, n = hit
+    src = _sources(quant_state)
+    if not _same(sources, src) or _addresses(src) != addresses:
+        return None  # the full path binds anew, in place of this one
     if out.dtype != dtype or out.numel() != n or not out.is_contiguous() or out.device != packed.device:
         return None  # the full path raises its error
     return launch, shape
 
 
-def _bind(packed: torch.Tensor, quant_state, out: torch.Tensor, dtype: torch.dtype, launch, shape) -> None:
+def _bind(
+    packed: torch.Tensor, quant_state, src: _Sources, out: torch.Tensor, dtype: torch.dtype, launch, shape
+):
     key = id(quant_state)
     with _BIND_LOCK:  # jobs on other threads bind too; lookups (_bound_launch) only read
         entry = _BOUND.get(key)
@@ -376,9 +418,9 @@ def _bind(packed: torch.Tensor, quant_state, out: torch.Tensor, dtype: torch.dty
             entry = _BOUND[key] = (weakref.ref(quant_state, forget), {})
         launches = entry[1]
         lkey = _launch_key(packed, out, dtype)
-        if any(k[0] != lkey[0] for k in list(launches)):
-            launches.clear()  # the weight's data moved: what was bound holds its old storage
-        launches[lkey] = (_sources(quant_state), launch, shape, _numel(shape))
+        if any(k[0] != lkey[0] or not _same(v[0], src) for k, v in list(launches.items())):
+            launches.clear()  # the weight's data moved, or its quant state changed: bound anew from here
+        launches[lkey] = (src, _addresses(src), launch, shape, _numel(shape))
 
 
 # One flat scratch tensor per (device, dtype), grown to the largest weight seen. LoRA functions dequantize

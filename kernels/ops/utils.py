@@ -278,8 +278,10 @@ class BoundLaunch:
     buffer: ``nf4.py``) that work finds the same compiled kernel every time, so the owner keeps this, made from the
     kernel its first launch returned, and calls the driver's launcher directly: the same binary with the same
     arguments, on the stream current at the call (as Triton's launch), the launch hooks honoured. The owner keys it
-    on everything specialization reads that may change: the varying pointer's alignment (``data_ptr() % 16 == 0``)
-    and the current device; the fixed tensors must stay the same objects (their pointers are what the launch reads).
+    on everything Triton's choice of compiled kernel reads that may change: the varying pointer's alignment
+    (``data_ptr() % 16 == 0``), the current device, Triton's debug and instrumentation settings. A fixed tensor may
+    be given as its address (the launcher takes an int as a pointer, and skips its per-call pointer query), so that
+    the binding holds none of its memory; the owner then checks before each replay that the address still holds.
     """
 
     __slots__ = ("compiled", "function", "grid", "head", "metadata", "run", "tail")

@@ -187,6 +187,13 @@ def test_kernel_is_bit_exact_with_bitsandbytes_cuda_at_8b_shapes(nested):
         assert torch.equal(nf4_dequantize(packed, state, dtype=torch.float32), expected.float())
 
 
+def _dequant_checked(packed, state, out, replays: list, expect_replays: int) -> None:
+    before = len(replays)
+    got = nf4_dequantize(packed, state, out=out)
+    assert len(replays) == before + expect_replays
+    assert torch.equal(got, _bnb_flat_dequantize(packed, state, torch.bfloat16))
+
+
 def _bound_entries(state) -> dict:
     from strop.kernels.ops import nf4
 
@@ -197,47 +204,59 @@ def _bound_entries(state) -> dict:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "double_quant"])
-def test_bound_launches_stay_bit_exact_and_follow_the_weight(nested):
-    """A weight's second dequantization into a buffer replays the first launch's compiled kernel (``BoundLaunch``):
-    the same bits as bitsandbytes on every call, at an unaligned output (its own launch), on a side stream, after
-    the packed data changed in place (the launch reads it), after the quant state's absmax was replaced (bound
-    anew), and the binding is gone with the quant state."""
+def test_bound_launches_stay_bit_exact_and_follow_the_weight(nested, monkeypatch):
+    """A weight's later dequantizations into a buffer replay the first launch's compiled kernel (``BoundLaunch``):
+    the same bits as bitsandbytes on every call, at an unaligned output (its own launch), on a side stream (whose
+    queued wait a launch on another stream would overtake), after the packed data changed in place (the launch
+    reads it), after the quant state's absmax was replaced (bound anew); a wrong output dtype still raises; the
+    binding holds no memory of the weight (addresses, not tensors) and goes with the quant state."""
     import gc
 
-    from strop.kernels.ops import nf4
+    from strop.kernels.ops import nf4, utils
 
     assert nf4.BIND_LAUNCHES
+    replays = []
+    real_call = utils.BoundLaunch.__call__
+    monkeypatch.setattr(
+        utils.BoundLaunch, "__call__", lambda self, t: (replays.append(1), real_call(self, t))
+    )
     for shape, bs in (((67, 96), 64), ((1024, 4096), 64), ((5, 3), 256)):
         _, packed, state = _quantize(shape, torch.bfloat16, bs, nested, device="cuda")
         n = shape[0] * shape[1]
         buf = torch.empty(n + 8, dtype=torch.bfloat16, device="cuda")
-        for _ in range(3):
-            assert torch.equal(
-                nf4_dequantize(packed, state, out=buf[:n]),
-                _bnb_flat_dequantize(packed, state, torch.bfloat16),
-            )
+
+        _dequant_checked(packed, state, buf[:n], replays, 0)
+        _dequant_checked(packed, state, buf[:n], replays, 1)
+        _dequant_checked(packed, state, buf[:n], replays, 1)
         assert len(_bound_entries(state)) == 1
-        got = nf4_dequantize(packed, state, out=buf[1 : n + 1])  # 2 bytes off: not 16-byte aligned
-        assert torch.equal(got, _bnb_flat_dequantize(packed, state, torch.bfloat16))
+        _dequant_checked(
+            packed, state, buf[1 : n + 1], replays, 0
+        )  # 2 bytes off: not 16-byte aligned, a launch of its own
+        _dequant_checked(packed, state, buf[1 : n + 1], replays, 1)
         assert len(_bound_entries(state)) == 2
+        (launch_args,) = [(b[2].head, b[2].tail) for k, b in _bound_entries(state).items() if k[3]]
+        held = [a for part in launch_args for a in part if isinstance(a, torch.Tensor)]
+        assert all(t.numel() <= 1 for t in held)  # at most the 4-byte offset made for the launch
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # ~tens of ms of queued work ahead of the zeroing and the launch
             got = nf4_dequantize(packed, state, out=buf[:n].zero_()).clone()
         side.synchronize()
         assert torch.equal(got, _bnb_flat_dequantize(packed, state, torch.bfloat16))
+        with pytest.raises(TypeError, match="dtype"):
+            nf4_dequantize(
+                packed, state, out=torch.empty(n, dtype=torch.float16, device="cuda"), dtype=torch.bfloat16
+            )
         _, other, _ = _quantize(shape, torch.bfloat16, bs, nested, device="cuda", seed=1)
         packed.copy_(other)
-        assert torch.equal(
-            nf4_dequantize(packed, state, out=buf[:n]), _bnb_flat_dequantize(packed, state, torch.bfloat16)
-        )
+        _dequant_checked(packed, state, buf[:n], replays, 1)
         if nested:
             state.state2.absmax = state.state2.absmax * 2
         else:
             state.absmax = state.absmax * 2
-        assert torch.equal(
-            nf4_dequantize(packed, state, out=buf[:n]), _bnb_flat_dequantize(packed, state, torch.bfloat16)
-        )
+        _dequant_checked(packed, state, buf[:n], replays, 0)
+        _dequant_checked(packed, state, buf[:n], replays, 1)
         key = id(state)
         del state
         gc.collect()
@@ -246,8 +265,9 @@ def test_bound_launches_stay_bit_exact_and_follow_the_weight(nested):
 
 def test_a_binding_holds_while_its_quant_state_is_unchanged(monkeypatch):
     """The bookkeeping of bound launches, on any device (the launch itself runs on CUDA only: the GPU test above):
-    a binding is found for the same weight and output, not after any quant-state attribute it came from is
-    reassigned or the packed data moved, and not for an output of another dtype or size; it goes with its quant state."""
+    a binding is found for the same weight and output; not after any quant-state attribute it came from is
+    reassigned or given other storage, or the packed data moved, nor for an output of another dtype or size; a
+    rebinding drops what no longer holds; the bindings go with their quant state."""
     import gc
 
     from strop.kernels.ops import nf4
@@ -258,16 +278,24 @@ def test_a_binding_holds_while_its_quant_state_is_unchanged(monkeypatch):
     _, packed, state = _quantize((64, 64), torch.bfloat16, 64, True)
     out = torch.empty(64 * 64, dtype=torch.bfloat16)
     launch = object()
-    nf4._bind(packed, state, out, torch.bfloat16, launch, (64, 64))
+
+    def bind(p, st):
+        nf4._bind(p, st, nf4._sources(st), out, torch.bfloat16, launch, (64, 64))
+
+    bind(packed, state)
     assert nf4._bound_launch(packed, state, out, torch.bfloat16) == (launch, (64, 64))
-    assert nf4._bound_launch(packed, state, out.float(), torch.float32) is None
+    assert nf4._bound_launch(packed, state, out.half(), torch.bfloat16) is None
     assert nf4._bound_launch(packed, state, out[: 64 * 32], torch.bfloat16) is None
     state.state2.code = state.state2.code.clone()
     assert nf4._bound_launch(packed, state, out, torch.bfloat16) is None
-    nf4._bind(packed, state, out, torch.bfloat16, launch, (64, 64))
+    bind(packed, state)
+    assert nf4._bound_launch(packed, state, out, torch.bfloat16) == (launch, (64, 64))
+    state.absmax.data = state.absmax.data.clone()  # the same object, other storage
+    assert nf4._bound_launch(packed, state, out, torch.bfloat16) is None
+    bind(packed, state)
     moved = packed.clone()
     assert nf4._bound_launch(moved, state, out, torch.bfloat16) is None
-    nf4._bind(moved, state, out, torch.bfloat16, launch, (64, 64))
+    bind(moved, state)
     assert len(_bound_entries(state)) == 1  # the old data's binding dropped
     key = id(state)
     del state
