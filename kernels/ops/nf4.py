@@ -35,6 +35,7 @@ of ``bs`` (it does not invert its own quantizer otherwise); the tests pin both f
 from __future__ import annotations
 
 import math
+import operator
 import os
 import threading
 import weakref
@@ -364,7 +365,7 @@ def _sources(quant_state) -> _Sources:
 
 
 def _same(a: _Sources, b: _Sources) -> bool:
-    return all(x is y for x, y in zip(a, b, strict=True))
+    return all(map(operator.is_, a, b))
 
 
 def _addresses(src: _Sources) -> tuple:
