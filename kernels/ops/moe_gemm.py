@@ -418,7 +418,9 @@ def _merge_into(out: torch.Tensor, w, a_: torch.Tensor, b_: torch.Tensor, scale:
         qs = w.quant_state()
         nested = w.nested
         src, absmax = w.packed, w.absmax
-        absmax2, code2, offset = (w.absmax2, w.code2, _offset(qs, w.device)) if nested else (absmax,) * 3
+        absmax2, code2, offset = (
+            (w.absmax2, w.code2, _offset(qs.offset, w.device)) if nested else (absmax,) * 3
+        )
         code, pairs, half_bs, qdtype = _code(w.device), _code_pairs(w.device), w.blocksize // 2, w.dtype
         bs2 = w.blocksize2 if nested else 1
     else:
