@@ -307,13 +307,6 @@ def _nf4_dequantize(
     ]
     compiled = _nf4_dequant_kernel[grid](*args, num_warps=_NUM_WARPS, enable_fp_fusion=False)
     if bind and compiled is not None:
-        # the fixed tensors as their addresses (the launcher takes an int as a pointer): the binding holds no
-        # memory of the weight; each replay checks the addresses still hold (_bound_launch). Only an offset made
-        # here (the quant state's is not an fp32 tensor on the device) is kept as the tensor, a 4-byte one.
-        made = src.nested and offset.data_ptr() not in _addresses(src)
-        for i in range(6):
-            if not (i == 4 and made):
-                args[i] = args[i].data_ptr()  # [5]: the NF4 table, one per device for the process's life
         _bind(packed, quant_state, src, out, dtype, BoundLaunch(compiled, grid, args, _OUT_ARG), shape)
     return out
 
@@ -321,11 +314,13 @@ def _nf4_dequantize(
 # Bound launches (utils.BoundLaunch) of each weight's dequantization: id(quant state) -> (a weak reference to it,
 # {launch key: (the sources it was bound from, their addresses, the launch, the weight's shape and size)}). A launch
 # key is what Triton's specialization of this kernel, and its choice of compiled kernel, reads that can differ
-# between calls for one quant state: the packed data's address and size (the launch passes that address), the
-# output dtype, whether the output's address is 16-byte aligned, the current device, Triton's debug and
-# instrumentation settings. The sources are every attribute of the quant state the launch's arguments came from,
-# checked at each replay as the same objects at the same addresses: one reassigned (bitsandbytes' QuantState.to
-# makes new tensors) or given other storage binds anew. The output is checked as _check does.
+# between calls for one quant state: the packed data's address and size, the output dtype, whether the output's
+# address is 16-byte aligned, the current device, Triton's debug and instrumentation settings. The sources are every
+# attribute of the quant state the launch's arguments came from, checked at each replay as the same objects at the
+# same addresses: one reassigned (bitsandbytes' QuantState.to makes new tensors) or given other storage binds anew,
+# and the rebinding drops what no longer holds. The output is checked as _check does. A binding holds views of the
+# weight's packed data and statistics until its quant state is freed or rebound: a model moved off the GPU would keep
+# those GPU copies while its quant states live (strop never moves an NF4 model off its GPU).
 _BOUND: dict[int, tuple[weakref.ref, dict]] = {}
 _BIND_LOCK = threading.Lock()
 _OUT_ARG = 6

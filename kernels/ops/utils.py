@@ -279,9 +279,9 @@ class BoundLaunch:
     kernel its first launch returned, and calls the driver's launcher directly: the same binary with the same
     arguments, on the stream current at the call (as Triton's launch), the launch hooks honoured. The owner keys it
     on everything Triton's choice of compiled kernel reads that may change: the varying pointer's alignment
-    (``data_ptr() % 16 == 0``), the current device, Triton's debug and instrumentation settings. A fixed tensor may
-    be given as its address (the launcher takes an int as a pointer, and skips its per-call pointer query), so that
-    the binding holds none of its memory; the owner then checks before each replay that the address still holds.
+    (``data_ptr() % 16 == 0``), the current device, Triton's debug and instrumentation settings; and it checks
+    before each replay that the fixed tensors are still what the kernel should read (the binding holds them, so
+    their memory stays valid while it lives).
     """
 
     __slots__ = ("compiled", "function", "grid", "head", "metadata", "run", "tail")

@@ -209,7 +209,7 @@ def test_bound_launches_stay_bit_exact_and_follow_the_weight(nested, monkeypatch
     the same bits as bitsandbytes on every call, at an unaligned output (its own launch), on a side stream (whose
     queued wait a launch on another stream would overtake), after the packed data changed in place (the launch
     reads it), after the quant state's absmax was replaced (bound anew); a wrong output dtype still raises; the
-    binding holds no memory of the weight (addresses, not tensors) and goes with the quant state."""
+    binding goes with the quant state."""
     import gc
 
     from strop.kernels.ops import nf4, utils
@@ -234,9 +234,6 @@ def test_bound_launches_stay_bit_exact_and_follow_the_weight(nested, monkeypatch
         )  # 2 bytes off: not 16-byte aligned, a launch of its own
         _dequant_checked(packed, state, buf[1 : n + 1], replays, 1)
         assert len(_bound_entries(state)) == 2
-        (launch_args,) = [(b[2].head, b[2].tail) for k, b in _bound_entries(state).items() if k[3]]
-        held = [a for part in launch_args for a in part if isinstance(a, torch.Tensor)]
-        assert all(t.numel() <= 1 for t in held)  # at most the 4-byte offset made for the launch
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
