@@ -364,9 +364,12 @@ def _same(a: _Sources, b: _Sources) -> bool:
 
 
 def _addresses(src: _Sources) -> tuple:
-    return tuple(
-        t.data_ptr() if isinstance(t, torch.Tensor) else None
-        for t in (src.absmax, src.absmax2, src.code2, src.offset)
+    """Where the source tensors are, and the offset's version counter: an offset the launch copied to the device
+    (``_offset``, for one that is not an fp32 tensor there) is the value at binding, so an in-place change binds anew."""
+    offset = src.offset
+    return (
+        *(t.data_ptr() if t is not None else None for t in (src.absmax, src.absmax2, src.code2)),
+        (offset.data_ptr(), offset._version) if isinstance(offset, torch.Tensor) else offset,
     )
 
 

@@ -290,6 +290,9 @@ def test_a_binding_holds_while_its_quant_state_is_unchanged(monkeypatch):
     state.absmax.data = state.absmax.data.clone()  # the same object, other storage
     assert nf4._bound_launch(packed, state, out, torch.bfloat16) is None
     bind(packed, state)
+    state.offset.add_(0)  # changed in place: a launch that copied it would read the old value
+    assert nf4._bound_launch(packed, state, out, torch.bfloat16) is None
+    bind(packed, state)
     moved = packed.clone()
     assert nf4._bound_launch(moved, state, out, torch.bfloat16) is None
     bind(moved, state)
