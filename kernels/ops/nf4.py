@@ -365,7 +365,8 @@ def _same(a: _Sources, b: _Sources) -> bool:
 
 def _addresses(src: _Sources) -> tuple:
     """Where the source tensors are, and the offset's version counter: an offset the launch copied to the device
-    (``_offset``, for one that is not an fp32 tensor there) is the value at binding, so an in-place change binds anew."""
+    (``_offset``, for one that is not an fp32 tensor there) is its value at binding, so a change in place binds
+    anew."""
     offset = src.offset
     return (
         *(t.data_ptr() if t is not None else None for t in (src.absmax, src.absmax2, src.code2)),
