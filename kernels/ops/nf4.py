@@ -263,8 +263,8 @@ def _nf4_dequantize(
     if bind:
         bound = _bound_launch(packed, quant_state, out, dtype)
         if bound is not None:
-            launch, shape = bound
-            launch(out)
+            launch, shape, device = bound
+            launch(out, device)
             return out.view(shape)
     src = _sources(quant_state)  # one read of every attribute the launch's arguments come from
     n = _check(packed, quant_state, out, dtype)
@@ -321,6 +321,7 @@ def _nf4_dequantize(
 # and the rebinding drops what no longer holds. The output is checked as _check does. A binding holds views of the
 # weight's packed data and statistics until its quant state is freed or rebound: a model moved off the GPU would keep
 # those GPU copies while its quant states live (strop never moves an NF4 model off its GPU).
+# (Keyed by id with a weak reference, not a WeakKeyDictionary: a QuantState defines __eq__ and so is unhashable.)
 _BOUND: dict[int, tuple[weakref.ref, dict]] = {}
 _BIND_LOCK = threading.Lock()
 _OUT_ARG = 6
@@ -387,20 +388,27 @@ def _launch_key(packed: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> 
 
 
 def _bound_launch(packed: torch.Tensor, quant_state, out: torch.Tensor, dtype: torch.dtype):
-    """``(launch, shape)`` where this weight's dequantization into ``out`` was bound and still holds, else None."""
+    """``(launch, shape, device)`` where this weight's dequantization into ``out`` was bound and still holds (the
+    device: the current one, the key's), else None."""
     entry = _BOUND.get(id(quant_state))
     if entry is None or entry[0]() is not quant_state:
         return None
-    hit = entry[1].get(_launch_key(packed, out, dtype))
+    key = _launch_key(packed, out, dtype)
+    hit = entry[1].get(key)
     if hit is None:
         return None
     sources, addresses, launch, shape, n = hit
     src = _sources(quant_state)
     if not _same(sources, src) or _addresses(src) != addresses:
         return None  # the full path binds anew, in place of this one
-    if out.dtype != dtype or out.numel() != n or not out.is_contiguous() or out.device != packed.device:
+    if (
+        out.dtype != dtype
+        or out.numel() != n
+        or not out.is_contiguous()
+        or out.get_device() != packed.get_device()
+    ):
         return None  # the full path raises its error
-    return launch, shape
+    return launch, shape, key[4]
 
 
 def _bind(

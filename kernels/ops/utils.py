@@ -295,10 +295,11 @@ class BoundLaunch:
         self.grid = (*grid, 1, 1)[:3]
         self.head, self.tail = tuple(args[:index]), tuple(args[index + 1 :])
 
-    def __call__(self, t: torch.Tensor) -> None:
+    def __call__(self, t: torch.Tensor, device: int) -> None:
+        """Launch with ``t`` as the varying argument on ``device`` (the current CUDA device, in the owner's key)."""
         g0, g1, g2 = self.grid
         args = (*self.head, t, *self.tail)
-        stream = _RAW_STREAM(torch.cuda.current_device())
+        stream = _RAW_STREAM(device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         meta = None if enter is None else self.compiled.launch_metadata(self.grid, stream, *args)
         self.run(g0, g1, g2, stream, self.function, self.metadata, meta, enter, leave, *args)

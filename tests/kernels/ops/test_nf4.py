@@ -218,7 +218,7 @@ def test_bound_launches_stay_bit_exact_and_follow_the_weight(nested, monkeypatch
     replays = []
     real_call = utils.BoundLaunch.__call__
     monkeypatch.setattr(
-        utils.BoundLaunch, "__call__", lambda self, t: (replays.append(1), real_call(self, t))
+        utils.BoundLaunch, "__call__", lambda self, t, device: (replays.append(1), real_call(self, t, device))
     )
     for shape, bs in (((67, 96), 64), ((1024, 4096), 64), ((5, 3), 256)):
         _, packed, state = _quantize(shape, torch.bfloat16, bs, nested, device="cuda")
@@ -270,7 +270,9 @@ def test_a_binding_holds_while_its_quant_state_is_unchanged(monkeypatch):
     from strop.kernels.ops import nf4
 
     monkeypatch.setattr(
-        nf4, "_launch_key", lambda p, o, d: (p.data_ptr(), p.numel(), d, o.data_ptr() % 16 == 0)
+        nf4,
+        "_launch_key",
+        lambda p, o, d: (p.data_ptr(), p.numel(), d, o.data_ptr() % 16 == 0, o.get_device()),
     )
     _, packed, state = _quantize((64, 64), torch.bfloat16, 64, True)
     out = torch.empty(64 * 64, dtype=torch.bfloat16)
@@ -280,13 +282,13 @@ def test_a_binding_holds_while_its_quant_state_is_unchanged(monkeypatch):
         nf4._bind(p, st, nf4._sources(st), out, torch.bfloat16, launch, (64, 64))
 
     bind(packed, state)
-    assert nf4._bound_launch(packed, state, out, torch.bfloat16) == (launch, (64, 64))
+    assert nf4._bound_launch(packed, state, out, torch.bfloat16) == (launch, (64, 64), -1)  # -1: the CPU
     assert nf4._bound_launch(packed, state, out.half(), torch.bfloat16) is None
     assert nf4._bound_launch(packed, state, out[: 64 * 32], torch.bfloat16) is None
     state.state2.code = state.state2.code.clone()
     assert nf4._bound_launch(packed, state, out, torch.bfloat16) is None
     bind(packed, state)
-    assert nf4._bound_launch(packed, state, out, torch.bfloat16) == (launch, (64, 64))
+    assert nf4._bound_launch(packed, state, out, torch.bfloat16) == (launch, (64, 64), -1)  # -1: the CPU
     state.absmax.data = state.absmax.data.clone()  # the same object, other storage
     assert nf4._bound_launch(packed, state, out, torch.bfloat16) is None
     bind(packed, state)
