@@ -10,7 +10,8 @@ process (``--system NAME``); the driver runs them all and prints a Markdown tabl
     strop_nf4          lora_mlp forward + backward over NF4 (double quant) bases, dequant included
     peft_bf16          HF LlamaMLP + PEFT LoRA forward + backward over a bf16 base
     peft_nf4           the same over bitsandbytes Linear4bit (NF4, double quant)
-    dequant            NF4 → bf16 of the three MLP weights: strop's kernel vs bitsandbytes.dequantize_4bit
+    dequant            NF4 → bf16 of the three MLP weights: strop's kernel vs bitsandbytes.dequantize_4bit; and
+                       the host time of one dequantization call, its launch bound and not
 
 Acceptance targets: strop_bf16 ≤ 1.3 × base_gemm, strop_nf4 ≤ 1.45 × base_gemm.
 
@@ -90,6 +91,35 @@ def _peak(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def _host_us_a_dequant(calls: int = 3000) -> tuple[float, float]:
+    """Host µs a call of ``dequantize_shared`` (what the LoRA functions call), its launch bound (the default:
+    ``nf4.BoundLaunch``'s replay) and through Triton's binding (``nf4.BIND_LAUNCHES = False``), each the least of two
+    runs; on a 256 × 256 weight, whose dequantization the GPU finishes before the next call is issued, so the time is
+    the host's. Every output is checked against bitsandbytes'."""
+    import bitsandbytes.functional as bnbf
+
+    from strop.kernels.ops import nf4
+
+    p = _nf4(torch.randn(256, 256, device="cuda", dtype=torch.bfloat16))
+    ref = bnbf.dequantize_4bit(p, p.quant_state)
+    best = {True: float("inf"), False: float("inf")}
+    try:
+        for bind in (True, False, True, False):
+            nf4.BIND_LAUNCHES = bind
+            for _ in range(50):
+                nf4.dequantize_shared(p, torch.bfloat16)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                out = nf4.dequantize_shared(p, torch.bfloat16)
+            best[bind] = min(best[bind], (time.perf_counter() - t) / calls * 1e6)
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref)
+    finally:
+        nf4.BIND_LAUNCHES = True
+    return best[True], best[False]
 
 
 def run_system(system: str, tokens: int, iters: int) -> dict:
@@ -206,7 +236,15 @@ def run_system(system: str, tokens: int, iters: int) -> dict:
         for p in params:
             assert torch.equal(nf4_dequantize(p, p.quant_state), bnbf.dequantize_4bit(p, p.quant_state))
         ms_s, ms_b = _time_ms(strop, iters), _time_ms(bnb_deq, iters)
-        return {"ms": ms_s, "bnb_ms": ms_b, "gbps": moved / ms_s / 1e6, "bnb_gbps": moved / ms_b / 1e6}
+        bound, unbound = _host_us_a_dequant()
+        return {
+            "ms": ms_s,
+            "bnb_ms": ms_b,
+            "gbps": moved / ms_s / 1e6,
+            "bnb_gbps": moved / ms_b / 1e6,
+            "host_us": bound,
+            "host_us_unbound": unbound,
+        }
 
     raise ValueError(f"unknown system {system!r}")
 
@@ -263,6 +301,10 @@ def _table(results: dict, tokens: int) -> str:
         else:
             lines.append(f"| strop nf4_dequantize | {d['ms']:.3f} | {d['gbps']:.0f} |")
             lines.append(f"| bitsandbytes dequantize_4bit | {d['bnb_ms']:.3f} | {d['bnb_gbps']:.0f} |")
+            lines.append(
+                f"\nHost time a dequantize_shared call: {d['host_us']:.1f} µs, the launch bound; "
+                f"{d['host_us_unbound']:.1f} µs through Triton's binding."
+            )
             if floor:
                 lines.append(
                     f"\nDequant share of strop_nf4 (two passes: forward and backward): {2 * d['ms']:.2f} ms, {2 * d['ms'] / floor:.1%} of the base GEMMs."
